@@ -1,0 +1,231 @@
+"""The transport interface: a remote machine is a device with a memory interface.
+
+A serving process allocates *regions* (buffers the transport may expose) and hands out their
+keys; a peer then reads and writes them one-sidedly with ``Connection.read`` /
+``Connection.write``: the serving process's own logic is not involved. Control traffic (allocate,
+metadata, commit) is the two-sided ``Connection.call``.
+
+Every implementation (``memory``, ``tcp``, ``verbs``) offers the same classes and raises only the
+errors defined here, so the layers above never see ``OSError`` or a pyverbs exception.
+
+Concurrency: every object here is used from one trio thread; ``Connection`` methods may be called
+from many tasks at once (many operations in flight per peer).
+"""
+
+from __future__ import annotations
+
+import abc
+import builtins
+import contextlib
+import enum
+import hashlib
+import hmac
+import secrets
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Iterator, Sequence, Union
+
+Buffer = Union[bytes, bytearray, memoryview]
+# A scatter-gather list: one remote range <-> several local buffers, in order.
+BufferList = Union[Buffer, Sequence[Buffer]]
+Handler = Callable[[str, dict], Awaitable[dict]]
+
+
+class TransportError(Exception):
+    """Base of everything a transport raises."""
+
+
+class ConnectError(TransportError):
+    """The peer could not be reached or the handshake failed."""
+
+
+class AuthError(ConnectError):
+    """The cluster token was refused (by either side)."""
+
+
+class PeerLost(TransportError):
+    """The connection died while operations were in flight."""
+
+
+class TimeoutError(TransportError, builtins.TimeoutError):  # noqa: A001 - the design's name
+    """An operation did not complete within its deadline."""
+
+
+class AccessError(TransportError):
+    """Bad rkey, range outside the region, or an access the region does not grant."""
+
+
+class ProtocolError(TransportError):
+    """A frame that is not valid irdmafs wire protocol."""
+
+
+class RemoteError(TransportError):
+    """A control call failed on the serving side; ``code`` is an errno name such as ENOENT."""
+
+    def __init__(self, code: str, message: str = ""):
+        super().__init__(f"{code}: {message}" if message else code)
+        self.code = code
+        self.message = message
+
+
+class Access(enum.IntFlag):
+    READ = 1
+    WRITE = 2
+    RW = 3
+
+
+@dataclass
+class Region:
+    """A buffer registered with a transport; ``buf`` is the local view of it."""
+
+    rkey: int
+    buf: memoryview
+    access: Access
+
+    @property
+    def length(self) -> int:
+        return len(self.buf)
+
+
+def as_buffers(data: BufferList) -> list[memoryview]:
+    """Normalise a buffer or scatter-gather list into a list of flat byte memoryviews."""
+    if isinstance(data, (bytes, bytearray, memoryview)) or hasattr(data, "__buffer__"):
+        data = [data]  # type: ignore[list-item]
+    out = []
+    for b in data:  # type: ignore[union-attr]
+        mv = memoryview(b)
+        if mv.ndim != 1 or mv.itemsize != 1:
+            mv = mv.cast("B")
+        out.append(mv)
+    return out
+
+
+class RegionTable:
+    """rkey -> Region, with the serving-side bounds and access check every transport uses."""
+
+    def __init__(self) -> None:
+        self._regions: dict[int, Region] = {}
+        self._next = 1
+
+    def add(self, buf: memoryview, access: Access) -> Region:
+        region = Region(self._next, buf, access)
+        self._regions[self._next] = region
+        self._next += 1
+        return region
+
+    def remove(self, rkey: int) -> None:
+        self._regions.pop(rkey, None)
+
+    def __len__(self) -> int:
+        return len(self._regions)
+
+    def check(self, rkey: int, offset: int, length: int, access: Access) -> memoryview:
+        """The slice [offset, offset+length) of region rkey, or AccessError saying why not."""
+        region = self._regions.get(rkey)
+        if region is None:
+            raise AccessError(f"unknown rkey {rkey}")
+        if not region.access & access:
+            raise AccessError(f"rkey {rkey} does not allow {access.name}")
+        if offset < 0 or length < 0 or offset + length > region.length:
+            raise AccessError(
+                f"range {offset}+{length} outside rkey {rkey} of {region.length} bytes"
+            )
+        return region.buf[offset : offset + length]
+
+
+def page_aligned(nbytes: int) -> memoryview:
+    """A zeroed, page-aligned, writable buffer (what RDMA registration wants)."""
+    import mmap
+
+    size = max(nbytes, 1)
+    m = mmap.mmap(-1, (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE)
+    return memoryview(m)[:nbytes]
+
+
+# --- authentication (shared by every socket-based transport) ------------------------------------
+
+NONCE = 32
+
+
+def client_proof(token: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
+    return hmac.new(token, b"irdmafs-client" + server_nonce + client_nonce, hashlib.sha256).digest()
+
+
+def server_proof(token: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
+    return hmac.new(token, b"irdmafs-server" + client_nonce + server_nonce, hashlib.sha256).digest()
+
+
+def new_nonce() -> bytes:
+    return secrets.token_bytes(NONCE)
+
+
+# --- the interface ---------------------------------------------------------------------------------
+
+
+class Connection(abc.ABC):
+    """One authenticated link to a serving peer."""
+
+    peer: str
+
+    @abc.abstractmethod
+    async def read(self, rkey: int, offset: int, into: BufferList) -> None:
+        """One-sided READ of the remote range into the local buffer(s), filled in order."""
+
+    @abc.abstractmethod
+    async def write(self, rkey: int, offset: int, data: BufferList) -> None:
+        """One-sided WRITE of the local buffer(s), concatenated, to the remote range."""
+
+    async def read_many(self, ops: Sequence[tuple[int, int, BufferList]]) -> None:
+        """Several READs issued back to back; the peer serves them in order (used for the
+        version-checked stripe read). Implementations pipeline them."""
+        for rkey, offset, into in ops:
+            await self.read(rkey, offset, into)
+
+    @abc.abstractmethod
+    async def call(self, method: str, args: dict[str, Any] | None = None, *, timeout: float | None = None) -> dict:
+        """Two-sided control call; raises RemoteError with the serving side's errno name.
+        ``timeout`` overrides the connection's default for calls that wait on purpose."""
+
+    @abc.abstractmethod
+    async def aclose(self) -> None: ...
+
+
+class Transport(abc.ABC):
+    """One implementation of the contract: serving side (regions, listener) and calling side."""
+
+    name: str
+
+    def __init__(self, token: bytes):
+        if not token:
+            raise ValueError("a cluster token is required")
+        self.token = token
+        self.regions = RegionTable()
+
+    def alloc_region(self, nbytes: int, access: Access) -> Region:
+        """A new zeroed region this transport will serve."""
+        return self.regions.add(page_aligned(nbytes), access)
+
+    def free_region(self, region: Region) -> None:
+        self.regions.remove(region.rkey)
+
+    @abc.abstractmethod
+    async def serve(self, host: str, port: int, handler: Handler, *, task_status: Any) -> None:
+        """Serve regions and control calls until cancelled; ``task_status.started((host, port))``
+        once listening (port 0 picks a free one)."""
+
+    @abc.abstractmethod
+    async def connect(self, host: str, port: int, *, nursery: Any) -> Connection:
+        """Connect and authenticate; tasks the connection needs run in ``nursery``."""
+
+
+@contextlib.contextmanager
+def map_exceptions(mapping: dict[type[BaseException], type[TransportError]], what: str) -> Iterator[None]:
+    """Translate low-level exceptions once, at the edge of a transport (httpcore's pattern)."""
+    try:
+        yield
+    except TransportError:
+        raise
+    except tuple(mapping) as exc:  # type: ignore[misc]
+        for src, dst in mapping.items():
+            if isinstance(exc, src):
+                raise dst(f"{what}: {exc}") from exc
+        raise

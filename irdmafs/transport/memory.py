@@ -1,0 +1,115 @@
+"""The transport contract inside one process, for fast unit tests.
+
+A serving ``MemoryTransport`` registers itself under a (host, port) address in a process-wide
+table; connections copy between buffers directly. It enforces the same rules as the network
+transports (token, rkey, bounds, access, JSON-serialisable control documents) so code tested on it
+behaves the same over TCP and verbs, which the shared conformance suite checks.
+"""
+
+from __future__ import annotations
+
+import hmac
+import itertools
+import json
+import logging
+from typing import Any
+
+import trio
+
+from .base import (
+    Access,
+    AuthError,
+    BufferList,
+    ConnectError,
+    Connection,
+    Handler,
+    PeerLost,
+    RemoteError,
+    TimeoutError,
+    Transport,
+    as_buffers,
+)
+
+log = logging.getLogger(__name__)
+
+_listeners: dict[tuple[str, int], tuple["MemoryTransport", Handler]] = {}
+_ports = itertools.count(40000)
+
+
+class MemoryConnection(Connection):
+    def __init__(self, server: "MemoryTransport", handler: Handler, address: tuple[str, int]):
+        self.server = server
+        self.handler = handler
+        self.address = address
+        self.peer = f"{address[0]}:{address[1]}"
+        self._closed = False
+
+    def _check_alive(self) -> None:
+        if self._closed or _listeners.get(self.address, (None,))[0] is not self.server:
+            raise PeerLost(f"{self.peer}: peer is gone")
+
+    async def read(self, rkey: int, offset: int, into: BufferList) -> None:
+        await trio.lowlevel.checkpoint()
+        self._check_alive()
+        bufs = as_buffers(into)
+        view = self.server.regions.check(rkey, offset, sum(map(len, bufs)), Access.READ)
+        pos = 0
+        for b in bufs:
+            b[:] = view[pos : pos + len(b)]
+            pos += len(b)
+
+    async def write(self, rkey: int, offset: int, data: BufferList) -> None:
+        await trio.lowlevel.checkpoint()
+        self._check_alive()
+        bufs = as_buffers(data)
+        view = self.server.regions.check(rkey, offset, sum(map(len, bufs)), Access.WRITE)
+        pos = 0
+        for b in bufs:
+            view[pos : pos + len(b)] = b
+            pos += len(b)
+
+    async def call(self, method: str, args: dict[str, Any] | None = None, *, timeout: float | None = None) -> dict:
+        self._check_alive()
+        # The JSON round trip keeps the in-process path honest about what can cross a wire.
+        args = json.loads(json.dumps(args or {}))
+        try:
+            with trio.fail_after(timeout if timeout is not None else 30.0):
+                result = await self.handler(method, args)
+        except RemoteError:
+            raise
+        except trio.TooSlowError:
+            raise TimeoutError(f"{self.peer}: no answer") from None
+        except Exception as exc:
+            log.exception("%s: control call failed", self.peer)
+            raise RemoteError("EIO", f"{type(exc).__name__}: {exc}") from None
+        return json.loads(json.dumps(result))
+
+    async def aclose(self) -> None:
+        self._closed = True
+        await trio.lowlevel.checkpoint()
+
+
+class MemoryTransport(Transport):
+    name = "memory"
+
+    async def serve(self, host: str, port: int, handler: Handler, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        address = (host, port or next(_ports))
+        if address in _listeners:
+            raise OSError(f"address {address} already in use")
+        _listeners[address] = (self, handler)
+        try:
+            task_status.started(address)
+            await trio.sleep_forever()
+        finally:
+            _listeners.pop(address, None)
+
+    async def connect(self, host: str, port: int, *, nursery: Any = None) -> MemoryConnection:
+        await trio.lowlevel.checkpoint()
+        entry = _listeners.get((host, port))
+        if entry is None:
+            raise ConnectError(f"cannot connect to {host}:{port}: nothing listens there")
+        server, handler = entry
+        if not hmac.compare_digest(server.token, self.token):
+            log.warning("memory transport %s:%s refused a connection: wrong cluster token", host, port)
+            raise AuthError(f"{host}:{port} refused our cluster token: wrong cluster token")
+        return MemoryConnection(server, handler, (host, port))

@@ -1,0 +1,430 @@
+"""The transport contract over TCP, with trio.
+
+Serving side: one responder task per accepted connection serves READ and WRITE straight from the
+registered regions (``sendmsg`` of the header plus a memoryview of the region; ``recv_into`` the
+region for a WRITE), so no request copies data into Python ``bytes``. Control calls are started as
+tasks of their own so a long call (a pull that waits for its clock) never delays data operations
+behind it; their responses share the connection's send lock.
+
+Calling side: requests from many tasks share one socket under a send lock; one receiver task per
+connection matches responses to requests by id and receives READ payloads straight into the
+caller's buffers. That gives many operations in flight per peer, served in order.
+
+Resource handling: a ``TcpConnection`` owns a socket and a receiver task in the nursery given to
+``connect``; ``aclose()`` ends both. The serving side's tasks live in ``serve``'s own nursery.
+
+Error handling: ``OSError`` and trio's closed-resource errors become ``ConnectError`` (before the
+handshake is done) or ``PeerLost`` (after), exactly once, here. A serving connection that breaks
+the protocol is logged and closed; the listener and every other connection go on.
+"""
+
+from __future__ import annotations
+
+import hmac
+import itertools
+import logging
+import socket as _stdsocket
+from typing import Any
+
+import trio
+
+from . import protocol as P
+from .base import (
+    Access,
+    AccessError,
+    AuthError,
+    BufferList,
+    ConnectError,
+    Connection,
+    Handler,
+    PeerLost,
+    ProtocolError,
+    RemoteError,
+    TimeoutError,
+    Transport,
+    TransportError,
+    as_buffers,
+    client_proof,
+    new_nonce,
+    server_proof,
+)
+from .base import NONCE as _NONCE
+
+log = logging.getLogger(__name__)
+
+HANDSHAKE_TIMEOUT = 10.0
+SOCKET_BUFFER = 4 << 20  # large kernel buffers: fewer, bigger recv_into calls per MiB
+IOV_MAX = 1024
+_SCRATCH = bytearray(1 << 20)  # where refused payloads are drained; never read back
+
+
+class _EOF(Exception):
+    """The peer closed the connection at a frame boundary."""
+
+
+def _tune(sock: trio.socket.SocketType) -> None:
+    sock.setsockopt(_stdsocket.IPPROTO_TCP, _stdsocket.TCP_NODELAY, 1)
+    for opt in (_stdsocket.SO_SNDBUF, _stdsocket.SO_RCVBUF):
+        try:
+            sock.setsockopt(_stdsocket.SOL_SOCKET, opt, SOCKET_BUFFER)
+        except OSError:  # capped by net.core.*mem_max: the kernel's default still works
+            pass
+
+
+async def _recv_into(sock: trio.socket.SocketType, view: memoryview, *, at_boundary: bool = False) -> None:
+    """Fill ``view`` completely. EOF before the first byte of a frame is ``_EOF``; anywhere else
+    it is ``PeerLost`` (a truncated frame)."""
+    got = 0
+    total = len(view)
+    while got < total:
+        n = await sock.recv_into(view[got:])
+        if n == 0:
+            if at_boundary and got == 0:
+                raise _EOF
+            raise PeerLost(f"connection closed mid-frame ({got} of {total} bytes)")
+        got += n
+
+
+async def _recv_bytes(sock: trio.socket.SocketType, n: int) -> bytearray:
+    buf = bytearray(n)
+    await _recv_into(sock, memoryview(buf))
+    return buf
+
+
+async def _drain(sock: trio.socket.SocketType, n: int) -> None:
+    scratch = memoryview(_SCRATCH)
+    while n:
+        k = min(n, len(scratch))
+        await _recv_into(sock, scratch[:k])
+        n -= k
+
+
+async def _sendv(sock: trio.socket.SocketType, buffers: list) -> None:
+    """Send every buffer, in order, with as few syscalls as the kernel allows (scatter-gather)."""
+    bufs = [memoryview(b).cast("B") for b in buffers if len(b)]
+    while bufs:
+        n = await sock.sendmsg(bufs[:IOV_MAX])
+        while n:
+            first = bufs[0]
+            if n >= len(first):
+                n -= len(first)
+                bufs.pop(0)
+            else:
+                bufs[0] = first[n:]
+                n = 0
+
+
+def _status_error(h: P.Header, payload: bytes | bytearray) -> TransportError:
+    text = bytes(payload).decode("utf-8", "replace")
+    if h.status == P.Status.ACCESS:
+        return AccessError(text)
+    if h.status == P.Status.REMOTE:
+        return P.decode_remote_error(payload)
+    if h.status == P.Status.AUTH:
+        return AuthError(text)
+    return ProtocolError(f"peer refused request: {text}")
+
+
+class _Pending:
+    __slots__ = ("into", "event", "error", "payload", "receiving")
+
+    def __init__(self, into: list[memoryview] | None):
+        self.into = into
+        self.event = trio.Event()
+        self.error: TransportError | None = None
+        self.payload: bytes | bytearray = b""
+        self.receiving = False
+
+
+class TcpConnection(Connection):
+    def __init__(self, sock: trio.socket.SocketType, peer: str, op_timeout: float):
+        self.sock = sock
+        self.peer = peer
+        self.op_timeout = op_timeout
+        self._send_lock = trio.Lock()
+        self._pending: dict[int, _Pending] = {}
+        self._ids = itertools.count(1)
+        self._broken: TransportError | None = None
+        self._closed = trio.Event()
+
+    # -- sending -----------------------------------------------------------------------------
+    async def _submit(self, frames: list[tuple[P.Header, list, list[memoryview] | None]]) -> list[_Pending]:
+        if self._broken:
+            raise PeerLost(f"{self.peer}: {self._broken}")
+        pendings, wire = [], []
+        for h, payload, into in frames:
+            req_id = next(self._ids)
+            p = _Pending(into)
+            self._pending[req_id] = p
+            pendings.append((req_id, p))
+            wire.append(P.pack(h._replace(req_id=req_id)))
+            wire.extend(payload)
+        try:
+            async with self._send_lock:
+                await _sendv(self.sock, wire)
+        except (OSError, trio.ClosedResourceError, trio.BrokenResourceError) as exc:
+            for req_id, _ in pendings:
+                self._pending.pop(req_id, None)
+            raise PeerLost(f"{self.peer}: send failed: {exc}") from None
+        return pendings  # type: ignore[return-value]
+
+    async def _wait(self, pendings: list, timeout: float | None) -> list[_Pending]:
+        timeout = self.op_timeout if timeout is None else timeout
+        try:
+            with trio.fail_after(timeout):
+                for _, p in pendings:
+                    await p.event.wait()
+        except BaseException as exc:
+            # Give up our requests; a response already streaming into our buffers is allowed to
+            # finish first, so the caller can reuse them once we return.
+            for req_id, p in pendings:
+                if self._pending.pop(req_id, None) is None and p.receiving and not p.event.is_set():
+                    with trio.CancelScope(shield=True), trio.move_on_after(5):
+                        await p.event.wait()
+            if isinstance(exc, trio.TooSlowError):
+                raise TimeoutError(f"{self.peer}: no answer within {timeout}s") from None
+            raise
+        for _, p in pendings:
+            if p.error is not None:
+                raise p.error
+        return [p for _, p in pendings]
+
+    # -- the interface -----------------------------------------------------------------------
+    async def read(self, rkey: int, offset: int, into: BufferList) -> None:
+        await self.read_many([(rkey, offset, into)])
+
+    async def read_many(self, ops) -> None:
+        frames = []
+        for rkey, offset, into in ops:
+            bufs = as_buffers(into)
+            frames.append((P.Header(P.Op.READ, rkey=rkey, offset=offset, length=sum(map(len, bufs))), [], bufs))
+        await self._wait(await self._submit(frames), None)
+
+    async def write(self, rkey: int, offset: int, data: BufferList) -> None:
+        bufs = as_buffers(data)
+        h = P.Header(P.Op.WRITE, rkey=rkey, offset=offset, length=sum(map(len, bufs)))
+        await self._wait(await self._submit([(h, bufs, None)]), None)
+
+    async def call(self, method: str, args: dict[str, Any] | None = None, *, timeout: float | None = None) -> dict:
+        doc = P.encode_call(method, args or {})
+        h = P.Header(P.Op.CALL, length=len(doc))
+        [p] = await self._wait(await self._submit([(h, [doc], None)]), timeout)
+        return P.decode_result(p.payload)
+
+    async def aclose(self) -> None:
+        self._fail_all(PeerLost("connection closed"))
+        self.sock.close()
+        await trio.lowlevel.checkpoint()
+
+    # -- receiving ---------------------------------------------------------------------------
+    def _fail_all(self, error: TransportError) -> None:
+        self._broken = self._broken or error
+        for p in self._pending.values():
+            p.error = PeerLost(f"{self.peer}: {error}")
+            p.event.set()
+        self._pending.clear()
+
+    async def receiver(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        hdr = memoryview(bytearray(P.HEADER.size))
+        try:
+            while True:
+                await _recv_into(self.sock, hdr, at_boundary=True)
+                h = P.unpack(hdr)
+                size = P.payload_size(h)
+                p = self._pending.pop(h.req_id, None)
+                if p is None:  # its requester gave up (cancelled or timed out)
+                    await _drain(self.sock, size)
+                    continue
+                p.receiving = True
+                try:
+                    if h.status != P.Status.OK:
+                        p.error = _status_error(h, await _recv_bytes(self.sock, size))
+                    elif p.into is not None:
+                        if size != sum(map(len, p.into)):
+                            raise ProtocolError(f"READ answered with {size} bytes")
+                        for view in p.into:
+                            await _recv_into(self.sock, view)
+                    else:
+                        p.payload = await _recv_bytes(self.sock, size)
+                finally:
+                    p.event.set()
+        except _EOF:
+            self._fail_all(PeerLost("peer closed the connection"))
+        except (OSError, trio.ClosedResourceError, trio.BrokenResourceError) as exc:
+            self._fail_all(PeerLost(f"connection lost: {exc}"))
+        except TransportError as exc:
+            log.warning("%s: %s; closing the connection", self.peer, exc)
+            self._fail_all(exc)
+        finally:
+            self.sock.close()
+            self._closed.set()
+
+
+class TcpTransport(Transport):
+    name = "tcp"
+
+    def __init__(self, token: bytes, *, op_timeout: float = 30.0):
+        super().__init__(token)
+        self.op_timeout = op_timeout
+
+    # -- serving side ------------------------------------------------------------------------
+    async def serve(self, host: str, port: int, handler: Handler, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        listener = trio.socket.socket(_stdsocket.AF_INET, _stdsocket.SOCK_STREAM)
+        listener.setsockopt(_stdsocket.SOL_SOCKET, _stdsocket.SO_REUSEADDR, 1)
+        with listener:
+            await listener.bind((host, port))
+            listener.listen(256)
+            task_status.started(listener.getsockname()[:2])
+            async with trio.open_nursery() as nursery:
+                while True:
+                    try:
+                        sock, addr = await listener.accept()
+                    except OSError as exc:  # EMFILE and friends: back off, keep listening
+                        log.warning("accept failed: %s", exc)
+                        await trio.sleep(0.1)
+                        continue
+                    nursery.start_soon(self._serve_connection, sock, f"{addr[0]}:{addr[1]}", handler)
+
+    async def _authenticate(self, sock: trio.socket.SocketType, peer: str) -> bool:
+        nonce = new_nonce()
+        await _sendv(sock, [P.pack(P.Header(P.Op.CHALLENGE, length=len(nonce))), nonce])
+        hdr = await _recv_bytes(sock, P.HEADER.size)
+        h = P.unpack(hdr)
+        if h.opcode != P.Op.AUTH or h.length != 2 * _NONCE:
+            raise ProtocolError(f"expected AUTH of {2 * _NONCE} bytes, got opcode {h.opcode:#x}")
+        payload = await _recv_bytes(sock, h.length)
+        cnonce, proof = bytes(payload[:_NONCE]), bytes(payload[_NONCE:])
+        if not hmac.compare_digest(proof, client_proof(self.token, nonce, cnonce)):
+            log.warning("refused connection from %s: wrong cluster token", peer)
+            msg = b"wrong cluster token"
+            resp = P.Header(P.Op.AUTH | P.RESPONSE, status=P.Status.AUTH, length=len(msg))
+            await _sendv(sock, [P.pack(resp), msg])
+            return False
+        proof = server_proof(self.token, nonce, cnonce)
+        await _sendv(sock, [P.pack(P.Header(P.Op.AUTH | P.RESPONSE, length=len(proof))), proof])
+        return True
+
+    async def _serve_connection(self, sock: trio.socket.SocketType, peer: str, handler: Handler) -> None:
+        _tune(sock)
+        send_lock = trio.Lock()
+
+        async def respond(h: P.Header, payload: list, status: int = P.Status.OK) -> None:
+            resp = h._replace(opcode=h.opcode | P.RESPONSE, status=status, length=sum(map(len, payload)))
+            async with send_lock:
+                await _sendv(sock, [P.pack(resp), *payload])
+
+        async def refuse(h: P.Header, status: int, message: str) -> None:
+            await respond(h, [message.encode()], status)
+
+        async def run_call(h: P.Header, payload: bytearray) -> None:
+            try:
+                method, args = P.decode_call(payload)
+                result = await handler(method, args)
+                body = P.encode_result(result)
+                await respond(h, [body])
+            except RemoteError as exc:
+                await respond(h, [P.encode_remote_error(exc.code, exc.message)], P.Status.REMOTE)
+            except ProtocolError as exc:
+                log.warning("%s: %s", peer, exc)
+                await refuse(h, P.Status.BAD_REQUEST, str(exc))
+            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # the caller went away; nothing to answer
+            except Exception as exc:  # a bug in a handler must not take the node down
+                log.exception("%s: control call failed", peer)
+                await respond(h, [P.encode_remote_error("EIO", f"{type(exc).__name__}: {exc}")], P.Status.REMOTE)
+
+        async def serve_frames(calls: trio.Nursery) -> None:
+            hdr = memoryview(bytearray(P.HEADER.size))
+            while True:
+                await _recv_into(sock, hdr, at_boundary=True)
+                h = P.unpack(hdr)
+                if h.opcode == P.Op.READ:
+                    try:
+                        view = self.regions.check(h.rkey, h.offset, h.length, Access.READ)
+                    except AccessError as exc:
+                        log.info("%s: READ refused: %s", peer, exc)
+                        await refuse(h, P.Status.ACCESS, str(exc))
+                    else:
+                        await respond(h, [view])
+                elif h.opcode == P.Op.WRITE:
+                    try:
+                        view = self.regions.check(h.rkey, h.offset, h.length, Access.WRITE)
+                    except AccessError as exc:
+                        log.info("%s: WRITE refused: %s", peer, exc)
+                        await _drain(sock, h.length)
+                        await refuse(h, P.Status.ACCESS, str(exc))
+                    else:
+                        await _recv_into(sock, view)
+                        await respond(h, [])
+                elif h.opcode == P.Op.CALL:
+                    calls.start_soon(run_call, h, await _recv_bytes(sock, h.length))
+                else:
+                    log.info("%s: unknown opcode %#x refused", peer, h.opcode)
+                    await _drain(sock, P.payload_size(h))
+                    await refuse(h, P.Status.BAD_REQUEST, f"unknown opcode {h.opcode:#x}")
+
+        async with trio.open_nursery() as calls:
+            # Errors are handled inside the nursery body so they end this connection only.
+            try:
+                with trio.fail_after(HANDSHAKE_TIMEOUT):
+                    authenticated = await self._authenticate(sock, peer)
+                if authenticated:
+                    await serve_frames(calls)
+            except _EOF:
+                pass
+            except trio.TooSlowError:
+                log.warning("%s: handshake timed out", peer)
+            except ProtocolError as exc:
+                log.warning("%s: protocol error, closing the connection: %s", peer, exc)
+            except PeerLost as exc:
+                log.info("%s: %s", peer, exc)
+            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                log.info("%s: connection lost: %s", peer, exc)
+            finally:
+                calls.cancel_scope.cancel()
+                sock.close()
+
+    # -- calling side ------------------------------------------------------------------------
+    async def connect(self, host: str, port: int, *, nursery: trio.Nursery) -> TcpConnection:
+        peer = f"{host}:{port}"
+        sock = trio.socket.socket(_stdsocket.AF_INET, _stdsocket.SOCK_STREAM)
+        try:
+            _tune(sock)
+            with trio.fail_after(HANDSHAKE_TIMEOUT):
+                try:
+                    await sock.connect((host, port))
+                except OSError as exc:
+                    raise ConnectError(f"cannot connect to {peer}: {exc.strerror or exc}") from None
+                await self._handshake(sock, peer)
+        except trio.TooSlowError:
+            sock.close()
+            raise ConnectError(f"{peer}: handshake timed out") from None
+        except (OSError, trio.BrokenResourceError) as exc:
+            sock.close()
+            raise ConnectError(f"{peer}: {exc}") from None
+        except BaseException:
+            sock.close()
+            raise
+        conn = TcpConnection(sock, peer, self.op_timeout)
+        await nursery.start(conn.receiver)
+        return conn
+
+    async def _handshake(self, sock: trio.socket.SocketType, peer: str) -> None:
+        try:
+            h = P.unpack(await _recv_bytes(sock, P.HEADER.size))
+            if h.opcode != P.Op.CHALLENGE or h.length != _NONCE:
+                raise ConnectError(f"{peer}: not an irdmafs node (opcode {h.opcode:#x})")
+            snonce = bytes(await _recv_bytes(sock, _NONCE))
+            cnonce = new_nonce()
+            proof = client_proof(self.token, snonce, cnonce)
+            await _sendv(sock, [P.pack(P.Header(P.Op.AUTH, length=2 * _NONCE)), cnonce, proof])
+            h = P.unpack(await _recv_bytes(sock, P.HEADER.size))
+            payload = bytes(await _recv_bytes(sock, P.payload_size(h)))
+        except (PeerLost, ProtocolError) as exc:
+            raise ConnectError(f"{peer}: handshake failed: {exc}") from None
+        if h.status == P.Status.AUTH:
+            raise AuthError(f"{peer} refused our cluster token: {payload.decode('utf-8', 'replace')}")
+        if h.status != P.Status.OK or not hmac.compare_digest(payload, server_proof(self.token, snonce, cnonce)):
+            raise AuthError(f"{peer} could not prove it holds the cluster token")
+

@@ -1,0 +1,63 @@
+"""Every transport implementation, served by a small echo/region handler, for the shared suite."""
+
+import os
+
+import pytest
+import trio
+
+from irdmafs.transport.base import Access, RemoteError
+from irdmafs.transport.memory import MemoryTransport
+from irdmafs.transport.tcp import TcpTransport
+
+TOKEN = b"conformance-token"
+
+
+def _verbs_transport(token):
+    from irdmafs.transport import verbs
+
+    reason = verbs.unusable_reason()
+    if reason:
+        pytest.skip(f"verbs transport not runnable here: {reason}")
+    return verbs.VerbsTransport(token)
+
+
+FACTORIES = {
+    "memory": MemoryTransport,
+    "tcp": TcpTransport,
+    "verbs": _verbs_transport,
+}
+
+
+class Served:
+    """A serving transport with two regions (rw, read-only) and a control handler."""
+
+    def __init__(self, kind, server, address):
+        self.kind = kind
+        self.server = server
+        self.host, self.port = address
+        self.rw = server.alloc_region(8 << 20, Access.RW)
+        self.ro = server.alloc_region(1 << 20, Access.READ)
+        self.ro.buf[:] = os.urandom(len(self.ro.buf))
+
+    def client(self, token=TOKEN):
+        return FACTORIES[self.kind](token)
+
+
+async def handler(method, args):
+    if method == "echo":
+        return {"echo": args}
+    if method == "fail":
+        raise RemoteError(args.get("code", "ENOENT"), "asked to fail")
+    if method == "crash":
+        raise ZeroDivisionError("handler bug")
+    if method == "slow":
+        await trio.sleep(args["seconds"])
+        return {"slept": args["seconds"]}
+    raise RemoteError("ENOSYS", method)
+
+
+@pytest.fixture(params=list(FACTORIES))
+async def served(request, nursery):
+    server = FACTORIES[request.param](TOKEN)
+    address = await nursery.start(server.serve, "127.0.0.1", 0, handler)
+    return Served(request.param, server, address)

@@ -1,0 +1,131 @@
+"""The transport contract, run over every implementation (memory, tcp, verbs where a device is)."""
+
+import logging
+import os
+
+import pytest
+import trio
+
+from irdmafs.transport.base import AccessError, AuthError, PeerLost, RemoteError, TimeoutError
+
+from .conftest import TOKEN
+
+
+async def test_write_then_read_round_trip(served, nursery):
+    conn = await served.client().connect(served.host, served.port, nursery=nursery)
+    data = os.urandom(3 << 20)
+    await conn.write(served.rw.rkey, 12345, data)
+    assert bytes(served.rw.buf[12345 : 12345 + len(data)]) == data  # one-sided: landed in the region
+    back = bytearray(len(data))
+    await conn.read(served.rw.rkey, 12345, back)
+    assert back == data
+    await conn.aclose()
+
+
+async def test_read_only_region_is_readable_not_writable(served, nursery):
+    conn = await served.client().connect(served.host, served.port, nursery=nursery)
+    out = bytearray(4096)
+    await conn.read(served.ro.rkey, 4096, out)
+    assert out == bytes(served.ro.buf[4096:8192])
+    before = bytes(served.ro.buf)
+    with pytest.raises(AccessError):
+        await conn.write(served.ro.rkey, 0, b"x" * 100)
+    assert bytes(served.ro.buf) == before
+    # the connection and server keep serving after a refusal
+    await conn.read(served.ro.rkey, 0, out)
+    assert out == before[:4096]
+
+
+async def test_scatter_gather(served, nursery):
+    conn = await served.client().connect(served.host, served.port, nursery=nursery)
+    parts = [os.urandom(n) for n in (1, 4096, 100_000)]
+    await conn.write(served.rw.rkey, 7, parts)
+    assert bytes(served.rw.buf[7 : 7 + sum(map(len, parts))]) == b"".join(parts)
+    outs = [bytearray(len(p)) for p in reversed(parts)]
+    await conn.read(served.rw.rkey, 7, outs)
+    assert b"".join(outs) == b"".join(parts)
+
+
+async def test_many_operations_in_flight(served, nursery):
+    conn = await served.client().connect(served.host, served.port, nursery=nursery)
+    chunk = 64 << 10
+    blobs = [os.urandom(chunk) for _ in range(64)]
+    async with trio.open_nursery() as n:
+        for i, blob in enumerate(blobs):
+            n.start_soon(conn.write, served.rw.rkey, i * chunk, blob)
+    results = [bytearray(chunk) for _ in blobs]
+    async with trio.open_nursery() as n:
+        for i, out in enumerate(results):
+            n.start_soon(conn.read, served.rw.rkey, i * chunk, out)
+        n.start_soon(conn.call, "echo", {"during": "io"})
+    assert results == blobs
+
+
+async def test_read_many_keeps_order(served, nursery):
+    conn = await served.client().connect(served.host, served.port, nursery=nursery)
+    served.rw.buf[:16] = bytes(range(16))
+    a, b = bytearray(4), bytearray(8)
+    await conn.read_many([(served.rw.rkey, 0, a), (served.rw.rkey, 8, b)])
+    assert a == bytes(range(4)) and b == bytes(range(8, 16))
+
+
+@pytest.mark.parametrize(
+    "rkey_of, offset, length",
+    [
+        (lambda s: 999_999, 0, 10),  # unknown rkey
+        (lambda s: s.rw.rkey, (8 << 20) - 5, 10),  # runs past the end
+        (lambda s: s.rw.rkey, 8 << 20, 1),  # starts at the end
+    ],
+    ids=["bad-rkey", "past-end", "at-end"],
+)
+async def test_out_of_bounds_is_refused_and_server_goes_on(served, nursery, rkey_of, offset, length, caplog):
+    conn = await served.client().connect(served.host, served.port, nursery=nursery)
+    before = bytes(served.rw.buf[-64:])
+    with pytest.raises(AccessError):
+        await conn.read(rkey_of(served), offset, bytearray(length))
+    with pytest.raises(AccessError):
+        await conn.write(rkey_of(served), offset, b"z" * length)
+    assert bytes(served.rw.buf[-64:]) == before
+    assert (await conn.call("echo", {"still": "serving"}))["echo"] == {"still": "serving"}
+
+
+async def test_control_calls_and_their_errors(served, nursery):
+    conn = await served.client().connect(served.host, served.port, nursery=nursery)
+    assert await conn.call("echo", {"a": [1, 2], "b": "x"}) == {"echo": {"a": [1, 2], "b": "x"}}
+    with pytest.raises(RemoteError) as err:
+        await conn.call("fail", {"code": "EEXIST"})
+    assert err.value.code == "EEXIST"
+    with pytest.raises(RemoteError) as err:
+        await conn.call("crash")
+    assert err.value.code == "EIO" and "ZeroDivisionError" in str(err.value)
+    with pytest.raises(TimeoutError):
+        await conn.call("slow", {"seconds": 5}, timeout=0.2)
+    assert (await conn.call("echo", {}))["echo"] == {}
+
+
+async def test_wrong_token_is_refused_before_any_data(served, nursery, caplog):
+    caplog.set_level(logging.WARNING)
+    with pytest.raises(AuthError, match="refused our cluster token"):
+        await served.client(b"not-the-token").connect(served.host, served.port, nursery=nursery)
+    await trio.sleep(0.05)
+    assert any("wrong cluster token" in r.getMessage() for r in caplog.records)
+
+
+async def test_peer_that_vanishes_gives_peer_lost(served, nursery):
+    # A second server in its own nursery, which we then cancel: the peer disappears.
+    server = type(served.server)(TOKEN) if served.kind != "verbs" else served.client()
+    region = server.alloc_region(4096, 3)
+    async with trio.open_nursery() as inner:
+        host, port = await inner.start(server.serve, "127.0.0.1", 0, handlerless)
+        conn = await served.client().connect(host, port, nursery=nursery)
+        await conn.read(region.rkey, 0, bytearray(16))
+        inner.cancel_scope.cancel()
+    with pytest.raises(PeerLost):
+        with trio.fail_after(5):
+            while True:  # the close reaches the client asynchronously
+                await conn.read(region.rkey, 0, bytearray(16))
+                await trio.sleep(0.01)
+
+
+async def handlerless(method, args):
+    raise RemoteError("ENOSYS", method)
