@@ -1,0 +1,348 @@
+"""The API the file system and Python users call: files, directories, byte ranges, arrays.
+
+Two levels. Inode level (``lookup``, ``getattr``, ``create``, ``read_into``, ``write``...) is what
+the FUSE layer uses. Path level (``write_file``, ``read_file``, ``save``, ``load``, ``listdir``...)
+resolves paths through it for Python users. ``SyncClient`` wraps it for code without trio.
+
+Namespace operations go to the metadata primary (first ready node); when it is lost the next ready
+node takes over and the call is retried. Data goes through ``StripeIO``.
+
+Errors: namespace errors are ``RemoteError`` with an errno name (ENOENT, EEXIST, ...); a stripe
+with no live replica is ``Unavailable``. ``errno_of`` maps any of them to an errno number.
+
+Resource handling: ``Client.connect(cfg)`` is an async context manager owning a nursery (heartbeat
+task, connection receivers) and a staging region on each node it wrote to; leaving it releases
+both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import stat as S
+import threading
+import uuid
+from functools import partial
+from typing import Any, AsyncIterator
+
+import numpy as np
+import trio
+
+from .. import formats
+from ..cluster import Cluster, NodeDown, StagingPool
+from ..config import ClusterConfig
+from ..server.meta import ROOT
+from ..transport.base import RemoteError, Transport, TransportError
+from ..util import single_exception
+from .stripe import StripeIO
+
+log = logging.getLogger(__name__)
+
+
+def errno_of(exc: BaseException) -> int:
+    """The errno an exception stands for (EIO for anything unexpected)."""
+    if isinstance(exc, RemoteError):
+        return getattr(errno, exc.code, errno.EIO)
+    if isinstance(exc, (trio.TooSlowError, TimeoutError)):
+        return errno.ETIMEDOUT
+    return errno.EIO
+
+
+class Client:
+    def __init__(self, cfg: ClusterConfig, transport: Transport, nursery: trio.Nursery):
+        self.cfg = cfg
+        self.owner = f"client:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.cluster = Cluster(cfg, transport, nursery)
+        self.staging = StagingPool(self.cluster, self.owner, cfg.stripe_unit)
+        self.io = StripeIO(self.cluster, self.staging)
+        self.meta_calls = 0
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def connect(cls, cfg: ClusterConfig, transport: Transport | None = None) -> AsyncIterator["Client"]:
+        if transport is None:
+            from ..transport.select import choose
+
+            transport = choose(cfg.transport, cfg.token, op_timeout=cfg.op_timeout)
+        with single_exception():
+            async with trio.open_nursery() as nursery:
+                client = cls(cfg, transport, nursery)
+                await client.cluster.refresh()
+                nursery.start_soon(client.cluster.heartbeat_loop)
+                try:
+                    yield client
+                finally:
+                    with trio.CancelScope(shield=True), trio.move_on_after(2):
+                        await client.release()
+                    nursery.cancel_scope.cancel()
+
+    async def release(self) -> None:
+        for node in self.cluster.ready():
+            with contextlib.suppress(TransportError, RemoteError):
+                await self.cluster.call(node, "release", {"owner": self.owner}, timeout=1)
+        await self.cluster.aclose()
+
+    # -- namespace (inode level) --------------------------------------------------------------
+    async def _primary_call(self, method: str, args: dict) -> dict:
+        """A call to the metadata primary, following it when it moves."""
+        self.meta_calls += 1
+        with trio.fail_after(self.cfg.op_timeout * 3):
+            while True:
+                primary = self.cluster.meta_primary()
+                if primary is None:
+                    await self.cluster.wait_changed(0.5)
+                    await self.cluster.refresh()
+                    continue
+                try:
+                    return await self.cluster.call(primary, method, args)
+                except NodeDown:
+                    continue
+                except RemoteError as exc:
+                    if exc.code not in ("ENOTPRIMARY", "EAGAIN"):
+                        raise
+                    await trio.sleep(0.1)
+                    await self.cluster.refresh()
+
+    async def _op(self, **op: Any) -> dict:
+        return await self._primary_call("meta", {"op": op})
+
+    async def lookup(self, parent: int, name: str) -> dict:
+        return await self._primary_call("lookup", {"parent": parent, "name": name})
+
+    async def getattr(self, ino: int) -> dict:
+        return await self._primary_call("getattr", {"ino": ino})
+
+    async def readdir(self, ino: int) -> list[tuple[str, dict]]:
+        return [tuple(e) for e in (await self._primary_call("readdir", {"ino": ino}))["entries"]]
+
+    async def statfs(self) -> dict:
+        total = used = 0
+        for node in self.cluster.ready():
+            with contextlib.suppress(NodeDown, RemoteError):
+                r = await self.cluster.call(node, "statfs")
+                total += r["capacity"]
+                used += r["used"]
+        return {"capacity": total // self.cfg.replicas, "used": used // self.cfg.replicas}
+
+    async def mkdir(self, parent: int, name: str, mode: int = 0o755, uid: int = 0, gid: int = 0) -> dict:
+        return await self._op(op="mkdir", parent=parent, name=name, mode=mode, uid=uid, gid=gid)
+
+    async def create(self, parent: int, name: str, mode: int = 0o644, uid: int = 0, gid: int = 0) -> dict:
+        return await self._op(op="create", parent=parent, name=name, mode=S.S_IFREG | S.S_IMODE(mode), uid=uid, gid=gid, unit=self.cfg.stripe_unit)
+
+    async def unlink(self, parent: int, name: str) -> dict:
+        r = await self._op(op="unlink", parent=parent, name=name)
+        self.io.forget(r["ino"])
+        return r
+
+    async def rmdir(self, parent: int, name: str) -> dict:
+        return await self._op(op="rmdir", parent=parent, name=name)
+
+    async def rename(self, parent: int, name: str, new_parent: int, new_name: str) -> dict:
+        r = await self._op(op="rename", parent=parent, name=name, new_parent=new_parent, new_name=new_name)
+        if r.get("freed"):
+            self.io.forget(r["freed"])
+        return r
+
+    async def setattr(self, ino: int, **attrs: Any) -> dict:
+        if "size" in attrs:
+            return await self.truncate(ino, attrs.pop("size"), **attrs)
+        return await self._op(op="setattr", ino=ino, attrs=attrs)
+
+    async def setxattr(self, ino: int, name: str, value: str | None) -> dict:
+        return await self._op(op="setxattr", ino=ino, name=name, value=value)
+
+    # -- data (inode level) --------------------------------------------------------------------
+    async def read_into(self, ino: int, offset: int, into: memoryview, attr: dict | None = None) -> int:
+        """Read from ``offset`` into ``into``; returns the bytes read (short at end of file)."""
+        attr = attr or await self.getattr(ino)
+        if S.S_ISDIR(attr["mode"]):
+            raise RemoteError("EISDIR", "is a directory")
+        return await self.io.read(ino, attr["size"], attr["unit"], offset, into)
+
+    async def read(self, ino: int, offset: int, length: int, attr: dict | None = None) -> bytes:
+        buf = bytearray(length)
+        n = await self.read_into(ino, offset, memoryview(buf), attr)
+        del buf[n:]
+        return bytes(buf)
+
+    async def write(self, ino: int, offset: int, data: Any, attr: dict | None = None) -> dict:
+        """Write bytes at ``offset``; returns the new attributes. When it returns, the data is on
+        every live replica and the size is visible to every client."""
+        if offset < 0:
+            raise RemoteError("EINVAL", f"negative offset {offset}")
+        attr = attr or await self.getattr(ino)
+        if S.S_ISDIR(attr["mode"]):
+            raise RemoteError("EISDIR", "is a directory")
+        view = memoryview(data).cast("B")
+        await self.io.write(ino, attr["unit"], offset, view)
+        return await self._op(op="extend", ino=ino, size=offset + len(view))
+
+    async def truncate(self, ino: int, size: int, **attrs: Any) -> dict:
+        attr = await self.getattr(ino)
+        old, unit = attr["size"], attr["unit"]
+        result = await self._op(op="setattr", ino=ino, attrs=dict(attrs, size=size))
+        # Whole stripes past the end were dropped by every node; the tail of the last one must
+        # read as zeros if the file grows again, so it is zeroed through the normal write path.
+        if unit and size < old and size % unit:
+            end = min(old, (size // unit + 1) * unit)
+            await self.io.write(ino, unit, size, memoryview(bytes(end - size)))
+        self.io.forget(ino)
+        return result
+
+    # -- path level ----------------------------------------------------------------------------
+    async def resolve(self, path: str) -> dict:
+        attr = await self.getattr(ROOT)
+        for part in [p for p in path.split("/") if p]:
+            attr = await self.lookup(attr["ino"], part)
+        return attr
+
+    async def _parent(self, path: str) -> tuple[dict, str]:
+        head, _, name = path.rstrip("/").rpartition("/")
+        return await self.resolve(head), name
+
+    async def makedirs(self, path: str) -> dict:
+        attr = await self.getattr(ROOT)
+        for part in [p for p in path.split("/") if p]:
+            try:
+                attr = await self.lookup(attr["ino"], part)
+            except RemoteError as exc:
+                if exc.code != "ENOENT":
+                    raise
+                try:
+                    attr = await self.mkdir(attr["ino"], part)
+                except RemoteError as exc2:  # somebody else made it meanwhile
+                    if exc2.code != "EEXIST":
+                        raise
+                    attr = await self.lookup(attr["ino"], part)
+        return attr
+
+    async def open_file(self, path: str, *, create: bool = True, truncate: bool = False) -> dict:
+        parent, name = await self._parent(path)
+        try:
+            attr = await self.lookup(parent["ino"], name)
+        except RemoteError as exc:
+            if exc.code != "ENOENT" or not create:
+                raise
+            try:
+                return await self.create(parent["ino"], name)
+            except RemoteError as exc2:
+                if exc2.code != "EEXIST":
+                    raise
+                attr = await self.lookup(parent["ino"], name)
+        if truncate and attr["size"]:
+            attr = await self.truncate(attr["ino"], 0)
+        return attr
+
+    async def write_file(self, path: str, data: Any) -> dict:
+        attr = await self.open_file(path, truncate=True)
+        return await self.write(attr["ino"], 0, data, attr)
+
+    async def read_file(self, path: str) -> bytes:
+        attr = await self.resolve(path)
+        return await self.read(attr["ino"], 0, attr["size"], attr)
+
+    async def stat(self, path: str) -> dict:
+        return await self.resolve(path)
+
+    async def listdir(self, path: str = "/") -> list[str]:
+        return [name for name, _ in await self.readdir((await self.resolve(path))["ino"])]
+
+    async def remove(self, path: str) -> None:
+        parent, name = await self._parent(path)
+        await self.unlink(parent["ino"], name)
+
+    async def rmdir_path(self, path: str) -> None:
+        parent, name = await self._parent(path)
+        await self.rmdir(parent["ino"], name)
+
+    async def move(self, src: str, dst: str) -> None:
+        sp, sn = await self._parent(src)
+        dp, dn = await self._parent(dst)
+        await self.rename(sp["ino"], sn, dp["ino"], dn)
+
+    # -- arrays ----------------------------------------------------------------------------------
+    async def save(self, path: str, array: np.ndarray) -> dict:
+        """Store ``array`` as a .npy file (header, then the array's own buffer: no copy of the
+        data unless it is not C-contiguous)."""
+        array = np.require(array, requirements="C")  # (ascontiguousarray would make 0-d into 1-d)
+        header = formats.encode_header(array)
+        attr = await self.open_file(path, truncate=True)
+        body = memoryview(array.reshape(-1)).cast("B") if array.size else memoryview(b"")
+        async with trio.open_nursery() as n:
+            n.start_soon(self.io.write, attr["ino"], attr["unit"], 0, memoryview(header))
+            if len(body):
+                n.start_soon(self.io.write, attr["ino"], attr["unit"], len(header), body)
+        return await self._op(op="extend", ino=attr["ino"], size=len(header) + len(body))
+
+    async def load(self, path: str, out: np.ndarray | None = None) -> np.ndarray:
+        """Read a .npy file straight into a new array (or ``out``): one copy, from the wire."""
+        attr = await self.resolve(path)
+        prefix = bytearray(min(attr["size"], formats.PREFIX))
+        await self.read_into(attr["ino"], 0, memoryview(prefix), attr)
+        try:
+            need = formats.header_length(bytes(prefix[:12]))
+            if need > len(prefix):
+                prefix = bytearray(need)
+                await self.read_into(attr["ino"], 0, memoryview(prefix), attr)
+            h = formats.parse_header(bytes(prefix))
+        except formats.NpyError as exc:
+            raise RemoteError("EINVAL", f"{path}: {exc}") from None
+        if h.data_offset + h.nbytes > attr["size"]:
+            raise RemoteError("EINVAL", f"{path}: file is shorter than its .npy header says")
+        if out is None:
+            out = np.empty(h.shape, h.dtype, order="F" if h.fortran else "C")
+        elif out.shape != h.shape or out.dtype != h.dtype:
+            raise RemoteError("EINVAL", f"{path}: holds {h.dtype}{list(h.shape)}, not {out.dtype}{list(out.shape)}")
+        if h.nbytes:
+            await self.read_into(attr["ino"], h.data_offset, memoryview(out.reshape(-1, order="A")).cast("B"), attr)
+        return out
+
+
+class SyncClient:
+    """The Client for code without trio: a trio loop in a background thread runs every call.
+
+    ``with SyncClient(cfg) as c: c.save("/m/w.npy", arr)`` -- every async method of Client is
+    available under the same name, blocking."""
+
+    def __init__(self, cfg: ClusterConfig):
+        self.cfg = cfg
+        self._ready = threading.Event()
+        self._stop: trio.Event | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="irdmafs-client", daemon=True)
+
+    def _run(self) -> None:
+        async def main() -> None:
+            async with Client.connect(self.cfg) as client:
+                self.client = client
+                self.token = trio.lowlevel.current_trio_token()
+                self._stop = trio.Event()
+                self._ready.set()
+                await self._stop.wait()
+
+        try:
+            trio.run(main)
+        except BaseException as exc:  # reported to the caller of __enter__
+            self._error = exc
+            self._ready.set()
+
+    def __enter__(self) -> "SyncClient":
+        self._thread.start()
+        self._ready.wait()
+        if self._error:
+            raise self._error
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._stop is not None:
+            trio.from_thread.run_sync(self._stop.set, trio_token=self.token)
+        self._thread.join(10)
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(Client, name, None)
+        if fn is None or name.startswith("_"):
+            raise AttributeError(name)
+        return lambda *a, **kw: trio.from_thread.run(partial(getattr(self.client, name), *a, **kw), trio_token=self.token)

@@ -1,0 +1,182 @@
+"""Byte ranges -> stripe units -> replicas: parallel fan-out and failover.
+
+A read of a range becomes one version-checked one-sided READ per stripe unit it touches, issued in
+parallel, each against the least-loaded ready replica; a lost node is marked down and the next
+replica serves. A write becomes, per stripe unit, a one-sided WRITE into a staging slot on the
+stripe's primary plus a ``commit``; the primary replicates before it answers, so when ``write``
+returns the data is on every live replica.
+
+Stripe region keys (rkey, capacity) are cached per node; a stale key (the stripe grew or the node
+restarted) answers AccessError and is looked up again.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple
+
+import trio
+
+from ..cluster import Cluster, NodeDown, StagingPool, TornRead, Unavailable
+from ..transport.base import AccessError, RemoteError
+
+log = logging.getLogger(__name__)
+
+
+class Piece(NamedTuple):
+    idx: int  # stripe index
+    offset: int  # offset inside the stripe
+    pos: int  # offset inside the caller's buffer
+    length: int
+
+
+def split(offset: int, length: int, unit: int) -> list[Piece]:
+    """The stripe pieces of [offset, offset+length), in order; pure."""
+    pieces, pos = [], 0
+    while pos < length:
+        idx, soff = divmod(offset + pos, unit)
+        n = min(unit - soff, length - pos)
+        pieces.append(Piece(idx, soff, pos, n))
+        pos += n
+    return pieces
+
+
+class StripeIO:
+    def __init__(self, cluster: Cluster, staging: StagingPool, *, write_deadline: float = 30.0):
+        self.cluster = cluster
+        self.staging = staging
+        self.write_deadline = write_deadline
+        self._keys: dict[tuple[str, int, int], tuple[int, int] | None] = {}
+        self.bytes_read = 0
+        self.bytes_written = 0
+
+    # -- stripe keys ---------------------------------------------------------------------------
+    async def _lookup(self, node: str, fid: int, idxs: list[int]) -> None:
+        info = await self.cluster.call(node, "stripe_info", {"fid": fid, "idxs": idxs})
+        for idx in idxs:
+            d = info.get(str(idx))
+            self._keys[(node, fid, idx)] = (d["rkey"], d["capacity"]) if d else None
+
+    async def _prefetch(self, fid: int, idxs: list[int]) -> None:
+        """One stripe_info call per node for every stripe whose key is not cached."""
+        wanted: dict[str, list[int]] = {}
+        for idx in idxs:
+            cands = self.cluster.read_candidates(fid, idx)
+            if cands and (cands[0], fid, idx) not in self._keys:
+                wanted.setdefault(cands[0], []).append(idx)
+        async with trio.open_nursery() as n:
+            for node, missing in wanted.items():
+                n.start_soon(self._lookup_quietly, node, fid, missing)
+
+    async def _lookup_quietly(self, node: str, fid: int, idxs: list[int]) -> None:
+        try:
+            await self._lookup(node, fid, idxs)
+        except (NodeDown, RemoteError):
+            pass  # the per-stripe read path deals with it
+
+    def forget(self, fid: int) -> None:
+        for key in [k for k in self._keys if k[1] == fid]:
+            del self._keys[key]
+
+    # -- reads ---------------------------------------------------------------------------------
+    async def read(self, fid: int, size: int, unit: int, offset: int, into: memoryview) -> int:
+        """Fill ``into`` from ``offset`` (clipped at ``size``); returns the byte count."""
+        n = max(0, min(len(into), size - offset))
+        pieces = split(offset, n, unit)
+        await self._prefetch(fid, [p.idx for p in pieces])
+        async with trio.open_nursery() as nursery:
+            for p in pieces:
+                nursery.start_soon(self._read_piece, fid, p, into[p.pos : p.pos + p.length])
+        self.bytes_read += n
+        return n
+
+    async def _read_piece(self, fid: int, p: Piece, view: memoryview) -> None:
+        missing: set[str] = set()
+        stale_keys = 0
+        give_up = trio.current_time() + self.cluster.cfg.op_timeout
+        while True:
+            candidates = [c for c in self.cluster.read_candidates(fid, p.idx) if c not in missing]
+            if not candidates:
+                homes = self.cluster.stripe_rank(fid, p.idx)[: self.cluster.cfg.replicas]
+                if set(homes) <= missing:  # every home replica answered: nothing there, a hole
+                    view[:] = bytes(len(view))
+                    return
+                if trio.current_time() < give_up:
+                    # Our view of the nodes may be behind (a node just finished its resync):
+                    # ask them again before calling the data unavailable.
+                    await trio.sleep(0.05)
+                    await self.cluster.refresh()
+                    missing.clear()
+                    continue
+                # Zeros here could hide lost data: say so instead.
+                down = [n for n in homes if n not in missing]
+                log.error("stripe %d:%d: no live replica holds it (down or syncing: %s)", fid, p.idx, ", ".join(down))
+                raise Unavailable(f"stripe {p.idx} of file {fid}: replicas {down} unavailable")
+            node = candidates[0]
+            try:
+                if (node, fid, p.idx) not in self._keys:
+                    await self._lookup(node, fid, [p.idx])
+                key = self._keys[(node, fid, p.idx)]
+                if key is None:
+                    missing.add(node)
+                    continue
+                rkey, capacity = key
+                k = max(0, min(len(view), capacity - p.offset))
+                if k:
+                    await self.cluster.read_stripe(node, rkey, p.offset, view[:k])
+                view[k:] = bytes(len(view) - k)
+                return
+            except AccessError:
+                self._keys.pop((node, fid, p.idx), None)  # stripe moved to a new region
+                stale_keys += 1
+                if stale_keys > 10:
+                    raise
+            except NodeDown:
+                log.warning("stripe %d:%d: node %s lost; trying the next replica", fid, p.idx, node)
+            except RemoteError as exc:
+                if exc.code != "EAGAIN":
+                    raise
+                missing.add(node)  # syncing: not trusted for reads yet
+            except TornRead:
+                log.warning("stripe %d:%d on %s kept changing; trying another replica", fid, p.idx, node)
+                missing.add(node)
+
+    # -- writes --------------------------------------------------------------------------------
+    async def write(self, fid: int, unit: int, offset: int, data: memoryview) -> None:
+        pieces = split(offset, len(data), unit)
+        async with trio.open_nursery() as nursery:
+            for p in pieces:
+                nursery.start_soon(self._write_piece, fid, unit, p, data[p.pos : p.pos + p.length])
+        self.bytes_written += len(data)
+
+    async def _write_piece(self, fid: int, unit: int, p: Piece, view: memoryview) -> int:
+        with trio.fail_after(self.write_deadline):
+            while True:
+                primary = self.cluster.stripe_primary(fid, p.idx)
+                if primary is None:
+                    log.warning("stripe %d:%d: no ready node to write to; waiting", fid, p.idx)
+                    await self.cluster.wait_changed(0.5)
+                    await self.cluster.refresh()
+                    continue
+
+                async def commit(rkey: int, soff: int) -> dict:
+                    await self.cluster.write(primary, rkey, soff, view)
+                    return await self.cluster.call(
+                        primary,
+                        "commit",
+                        {"fid": fid, "idx": p.idx, "offset": p.offset, "length": p.length, "rkey": rkey, "soff": soff, "unit": unit},
+                    )
+
+                try:
+                    return (await self.staging.with_slot(primary, commit))["version"]
+                except NodeDown:
+                    self.staging.forget(primary)
+                except RemoteError as exc:
+                    if exc.code in ("ENOTPRIMARY", "EAGAIN"):
+                        # Views of who is up differ for a moment; heartbeats settle it.
+                        await trio.sleep(0.1)
+                        await self.cluster.refresh()
+                    elif exc.code == "EINVAL" and exc.message.startswith("staging"):
+                        self.staging.forget(primary)  # the node restarted: new staging
+                    else:
+                        raise

@@ -1,0 +1,282 @@
+"""One process's view of the cluster: connections, node states, who is primary for what.
+
+Nodes and clients both hold a ``Cluster``. It connects to nodes lazily, heartbeats them, and keeps
+each node's state: ``ready`` (serves everything), ``syncing`` (receives replication, not yet
+trusted for reads or as a primary) or ``down``. From the states and the pure placement function
+it answers: the metadata primary (first ready node in config order), a stripe's primary (first
+ready node in the stripe's rendezvous ranking), the replicas a write must reach, and the order in
+which to try replicas for a read (least-loaded first).
+
+It also holds two mechanisms every data mover needs: ``StagingPool`` (slots in a peer's write
+staging region, so concurrent writes never share one) and ``read_verified`` (the seqlock read that
+never returns a torn stripe; see server/store.py).
+
+Concurrency: one trio thread; the heartbeat task runs in the nursery given to the constructor.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import time
+from collections import defaultdict
+from typing import Callable
+
+import trio
+
+from .config import ClusterConfig
+from .placement import rank, stripe_key
+from .transport.base import (
+    AccessError,
+    ConnectError,
+    Connection,
+    PeerLost,
+    RemoteError,
+    TimeoutError,
+    Transport,
+    TransportError,
+)
+
+log = logging.getLogger(__name__)
+
+READY, SYNCING, DOWN = "ready", "syncing", "down"
+HEADER = 8  # the stripe version word (server/store.py)
+_WORD = struct.Struct("<Q")
+
+
+class NodeDown(TransportError):
+    """A node could not be reached; it has been marked down."""
+
+    def __init__(self, node: str, why: str):
+        super().__init__(f"node {node} is down: {why}")
+        self.node = node
+
+
+class Unavailable(TransportError):
+    """No live replica could serve a stripe (the file system answers EIO)."""
+
+
+class TornRead(TransportError):
+    """A stripe kept changing under a reader for every retry."""
+
+
+class Cluster:
+    def __init__(
+        self,
+        cfg: ClusterConfig,
+        transport: Transport,
+        nursery: trio.Nursery,
+        *,
+        me: str | None = None,
+        my_state: Callable[[], str] | None = None,
+    ):
+        self.cfg = cfg
+        self.transport = transport
+        self.nursery = nursery
+        self.me = me
+        self._my_state = my_state or (lambda: DOWN)
+        self.state: dict[str, str] = {n: DOWN for n in cfg.names if n != me}
+        self.info: dict[str, dict] = {}
+        self.load: dict[str, int] = defaultdict(int)
+        self._conns: dict[str, Connection] = {}
+        self._connecting: dict[str, trio.Lock] = defaultdict(trio.Lock)
+        self.changed = trio.Event()  # set (and replaced) whenever a state changes
+
+    # -- states ------------------------------------------------------------------------------
+    def node_state(self, name: str) -> str:
+        return self._my_state() if name == self.me else self.state.get(name, DOWN)
+
+    def _set(self, name: str, state: str, why: str = "") -> None:
+        old = self.state.get(name)
+        if old != state:
+            self.state[name] = state
+            log.log(logging.WARNING if state == DOWN else logging.INFO, "node %s: %s -> %s%s", name, old, state, f" ({why})" if why else "")
+            self.changed.set()
+            self.changed = trio.Event()
+
+    def mark_down(self, name: str, why: str) -> None:
+        conn = self._conns.pop(name, None)
+        if conn is not None:
+            self.nursery.start_soon(conn.aclose)
+        if name != self.me:
+            self._set(name, DOWN, why)
+
+    def ready(self) -> list[str]:
+        return [n for n in self.cfg.names if self.node_state(n) == READY]
+
+    def live(self) -> list[str]:
+        return [n for n in self.cfg.names if self.node_state(n) in (READY, SYNCING)]
+
+    def meta_primary(self) -> str | None:
+        ready = self.ready()
+        return ready[0] if ready else None
+
+    def stripe_rank(self, fid: int, idx: int) -> list[str]:
+        return rank(stripe_key(fid, idx), self.cfg.names)
+
+    def stripe_primary(self, fid: int, idx: int) -> str | None:
+        return next((n for n in self.stripe_rank(fid, idx) if self.node_state(n) == READY), None)
+
+    def targets(self, fid: int, idx: int) -> list[str]:
+        """Where a write of this stripe must land: the first R live nodes of its ranking, always
+        including the primary (a syncing node gets writes so it does not fall behind again)."""
+        primary = self.stripe_primary(fid, idx)
+        live = [n for n in self.stripe_rank(fid, idx) if self.node_state(n) in (READY, SYNCING)]
+        chosen = live[: self.cfg.replicas]
+        if primary is not None and primary not in chosen:
+            chosen = chosen[:-1] + [primary]
+        return chosen
+
+    def read_candidates(self, fid: int, idx: int) -> list[str]:
+        """Ready nodes to try for a read: the stripe's first R by load, then the rest (a node that
+        stood in while another was down may hold the newest copy)."""
+        ready = [n for n in self.stripe_rank(fid, idx) if self.node_state(n) == READY]
+        first = sorted(ready[: self.cfg.replicas], key=lambda n: self.load[n])
+        return first + ready[self.cfg.replicas :]
+
+    # -- connections ---------------------------------------------------------------------------
+    async def conn(self, name: str) -> Connection:
+        conn = self._conns.get(name)
+        if conn is not None:
+            return conn
+        async with self._connecting[name]:
+            conn = self._conns.get(name)
+            if conn is None:
+                spec = self.cfg.node(name)
+                try:
+                    conn = await self.transport.connect(spec.host, spec.port, nursery=self.nursery)
+                except ConnectError as exc:
+                    self.mark_down(name, str(exc))
+                    raise NodeDown(name, str(exc)) from None
+                self._conns[name] = conn
+        return conn
+
+    async def call(self, name: str, method: str, args: dict | None = None, *, timeout: float | None = None) -> dict:
+        """A control call; a node that cannot be reached is marked down and raises NodeDown."""
+        conn = await self.conn(name)
+        try:
+            return await conn.call(method, args or {}, timeout=timeout or self.cfg.op_timeout)
+        except (PeerLost, TimeoutError) as exc:
+            self.mark_down(name, str(exc))
+            raise NodeDown(name, str(exc)) from None
+
+    async def write(self, name: str, rkey: int, offset: int, data) -> None:
+        """A one-sided WRITE; a node that cannot be reached is marked down and raises NodeDown."""
+        conn = await self.conn(name)
+        try:
+            with trio.fail_after(self.cfg.op_timeout):
+                await conn.write(rkey, offset, data)
+        except (PeerLost, TimeoutError, trio.TooSlowError) as exc:
+            self.mark_down(name, str(exc) or "write timed out")
+            raise NodeDown(name, str(exc) or "write timed out") from None
+
+    async def read_stripe(self, name: str, rkey: int, offset: int, into: memoryview) -> int:
+        """``read_verified`` against one node, counted in its load; marks it down on failure."""
+        conn = await self.conn(name)
+        self.load[name] += 1
+        try:
+            with trio.fail_after(self.cfg.op_timeout):
+                return await read_verified(conn, rkey, offset, into)
+        except (PeerLost, TimeoutError, trio.TooSlowError) as exc:
+            self.mark_down(name, str(exc) or "read timed out")
+            raise NodeDown(name, str(exc) or "read timed out") from None
+        finally:
+            self.load[name] -= 1
+
+    # -- heartbeats ----------------------------------------------------------------------------
+    async def _probe(self, name: str) -> None:
+        try:
+            with trio.fail_after(self.cfg.down_after):
+                info = await self.call(name, "heartbeat", {"from": self.me or "client"}, timeout=self.cfg.down_after)
+        except (NodeDown, trio.TooSlowError, RemoteError) as exc:
+            self.mark_down(name, str(exc) or "no heartbeat")
+            return
+        self.info[name] = info
+        self._set(name, info.get("state", DOWN))
+
+    async def refresh(self) -> None:
+        """Probe every other node once, in parallel."""
+        async with trio.open_nursery() as n:
+            for name in self.state:
+                n.start_soon(self._probe, name)
+
+    async def heartbeat_loop(self) -> None:
+        while True:
+            await trio.sleep(self.cfg.heartbeat)
+            await self.refresh()
+
+    async def wait_changed(self, timeout: float) -> None:
+        with trio.move_on_after(timeout):
+            await self.changed.wait()
+
+    async def aclose(self) -> None:
+        for conn in list(self._conns.values()):
+            await conn.aclose()
+        self._conns.clear()
+
+
+class StagingPool:
+    """Write-staging slots in peers' memory, one slot per write in flight.
+
+    A writer asks each node once for a staging region (``staging`` call) of ``slots`` slots of
+    ``slot_size`` bytes, then WRITEs into a free slot and names it in the ``commit``/``apply``."""
+
+    def __init__(self, cluster: Cluster, owner: str, slot_size: int, slots: int = 4):
+        self.cluster = cluster
+        self.owner = owner
+        self.slot_size = slot_size
+        self.slots = slots
+        self._regions: dict[str, tuple[int, list[int], trio.Semaphore]] = {}
+        self._locks: dict[str, trio.Lock] = defaultdict(trio.Lock)
+
+    async def _region(self, node: str) -> tuple[int, list[int], trio.Semaphore]:
+        async with self._locks[node]:
+            if node not in self._regions:
+                r = await self.cluster.call(node, "staging", {"owner": self.owner, "size": self.slot_size * self.slots})
+                free = [i * self.slot_size for i in range(self.slots)]
+                self._regions[node] = (r["rkey"], free, trio.Semaphore(self.slots))
+            return self._regions[node]
+
+    def forget(self, node: str) -> None:
+        """The node restarted or was lost: its staging region is gone."""
+        self._regions.pop(node, None)
+
+    async def with_slot(self, node: str, fn):
+        rkey, free, sem = await self._region(node)
+        async with sem:
+            offset = free.pop()
+            try:
+                return await fn(rkey, offset)
+            finally:
+                free.append(offset)
+
+
+async def read_verified(conn: Connection, rkey: int, offset: int, into: memoryview, *, retries: int = 100) -> int:
+    """Read ``into`` from data offset ``offset`` of a stripe region, untorn; returns its version.
+
+    The version word is read before and after the data in one pipelined burst; the peer serves
+    them in order, so equal even words mean no install overlapped the data read."""
+    before, after = bytearray(HEADER), bytearray(HEADER)
+    for attempt in range(retries):
+        await conn.read_many([(rkey, 0, before), (rkey, HEADER + offset, into), (rkey, 0, after)])
+        if before == after and not before[0] & 1:
+            return _WORD.unpack(before)[0] // 2
+        await trio.sleep(0 if attempt < 10 else 0.001 * attempt)
+    raise TornRead(f"stripe region {rkey} kept changing over {retries} reads")
+
+
+def now_ns() -> int:
+    return time.time_ns()
+
+
+__all__ = [
+    "AccessError",
+    "Cluster",
+    "NodeDown",
+    "READY",
+    "SYNCING",
+    "DOWN",
+    "StagingPool",
+    "Unavailable",
+    "read_verified",
+]

@@ -1,0 +1,167 @@
+"""The cluster config (TOML): nodes, replicas, stripe unit, token, transport preference.
+
+Example::
+
+    replicas = 2
+    stripe_unit = "4MiB"
+    token_file = "token"          # relative to this file; or token = "..." inline
+    transport = ["verbs", "tcp"]  # first usable wins
+    capacity = "8GiB"             # per node
+
+    [[nodes]]
+    name = "n1"
+    host = "127.0.0.1"
+    port = 7101
+
+Every mistake becomes one ``ConfigError`` naming the file and the key; the CLI prints it and exits
+with status 2.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TRANSPORTS = ("verbs", "tcp", "memory")
+
+
+class ConfigError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    name: str
+    host: str
+    port: int
+
+
+@dataclass
+class ClusterConfig:
+    nodes: list[NodeSpec]
+    token: bytes
+    replicas: int = 2
+    stripe_unit: int = 4 << 20
+    capacity: int = 8 << 30
+    transport: list[str] = field(default_factory=lambda: ["verbs", "tcp"])
+    heartbeat: float = 0.5  # seconds between heartbeats
+    down_after: float = 2.0  # a node silent this long is down
+    op_timeout: float = 10.0  # one data operation against one node
+    path: str | None = None
+
+    def node(self, name: str) -> NodeSpec:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise ConfigError(f"{self.path}: no node named {name!r} (have {', '.join(self.names)})")
+
+    @property
+    def names(self) -> list[str]:
+        return [n.name for n in self.nodes]
+
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
+
+
+def parse_size(value: object, key: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    m = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"{key}: {value!r} is not a size (e.g. 4MiB, 1048576)")
+    return int(m.group(1)) * _UNITS[m.group(2).lower()]
+
+
+def load(path: str | os.PathLike) -> ClusterConfig:
+    path = Path(path)
+    try:
+        doc = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    try:
+        return from_dict(doc, base=path.parent, where=str(path))
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def from_dict(doc: dict, *, base: Path = Path("."), where: str | None = None) -> ClusterConfig:
+    known = {"nodes", "token", "token_file", "replicas", "stripe_unit", "capacity", "transport", "heartbeat", "down_after", "op_timeout"}
+    unknown = set(doc) - known
+    if unknown:
+        raise ConfigError(f"unknown key(s) {sorted(unknown)}")
+    raw_nodes = doc.get("nodes")
+    if not isinstance(raw_nodes, list) or not raw_nodes:
+        raise ConfigError("nodes: need at least one [[nodes]] table with name, host, port")
+    nodes, seen = [], set()
+    for i, n in enumerate(raw_nodes):
+        if not isinstance(n, dict) or not {"name", "host", "port"} <= set(n):
+            raise ConfigError(f"nodes[{i}]: needs name, host and port")
+        if not isinstance(n["port"], int) or not 0 < n["port"] < 65536:
+            raise ConfigError(f"nodes[{i}].port: {n['port']!r} is not a TCP port")
+        if n["name"] in seen or not re.fullmatch(r"[A-Za-z0-9_.-]+", str(n["name"])):
+            raise ConfigError(f"nodes[{i}].name: {n['name']!r} is a duplicate or not [A-Za-z0-9_.-]+")
+        seen.add(n["name"])
+        nodes.append(NodeSpec(str(n["name"]), str(n["host"]), n["port"]))
+    if "token" in doc:
+        token = str(doc["token"]).encode()
+    elif "token_file" in doc:
+        tpath = base / doc["token_file"]
+        try:
+            token = tpath.read_bytes().strip()
+        except OSError as exc:
+            raise ConfigError(f"token_file: cannot read {tpath}: {exc.strerror}") from None
+    else:
+        raise ConfigError("token or token_file: a cluster token is required")
+    if len(token) < 8:
+        raise ConfigError("token: must be at least 8 bytes")
+    replicas = doc.get("replicas", 2)
+    if not isinstance(replicas, int) or not 1 <= replicas <= len(nodes):
+        raise ConfigError(f"replicas: {replicas!r} must be between 1 and the number of nodes ({len(nodes)})")
+    transport = doc.get("transport", ["verbs", "tcp"])
+    if isinstance(transport, str):
+        transport = [transport]
+    if not transport or any(t not in TRANSPORTS for t in transport):
+        raise ConfigError(f"transport: {transport!r}; choose from {list(TRANSPORTS)}")
+    unit = parse_size(doc.get("stripe_unit", 4 << 20), "stripe_unit")
+    if unit < 4096 or unit & (unit - 1):
+        raise ConfigError("stripe_unit: must be a power of two of at least 4KiB")
+    cfg = ClusterConfig(
+        nodes=nodes,
+        token=token,
+        replicas=replicas,
+        stripe_unit=unit,
+        capacity=parse_size(doc.get("capacity", 8 << 30), "capacity"),
+        transport=list(transport),
+        path=where,
+    )
+    for key in ("heartbeat", "down_after", "op_timeout"):
+        if key in doc:
+            value = doc[key]
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(f"{key}: must be a positive number of seconds")
+            setattr(cfg, key, float(value))
+    return cfg
+
+
+def dump(cfg: ClusterConfig, token_file: str = "token") -> str:
+    """TOML text for ``cfg`` (the token goes in a file of its own, mode 0600)."""
+    lines = [
+        f"replicas = {cfg.replicas}",
+        f"stripe_unit = {cfg.stripe_unit}",
+        f"capacity = {cfg.capacity}",
+        f"token_file = {token_file!r}",
+        "transport = [" + ", ".join(repr(t) for t in cfg.transport) + "]",
+        f"heartbeat = {cfg.heartbeat}",
+        f"down_after = {cfg.down_after}",
+        f"op_timeout = {cfg.op_timeout}",
+    ]
+    for n in cfg.nodes:
+        lines += ["", "[[nodes]]", f"name = {n.name!r}", f"host = {n.host!r}", f"port = {n.port}"]
+    return "\n".join(lines).replace("'", '"') + "\n"

@@ -1,0 +1,150 @@
+"""A whole cluster on one machine: config, token, node processes on loopback, and their end.
+
+This is the embedded default (``irdmafs up``) and the test bed: every node is a real
+``python -m irdmafs.server.node`` process talking over real sockets. ``LocalCluster`` writes the
+config into a state directory, starts the nodes, and waits until every node is ready and sees all
+the others ready (writes made earlier than that could miss a replica).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import trio
+
+from . import config as C
+from .transport.base import TransportError
+from .transport.tcp import TcpTransport
+from .util import single_exception
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind((host, 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+def write_config(state: Path, nodes: int, replicas: int, *, stripe_unit: int = 4 << 20, host: str = "127.0.0.1", transport: list[str] | None = None, **extra: object) -> Path:
+    """A fresh config (and a 0600 token file) for ``nodes`` nodes on ``host``."""
+    state.mkdir(parents=True, exist_ok=True)
+    token = state / "token"
+    if not token.exists():
+        token.write_text(secrets.token_hex(32))
+        token.chmod(0o600)
+    doc = {
+        "nodes": [{"name": f"n{i + 1}", "host": host, "port": p} for i, p in enumerate(free_ports(nodes, host))],
+        "token_file": "token",
+        "replicas": replicas,
+        "stripe_unit": stripe_unit,
+        "transport": transport or ["verbs", "tcp"],
+        **extra,
+    }
+    cfg = C.from_dict(doc, base=state)
+    path = state / "cluster.toml"
+    path.write_text(C.dump(cfg))
+    return path
+
+
+async def node_status(cfg: C.ClusterConfig, name: str, *, timeout: float = 1.0) -> dict | None:
+    """The node's heartbeat answer, or None if it cannot be reached."""
+    spec = cfg.node(name)
+    transport = TcpTransport(cfg.token)
+    try:
+        with trio.fail_after(timeout), single_exception():
+            async with trio.open_nursery() as n:
+                conn = await transport.connect(spec.host, spec.port, nursery=n)
+                try:
+                    return await conn.call("heartbeat", {"from": "status"})
+                finally:
+                    await conn.aclose()
+                    n.cancel_scope.cancel()
+    except (TransportError, trio.TooSlowError, OSError):
+        return None
+
+
+async def wait_settled(cfg: C.ClusterConfig, names: list[str] | None = None, timeout: float = 30.0) -> None:
+    """Until every node in ``names`` (default all) is ready and sees all of them ready."""
+    names = names or cfg.names
+    with trio.fail_after(timeout):
+        while True:
+            infos = [await node_status(cfg, n) for n in names]
+            if all(i and i["state"] == "ready" and set(names) <= set(i["sees_ready"]) for i in infos):
+                return
+            await trio.sleep(0.1)
+
+
+class LocalCluster:
+    """Node processes of one config, started and stopped from this process."""
+
+    def __init__(self, config_path: Path, *, log_dir: Path | None = None, python: str = sys.executable):
+        self.config_path = Path(config_path)
+        self.cfg = C.load(self.config_path)
+        self.log_dir = log_dir or self.config_path.parent
+        self.python = python
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def command(self, name: str) -> list[str]:
+        return [self.python, "-m", "irdmafs.server.node", "--config", str(self.config_path), "--node", name]
+
+    def start(self, name: str) -> subprocess.Popen:
+        log = open(self.log_dir / f"{name}.log", "ab")
+        proc = subprocess.Popen(self.command(name), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        self.procs[name] = proc
+        return proc
+
+    def start_all(self) -> None:
+        for name in self.cfg.names:
+            self.start(name)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        proc = self.procs.pop(name)
+        proc.send_signal(sig)
+        proc.wait(10)
+
+    def stop_all(self) -> None:
+        for name in list(self.procs):
+            proc = self.procs[name]
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + 5
+        for name, proc in list(self.procs.items()):
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            del self.procs[name]
+
+    def log_of(self, name: str) -> str:
+        path = self.log_dir / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                raise RuntimeError(f"node {name} exited with {proc.returncode}:\n{self.log_of(name)[-3000:]}")
+
+
+def pids_alive(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            alive.append(pid)
+        except ProcessLookupError:
+            pass
+    return alive

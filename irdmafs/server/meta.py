@@ -1,0 +1,273 @@
+"""The namespace: inodes and directory entries, as a deterministic state machine.
+
+The metadata primary (the first ready node in config order) decides everything that is not
+deterministic (new inode numbers, timestamps) and writes it into the op; every node then applies
+the same ops in the same order (``seq``), so every node holds the same namespace. A PS namespace
+is small (hundreds of tensors), so replicating it to every node is cheap and lets any node take
+over as primary.
+
+Errors are ``RemoteError`` with an errno name, which the file system maps straight to its errno.
+Pure: no I/O, no trio.
+"""
+
+from __future__ import annotations
+
+import copy
+import stat as S
+from typing import Any
+
+from ..transport.base import RemoteError
+
+ROOT = 1
+NAME_MAX = 255
+
+
+def _err(code: str, msg: str) -> RemoteError:
+    return RemoteError(code, msg)
+
+
+def check_name(name: str) -> None:
+    if not name or name in (".", "..") or "/" in name or "\0" in name:
+        raise _err("EINVAL", f"invalid name {name!r}")
+    if len(name.encode()) > NAME_MAX:
+        raise _err("ENAMETOOLONG", f"name longer than {NAME_MAX} bytes")
+
+
+class Meta:
+    def __init__(self) -> None:
+        self.seq = 0
+        self.next_ino = ROOT + 1
+        self.inodes: dict[int, dict[str, Any]] = {}
+        self.entries: dict[int, dict[str, int]] = {}
+        self._new_inode(ROOT, S.S_IFDIR | 0o755, 0, 0, 0, 0)
+
+    # -- reading ---------------------------------------------------------------------------
+    def inode(self, ino: int) -> dict:
+        node = self.inodes.get(ino)
+        if node is None:
+            raise _err("ENOENT", f"no inode {ino}")
+        return node
+
+    def directory(self, ino: int) -> dict[str, int]:
+        if not S.S_ISDIR(self.inode(ino)["mode"]):
+            raise _err("ENOTDIR", f"inode {ino} is not a directory")
+        return self.entries[ino]
+
+    def lookup(self, parent: int, name: str) -> dict:
+        ino = self.directory(parent).get(name)
+        if ino is None:
+            raise _err("ENOENT", f"{name!r} not in directory {parent}")
+        return self.attr(ino)
+
+    def attr(self, ino: int) -> dict:
+        return dict(self.inode(ino), ino=ino)
+
+    def readdir(self, ino: int) -> list[list]:
+        return [[name, self.attr(child)] for name, child in sorted(self.directory(ino).items())]
+
+    def files(self) -> set[int]:
+        return {ino for ino, n in self.inodes.items() if S.S_ISREG(n["mode"])}
+
+    def snapshot(self) -> dict:
+        return {
+            "seq": self.seq,
+            "next_ino": self.next_ino,
+            "inodes": {str(k): v for k, v in self.inodes.items()},
+            "entries": {str(k): v for k, v in self.entries.items()},
+        }
+
+    @classmethod
+    def restore(cls, snap: dict) -> "Meta":
+        m = cls()
+        m.seq = snap["seq"]
+        m.next_ino = snap["next_ino"]
+        m.inodes = {int(k): v for k, v in snap["inodes"].items()}
+        m.entries = {int(k): dict(v) for k, v in snap["entries"].items()}
+        return m
+
+    # -- the primary's side: turn a request into a deterministic op -----------------------------
+    def prepare(self, op: dict, now_ns: int) -> dict:
+        """Fill in what only the primary may decide; validation happens in ``apply``."""
+        op = dict(op, now=now_ns)
+        if op["op"] in ("create", "mkdir"):
+            op["ino"] = self.next_ino
+        return op
+
+    # -- everyone's side ---------------------------------------------------------------------
+    def apply(self, op: dict) -> dict:
+        """Apply one op; returns its result. Raises RemoteError and changes nothing if invalid.
+        Every op is validated before any state changes, so a refused op leaves no trace."""
+        kind = op["op"]
+        fn = getattr(self, f"_op_{kind}", None)
+        if fn is None:
+            raise _err("EINVAL", f"unknown metadata op {kind!r}")
+        result = fn(op)
+        self.seq += 1
+        return result
+
+    def _new_inode(self, ino: int, mode: int, uid: int, gid: int, now: int, unit: int) -> dict:
+        node = {
+            "mode": mode,
+            "uid": uid,
+            "gid": gid,
+            "size": 0,
+            "nlink": 2 if S.S_ISDIR(mode) else 1,
+            "atime_ns": now,
+            "mtime_ns": now,
+            "ctime_ns": now,
+            "unit": unit,
+            "xattrs": {},
+        }
+        self.inodes[ino] = node
+        if S.S_ISDIR(mode):
+            self.entries[ino] = {}
+        self.next_ino = max(self.next_ino, ino + 1)
+        return node
+
+    def _touch_dir(self, ino: int, now: int) -> None:
+        d = self.inodes[ino]
+        d["mtime_ns"] = d["ctime_ns"] = now
+
+    def _op_create(self, op: dict) -> dict:
+        parent, name = op["parent"], op["name"]
+        check_name(name)
+        entries = self.directory(parent)
+        if name in entries:
+            raise _err("EEXIST", f"{name!r} exists")
+        mode = op["mode"]
+        if not (S.S_ISREG(mode) or S.S_ISDIR(mode) or S.S_ISLNK(mode)):
+            mode = S.S_IFREG | S.S_IMODE(mode)
+        self._new_inode(op["ino"], mode, op.get("uid", 0), op.get("gid", 0), op["now"], op.get("unit", 0))
+        entries[name] = op["ino"]
+        if S.S_ISDIR(mode):
+            self.inodes[parent]["nlink"] += 1
+        self._touch_dir(parent, op["now"])
+        return self.attr(op["ino"])
+
+    def _op_mkdir(self, op: dict) -> dict:
+        return self._op_create(dict(op, mode=S.S_IFDIR | S.S_IMODE(op["mode"])))
+
+    def _op_unlink(self, op: dict) -> dict:
+        parent, name = op["parent"], op["name"]
+        entries = self.directory(parent)
+        ino = entries.get(name)
+        if ino is None:
+            raise _err("ENOENT", f"{name!r} not found")
+        node = self.inodes[ino]
+        if S.S_ISDIR(node["mode"]):
+            raise _err("EISDIR", f"{name!r} is a directory")
+        del entries[name]
+        node["nlink"] -= 1
+        freed = None
+        if node["nlink"] <= 0:
+            del self.inodes[ino]
+            freed = ino
+        self._touch_dir(parent, op["now"])
+        return {"ino": ino, "freed": freed}
+
+    def _op_rmdir(self, op: dict) -> dict:
+        parent, name = op["parent"], op["name"]
+        entries = self.directory(parent)
+        ino = entries.get(name)
+        if ino is None:
+            raise _err("ENOENT", f"{name!r} not found")
+        if self.directory(ino):
+            raise _err("ENOTEMPTY", f"{name!r} is not empty")
+        del entries[name]
+        del self.inodes[ino], self.entries[ino]
+        self.inodes[parent]["nlink"] -= 1
+        self._touch_dir(parent, op["now"])
+        return {"ino": ino}
+
+    def _is_ancestor(self, maybe_ancestor: int, ino: int) -> bool:
+        # Directories have one parent; walk down from maybe_ancestor looking for ino.
+        stack = [maybe_ancestor]
+        while stack:
+            cur = stack.pop()
+            if cur == ino:
+                return True
+            stack.extend(c for c in self.entries.get(cur, {}).values() if c in self.entries)
+        return False
+
+    def _op_rename(self, op: dict) -> dict:
+        src_dir, dst_dir = self.directory(op["parent"]), self.directory(op["new_parent"])
+        name, new_name = op["name"], op["new_name"]
+        check_name(new_name)
+        ino = src_dir.get(name)
+        if ino is None:
+            raise _err("ENOENT", f"{name!r} not found")
+        moving_dir = S.S_ISDIR(self.inodes[ino]["mode"])
+        if moving_dir and self._is_ancestor(ino, op["new_parent"]):
+            raise _err("EINVAL", "cannot move a directory into itself")
+        replaced = dst_dir.get(new_name)
+        freed = None
+        if replaced is not None and replaced != ino:
+            target = self.inodes[replaced]
+            if S.S_ISDIR(target["mode"]):
+                if not moving_dir:
+                    raise _err("EISDIR", f"{new_name!r} is a directory")
+                if self.entries[replaced]:
+                    raise _err("ENOTEMPTY", f"{new_name!r} is not empty")
+            elif moving_dir:
+                raise _err("ENOTDIR", f"{new_name!r} is not a directory")
+        # validated: now change state
+        if replaced is not None and replaced != ino:
+            target = self.inodes[replaced]
+            if S.S_ISDIR(target["mode"]):
+                del self.inodes[replaced], self.entries[replaced]
+                self.inodes[op["new_parent"]]["nlink"] -= 1
+            else:
+                target["nlink"] -= 1
+                if target["nlink"] <= 0:
+                    del self.inodes[replaced]
+                    freed = replaced
+        del src_dir[name]
+        dst_dir[new_name] = ino
+        if moving_dir and op["parent"] != op["new_parent"]:
+            self.inodes[op["parent"]]["nlink"] -= 1
+            self.inodes[op["new_parent"]]["nlink"] += 1
+        self.inodes[ino]["ctime_ns"] = op["now"]
+        self._touch_dir(op["parent"], op["now"])
+        self._touch_dir(op["new_parent"], op["now"])
+        return {"ino": ino, "freed": freed}
+
+    _SETTABLE = {"mode", "uid", "gid", "atime_ns", "mtime_ns", "size"}
+
+    def _op_setattr(self, op: dict) -> dict:
+        node = self.inode(op["ino"])
+        fields = op["attrs"]
+        bad = set(fields) - self._SETTABLE
+        if bad:
+            raise _err("EINVAL", f"cannot set {sorted(bad)}")
+        if "size" in fields and (S.S_ISDIR(node["mode"]) or fields["size"] < 0):
+            raise _err("EISDIR" if S.S_ISDIR(node["mode"]) else "EINVAL", "bad size change")
+        if "mode" in fields:
+            fields = dict(fields, mode=S.S_IFMT(node["mode"]) | S.S_IMODE(fields["mode"]))
+        if "size" in fields and fields["size"] != node["size"] and "mtime_ns" not in fields:
+            node["mtime_ns"] = op["now"]
+        node.update(fields)
+        node["ctime_ns"] = op["now"]
+        return self.attr(op["ino"])
+
+    def _op_extend(self, op: dict) -> dict:
+        """A write ended at ``size``: grow the file if needed; content changed, so mtime moves."""
+        node = self.inode(op["ino"])
+        if S.S_ISDIR(node["mode"]):
+            raise _err("EISDIR", "cannot write a directory")
+        node["size"] = max(node["size"], op["size"])
+        node["mtime_ns"] = node["ctime_ns"] = op["now"]
+        return self.attr(op["ino"])
+
+    def _op_setxattr(self, op: dict) -> dict:
+        node = self.inode(op["ino"])
+        if op.get("value") is None:
+            if op["name"] not in node["xattrs"]:
+                raise _err("ENODATA", f"no attribute {op['name']!r}")
+            del node["xattrs"][op["name"]]
+        else:
+            node["xattrs"][op["name"]] = op["value"]
+        node["ctime_ns"] = op["now"]
+        return {}
+
+    def clone(self) -> "Meta":
+        return copy.deepcopy(self)

@@ -1,0 +1,400 @@
+"""One PS node: control calls, heartbeats, replication of stripes and metadata, resync.
+
+Data moves one-sidedly: peers READ stripe regions and WRITE into staging regions without this
+code running. What runs here is the control path:
+
+- ``commit`` (on a stripe's primary): install a staged range into the stripe under its seqlock,
+  then replicate it to the stripe's backups (WRITE into the backup's staging + ``apply``) before
+  answering, so an acknowledged write lives on every live replica. One lock per stripe orders
+  commits, so every backup sees them in version order; a backup that is behind (it was down)
+  answers ``stale`` and gets the whole stripe.
+- ``meta`` (on the metadata primary): validate and apply a namespace op, then forward it with its
+  sequence number to every other live node (``meta_apply``); a node that missed ops gets a
+  snapshot.
+- ``heartbeat``, ``stripe_info``, ``staging``, ``stripes``, reads of the namespace.
+
+A node starts ``syncing``: it serves replication but not reads, fetches the namespace and every
+stripe it should hold from ready peers (newest version wins), logs its progress, then turns
+``ready``. The first node of a fresh cluster finds no ready peer and is ready at once.
+
+Concurrency: one trio thread; handlers run as concurrent tasks, so everything that must be
+ordered takes a lock (metadata, per stripe).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import logging
+import math
+import sys
+import time
+from collections import defaultdict
+from typing import Any
+
+import trio
+
+from ..cluster import READY, SYNCING, Cluster, NodeDown, StagingPool, now_ns, read_verified
+from ..config import ClusterConfig, ConfigError, load
+from ..transport.base import Access, AccessError, RemoteError, Transport, TransportError
+from .meta import Meta
+from .store import NoSpace, Store
+
+log = logging.getLogger(__name__)
+
+MAX_STAGING_PER_OWNER = 512 << 20
+
+
+class KeyedLocks:
+    """One trio.Lock per key, dropped when nobody holds or waits for it."""
+
+    def __init__(self) -> None:
+        self._locks: dict[Any, list] = {}
+
+    def __call__(self, key: Any):
+        return _KeyedLock(self, key)
+
+
+class _KeyedLock:
+    def __init__(self, owner: KeyedLocks, key: Any):
+        self.owner, self.key = owner, key
+
+    async def __aenter__(self) -> None:
+        entry = self.owner._locks.setdefault(self.key, [trio.Lock(), 0])
+        entry[1] += 1
+        try:
+            await entry[0].acquire()
+        except BaseException:
+            self._release_ref(entry)
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        entry = self.owner._locks[self.key]
+        entry[0].release()
+        self._release_ref(entry)
+
+    def _release_ref(self, entry: list) -> None:
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self.owner._locks[self.key]
+
+
+class Node:
+    def __init__(self, cfg: ClusterConfig, name: str, transport: Transport):
+        self.cfg = cfg
+        self.name = name
+        self.spec = cfg.node(name)
+        self.transport = transport
+        self.state = SYNCING
+        self.meta = Meta()
+        self.store = Store(transport, cfg.capacity)
+        self.meta_lock = trio.Lock()
+        self.stripe_locks = KeyedLocks()
+        self.staging: dict[str, list] = defaultdict(list)
+        self.cluster: Cluster | None = None
+        self.peer_staging: StagingPool | None = None
+        self.started = time.time()
+        self.counters: dict[str, int] = defaultdict(int)
+
+    # -- lifetime ----------------------------------------------------------------------------
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self.cluster = Cluster(self.cfg, self.transport, nursery, me=self.name, my_state=lambda: self.state)
+            self.peer_staging = StagingPool(self.cluster, f"node:{self.name}:{time.time_ns()}", self.cfg.stripe_unit)
+            address = await nursery.start(self.transport.serve, self.spec.host, self.spec.port, self.handle)
+            log.info("node %s listening on %s:%s (transport %s)", self.name, *address, self.transport.name)
+            await self.cluster.refresh()
+            nursery.start_soon(self.cluster.heartbeat_loop)
+            task_status.started(address)
+            await self.resync()
+            self.state = READY
+            log.info("node %s ready", self.name)
+
+    # -- dispatch ----------------------------------------------------------------------------
+    async def handle(self, method: str, args: dict) -> dict:
+        fn = getattr(self, f"rpc_{method}", None)
+        if fn is None:
+            raise RemoteError("ENOSYS", f"unknown method {method!r}")
+        try:
+            inspect.signature(fn).bind(**args)
+        except TypeError as exc:
+            raise RemoteError("EINVAL", f"{method}: {exc}") from None
+        self.counters[method] += 1
+        try:
+            return await fn(**args)
+        except NoSpace as exc:
+            raise RemoteError("ENOSPC", str(exc)) from None
+        except (KeyError, ValueError) as exc:
+            raise RemoteError("EINVAL", f"{method}: {exc}") from None
+
+    def _require_ready(self) -> None:
+        if self.state != READY:
+            raise RemoteError("EAGAIN", f"node {self.name} is {self.state}")
+
+    # -- status ------------------------------------------------------------------------------
+    @property
+    def sees_all_ready(self) -> bool:
+        return self.cluster is not None and self.cluster.ready() == self.cfg.names
+
+    async def rpc_heartbeat(self, **_: Any) -> dict:
+        return {
+            "name": self.name,
+            "state": self.state,
+            "sees_ready": self.cluster.ready() if self.cluster else [],
+            "meta_seq": self.meta.seq,
+            "stripes": len(self.store.stripes),
+            "bytes": self.store.bytes_held,
+            "capacity": self.cfg.capacity,
+            "transport": self.transport.name,
+            "pid": __import__("os").getpid(),
+            "uptime": round(time.time() - self.started, 3),
+        }
+
+    async def rpc_stripes(self) -> dict:
+        return {"stripes": self.store.listing()}
+
+    # -- metadata ----------------------------------------------------------------------------
+    async def rpc_meta(self, op: dict) -> dict:
+        """Apply a namespace op as the metadata primary and replicate it to every live node."""
+        self._require_ready()
+        primary = self.cluster.meta_primary()
+        if primary != self.name:
+            raise RemoteError("ENOTPRIMARY", primary or "")
+        async with self.meta_lock:
+            op = self.meta.prepare(op, now_ns())
+            result = self._apply_meta(op)
+            seq = self.meta.seq
+            async with trio.open_nursery() as n:
+                for peer in self.cluster.live():
+                    if peer != self.name:
+                        n.start_soon(self._forward_meta, peer, seq, op)
+        return result
+
+    def _apply_meta(self, op: dict) -> dict:
+        result = self.meta.apply(op)
+        # Side effects on data are local and deterministic, so every replica does the same.
+        if result.get("freed"):
+            self.store.drop(result["freed"])
+        if op["op"] == "setattr" and "size" in op["attrs"]:
+            node = self.meta.inode(op["ino"])
+            if node["unit"]:
+                self.store.drop(op["ino"], math.ceil(op["attrs"]["size"] / node["unit"]))
+        return result
+
+    async def _forward_meta(self, peer: str, seq: int, op: dict) -> None:
+        try:
+            r = await self.cluster.call(peer, "meta_apply", {"seq": seq, "op": op})
+            if r.get("stale"):
+                await self.cluster.call(peer, "meta_restore", {"snapshot": self.meta.snapshot()})
+        except (NodeDown, RemoteError) as exc:
+            log.warning("metadata op %d not replicated to %s: %s", seq, peer, exc)
+
+    async def rpc_meta_apply(self, seq: int, op: dict) -> dict:
+        if seq <= self.meta.seq:
+            return {}
+        if seq != self.meta.seq + 1:
+            return {"stale": True}
+        try:
+            self._apply_meta(op)
+        except RemoteError as exc:  # diverged somehow: ask for the whole namespace
+            log.warning("metadata op %d failed here (%s); asking for a snapshot", seq, exc)
+            return {"stale": True}
+        return {}
+
+    async def rpc_meta_restore(self, snapshot: dict) -> dict:
+        if snapshot["seq"] > self.meta.seq:
+            self.meta = Meta.restore(snapshot)
+            known = self.meta.files()
+            for fid in {fid for fid, _ in self.store.stripes} - known:
+                self.store.drop(fid)
+        return {}
+
+    async def rpc_meta_snapshot(self) -> dict:
+        return self.meta.snapshot()
+
+    async def rpc_lookup(self, parent: int, name: str) -> dict:
+        return self.meta.lookup(parent, name)
+
+    async def rpc_getattr(self, ino: int) -> dict:
+        return self.meta.attr(ino)
+
+    async def rpc_readdir(self, ino: int) -> dict:
+        return {"entries": self.meta.readdir(ino)}
+
+    async def rpc_statfs(self) -> dict:
+        return {"capacity": self.cfg.capacity, "used": self.store.bytes_held, "files": len(self.meta.inodes)}
+
+    # -- data --------------------------------------------------------------------------------
+    async def rpc_stripe_info(self, fid: int, idxs: list[int]) -> dict:
+        self._require_ready()
+        return {str(i): (s.describe() if (s := self.store.get(fid, i)) else None) for i in idxs}
+
+    async def rpc_staging(self, owner: str, size: int) -> dict:
+        if not 0 < size <= MAX_STAGING_PER_OWNER:
+            raise RemoteError("EINVAL", f"staging size {size} out of range")
+        held = sum(r.length for r in self.staging[owner])
+        if held + size > MAX_STAGING_PER_OWNER:
+            raise RemoteError("ENOSPC", f"owner {owner} holds {held} bytes of staging already")
+        region = self.transport.alloc_region(size, Access.WRITE)
+        self.staging[owner].append(region)
+        return {"rkey": region.rkey, "size": size}
+
+    async def rpc_release(self, owner: str) -> dict:
+        for region in self.staging.pop(owner, []):
+            self.transport.free_region(region)
+        return {}
+
+    def _staged(self, rkey: int, offset: int, length: int) -> memoryview:
+        try:
+            return self.transport.regions.check(rkey, offset, length, Access.WRITE)
+        except AccessError as exc:
+            raise RemoteError("EINVAL", f"staging: {exc}") from None
+
+    def _check_range(self, offset: int, length: int, unit: int) -> None:
+        if unit != self.cfg.stripe_unit and (unit < 4096 or unit & (unit - 1)):
+            raise RemoteError("EINVAL", f"bad stripe unit {unit}")
+        if offset < 0 or length < 0 or offset + length > unit:
+            raise RemoteError("EINVAL", f"range {offset}+{length} outside a stripe of {unit}")
+
+    async def rpc_commit(self, fid: int, idx: int, offset: int, length: int, rkey: int, soff: int, unit: int) -> dict:
+        """Install a staged range as the stripe's primary, replicate it, answer with its version."""
+        self._require_ready()
+        self._check_range(offset, length, unit)
+        primary = self.cluster.stripe_primary(fid, idx)
+        if primary != self.name:
+            raise RemoteError("ENOTPRIMARY", primary or "")
+        data = self._staged(rkey, soff, length)
+        async with self.stripe_locks((fid, idx)):
+            version = self.store.install(fid, idx, offset, data, unit)
+            stripe = self.store.get(fid, idx)
+            async with trio.open_nursery() as n:
+                for peer in self.cluster.targets(fid, idx):
+                    if peer != self.name:
+                        n.start_soon(self._replicate, peer, fid, idx, offset, length, version, unit, stripe)
+        return {"version": version}
+
+    async def _replicate(self, peer: str, fid: int, idx: int, offset: int, length: int, version: int, unit: int, stripe) -> None:
+        async def push(rkey: int, soff: int, off: int, view: memoryview, full: bool) -> dict:
+            conn = await self.cluster.conn(peer)
+            await conn.write(rkey, soff, view)
+            return await self.cluster.call(
+                peer,
+                "apply",
+                {"fid": fid, "idx": idx, "offset": off, "length": len(view), "rkey": rkey, "soff": soff, "version": version, "unit": unit, "full": full},
+            )
+
+        try:
+            r = await self.peer_staging.with_slot(peer, lambda rk, so: push(rk, so, offset, stripe.data[offset : offset + length], False))
+            if r.get("stale"):
+                log.info("replica %s of stripe %d:%d is behind; sending the whole stripe", peer, fid, idx)
+                await self.peer_staging.with_slot(peer, lambda rk, so: push(rk, so, 0, stripe.data[: stripe.capacity], True))
+        except (TransportError, RemoteError) as exc:
+            if isinstance(exc, RemoteError) and exc.code == "EINVAL":
+                self.peer_staging.forget(peer)  # its staging region is gone: it restarted
+            log.warning("stripe %d:%d version %d not replicated to %s: %s", fid, idx, version, peer, exc)
+
+    async def rpc_apply(self, fid: int, idx: int, offset: int, length: int, rkey: int, soff: int, version: int, unit: int, full: bool) -> dict:
+        """Install a range (or the whole stripe) a primary sent, in version order."""
+        self._check_range(offset, length, unit)
+        data = self._staged(rkey, soff, length)
+        async with self.stripe_locks((fid, idx)):
+            stripe = self.store.get(fid, idx)
+            current = stripe.version if stripe else 0
+            if full:
+                if version > current:
+                    self.store.replace(fid, idx, data, unit, version)
+            elif current == version - 1:
+                self.store.install(fid, idx, offset, data, unit, version)
+            elif current < version:
+                return {"stale": True}
+        return {}
+
+    # -- resync --------------------------------------------------------------------------------
+    async def resync(self) -> None:
+        peers = [n for n in self.cluster.ready() if n != self.name]
+        if not peers:
+            log.info("node %s: no ready peer; starting with what it holds", self.name)
+            return
+        t0 = time.monotonic()
+        primary = self.cluster.meta_primary()
+        snap = await self.cluster.call(primary, "meta_snapshot")
+        await self.rpc_meta_restore(snap)
+        newest: dict[tuple[int, int], tuple[int, str, int]] = {}
+        for peer in peers:
+            try:
+                listing = (await self.cluster.call(peer, "stripes"))["stripes"]
+            except (NodeDown, RemoteError) as exc:
+                log.warning("resync: cannot list %s: %s", peer, exc)
+                continue
+            for fid, idx, version, cap in listing:
+                if version > newest.get((fid, idx), (-1,))[0]:
+                    newest[(fid, idx)] = (version, peer, cap)
+        files = self.meta.files()
+        live = set(peers) | {self.name}
+        todo = []
+        for (fid, idx), (version, peer, cap) in newest.items():
+            ranking = [n for n in self.cluster.stripe_rank(fid, idx) if n in live]
+            mine = self.store.get(fid, idx)
+            if fid in files and self.name in ranking[: self.cfg.replicas] and (mine is None or mine.version < version):
+                todo.append((fid, idx, version, peer, cap))
+        total_bytes = sum(t[4] for t in todo)
+        log.info("resync: %d stripes (%d bytes) to fetch from %d peers", len(todo), total_bytes, len(peers))
+        done_bytes, last_log = 0, time.monotonic()
+        for i, (fid, idx, version, peer, cap) in enumerate(todo, 1):
+            await self._fetch_stripe(fid, idx, peer)
+            done_bytes += cap
+            if time.monotonic() - last_log > 1.0 or i == len(todo):
+                last_log = time.monotonic()
+                log.info("resync: %d/%d stripes, %d/%d bytes", i, len(todo), done_bytes, total_bytes)
+        log.info("resync of node %s done in %.2fs", self.name, time.monotonic() - t0)
+
+    async def _fetch_stripe(self, fid: int, idx: int, peer: str) -> None:
+        try:
+            info = (await self.cluster.call(peer, "stripe_info", {"fid": fid, "idxs": [idx]}))[str(idx)]
+            if info is None:
+                return
+            buf = bytearray(info["capacity"])
+            conn = await self.cluster.conn(peer)
+            version = await read_verified(conn, info["rkey"], 0, memoryview(buf))
+        except (TransportError, RemoteError) as exc:
+            log.warning("resync: stripe %d:%d from %s failed: %s", fid, idx, peer, exc)
+            return
+        async with self.stripe_locks((fid, idx)):
+            mine = self.store.get(fid, idx)
+            if mine is None or mine.version < version:  # replication may have brought newer
+                self.store.replace(fid, idx, memoryview(buf), self.cfg.stripe_unit, version)
+
+
+def choose_transport(cfg: ClusterConfig) -> Transport:
+    from ..transport.select import choose
+
+    return choose(cfg.transport, cfg.token, op_timeout=cfg.op_timeout)
+
+
+def setup_logging(prefix: str, level: int = logging.INFO) -> None:
+    logging.basicConfig(level=level, stream=sys.stderr, format=f"%(asctime)s {prefix} %(levelname)s %(name)s: %(message)s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="irdmafs-node", description="Run one irdmafs PS node.")
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--node", required=True)
+    ap.add_argument("-v", "--verbose", action="store_true")
+    args = ap.parse_args(argv)
+    setup_logging(args.node, logging.DEBUG if args.verbose else logging.INFO)
+    try:
+        cfg = load(args.config)
+        cfg.node(args.node)
+    except ConfigError as exc:
+        print(f"irdmafs: {exc}", file=sys.stderr)
+        return 2
+    node = Node(cfg, args.node, choose_transport(cfg))
+    try:
+        trio.run(node.run)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

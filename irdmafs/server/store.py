@@ -1,0 +1,124 @@
+"""Stripes held in registered regions, each guarded by a version word (a seqlock).
+
+A stripe's region is ``[version: u64 little-endian][data: capacity bytes]``. Peers read the data
+one-sidedly; to never return a torn stripe they read the version word before and after the data
+(one pipelined burst on one connection, served in order) and retry unless both are the same even
+number. Installing new data here is: word := odd, copy, word := next even. The copy does not yield
+to trio, so over TCP it is atomic with respect to the responder; over verbs the NIC may read
+concurrently, and the odd/changed word makes the reader retry.
+
+``version`` as the API speaks of it counts commits: word == 2 * version when stable.
+
+Capacity grows in GROW-byte steps up to the stripe unit; growing moves the stripe to a new region
+(new rkey), and peers holding the old rkey get AccessError and look it up again.
+
+Concurrency: called from the node's trio thread only; nothing here awaits.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from ..transport.base import Access, Region, Transport
+
+HEADER = 8
+GROW = 64 << 10
+_WORD = struct.Struct("<Q")
+
+
+class NoSpace(Exception):
+    """The node's capacity would be exceeded."""
+
+
+@dataclass
+class Stripe:
+    region: Region
+
+    @property
+    def capacity(self) -> int:
+        return self.region.length - HEADER
+
+    @property
+    def data(self) -> memoryview:
+        return self.region.buf[HEADER:]
+
+    @property
+    def version(self) -> int:
+        return _WORD.unpack_from(self.region.buf, 0)[0] // 2
+
+    def describe(self) -> dict:
+        return {"rkey": self.region.rkey, "capacity": self.capacity, "version": self.version}
+
+
+class Store:
+    def __init__(self, transport: Transport, capacity: int):
+        self.transport = transport
+        self.capacity = capacity
+        self.used = 0
+        self.stripes: dict[tuple[int, int], Stripe] = {}
+
+    def get(self, fid: int, idx: int) -> Stripe | None:
+        return self.stripes.get((fid, idx))
+
+    def _alloc(self, capacity: int) -> Region:
+        if self.used + capacity > self.capacity:
+            raise NoSpace(f"node full: {self.used} + {capacity} > {self.capacity} bytes")
+        self.used += capacity
+        return self.transport.alloc_region(HEADER + capacity, Access.READ)
+
+    def _free(self, region: Region) -> None:
+        self.used -= region.length - HEADER
+        self.transport.free_region(region)
+
+    def ensure(self, fid: int, idx: int, needed: int, unit: int) -> Stripe:
+        """The stripe, created or grown so that ``needed`` data bytes fit (at most ``unit``)."""
+        if needed > unit:
+            raise ValueError(f"{needed} bytes do not fit a stripe unit of {unit}")
+        stripe = self.stripes.get((fid, idx))
+        if stripe is not None and stripe.capacity >= needed:
+            return stripe
+        cap = min(unit, max(GROW, -(-needed // GROW) * GROW))
+        region = self._alloc(cap)
+        if stripe is not None:
+            # Carry data and version over; the old region dies with its rkey.
+            region.buf[: stripe.region.length] = stripe.region.buf
+            self._free(stripe.region)
+        stripe = Stripe(region)
+        self.stripes[(fid, idx)] = stripe
+        return stripe
+
+    def install(self, fid: int, idx: int, offset: int, data: memoryview, unit: int, version: int | None = None) -> int:
+        """Copy ``data`` into the stripe at ``offset`` under the seqlock; returns the new version
+        (the next one, or ``version`` when a primary dictates it to a backup)."""
+        stripe = self.ensure(fid, idx, offset + len(data), unit)
+        buf = stripe.region.buf
+        word = _WORD.unpack_from(buf, 0)[0]
+        new = word // 2 + 1 if version is None else version
+        _WORD.pack_into(buf, 0, word | 1)
+        buf[HEADER + offset : HEADER + offset + len(data)] = data
+        _WORD.pack_into(buf, 0, 2 * new)
+        return new
+
+    def replace(self, fid: int, idx: int, data: memoryview, unit: int, version: int) -> None:
+        """Set the whole stripe content (resync, or a backup found behind)."""
+        stripe = self.ensure(fid, idx, len(data), unit)
+        buf = stripe.region.buf
+        _WORD.pack_into(buf, 0, _WORD.unpack_from(buf, 0)[0] | 1)
+        buf[HEADER : HEADER + len(data)] = data
+        buf[HEADER + len(data) :] = bytes(len(buf) - HEADER - len(data))
+        _WORD.pack_into(buf, 0, 2 * version)
+
+    def drop(self, fid: int, from_idx: int = 0) -> int:
+        """Free the stripes ``from_idx`` and up of a file; returns how many went."""
+        doomed = [k for k in self.stripes if k[0] == fid and k[1] >= from_idx]
+        for key in doomed:
+            self._free(self.stripes.pop(key).region)
+        return len(doomed)
+
+    def listing(self) -> list[list[int]]:
+        return [[fid, idx, s.version, s.capacity] for (fid, idx), s in self.stripes.items()]
+
+    @property
+    def bytes_held(self) -> int:
+        return self.used

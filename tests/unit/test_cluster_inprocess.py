@@ -1,0 +1,139 @@
+"""A whole cluster in one process on the memory transport: the fast tier of the data path."""
+
+import os
+
+import numpy as np
+import pytest
+import trio
+
+from irdmafs.client.client import Client
+from irdmafs.config import from_dict
+from irdmafs.server.node import Node
+from irdmafs.transport.base import RemoteError
+from irdmafs.transport.memory import MemoryTransport
+
+
+def config(n=3, r=2, unit=64 << 10):
+    return from_dict(
+        {
+            "nodes": [{"name": f"n{i}", "host": "mem", "port": 9000 + i} for i in range(n)],
+            "token": "test-token-123",
+            "replicas": r,
+            "stripe_unit": unit,
+            "transport": ["memory"],
+            "heartbeat": 0.05,
+            "down_after": 0.3,
+        }
+    )
+
+
+async def start_cluster(nursery, cfg):
+    nodes = []
+    for spec in cfg.nodes:
+        node = Node(cfg, spec.name, MemoryTransport(cfg.token))
+        await nursery.start(node.run)
+        nodes.append(node)
+    with trio.fail_after(5):
+        while not all(n.sees_all_ready for n in nodes):
+            await trio.sleep(0.01)
+    return nodes
+
+
+@pytest.fixture
+async def cluster(nursery):
+    cfg = config()
+    nodes = await start_cluster(nursery, cfg)
+    return cfg, nodes
+
+
+async def test_files_round_trip_across_stripes(cluster):
+    cfg, nodes = cluster
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
+        await c.makedirs("/model")
+        blobs = {f"/model/f{n}": os.urandom(n) for n in (0, 1, 4095, 65536, 65537, 300_000)}
+        for path, blob in blobs.items():
+            await c.write_file(path, blob)
+        for path, blob in blobs.items():
+            assert await c.read_file(path) == blob
+            assert (await c.stat(path))["size"] == len(blob)
+        assert sorted(await c.listdir("/model")) == sorted(p.split("/")[-1] for p in blobs)
+        # each stripe sits on exactly R nodes
+        held = sum(len(n.store.stripes) for n in nodes)
+        stripes = sum(-(-len(b) // cfg.stripe_unit) for b in blobs.values())
+        assert held == stripes * cfg.replicas
+
+
+async def test_partial_overwrite_and_read_at_offsets(cluster):
+    cfg, _ = cluster
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
+        ref = bytearray(os.urandom(200_000))
+        attr = await c.write_file("/f", ref)
+        patch = os.urandom(70_000)
+        await c.write(attr["ino"], 60_000, patch)
+        ref[60_000:130_000] = patch
+        assert await c.read(attr["ino"], 0, 10**6) == ref
+        assert await c.read(attr["ino"], 65_530, 20) == ref[65_530:65_550]
+        assert await c.read(attr["ino"], 500_000, 10) == b""
+        # write past the end leaves a hole of zeros
+        await c.write(attr["ino"], 400_000, b"end")
+        data = await c.read_file("/f")
+        assert len(data) == 400_003 and data[200_000:400_000] == bytes(200_000) and data[-3:] == b"end"
+
+
+async def test_truncate_then_grow_reads_zeros(cluster):
+    cfg, nodes = cluster
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
+        attr = await c.write_file("/t", os.urandom(300_000))
+        await c.truncate(attr["ino"], 70_000)
+        await c.write(attr["ino"], 299_999, b"x")
+        data = await c.read_file("/t")
+        assert data[70_000:299_999] == bytes(229_999)
+
+
+async def test_arrays_save_and_load(cluster):
+    cfg, _ = cluster
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
+        await c.makedirs("/m")
+        for arr in (np.arange(100_000, dtype=np.float32).reshape(100, 1000), np.zeros((0, 3)), np.array(3.5)):
+            await c.save("/m/a.npy", arr)
+            back = await c.load("/m/a.npy")
+            assert back.dtype == arr.dtype and back.shape == arr.shape and np.array_equal(back, arr)
+        await c.write_file("/m/bad.npy", b"\x93NUMPY\x01\x00garbage")
+        with pytest.raises(RemoteError) as err:
+            await c.load("/m/bad.npy")
+        assert err.value.code == "EINVAL"
+
+
+async def test_namespace_errors(cluster):
+    cfg, _ = cluster
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
+        await c.makedirs("/d/e")
+        await c.write_file("/d/f", b"1")
+        cases = [
+            (c.mkdir(1, "d"), "EEXIST"),
+            (c.resolve("/nope"), "ENOENT"),
+            (c.resolve("/d/f/x"), "ENOTDIR"),
+            (c.rmdir_path("/d"), "ENOTEMPTY"),
+            (c.remove("/d/e"), "EISDIR"),
+            (c.mkdir(1, "x" * 256), "ENAMETOOLONG"),
+            (c.mkdir(1, "a\0b"), "EINVAL"),
+            (c.move("/d", "/d/e/inside"), "EINVAL"),
+        ]
+        for coro, code in cases:
+            with pytest.raises(RemoteError) as err:
+                await coro
+            assert err.value.code == code
+        # rename over an existing file replaces it, as rsync does
+        await c.write_file("/d/g", b"new")
+        await c.move("/d/g", "/d/f")
+        assert await c.read_file("/d/f") == b"new"
+        assert sorted(await c.listdir("/d")) == ["e", "f"]
+
+
+async def test_unlink_frees_stripes_everywhere(cluster):
+    cfg, nodes = cluster
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
+        await c.write_file("/big", os.urandom(500_000))
+        assert sum(len(n.store.stripes) for n in nodes) > 0
+        await c.remove("/big")
+        assert sum(len(n.store.stripes) for n in nodes) == 0
