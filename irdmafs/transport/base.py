@@ -112,6 +112,9 @@ class RegionTable:
         self._next += 1
         return region
 
+    def get(self, rkey: int) -> Region | None:
+        return self._regions.get(rkey)
+
     def remove(self, rkey: int) -> None:
         self._regions.pop(rkey, None)
 
