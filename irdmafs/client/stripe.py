@@ -60,10 +60,12 @@ class StripeIO:
     async def _prefetch(self, fid: int, idxs: list[int]) -> None:
         """One stripe_info call per node for every stripe whose key is not cached."""
         wanted: dict[str, list[int]] = {}
+        replicas = self.cluster.cfg.replicas
         for idx in idxs:
-            cands = self.cluster.read_candidates(fid, idx)
-            if cands and (cands[0], fid, idx) not in self._keys:
-                wanted.setdefault(cands[0], []).append(idx)
+            # every home replica: load balancing may pick any of them for this stripe
+            for node in self.cluster.read_candidates(fid, idx)[:replicas]:
+                if (node, fid, idx) not in self._keys:
+                    wanted.setdefault(node, []).append(idx)
         async with trio.open_nursery() as n:
             for node, missing in wanted.items():
                 n.start_soon(self._lookup_quietly, node, fid, missing)

@@ -15,10 +15,16 @@ TOKEN = b"conformance-token"
 def _verbs_transport(token):
     from irdmafs.transport import verbs
 
-    reason = verbs.unusable_reason()
-    if reason:
-        pytest.skip(f"verbs transport not runnable here: {reason}")
     return verbs.VerbsTransport(token)
+
+
+def _verbs_reason():
+    from irdmafs.transport import verbs
+
+    return verbs.unusable_reason()
+
+
+VERBS_REASON = _verbs_reason()
 
 
 FACTORIES = {
@@ -56,7 +62,13 @@ async def handler(method, args):
     raise RemoteError("ENOSYS", method)
 
 
-@pytest.fixture(params=list(FACTORIES))
+@pytest.fixture(
+    params=[
+        "memory",
+        "tcp",
+        pytest.param("verbs", marks=pytest.mark.skipif(bool(VERBS_REASON), reason=f"verbs transport not runnable here: {VERBS_REASON}")),
+    ]
+)
 async def served(request, nursery):
     server = FACTORIES[request.param](TOKEN)
     address = await nursery.start(server.serve, "127.0.0.1", 0, handler)
