@@ -32,6 +32,11 @@ class NpyHeader(NamedTuple):
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
 
+def tensor_info(h: NpyHeader) -> dict:
+    """What the namespace records about a tensor file (JSON-friendly)."""
+    return {"dtype": h.dtype.str, "shape": list(h.shape), "offset": h.data_offset, "fortran": h.fortran}
+
+
 def encode_header(arr: np.ndarray) -> bytes:
     buf = io.BytesIO()
     npf.write_array_header_1_0(buf, npf.header_data_from_array_1_0(np.require(arr, requirements="C")))

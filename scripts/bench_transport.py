@@ -9,8 +9,9 @@ Measures, each between two processes on loopback:
   (c) one-sided WRITE of the same;
   (d) Client striped read and write of a 256 MiB file over 3 local node processes (R=1), and the
       write again with R=2.
-Every figure is the median of --reps runs, printed in GB/s and as a ratio to (a) measured in the
-same run, because these machines are shared and absolute numbers move from run to run.
+Every figure is the median of --reps runs, printed in GB/s and as a ratio to (a). Each timed
+run follows a raw-socket transfer of the same size, and (a) is the median of all of those, so
+noise on these shared machines lands on both sides of every ratio alike.
 """
 
 from __future__ import annotations
@@ -41,37 +42,42 @@ TOKEN = b"bench-token-0123456789"
 
 
 # -- (a) raw socket -------------------------------------------------------------------------------
-def _raw_sender(port: int, nbytes: int, reps: int) -> None:
+def _raw_sender(port: int, nbytes: int) -> None:
     buf = memoryview(bytearray(nbytes))
     s = socket.create_connection(("127.0.0.1", port))
     s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
-    for _ in range(reps):
-        s.recv(1)  # go
+    while s.recv(1) == b"g":  # one transfer per "go"; anything else ends it
         s.sendall(buf)
     s.close()
 
 
-def raw_socket(nbytes: int, reps: int) -> list[float]:
-    ls = socket.socket()
-    ls.bind(("127.0.0.1", 0))
-    ls.listen(1)
-    proc = mp.Process(target=_raw_sender, args=(ls.getsockname()[1], nbytes, reps))
-    proc.start()
-    conn, _ = ls.accept()
-    conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
-    buf = memoryview(bytearray(nbytes))
-    times = []
-    for _ in range(reps):
+class RawSocket:
+    """A sender process and a receiving socket; ``once()`` times one transfer."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        ls = socket.socket()
+        ls.bind(("127.0.0.1", 0))
+        ls.listen(1)
+        self.proc = mp.Process(target=_raw_sender, args=(ls.getsockname()[1], nbytes), daemon=True)
+        self.proc.start()
+        self.conn, _ = ls.accept()
+        ls.close()
+        self.conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
+        self.buf = memoryview(bytearray(nbytes))
+
+    def once(self) -> float:
         t0 = time.perf_counter()
-        conn.send(b"g")
+        self.conn.send(b"g")
         got = 0
-        while got < nbytes:
-            got += conn.recv_into(buf[got:])
-        times.append(time.perf_counter() - t0)
-    conn.close()
-    ls.close()
-    proc.join()
-    return times
+        while got < self.nbytes:
+            got += self.conn.recv_into(self.buf[got:])
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.conn.send(b"q")
+        self.conn.close()
+        self.proc.join(5)
 
 
 # -- (b, c) one-sided READ / WRITE against a node process -----------------------------------------
@@ -91,9 +97,11 @@ def _region_server(port_q: mp.Queue, nbytes: int) -> None:
     trio.run(main)
 
 
-async def one_sided(port: int, sizes: list[int], reps: int) -> dict[str, list[float]]:
+async def one_sided(port: int, sizes: list[int], reps: int, raw: RawSocket) -> dict[str, list[float]]:
+    """READ and WRITE timings, each rep interleaved with a raw-socket transfer (key ``raw``), so
+    noise on this shared machine lands on both sides of every ratio alike."""
     t = TcpTransport(TOKEN)
-    out: dict[str, list[float]] = {}
+    out: dict[str, list[float]] = {"raw": []}
     async with trio.open_nursery() as n:
         conn = await t.connect("127.0.0.1", port, nursery=n)
         rkey = (await conn.call("rkey"))["rkey"]
@@ -103,6 +111,7 @@ async def one_sided(port: int, sizes: list[int], reps: int) -> dict[str, list[fl
             for op in ("read", "write"):
                 times = []
                 for _ in range(reps):
+                    out["raw"].append(raw.once())
                     t0 = time.perf_counter()
                     if op == "read":
                         await conn.read(rkey, 0, buf)
@@ -116,7 +125,7 @@ async def one_sided(port: int, sizes: list[int], reps: int) -> dict[str, list[fl
 
 
 # -- (d) Client striping over 3 node processes ------------------------------------------------------
-async def client_striped(state: Path, replicas: int, nbytes: int, reps: int) -> dict[str, list[float]]:
+async def client_striped(state: Path, replicas: int, nbytes: int, reps: int, raw: RawSocket) -> dict[str, list[float]]:
     path = write_config(state, 3, replicas, transport=["tcp"])
     lc = LocalCluster(path)
     lc.start_all()
@@ -124,16 +133,18 @@ async def client_striped(state: Path, replicas: int, nbytes: int, reps: int) -> 
         await wait_settled(lc.cfg)
         data = np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8)
         out = np.empty_like(data)
-        times: dict[str, list[float]] = {"write": [], "read": []}
+        times: dict[str, list[float]] = {"write": [], "read": [], "raw": []}
         async with Client.connect(lc.cfg) as c:
             attr = await c.write_file("/bench", data)  # warm-up: allocates every stripe
             for _ in range(reps):
+                times["raw"].append(raw.once())
                 t0 = time.perf_counter()
                 await c.write(attr["ino"], 0, data, attr)
                 times["write"].append(time.perf_counter() - t0)
             attr = await c.getattr(attr["ino"])
             await c.read_into(attr["ino"], 0, memoryview(out), attr)  # warm-up: fault in `out`
             for _ in range(reps):
+                times["raw"].append(raw.once())
                 t0 = time.perf_counter()
                 await c.read_into(attr["ino"], 0, memoryview(out), attr)
                 times["read"].append(time.perf_counter() - t0)
@@ -155,16 +166,17 @@ def main() -> int:
     big = 256 * MiB
 
     res: dict[str, float] = {}
-    res["raw_socket_gbps"] = gbps(big, raw_socket(big, args.reps))
-
+    raw = RawSocket(big)
+    raw.once()  # warm-up
     q: mp.Queue = mp.Queue()
     server = mp.Process(target=_region_server, args=(q, big), daemon=True)
     server.start()
     try:
         port = q.get(timeout=30)
-        os_res = trio.run(one_sided, port, [64 * MiB, big], args.reps)
+        os_res = trio.run(one_sided, port, [64 * MiB, big], args.reps, raw)
     finally:
         server.kill()
+    raw_times = os_res.pop("raw")
     for key, times in os_res.items():
         op, mib = key.split("_")
         res[f"{op}_{mib}mib_gbps"] = gbps(int(mib) * MiB, times)
@@ -172,8 +184,11 @@ def main() -> int:
     res["write_gbps"] = res["write_256mib_gbps"]
 
     with tempfile.TemporaryDirectory() as tmp:
-        r1 = trio.run(client_striped, Path(tmp) / "r1", 1, big, args.reps)
-        r2 = trio.run(client_striped, Path(tmp) / "r2", 2, big, max(2, args.reps // 2))
+        r1 = trio.run(client_striped, Path(tmp) / "r1", 1, big, args.reps, raw)
+        r2 = trio.run(client_striped, Path(tmp) / "r2", 2, big, args.reps, raw)
+    raw.close()
+    raw_times += r1.pop("raw") + r2.pop("raw")
+    res["raw_socket_gbps"] = gbps(big, raw_times)
     res["client_read_gbps"] = gbps(big, r1["read"])
     res["client_write_gbps"] = gbps(big, r1["write"])
     res["client_write_r2_gbps"] = gbps(big, r2["write"])

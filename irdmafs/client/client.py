@@ -108,14 +108,32 @@ class Client:
     async def _op(self, **op: Any) -> dict:
         return await self._primary_call("meta", {"op": op})
 
-    async def lookup(self, parent: int, name: str) -> dict:
-        return await self._primary_call("lookup", {"parent": parent, "name": name})
+    async def lookup(self, parent: int, name: str, snap: int = 0) -> dict:
+        return await self._primary_call("lookup", {"parent": parent, "name": name, "snap": snap})
 
-    async def getattr(self, ino: int) -> dict:
-        return await self._primary_call("getattr", {"ino": ino})
+    async def getattr(self, ino: int, snap: int = 0) -> dict:
+        return await self._primary_call("getattr", {"ino": ino, "snap": snap})
 
-    async def readdir(self, ino: int) -> list[tuple[str, dict]]:
-        return [tuple(e) for e in (await self._primary_call("readdir", {"ino": ino}))["entries"]]
+    async def readdir(self, ino: int, snap: int = 0) -> list[tuple[str, dict]]:
+        return [tuple(e) for e in (await self._primary_call("readdir", {"ino": ino, "snap": snap}))["entries"]]
+
+    async def snapshots(self) -> dict[str, dict]:
+        """name -> {"id", "time_ns"} of every snapshot."""
+        return (await self._primary_call("snapshots", {}))["snapshots"]
+
+    async def take_snapshot(self, name: str) -> dict:
+        """A consistent, read-only, point-in-time copy of the whole namespace and its data."""
+        return await self._op(op="snapshot", name=name)
+
+    async def drop_snapshot(self, name: str) -> dict:
+        return await self._op(op="unsnapshot", name=name)
+
+    async def set_tensor(self, ino: int, tensor: dict | None) -> dict:
+        return await self._op(op="settensor", ino=ino, tensor=tensor)
+
+    async def extend(self, ino: int, size: int) -> dict:
+        """Content changed up to ``size``: grow the file if needed, move mtime and version."""
+        return await self._op(op="extend", ino=ino, size=size)
 
     async def statfs(self) -> dict:
         total = used = 0
@@ -155,22 +173,24 @@ class Client:
         return await self._op(op="setxattr", ino=ino, name=name, value=value)
 
     # -- data (inode level) --------------------------------------------------------------------
-    async def read_into(self, ino: int, offset: int, into: memoryview, attr: dict | None = None) -> int:
+    async def read_into(self, ino: int, offset: int, into: memoryview, attr: dict | None = None, snap: int = 0) -> int:
         """Read from ``offset`` into ``into``; returns the bytes read (short at end of file)."""
-        attr = attr or await self.getattr(ino)
+        attr = attr or await self.getattr(ino, snap)
         if S.S_ISDIR(attr["mode"]):
             raise RemoteError("EISDIR", "is a directory")
-        return await self.io.read(ino, attr["size"], attr["unit"], offset, into)
+        return await self.io.read(ino, attr["size"], attr["unit"], offset, into, snap)
 
-    async def read(self, ino: int, offset: int, length: int, attr: dict | None = None) -> bytes:
+    async def read(self, ino: int, offset: int, length: int, attr: dict | None = None, snap: int = 0) -> bytes:
         buf = bytearray(length)
-        n = await self.read_into(ino, offset, memoryview(buf), attr)
+        n = await self.read_into(ino, offset, memoryview(buf), attr, snap)
         del buf[n:]
         return bytes(buf)
 
-    async def write(self, ino: int, offset: int, data: Any, attr: dict | None = None) -> dict:
-        """Write bytes at ``offset``; returns the new attributes. When it returns, the data is on
-        every live replica and the size is visible to every client."""
+    async def write(self, ino: int, offset: int, data: Any, attr: dict | None = None, *, extend: bool = True) -> dict | None:
+        """Write bytes at ``offset``. When it returns, the data is on every live replica; with
+        ``extend`` (the default) the new size is visible to every client too and the new
+        attributes are returned. The file system passes extend=False and calls ``extend`` once
+        at flush, which is when POSIX close-to-open consistency needs it."""
         if offset < 0:
             raise RemoteError("EINVAL", f"negative offset {offset}")
         attr = attr or await self.getattr(ino)
@@ -178,7 +198,7 @@ class Client:
             raise RemoteError("EISDIR", "is a directory")
         view = memoryview(data).cast("B")
         await self.io.write(ino, attr["unit"], offset, view)
-        return await self._op(op="extend", ino=ino, size=offset + len(view))
+        return await self.extend(ino, offset + len(view)) if extend else None
 
     async def truncate(self, ino: int, size: int, **attrs: Any) -> dict:
         attr = await self.getattr(ino)
@@ -275,7 +295,8 @@ class Client:
             n.start_soon(self.io.write, attr["ino"], attr["unit"], 0, memoryview(header))
             if len(body):
                 n.start_soon(self.io.write, attr["ino"], attr["unit"], len(header), body)
-        return await self._op(op="extend", ino=attr["ino"], size=len(header) + len(body))
+        await self.extend(attr["ino"], len(header) + len(body))
+        return await self.set_tensor(attr["ino"], formats.tensor_info(formats.parse_header(header)))
 
     async def load(self, path: str, out: np.ndarray | None = None) -> np.ndarray:
         """Read a .npy file straight into a new array (or ``out``): one copy, from the wire."""

@@ -46,33 +46,33 @@ class StripeIO:
         self.cluster = cluster
         self.staging = staging
         self.write_deadline = write_deadline
-        self._keys: dict[tuple[str, int, int], tuple[int, int] | None] = {}
+        self._keys: dict[tuple[str, int, int, int], tuple[int, int] | None] = {}
         self.bytes_read = 0
         self.bytes_written = 0
 
     # -- stripe keys ---------------------------------------------------------------------------
-    async def _lookup(self, node: str, fid: int, idxs: list[int]) -> None:
-        info = await self.cluster.call(node, "stripe_info", {"fid": fid, "idxs": idxs})
+    async def _lookup(self, node: str, fid: int, idxs: list[int], snap: int) -> None:
+        info = await self.cluster.call(node, "stripe_info", {"fid": fid, "idxs": idxs, "snap": snap})
         for idx in idxs:
             d = info.get(str(idx))
-            self._keys[(node, fid, idx)] = (d["rkey"], d["capacity"]) if d else None
+            self._keys[(node, fid, idx, snap)] = (d["rkey"], d["capacity"]) if d else None
 
-    async def _prefetch(self, fid: int, idxs: list[int]) -> None:
+    async def _prefetch(self, fid: int, idxs: list[int], snap: int) -> None:
         """One stripe_info call per node for every stripe whose key is not cached."""
         wanted: dict[str, list[int]] = {}
         replicas = self.cluster.cfg.replicas
         for idx in idxs:
             # every home replica: load balancing may pick any of them for this stripe
             for node in self.cluster.read_candidates(fid, idx)[:replicas]:
-                if (node, fid, idx) not in self._keys:
+                if (node, fid, idx, snap) not in self._keys:
                     wanted.setdefault(node, []).append(idx)
         async with trio.open_nursery() as n:
             for node, missing in wanted.items():
-                n.start_soon(self._lookup_quietly, node, fid, missing)
+                n.start_soon(self._lookup_quietly, node, fid, missing, snap)
 
-    async def _lookup_quietly(self, node: str, fid: int, idxs: list[int]) -> None:
+    async def _lookup_quietly(self, node: str, fid: int, idxs: list[int], snap: int) -> None:
         try:
-            await self._lookup(node, fid, idxs)
+            await self._lookup(node, fid, idxs, snap)
         except (NodeDown, RemoteError):
             pass  # the per-stripe read path deals with it
 
@@ -81,18 +81,19 @@ class StripeIO:
             del self._keys[key]
 
     # -- reads ---------------------------------------------------------------------------------
-    async def read(self, fid: int, size: int, unit: int, offset: int, into: memoryview) -> int:
-        """Fill ``into`` from ``offset`` (clipped at ``size``); returns the byte count."""
+    async def read(self, fid: int, size: int, unit: int, offset: int, into: memoryview, snap: int = 0) -> int:
+        """Fill ``into`` from ``offset`` (clipped at ``size``) of the live file or of snapshot
+        ``snap``; returns the byte count."""
         n = max(0, min(len(into), size - offset))
         pieces = split(offset, n, unit)
-        await self._prefetch(fid, [p.idx for p in pieces])
+        await self._prefetch(fid, [p.idx for p in pieces], snap)
         async with trio.open_nursery() as nursery:
             for p in pieces:
-                nursery.start_soon(self._read_piece, fid, p, into[p.pos : p.pos + p.length])
+                nursery.start_soon(self._read_piece, fid, p, into[p.pos : p.pos + p.length], snap)
         self.bytes_read += n
         return n
 
-    async def _read_piece(self, fid: int, p: Piece, view: memoryview) -> None:
+    async def _read_piece(self, fid: int, p: Piece, view: memoryview, snap: int) -> None:
         missing: set[str] = set()
         stale_keys = 0
         give_up = trio.current_time() + self.cluster.cfg.op_timeout
@@ -116,9 +117,9 @@ class StripeIO:
                 raise Unavailable(f"stripe {p.idx} of file {fid}: replicas {down} unavailable")
             node = candidates[0]
             try:
-                if (node, fid, p.idx) not in self._keys:
-                    await self._lookup(node, fid, [p.idx])
-                key = self._keys[(node, fid, p.idx)]
+                if (node, fid, p.idx, snap) not in self._keys:
+                    await self._lookup(node, fid, [p.idx], snap)
+                key = self._keys[(node, fid, p.idx, snap)]
                 if key is None:
                     missing.add(node)
                     continue
@@ -129,7 +130,7 @@ class StripeIO:
                 view[k:] = bytes(len(view) - k)
                 return
             except AccessError:
-                self._keys.pop((node, fid, p.idx), None)  # stripe moved to a new region
+                self._keys.pop((node, fid, p.idx, snap), None)  # stripe moved to a new region
                 stale_keys += 1
                 if stale_keys > 10:
                     raise

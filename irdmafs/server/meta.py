@@ -37,8 +37,12 @@ class Meta:
     def __init__(self) -> None:
         self.seq = 0
         self.next_ino = ROOT + 1
+        self.next_snap = 1
         self.inodes: dict[int, dict[str, Any]] = {}
         self.entries: dict[int, dict[str, int]] = {}
+        # name -> {"id", "time_ns", "inodes", "entries"}: frozen copies of the namespace
+        self.snapshots: dict[str, dict[str, Any]] = {}
+        self._views: dict[int, Meta] = {}
         self._new_inode(ROOT, S.S_IFDIR | 0o755, 0, 0, 0, 0)
 
     # -- reading ---------------------------------------------------------------------------
@@ -68,12 +72,33 @@ class Meta:
     def files(self) -> set[int]:
         return {ino for ino, n in self.inodes.items() if S.S_ISREG(n["mode"])}
 
+    def view(self, snap: int) -> "Meta":
+        """The namespace as it is (snap 0) or as snapshot ``snap`` froze it."""
+        if snap == 0:
+            return self
+        if snap not in self._views:
+            for s in self.snapshots.values():
+                if s["id"] == snap:
+                    v = Meta()
+                    v.inodes = {int(k): n for k, n in s["inodes"].items()}
+                    v.entries = {int(k): dict(e) for k, e in s["entries"].items()}
+                    self._views[snap] = v
+                    break
+            else:
+                raise _err("ENOENT", f"no snapshot {snap}")
+        return self._views[snap]
+
+    def snapshot_ids(self) -> dict[str, int]:
+        return {name: s["id"] for name, s in self.snapshots.items()}
+
     def snapshot(self) -> dict:
         return {
             "seq": self.seq,
             "next_ino": self.next_ino,
+            "next_snap": self.next_snap,
             "inodes": {str(k): v for k, v in self.inodes.items()},
             "entries": {str(k): v for k, v in self.entries.items()},
+            "snapshots": self.snapshots,
         }
 
     @classmethod
@@ -81,8 +106,10 @@ class Meta:
         m = cls()
         m.seq = snap["seq"]
         m.next_ino = snap["next_ino"]
+        m.next_snap = snap.get("next_snap", 1)
         m.inodes = {int(k): v for k, v in snap["inodes"].items()}
         m.entries = {int(k): dict(v) for k, v in snap["entries"].items()}
+        m.snapshots = copy.deepcopy(snap.get("snapshots", {}))
         return m
 
     # -- the primary's side: turn a request into a deterministic op -----------------------------
@@ -91,6 +118,8 @@ class Meta:
         op = dict(op, now=now_ns)
         if op["op"] in ("create", "mkdir"):
             op["ino"] = self.next_ino
+        if op["op"] == "snapshot":
+            op["id"] = self.next_snap
         return op
 
     # -- everyone's side ---------------------------------------------------------------------
@@ -117,6 +146,8 @@ class Meta:
             "ctime_ns": now,
             "unit": unit,
             "xattrs": {},
+            "version": 0,  # counts content changes
+            "tensor": None,  # {"dtype", "shape", "offset"} while the content is a valid .npy
         }
         self.inodes[ino] = node
         if S.S_ISDIR(mode):
@@ -243,8 +274,10 @@ class Meta:
             raise _err("EISDIR" if S.S_ISDIR(node["mode"]) else "EINVAL", "bad size change")
         if "mode" in fields:
             fields = dict(fields, mode=S.S_IFMT(node["mode"]) | S.S_IMODE(fields["mode"]))
-        if "size" in fields and fields["size"] != node["size"] and "mtime_ns" not in fields:
-            node["mtime_ns"] = op["now"]
+        if "size" in fields and fields["size"] != node["size"]:
+            node["version"] += 1
+            if "mtime_ns" not in fields:
+                node["mtime_ns"] = op["now"]
         node.update(fields)
         node["ctime_ns"] = op["now"]
         return self.attr(op["ino"])
@@ -256,7 +289,39 @@ class Meta:
             raise _err("EISDIR", "cannot write a directory")
         node["size"] = max(node["size"], op["size"])
         node["mtime_ns"] = node["ctime_ns"] = op["now"]
+        node["version"] += 1
         return self.attr(op["ino"])
+
+    def _op_settensor(self, op: dict) -> dict:
+        """Record what the file's .npy header says (or None: not a tensor)."""
+        node = self.inode(op["ino"])
+        if S.S_ISDIR(node["mode"]):
+            raise _err("EISDIR", "a directory is not a tensor")
+        node["tensor"] = op["tensor"]
+        return self.attr(op["ino"])
+
+    def check_snapshot_name(self, name: str) -> None:
+        check_name(name)
+        if name in self.snapshots:
+            raise _err("EEXIST", f"snapshot {name!r} exists")
+
+    def _op_snapshot(self, op: dict) -> dict:
+        self.check_snapshot_name(op["name"])
+        self.snapshots[op["name"]] = {
+            "id": op["id"],
+            "time_ns": op["now"],
+            "inodes": copy.deepcopy({str(k): v for k, v in self.inodes.items()}),
+            "entries": copy.deepcopy({str(k): v for k, v in self.entries.items()}),
+        }
+        self.next_snap = max(self.next_snap, op["id"] + 1)
+        return {"id": op["id"], "time_ns": op["now"]}
+
+    def _op_unsnapshot(self, op: dict) -> dict:
+        snap = self.snapshots.pop(op["name"], None)
+        if snap is None:
+            raise _err("ENOENT", f"no snapshot {op['name']!r}")
+        self._views.pop(snap["id"], None)
+        return {"id": snap["id"]}
 
     def _op_setxattr(self, op: dict) -> dict:
         node = self.inode(op["ino"])
@@ -268,6 +333,3 @@ class Meta:
             node["xattrs"][op["name"]] = op["value"]
         node["ctime_ns"] = op["now"]
         return {}
-
-    def clone(self) -> "Meta":
-        return copy.deepcopy(self)

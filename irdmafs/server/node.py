@@ -43,6 +43,7 @@ from .store import NoSpace, Store
 log = logging.getLogger(__name__)
 
 MAX_STAGING_PER_OWNER = 512 << 20
+FREEZE_SECONDS = 30.0  # a frozen node thaws by itself after this
 
 
 class KeyedLocks:
@@ -95,6 +96,12 @@ class Node:
         self.peer_staging: StagingPool | None = None
         self.started = time.time()
         self.counters: dict[str, int] = defaultdict(int)
+        # The commit barrier: a snapshot freezes commits on every node at once.
+        self.commits_in_flight = 0
+        self.commits_drained = trio.Event()
+        self.frozen_by: str | None = None
+        self.thawed = trio.Event()
+        self.thawed.set()
 
     # -- lifetime ----------------------------------------------------------------------------
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -162,19 +169,70 @@ class Node:
             raise RemoteError("ENOTPRIMARY", primary or "")
         async with self.meta_lock:
             op = self.meta.prepare(op, now_ns())
-            result = self._apply_meta(op)
-            seq = self.meta.seq
-            async with trio.open_nursery() as n:
-                for peer in self.cluster.live():
-                    if peer != self.name:
-                        n.start_soon(self._forward_meta, peer, seq, op)
+            if op["op"] == "snapshot":
+                return await self._take_snapshot(op)
+            return await self._apply_and_forward(op)
+
+    async def _apply_and_forward(self, op: dict) -> dict:
+        result = self._apply_meta(op)
+        seq = self.meta.seq
+        async with trio.open_nursery() as n:
+            for peer in self.cluster.live():
+                if peer != self.name:
+                    n.start_soon(self._forward_meta, peer, seq, op)
         return result
+
+    async def _take_snapshot(self, op: dict) -> dict:
+        """Freeze commits on every live node, record the namespace, copy every live stripe on
+        every node under the snapshot id, thaw. Every commit is either wholly in or out."""
+        self.meta.check_snapshot_name(op["name"])
+        nodes = self.cluster.live()
+        token = f"{self.name}:{op['id']}"
+        frozen: list[str] = []
+        try:
+            async with trio.open_nursery() as n:
+                for node in nodes:
+                    n.start_soon(self._freeze_one, node, token, frozen)
+            result = await self._apply_and_forward(op)
+            copied = {}
+            async with trio.open_nursery() as n:
+                for node in nodes:
+                    n.start_soon(self._copy_one, node, op["id"], copied)
+            log.info("snapshot %r (id %d) taken on %s: %d bytes", op["name"], op["id"], ", ".join(sorted(copied)), sum(copied.values()))
+            return dict(result, nodes=sorted(copied))
+        finally:
+            with trio.CancelScope(shield=True):
+                for node in frozen:
+                    try:
+                        await self._call_node(node, "thaw", {"token": token})
+                    except (NodeDown, RemoteError) as exc:  # it auto-thaws after its deadline
+                        log.warning("thaw of %s failed: %s", node, exc)
+
+    async def _call_node(self, node: str, method: str, args: dict) -> dict:
+        if node == self.name:
+            return await self.handle(method, args)
+        return await self.cluster.call(node, method, args)
+
+    async def _freeze_one(self, node: str, token: str, frozen: list[str]) -> None:
+        try:
+            await self._call_node(node, "freeze", {"token": token, "seconds": FREEZE_SECONDS})
+            frozen.append(node)
+        except NodeDown as exc:
+            log.warning("snapshot: %s is down, it gets the snapshot at resync: %s", node, exc)
+
+    async def _copy_one(self, node: str, snap: int, copied: dict) -> None:
+        try:
+            copied[node] = (await self._call_node(node, "snap_copy", {"snap": snap}))["bytes"]
+        except (NodeDown, RemoteError) as exc:
+            log.warning("snapshot %d not copied on %s: %s", snap, node, exc)
 
     def _apply_meta(self, op: dict) -> dict:
         result = self.meta.apply(op)
         # Side effects on data are local and deterministic, so every replica does the same.
         if result.get("freed"):
             self.store.drop(result["freed"])
+        if op["op"] == "unsnapshot":
+            self.store.drop_snapshot(result["id"])
         if op["op"] == "setattr" and "size" in op["attrs"]:
             node = self.meta.inode(op["ino"])
             if node["unit"]:
@@ -205,29 +263,63 @@ class Node:
         if snapshot["seq"] > self.meta.seq:
             self.meta = Meta.restore(snapshot)
             known = self.meta.files()
-            for fid in {fid for fid, _ in self.store.stripes} - known:
+            for fid in {fid for fid, _, snap in self.store.stripes if snap == 0} - known:
                 self.store.drop(fid)
+            snaps = set(self.meta.snapshot_ids().values())
+            for snap in {snap for _, _, snap in self.store.stripes if snap} - snaps:
+                self.store.drop_snapshot(snap)
         return {}
 
     async def rpc_meta_snapshot(self) -> dict:
         return self.meta.snapshot()
 
-    async def rpc_lookup(self, parent: int, name: str) -> dict:
-        return self.meta.lookup(parent, name)
+    async def rpc_lookup(self, parent: int, name: str, snap: int = 0) -> dict:
+        return self.meta.view(snap).lookup(parent, name)
 
-    async def rpc_getattr(self, ino: int) -> dict:
-        return self.meta.attr(ino)
+    async def rpc_getattr(self, ino: int, snap: int = 0) -> dict:
+        return self.meta.view(snap).attr(ino)
 
-    async def rpc_readdir(self, ino: int) -> dict:
-        return {"entries": self.meta.readdir(ino)}
+    async def rpc_readdir(self, ino: int, snap: int = 0) -> dict:
+        return {"entries": self.meta.view(snap).readdir(ino)}
+
+    async def rpc_snapshots(self) -> dict:
+        return {"snapshots": {n: {"id": s["id"], "time_ns": s["time_ns"]} for n, s in self.meta.snapshots.items()}}
+
+    # -- the commit barrier (snapshots) ----------------------------------------------------------
+    async def rpc_freeze(self, token: str, seconds: float) -> dict:
+        """Hold new commits and wait for those in flight; thaws by itself after ``seconds`` so a
+        coordinator that died cannot leave the node frozen."""
+        if self.frozen_by is not None:
+            raise RemoteError("EBUSY", f"frozen by {self.frozen_by}")
+        self.frozen_by = token
+        self.thawed = trio.Event()
+        self.cluster.nursery.start_soon(self._auto_thaw, token, seconds)
+        while self.commits_in_flight:
+            await self.commits_drained.wait()
+        return {}
+
+    async def _auto_thaw(self, token: str, seconds: float) -> None:
+        await trio.sleep(seconds)
+        if self.frozen_by == token:
+            log.warning("freeze %s not lifted within %ss; thawing", token, seconds)
+            await self.rpc_thaw(token)
+
+    async def rpc_thaw(self, token: str) -> dict:
+        if self.frozen_by == token:
+            self.frozen_by = None
+            self.thawed.set()
+        return {}
+
+    async def rpc_snap_copy(self, snap: int) -> dict:
+        return {"bytes": self.store.copy_snapshot(snap)}
 
     async def rpc_statfs(self) -> dict:
         return {"capacity": self.cfg.capacity, "used": self.store.bytes_held, "files": len(self.meta.inodes)}
 
     # -- data --------------------------------------------------------------------------------
-    async def rpc_stripe_info(self, fid: int, idxs: list[int]) -> dict:
+    async def rpc_stripe_info(self, fid: int, idxs: list[int], snap: int = 0) -> dict:
         self._require_ready()
-        return {str(i): (s.describe() if (s := self.store.get(fid, i)) else None) for i in idxs}
+        return {str(i): (s.describe() if (s := self.store.get(fid, i, snap)) else None) for i in idxs}
 
     async def rpc_staging(self, owner: str, size: int) -> dict:
         if not 0 < size <= MAX_STAGING_PER_OWNER:
@@ -264,13 +356,22 @@ class Node:
         if primary != self.name:
             raise RemoteError("ENOTPRIMARY", primary or "")
         data = self._staged(rkey, soff, length)
-        async with self.stripe_locks((fid, idx)):
-            version = self.store.install(fid, idx, offset, data, unit)
-            stripe = self.store.get(fid, idx)
-            async with trio.open_nursery() as n:
-                for peer in self.cluster.targets(fid, idx):
-                    if peer != self.name:
-                        n.start_soon(self._replicate, peer, fid, idx, offset, length, version, unit, stripe)
+        while self.frozen_by is not None:  # a snapshot is being taken
+            await self.thawed.wait()
+        self.commits_in_flight += 1
+        try:
+            async with self.stripe_locks((fid, idx)):
+                version = self.store.install(fid, idx, offset, data, unit)
+                stripe = self.store.get(fid, idx)
+                async with trio.open_nursery() as n:
+                    for peer in self.cluster.targets(fid, idx):
+                        if peer != self.name:
+                            n.start_soon(self._replicate, peer, fid, idx, offset, length, version, unit, stripe)
+        finally:
+            self.commits_in_flight -= 1
+            if not self.commits_in_flight:
+                self.commits_drained.set()
+                self.commits_drained = trio.Event()
         return {"version": version}
 
     async def _replicate(self, peer: str, fid: int, idx: int, offset: int, length: int, version: int, unit: int, stripe) -> None:
@@ -319,38 +420,38 @@ class Node:
         primary = self.cluster.meta_primary()
         snap = await self.cluster.call(primary, "meta_snapshot")
         await self.rpc_meta_restore(snap)
-        newest: dict[tuple[int, int], tuple[int, str, int]] = {}
+        newest: dict[tuple[int, int, int], tuple[int, str, int]] = {}
         for peer in peers:
             try:
                 listing = (await self.cluster.call(peer, "stripes"))["stripes"]
             except (NodeDown, RemoteError) as exc:
                 log.warning("resync: cannot list %s: %s", peer, exc)
                 continue
-            for fid, idx, version, cap in listing:
-                if version > newest.get((fid, idx), (-1,))[0]:
-                    newest[(fid, idx)] = (version, peer, cap)
-        files = self.meta.files()
+            for fid, idx, snap, version, cap in listing:
+                if version > newest.get((fid, idx, snap), (-1,))[0]:
+                    newest[(fid, idx, snap)] = (version, peer, cap)
+        files = {0: self.meta.files()} | {sid: self.meta.view(sid).files() for sid in self.meta.snapshot_ids().values()}
         live = set(peers) | {self.name}
         todo = []
-        for (fid, idx), (version, peer, cap) in newest.items():
+        for (fid, idx, snap), (version, peer, cap) in newest.items():
             ranking = [n for n in self.cluster.stripe_rank(fid, idx) if n in live]
-            mine = self.store.get(fid, idx)
-            if fid in files and self.name in ranking[: self.cfg.replicas] and (mine is None or mine.version < version):
-                todo.append((fid, idx, version, peer, cap))
+            mine = self.store.get(fid, idx, snap)
+            if fid in files.get(snap, ()) and self.name in ranking[: self.cfg.replicas] and (mine is None or mine.version < version):
+                todo.append((fid, idx, snap, peer, cap))
         total_bytes = sum(t[4] for t in todo)
         log.info("resync: %d stripes (%d bytes) to fetch from %d peers", len(todo), total_bytes, len(peers))
         done_bytes, last_log = 0, time.monotonic()
-        for i, (fid, idx, version, peer, cap) in enumerate(todo, 1):
-            await self._fetch_stripe(fid, idx, peer)
+        for i, (fid, idx, snap, peer, cap) in enumerate(todo, 1):
+            await self._fetch_stripe(fid, idx, snap, peer)
             done_bytes += cap
             if time.monotonic() - last_log > 1.0 or i == len(todo):
                 last_log = time.monotonic()
                 log.info("resync: %d/%d stripes, %d/%d bytes", i, len(todo), done_bytes, total_bytes)
         log.info("resync of node %s done in %.2fs", self.name, time.monotonic() - t0)
 
-    async def _fetch_stripe(self, fid: int, idx: int, peer: str) -> None:
+    async def _fetch_stripe(self, fid: int, idx: int, snap: int, peer: str) -> None:
         try:
-            info = (await self.cluster.call(peer, "stripe_info", {"fid": fid, "idxs": [idx]}))[str(idx)]
+            info = (await self.cluster.call(peer, "stripe_info", {"fid": fid, "idxs": [idx], "snap": snap}))[str(idx)]
             if info is None:
                 return
             buf = bytearray(info["capacity"])
@@ -360,9 +461,9 @@ class Node:
             log.warning("resync: stripe %d:%d from %s failed: %s", fid, idx, peer, exc)
             return
         async with self.stripe_locks((fid, idx)):
-            mine = self.store.get(fid, idx)
+            mine = self.store.get(fid, idx, snap)
             if mine is None or mine.version < version:  # replication may have brought newer
-                self.store.replace(fid, idx, memoryview(buf), self.cfg.stripe_unit, version)
+                self.store.replace(fid, idx, memoryview(buf), self.cfg.stripe_unit, version, snap)
 
 
 def choose_transport(cfg: ClusterConfig) -> Transport:

@@ -9,6 +9,10 @@ concurrently, and the odd/changed word makes the reader retry.
 
 ``version`` as the API speaks of it counts commits: word == 2 * version when stable.
 
+Stripes are keyed (file id, stripe index, snapshot id); snapshot 0 is the live data, and a
+snapshot is a local copy of every live stripe, kept on the same node, so it has the same
+placement as the stripe it copied.
+
 Capacity grows in GROW-byte steps up to the stripe unit; growing moves the stripe to a new region
 (new rkey), and peers holding the old rkey get AccessError and look it up again.
 
@@ -56,10 +60,10 @@ class Store:
         self.transport = transport
         self.capacity = capacity
         self.used = 0
-        self.stripes: dict[tuple[int, int], Stripe] = {}
+        self.stripes: dict[tuple[int, int, int], Stripe] = {}
 
-    def get(self, fid: int, idx: int) -> Stripe | None:
-        return self.stripes.get((fid, idx))
+    def get(self, fid: int, idx: int, snap: int = 0) -> Stripe | None:
+        return self.stripes.get((fid, idx, snap))
 
     def _alloc(self, capacity: int) -> Region:
         if self.used + capacity > self.capacity:
@@ -71,11 +75,11 @@ class Store:
         self.used -= region.length - HEADER
         self.transport.free_region(region)
 
-    def ensure(self, fid: int, idx: int, needed: int, unit: int) -> Stripe:
+    def ensure(self, fid: int, idx: int, needed: int, unit: int, snap: int = 0) -> Stripe:
         """The stripe, created or grown so that ``needed`` data bytes fit (at most ``unit``)."""
         if needed > unit:
             raise ValueError(f"{needed} bytes do not fit a stripe unit of {unit}")
-        stripe = self.stripes.get((fid, idx))
+        stripe = self.stripes.get((fid, idx, snap))
         if stripe is not None and stripe.capacity >= needed:
             return stripe
         cap = min(unit, max(GROW, -(-needed // GROW) * GROW))
@@ -85,7 +89,7 @@ class Store:
             region.buf[: stripe.region.length] = stripe.region.buf
             self._free(stripe.region)
         stripe = Stripe(region)
-        self.stripes[(fid, idx)] = stripe
+        self.stripes[(fid, idx, snap)] = stripe
         return stripe
 
     def install(self, fid: int, idx: int, offset: int, data: memoryview, unit: int, version: int | None = None) -> int:
@@ -100,9 +104,9 @@ class Store:
         _WORD.pack_into(buf, 0, 2 * new)
         return new
 
-    def replace(self, fid: int, idx: int, data: memoryview, unit: int, version: int) -> None:
+    def replace(self, fid: int, idx: int, data: memoryview, unit: int, version: int, snap: int = 0) -> None:
         """Set the whole stripe content (resync, or a backup found behind)."""
-        stripe = self.ensure(fid, idx, len(data), unit)
+        stripe = self.ensure(fid, idx, len(data), unit, snap)
         buf = stripe.region.buf
         _WORD.pack_into(buf, 0, _WORD.unpack_from(buf, 0)[0] | 1)
         buf[HEADER : HEADER + len(data)] = data
@@ -110,14 +114,32 @@ class Store:
         _WORD.pack_into(buf, 0, 2 * version)
 
     def drop(self, fid: int, from_idx: int = 0) -> int:
-        """Free the stripes ``from_idx`` and up of a file; returns how many went."""
-        doomed = [k for k in self.stripes if k[0] == fid and k[1] >= from_idx]
-        for key in doomed:
+        """Free the live stripes ``from_idx`` and up of a file; returns how many went."""
+        return self._drop([k for k in self.stripes if k[0] == fid and k[1] >= from_idx and k[2] == 0])
+
+    def drop_snapshot(self, snap: int) -> int:
+        return self._drop([k for k in self.stripes if k[2] == snap])
+
+    def _drop(self, keys: list) -> int:
+        for key in keys:
             self._free(self.stripes.pop(key).region)
-        return len(doomed)
+        return len(keys)
+
+    def copy_snapshot(self, snap: int) -> int:
+        """Copy every live stripe (data and version word) under snapshot id ``snap``; returns the
+        bytes copied. Synchronous: nothing can commit in between."""
+        live = [(k, s) for k, s in self.stripes.items() if k[2] == 0]
+        need = sum(s.capacity for _, s in live)
+        if self.used + need > self.capacity:
+            raise NoSpace(f"snapshot needs {need} bytes; node has {self.capacity - self.used} free")
+        for (fid, idx, _), s in live:
+            region = self._alloc(s.capacity)
+            region.buf[:] = s.region.buf
+            self.stripes[(fid, idx, snap)] = Stripe(region)
+        return need
 
     def listing(self) -> list[list[int]]:
-        return [[fid, idx, s.version, s.capacity] for (fid, idx), s in self.stripes.items()]
+        return [[fid, idx, snap, s.version, s.capacity] for (fid, idx, snap), s in self.stripes.items()]
 
     @property
     def bytes_held(self) -> int:

@@ -137,3 +137,45 @@ async def test_unlink_frees_stripes_everywhere(cluster):
         assert sum(len(n.store.stripes) for n in nodes) > 0
         await c.remove("/big")
         assert sum(len(n.store.stripes) for n in nodes) == 0
+
+
+async def test_snapshot_is_point_in_time_and_survives_changes(cluster):
+    cfg, nodes = cluster
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
+        await c.makedirs("/m")
+        old = np.arange(50_000, dtype=np.float32)
+        await c.save("/m/w.npy", old)
+        snap = await c.take_snapshot("s1")
+        assert sorted(snap["nodes"]) == cfg.names
+        await c.save("/m/w.npy", old * 2)
+        await c.remove("/m/w.npy")
+        # the snapshot's namespace and data are as they were
+        sid = snap["id"]
+        root = await c.getattr(1, sid)
+        m = await c.lookup(root["ino"], "m", sid)
+        w = await c.lookup(m["ino"], "w.npy", sid)
+        data = await c.read(w["ino"], 0, w["size"], w, snap=sid)
+        assert data[w["tensor"]["offset"]:] == old.tobytes()
+        with pytest.raises(RemoteError) as err:
+            await c.take_snapshot("s1")
+        assert err.value.code == "EEXIST"
+        assert set(await c.snapshots()) == {"s1"}
+        await c.drop_snapshot("s1")
+        assert await c.snapshots() == {}
+        assert sum(len(n.store.stripes) for n in nodes) == 0  # the file and its snapshot copy are gone
+
+
+async def test_snapshot_waits_for_commits_in_flight(cluster):
+    """Commits and a snapshot racing: each stripe in the snapshot is wholly old or wholly new."""
+    cfg, nodes = cluster
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
+        unit = cfg.stripe_unit
+        attr = await c.write_file("/f", bytes([1]) * (8 * unit))
+        async with trio.open_nursery() as n:
+            for i in range(8):
+                n.start_soon(c.write, attr["ino"], i * unit, bytes([2]) * unit)
+            n.start_soon(c.take_snapshot, "race")
+        sid = (await c.snapshots())["race"]["id"]
+        data = await c.read(attr["ino"], 0, 8 * unit, await c.getattr(attr["ino"], sid), snap=sid)
+        for i in range(8):
+            assert data[i * unit : (i + 1) * unit] in (bytes([1]) * unit, bytes([2]) * unit)
