@@ -1,13 +1,15 @@
-"""The ``.npy`` format: encode a header for an array, parse one from a file's first bytes.
+"""File formats, pure and I/O-free: ``.npy`` headers and the safetensors layout.
 
-Pure and I/O-free; used by the client's array API and by the file system, which treats a file
-whose content starts with a valid header as a tensor.
+Used by the client's array API and by the file system, which treats a file whose content starts
+with a valid ``.npy`` header as a tensor, and which serves and accepts a whole model as one
+safetensors stream.
 """
 
 from __future__ import annotations
 
 import ast
 import io
+import json
 from typing import NamedTuple
 
 import numpy as np
@@ -73,3 +75,89 @@ def parse_header(data: bytes) -> NpyHeader:
     if any(x < 0 for x in shape):
         raise NpyError("negative dimension")
     return NpyHeader(dtype, shape, fortran, total)
+
+
+# --- safetensors ---------------------------------------------------------------------------------
+# <u64 little-endian N><N bytes of JSON header, space-padded to 8><data>. The header maps each
+# tensor name to {"dtype", "shape", "data_offsets": [begin, end]} (offsets into data) and may
+# hold "__metadata__": {str: str}.
+
+ST_DTYPES = {
+    "F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "|i1",
+    "U64": "<u8", "U32": "<u4", "U16": "<u2", "U8": "|u1", "BOOL": "|b1",
+}
+NP_TO_ST = {np.dtype(v).str: k for k, v in ST_DTYPES.items()}
+MAX_ST_HEADER = 100 << 20
+
+
+class SafetensorsError(ValueError):
+    """Not a valid safetensors file."""
+
+
+class StEntry(NamedTuple):
+    name: str
+    dtype: str  # numpy dtype string
+    shape: tuple[int, ...]
+    begin: int  # offset in the data section
+    end: int
+
+
+def st_dtype(numpy_dtype: str) -> str | None:
+    """The safetensors dtype name of a numpy dtype string, or None if it has none."""
+    return NP_TO_ST.get(np.dtype(numpy_dtype).str)  # big-endian tensors have none
+
+
+def st_layout(tensors: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None) -> tuple[bytes, list[StEntry]]:
+    """(header bytes including the length prefix, entries with their data offsets) for tensors
+    given as (name, numpy dtype string, shape), laid out in the given order."""
+    doc: dict = {}
+    if metadata:
+        doc["__metadata__"] = metadata
+    entries, pos = [], 0
+    for name, dtype, shape in tensors:
+        st = st_dtype(dtype)
+        if st is None:
+            raise SafetensorsError(f"{name}: dtype {dtype} has no safetensors equivalent")
+        n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        entries.append(StEntry(name, dtype, tuple(shape), pos, pos + n))
+        doc[name] = {"dtype": st, "shape": list(shape), "data_offsets": [pos, pos + n]}
+        pos += n
+    text = json.dumps(doc, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text, entries
+
+
+def st_parse(head: bytes, total: int) -> tuple[int, list[StEntry], dict[str, str]]:
+    """Validate a safetensors header against a file of ``total`` bytes; returns (offset of the
+    data section, entries, metadata). ``head`` must hold at least the whole header."""
+    if total < 8 or len(head) < 8:
+        raise SafetensorsError("shorter than the 8-byte header length")
+    n = int.from_bytes(head[:8], "little")
+    if n > MAX_ST_HEADER or 8 + n > total:
+        raise SafetensorsError(f"header length {n} does not fit a file of {total} bytes")
+    if len(head) < 8 + n:
+        raise SafetensorsError("header incomplete")
+    try:
+        doc = json.loads(head[8 : 8 + n])
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise SafetensorsError(f"header is not JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise SafetensorsError("header is not a JSON object")
+    metadata = doc.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise SafetensorsError("__metadata__ must map strings to strings")
+    data_len = total - 8 - n
+    entries = []
+    for name, t in doc.items():
+        try:
+            dtype = ST_DTYPES[t["dtype"]]
+            shape = tuple(int(x) for x in t["shape"])
+            begin, end = (int(x) for x in t["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise SafetensorsError(f"tensor {name!r}: needs a known dtype, a shape and data_offsets") from None
+        if any(x < 0 for x in shape) or not 0 <= begin <= end <= data_len:
+            raise SafetensorsError(f"tensor {name!r}: offsets {begin}..{end} outside {data_len} data bytes")
+        if end - begin != int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize:
+            raise SafetensorsError(f"tensor {name!r}: {end - begin} bytes do not hold {t['dtype']}{list(shape)}")
+        entries.append(StEntry(name, dtype, shape, begin, end))
+    return 8 + n, entries, metadata

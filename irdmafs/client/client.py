@@ -223,35 +223,43 @@ class Client:
         head, _, name = path.rstrip("/").rpartition("/")
         return await self.resolve(head), name
 
+    async def makedirs_under(self, parent: int, name: str) -> dict:
+        """The directory ``name`` in ``parent``, made if missing (races with other makers are
+        fine)."""
+        try:
+            return await self.lookup(parent, name)
+        except RemoteError as exc:
+            if exc.code != "ENOENT":
+                raise
+        try:
+            return await self.mkdir(parent, name)
+        except RemoteError as exc:
+            if exc.code != "EEXIST":
+                raise
+            return await self.lookup(parent, name)
+
     async def makedirs(self, path: str) -> dict:
         attr = await self.getattr(ROOT)
         for part in [p for p in path.split("/") if p]:
-            try:
-                attr = await self.lookup(attr["ino"], part)
-            except RemoteError as exc:
-                if exc.code != "ENOENT":
-                    raise
-                try:
-                    attr = await self.mkdir(attr["ino"], part)
-                except RemoteError as exc2:  # somebody else made it meanwhile
-                    if exc2.code != "EEXIST":
-                        raise
-                    attr = await self.lookup(attr["ino"], part)
+            attr = await self.makedirs_under(attr["ino"], part)
         return attr
 
     async def open_file(self, path: str, *, create: bool = True, truncate: bool = False) -> dict:
         parent, name = await self._parent(path)
+        return await self.open_under(parent["ino"], name, create=create, truncate=truncate)
+
+    async def open_under(self, parent: int, name: str, *, create: bool = True, truncate: bool = False) -> dict:
         try:
-            attr = await self.lookup(parent["ino"], name)
+            attr = await self.lookup(parent, name)
         except RemoteError as exc:
             if exc.code != "ENOENT" or not create:
                 raise
             try:
-                return await self.create(parent["ino"], name)
+                return await self.create(parent, name)
             except RemoteError as exc2:
                 if exc2.code != "EEXIST":
                     raise
-                attr = await self.lookup(parent["ino"], name)
+                attr = await self.lookup(parent, name)
         if truncate and attr["size"]:
             attr = await self.truncate(attr["ino"], 0)
         return attr
@@ -287,9 +295,15 @@ class Client:
     async def save(self, path: str, array: np.ndarray) -> dict:
         """Store ``array`` as a .npy file (header, then the array's own buffer: no copy of the
         data unless it is not C-contiguous)."""
+        parent, name = await self._parent(path)
+        return await self.save_under(parent["ino"], name, array)
+
+    async def save_under(self, parent: int, name: str, array: np.ndarray) -> dict:
         array = np.require(array, requirements="C")  # (ascontiguousarray would make 0-d into 1-d)
         header = formats.encode_header(array)
-        attr = await self.open_file(path, truncate=True)
+        attr = await self.open_under(parent, name)
+        if attr["size"] > len(header) + array.nbytes:
+            attr = await self.truncate(attr["ino"], len(header) + array.nbytes)
         body = memoryview(array.reshape(-1)).cast("B") if array.size else memoryview(b"")
         async with trio.open_nursery() as n:
             n.start_soon(self.io.write, attr["ino"], attr["unit"], 0, memoryview(header))
@@ -297,6 +311,33 @@ class Client:
                 n.start_soon(self.io.write, attr["ino"], attr["unit"], len(header), body)
         await self.extend(attr["ino"], len(header) + len(body))
         return await self.set_tensor(attr["ino"], formats.tensor_info(formats.parse_header(header)))
+
+    # -- status ----------------------------------------------------------------------------------
+    def cluster_status(self) -> list[dict]:
+        """Every node as this client sees it (state from its last heartbeat)."""
+        out = []
+        for spec in self.cfg.nodes:
+            info = self.cluster.info.get(spec.name, {})
+            out.append(
+                {
+                    "name": spec.name,
+                    "address": f"{spec.host}:{spec.port}",
+                    "state": self.cluster.node_state(spec.name),
+                    "alive": self.cluster.node_state(spec.name) != "down",
+                    **{k: info[k] for k in ("pid", "stripes", "bytes", "capacity", "transport", "uptime") if k in info},
+                }
+            )
+        return out
+
+    def stats(self) -> dict:
+        return {
+            "bytes_read": self.io.bytes_read,
+            "bytes_written": self.io.bytes_written,
+            "metadata_calls": self.meta_calls,
+            "replicas": self.cfg.replicas,
+            "stripe_unit": self.cfg.stripe_unit,
+            "transport": self.cluster.transport.name,
+        }
 
     async def load(self, path: str, out: np.ndarray | None = None) -> np.ndarray:
         """Read a .npy file straight into a new array (or ``out``): one copy, from the wire."""

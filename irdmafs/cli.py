@@ -1,0 +1,248 @@
+"""The ``irdmafs`` command: up, down, serve, mount, status.
+
+User mistakes (a bad config, a mountpoint that is not a directory, nothing running) end with one
+line on stderr and a non-zero exit (2 for a bad config or bad usage), never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import trio
+
+from . import config as C
+from .local import LocalCluster, node_status, pids_alive, wait_settled, write_config
+from .server.node import setup_logging
+
+log = logging.getLogger("irdmafs")
+
+
+class QuietError(Exception):
+    """An error for the user: printed as one line, exit status ``code``."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code
+
+
+def state_home() -> Path:
+    return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "irdmafs"
+
+
+def registry_path(mountpoint: str) -> Path:
+    key = hashlib.sha256(os.path.abspath(mountpoint).encode()).hexdigest()[:16]
+    return state_home() / "mounts" / f"{key}.json"
+
+
+def load_config(path: str) -> C.ClusterConfig:
+    try:
+        return C.load(path)
+    except C.ConfigError as exc:
+        raise QuietError(str(exc), 2) from None
+
+
+def check_mountpoint(mountpoint: str) -> str:
+    mp = os.path.abspath(mountpoint)
+    if not os.path.isdir(mp):
+        raise QuietError(f"{mountpoint}: not a directory", 2)
+    if os.path.ismount(mp):
+        raise QuietError(f"{mountpoint}: already a mount point", 2)
+    return mp
+
+
+# -- up / down -------------------------------------------------------------------------------------
+def cmd_up(args: argparse.Namespace) -> int:
+    from .mount import mount_background
+
+    os.makedirs(args.mountpoint, exist_ok=True)
+    mp = check_mountpoint(args.mountpoint)
+    reg = registry_path(mp)
+    if reg.exists():
+        raise QuietError(f"{mp} is already up (run: irdmafs down {mp})", 2)
+    if not 1 <= args.replicas <= args.nodes:
+        raise QuietError(f"--replicas must be between 1 and --nodes ({args.nodes})", 2)
+    state = Path(args.state or state_home() / "clusters" / reg.stem).resolve()
+    cfg_path = state / "cluster.toml"
+    if not cfg_path.exists():
+        write_config(state, args.nodes, args.replicas, stripe_unit=C.parse_size(args.stripe_unit, "--stripe-unit"))
+    lc = LocalCluster(cfg_path)
+    lc.start_all()
+    try:
+        trio.run(wait_settled, lc.cfg)
+        mount = mount_background(str(cfg_path), mp, args.options.split(",") if args.options else [], state / "mount.log")
+    except BaseException as exc:
+        lc.stop_all()
+        raise QuietError(f"could not bring the cluster up: {exc} (logs in {state})") from None
+    reg.parent.mkdir(parents=True, exist_ok=True)
+    reg.write_text(json.dumps({"mountpoint": mp, "state": str(state), "config": str(cfg_path), "mount_pid": mount.pid, "node_pids": {n: p.pid for n, p in lc.procs.items()}}, indent=1))
+    print(f"irdmafs: {len(lc.cfg.nodes)} nodes (R={lc.cfg.replicas}) mounted on {mp}; config {cfg_path}; logs in {state}")
+    return 0
+
+
+def _stop(pids: list[int], timeout: float = 10.0) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout
+    while pids_alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in pids_alive(pids):
+        os.kill(pid, signal.SIGKILL)
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from .mount import unmount
+
+    mp = os.path.abspath(args.mountpoint)
+    reg = registry_path(mp)
+    if not reg.exists():
+        raise QuietError(f"{mp}: no cluster was brought up here by 'irdmafs up'", 2)
+    info = json.loads(reg.read_text())
+    if not unmount(mp):
+        log.warning("%s is busy; detaching it lazily", mp)
+        unmount(mp, lazy=True)
+    _stop([info["mount_pid"]])
+    _stop(list(info["node_pids"].values()))
+    reg.unlink()
+    print(f"irdmafs: {mp} unmounted; {len(info['node_pids'])} nodes stopped (state kept in {info['state']})")
+    return 0
+
+
+# -- serve / mount ------------------------------------------------------------------------------------
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .server.node import Node, choose_transport
+
+    cfg = load_config(args.config)
+    try:
+        cfg.node(args.node)
+    except C.ConfigError as exc:
+        raise QuietError(str(exc), 2) from None
+    mp = check_mountpoint(args.mount) if args.mount else None
+
+    async def main() -> None:
+        async with trio.open_nursery() as n:
+            await n.start(Node(cfg, args.node, choose_transport(cfg)).run)
+            if mp:
+                from .mount import run_mount
+
+                await wait_settled(cfg, [args.node], timeout=120)
+                await n.start(run_mount, cfg, mp, [])
+
+    trio.run(main)
+    return 0
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    from .mount import mount_background, run_mount
+
+    cfg = load_config(args.config)
+    mp = check_mountpoint(args.mountpoint)
+    options = [o for o in (args.options or "").split(",") if o]
+    if args.foreground:
+        trio.run(run_mount, cfg, mp, options)
+        return 0
+    log_dir = state_home() / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"mount-{registry_path(mp).stem}.log"
+    try:
+        proc = mount_background(args.config, mp, options, log_path)
+    except (RuntimeError, TimeoutError) as exc:
+        raise QuietError(f"mount failed: {exc}") from None
+    print(f"irdmafs: mounted on {mp} (pid {proc.pid}, log {log_path})")
+    return 0
+
+
+# -- status ----------------------------------------------------------------------------------------
+def cmd_status(args: argparse.Namespace) -> int:
+    if args.config:
+        cfg = load_config(args.config)
+
+        async def gather() -> list[dict]:
+            out = []
+            for spec in cfg.nodes:
+                info = await node_status(cfg, spec.name) or {}
+                out.append({"name": spec.name, "address": f"{spec.host}:{spec.port}", "state": info.get("state", "down"), "alive": bool(info), **{k: info[k] for k in ("pid", "stripes", "bytes", "capacity", "transport") if k in info}})
+            return out
+
+        nodes = trio.run(gather)
+        doc = {"config": os.path.abspath(args.config), "replicas": cfg.replicas, "transport": next((n["transport"] for n in nodes if "transport" in n), None), "nodes": nodes}
+    else:
+        mp = os.path.abspath(args.mountpoint or ".")
+        try:
+            doc = json.loads(Path(mp, ".irdma", "cluster").read_text())
+        except OSError as exc:
+            raise QuietError(f"{mp}: not an irdmafs mount ({exc.strerror})", 2) from None
+    if args.json:
+        print(json.dumps(doc, indent=1))
+        return 0
+    print(f"config:    {doc.get('config')}")
+    print(f"transport: {doc.get('transport')}    replicas: {doc.get('replicas')}")
+    print(f"{'node':10} {'address':22} {'pid':>8} {'state':8} {'stripes':>8} {'bytes':>14}")
+    for n in doc["nodes"]:
+        print(f"{n['name']:10} {n['address']:22} {str(n.get('pid', '-')):>8} {n['state']:8} {str(n.get('stripes', '-')):>8} {str(n.get('bytes', '-')):>14}")
+    return 0 if all(n["alive"] for n in doc["nodes"]) else 1
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="irdmafs", description="A parameter server whose interface is a file system.")
+    ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("up", help="start a local cluster and a mount on this machine, in the background")
+    p.add_argument("mountpoint")
+    p.add_argument("--nodes", type=int, default=3)
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--stripe-unit", default="4MiB")
+    p.add_argument("--state", help="directory for config, token and logs (default under ~/.local/state/irdmafs)")
+    p.add_argument("-o", dest="options", help="mount options, comma separated (e.g. allow_other)")
+    p.set_defaults(fn=cmd_up)
+
+    p = sub.add_parser("down", help="unmount and stop every process that 'up' started")
+    p.add_argument("mountpoint")
+    p.set_defaults(fn=cmd_down)
+
+    p = sub.add_parser("serve", help="run one PS node (and its own mount with --mount)")
+    p.add_argument("--config", required=True)
+    p.add_argument("--node", required=True)
+    p.add_argument("--mount", help="also mount the file system here")
+    p.set_defaults(fn=cmd_serve)
+
+    p = sub.add_parser("mount", help="mount a cluster")
+    p.add_argument("--config", required=True)
+    p.add_argument("mountpoint")
+    p.add_argument("-o", dest="options", help="mount options, comma separated")
+    p.add_argument("-f", dest="foreground", action="store_true", help="stay in the foreground")
+    p.set_defaults(fn=cmd_mount)
+
+    p = sub.add_parser("status", help="nodes, replicas, transport and config of a mount or a config")
+    p.add_argument("mountpoint", nargs="?")
+    p.add_argument("--config")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_status)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    setup_logging("irdmafs", logging.DEBUG if args.verbose else logging.INFO)
+    try:
+        return args.fn(args)
+    except QuietError as exc:
+        print(f"irdmafs: {exc}", file=sys.stderr)
+        return exc.code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The mount: what paths mean (vfs) and the pyfuse3 adapter (ops)."""

@@ -1,0 +1,225 @@
+"""The pyfuse3 adapter: a protocol adapter only. What paths mean lives in ``vfs.py``.
+
+It converts between pyfuse3's types (bytes names, EntryAttributes, FileInfo, SetattrFields) and
+the VFS's plain values, and it is the one exception boundary of the mount: every handler raises
+only ``FUSEError``, with the errno from the one table below. Anything unexpected is logged with
+its context and becomes EIO; no traceback ever reaches the kernel. The only module that imports
+pyfuse3.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+
+import pyfuse3
+import trio
+
+from ..cluster import NodeDown, TornRead, Unavailable
+from ..transport.base import AccessError, RemoteError, TransportError
+from .vfs import FsError, Vfs
+
+log = logging.getLogger(__name__)
+
+# The one errno table: errno names the cluster answers with, and what else may escape the VFS.
+REMOTE_ERRNO = {
+    name: getattr(errno, name)
+    for name in ("ENOENT", "EEXIST", "ENOTDIR", "EISDIR", "ENOTEMPTY", "EINVAL", "ENAMETOOLONG", "EROFS", "ENOSPC", "ENODATA", "EPERM", "EACCES", "EBUSY", "E2BIG", "ETIMEDOUT")
+}
+ATTR_TIMEOUT = 0.0  # other mounts change files: attributes are asked for every time
+ENTRY_TIMEOUT = 0.0
+
+
+def errno_for(exc: BaseException, what: str) -> int:
+    if isinstance(exc, FsError):
+        return exc.errno
+    if isinstance(exc, RemoteError):
+        if exc.code in REMOTE_ERRNO:
+            return REMOTE_ERRNO[exc.code]
+        log.error("%s: cluster error %s", what, exc)
+        return errno.EIO
+    if isinstance(exc, (Unavailable, NodeDown, TornRead, AccessError, TransportError)):
+        log.error("%s: %s", what, exc)  # names the node and stripe
+        return errno.EIO
+    if isinstance(exc, trio.TooSlowError):
+        log.error("%s: timed out", what)
+        return errno.ETIMEDOUT
+    log.exception("%s: unexpected error", what)
+    return errno.EIO
+
+
+def fuse_errors(fn):
+    """Run a handler; anything it raises becomes a FUSEError from the table."""
+
+    @functools.wraps(fn)
+    async def wrapper(self, *args):
+        self.vfs.counters[fn.__name__] = self.vfs.counters.get(fn.__name__, 0) + 1
+        try:
+            return await fn(self, *args)
+        except pyfuse3.FUSEError:
+            raise
+        except BaseExceptionGroup as group:
+            leaves = group.exceptions
+            raise pyfuse3.FUSEError(errno_for(leaves[0] if len(leaves) == 1 else group, fn.__name__)) from None
+        except Exception as exc:
+            raise pyfuse3.FUSEError(errno_for(exc, fn.__name__)) from None
+
+    return wrapper
+
+
+def entry(st: dict) -> pyfuse3.EntryAttributes:
+    e = pyfuse3.EntryAttributes()
+    for key, value in st.items():
+        setattr(e, key, value)
+    e.st_blksize = 1 << 20
+    e.st_blocks = (st["st_size"] + 511) // 512
+    e.generation = 0
+    e.entry_timeout = ENTRY_TIMEOUT
+    e.attr_timeout = ATTR_TIMEOUT
+    return e
+
+
+def name_of(raw: bytes) -> str:
+    return os.fsdecode(raw)
+
+
+class Operations(pyfuse3.Operations):
+    supports_dot_lookup = False  # no NFS export: '.' and '..' are resolved by the kernel
+    enable_writeback_cache = False
+
+    def __init__(self, vfs: Vfs):
+        super().__init__()
+        self.vfs = vfs
+        self._dirs: dict[int, list] = {}
+        self._dir_fh = 1 << 40
+
+    @fuse_errors
+    async def lookup(self, parent_inode, name, ctx=None):
+        return entry(await self.vfs.lookup(parent_inode, name_of(name)))
+
+    @fuse_errors
+    async def getattr(self, inode, ctx=None):
+        return entry(await self.vfs.getattr(inode))
+
+    @fuse_errors
+    async def setattr(self, inode, attr, fields, fh, ctx):
+        changes = {}
+        if fields.update_size:
+            changes["size"] = attr.st_size
+        if fields.update_mode:
+            changes["mode"] = attr.st_mode
+        if fields.update_uid:
+            changes["uid"] = attr.st_uid
+        if fields.update_gid:
+            changes["gid"] = attr.st_gid
+        if fields.update_atime:
+            changes["atime_ns"] = attr.st_atime_ns
+        if fields.update_mtime:
+            changes["mtime_ns"] = attr.st_mtime_ns
+        if fh is not None and fh in self.vfs.handles and "size" not in changes:
+            await self.vfs.flush(fh)  # futimens after writes: apply the size first
+        return entry(await self.vfs.setattr(inode, changes) if changes else await self.vfs.getattr(inode))
+
+    @fuse_errors
+    async def opendir(self, inode, ctx):
+        entries = await self.vfs.readdir(inode)  # listed once per open: offsets stay stable
+        self._dir_fh += 1
+        self._dirs[self._dir_fh] = entries
+        return self._dir_fh
+
+    @fuse_errors
+    async def readdir(self, fh, start_id, token):
+        entries = self._dirs.get(fh, [])
+        for i in range(start_id, len(entries)):
+            name, st = entries[i]
+            if not pyfuse3.readdir_reply(token, os.fsencode(name), entry(st), i + 1):
+                break
+
+    @fuse_errors
+    async def releasedir(self, fh):
+        self._dirs.pop(fh, None)
+
+    @fuse_errors
+    async def mkdir(self, parent_inode, name, mode, ctx):
+        return entry(await self.vfs.mkdir(parent_inode, name_of(name), mode & 0o7777, ctx.uid, ctx.gid))
+
+    @fuse_errors
+    async def rmdir(self, parent_inode, name, ctx):
+        await self.vfs.rmdir(parent_inode, name_of(name))
+
+    @fuse_errors
+    async def unlink(self, parent_inode, name, ctx):
+        await self.vfs.unlink(parent_inode, name_of(name))
+
+    @fuse_errors
+    async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
+        await self.vfs.rename(parent_inode_old, name_of(name_old), parent_inode_new, name_of(name_new), flags)
+
+    @fuse_errors
+    async def open(self, inode, flags, ctx):
+        fh = await self.vfs.open(inode, flags)
+        # keep_cache=False: the kernel drops cached pages at every open (close-to-open consistency)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=False, direct_io=False)
+
+    @fuse_errors
+    async def create(self, parent_inode, name, mode, flags, ctx):
+        fh, st = await self.vfs.create(parent_inode, name_of(name), mode & 0o7777, flags, ctx.uid, ctx.gid)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=False, direct_io=False), entry(st)
+
+    @fuse_errors
+    async def read(self, fh, off, size):
+        return await self.vfs.read(fh, off, size)
+
+    @fuse_errors
+    async def write(self, fh, off, buf):
+        return await self.vfs.write(fh, off, buf)
+
+    @fuse_errors
+    async def flush(self, fh):
+        await self.vfs.flush(fh)
+
+    @fuse_errors
+    async def fsync(self, fh, datasync):
+        await self.vfs.flush(fh)
+
+    @fuse_errors
+    async def fsyncdir(self, fh, datasync):
+        pass  # namespace operations are replicated before they return
+
+    @fuse_errors
+    async def release(self, fh):
+        await self.vfs.release(fh)
+
+    @fuse_errors
+    async def statfs(self, ctx):
+        st = await self.vfs.statfs()
+        s = pyfuse3.StatvfsData()
+        s.f_bsize = s.f_frsize = 1 << 20
+        s.f_blocks = st["capacity"] // s.f_frsize
+        s.f_bfree = s.f_bavail = max(0, st["capacity"] - st["used"]) // s.f_frsize
+        s.f_files = 1 << 32
+        s.f_ffree = s.f_favail = 1 << 31
+        s.f_namemax = 255
+        return s
+
+    @fuse_errors
+    async def getxattr(self, inode, name, ctx):
+        return await self.vfs.getxattr(inode, name_of(name))
+
+    @fuse_errors
+    async def listxattr(self, inode, ctx):
+        return [os.fsencode(n) for n in await self.vfs.listxattr(inode)]
+
+    @fuse_errors
+    async def setxattr(self, inode, name, value, ctx):
+        await self.vfs.setxattr(inode, name_of(name), value)
+
+    @fuse_errors
+    async def removexattr(self, inode, name, ctx):
+        await self.vfs.setxattr(inode, name_of(name), None)
+
+    @fuse_errors
+    async def forget(self, inode_list):
+        pass  # inodes are cluster-wide numbers; nothing to drop per lookup

@@ -1,0 +1,586 @@
+"""What each path of the mount means. Defined here and only here; no pyfuse3 in this module.
+
+Inode numbers:
+- cluster inodes (files and directories of the namespace) keep their own numbers (root is 1);
+- ``VIRT + k``: the hidden entries ``/.irdma`` (status files), ``/.snapshots``, ``/.workers``;
+- ``VIEW | d``: ``<name>.safetensors`` beside directory ``d`` (the whole-model view);
+- ``SNAP | id << 40 | i``: inode ``i`` as snapshot ``id`` froze it (read-only).
+
+Hidden entries and views are reachable by name and never listed, so ``cp -r`` / ``rsync -a`` of
+the mount or of a model copies parameters only.
+
+A ``.npy`` file is a tensor: when a handle that wrote a file is flushed, its header is parsed and
+recorded (dtype, shape, data offset), or the file is recorded as plain bytes with a log line.
+
+The safetensors view of ``<model>/`` lists every tensor below it, recursively: tensor ``a.b`` is
+``<model>/a.b.npy`` and ``enc/l0.w`` is ``<model>/enc/l0.w.npy`` (a ``/`` in a tensor name is a
+subdirectory). Reading the view streams a header and then each tensor's data straight from its
+file. Writing the view (``cp ckpt.safetensors /mnt/ps/bert.safetensors``) is buffered in the
+mount and applied at flush: the whole stream is validated first, so a malformed one gets EINVAL
+and leaves every tensor as it was; then every tensor is created or assigned and ``__metadata__``
+is kept in the xattr ``user.irdma.safetensors_metadata`` of the model directory.
+
+Errors are ``FsError(errno)``; ``ops.py`` turns them into ``FUSEError``. Namespace errors from the
+cluster arrive as ``RemoteError`` and are mapped by errno name in ``ops.py`` too.
+
+Concurrency: methods run as concurrent trio tasks (pyfuse3 starts one per request). Per-handle
+state is only touched by requests on that handle; the shared maps (handles, pending sizes) are
+updated without awaiting in between.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import json
+import logging
+import os
+import stat as S
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import trio
+
+from .. import formats
+from ..client.client import Client
+from ..server.meta import ROOT
+from ..transport.base import RemoteError
+from ..util import single_exception
+
+log = logging.getLogger(__name__)
+
+VIRT = 1 << 56
+VIEW = 1 << 57
+SNAP = 1 << 58
+INO_BITS = 40
+INO_MASK = (1 << INO_BITS) - 1
+
+IRDMA_DIR, SNAPSHOTS_DIR, WORKERS_DIR, CLUSTER_FILE, STATS_FILE = (VIRT + k for k in range(1, 6))
+HIDDEN = {".irdma": IRDMA_DIR, ".snapshots": SNAPSHOTS_DIR, ".workers": WORKERS_DIR}
+IRDMA_FILES = {"cluster": CLUSTER_FILE, "stats": STATS_FILE}
+SUFFIX = ".safetensors"
+DERIVED_XATTRS = ("user.irdma.dtype", "user.irdma.shape", "user.irdma.version")
+META_XATTR = "user.irdma.safetensors_metadata"
+WRITE_FLAGS = os.O_WRONLY | os.O_RDWR
+
+
+class FsError(Exception):
+    def __init__(self, errno_: int, message: str = ""):
+        super().__init__(message or os.strerror(errno_))
+        self.errno = errno_
+
+
+def snap_ino(sid: int, ino: int) -> int:
+    return SNAP | (sid << INO_BITS) | ino
+
+
+def split_snap(ino: int) -> tuple[int, int]:
+    return (ino & ~SNAP) >> INO_BITS, ino & INO_MASK
+
+
+def is_cluster(ino: int) -> bool:
+    return ino < VIRT
+
+
+def dir_stat(ino: int, mode: int = 0o555, nlink: int = 2) -> dict:
+    now = time.time_ns()
+    return {"st_ino": ino, "st_mode": S.S_IFDIR | mode, "st_nlink": nlink, "st_uid": 0, "st_gid": 0, "st_size": 0, "st_atime_ns": now, "st_mtime_ns": now, "st_ctime_ns": now}
+
+
+def file_stat(ino: int, size: int, mode: int = 0o444, mtime_ns: int | None = None, uid: int = 0, gid: int = 0) -> dict:
+    t = mtime_ns or time.time_ns()
+    return {"st_ino": ino, "st_mode": S.S_IFREG | mode, "st_nlink": 1, "st_uid": uid, "st_gid": gid, "st_size": size, "st_atime_ns": t, "st_mtime_ns": t, "st_ctime_ns": t}
+
+
+def writes(flags: int) -> bool:
+    return bool(flags & WRITE_FLAGS)
+
+
+# -- open handles ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Handle:
+    ino: int
+
+    async def read(self, off: int, size: int) -> memoryview:
+        raise FsError(errno.EBADF)
+
+    async def write(self, off: int, data: bytes) -> int:
+        raise FsError(errno.EBADF)
+
+    async def flush(self) -> None:
+        pass
+
+
+@dataclass
+class BytesHandle(Handle):
+    """A virtual file whose whole content is made at open (status files)."""
+
+    content: bytes = b""
+
+    async def read(self, off: int, size: int) -> memoryview:
+        return memoryview(self.content)[off : off + size]
+
+
+@dataclass
+class FileHandle(Handle):
+    """A cluster file (live or in a snapshot)."""
+
+    vfs: "Vfs" = None  # type: ignore[assignment]
+    attr: dict = field(default_factory=dict)
+    snap: int = 0
+    size: int = 0  # what this handle knows the size to be, its own unflushed writes included
+    dirty: bool = False
+    name: str = ""
+
+    async def read(self, off: int, size: int) -> memoryview:
+        if off + size > self.attr["size"] and not self.dirty:
+            # another mount may have grown the file since we opened it
+            self.attr = await self.vfs.client.getattr(self.ino, self.snap)
+        attr = dict(self.attr, size=max(self.attr["size"], self.size))
+        buf = bytearray(size)
+        n = await self.vfs.client.read_into(self.ino, off, memoryview(buf), attr, self.snap)
+        return memoryview(buf)[:n]
+
+    async def write(self, off: int, data: bytes) -> int:
+        await self.vfs.client.write(self.ino, off, data, self.attr, extend=False)
+        self.size = max(self.size, off + len(data))
+        self.dirty = True
+        self.vfs.pending[self.ino] = max(self.vfs.pending.get(self.ino, 0), self.size)
+        return len(data)
+
+    async def flush(self) -> None:
+        if not self.dirty:
+            return
+        self.dirty = False
+        self.attr = await self.vfs.client.extend(self.ino, self.size)
+        if self.vfs.pending.get(self.ino, 0) <= self.attr["size"]:
+            self.vfs.pending.pop(self.ino, None)
+        await self.vfs.detect_tensor(self.ino, self.attr, self.name)
+
+
+@dataclass
+class ViewReadHandle(Handle):
+    """The safetensors stream of a directory, laid out at open."""
+
+    vfs: "Vfs" = None  # type: ignore[assignment]
+    header: bytes = b""
+    parts: list = field(default_factory=list)  # (entry, file attr) in data order
+
+    async def read(self, off: int, size: int) -> memoryview:
+        total = len(self.header) + (self.parts[-1][0].end if self.parts else 0)
+        size = max(0, min(size, total - off))
+        out = bytearray(size)
+        view = memoryview(out)
+        if off < len(self.header):
+            n = min(size, len(self.header) - off)
+            view[:n] = self.header[off : off + n]
+        base = len(self.header)
+        lo, hi = off - base, off - base + size
+        with single_exception():
+            async with trio.open_nursery() as n:
+                for entry, attr in self.parts:
+                    a, b = max(lo, entry.begin), min(hi, entry.end)
+                    if a < b:
+                        dst = view[a - lo : b - lo]
+                        src = attr["tensor"]["offset"] + a - entry.begin
+                        n.start_soon(self.vfs.client.read_into, attr["ino"], src, dst, attr)
+        return view
+
+
+@dataclass
+class ViewWriteHandle(Handle):
+    """A safetensors stream being written; applied as a whole at flush."""
+
+    vfs: "Vfs" = None  # type: ignore[assignment]
+    model: int = 0  # the model directory's inode
+    buf: bytearray = field(default_factory=bytearray)
+    dirty: bool = False
+    created_dir: tuple[int, str] | None = None  # (parent, name) if this open made the directory
+
+    async def write(self, off: int, data: bytes) -> int:
+        end = off + len(data)
+        if end > len(self.buf):
+            self.buf.extend(bytes(end - len(self.buf)))
+        self.buf[off:end] = data
+        self.dirty = True
+        return len(data)
+
+    async def read(self, off: int, size: int) -> memoryview:
+        return memoryview(self.buf)[off : off + size]
+
+    async def flush(self) -> None:
+        if not self.dirty:
+            return
+        self.dirty = False
+        await self.vfs.apply_safetensors(self.model, bytes(self.buf))
+        self.created_dir = None
+
+
+# -- the file system ---------------------------------------------------------------------------------
+
+
+class Vfs:
+    def __init__(self, client: Client, *, status: dict | None = None):
+        self.client = client
+        self.status = status or {}
+        self.handles: dict[int, Handle] = {}
+        self.pending: dict[int, int] = {}  # ino -> size written through this mount, not yet flushed
+        self._fh = itertools.count(1)
+        self.counters: dict[str, int] = {}
+
+    # -- attributes ------------------------------------------------------------------------------
+    def stat_of(self, attr: dict, ino: int | None = None, readonly: bool = False) -> dict:
+        mode = attr["mode"] & ~0o222 if readonly else attr["mode"]
+        size = max(attr["size"], self.pending.get(attr["ino"], 0)) if not readonly else attr["size"]
+        return {
+            "st_ino": ino or attr["ino"],
+            "st_mode": mode,
+            "st_nlink": attr["nlink"],
+            "st_uid": attr["uid"],
+            "st_gid": attr["gid"],
+            "st_size": size,
+            "st_atime_ns": attr["atime_ns"],
+            "st_mtime_ns": attr["mtime_ns"],
+            "st_ctime_ns": attr["ctime_ns"],
+        }
+
+    async def _snapshot_ids(self) -> dict[str, int]:
+        return {name: s["id"] for name, s in (await self.client.snapshots()).items()}
+
+    async def getattr(self, ino: int) -> dict:
+        if is_cluster(ino):
+            return self.stat_of(await self.client.getattr(ino))
+        if ino & SNAP:
+            sid, i = split_snap(ino)
+            return self.stat_of(await self.client.getattr(i, sid), ino, readonly=True)
+        if ino & VIEW:
+            d = await self.client.getattr(ino & ~VIEW)
+            header, parts = await self.view_layout(d["ino"])
+            size = len(header) + (parts[-1][0].end if parts else 0)
+            return file_stat(ino, size, d["mode"] & 0o666, d["mtime_ns"], d["uid"], d["gid"])
+        if ino in (IRDMA_DIR, SNAPSHOTS_DIR, WORKERS_DIR):
+            return dir_stat(ino, 0o755 if ino == SNAPSHOTS_DIR else 0o555)
+        if ino in (CLUSTER_FILE, STATS_FILE):
+            return file_stat(ino, len(await self.virtual_content(ino)))
+        raise FsError(errno.ENOENT)
+
+    async def lookup(self, parent: int, name: str) -> dict:
+        if parent == ROOT and name in HIDDEN:
+            return await self.getattr(HIDDEN[name])
+        if parent == IRDMA_DIR:
+            if name not in IRDMA_FILES:
+                raise FsError(errno.ENOENT)
+            return await self.getattr(IRDMA_FILES[name])
+        if parent == WORKERS_DIR:
+            raise FsError(errno.ENOENT)  # reserved for push/pull (training)
+        if parent == SNAPSHOTS_DIR:
+            sid = (await self._snapshot_ids()).get(name)
+            if sid is None:
+                raise FsError(errno.ENOENT)
+            return await self.getattr(snap_ino(sid, ROOT))
+        if parent & SNAP:
+            sid, p = split_snap(parent)
+            attr = await self.client.lookup(p, name, sid)
+            return self.stat_of(attr, snap_ino(sid, attr["ino"]), readonly=True)
+        if not is_cluster(parent):
+            raise FsError(errno.ENOTDIR)
+        try:
+            return self.stat_of(await self.client.lookup(parent, name))
+        except RemoteError as exc:
+            if exc.code != "ENOENT" or not name.endswith(SUFFIX) or len(name) == len(SUFFIX):
+                raise
+        model = await self.client.lookup(parent, name[: -len(SUFFIX)])
+        if not S.S_ISDIR(model["mode"]):
+            raise FsError(errno.ENOENT)
+        return await self.getattr(VIEW | model["ino"])
+
+    async def readdir(self, ino: int) -> list[tuple[str, dict]]:
+        if is_cluster(ino):
+            return [(name, self.stat_of(attr)) for name, attr in await self.client.readdir(ino)]
+        if ino & SNAP:
+            sid, i = split_snap(ino)
+            return [(n, self.stat_of(a, snap_ino(sid, a["ino"]), readonly=True)) for n, a in await self.client.readdir(i, sid)]
+        if ino == IRDMA_DIR:
+            return [(name, await self.getattr(i)) for name, i in IRDMA_FILES.items()]
+        if ino == SNAPSHOTS_DIR:
+            return [(name, await self.getattr(snap_ino(sid, ROOT))) for name, sid in sorted((await self._snapshot_ids()).items())]
+        if ino == WORKERS_DIR:
+            return []
+        raise FsError(errno.ENOTDIR)
+
+    async def setattr(self, ino: int, changes: dict[str, Any]) -> dict:
+        if ino & SNAP:
+            raise FsError(errno.EROFS)
+        if ino & VIEW:
+            if set(changes) - {"size", "atime_ns", "mtime_ns"} or changes.get("size", 0) != 0:
+                raise FsError(errno.EPERM, "a model view can only be replaced as a whole")
+            return await self.getattr(ino)  # O_TRUNC before a rewrite: the write replaces it
+        if not is_cluster(ino):
+            raise FsError(errno.EPERM)
+        attrs = dict(changes)
+        if "size" in attrs:
+            self.pending.pop(ino, None)
+            for h in self.handles.values():
+                if isinstance(h, FileHandle) and h.ino == ino:
+                    h.size = min(h.size, attrs["size"])
+        return self.stat_of(await self.client.setattr(ino, **attrs))
+
+    # -- directories -----------------------------------------------------------------------------
+    def _check_create(self, parent: int, name: str) -> None:
+        if parent & SNAP:
+            raise FsError(errno.EROFS)
+        if parent == ROOT and name in HIDDEN:
+            raise FsError(errno.EEXIST, f"{name} is reserved")
+        if not is_cluster(parent):
+            raise FsError(errno.EPERM)
+
+    async def mkdir(self, parent: int, name: str, mode: int, uid: int, gid: int) -> dict:
+        if parent == SNAPSHOTS_DIR:
+            snap = await self.client.take_snapshot(name)
+            log.info("snapshot %r taken (id %d)", name, snap["id"])
+            return await self.getattr(snap_ino(snap["id"], ROOT))
+        self._check_create(parent, name)
+        return self.stat_of(await self.client.mkdir(parent, name, mode, uid, gid))
+
+    async def rmdir(self, parent: int, name: str) -> None:
+        if parent == SNAPSHOTS_DIR:
+            await self.client.drop_snapshot(name)
+            return
+        if parent & SNAP:
+            raise FsError(errno.EROFS)
+        if parent == ROOT and name in HIDDEN or not is_cluster(parent):
+            raise FsError(errno.EPERM)
+        await self.client.rmdir(parent, name)
+
+    async def unlink(self, parent: int, name: str) -> None:
+        if parent & SNAP:
+            raise FsError(errno.EROFS)
+        if parent == ROOT and name in HIDDEN or not is_cluster(parent):
+            raise FsError(errno.EPERM)
+        try:
+            await self.client.unlink(parent, name)
+        except RemoteError as exc:
+            if exc.code == "ENOENT" and name.endswith(SUFFIX):
+                raise FsError(errno.EPERM, "remove the model directory, not its view") from None
+            raise
+
+    async def rename(self, parent: int, name: str, new_parent: int, new_name: str, flags: int) -> None:
+        for p, n in ((parent, name), (new_parent, new_name)):
+            if p & SNAP:
+                raise FsError(errno.EROFS)
+            if p == ROOT and n in HIDDEN or not is_cluster(p):
+                raise FsError(errno.EPERM)
+        if flags & 2:  # RENAME_EXCHANGE
+            raise FsError(errno.EINVAL, "RENAME_EXCHANGE is not supported")
+        if flags & 1:  # RENAME_NOREPLACE
+            try:
+                await self.client.lookup(new_parent, new_name)
+                raise FsError(errno.EEXIST)
+            except RemoteError as exc:
+                if exc.code != "ENOENT":
+                    raise
+        r = await self.client.rename(parent, name, new_parent, new_name)
+        if r.get("freed"):
+            self.pending.pop(r["freed"], None)
+
+    # -- files -------------------------------------------------------------------------------------
+    def _register(self, handle: Handle) -> int:
+        fh = next(self._fh)
+        self.handles[fh] = handle
+        return fh
+
+    async def open(self, ino: int, flags: int) -> int:
+        if is_cluster(ino) or ino & SNAP:
+            sid, i = split_snap(ino) if ino & SNAP else (0, ino)
+            if sid and writes(flags):
+                raise FsError(errno.EROFS)
+            attr = await self.client.getattr(i, sid)
+            if S.S_ISDIR(attr["mode"]):
+                raise FsError(errno.EISDIR)
+            return self._register(FileHandle(i, self, attr, sid, attr["size"]))
+        if ino & VIEW:
+            model = ino & ~VIEW
+            if writes(flags):
+                return self._register(ViewWriteHandle(ino, self, model))
+            header, parts = await self.view_layout(model)
+            return self._register(ViewReadHandle(ino, self, header, parts))
+        if ino in (CLUSTER_FILE, STATS_FILE):
+            if writes(flags):
+                raise FsError(errno.EACCES)
+            return self._register(BytesHandle(ino, await self.virtual_content(ino)))
+        raise FsError(errno.EISDIR if ino in (IRDMA_DIR, SNAPSHOTS_DIR, WORKERS_DIR) else errno.ENOENT)
+
+    async def create(self, parent: int, name: str, mode: int, flags: int, uid: int, gid: int) -> tuple[int, dict]:
+        self._check_create(parent, name)
+        if name.endswith(SUFFIX) and len(name) > len(SUFFIX):
+            model_name = name[: -len(SUFFIX)]
+            created = None
+            try:
+                model = await self.client.lookup(parent, model_name)
+            except RemoteError as exc:
+                if exc.code != "ENOENT":
+                    raise
+                model = await self.client.mkdir(parent, model_name, 0o755, uid, gid)
+                created = (parent, model_name)
+            if not S.S_ISDIR(model["mode"]):
+                raise FsError(errno.ENOTDIR, f"{model_name} is not a directory")
+            fh = self._register(ViewWriteHandle(VIEW | model["ino"], self, model["ino"], created_dir=created))
+            return fh, await self.getattr(VIEW | model["ino"])
+        attr = await self.client.create(parent, name, mode, uid, gid)
+        fh = self._register(FileHandle(attr["ino"], self, attr, 0, 0, name=name))
+        return fh, self.stat_of(attr)
+
+    def handle(self, fh: int) -> Handle:
+        h = self.handles.get(fh)
+        if h is None:
+            raise FsError(errno.EBADF)
+        return h
+
+    async def read(self, fh: int, off: int, size: int) -> memoryview:
+        return await self.handle(fh).read(off, size)
+
+    async def write(self, fh: int, off: int, data: bytes) -> int:
+        return await self.handle(fh).write(off, data)
+
+    async def flush(self, fh: int) -> None:
+        await self.handle(fh).flush()
+
+    async def release(self, fh: int) -> None:
+        h = self.handles.pop(fh, None)
+        if h is None:
+            return
+        try:
+            await h.flush()
+        finally:
+            if isinstance(h, ViewWriteHandle) and h.created_dir:
+                # the write that was to create this model failed: take the empty directory away
+                try:
+                    await self.client.rmdir(*h.created_dir)
+                except RemoteError:
+                    pass
+
+    # -- tensors -----------------------------------------------------------------------------------
+    async def detect_tensor(self, ino: int, attr: dict, name: str) -> None:
+        """Record whether the file now holds a valid .npy (a tensor) or plain bytes."""
+        size = attr["size"]
+        info = None
+        prefix = b""
+        if size >= 10:
+            prefix = await self.client.read(ino, 0, min(size, formats.PREFIX), attr)
+        if prefix.startswith(formats.MAGIC):
+            try:
+                need = formats.header_length(prefix[:12])
+                if need > len(prefix):
+                    prefix = await self.client.read(ino, 0, need, attr)
+                h = formats.parse_header(prefix)
+                if h.data_offset + h.nbytes != size:
+                    raise formats.NpyError(f"data is {size - h.data_offset} bytes, header says {h.nbytes}")
+                info = formats.tensor_info(h)
+            except formats.NpyError as exc:
+                log.warning("%s (inode %d): not a tensor, kept as plain bytes: %s", name or "file", ino, exc)
+        elif name.endswith(".npy"):
+            log.warning("%s (inode %d): no .npy magic; kept as plain bytes, not a tensor", name, ino)
+        if info != attr.get("tensor"):
+            await self.client.set_tensor(ino, info)
+
+    async def view_layout(self, model: int) -> tuple[bytes, list]:
+        """Header and (entry, file attr) parts of the safetensors view of directory ``model``."""
+        tensors: list[tuple[str, dict]] = []
+
+        async def walk(ino: int, prefix: str) -> None:
+            for name, attr in await self.client.readdir(ino):
+                if S.S_ISDIR(attr["mode"]):
+                    await walk(attr["ino"], f"{prefix}{name}/")
+                elif name.endswith(".npy") and attr.get("tensor") and not attr["tensor"]["fortran"] and formats.st_dtype(attr["tensor"]["dtype"]):
+                    tensors.append((prefix + name[:-4], attr))
+
+        await walk(model, "")
+        d = await self.client.getattr(model)
+        metadata = None
+        if META_XATTR in d["xattrs"]:
+            try:
+                metadata = json.loads(d["xattrs"][META_XATTR])
+            except ValueError:
+                metadata = None
+        header, entries = formats.st_layout([(n, a["tensor"]["dtype"], tuple(a["tensor"]["shape"])) for n, a in tensors], metadata)
+        return header, [(e, a) for e, (_, a) in zip(entries, tensors)]
+
+    async def apply_safetensors(self, model: int, data: bytes) -> None:
+        """Create or assign every tensor of a safetensors stream under directory ``model``;
+        validates everything before changing anything."""
+        try:
+            start, entries, metadata = formats.st_parse(data, len(data))
+            for name in (e.name for e in entries):
+                parts = name.split("/")
+                if any(p in ("", ".", "..") or "\0" in p or len((p + ".npy").encode()) > 255 for p in parts):
+                    raise formats.SafetensorsError(f"tensor name {name!r} cannot be a path")
+        except formats.SafetensorsError as exc:
+            log.warning("safetensors write to directory %d refused: %s", model, exc)
+            raise FsError(errno.EINVAL, str(exc)) from None
+        for e in entries:
+            *dirs, leaf = e.name.split("/")
+            parent = model
+            for d in dirs:
+                parent = (await self.client.makedirs_under(parent, d))["ino"]
+            arr = np.frombuffer(data, dtype=e.dtype, count=(e.end - e.begin) // np.dtype(e.dtype).itemsize, offset=start + e.begin).reshape(e.shape)
+            await self.client.save_under(parent, leaf + ".npy", arr)
+        if metadata:
+            await self.client.setxattr(model, META_XATTR, json.dumps(metadata))
+        elif META_XATTR in (await self.client.getattr(model))["xattrs"]:
+            await self.client.setxattr(model, META_XATTR, None)  # the new stream has none
+        log.info("safetensors stream applied to directory %d: %d tensors", model, len(entries))
+
+    # -- status files --------------------------------------------------------------------------------
+    async def virtual_content(self, ino: int) -> bytes:
+        if ino == CLUSTER_FILE:
+            doc = dict(self.status, nodes=self.client.cluster_status())
+        else:
+            doc = self.client.stats() | {"fuse": self.counters}
+        return (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
+
+    # -- extended attributes ---------------------------------------------------------------------------
+    async def getxattr(self, ino: int, name: str) -> bytes:
+        attr = await self._xattr_target(ino)
+        tensor = attr.get("tensor")
+        if name == "user.irdma.version":
+            return str(attr["version"]).encode()
+        if name == "user.irdma.dtype" and tensor:
+            return tensor["dtype"].encode()
+        if name == "user.irdma.shape" and tensor:
+            return json.dumps(tensor["shape"]).encode()
+        if name not in attr["xattrs"]:
+            raise FsError(errno.ENODATA)
+        return attr["xattrs"][name].encode("utf-8", "surrogateescape")
+
+    async def listxattr(self, ino: int) -> list[str]:
+        attr = await self._xattr_target(ino)
+        derived = list(DERIVED_XATTRS) if attr.get("tensor") else ["user.irdma.version"]
+        return derived + sorted(attr["xattrs"])
+
+    async def setxattr(self, ino: int, name: str, value: bytes | None) -> None:
+        if ino & SNAP:
+            raise FsError(errno.EROFS)
+        if not is_cluster(ino):
+            raise FsError(errno.EPERM)
+        if not name.startswith("user."):
+            raise FsError(errno.ENOTSUP, "only user.* attributes are kept")
+        if name in DERIVED_XATTRS:
+            raise FsError(errno.EPERM, f"{name} is derived from the tensor")
+        if value is not None and len(value) > 65536:
+            raise FsError(errno.E2BIG)
+        await self.client.setxattr(ino, name, None if value is None else value.decode("utf-8", "surrogateescape"))
+
+    async def _xattr_target(self, ino: int) -> dict:
+        if ino & SNAP:
+            sid, i = split_snap(ino)
+            return await self.client.getattr(i, sid)
+        if not is_cluster(ino):
+            raise FsError(errno.ENODATA)
+        return await self.client.getattr(ino)
+
+    async def statfs(self) -> dict:
+        return await self.client.statfs()

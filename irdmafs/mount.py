@@ -1,0 +1,101 @@
+"""Process wiring for a mount: config -> transport -> Client -> VFS -> pyfuse3, in one nursery.
+
+``run_mount`` mounts in the foreground until unmounted (``fusermount3 -u``) or until SIGINT or
+SIGTERM, which end the FUSE main loop through ``pyfuse3.terminate`` so the mount is released
+cleanly. ``mount_background`` starts that in a new process and returns once the mount is live.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import trio
+
+from .client.client import Client
+from .config import ClusterConfig
+from .transport.select import choose
+
+log = logging.getLogger(__name__)
+
+BASE_OPTIONS = ("fsname=irdmafs", "subtype=irdmafs", "default_permissions")
+# mount(8) options that concern when/who mounts, not the file system itself
+IGNORED_OPTIONS = {"nofail", "_netdev", "noauto", "auto", "user", "users", "defaults", "rw"}
+
+
+def fuse_options(extra: list[str]) -> set[str]:
+    opts = set(BASE_OPTIONS)
+    for o in extra:
+        if o and o not in IGNORED_OPTIONS:
+            opts.add(o)
+    return opts
+
+
+async def run_mount(cfg: ClusterConfig, mountpoint: str, options: list[str] | None = None, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    import pyfuse3
+
+    from .fs.ops import Operations
+    from .fs.vfs import Vfs
+
+    transport = choose(cfg.transport, cfg.token, op_timeout=cfg.op_timeout)
+    async with Client.connect(cfg, transport) as client:
+        status = {"config": os.path.abspath(cfg.path) if cfg.path else None, "mountpoint": os.path.abspath(mountpoint), "mount_pid": os.getpid(), "transport": transport.name, "replicas": cfg.replicas}
+        ops = Operations(Vfs(client, status=status))
+        pyfuse3.init(ops, mountpoint, fuse_options(options or []))
+        log.info("mounted %s on %s (transport %s, %d nodes, R=%d)", cfg.path, mountpoint, transport.name, len(cfg.nodes), cfg.replicas)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_terminate_on_signals)
+                task_status.started()
+                await pyfuse3.main()
+                nursery.cancel_scope.cancel()
+        finally:
+            pyfuse3.close(unmount=True)
+            log.info("unmounted %s", mountpoint)
+
+
+async def _terminate_on_signals() -> None:
+    import pyfuse3
+
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for sig in signals:
+            log.info("signal %s: unmounting", signal.Signals(sig).name)
+            pyfuse3.terminate()
+            return
+
+
+def wait_for_mount(mountpoint: str, proc: subprocess.Popen | None, timeout: float = 30.0, log_path: Path | None = None) -> None:
+    """Until ``mountpoint`` is a mount; fails at once if the mounting process died."""
+    deadline = time.monotonic() + timeout
+    while not os.path.ismount(mountpoint):
+        if proc is not None and proc.poll() is not None:
+            tail = log_path.read_text(errors="replace")[-2000:] if log_path and log_path.exists() else ""
+            raise RuntimeError(f"the mount process exited with {proc.returncode}\n{tail}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{mountpoint} not mounted after {timeout}s")
+        time.sleep(0.05)
+
+
+def mount_background(config_path: str, mountpoint: str, options: list[str], log_path: Path) -> subprocess.Popen:
+    """``irdmafs mount -f`` in a new session, logging to ``log_path``; returns once it is live."""
+    cmd = [sys.executable, "-m", "irdmafs.cli", "mount", "--config", str(config_path), str(mountpoint), "-f"]
+    if options:
+        cmd += ["-o", ",".join(options)]
+    with open(log_path, "ab") as logf:
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    wait_for_mount(mountpoint, proc, log_path=log_path)
+    return proc
+
+
+def unmount(mountpoint: str, lazy: bool = False) -> bool:
+    """``fusermount3 -u`` (``-uz`` when lazy); True if it is no longer mounted."""
+    if not os.path.ismount(mountpoint):
+        return True
+    args = ["fusermount3", "-u" + ("z" if lazy else ""), mountpoint]
+    subprocess.run(args, capture_output=True)
+    return not os.path.ismount(mountpoint)
