@@ -53,7 +53,9 @@ def check_mountpoint(mountpoint: str) -> str:
     mp = os.path.abspath(mountpoint)
     if not os.path.isdir(mp):
         raise QuietError(f"{mountpoint}: not a directory", 2)
-    if os.path.ismount(mp):
+    from .mount import is_mounted
+
+    if is_mounted(mp):
         raise QuietError(f"{mountpoint}: already a mount point", 2)
     return mp
 

@@ -141,8 +141,12 @@ class StripeIO:
                     raise
                 missing.add(node)  # syncing: not trusted for reads yet
             except TornRead:
-                log.warning("stripe %d:%d on %s kept changing; trying another replica", fid, p.idx, node)
-                missing.add(node)
+                # Writes keep landing on this stripe: back off and read again (bounded by the
+                # deadline below). Never treat it as missing, which could read as a hole.
+                if trio.current_time() > give_up:
+                    raise
+                log.warning("stripe %d:%d on %s kept changing; reading again", fid, p.idx, node)
+                await trio.sleep(0.01)
 
     # -- writes --------------------------------------------------------------------------------
     async def write(self, fid: int, unit: int, offset: int, data: memoryview) -> None:

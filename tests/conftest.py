@@ -1,0 +1,79 @@
+"""Shared fixtures: real PS node processes on loopback, and real FUSE mounts of them."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from irdmafs.local import LocalCluster, wait_settled, write_config
+from irdmafs.mount import unmount, wait_for_mount
+
+
+@pytest.fixture
+async def local_cluster(tmp_path):
+    """``await local_cluster(nodes=3, replicas=2, ...)``: node processes from a fresh config."""
+    clusters = []
+
+    async def make(nodes=3, replicas=2, **kw):
+        path = write_config(tmp_path / f"c{len(clusters)}", nodes, replicas, transport=["tcp"], heartbeat=0.2, down_after=1.0, **kw)
+        lc = LocalCluster(path)
+        clusters.append(lc)
+        lc.start_all()
+        await wait_settled(lc.cfg)
+        return lc
+
+    yield make
+    for lc in clusters:
+        lc.stop_all()
+
+
+def fuse_unavailable() -> str | None:
+    if not os.path.exists("/dev/fuse"):
+        return "/dev/fuse is missing"
+    if not shutil.which("fusermount3"):
+        return "fusermount3 is not installed (apt-get install fuse3)"
+    try:
+        import pyfuse3  # noqa: F401
+    except ImportError as exc:
+        return f"pyfuse3 does not import: {exc}"
+    return None
+
+
+@pytest.fixture
+async def mount(tmp_path, local_cluster):
+    """``mount(cluster, name)``: ``irdmafs mount -f`` in a subprocess, live when it returns.
+    Unmounted with ``fusermount3 -u -z`` afterwards, before the cluster stops (hence async and
+    after local_cluster); a traceback in its log fails the test."""
+    reason = fuse_unavailable()
+    if reason:
+        pytest.skip(reason)
+    mounts = []
+
+    def make(lc, name="mnt", options=None):
+        mp = tmp_path / name
+        mp.mkdir()
+        log = tmp_path / f"{name}.log"
+        cmd = [sys.executable, "-m", "irdmafs.cli", "mount", "--config", str(lc.config_path), str(mp), "-f"]
+        if options:
+            cmd += ["-o", options]
+        with open(log, "wb") as f:
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+        mounts.append((mp, proc, log))
+        wait_for_mount(str(mp), proc, log_path=log)
+        return mp
+
+    yield make
+    problems = []
+    for mp, proc, log in mounts:
+        unmount(str(mp), lazy=True)
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        text = log.read_text(errors="replace")
+        if "Traceback" in text:
+            problems.append(f"{log}:\n{text[-3000:]}")
+    assert not problems, "\n".join(problems)

@@ -1,0 +1,260 @@
+"""Real mounts (a subprocess each) of real node processes: what users and Unix tools do."""
+
+import errno
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import threading
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.mount
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+async def ps(local_cluster, mount):
+    lc = await local_cluster(nodes=3, replicas=2, stripe_unit=MiB)
+    return lc, mount(lc)
+
+
+async def test_numpy_save_load_mmap_and_tensor_xattrs(ps):
+    _, m = ps
+    os.makedirs(m / "bert")
+    arr = np.random.default_rng(0).standard_normal((700, 1000)).astype(np.float32)  # > 2 stripes
+    np.save(m / "bert" / "w.npy", arr)
+    assert np.array_equal(np.load(m / "bert" / "w.npy"), arr)
+    mm = np.load(m / "bert" / "w.npy", mmap_mode="r")
+    assert np.array_equal(mm, arr)
+    del mm
+    assert os.getxattr(m / "bert" / "w.npy", "user.irdma.dtype") == b"<f4"
+    assert json.loads(os.getxattr(m / "bert" / "w.npy", "user.irdma.shape")) == [700, 1000]
+    os.setxattr(m / "bert", "user.irdma.sync", b"bsp")
+    assert os.getxattr(m / "bert", "user.irdma.sync") == b"bsp"
+    assert sorted(os.listdir(m)) == ["bert"]  # hidden entries are not listed
+    status = json.loads((m / ".irdma" / "cluster").read_text())
+    assert [n["state"] for n in status["nodes"]] == ["ready"] * 3 and status["config"]
+
+
+async def test_posix_basics(ps):
+    _, m = ps
+    f = m / "f"
+    f.write_bytes(b"0123456789" * 300_000)  # 3 MB over 3 stripes
+    with open(f, "r+b") as h:
+        h.seek(MiB - 3)
+        h.write(b"ABCDEF")  # across a stripe boundary
+        h.seek(5 * MiB)
+        h.write(b"end")  # past the end: a hole of zeros
+    data = f.read_bytes()
+    assert data[MiB - 3 : MiB + 3] == b"ABCDEF" and data[-3:] == b"end" and data[3_000_000 : 5 * MiB] == bytes(5 * MiB - 3_000_000)
+    os.truncate(f, 100)
+    assert f.read_bytes() == b"0123456789" * 10
+    os.truncate(f, 200)
+    assert f.read_bytes()[100:] == bytes(100)
+    (m / "g").write_bytes(b"new")
+    os.rename(m / "g", f)  # over an existing file, as rsync does
+    assert f.read_bytes() == b"new" and not (m / "g").exists()
+    os.chmod(f, 0o600)
+    os.utime(f, ns=(1_000_000_000, 2_000_000_000))
+    st = os.stat(f)
+    assert (st.st_mode & 0o777, st.st_mtime_ns) == (0o600, 2_000_000_000)
+    os.makedirs(m / "d" / "e")
+    with pytest.raises(OSError) as err:
+        os.rmdir(m / "d")
+    assert err.value.errno == errno.ENOTEMPTY
+    with pytest.raises(OSError) as err:
+        (m / ("x" * 256)).write_bytes(b"")
+    assert err.value.errno == errno.ENAMETOOLONG
+    with pytest.raises(OSError) as err:
+        os.mkdir(m / ".irdma")
+    assert err.value.errno == errno.EEXIST
+    with pytest.raises(OSError) as err:
+        (m / ".irdma" / "cluster").write_text("x")
+    assert err.value.errno in (errno.EACCES, errno.EPERM)
+    os.unlink(f)
+    assert not f.exists()
+    sv = os.statvfs(m)
+    assert sv.f_blocks > 0 and sv.f_bavail <= sv.f_blocks
+
+
+async def test_cp_r_snapshot_and_restore_copies_parameters_only(ps, tmp_path):
+    _, m = ps
+    os.makedirs(m / "bert")
+    arr = np.arange(300_000, dtype=np.float64)
+    np.save(m / "bert" / "w.npy", arr)
+    subprocess.run(["cp", "-r", str(m / "bert"), str(tmp_path / "backup")], check=True)
+    assert os.listdir(tmp_path / "backup") == ["w.npy"]
+    np.save(m / "bert" / "w.npy", arr * 0)
+    subprocess.run(["cp", "-r", str(tmp_path / "backup") + "/.", str(m / "bert")], check=True)
+    assert np.array_equal(np.load(m / "bert" / "w.npy"), arr)
+    subprocess.run(["cp", "-r", str(m), str(tmp_path / "whole")], check=True)
+    assert sorted(os.listdir(tmp_path / "whole")) == ["bert"]  # no .irdma, .snapshots, views
+
+
+async def test_rsync_in_out_and_again_moves_nothing(ps, tmp_path):
+    _, m = ps
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    rng = np.random.default_rng(1)
+    for i in range(5):
+        (src / "sub" / f"t{i}.bin").write_bytes(rng.bytes(int(rng.integers(1, 3 * MiB))))
+    (src / "empty").write_bytes(b"")
+
+    def rsync(a, b):
+        r = subprocess.run(["rsync", "-a", "--stats", f"{a}/", f"{b}/"], capture_output=True, text=True, check=True)
+        return int(next(line for line in r.stdout.splitlines() if "Number of regular files transferred" in line).split(":")[1].replace(",", ""))
+
+    assert rsync(src, m / "copy") == 6
+    assert rsync(src, m / "copy") == 0
+    assert rsync(m / "copy", tmp_path / "out") == 6
+    assert rsync(m / "copy", tmp_path / "out") == 0
+    diff = subprocess.run(["diff", "-r", str(src), str(tmp_path / "out")], capture_output=True)
+    assert diff.returncode == 0, diff.stdout
+
+
+async def test_safetensors_view_with_numpy_and_torch(ps, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    _, m = ps
+    tensors = {"emb.weight": np.ones((300, 64), np.float32), "enc/l0.b": np.arange(8, dtype=np.int64)}
+    save_file(tensors, tmp_path / "ck.safetensors", metadata={"step": "7"})
+    subprocess.run(["cp", str(tmp_path / "ck.safetensors"), str(m / "gpt.safetensors")], check=True)
+    assert sorted(os.listdir(m / "gpt")) == ["emb.weight.npy", "enc"]
+    back = load_file(m / "gpt.safetensors")
+    assert all(np.array_equal(back[k], v) for k, v in tensors.items())
+
+    torch = pytest.importorskip("torch", reason="torch==2.13.0 (CPU) not installed")
+    from safetensors.torch import load_file as tload, save_file as tsave
+
+    tb = tload(m / "gpt.safetensors")
+    assert torch.equal(tb["emb.weight"], torch.ones(300, 64))
+    tsave({"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}, tmp_path / "t.safetensors")
+    subprocess.run(["cp", str(tmp_path / "t.safetensors"), str(m / "tmodel.safetensors")], check=True)
+    assert np.array_equal(np.load(m / "tmodel" / "w.npy"), np.arange(6, dtype=np.float32).reshape(2, 3))
+
+
+async def test_bad_writes_lose_nothing(ps, caplog):
+    lc, m = ps
+    os.makedirs(m / "gpt")
+    np.save(m / "gpt" / "w.npy", np.ones(10, np.float32))
+    # a malformed safetensors stream: EINVAL at close, tensors untouched
+    with pytest.raises(OSError) as err:
+        with open(m / "gpt.safetensors", "wb") as f:
+            f.write(b"\xff" * 8 + b"{}")
+    assert err.value.errno == errno.EINVAL
+    assert np.array_equal(np.load(m / "gpt" / "w.npy"), np.ones(10, np.float32))
+    # a malformed .npy is kept as plain bytes and is no tensor
+    (m / "gpt" / "bad.npy").write_bytes(b"\x93NUMPY garbage")
+    assert (m / "gpt" / "bad.npy").read_bytes() == b"\x93NUMPY garbage"
+    with pytest.raises(OSError) as err:
+        os.getxattr(m / "gpt" / "bad.npy", "user.irdma.dtype")
+    assert err.value.errno == errno.ENODATA
+    log = (m.parent / "mnt.log").read_text()
+    assert "not a tensor" in log and "safetensors write to directory" in log
+
+
+async def test_snapshots_point_in_time(ps):
+    _, m = ps
+    os.makedirs(m / "bert")
+    np.save(m / "bert" / "w.npy", np.zeros(400_000, np.float32))
+    os.mkdir(m / ".snapshots" / "step100")
+    np.save(m / "bert" / "w.npy", np.ones(400_000, np.float32))
+    (m / "bert" / "new").write_bytes(b"x")
+    assert os.listdir(m / ".snapshots") == ["step100"]
+    assert os.listdir(m / ".snapshots" / "step100" / "bert") == ["w.npy"]
+    assert not np.load(m / ".snapshots" / "step100" / "bert" / "w.npy").any()
+    with pytest.raises(OSError) as err:
+        (m / ".snapshots" / "step100" / "bert" / "w.npy").write_bytes(b"x")
+    assert err.value.errno == errno.EROFS
+    subprocess.run(["cp", "-r", str(m / ".snapshots" / "step100" / "bert") + "/.", str(m / "bert")], check=True)  # restore
+    assert not np.load(m / "bert" / "w.npy").any()
+    os.rmdir(m / ".snapshots" / "step100")
+    assert os.listdir(m / ".snapshots") == []
+
+
+def _worker(root, rank, n, q):
+    try:
+        rng = np.random.default_rng(rank)
+        mine = rng.integers(0, 255, 3 * MiB + rank, dtype=np.uint8)
+        for _ in range(3):
+            (root / f"w{rank}").write_bytes(mine.tobytes())
+            assert (root / f"w{rank}").read_bytes() == mine.tobytes()
+            shared = (root / "shared").read_bytes()
+            assert shared == bytes([7]) * (2 * MiB)
+        q.put((rank, "ok"))
+    except BaseException as exc:  # reported to the test
+        q.put((rank, repr(exc)))
+
+
+async def test_several_processes_read_and_write_at_once(ps):
+    _, m = ps
+    (m / "shared").write_bytes(bytes([7]) * (2 * MiB))
+    q = mp.Queue()
+    procs = [mp.Process(target=_worker, args=(m, r, 4, q)) for r in range(4)]
+    for p in procs:
+        p.start()
+    results = dict(q.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(10)
+    assert results == {r: "ok" for r in range(4)}
+
+
+async def test_two_mounts_see_each_others_writes(local_cluster, mount):
+    lc = await local_cluster(nodes=3, replicas=2, stripe_unit=MiB)
+    a, b = mount(lc, "a"), mount(lc, "b")
+    arr = np.arange(500_000, dtype=np.int32)
+    np.save(a / "x.npy", arr)  # close() returns: b must see it
+    assert np.array_equal(np.load(b / "x.npy"), arr)
+    np.save(b / "x.npy", arr[:10] * 3)
+    assert np.array_equal(np.load(a / "x.npy"), arr[:10] * 3)
+    os.mkdir(b / ".snapshots" / "s")
+    assert os.listdir(a / ".snapshots") == ["s"]
+
+
+async def test_reads_never_mix_within_a_stripe(ps):
+    """A reader racing another client's whole-stripe writes sees each stripe all-old or all-new.
+
+    The writer is a second client (as a remote worker would be); the reader uses O_DIRECT reads
+    of one stripe each, so every read is one FUSE request. (Within one mount, the kernel's page
+    cache mixes a concurrent read and write at page granularity, as any local file system does.)"""
+    import mmap
+
+    import trio
+
+    from irdmafs.client.client import Client
+
+    lc, m = ps
+    f = m / "race"
+    f.write_bytes(bytes([0]) * (4 * MiB))
+    errors, reads = [], 0
+
+    def reader(stop):
+        nonlocal reads
+        buf = mmap.mmap(-1, MiB)  # page-aligned, as O_DIRECT wants
+        fd = os.open(f, os.O_RDONLY | os.O_DIRECT)
+        try:
+            while not stop.is_set():
+                for s in range(4):
+                    n = os.preadv(fd, [buf], s * MiB)
+                    chunk = buf[:n]
+                    reads += 1
+                    if n != MiB or len(set(chunk)) != 1:
+                        errors.append((s, n, sorted(set(chunk))[:5]))
+        finally:
+            os.close(fd)
+
+    stop = threading.Event()
+    async with Client.connect(lc.cfg) as c:
+        attr = await c.resolve("/race")
+        t = threading.Thread(target=reader, args=(stop,))
+        t.start()
+        try:
+            for v in range(1, 41):
+                await c.write(attr["ino"], 0, bytes([v]) * (4 * MiB), attr)
+        finally:
+            stop.set()
+            await trio.to_thread.run_sync(t.join, 60)
+    assert reads > 0 and not errors, errors[:5]

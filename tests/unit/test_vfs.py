@@ -1,0 +1,192 @@
+"""The VFS awaited directly over an in-process cluster: what each path means, and its errnos."""
+
+import errno
+import json
+import os
+import stat as S
+
+import numpy as np
+import pytest
+import pyfuse3
+
+from irdmafs import formats
+from irdmafs.client.client import Client
+from irdmafs.fs import vfs as V
+from irdmafs.fs.ops import Operations
+from irdmafs.transport.memory import MemoryTransport
+
+from .test_cluster_inprocess import config, start_cluster
+
+W = os.O_WRONLY
+
+
+@pytest.fixture
+async def fs(nursery):
+    cfg = config()
+    await start_cluster(nursery, cfg)
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as client:
+        yield V.Vfs(client, status={"config": "test"})
+
+
+async def write_file(fs, parent, name, data):
+    fh, st = await fs.create(parent, name, 0o644, W, 0, 0)
+    await fs.write(fh, 0, data)
+    await fs.release(fh)
+    return st["st_ino"]
+
+
+async def read_all(fs, ino, size=1 << 24):
+    fh = await fs.open(ino, os.O_RDONLY)
+    data = bytes(await fs.read(fh, 0, size))
+    await fs.release(fh)
+    return data
+
+
+def npy(arr):
+    return formats.encode_header(arr) + arr.tobytes()
+
+
+async def test_hidden_entries_are_reachable_but_never_listed(fs):
+    await fs.mkdir(1, "bert", 0o755, 0, 0)
+    assert [n for n, _ in await fs.readdir(1)] == ["bert"]
+    for name in (".irdma", ".snapshots", ".workers"):
+        assert S.S_ISDIR((await fs.lookup(1, name))["st_mode"])
+    assert sorted(n for n, _ in await fs.readdir(V.IRDMA_DIR)) == ["cluster", "stats"]
+    status = json.loads(await read_all(fs, V.CLUSTER_FILE))
+    assert status["config"] == "test" and [n["state"] for n in status["nodes"]] == ["ready"] * 3
+
+
+async def test_tensor_detection_and_xattrs(fs):
+    d = await fs.mkdir(1, "m", 0o755, 0, 0)
+    arr = np.arange(12, dtype=np.float32).reshape(3, 4)
+    ino = await write_file(fs, d["st_ino"], "w.npy", npy(arr))
+    assert await fs.getxattr(ino, "user.irdma.dtype") == b"<f4"
+    assert json.loads(await fs.getxattr(ino, "user.irdma.shape")) == [3, 4]
+    assert await fs.getxattr(ino, "user.irdma.version") == b"1"
+    assert "user.irdma.dtype" in await fs.listxattr(ino)
+    # a malformed .npy is kept as plain bytes: no tensor attributes, the bytes intact
+    bad = b"\x93NUMPY\x01\x00" + b"\x10\x00{'descr': oops}" + b"x" * 40
+    ino2 = await write_file(fs, d["st_ino"], "bad.npy", bad)
+    assert await read_all(fs, ino2) == bad
+    with pytest.raises(V.FsError) as err:
+        await fs.getxattr(ino2, "user.irdma.dtype")
+    assert err.value.errno == errno.ENODATA
+    # user xattrs: set, get, list, remove; derived ones are read-only
+    await fs.setxattr(d["st_ino"], "user.irdma.sync", b"bsp")
+    assert await fs.getxattr(d["st_ino"], "user.irdma.sync") == b"bsp"
+    await fs.setxattr(d["st_ino"], "user.irdma.sync", None)
+    for name, value, code in [("user.irdma.dtype", b"x", errno.EPERM), ("trusted.x", b"1", errno.ENOTSUP)]:
+        with pytest.raises(V.FsError) as err:
+            await fs.setxattr(ino, name, value)
+        assert err.value.errno == code
+
+
+async def test_safetensors_view_read_and_write(fs):
+    from safetensors.numpy import load, save
+
+    d = await fs.mkdir(1, "gpt", 0o755, 0, 0)
+    tensors = {"a.b": np.ones((2, 3), np.float32), "enc/w": np.arange(5, dtype=np.int64), "z": np.zeros(0, np.float16)}
+    fh, st = await fs.create(1, "gpt.safetensors", 0o644, W, 0, 0)
+    assert st["st_ino"] == V.VIEW | d["st_ino"]
+    await fs.write(fh, 0, save(tensors, metadata={"k": "v"}))
+    await fs.release(fh)
+    assert sorted(n for n, _ in await fs.readdir(d["st_ino"])) == ["a.b.npy", "enc", "z.npy"]
+    view = await fs.lookup(1, "gpt.safetensors")
+    whole = await read_all(fs, view["st_ino"])
+    assert view["st_size"] == len(whole)
+    back = load(whole)
+    assert set(back) == set(tensors) and all(np.array_equal(back[k], v) for k, v in tensors.items())
+    # partial reads of the view at odd offsets give the same bytes
+    fh = await fs.open(view["st_ino"], os.O_RDONLY)
+    assert bytes(await fs.read(fh, 5, 100)) == whole[5:105]
+    await fs.release(fh)
+    # a malformed stream: EINVAL at flush, tensors as they were
+    fh = await fs.open(view["st_ino"], W)
+    await fs.write(fh, 0, b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}")
+    with pytest.raises(V.FsError) as err:
+        await fs.flush(fh)
+    assert err.value.errno == errno.EINVAL
+    await fs.release(fh)
+    back = load(await read_all(fs, view["st_ino"]))
+    assert all(np.array_equal(back[k], v) for k, v in tensors.items())
+    # a bad tensor name is refused before anything changes
+    fh = await fs.open(view["st_ino"], W)
+    await fs.write(fh, 0, save({"../escape": np.ones(1, np.float32)}))
+    with pytest.raises(V.FsError):
+        await fs.release(fh)
+    assert sorted(n for n, _ in await fs.readdir(d["st_ino"])) == ["a.b.npy", "enc", "z.npy"]
+
+
+async def test_new_model_dir_is_removed_when_its_first_write_fails(fs):
+    fh, _ = await fs.create(1, "fresh.safetensors", 0o644, W, 0, 0)
+    await fs.write(fh, 0, b"garbage")
+    with pytest.raises(V.FsError):
+        await fs.release(fh)
+    assert [n for n, _ in await fs.readdir(1)] == []
+
+
+async def test_snapshots_via_mkdir_and_rmdir(fs):
+    ino = await write_file(fs, 1, "f", b"old")
+    snap = await fs.mkdir(V.SNAPSHOTS_DIR, "s1", 0o755, 0, 0)
+    await write_file(fs, 1, "g", b"new file")
+    fh = await fs.open(ino, W)
+    await fs.write(fh, 0, b"NEW")
+    await fs.release(fh)
+    assert [n for n, _ in await fs.readdir(snap["st_ino"])] == ["f"]
+    f = await fs.lookup(snap["st_ino"], "f")
+    assert await read_all(fs, f["st_ino"]) == b"old"
+    assert not f["st_mode"] & 0o222
+    for call in (fs.open(f["st_ino"], W), fs.create(snap["st_ino"], "x", 0o644, W, 0, 0), fs.unlink(snap["st_ino"], "f"), fs.setattr(f["st_ino"], {"size": 0})):
+        with pytest.raises(V.FsError) as err:
+            await call
+        assert err.value.errno == errno.EROFS
+    await fs.rmdir(V.SNAPSHOTS_DIR, "s1")
+    assert await fs.readdir(V.SNAPSHOTS_DIR) == []
+
+
+@pytest.mark.parametrize(
+    "call, code",
+    [
+        (lambda fs: fs.mkdir(1, ".irdma", 0o755, 0, 0), errno.EEXIST),
+        (lambda fs: fs.create(1, ".snapshots", 0o644, W, 0, 0), errno.EEXIST),
+        (lambda fs: fs.create(V.IRDMA_DIR, "x", 0o644, W, 0, 0), errno.EPERM),
+        (lambda fs: fs.mkdir(V.WORKERS_DIR, "0", 0o755, 0, 0), errno.EPERM),
+        (lambda fs: fs.open(V.CLUSTER_FILE, W), errno.EACCES),
+        (lambda fs: fs.rmdir(1, ".snapshots"), errno.EPERM),
+        (lambda fs: fs.rename(1, ".irdma", 1, "x", 0), errno.EPERM),
+        (lambda fs: fs.lookup(V.IRDMA_DIR, "nope"), errno.ENOENT),
+    ],
+)
+async def test_hidden_entries_refuse_what_they_must(fs, call, code):
+    with pytest.raises(V.FsError) as err:
+        await call(fs)
+    assert err.value.errno == code
+
+
+async def test_ops_maps_every_error_to_one_errno(fs, caplog):
+    ops = Operations(fs)
+    with pytest.raises(pyfuse3.FUSEError) as err:
+        await ops.lookup(1, b"missing", None)
+    assert err.value.errno == errno.ENOENT
+    with pytest.raises(pyfuse3.FUSEError) as err:
+        await ops.mkdir(1, b"x" * 256, 0o755, type("Ctx", (), {"uid": 0, "gid": 0})())
+    assert err.value.errno == errno.ENAMETOOLONG
+
+    async def broken(*a):
+        raise ZeroDivisionError("bug")
+
+    fs.getattr = broken
+    with pytest.raises(pyfuse3.FUSEError) as err:
+        await ops.getattr(1, None)
+    assert err.value.errno == errno.EIO
+    assert "unexpected error" in caplog.text  # logged with context, not sent to the kernel
+
+
+async def test_write_size_is_pending_until_flush(fs):
+    fh, st = await fs.create(1, "f", 0o644, W, 0, 0)
+    await fs.write(fh, 0, b"x" * 1000)
+    assert (await fs.getattr(st["st_ino"]))["st_size"] == 1000  # this mount sees it at once
+    assert (await fs.client.getattr(st["st_ino"]))["size"] == 0  # the cluster at flush
+    await fs.flush(fh)
+    assert (await fs.client.getattr(st["st_ino"]))["size"] == 1000
+    await fs.release(fh)
