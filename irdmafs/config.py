@@ -121,7 +121,7 @@ def from_dict(doc: dict, *, base: Path = Path("."), where: str | None = None) ->
         raise ConfigError("token or token_file: a cluster token is required")
     if len(token) < 8:
         raise ConfigError("token: must be at least 8 bytes")
-    replicas = doc.get("replicas", 2)
+    replicas = doc.get("replicas", min(2, len(nodes)))  # default: 2, or 1 for a one-node cluster
     if not isinstance(replicas, int) or not 1 <= replicas <= len(nodes):
         raise ConfigError(f"replicas: {replicas!r} must be between 1 and the number of nodes ({len(nodes)})")
     transport = doc.get("transport", ["verbs", "tcp"])

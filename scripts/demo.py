@@ -1,42 +1,102 @@
-"""Quick-start demo: a 3-node local cluster (R=2), a model written and read back through the
-Client, one node killed with SIGKILL, the model read again from the surviving replicas."""
+"""Quick-start demo: a local cluster and a mount, used the way a training job and its operator would.
 
+1. ``irdmafs up`` starts 3 PS nodes (R=2) on loopback and mounts them;
+2. a model is written as .npy files with numpy, read back with numpy and, as one file, through the
+   ``<model>.safetensors`` view;
+3. a backup is taken with ``cp -r`` and a point-in-time snapshot with ``mkdir .snapshots/NAME``;
+4. the model is damaged, then restored from the snapshot; one node is killed and the model is
+   still all there;
+5. ``irdmafs down`` unmounts and stops everything.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
-import trio
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from irdmafs.client.client import Client  # noqa: E402
-from irdmafs.local import LocalCluster, wait_settled, write_config  # noqa: E402
 
 
-async def main() -> None:
-    with tempfile.TemporaryDirectory(prefix="irdmafs-demo-") as tmp:
-        lc = LocalCluster(write_config(Path(tmp), nodes=3, replicas=2))
-        lc.start_all()
-        try:
-            await wait_settled(lc.cfg)
-            print(f"cluster up: {', '.join(lc.cfg.names)} (config {lc.config_path})")
-            rng = np.random.default_rng(0)
-            model = {"embed.weight": rng.standard_normal((1000, 256), dtype=np.float32), "fc.bias": np.zeros(10, np.float32)}
-            async with Client.connect(lc.cfg) as c:
-                await c.makedirs("/bert")
-                for name, arr in model.items():
-                    await c.save(f"/bert/{name}.npy", arr)
-                print("wrote", await c.listdir("/bert"))
-                lc.kill("n1")
-                print("killed node n1 (SIGKILL)")
-                for name, arr in model.items():
-                    back = await c.load(f"/bert/{name}.npy")
-                    assert np.array_equal(back, arr)
-                print("read every tensor back bit-identical from the surviving replicas")
-        finally:
-            lc.stop_all()
+def irdmafs(*args: str) -> str:
+    r = subprocess.run([sys.executable, "-m", "irdmafs.cli", *args], capture_output=True, text=True)
+    if r.returncode:
+        sys.exit(f"irdmafs {' '.join(args)} failed:\n{r.stderr}")
+    return r.stdout.strip()
+
+
+def step(text: str) -> None:
+    print(f"\n== {text}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mount", default=None, help="mountpoint (default: a new temporary directory)")
+    ap.add_argument("--keep", action="store_true", help="leave the cluster up and mounted at the end")
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="irdmafs-demo-"))
+    mnt = Path(args.mount or work / "ps")
+
+    step("irdmafs up: 3 nodes, 2 replicas, one mount")
+    print(irdmafs("up", str(mnt), "--nodes", "3", "--replicas", "2", "--state", str(work / "state")))
+    try:
+        step("write a model with numpy")
+        rng = np.random.default_rng(0)
+        model = {
+            "embed.weight": rng.standard_normal((30522, 128), dtype=np.float32),
+            "encoder/layer.0.attn.weight": rng.standard_normal((128, 128), dtype=np.float32),
+            "classifier.bias": np.zeros(2, np.float32),
+        }
+        for name, arr in model.items():
+            path = mnt / "bert" / f"{name}.npy"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            np.save(path, arr)
+        subprocess.run(["ls", "-lR", str(mnt / "bert")], check=True)
+        w = mnt / "bert" / "embed.weight.npy"
+        print("tensor xattrs:", {n: os.getxattr(w, n).decode() for n in os.listxattr(w)})
+
+        step("read it back: numpy, numpy mmap, and the whole model as one safetensors file")
+        assert all(np.array_equal(np.load(mnt / "bert" / f"{n}.npy"), a) for n, a in model.items())
+        assert np.array_equal(np.load(w, mmap_mode="r")[:10], model["embed.weight"][:10])
+        from safetensors.numpy import load_file
+
+        st = load_file(mnt / "bert.safetensors")
+        assert sorted(st) == sorted(model) and all(np.array_equal(st[n], a) for n, a in model.items())
+        print(f"bert.safetensors: {os.path.getsize(mnt / 'bert.safetensors')} bytes, tensors {sorted(st)}")
+
+        step("snapshots: cp -r to local disk, and mkdir .snapshots/step-1000")
+        subprocess.run(["cp", "-r", str(mnt / "bert"), str(work / "bert-backup")], check=True)
+        os.mkdir(mnt / ".snapshots" / "step-1000")
+        print("snapshots:", os.listdir(mnt / ".snapshots"), "| listing of the mount root:", os.listdir(mnt))
+
+        step("damage the model, then restore it from the snapshot")
+        np.save(mnt / "bert" / "classifier.bias.npy", np.full(2, np.nan, np.float32))
+        assert np.isnan(np.load(mnt / "bert" / "classifier.bias.npy")).all()
+        subprocess.run(["cp", "-r", str(mnt / ".snapshots" / "step-1000" / "bert") + "/.", str(mnt / "bert")], check=True)
+        assert np.array_equal(np.load(mnt / "bert" / "classifier.bias.npy"), model["classifier.bias"])
+        diff = subprocess.run(["diff", "-r", str(work / "bert-backup"), str(mnt / "bert")])
+        print("restored; identical to the cp -r backup:", diff.returncode == 0)
+
+        step("kill -9 one node: every tensor still reads back from its other replica")
+        status = json.loads(irdmafs("status", str(mnt), "--json"))
+        victim = status["nodes"][0]
+        os.kill(victim["pid"], signal.SIGKILL)
+        assert all(np.array_equal(np.load(mnt / "bert" / f"{n}.npy"), a) for n, a in model.items())
+        print(f"killed {victim['name']} (pid {victim['pid']}); model intact")
+        subprocess.run([sys.executable, "-m", "irdmafs.cli", "status", str(mnt)])  # exits 1: a node is down
+    finally:
+        if args.keep:
+            print(f"\nleft running: {mnt} (irdmafs down {mnt})")
+        else:
+            step("irdmafs down")
+            print(irdmafs("down", str(mnt)))
+            shutil.rmtree(work, ignore_errors=True)
+    print("\ndemo finished: OK")
 
 
 if __name__ == "__main__":
-    trio.run(main)
+    main()

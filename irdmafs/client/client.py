@@ -317,13 +317,14 @@ class Client:
         """Every node as this client sees it (state from its last heartbeat)."""
         out = []
         for spec in self.cfg.nodes:
-            info = self.cluster.info.get(spec.name, {})
+            alive = self.cluster.node_state(spec.name) != "down"
+            info = self.cluster.info.get(spec.name, {}) if alive else {}  # no stale figures
             out.append(
                 {
                     "name": spec.name,
                     "address": f"{spec.host}:{spec.port}",
                     "state": self.cluster.node_state(spec.name),
-                    "alive": self.cluster.node_state(spec.name) != "down",
+                    "alive": alive,
                     **{k: info[k] for k in ("pid", "stripes", "bytes", "capacity", "transport", "uptime") if k in info},
                 }
             )

@@ -1,0 +1,107 @@
+"""The irdmafs command as a user runs it."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from irdmafs.local import pids_alive
+from irdmafs.mount import is_mounted
+
+from ..conftest import fuse_unavailable
+
+pytestmark = pytest.mark.mount
+
+
+def irdmafs(*args, env=None, check=False):
+    r = subprocess.run([sys.executable, "-m", "irdmafs.cli", *map(str, args)], capture_output=True, text=True, env=env, timeout=120)
+    if check and r.returncode:
+        raise AssertionError(f"irdmafs {args} -> {r.returncode}\n{r.stdout}\n{r.stderr}")
+    return r
+
+
+@pytest.fixture
+def env(tmp_path):
+    return dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state-home"))
+
+
+def test_up_status_down(tmp_path, env):
+    reason = fuse_unavailable()
+    if reason:
+        pytest.skip(reason)
+    mp = tmp_path / "ps"
+    r = irdmafs("up", mp, "--nodes", 3, "--replicas", 2, "--state", tmp_path / "st", env=env, check=True)
+    try:
+        assert is_mounted(mp) and "3 nodes (R=2)" in r.stdout
+        (mp / "hello.txt").write_text("hi")
+        doc = json.loads(irdmafs("status", mp, "--json", env=env, check=True).stdout)
+        assert doc["config"] == str(tmp_path / "st" / "cluster.toml")
+        assert doc["replicas"] == 2 and doc["transport"] == "tcp"
+        assert [(n["name"], n["alive"]) for n in doc["nodes"]] == [("n1", True), ("n2", True), ("n3", True)]
+        assert all(isinstance(n["pid"], int) for n in doc["nodes"])
+        table = irdmafs("status", "--config", tmp_path / "st" / "cluster.toml", env=env, check=True).stdout
+        assert "n1" in table and "ready" in table
+        again = irdmafs("up", mp, env=env)
+        assert again.returncode == 2 and "already" in again.stderr
+    finally:
+        reg = next((tmp_path / "state-home" / "irdmafs" / "mounts").glob("*.json"))
+        pids = [p for p in json.loads(reg.read_text())["node_pids"].values()]
+        down = irdmafs("down", mp, env=env)
+    assert down.returncode == 0, down.stderr
+    assert not is_mounted(mp) and not pids_alive(pids)
+    assert irdmafs("down", mp, env=env).returncode == 2
+
+
+def test_mount_in_background_then_unmount(tmp_path, env):
+    reason = fuse_unavailable()
+    if reason:
+        pytest.skip(reason)
+    from irdmafs.local import LocalCluster, write_config
+    from irdmafs.mount import unmount
+
+    lc = LocalCluster(write_config(tmp_path / "c", 1, 1, transport=["tcp"]))
+    lc.start_all()
+    mp = tmp_path / "m"
+    mp.mkdir()
+    try:
+        irdmafs("status", "--config", lc.config_path, env=env)  # nodes answer once up
+        r = irdmafs("mount", "--config", lc.config_path, mp, "-o", "noatime,_netdev", env=env, check=True)
+        assert is_mounted(mp) and "mounted on" in r.stdout
+        (mp / "f").write_bytes(b"x" * 100)
+        assert (mp / "f").read_bytes() == b"x" * 100
+    finally:
+        unmount(str(mp))
+        lc.stop_all()
+    assert not is_mounted(mp)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("this is [not toml", "not valid TOML"),
+        ('token = "longenoughtoken"\n', "need at least one [[nodes]]"),
+        ('token = "longenoughtoken"\nreplicas = 5\n[[nodes]]\nname = "a"\nhost = "127.0.0.1"\nport = 7000\n', "replicas"),
+        ('[[nodes]]\nname = "a"\nhost = "127.0.0.1"\nport = 7000\n', "token"),
+        ('token = "longenoughtoken"\nstripe_unit = "3MiB"\n[[nodes]]\nname = "a"\nhost = "h"\nport = 1\n', "power of two"),
+        ('token = "longenoughtoken"\nbogus = 1\n[[nodes]]\nname = "a"\nhost = "h"\nport = 1\n', "unknown key"),
+    ],
+)
+def test_bad_config_is_one_clear_line_and_exit_2(tmp_path, env, text, message):
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text(text)
+    for args in (("status", "--config", cfg), ("mount", "--config", cfg, tmp_path), ("serve", "--config", cfg, "--node", "a")):
+        r = irdmafs(*args, env=env)
+        assert r.returncode == 2, (args, r.stderr)
+        assert message in r.stderr and "Traceback" not in r.stderr
+        assert r.stderr.strip().count("\n") == 0  # one line
+
+
+def test_missing_config_and_unknown_node(tmp_path, env):
+    r = irdmafs("status", "--config", tmp_path / "nope.toml", env=env)
+    assert r.returncode == 2 and "no such config file" in r.stderr
+    cfg = tmp_path / "ok.toml"
+    cfg.write_text('token = "longenoughtoken"\n[[nodes]]\nname = "a"\nhost = "127.0.0.1"\nport = 7000\n')
+    r = irdmafs("serve", "--config", cfg, "--node", "zz", env=env)
+    assert r.returncode == 2 and "no node named 'zz'" in r.stderr
