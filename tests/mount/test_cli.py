@@ -77,6 +77,34 @@ def test_mount_in_background_then_unmount(tmp_path, env):
     assert not is_mounted(mp)
 
 
+def test_serve_with_its_own_mount(tmp_path, env):
+    reason = fuse_unavailable()
+    if reason:
+        pytest.skip(reason)
+    import time
+
+    from irdmafs.local import write_config
+    from irdmafs.mount import unmount
+
+    cfg = write_config(tmp_path / "c", 1, 1, transport=["tcp"])
+    mp = tmp_path / "m"
+    mp.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "irdmafs.cli", "serve", "--config", str(cfg), "--node", "n1", "--mount", str(mp)], env=env, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while not is_mounted(mp):
+            assert proc.poll() is None, proc.stderr.read().decode()
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        (mp / "f").write_bytes(b"served")
+        assert (mp / "f").read_bytes() == b"served"
+    finally:
+        unmount(str(mp), lazy=True)
+        proc.terminate()
+        proc.wait(20)
+    assert "Traceback" not in proc.stderr.read().decode()
+
+
 @pytest.mark.parametrize(
     "text, message",
     [
