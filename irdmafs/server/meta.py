@@ -178,12 +178,17 @@ class Meta:
     def _op_mkdir(self, op: dict) -> dict:
         return self._op_create(dict(op, mode=S.S_IFDIR | S.S_IMODE(op["mode"])))
 
-    def _op_unlink(self, op: dict) -> dict:
-        parent, name = op["parent"], op["name"]
+    def _child(self, parent: int, name: str) -> tuple[dict[str, int], int]:
+        """(entries of ``parent``, inode of ``name`` in it); ENOENT if there is none."""
         entries = self.directory(parent)
         ino = entries.get(name)
         if ino is None:
             raise _err("ENOENT", f"{name!r} not found")
+        return entries, ino
+
+    def _op_unlink(self, op: dict) -> dict:
+        parent, name = op["parent"], op["name"]
+        entries, ino = self._child(parent, name)
         node = self.inodes[ino]
         if S.S_ISDIR(node["mode"]):
             raise _err("EISDIR", f"{name!r} is a directory")
@@ -198,10 +203,7 @@ class Meta:
 
     def _op_rmdir(self, op: dict) -> dict:
         parent, name = op["parent"], op["name"]
-        entries = self.directory(parent)
-        ino = entries.get(name)
-        if ino is None:
-            raise _err("ENOENT", f"{name!r} not found")
+        entries, ino = self._child(parent, name)
         if self.directory(ino):
             raise _err("ENOTEMPTY", f"{name!r} is not empty")
         del entries[name]
@@ -221,12 +223,10 @@ class Meta:
         return False
 
     def _op_rename(self, op: dict) -> dict:
-        src_dir, dst_dir = self.directory(op["parent"]), self.directory(op["new_parent"])
         name, new_name = op["name"], op["new_name"]
         check_name(new_name)
-        ino = src_dir.get(name)
-        if ino is None:
-            raise _err("ENOENT", f"{name!r} not found")
+        src_dir, ino = self._child(op["parent"], name)
+        dst_dir = self.directory(op["new_parent"])
         moving_dir = S.S_ISDIR(self.inodes[ino]["mode"])
         if moving_dir and self._is_ancestor(ino, op["new_parent"]):
             raise _err("EINVAL", "cannot move a directory into itself")
