@@ -1,0 +1,105 @@
+"""Update rules run on the PS, on the primary of each stripe: SGD, momentum, Nesterov, Adam.
+
+Pure numpy, no I/O. ``parse`` reads the xattr form (``"sgd lr=0.1 momentum=0.9 nesterov=1
+weight_decay=1e-4"``, ``"adam lr=1e-3 betas=0.9,0.999 eps=1e-8"``); ``step`` updates parameters
+and state in place from the averaged gradient of one round. The arithmetic is in float32 for
+float32/float16 parameters and float64 for float64 ones, and it is deterministic, so every replica
+that applies the same gradients holds the same bits.
+
+State per stripe: ``buf`` (momentum) or ``m``/``v`` (Adam), plus the step count ``t`` for Adam's
+bias correction; all of it lives with the stripe and is replicated with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+FORMS = 'sgd lr=F [momentum=F] [nesterov=0|1] [weight_decay=F] | adam lr=F [betas=F,F] [eps=F] [weight_decay=F]'
+
+
+class OptimError(ValueError):
+    """An optimizer string that is not one of the accepted forms."""
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    kind: str = "sgd"
+    lr: float = 0.01
+    momentum: float = 0.0
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        if self.kind == "adam":
+            return ("m", "v")
+        return ("buf",) if self.momentum else ()
+
+
+def parse(text: str) -> Optimizer:
+    words = text.split()
+    if not words or words[0] not in ("sgd", "adam"):
+        raise OptimError(f"unknown optimizer {text!r}; accepted: {FORMS}")
+    kw: dict = {"kind": words[0]}
+    allowed = {"sgd": {"lr", "momentum", "nesterov", "weight_decay"}, "adam": {"lr", "betas", "eps", "weight_decay"}}[words[0]]
+    for w in words[1:]:
+        key, sep, value = w.partition("=")
+        if not sep or key not in allowed:
+            raise OptimError(f"{w!r} is not a setting of {words[0]}; accepted: {FORMS}")
+        try:
+            if key == "betas":
+                b1, b2 = (float(x) for x in value.split(","))
+                kw["beta1"], kw["beta2"] = b1, b2
+            elif key == "nesterov":
+                kw["nesterov"] = value not in ("0", "false", "False")
+            else:
+                kw[key] = float(value)
+        except ValueError:
+            raise OptimError(f"{w!r}: not a number; accepted: {FORMS}") from None
+    opt = Optimizer(**kw)
+    if opt.lr <= 0 or opt.momentum < 0 or opt.weight_decay < 0 or not (0 <= opt.beta1 < 1 and 0 <= opt.beta2 < 1) or opt.eps <= 0:
+        raise OptimError(f"{text!r}: a setting is out of range")
+    if opt.nesterov and not opt.momentum:
+        raise OptimError("nesterov needs momentum > 0")
+    return opt
+
+
+def work_dtype(param_dtype: np.dtype) -> np.dtype:
+    return np.dtype(np.float64) if param_dtype == np.float64 else np.dtype(np.float32)
+
+
+def step(opt: Optimizer, param: np.ndarray, grad: np.ndarray, state: dict[str, np.ndarray], t: int) -> None:
+    """One update of ``param`` (in place) with gradient ``grad``; ``state`` arrays are updated in
+    place; ``t`` is the 1-based count of updates including this one."""
+    wd = work_dtype(param.dtype)
+    p = param.astype(wd, copy=param.dtype != wd)
+    g = grad.astype(wd, copy=True)
+    if opt.weight_decay:
+        g += wd.type(opt.weight_decay) * p
+    if opt.kind == "sgd":
+        if opt.momentum:
+            buf = state["buf"]
+            if t == 1:
+                buf[...] = g
+            else:
+                buf *= wd.type(opt.momentum)
+                buf += g
+            g = g + wd.type(opt.momentum) * buf if opt.nesterov else buf
+        p -= wd.type(opt.lr) * g
+    else:
+        m, v = state["m"], state["v"]
+        b1, b2 = wd.type(opt.beta1), wd.type(opt.beta2)
+        m *= b1
+        m += (1 - b1) * g
+        v *= b2
+        v += (1 - b2) * g * g
+        m_hat = m / (1 - b1**t)
+        v_hat = v / (1 - b2**t)
+        p -= wd.type(opt.lr) * m_hat / (np.sqrt(v_hat) + wd.type(opt.eps))
+    if p is not param:
+        param[...] = p
