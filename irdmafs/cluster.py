@@ -40,7 +40,7 @@ from .transport.base import (
 log = logging.getLogger(__name__)
 
 READY, SYNCING, DOWN = "ready", "syncing", "down"
-HEADER = 8  # the stripe version word (server/store.py)
+HEADER = 16  # the stripe header: version and clock words (server/store.py)
 _WORD = struct.Struct("<Q")
 
 
@@ -81,6 +81,7 @@ class Cluster:
         self._conns: dict[str, Connection] = {}
         self._connecting: dict[str, trio.Lock] = defaultdict(trio.Lock)
         self.changed = trio.Event()  # set (and replaced) whenever a state changes
+        self.calls = 0  # control calls made (the steady state of training should make none)
 
     # -- states ------------------------------------------------------------------------------
     def node_state(self, name: str) -> str:
@@ -154,6 +155,8 @@ class Cluster:
     async def call(self, name: str, method: str, args: dict | None = None, *, timeout: float | None = None) -> dict:
         """A control call; a node that cannot be reached is marked down and raises NodeDown."""
         conn = await self.conn(name)
+        if method != "heartbeat":
+            self.calls += 1
         try:
             return await conn.call(method, args or {}, timeout=timeout or self.cfg.op_timeout)
         except (PeerLost, TimeoutError) as exc:
@@ -170,7 +173,7 @@ class Cluster:
             self.mark_down(name, str(exc) or "write timed out")
             raise NodeDown(name, str(exc) or "write timed out") from None
 
-    async def read_stripe(self, name: str, rkey: int, offset: int, into: memoryview) -> int:
+    async def read_stripe(self, name: str, rkey: int, offset: int, into: memoryview) -> tuple[int, int]:
         """``read_verified`` against one node, counted in its load; marks it down on failure."""
         conn = await self.conn(name)
         self.load[name] += 1
@@ -182,6 +185,18 @@ class Cluster:
             raise NodeDown(name, str(exc) or "read timed out") from None
         finally:
             self.load[name] -= 1
+
+    async def read_header(self, name: str, rkey: int) -> tuple[int, int]:
+        """A stripe's (version, clock) from its header alone: how a pull waits for a step."""
+        buf = bytearray(HEADER)
+        conn = await self.conn(name)
+        try:
+            with trio.fail_after(self.cfg.op_timeout):
+                await conn.read(rkey, 0, buf)
+        except (PeerLost, TimeoutError, trio.TooSlowError) as exc:
+            self.mark_down(name, str(exc) or "read timed out")
+            raise NodeDown(name, str(exc) or "read timed out") from None
+        return _WORD.unpack_from(buf, 0)[0] // 2, _WORD.unpack_from(buf, 8)[0]
 
     # -- heartbeats ----------------------------------------------------------------------------
     async def _probe(self, name: str) -> None:
@@ -251,16 +266,17 @@ class StagingPool:
                 free.append(offset)
 
 
-async def read_verified(conn: Connection, rkey: int, offset: int, into: memoryview, *, retries: int = 100) -> int:
-    """Read ``into`` from data offset ``offset`` of a stripe region, untorn; returns its version.
+async def read_verified(conn: Connection, rkey: int, offset: int, into: memoryview, *, retries: int = 100) -> tuple[int, int]:
+    """Read ``into`` from data offset ``offset`` of a stripe region, untorn; returns its
+    (version, clock).
 
-    The version word is read before and after the data in one pipelined burst; the peer serves
-    them in order, so equal even words mean no install overlapped the data read."""
+    The header is read before and after the data in one pipelined burst; the peer serves them in
+    order, so equal headers with an even version mean no install overlapped the data read."""
     before, after = bytearray(HEADER), bytearray(HEADER)
     for attempt in range(retries):
         await conn.read_many([(rkey, 0, before), (rkey, HEADER + offset, into), (rkey, 0, after)])
         if before == after and not before[0] & 1:
-            return _WORD.unpack(before)[0] // 2
+            return _WORD.unpack_from(before, 0)[0] // 2, _WORD.unpack_from(before, 8)[0]
         await trio.sleep(0 if attempt < 10 else 0.001 * attempt)
     raise TornRead(f"stripe region {rkey} kept changing over {retries} reads")
 

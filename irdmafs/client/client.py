@@ -36,7 +36,7 @@ from ..config import ClusterConfig
 from ..server.meta import ROOT
 from ..transport.base import RemoteError, Transport, TransportError
 from ..util import single_exception
-from .stripe import StripeIO
+from .stripe import StripeIO, split
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,7 @@ class Client:
         self.staging = StagingPool(self.cluster, self.owner, cfg.stripe_unit)
         self.io = StripeIO(self.cluster, self.staging)
         self.meta_calls = 0
+        self._train: dict[tuple[int, int], dict] = {}
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -312,6 +313,66 @@ class Client:
         await self.extend(attr["ino"], len(header) + len(body))
         return await self.set_tensor(attr["ino"], formats.tensor_info(formats.parse_header(header)))
 
+    # -- training --------------------------------------------------------------------------------
+    async def train_info(self, ino: int, rank: int) -> dict:
+        """Policy, workers, pull timeout and this rank's push count for tensor ``ino``, from the
+        primary of its first stripe (cached: one control call per tensor and rank, not per step)."""
+        key = (ino, rank)
+        if key not in self._train:
+            attr = await self.getattr(ino)
+            t = attr.get("tensor")
+            if not t:
+                raise RemoteError("EINVAL", f"inode {ino} is not a tensor")
+            primary = self.cluster.stripe_primary(ino, t["offset"] // attr["unit"])
+            if primary is None:
+                raise RemoteError("EIO", "no ready node")
+            self._train[key] = dict(await self.cluster.call(primary, "train_info", {"fid": ino, "rank": rank}), attr=attr)
+        return self._train[key]
+
+    async def push(self, ino: int, rank: int, grad: np.ndarray) -> int:
+        """Push one gradient of ``rank`` for tensor ``ino``; returns its step. The gradient
+        must have the tensor's dtype and shape (EINVAL otherwise, and nothing changes). Returns
+        once every stripe's primary has taken its part (the update may still be pending)."""
+        info = await self.train_info(ino, rank)
+        attr, t = info["attr"], info["tensor"]
+        grad = np.asarray(grad)
+        if grad.dtype != np.dtype(t["dtype"]) or grad.shape != tuple(t["shape"]):
+            raise RemoteError("EINVAL", f"gradient {grad.dtype}{list(grad.shape)} does not match tensor {t['dtype']}{t['shape']}")
+        if grad.dtype.kind != "f":
+            raise RemoteError("EINVAL", f"only floating-point tensors take gradients, not {grad.dtype}")
+        if rank not in info["active"]:
+            raise RemoteError("EINVAL", f"rank {rank} is not one of the active workers {info['active']}")
+        step = info["pushed"]
+        isz = grad.dtype.itemsize
+        data = memoryview(np.require(grad, requirements="C").reshape(-1)).cast("B")
+        async with trio.open_nursery() as n:
+            for p in split(t["offset"], len(data), attr["unit"]):
+                args = {"fid": ino, "idx": p.idx, "offset": p.offset, "count": p.length // isz, "rank": rank, "step": step, "wire": grad.dtype.str, "unit": attr["unit"]}
+                n.start_soon(self.io.to_primary, ino, p.idx, data[p.pos : p.pos + p.length], "push", args)
+        info["pushed"] = step + 1
+        self.io.bytes_pushed += len(data)
+        return step
+
+    async def pull_into(self, ino: int, rank: int, out: np.ndarray) -> np.ndarray:
+        """The tensor's parameters into ``out`` once the model's policy allows ``rank`` to see
+        them (bsp: every rank's push of this rank's last step applied; ssp:S: the slowest rank
+        within S steps; asp: at once). ETIMEDOUT after the model's ``user.irdma.timeout``."""
+        from ..server.sync import parse_policy, required_clock
+
+        info = await self.train_info(ino, rank)
+        if rank not in info["active"]:
+            raise RemoteError("EINVAL", f"rank {rank} is not one of the active workers {info['active']}")
+        attr, t = info["attr"], info["tensor"]
+        need = required_clock(parse_policy(info["sync"]), info["pushed"])
+        view = memoryview(out.reshape(-1)).cast("B")
+        await self.io.read(ino, t["offset"] + len(view), attr["unit"], t["offset"], view, 0, need, info["timeout"])
+        return out
+
+    def forget_training(self, ino: int | None = None) -> None:
+        """Drop cached policy/push counts (a policy xattr changed, or a rank was removed)."""
+        for key in [k for k in self._train if ino is None or k[0] == ino]:
+            del self._train[key]
+
     # -- status ----------------------------------------------------------------------------------
     def cluster_status(self) -> list[dict]:
         """Every node as this client sees it (state from its last heartbeat)."""
@@ -334,7 +395,9 @@ class Client:
         return {
             "bytes_read": self.io.bytes_read,
             "bytes_written": self.io.bytes_written,
+            "bytes_pushed": self.io.bytes_pushed,
             "metadata_calls": self.meta_calls,
+            "control_calls": self.cluster.calls,
             "replicas": self.cfg.replicas,
             "stripe_unit": self.cfg.stripe_unit,
             "transport": self.cluster.transport.name,

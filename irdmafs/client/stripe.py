@@ -49,6 +49,7 @@ class StripeIO:
         self._keys: dict[tuple[str, int, int, int], tuple[int, int] | None] = {}
         self.bytes_read = 0
         self.bytes_written = 0
+        self.bytes_pushed = 0  # gradient bytes put on the wire
 
     # -- stripe keys ---------------------------------------------------------------------------
     async def _lookup(self, node: str, fid: int, idxs: list[int], snap: int) -> None:
@@ -81,19 +82,29 @@ class StripeIO:
             del self._keys[key]
 
     # -- reads ---------------------------------------------------------------------------------
-    async def read(self, fid: int, size: int, unit: int, offset: int, into: memoryview, snap: int = 0) -> int:
+    async def read(self, fid: int, size: int, unit: int, offset: int, into: memoryview, snap: int = 0, min_clock: int = 0, wait: float = 0.0) -> int:
         """Fill ``into`` from ``offset`` (clipped at ``size``) of the live file or of snapshot
-        ``snap``; returns the byte count."""
+        ``snap``; returns the byte count. With ``min_clock``, each stripe is read once its clock
+        (training steps applied) has reached it, waiting up to ``wait`` seconds
+        (trio.TooSlowError after that)."""
         n = max(0, min(len(into), size - offset))
         pieces = split(offset, n, unit)
         await self._prefetch(fid, [p.idx for p in pieces], snap)
         async with trio.open_nursery() as nursery:
             for p in pieces:
-                nursery.start_soon(self._read_piece, fid, p, into[p.pos : p.pos + p.length], snap)
+                nursery.start_soon(self._read_piece, fid, p, into[p.pos : p.pos + p.length], snap, min_clock, wait)
         self.bytes_read += n
         return n
 
-    async def _read_piece(self, fid: int, p: Piece, view: memoryview, snap: int) -> None:
+    async def _wait_clock(self, node: str, rkey: int, min_clock: int, wait: float) -> None:
+        """Poll the stripe header one-sidedly until its clock reaches ``min_clock``."""
+        delay = 0.0005
+        with trio.fail_after(wait):
+            while (await self.cluster.read_header(node, rkey))[1] < min_clock:
+                await trio.sleep(delay)
+                delay = min(delay * 2, 0.02)
+
+    async def _read_piece(self, fid: int, p: Piece, view: memoryview, snap: int, min_clock: int = 0, wait: float = 0.0) -> None:
         missing: set[str] = set()
         stale_keys = 0
         give_up = trio.current_time() + self.cluster.cfg.op_timeout
@@ -124,6 +135,8 @@ class StripeIO:
                     missing.add(node)
                     continue
                 rkey, capacity = key
+                if min_clock:
+                    await self._wait_clock(node, rkey, min_clock, wait)
                 k = max(0, min(len(view), capacity - p.offset))
                 if k:
                     await self.cluster.read_stripe(node, rkey, p.offset, view[:k])
@@ -153,29 +166,29 @@ class StripeIO:
         pieces = split(offset, len(data), unit)
         async with trio.open_nursery() as nursery:
             for p in pieces:
-                nursery.start_soon(self._write_piece, fid, unit, p, data[p.pos : p.pos + p.length])
+                args = {"fid": fid, "idx": p.idx, "offset": p.offset, "length": p.length, "unit": unit}
+                nursery.start_soon(self.to_primary, fid, p.idx, data[p.pos : p.pos + p.length], "commit", args)
         self.bytes_written += len(data)
 
-    async def _write_piece(self, fid: int, unit: int, p: Piece, view: memoryview) -> int:
+    async def to_primary(self, fid: int, idx: int, view: memoryview, method: str, args: dict) -> dict:
+        """Stage ``view`` on the stripe's primary with a one-sided WRITE and send ``method``
+        naming the staged bytes; follows the primary when it moves. ``commit`` installs them,
+        ``push`` accumulates them as a gradient."""
         with trio.fail_after(self.write_deadline):
             while True:
-                primary = self.cluster.stripe_primary(fid, p.idx)
+                primary = self.cluster.stripe_primary(fid, idx)
                 if primary is None:
-                    log.warning("stripe %d:%d: no ready node to write to; waiting", fid, p.idx)
+                    log.warning("stripe %d:%d: no ready node to write to; waiting", fid, idx)
                     await self.cluster.wait_changed(0.5)
                     await self.cluster.refresh()
                     continue
 
-                async def commit(rkey: int, soff: int) -> dict:
+                async def send(rkey: int, soff: int) -> dict:
                     await self.cluster.write(primary, rkey, soff, view)
-                    return await self.cluster.call(
-                        primary,
-                        "commit",
-                        {"fid": fid, "idx": p.idx, "offset": p.offset, "length": p.length, "rkey": rkey, "soff": soff, "unit": unit},
-                    )
+                    return await self.cluster.call(primary, method, dict(args, rkey=rkey, soff=soff))
 
                 try:
-                    return (await self.staging.with_slot(primary, commit))["version"]
+                    return await self.staging.with_slot(primary, send)
                 except NodeDown:
                     self.staging.forget(primary)
                 except RemoteError as exc:

@@ -69,6 +69,22 @@ class Meta:
     def readdir(self, ino: int) -> list[list]:
         return [[name, self.attr(child)] for name, child in sorted(self.directory(ino).items())]
 
+    def inherited_xattrs(self, ino: int) -> dict[str, str]:
+        """The user.irdma.* attributes in force for ``ino``: each from the nearest directory
+        above it (its own first) that sets it."""
+        out: dict[str, str] = {}
+        seen = set()
+        while ino in self.inodes and ino not in seen:
+            seen.add(ino)
+            node = self.inodes[ino]
+            for k, v in node["xattrs"].items():
+                if k.startswith("user.irdma.") and k not in out:
+                    out[k] = v
+            if ino == ROOT:
+                break
+            ino = node.get("parent", ROOT)
+        return out
+
     def files(self) -> set[int]:
         return {ino for ino, n in self.inodes.items() if S.S_ISREG(n["mode"])}
 
@@ -168,7 +184,7 @@ class Meta:
         mode = op["mode"]
         if not (S.S_ISREG(mode) or S.S_ISDIR(mode) or S.S_ISLNK(mode)):
             mode = S.S_IFREG | S.S_IMODE(mode)
-        self._new_inode(op["ino"], mode, op.get("uid", 0), op.get("gid", 0), op["now"], op.get("unit", 0))
+        self._new_inode(op["ino"], mode, op.get("uid", 0), op.get("gid", 0), op["now"], op.get("unit", 0))["parent"] = parent
         entries[name] = op["ino"]
         if S.S_ISDIR(mode):
             self.inodes[parent]["nlink"] += 1
@@ -254,6 +270,7 @@ class Meta:
                     freed = replaced
         del src_dir[name]
         dst_dir[new_name] = ino
+        self.inodes[ino]["parent"] = op["new_parent"]
         if moving_dir and op["parent"] != op["new_parent"]:
             self.inodes[op["parent"]]["nlink"] -= 1
             self.inodes[op["new_parent"]]["nlink"] += 1

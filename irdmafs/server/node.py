@@ -32,13 +32,16 @@ import time
 from collections import defaultdict
 from typing import Any
 
+import numpy as np
 import trio
 
 from ..cluster import READY, SYNCING, Cluster, NodeDown, StagingPool, now_ns, read_verified
 from ..config import ClusterConfig, ConfigError, load
 from ..transport.base import Access, AccessError, RemoteError, Transport, TransportError
+from . import optim
 from .meta import Meta
 from .store import NoSpace, Store
+from .sync import Model, PolicyError, StripeTraining, parse_policy
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +99,8 @@ class Node:
         self.peer_staging: StagingPool | None = None
         self.started = time.time()
         self.counters: dict[str, int] = defaultdict(int)
+        self.training: dict[tuple[int, int], StripeTraining] = defaultdict(StripeTraining)
+        self.turns = trio.Event()  # set (and replaced) whenever a push is accepted (r2sp turns)
         # The commit barrier: a snapshot freezes commits on every node at once.
         self.commits_in_flight = 0
         self.commits_drained = trio.Event()
@@ -107,7 +112,8 @@ class Node:
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             self.cluster = Cluster(self.cfg, self.transport, nursery, me=self.name, my_state=lambda: self.state)
-            self.peer_staging = StagingPool(self.cluster, f"node:{self.name}:{time.time_ns()}", self.cfg.stripe_unit)
+            # slots of two units: optimizer state of a float16 stripe is twice its size
+            self.peer_staging = StagingPool(self.cluster, f"node:{self.name}:{time.time_ns()}", 2 * self.cfg.stripe_unit)
             address = await nursery.start(self.transport.serve, self.spec.host, self.spec.port, self.handle)
             log.info("node %s listening on %s:%s (transport %s)", self.name, *address, self.transport.name)
             await self.cluster.refresh()
@@ -374,14 +380,14 @@ class Node:
                 self.commits_drained = trio.Event()
         return {"version": version}
 
-    async def _replicate(self, peer: str, fid: int, idx: int, offset: int, length: int, version: int, unit: int, stripe) -> None:
+    async def _replicate(self, peer: str, fid: int, idx: int, offset: int, length: int, version: int, unit: int, stripe, snap: int = 0) -> None:
         async def push(rkey: int, soff: int, off: int, view: memoryview, full: bool) -> dict:
             conn = await self.cluster.conn(peer)
             await conn.write(rkey, soff, view)
             return await self.cluster.call(
                 peer,
                 "apply",
-                {"fid": fid, "idx": idx, "offset": off, "length": len(view), "rkey": rkey, "soff": soff, "version": version, "unit": unit, "full": full},
+                {"fid": fid, "idx": idx, "offset": off, "length": len(view), "rkey": rkey, "soff": soff, "version": version, "unit": unit, "full": full, "snap": snap, "clock": stripe.clock},
             )
 
         try:
@@ -394,21 +400,121 @@ class Node:
                 self.peer_staging.forget(peer)  # its staging region is gone: it restarted
             log.warning("stripe %d:%d version %d not replicated to %s: %s", fid, idx, version, peer, exc)
 
-    async def rpc_apply(self, fid: int, idx: int, offset: int, length: int, rkey: int, soff: int, version: int, unit: int, full: bool) -> dict:
+    async def rpc_apply(self, fid: int, idx: int, offset: int, length: int, rkey: int, soff: int, version: int, unit: int, full: bool, snap: int = 0, clock: int = 0) -> dict:
         """Install a range (or the whole stripe) a primary sent, in version order."""
         self._check_range(offset, length, unit)
         data = self._staged(rkey, soff, length)
         async with self.stripe_locks((fid, idx)):
-            stripe = self.store.get(fid, idx)
+            stripe = self.store.get(fid, idx, snap)
             current = stripe.version if stripe else 0
             if full:
                 if version > current:
-                    self.store.replace(fid, idx, data, unit, version)
+                    self.store.replace(fid, idx, data, unit, version, snap, clock)
             elif current == version - 1:
-                self.store.install(fid, idx, offset, data, unit, version)
+                self.store.install(fid, idx, offset, data, unit, version, clock, snap)
             elif current < version:
                 return {"stale": True}
         return {}
+
+    # -- training: pushes, updates, clocks ----------------------------------------------------------
+    def model_of(self, fid: int) -> tuple[Model, optim.Optimizer, dict]:
+        """The sync policy, worker count and optimizer in force for tensor ``fid``, from the
+        user.irdma.* xattrs of its directories; EINVAL naming the accepted forms if malformed."""
+        tensor = self.meta.inode(fid).get("tensor")
+        if not tensor:
+            raise RemoteError("EINVAL", f"inode {fid} is not a tensor")
+        x = self.meta.inherited_xattrs(fid)
+        try:
+            policy = parse_policy(x.get("user.irdma.sync", "bsp"))
+            opt = optim.parse(x.get("user.irdma.optimizer", "sgd lr=0.01"))
+            workers = int(x.get("user.irdma.workers", "1"))
+            removed = frozenset(int(r) for r in x.get("user.irdma.removed", "").split(",") if r.strip())
+        except (PolicyError, optim.OptimError, ValueError) as exc:
+            log.warning("tensor %d: %s", fid, exc)
+            raise RemoteError("EINVAL", str(exc)) from None
+        if workers < 1:
+            raise RemoteError("EINVAL", "user.irdma.workers must be at least 1")
+        return Model(policy, workers, removed), opt, tensor
+
+    async def rpc_train_info(self, fid: int, rank: int) -> dict:
+        """The model's policy as this tensor sees it, and how many pushes of ``rank`` this node
+        (a stripe primary) has taken for it."""
+        model, opt, tensor = self.model_of(fid)
+        pushed = max((st.pushed.get(rank, 0) for (f, _), st in self.training.items() if f == fid), default=0)
+        timeout = float(self.meta.inherited_xattrs(fid).get("user.irdma.timeout", "60"))
+        return {"sync": str(model.policy), "workers": model.workers, "active": model.active, "pushed": pushed, "timeout": timeout, "tensor": tensor}
+
+    async def rpc_push(self, fid: int, idx: int, offset: int, count: int, rkey: int, soff: int, rank: int, step: int, wire: str, unit: int) -> dict:
+        """Gradient push ``step`` of ``rank`` for the elements of this stripe starting at byte
+        ``offset``, staged at (rkey, soff) in dtype ``wire``; applied as the policy says."""
+        self._require_ready()
+        if self.cluster.stripe_primary(fid, idx) != self.name:
+            raise RemoteError("ENOTPRIMARY", self.cluster.stripe_primary(fid, idx) or "")
+        model, opt, tensor = self.model_of(fid)
+        if rank not in model.active:
+            raise RemoteError("EINVAL", f"rank {rank} is not one of the active workers {model.active}")
+        dtype = np.dtype(tensor["dtype"])
+        self._check_range(offset, count * dtype.itemsize, unit)
+        if wire not in ("<f2", "<f4", "<f8"):
+            raise RemoteError("EINVAL", f"gradients travel as float16/32/64, not {wire}")
+        grad = np.frombuffer(self._staged(rkey, soff, count * np.dtype(wire).itemsize), wire).astype(optim.work_dtype(dtype))
+        key = (fid, idx)
+        st = self.training[key]
+        with trio.fail_after(self.cfg.op_timeout * 3):
+            while not st.admitted(model, rank, step):  # r2sp: wait for this rank's turn
+                await self.turns.wait()
+        async with self.stripe_locks(key):
+            done = st.pushed.get(rank, 0)
+            if step < done:  # a retry of a push already applied: exactly once
+                return {"clock": st.clock(model), "pushed": done, "duplicate": True}
+            if step > done:
+                raise RemoteError("EINVAL", f"rank {rank} pushed {done} times; push {step} is out of order")
+            updates = st.accept(model, rank, step, grad)
+            clock = st.clock(model)
+            stripe = self.store.get(fid, idx)
+            if stripe is None:
+                raise RemoteError("EINVAL", f"tensor {fid} has no data in stripe {idx}")
+            if updates or stripe.clock != clock:
+                param = np.frombuffer(stripe.data[offset : offset + count * dtype.itemsize], dtype).copy()
+                if updates:
+                    self._apply_updates(fid, idx, param, updates, opt, unit)
+                # one install: new parameters and clock under one version
+                self.store.install(fid, idx, offset, memoryview(param).cast("B"), unit, clock=clock)
+                await self._replicate_training(fid, idx, offset, count * dtype.itemsize, unit, len(opt.state_names) if updates else 0)
+        self.turns.set()
+        self.turns = trio.Event()
+        return {"clock": clock, "pushed": step + 1}
+
+    def _apply_updates(self, fid: int, idx: int, param: np.ndarray, grads: list[np.ndarray], opt: optim.Optimizer, unit: int) -> None:
+        """Optimizer steps on ``param`` (in place); the state lives in stripes -1, -2 of the
+        stripe, whose clock word counts the steps taken (Adam's t)."""
+        n = len(param)
+        wd = optim.work_dtype(param.dtype)
+        state, t = {}, 0
+        for k, name in enumerate(opt.state_names, 1):
+            s = self.store.get(fid, idx, -k)
+            if s is not None and s.capacity >= n * wd.itemsize:
+                state[name] = np.frombuffer(s.data[: n * wd.itemsize], wd).copy()
+                t = s.clock
+            else:
+                state[name] = np.zeros(n, wd)
+        for grad in grads:
+            t += 1
+            optim.step(opt, param, grad, state, t)
+        for k, name in enumerate(opt.state_names, 1):
+            self.store.install(fid, idx, 0, memoryview(state[name]).cast("B"), 2 * unit, clock=t, snap=-k)
+
+    async def _replicate_training(self, fid: int, idx: int, offset: int, length: int, unit: int, nstate: int) -> None:
+        """Parameters (with version and clock) and optimizer state to every backup."""
+        stripe = self.store.get(fid, idx)
+        async with trio.open_nursery() as n:
+            for peer in self.cluster.targets(fid, idx):
+                if peer == self.name:
+                    continue
+                n.start_soon(self._replicate, peer, fid, idx, offset, length, stripe.version, unit, stripe)
+                for k in range(1, nstate + 1):
+                    s = self.store.get(fid, idx, -k)
+                    n.start_soon(self._replicate, peer, fid, idx, 0, s.capacity, s.version, 2 * unit, s, -k)
 
     # -- resync --------------------------------------------------------------------------------
     async def resync(self) -> None:
@@ -430,7 +536,8 @@ class Node:
             for fid, idx, snap, version, cap in listing:
                 if version > newest.get((fid, idx, snap), (-1,))[0]:
                     newest[(fid, idx, snap)] = (version, peer, cap)
-        files = {0: self.meta.files()} | {sid: self.meta.view(sid).files() for sid in self.meta.snapshot_ids().values()}
+        live_files = self.meta.files()
+        files = {0: live_files, -1: live_files, -2: live_files} | {sid: self.meta.view(sid).files() for sid in self.meta.snapshot_ids().values()}
         live = set(peers) | {self.name}
         todo = []
         for (fid, idx, snap), (version, peer, cap) in newest.items():
@@ -456,14 +563,14 @@ class Node:
                 return
             buf = bytearray(info["capacity"])
             conn = await self.cluster.conn(peer)
-            version = await read_verified(conn, info["rkey"], 0, memoryview(buf))
+            version, clock = await read_verified(conn, info["rkey"], 0, memoryview(buf))
         except (TransportError, RemoteError) as exc:
             log.warning("resync: stripe %d:%d from %s failed: %s", fid, idx, peer, exc)
             return
         async with self.stripe_locks((fid, idx)):
             mine = self.store.get(fid, idx, snap)
             if mine is None or mine.version < version:  # replication may have brought newer
-                self.store.replace(fid, idx, memoryview(buf), self.cfg.stripe_unit, version, snap)
+                self.store.replace(fid, idx, memoryview(buf), 2 * self.cfg.stripe_unit, version, snap, clock)
 
 
 def choose_transport(cfg: ClusterConfig) -> Transport:

@@ -1,9 +1,10 @@
 """Stripes held in registered regions, each guarded by a version word (a seqlock).
 
-A stripe's region is ``[version: u64 little-endian][data: capacity bytes]``. Peers read the data
-one-sidedly; to never return a torn stripe they read the version word before and after the data
-(one pipelined burst on one connection, served in order) and retry unless both are the same even
-number. Installing new data here is: word := odd, copy, word := next even. The copy does not yield
+A stripe's region is ``[version: u64][clock: u64][data: capacity bytes]`` (little-endian). Peers
+read the data one-sidedly; to never return a torn stripe they read the header before and after
+the data (one pipelined burst on one connection, served in order) and retry unless both are the
+same with an even version. The clock counts the training steps applied to the stripe (server/
+sync.py): a pull waits for it by reading the header alone. Installing new data here is: word := odd, copy, word := next even. The copy does not yield
 to trio, so over TCP it is atomic with respect to the responder; over verbs the NIC may read
 concurrently, and the odd/changed word makes the reader retry.
 
@@ -26,9 +27,10 @@ from dataclasses import dataclass
 
 from ..transport.base import Access, Region, Transport
 
-HEADER = 8
+HEADER = 16
 GROW = 64 << 10
 _WORD = struct.Struct("<Q")
+_CLOCK = 8  # offset of the clock word
 
 
 class NoSpace(Exception):
@@ -51,8 +53,12 @@ class Stripe:
     def version(self) -> int:
         return _WORD.unpack_from(self.region.buf, 0)[0] // 2
 
+    @property
+    def clock(self) -> int:
+        return _WORD.unpack_from(self.region.buf, _CLOCK)[0]
+
     def describe(self) -> dict:
-        return {"rkey": self.region.rkey, "capacity": self.capacity, "version": self.version}
+        return {"rkey": self.region.rkey, "capacity": self.capacity, "version": self.version, "clock": self.clock}
 
 
 class Store:
@@ -92,30 +98,35 @@ class Store:
         self.stripes[(fid, idx, snap)] = stripe
         return stripe
 
-    def install(self, fid: int, idx: int, offset: int, data: memoryview, unit: int, version: int | None = None) -> int:
-        """Copy ``data`` into the stripe at ``offset`` under the seqlock; returns the new version
-        (the next one, or ``version`` when a primary dictates it to a backup)."""
-        stripe = self.ensure(fid, idx, offset + len(data), unit)
+    def install(self, fid: int, idx: int, offset: int, data: memoryview, unit: int, version: int | None = None, clock: int | None = None, snap: int = 0) -> int:
+        """Copy ``data`` into the stripe at ``offset`` under the seqlock, and set its clock if
+        given; returns the new version (the next one, or ``version`` when a primary dictates it
+        to a backup)."""
+        stripe = self.ensure(fid, idx, offset + len(data), unit, snap)
         buf = stripe.region.buf
         word = _WORD.unpack_from(buf, 0)[0]
         new = word // 2 + 1 if version is None else version
         _WORD.pack_into(buf, 0, word | 1)
         buf[HEADER + offset : HEADER + offset + len(data)] = data
+        if clock is not None:
+            _WORD.pack_into(buf, _CLOCK, clock)
         _WORD.pack_into(buf, 0, 2 * new)
         return new
 
-    def replace(self, fid: int, idx: int, data: memoryview, unit: int, version: int, snap: int = 0) -> None:
+    def replace(self, fid: int, idx: int, data: memoryview, unit: int, version: int, snap: int = 0, clock: int = 0) -> None:
         """Set the whole stripe content (resync, or a backup found behind)."""
         stripe = self.ensure(fid, idx, len(data), unit, snap)
         buf = stripe.region.buf
         _WORD.pack_into(buf, 0, _WORD.unpack_from(buf, 0)[0] | 1)
         buf[HEADER : HEADER + len(data)] = data
         buf[HEADER + len(data) :] = bytes(len(buf) - HEADER - len(data))
+        _WORD.pack_into(buf, _CLOCK, clock)
         _WORD.pack_into(buf, 0, 2 * version)
 
     def drop(self, fid: int, from_idx: int = 0) -> int:
-        """Free the live stripes ``from_idx`` and up of a file; returns how many went."""
-        return self._drop([k for k in self.stripes if k[0] == fid and k[1] >= from_idx and k[2] == 0])
+        """Free the live stripes ``from_idx`` and up of a file (with their optimizer state,
+        snapshot ids < 0); returns how many went."""
+        return self._drop([k for k in self.stripes if k[0] == fid and k[1] >= from_idx and k[2] <= 0])
 
     def drop_snapshot(self, snap: int) -> int:
         return self._drop([k for k in self.stripes if k[2] == snap])

@@ -1,0 +1,108 @@
+"""Push and pull through the Client over an in-process cluster: policies, optimizer, bad input."""
+
+import numpy as np
+import pytest
+import trio
+
+from irdmafs.client.client import Client
+from irdmafs.server.sync import Model, Policy, StripeTraining, parse_policy, PolicyError
+from irdmafs.transport.base import RemoteError
+from irdmafs.transport.memory import MemoryTransport
+
+from .test_cluster_inprocess import config, start_cluster
+
+
+def test_policy_forms():
+    assert parse_policy("ssp:3") == Policy("ssp", 3) and parse_policy("bsp").kind == "bsp"
+    for bad in ("", "ssp", "ssp:-1", "bsp2", "sync"):
+        with pytest.raises(PolicyError, match="accepted"):
+            parse_policy(bad)
+
+
+def test_bsp_round_is_averaged_once_complete():
+    m = Model(Policy("bsp"), 2)
+    st = StripeTraining()
+    assert st.accept(m, 0, 0, np.array([1.0, 2.0])) == []
+    assert st.clock(m) == 0
+    [avg] = st.accept(m, 1, 0, np.array([3.0, 4.0]))
+    assert np.array_equal(avg, [2.0, 3.0]) and st.clock(m) == 1
+
+
+def test_r2sp_turns_are_round_robin():
+    m = Model(Policy("r2sp"), 3)
+    st = StripeTraining()
+    assert st.admitted(m, 0, 0) and not st.admitted(m, 1, 0)
+    st.accept(m, 0, 0, np.zeros(1))
+    assert st.admitted(m, 1, 0) and not st.admitted(m, 0, 1) and not st.admitted(m, 2, 0)
+    st.accept(m, 1, 0, np.zeros(1))
+    st.accept(m, 2, 0, np.zeros(1))
+    assert st.admitted(m, 0, 1)
+
+
+@pytest.fixture
+async def trained(nursery):
+    cfg = config(unit=64 << 10)
+    await start_cluster(nursery, cfg)
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
+        await c.makedirs("/m")
+        yield c
+
+
+async def set_policy(c, **xattrs):
+    d = await c.resolve("/m")
+    for k, v in xattrs.items():
+        await c.setxattr(d["ino"], f"user.irdma.{k}", v)
+
+
+async def test_bsp_two_workers_sgd_matches_numpy(trained):
+    c = trained
+    await set_policy(c, sync="bsp", workers="2", optimizer="sgd lr=0.5")
+    w0 = np.linspace(-1, 1, 50_000).astype(np.float32)  # several stripes
+    attr = await c.save("/m/w.npy", w0)
+    g0, g1 = np.full_like(w0, 1.0), np.full_like(w0, 3.0)
+    out = np.empty_like(w0)
+    await c.push(attr["ino"], 0, g0)
+    with pytest.raises(trio.TooSlowError):
+        with trio.fail_after(0.3):  # bsp: rank 0's pull waits for rank 1's push
+            await c.pull_into(attr["ino"], 0, out)
+    await c.push(attr["ino"], 1, g1)
+    await c.pull_into(attr["ino"], 0, out)
+    assert np.allclose(out, w0 - 0.5 * (g0 + g1) / 2)
+    assert np.array_equal(await c.load("/m/w.npy"), out)
+
+
+async def test_asp_applies_each_push_and_adam_state_survives(trained):
+    c = trained
+    await set_policy(c, sync="asp", workers="2", optimizer="adam lr=0.1")
+    w0 = np.ones(1000, np.float32)
+    attr = await c.save("/m/a.npy", w0)
+    out = np.empty_like(w0)
+    await c.push(attr["ino"], 0, np.ones_like(w0))
+    await c.pull_into(attr["ino"], 0, out)  # asp: no waiting
+    assert np.allclose(out, 1 - 0.1)  # adam's first step moves by lr whatever the scale
+    await c.push(attr["ino"], 0, np.ones_like(w0))
+    await c.pull_into(attr["ino"], 0, out)
+    assert np.allclose(out, 1 - 0.2, atol=1e-5)  # second step with state carried over
+
+
+async def test_bad_pushes_and_pulls_change_nothing(trained):
+    c = trained
+    await set_policy(c, sync="bsp", workers="2")
+    w0 = np.zeros((10, 10), np.float32)
+    attr = await c.save("/m/b.npy", w0)
+    cases = [
+        (c.push(attr["ino"], 0, np.zeros((10, 9), np.float32)), "EINVAL"),  # shape
+        (c.push(attr["ino"], 0, np.zeros((10, 10), np.float64)), "EINVAL"),  # dtype
+        (c.push(attr["ino"], 5, np.zeros((10, 10), np.float32)), "EINVAL"),  # rank beyond workers
+        (c.pull_into(attr["ino"], 2, np.empty_like(w0)), "EINVAL"),
+    ]
+    for coro, code in cases:
+        with pytest.raises(RemoteError) as err:
+            await coro
+        assert err.value.code == code
+    await set_policy(c, sync="lockstep")
+    c.forget_training()
+    with pytest.raises(RemoteError) as err:
+        await c.push(attr["ino"], 0, w0)
+    assert err.value.code == "EINVAL" and "accepted" in err.value.message
+    assert np.array_equal(await c.load("/m/b.npy"), w0)
