@@ -368,6 +368,18 @@ class Client:
         await self.io.read(ino, t["offset"] + len(view), attr["unit"], t["offset"], view, 0, need, info["timeout"])
         return out
 
+    async def wait_applied(self, ino: int, rank: int) -> None:
+        """Until every push of ``rank`` to ``ino`` so far has been applied (under bsp, its
+        rounds are complete; under the other policies a push is applied when it is taken)."""
+        from ..server.sync import parse_policy
+
+        info = await self.train_info(ino, rank)
+        if parse_policy(info["sync"]).kind == "bsp":
+            out = np.empty(info["tensor"]["shape"], info["tensor"]["dtype"])
+            t, attr = info["tensor"], info["attr"]
+            view = memoryview(out.reshape(-1)).cast("B")
+            await self.io.read(ino, t["offset"] + len(view), attr["unit"], t["offset"], view, 0, info["pushed"], info["timeout"])
+
     def forget_training(self, ino: int | None = None) -> None:
         """Drop cached policy/push counts (a policy xattr changed, or a rank was removed)."""
         for key in [k for k in self._train if ino is None or k[0] == ino]:

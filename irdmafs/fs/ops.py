@@ -182,7 +182,7 @@ class Operations(pyfuse3.Operations):
 
     @fuse_errors
     async def fsync(self, fh, datasync):
-        await self.vfs.flush(fh)
+        await self.vfs.fsync(fh)
 
     @fuse_errors
     async def fsyncdir(self, fh, datasync):

@@ -54,12 +54,16 @@ log = logging.getLogger(__name__)
 VIRT = 1 << 56
 VIEW = 1 << 57
 SNAP = 1 << 58
+WORK = 1 << 59  # WORK | rank << 40 | i: inode i as seen by worker ``rank`` (push and pull)
 INO_BITS = 40
 INO_MASK = (1 << INO_BITS) - 1
 
-IRDMA_DIR, SNAPSHOTS_DIR, WORKERS_DIR, CLUSTER_FILE, STATS_FILE = (VIRT + k for k in range(1, 6))
+IRDMA_DIR, SNAPSHOTS_DIR, WORKERS_DIR, CLUSTER_FILE, STATS_FILE, RANKS_DIR = (VIRT + k for k in range(1, 7))
+RANK_DIR = VIRT + (1 << 20)  # RANK_DIR + r: .irdma/workers/<r>
+MAX_RANK = 1 << 16
 HIDDEN = {".irdma": IRDMA_DIR, ".snapshots": SNAPSHOTS_DIR, ".workers": WORKERS_DIR}
 IRDMA_FILES = {"cluster": CLUSTER_FILE, "stats": STATS_FILE}
+REMOVED_XATTR = "user.irdma.removed"
 SUFFIX = ".safetensors"
 DERIVED_XATTRS = ("user.irdma.dtype", "user.irdma.shape", "user.irdma.version")
 META_XATTR = "user.irdma.safetensors_metadata"
@@ -78,6 +82,20 @@ def snap_ino(sid: int, ino: int) -> int:
 
 def split_snap(ino: int) -> tuple[int, int]:
     return (ino & ~SNAP) >> INO_BITS, ino & INO_MASK
+
+
+def work_ino(rank: int, ino: int) -> int:
+    return WORK | (rank << INO_BITS) | ino
+
+
+def split_work(ino: int) -> tuple[int, int]:
+    return (ino & ~WORK) >> INO_BITS, ino & INO_MASK
+
+
+def rank_of(name: str) -> int:
+    if not name.isdigit() or int(name) >= MAX_RANK:
+        raise FsError(errno.ENOENT, f"{name!r} is not a worker rank")
+    return int(name)
 
 
 def is_cluster(ino: int) -> bool:
@@ -113,6 +131,9 @@ class Handle:
 
     async def flush(self) -> None:
         pass
+
+    async def fsync(self) -> None:
+        await self.flush()
 
 
 @dataclass
@@ -160,6 +181,63 @@ class FileHandle(Handle):
         if self.vfs.pending.get(self.ino, 0) <= self.attr["size"]:
             self.vfs.pending.pop(self.ino, None)
         await self.vfs.detect_tensor(self.ino, self.attr, self.name)
+
+
+@dataclass
+class PushHandle(Handle):
+    """``.workers/<rank>/.../t.npy`` opened for writing: the bytes written are one gradient
+    (an .npy, or the raw data bytes), pushed at flush."""
+
+    vfs: "Vfs" = None  # type: ignore[assignment]
+    rank: int = 0
+    buf: bytearray = field(default_factory=bytearray)
+    dirty: bool = False
+
+    async def write(self, off: int, data: bytes) -> int:
+        end = off + len(data)
+        if end > len(self.buf):
+            self.buf.extend(bytes(end - len(self.buf)))
+        self.buf[off:end] = data
+        self.dirty = True
+        return len(data)
+
+    async def flush(self) -> None:
+        if not self.dirty:
+            return
+        self.dirty = False
+        client = self.vfs.client
+        t = (await client.train_info(self.ino, self.rank))["tensor"]
+        dtype, shape = np.dtype(t["dtype"]), tuple(t["shape"])
+        data = bytes(self.buf)
+        try:
+            if data.startswith(formats.MAGIC):
+                h = formats.parse_header(data[: formats.header_length(data[:12])])
+                if (h.dtype, h.shape) != (dtype, shape) or len(data) != h.data_offset + h.nbytes:
+                    raise formats.NpyError(f"pushed {h.dtype}{list(h.shape)}, tensor is {dtype}{list(shape)}")
+                grad = np.frombuffer(data, dtype, offset=h.data_offset).reshape(shape, order="F" if h.fortran else "C")
+            elif len(data) == int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+                grad = np.frombuffer(data, dtype).reshape(shape)
+            else:
+                raise formats.NpyError(f"{len(data)} raw bytes do not hold {dtype}{list(shape)}")
+        except formats.NpyError as exc:
+            log.warning("push by rank %d to inode %d refused: %s", self.rank, self.ino, exc)
+            raise FsError(errno.EINVAL, str(exc)) from None
+        await client.push(self.ino, self.rank, np.ascontiguousarray(grad))
+
+    async def fsync(self) -> None:
+        await self.flush()
+        await self.vfs.client.wait_applied(self.ino, self.rank)
+
+
+@dataclass
+class PullHandle(Handle):
+    """``.workers/<rank>/.../t.npy`` opened for reading: the parameters once the model's
+    policy lets this rank see them (pulled at open)."""
+
+    content: bytes = b""
+
+    async def read(self, off: int, size: int) -> memoryview:
+        return memoryview(self.content)[off : off + size]
 
 
 @dataclass
@@ -257,13 +335,17 @@ class Vfs:
         if ino & SNAP:
             sid, i = split_snap(ino)
             return self.stat_of(await self.client.getattr(i, sid), ino, readonly=True)
+        if ino & WORK:
+            return self.stat_of(await self.client.getattr(split_work(ino)[1]), ino)
+        if RANK_DIR <= ino < RANK_DIR + MAX_RANK:
+            return dir_stat(ino, 0o755)
         if ino & VIEW:
             d = await self.client.getattr(ino & ~VIEW)
             header, parts = await self.view_layout(d["ino"])
             size = len(header) + (parts[-1][0].end if parts else 0)
             return file_stat(ino, size, d["mode"] & 0o666, d["mtime_ns"], d["uid"], d["gid"])
-        if ino in (IRDMA_DIR, SNAPSHOTS_DIR, WORKERS_DIR):
-            return dir_stat(ino, 0o755 if ino == SNAPSHOTS_DIR else 0o555)
+        if ino in (IRDMA_DIR, SNAPSHOTS_DIR, WORKERS_DIR, RANKS_DIR):
+            return dir_stat(ino, 0o755 if ino in (SNAPSHOTS_DIR, RANKS_DIR) else 0o555)
         if ino in (CLUSTER_FILE, STATS_FILE):
             return file_stat(ino, len(await self.virtual_content(ino)))
         raise FsError(errno.ENOENT)
@@ -272,11 +354,22 @@ class Vfs:
         if parent == ROOT and name in HIDDEN:
             return await self.getattr(HIDDEN[name])
         if parent == IRDMA_DIR:
+            if name == "workers":
+                return await self.getattr(RANKS_DIR)
             if name not in IRDMA_FILES:
                 raise FsError(errno.ENOENT)
             return await self.getattr(IRDMA_FILES[name])
+        if parent == RANKS_DIR:
+            rank = rank_of(name)
+            if rank in await self._removed_ranks():
+                raise FsError(errno.ENOENT)
+            return await self.getattr(RANK_DIR + rank)
         if parent == WORKERS_DIR:
-            raise FsError(errno.ENOENT)  # reserved for push/pull (training)
+            return self.stat_of(await self.client.getattr(ROOT), work_ino(rank_of(name), ROOT))
+        if parent & WORK:
+            rank, p = split_work(parent)
+            attr = await self.client.lookup(p, name)
+            return self.stat_of(attr, work_ino(rank, attr["ino"]))
         if parent == SNAPSHOTS_DIR:
             sid = (await self._snapshot_ids()).get(name)
             if sid is None:
@@ -304,8 +397,13 @@ class Vfs:
         if ino & SNAP:
             sid, i = split_snap(ino)
             return [(n, self.stat_of(a, snap_ino(sid, a["ino"]), readonly=True)) for n, a in await self.client.readdir(i, sid)]
+        if ino & WORK:
+            rank, i = split_work(ino)
+            return [(n, self.stat_of(a, work_ino(rank, a["ino"]))) for n, a in await self.client.readdir(i)]
         if ino == IRDMA_DIR:
             return [(name, await self.getattr(i)) for name, i in IRDMA_FILES.items()]
+        if ino == RANKS_DIR or RANK_DIR <= ino < RANK_DIR + MAX_RANK:
+            return []
         if ino == SNAPSHOTS_DIR:
             return [(name, await self.getattr(snap_ino(sid, ROOT))) for name, sid in sorted((await self._snapshot_ids()).items())]
         if ino == WORKERS_DIR:
@@ -315,6 +413,10 @@ class Vfs:
     async def setattr(self, ino: int, changes: dict[str, Any]) -> dict:
         if ino & SNAP:
             raise FsError(errno.EROFS)
+        if ino & WORK:
+            if set(changes) - {"size", "atime_ns", "mtime_ns"}:
+                raise FsError(errno.EPERM, "a push file only takes gradients")
+            return await self.getattr(ino)  # O_TRUNC before a push: the push replaces nothing
         if ino & VIEW:
             if set(changes) - {"size", "atime_ns", "mtime_ns"} or changes.get("size", 0) != 0:
                 raise FsError(errno.EPERM, "a model view can only be replaced as a whole")
@@ -346,9 +448,20 @@ class Vfs:
         self._check_create(parent, name)
         return self.stat_of(await self.client.mkdir(parent, name, mode, uid, gid))
 
+    async def _removed_ranks(self) -> set[int]:
+        root = await self.client.getattr(ROOT)
+        return {int(r) for r in root["xattrs"].get(REMOVED_XATTR, "").split(",") if r.strip()}
+
     async def rmdir(self, parent: int, name: str) -> None:
         if parent == SNAPSHOTS_DIR:
             await self.client.drop_snapshot(name)
+            return
+        if parent == RANKS_DIR:
+            # a worker left: every model stops waiting for it (user.irdma.removed on the root)
+            removed = await self._removed_ranks() | {rank_of(name)}
+            await self.client.setxattr(ROOT, REMOVED_XATTR, ",".join(map(str, sorted(removed))))
+            self.client.forget_training()
+            log.info("worker rank %s removed; the others go on without it", name)
             return
         if parent & SNAP:
             raise FsError(errno.EROFS)
@@ -394,6 +507,17 @@ class Vfs:
         return fh
 
     async def open(self, ino: int, flags: int) -> int:
+        if ino & WORK:
+            rank, i = split_work(ino)
+            if writes(flags):
+                await self.client.train_info(i, rank)  # EINVAL now if it cannot take pushes
+                return self._register(PushHandle(i, self, rank))
+            info = await self.client.train_info(i, rank)
+            t = info["tensor"]
+            out = np.empty(t["shape"], t["dtype"])
+            header = await self.client.read(i, 0, t["offset"], info["attr"])
+            await self.client.pull_into(i, rank, out)
+            return self._register(PullHandle(i, header + out.tobytes()))
         if is_cluster(ino) or ino & SNAP:
             sid, i = split_snap(ino) if ino & SNAP else (0, ino)
             if sid and writes(flags):
@@ -448,6 +572,9 @@ class Vfs:
 
     async def flush(self, fh: int) -> None:
         await self.handle(fh).flush()
+
+    async def fsync(self, fh: int) -> None:
+        await self.handle(fh).fsync()
 
     async def release(self, fh: int) -> None:
         h = self.handles.pop(fh, None)

@@ -239,6 +239,8 @@ class Node:
             self.store.drop(result["freed"])
         if op["op"] == "unsnapshot":
             self.store.drop_snapshot(result["id"])
+        if op["op"] == "setxattr" and op["name"] in ("user.irdma.removed", "user.irdma.workers") and self.cluster:
+            self.cluster.nursery.start_soon(self._recheck_training)
         if op["op"] == "setattr" and "size" in op["attrs"]:
             node = self.meta.inode(op["ino"])
             if node["unit"]:
@@ -469,21 +471,44 @@ class Node:
                 return {"clock": st.clock(model), "pushed": done, "duplicate": True}
             if step > done:
                 raise RemoteError("EINVAL", f"rank {rank} pushed {done} times; push {step} is out of order")
-            updates = st.accept(model, rank, step, grad)
+            st.span = (offset, count, unit)
+            await self._settle(fid, idx, st, model, opt, dtype, st.accept(model, rank, step, grad))
             clock = st.clock(model)
-            stripe = self.store.get(fid, idx)
-            if stripe is None:
-                raise RemoteError("EINVAL", f"tensor {fid} has no data in stripe {idx}")
-            if updates or stripe.clock != clock:
-                param = np.frombuffer(stripe.data[offset : offset + count * dtype.itemsize], dtype).copy()
-                if updates:
-                    self._apply_updates(fid, idx, param, updates, opt, unit)
-                # one install: new parameters and clock under one version
-                self.store.install(fid, idx, offset, memoryview(param).cast("B"), unit, clock=clock)
-                await self._replicate_training(fid, idx, offset, count * dtype.itemsize, unit, len(opt.state_names) if updates else 0)
         self.turns.set()
         self.turns = trio.Event()
         return {"clock": clock, "pushed": step + 1}
+
+    async def _settle(self, fid: int, idx: int, st: StripeTraining, model: Model, opt: optim.Optimizer, dtype: np.dtype, updates: list) -> None:
+        """Apply ``updates`` and the stripe's new clock in one install, then replicate them.
+        Called with the stripe's lock held."""
+        offset, count, unit = st.span
+        clock = st.clock(model)
+        stripe = self.store.get(fid, idx)
+        if stripe is None:
+            raise RemoteError("EINVAL", f"tensor {fid} has no data in stripe {idx}")
+        if not updates and stripe.clock == clock:
+            return  # a bsp push that only adds to its round
+        param = np.frombuffer(stripe.data[offset : offset + count * dtype.itemsize], dtype).copy()
+        if updates:
+            self._apply_updates(fid, idx, param, updates, opt, unit)
+        self.store.install(fid, idx, offset, memoryview(param).cast("B"), unit, clock=clock)
+        await self._replicate_training(fid, idx, offset, count * dtype.itemsize, unit, len(opt.state_names) if updates else 0)
+
+    async def _recheck_training(self) -> None:
+        """The set of active ranks changed: rounds waiting for a removed rank complete, clocks
+        move on, and r2sp turns skip it."""
+        for (fid, idx), st in list(self.training.items()):
+            if self.cluster.stripe_primary(fid, idx) != self.name or not st.span[2]:
+                continue
+            try:
+                model, opt, tensor = self.model_of(fid)
+            except RemoteError:
+                continue
+            async with self.stripe_locks((fid, idx)):
+                updates = st.complete_rounds(model) if model.policy.kind == "bsp" else []
+                await self._settle(fid, idx, st, model, opt, np.dtype(tensor["dtype"]), updates)
+        self.turns.set()
+        self.turns = trio.Event()
 
     def _apply_updates(self, fid: int, idx: int, param: np.ndarray, grads: list[np.ndarray], opt: optim.Optimizer, unit: int) -> None:
         """Optimizer steps on ``param`` (in place); the state lives in stripes -1, -2 of the

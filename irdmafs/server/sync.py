@@ -77,6 +77,7 @@ class StripeTraining:
     pushed: dict[int, int] = field(default_factory=dict)
     rounds: dict[int, list] = field(default_factory=dict)  # step -> [sum, ranks]
     applied: int = 0  # bsp rounds applied
+    span: tuple[int, int, int] = (0, 0, 0)  # (byte offset in the stripe, element count, stripe unit)
 
     def clock(self, model: Model) -> int:
         if model.policy.kind == "bsp":
