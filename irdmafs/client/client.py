@@ -40,6 +40,8 @@ from .stripe import StripeIO, split
 
 log = logging.getLogger(__name__)
 
+TRAIN_INFO_TTL = 1.0
+
 
 def errno_of(exc: BaseException) -> int:
     """The errno an exception stands for (EIO for anything unexpected)."""
@@ -316,9 +318,11 @@ class Client:
     # -- training --------------------------------------------------------------------------------
     async def train_info(self, ino: int, rank: int) -> dict:
         """Policy, workers, pull timeout and this rank's push count for tensor ``ino``, from the
-        primary of its first stripe (cached: one control call per tensor and rank, not per step)."""
+        primary of its first stripe; cached for TRAIN_INFO_TTL seconds so that a policy changed
+        anywhere is seen within that time at the cost of one control call per tensor and rank."""
         key = (ino, rank)
-        if key not in self._train:
+        cached = self._train.get(key)
+        if cached is None or trio.current_time() - cached["fetched"] > TRAIN_INFO_TTL:
             attr = await self.getattr(ino)
             t = attr.get("tensor")
             if not t:
@@ -326,7 +330,8 @@ class Client:
             primary = self.cluster.stripe_primary(ino, t["offset"] // attr["unit"])
             if primary is None:
                 raise RemoteError("EIO", "no ready node")
-            self._train[key] = dict(await self.cluster.call(primary, "train_info", {"fid": ino, "rank": rank}), attr=attr)
+            info = await self.cluster.call(primary, "train_info", {"fid": ino, "rank": rank})
+            self._train[key] = dict(info, attr=attr, fetched=trio.current_time())
         return self._train[key]
 
     async def push(self, ino: int, rank: int, grad: np.ndarray) -> int:

@@ -176,8 +176,8 @@ class FileHandle(Handle):
     async def flush(self) -> None:
         if not self.dirty:
             return
-        self.dirty = False
         self.attr = await self.vfs.client.extend(self.ino, self.size)
+        self.dirty = False
         if self.vfs.pending.get(self.ino, 0) <= self.attr["size"]:
             self.vfs.pending.pop(self.ino, None)
         await self.vfs.detect_tensor(self.ino, self.attr, self.name)
@@ -202,9 +202,10 @@ class PushHandle(Handle):
         return len(data)
 
     async def flush(self) -> None:
+        # Clean only once pushed: a failed flush (say, from the close of a dup'd fd, which
+        # numpy's tofile ignores) must fail again at the final close.
         if not self.dirty:
             return
-        self.dirty = False
         client = self.vfs.client
         t = (await client.train_info(self.ino, self.rank))["tensor"]
         dtype, shape = np.dtype(t["dtype"]), tuple(t["shape"])
@@ -223,6 +224,7 @@ class PushHandle(Handle):
             log.warning("push by rank %d to inode %d refused: %s", self.rank, self.ino, exc)
             raise FsError(errno.EINVAL, str(exc)) from None
         await client.push(self.ino, self.rank, np.ascontiguousarray(grad))
+        self.dirty = False
 
     async def fsync(self) -> None:
         await self.flush()
@@ -293,8 +295,8 @@ class ViewWriteHandle(Handle):
     async def flush(self) -> None:
         if not self.dirty:
             return
-        self.dirty = False
         await self.vfs.apply_safetensors(self.model, bytes(self.buf))
+        self.dirty = False  # only once applied: a failed flush fails again at close
         self.created_dir = None
 
 
@@ -582,6 +584,9 @@ class Vfs:
             return
         try:
             await h.flush()
+        except FsError as exc:
+            # close() already reported this through FLUSH; nobody sees RELEASE's answer
+            log.info("inode %d released with its last flush refused: %s", h.ino, exc)
         finally:
             if isinstance(h, ViewWriteHandle) and h.created_dir:
                 # the write that was to create this model failed: take the empty directory away
@@ -700,6 +705,8 @@ class Vfs:
         if value is not None and len(value) > 65536:
             raise FsError(errno.E2BIG)
         await self.client.setxattr(ino, name, None if value is None else value.decode("utf-8", "surrogateescape"))
+        if name.startswith("user.irdma."):
+            self.client.forget_training()  # a policy may have changed
 
     async def _xattr_target(self, ino: int) -> dict:
         if ino & SNAP:

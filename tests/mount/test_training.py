@@ -1,0 +1,105 @@
+"""Training through the mount: push and pull files, their errors, and a short digits run."""
+
+import errno
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.mount
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+async def model(local_cluster, mount):
+    lc = await local_cluster(nodes=3, replicas=2, stripe_unit=1 << 20)
+    m = mount(lc)
+    d = m / "net"
+    d.mkdir()
+    for k, v in (("sync", "bsp"), ("workers", "2"), ("optimizer", "sgd lr=0.1"), ("timeout", "3")):
+        os.setxattr(d, f"user.irdma.{k}", v.encode())
+    np.save(d / "w.npy", np.zeros(300_000, np.float32))  # two stripes
+    return m
+
+
+def push(m, rank, arr):
+    np.save(m / ".workers" / str(rank) / "net" / "w.npy", arr)
+
+
+def pull(m, rank):
+    return np.load(m / ".workers" / str(rank) / "net" / "w.npy")
+
+
+async def test_bsp_pull_waits_for_the_round_then_sees_the_average(model):
+    m = model
+    push(m, 0, np.full(300_000, 2.0, np.float32))
+    got = {}
+    t = threading.Thread(target=lambda: got.setdefault("w", pull(m, 0)))
+    t.start()
+    time.sleep(0.5)
+    assert t.is_alive()  # rank 0 waits for rank 1's push of the same step
+    push(m, 1, np.full(300_000, 4.0, np.float32))
+    t.join(10)
+    assert np.allclose(got["w"], -0.1 * 3.0)
+    assert np.allclose(np.load(m / "net" / "w.npy"), -0.1 * 3.0)  # the plain path never waits
+
+
+async def test_raw_bytes_push_and_fsync_waits_until_applied(model):
+    m = model
+    path = m / ".workers" / "0" / "net" / "w.npy"
+    np.save(m / ".workers" / "1" / "net" / "w.npy", np.ones(300_000, np.float32))
+    fd = os.open(path, os.O_WRONLY | os.O_TRUNC)
+    os.write(fd, np.ones(300_000, np.float32).tobytes())  # raw data bytes, no .npy header
+    os.fsync(fd)  # returns once the round is applied
+    os.close(fd)
+    assert np.allclose(np.load(m / "net" / "w.npy"), -0.1)
+
+
+async def test_bad_pushes_and_pulls(model):
+    m = model
+    base = m / ".workers"
+    with pytest.raises(OSError) as err:
+        np.save(base / "0" / "net" / "w.npy", np.zeros(10, np.float32))  # wrong shape
+    assert err.value.errno == errno.EINVAL
+    with pytest.raises(OSError) as err:
+        np.save(base / "0" / "net" / "w.npy", np.zeros(300_000, np.float64))  # wrong dtype
+    assert err.value.errno == errno.EINVAL
+    with pytest.raises(OSError) as err:
+        pull(m, 7)  # rank beyond user.irdma.workers
+    assert err.value.errno == errno.EINVAL
+    with pytest.raises(OSError) as err:
+        os.setxattr(m / "net", "user.irdma.sync", b"lockstep")
+        pull(m, 0)
+    assert err.value.errno == errno.EINVAL
+    os.setxattr(m / "net", "user.irdma.sync", b"bsp")
+    assert not np.load(m / "net" / "w.npy").any()  # nothing changed
+    log = (m.parent / "mnt.log").read_text()
+    assert "push by rank 0" in log and "refused" in log
+
+
+async def test_pull_times_out_and_a_removed_rank_lets_the_others_go_on(model):
+    m = model
+    push(m, 0, np.ones(300_000, np.float32))
+    with pytest.raises(OSError) as err:
+        pull(m, 0)  # rank 1 never pushes: ETIMEDOUT after user.irdma.timeout (3 s)
+    assert err.value.errno == errno.ETIMEDOUT
+    os.rmdir(m / ".irdma" / "workers" / "1")  # rank 1 left
+    w = pull(m, 0)
+    assert np.allclose(w, -0.1)
+    with pytest.raises(OSError):
+        pull(m, 1)
+
+
+async def test_digits_short_run(model):
+    m = model
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "train_digits.py"), "--workers", "2", "--sync", "bsp", "--steps", "40", "--mount", str(m)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["test_accuracy"] > 0.85 and result["bytes_pushed"] == 2 * 40 * (64 * 10 + 10) * 4
