@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Train a softmax-regression classifier on scikit-learn's bundled digits through an irdmafs mount.
 
-    python scripts/train_digits.py --workers 2 --sync bsp [--mount DIR] [--steps 150]
+    python scripts/train_digits.py --workers 2 --sync bsp [--compress MODE] [--mount DIR] [--steps 150]
 
 N worker processes each loop: pull the parameters (read ``.workers/<rank>/<model>/*.npy``, which
 waits as the model's sync policy says), compute a gradient on their shard of the training set,
@@ -91,7 +91,7 @@ def train(mount: str, args) -> dict:
     model = f"digits-{args.sync.replace(':', '')}-{args.workers}w-{os.getpid()}"
     d = Path(mount) / model
     d.mkdir()
-    for key, value in (("sync", args.sync), ("workers", str(args.workers)), ("optimizer", args.optimizer), ("timeout", "120")):
+    for key, value in (("sync", args.sync), ("workers", str(args.workers)), ("optimizer", args.optimizer), ("timeout", "120"), ("compress", args.compress)):
         os.setxattr(d, f"user.irdma.{key}", value.encode())
     np.save(d / "W.npy", np.zeros((FEATURES, CLASSES), np.float32))
     np.save(d / "b.npy", np.zeros(CLASSES, np.float32))
@@ -122,6 +122,7 @@ def train(mount: str, args) -> dict:
         "steps": args.steps,
         "batch": args.batch,
         "optimizer": args.optimizer,
+        "compress": args.compress,
         "test_accuracy": round(accuracy(W, b, Xte, yte), 4),
         "seconds": round(seconds, 3),
         "mean_step_seconds": round(float(np.mean(steps)), 5),
@@ -140,6 +141,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=150, help="steps per worker")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--optimizer", default="sgd lr=0.5 momentum=0.9")
+    ap.add_argument("--compress", default="none", help="none | fp16 | chunks=F[,chunk=N] | fp16,chunks=F (user.irdma.compress)")
     args = ap.parse_args()
     if args.mount:
         result = train(args.mount, args)

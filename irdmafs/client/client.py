@@ -36,6 +36,7 @@ from ..config import ClusterConfig
 from ..server.meta import ROOT
 from ..transport.base import RemoteError, Transport, TransportError
 from ..util import single_exception
+from . import compress
 from .stripe import StripeIO, split
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,19 @@ def errno_of(exc: BaseException) -> int:
     return errno.EIO
 
 
+def _runs_in(chosen: np.ndarray, chunk: int, e0: int, count: int) -> list[list[int]]:
+    """The [start, length] runs (relative to e0) of chosen chunks inside [e0, e0 + count)."""
+    runs = []
+    for c in chosen:
+        a, b = max(int(c) * chunk, e0), min((int(c) + 1) * chunk, e0 + count)
+        if a < b:
+            if runs and runs[-1][0] + runs[-1][1] == a - e0:
+                runs[-1][1] += b - a  # adjacent chunks travel as one run
+            else:
+                runs.append([a - e0, b - a])
+    return runs
+
+
 class Client:
     def __init__(self, cfg: ClusterConfig, transport: Transport, nursery: trio.Nursery):
         self.cfg = cfg
@@ -61,6 +75,7 @@ class Client:
         self.io = StripeIO(self.cluster, self.staging)
         self.meta_calls = 0
         self._train: dict[tuple[int, int], dict] = {}
+        self._sparsifiers: dict[tuple[int, int], compress.Sparsifier] = {}
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -347,15 +362,35 @@ class Client:
             raise RemoteError("EINVAL", f"only floating-point tensors take gradients, not {grad.dtype}")
         if rank not in info["active"]:
             raise RemoteError("EINVAL", f"rank {rank} is not one of the active workers {info['active']}")
+        try:
+            mode = compress.parse(info["compress"])
+        except compress.CompressError as exc:
+            raise RemoteError("EINVAL", str(exc)) from None
         step = info["pushed"]
+        flat = np.require(grad, requirements="C").reshape(-1)
+        wire = np.dtype(np.float16) if mode.fp16 else flat.dtype
+        chosen = None
+        if mode.fraction:
+            sparsifier = self._sparsifiers.setdefault((ino, rank), compress.Sparsifier(flat.size, flat.dtype))
+            chosen, flat = sparsifier.select(flat, mode)
         isz = grad.dtype.itemsize
-        data = memoryview(np.require(grad, requirements="C").reshape(-1)).cast("B")
+        sent = 0
         async with trio.open_nursery() as n:
-            for p in split(t["offset"], len(data), attr["unit"]):
-                args = {"fid": ino, "idx": p.idx, "offset": p.offset, "count": p.length // isz, "rank": rank, "step": step, "wire": grad.dtype.str, "unit": attr["unit"]}
-                n.start_soon(self.io.to_primary, ino, p.idx, data[p.pos : p.pos + p.length], "push", args)
+            for p in split(t["offset"], flat.size * isz, attr["unit"]):
+                e0, count = p.pos // isz, p.length // isz
+                args = {"fid": ino, "idx": p.idx, "offset": p.offset, "count": count, "rank": rank, "step": step, "wire": wire.str, "unit": attr["unit"]}
+                if chosen is None:
+                    values = flat[e0 : e0 + count]
+                else:
+                    runs = _runs_in(chosen, mode.chunk, e0, count)
+                    args["spans"] = runs
+                    values = np.concatenate([flat[e0 + a : e0 + a + k] for a, k in runs]) if runs else flat[:0]
+                    sent += 8 * len(runs)  # the span list travels too
+                payload = values.astype(wire, copy=False)
+                sent += payload.nbytes
+                n.start_soon(self.io.to_primary, ino, p.idx, memoryview(payload).cast("B"), "push", args)
         info["pushed"] = step + 1
-        self.io.bytes_pushed += len(data)
+        self.io.bytes_pushed += sent
         return step
 
     async def pull_into(self, ino: int, rank: int, out: np.ndarray) -> np.ndarray:

@@ -438,17 +438,38 @@ class Node:
             raise RemoteError("EINVAL", "user.irdma.workers must be at least 1")
         return Model(policy, workers, removed), opt, tensor
 
+    def _gradient(self, rkey: int, soff: int, count: int, wire: np.dtype, spans: list | None, work: np.dtype) -> np.ndarray:
+        """The staged gradient as a dense array in the working dtype (accumulation precision)."""
+        if spans is None:
+            return np.frombuffer(self._staged(rkey, soff, count * wire.itemsize), wire).astype(work)
+        total, end = 0, 0
+        for start, length in spans:
+            if not (isinstance(start, int) and isinstance(length, int)) or start < end or length < 1 or start + length > count:
+                raise RemoteError("EINVAL", f"bad span [{start}, {length}] for {count} elements")
+            end = start + length
+            total += length
+        values = np.frombuffer(self._staged(rkey, soff, total * wire.itemsize), wire)
+        grad = np.zeros(count, work)
+        pos = 0
+        for start, length in spans:
+            grad[start : start + length] = values[pos : pos + length]
+            pos += length
+        return grad
+
     async def rpc_train_info(self, fid: int, rank: int) -> dict:
         """The model's policy as this tensor sees it, and how many pushes of ``rank`` this node
         (a stripe primary) has taken for it."""
         model, opt, tensor = self.model_of(fid)
         pushed = max((st.pushed.get(rank, 0) for (f, _), st in self.training.items() if f == fid), default=0)
-        timeout = float(self.meta.inherited_xattrs(fid).get("user.irdma.timeout", "60"))
-        return {"sync": str(model.policy), "workers": model.workers, "active": model.active, "pushed": pushed, "timeout": timeout, "tensor": tensor}
+        x = self.meta.inherited_xattrs(fid)
+        timeout = float(x.get("user.irdma.timeout", "60"))
+        return {"sync": str(model.policy), "workers": model.workers, "active": model.active, "pushed": pushed, "timeout": timeout, "tensor": tensor, "compress": x.get("user.irdma.compress", "none")}
 
-    async def rpc_push(self, fid: int, idx: int, offset: int, count: int, rkey: int, soff: int, rank: int, step: int, wire: str, unit: int) -> dict:
-        """Gradient push ``step`` of ``rank`` for the elements of this stripe starting at byte
-        ``offset``, staged at (rkey, soff) in dtype ``wire``; applied as the policy says."""
+    async def rpc_push(self, fid: int, idx: int, offset: int, count: int, rkey: int, soff: int, rank: int, step: int, wire: str, unit: int, spans: list | None = None) -> dict:
+        """Gradient push ``step`` of ``rank`` for the ``count`` elements of this stripe starting
+        at byte ``offset``, staged at (rkey, soff) in dtype ``wire``: all of them, or with
+        ``spans`` only the [start, length] element runs listed (chunk sparsification; the rest
+        is zero); applied as the policy says."""
         self._require_ready()
         if self.cluster.stripe_primary(fid, idx) != self.name:
             raise RemoteError("ENOTPRIMARY", self.cluster.stripe_primary(fid, idx) or "")
@@ -459,7 +480,7 @@ class Node:
         self._check_range(offset, count * dtype.itemsize, unit)
         if wire not in ("<f2", "<f4", "<f8"):
             raise RemoteError("EINVAL", f"gradients travel as float16/32/64, not {wire}")
-        grad = np.frombuffer(self._staged(rkey, soff, count * np.dtype(wire).itemsize), wire).astype(optim.work_dtype(dtype))
+        grad = self._gradient(rkey, soff, count, np.dtype(wire), spans, optim.work_dtype(dtype))
         key = (fid, idx)
         st = self.training[key]
         with trio.fail_after(self.cfg.op_timeout * 3):

@@ -106,3 +106,40 @@ async def test_bad_pushes_and_pulls_change_nothing(trained):
         await c.push(attr["ino"], 0, w0)
     assert err.value.code == "EINVAL" and "accepted" in err.value.message
     assert np.array_equal(await c.load("/m/b.npy"), w0)
+
+
+def test_compress_forms_and_sparsifier_keeps_what_it_does_not_send():
+    from irdmafs.client import compress
+
+    assert compress.parse("fp16,chunks=0.25,chunk=4") == compress.Mode(True, 0.25, 4)
+    for bad in ("zip", "chunks=0", "chunks=2", "chunk=x"):
+        with pytest.raises(compress.CompressError, match="accepted"):
+            compress.parse(bad)
+    sp = compress.Sparsifier(16, np.float32)
+    g = np.arange(16, dtype=np.float32)
+    chosen, full = sp.select(g, compress.Mode(False, 0.25, 4))
+    assert list(chosen) == [3]  # the chunk with the largest L1 norm
+    assert np.array_equal(sp.residual[:12], g[:12]) and not sp.residual[12:].any()
+    chosen, full = sp.select(np.zeros(16, np.float32), compress.Mode(False, 0.25, 4))
+    assert list(chosen) == [2] and np.array_equal(full[:12], g[:12])  # the residual is sent later
+
+
+@pytest.mark.parametrize("mode", ["fp16", "chunks=0.5,chunk=1000", "fp16,chunks=0.5,chunk=1000"])
+async def test_compressed_pushes(trained, mode):
+    c = trained
+    await set_policy(c, sync="bsp", workers="1", optimizer="sgd lr=1", compress=mode)
+    w0 = np.zeros(40_000, np.float32)  # spans stripes of 64 KiB
+    attr = await c.save("/m/c.npy", w0)
+    g = np.linspace(-1, 1, 40_000).astype(np.float32)
+    before = c.io.bytes_pushed
+    await c.push(attr["ino"], 0, g)
+    sent = c.io.bytes_pushed - before
+    out = np.empty_like(w0)
+    await c.pull_into(attr["ino"], 0, out)
+    if "chunks" in mode:
+        # half the chunks (the largest) went; after a second push of zeros the rest follows
+        assert np.count_nonzero(out) <= 20_000 + 1000
+        await c.push(attr["ino"], 0, np.zeros_like(g))
+        await c.pull_into(attr["ino"], 0, out)
+    assert np.allclose(out, -g, atol=1e-3)  # everything arrives, fp16 to its precision
+    assert sent < g.nbytes * (0.55 if "chunks" in mode else 1) * (0.5 if "fp16" in mode else 1) + 1000
