@@ -82,6 +82,7 @@ class Cluster:
         self._connecting: dict[str, trio.Lock] = defaultdict(trio.Lock)
         self.changed = trio.Event()  # set (and replaced) whenever a state changes
         self.calls = 0  # control calls made (the steady state of training should make none)
+        self.calls_by_method: dict[str, int] = defaultdict(int)
 
     # -- states ------------------------------------------------------------------------------
     def node_state(self, name: str) -> str:
@@ -157,6 +158,7 @@ class Cluster:
         conn = await self.conn(name)
         if method != "heartbeat":
             self.calls += 1
+            self.calls_by_method[method] += 1
         try:
             return await conn.call(method, args or {}, timeout=timeout or self.cfg.op_timeout)
         except (PeerLost, TimeoutError) as exc:
@@ -169,6 +171,16 @@ class Cluster:
         try:
             with trio.fail_after(self.cfg.op_timeout):
                 await conn.write(rkey, offset, data)
+        except (PeerLost, TimeoutError, trio.TooSlowError) as exc:
+            self.mark_down(name, str(exc) or "write timed out")
+            raise NodeDown(name, str(exc) or "write timed out") from None
+
+    async def write_imm(self, name: str, rkey: int, offset: int, data, imm: int) -> dict:
+        """A WRITE with immediate; a node that cannot be reached is marked down (NodeDown)."""
+        conn = await self.conn(name)
+        try:
+            with trio.fail_after(self.cfg.op_timeout * 3):
+                return await conn.write_imm(rkey, offset, data, imm)
         except (PeerLost, TimeoutError, trio.TooSlowError) as exc:
             self.mark_down(name, str(exc) or "write timed out")
             raise NodeDown(name, str(exc) or "write timed out") from None

@@ -28,7 +28,7 @@ REMOTE_ERRNO = {
     name: getattr(errno, name)
     for name in ("ENOENT", "EEXIST", "ENOTDIR", "EISDIR", "ENOTEMPTY", "EINVAL", "ENAMETOOLONG", "EROFS", "ENOSPC", "ENODATA", "EPERM", "EACCES", "EBUSY", "E2BIG", "ETIMEDOUT")
 }
-ATTR_TIMEOUT = 0.0  # other mounts change files: attributes are asked for every time
+ATTR_TIMEOUT = 0.0  # other mounts change files: attributes are asked for every time (see vfs.py)
 ENTRY_TIMEOUT = 0.0
 
 
@@ -70,14 +70,17 @@ def fuse_errors(fn):
 
 
 def entry(st: dict) -> pyfuse3.EntryAttributes:
+    """EntryAttributes from a VFS stat; ``entry_timeout``/``attr_timeout`` keys let the kernel
+    cache the name or the attributes that long (default: not at all)."""
     e = pyfuse3.EntryAttributes()
     for key, value in st.items():
-        setattr(e, key, value)
+        if key.startswith("st_"):
+            setattr(e, key, value)
     e.st_blksize = 1 << 20
     e.st_blocks = (st["st_size"] + 511) // 512
     e.generation = 0
-    e.entry_timeout = ENTRY_TIMEOUT
-    e.attr_timeout = ATTR_TIMEOUT
+    e.entry_timeout = st.get("entry_timeout", ENTRY_TIMEOUT)
+    e.attr_timeout = st.get("attr_timeout", ATTR_TIMEOUT)
     return e
 
 

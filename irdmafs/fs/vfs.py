@@ -64,6 +64,14 @@ MAX_RANK = 1 << 16
 HIDDEN = {".irdma": IRDMA_DIR, ".snapshots": SNAPSHOTS_DIR, ".workers": WORKERS_DIR}
 IRDMA_FILES = {"cluster": CLUSTER_FILE, "stats": STATS_FILE}
 REMOVED_XATTR = "user.irdma.removed"
+# How long the kernel may cache .workers entries and attributes: they mirror tensors, whose
+# size and place do not change while training, and caching them is what lets a training step
+# through the mount run without a single metadata call.
+WORK_CACHE_SECONDS = 60.0
+# Directory attributes (mode, owner: what the kernel checks on every path walk) may be cached
+# this long; file attributes and names never are, so sizes and renames by other mounts show at
+# once.
+DIR_ATTR_SECONDS = 10.0
 SUFFIX = ".safetensors"
 DERIVED_XATTRS = ("user.irdma.dtype", "user.irdma.shape", "user.irdma.version")
 META_XATTR = "user.irdma.safetensors_metadata"
@@ -316,7 +324,8 @@ class Vfs:
     def stat_of(self, attr: dict, ino: int | None = None, readonly: bool = False) -> dict:
         mode = attr["mode"] & ~0o222 if readonly else attr["mode"]
         size = max(attr["size"], self.pending.get(attr["ino"], 0)) if not readonly else attr["size"]
-        return {
+        cache = {"attr_timeout": DIR_ATTR_SECONDS} if S.S_ISDIR(mode) else {}
+        return cache | {
             "st_ino": ino or attr["ino"],
             "st_mode": mode,
             "st_nlink": attr["nlink"],
@@ -328,6 +337,9 @@ class Vfs:
             "st_ctime_ns": attr["ctime_ns"],
         }
 
+    def _work_stat(self, attr: dict, ino: int) -> dict:
+        return dict(self.stat_of(attr, ino), entry_timeout=WORK_CACHE_SECONDS, attr_timeout=WORK_CACHE_SECONDS)
+
     async def _snapshot_ids(self) -> dict[str, int]:
         return {name: s["id"] for name, s in (await self.client.snapshots()).items()}
 
@@ -338,7 +350,11 @@ class Vfs:
             sid, i = split_snap(ino)
             return self.stat_of(await self.client.getattr(i, sid), ino, readonly=True)
         if ino & WORK:
-            return self.stat_of(await self.client.getattr(split_work(ino)[1]), ino)
+            # the kernel asks after every write to a file; for a tensor being trained, what the
+            # push and pull paths cache answers without a call
+            rank, i = split_work(ino)
+            cached = self.client.cached_train_info(i, rank)
+            return self._work_stat(cached["attr"] if cached else await self.client.getattr(i), ino)
         if RANK_DIR <= ino < RANK_DIR + MAX_RANK:
             return dir_stat(ino, 0o755)
         if ino & VIEW:
@@ -367,11 +383,11 @@ class Vfs:
                 raise FsError(errno.ENOENT)
             return await self.getattr(RANK_DIR + rank)
         if parent == WORKERS_DIR:
-            return self.stat_of(await self.client.getattr(ROOT), work_ino(rank_of(name), ROOT))
+            return self._work_stat(await self.client.getattr(ROOT), work_ino(rank_of(name), ROOT))
         if parent & WORK:
             rank, p = split_work(parent)
             attr = await self.client.lookup(p, name)
-            return self.stat_of(attr, work_ino(rank, attr["ino"]))
+            return self._work_stat(attr, work_ino(rank, attr["ino"]))
         if parent == SNAPSHOTS_DIR:
             sid = (await self._snapshot_ids()).get(name)
             if sid is None:
@@ -401,7 +417,7 @@ class Vfs:
             return [(n, self.stat_of(a, snap_ino(sid, a["ino"]), readonly=True)) for n, a in await self.client.readdir(i, sid)]
         if ino & WORK:
             rank, i = split_work(ino)
-            return [(n, self.stat_of(a, work_ino(rank, a["ino"]))) for n, a in await self.client.readdir(i)]
+            return [(n, self._work_stat(a, work_ino(rank, a["ino"]))) for n, a in await self.client.readdir(i)]
         if ino == IRDMA_DIR:
             return [(name, await self.getattr(i)) for name, i in IRDMA_FILES.items()]
         if ino == RANKS_DIR or RANK_DIR <= ino < RANK_DIR + MAX_RANK:
@@ -418,7 +434,9 @@ class Vfs:
         if ino & WORK:
             if set(changes) - {"size", "atime_ns", "mtime_ns"}:
                 raise FsError(errno.EPERM, "a push file only takes gradients")
-            return await self.getattr(ino)  # O_TRUNC before a push: the push replaces nothing
+            # O_TRUNC before a push (np.save): nothing to truncate; answered from the cache
+            rank, i = split_work(ino)
+            return self._work_stat((await self.client.train_info(i, rank))["attr"], ino)
         if ino & VIEW:
             if set(changes) - {"size", "atime_ns", "mtime_ns"} or changes.get("size", 0) != 0:
                 raise FsError(errno.EPERM, "a model view can only be replaced as a whole")

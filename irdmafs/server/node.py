@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import logging
 import math
 import sys
 import time
 from collections import defaultdict
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -114,7 +116,7 @@ class Node:
             self.cluster = Cluster(self.cfg, self.transport, nursery, me=self.name, my_state=lambda: self.state)
             # slots of two units: optimizer state of a float16 stripe is twice its size
             self.peer_staging = StagingPool(self.cluster, f"node:{self.name}:{time.time_ns()}", 2 * self.cfg.stripe_unit)
-            address = await nursery.start(self.transport.serve, self.spec.host, self.spec.port, self.handle)
+            address = await nursery.start(partial(self.transport.serve, self.spec.host, self.spec.port, self.handle, on_imm=self.on_imm))
             log.info("node %s listening on %s:%s (transport %s)", self.name, *address, self.transport.name)
             await self.cluster.refresh()
             nursery.start_soon(self.cluster.heartbeat_loop)
@@ -438,17 +440,24 @@ class Node:
             raise RemoteError("EINVAL", "user.irdma.workers must be at least 1")
         return Model(policy, workers, removed), opt, tensor
 
-    def _gradient(self, rkey: int, soff: int, count: int, wire: np.dtype, spans: list | None, work: np.dtype) -> np.ndarray:
+    @staticmethod
+    def _gradient(staged: memoryview, count: int, wire: np.dtype, spans: list | None, work: np.dtype) -> np.ndarray:
         """The staged gradient as a dense array in the working dtype (accumulation precision)."""
+
+        def take(nbytes: int) -> memoryview:
+            if nbytes > len(staged):
+                raise RemoteError("EINVAL", f"push of {nbytes} bytes, {len(staged)} staged")
+            return staged[:nbytes]
+
         if spans is None:
-            return np.frombuffer(self._staged(rkey, soff, count * wire.itemsize), wire).astype(work)
+            return np.frombuffer(take(count * wire.itemsize), wire).astype(work)
         total, end = 0, 0
         for start, length in spans:
             if not (isinstance(start, int) and isinstance(length, int)) or start < end or length < 1 or start + length > count:
                 raise RemoteError("EINVAL", f"bad span [{start}, {length}] for {count} elements")
             end = start + length
             total += length
-        values = np.frombuffer(self._staged(rkey, soff, total * wire.itemsize), wire)
+        values = np.frombuffer(take(total * wire.itemsize), wire)
         grad = np.zeros(count, work)
         pos = 0
         for start, length in spans:
@@ -465,9 +474,50 @@ class Node:
         timeout = float(x.get("user.irdma.timeout", "60"))
         return {"sync": str(model.policy), "workers": model.workers, "active": model.active, "pushed": pushed, "timeout": timeout, "tensor": tensor, "compress": x.get("user.irdma.compress", "none")}
 
-    async def rpc_push(self, fid: int, idx: int, offset: int, count: int, rkey: int, soff: int, rank: int, step: int, wire: str, unit: int, spans: list | None = None) -> dict:
+    def policy_info(self, fid: int) -> dict:
+        """What a pushing client caches about a tensor's model; sent back with every push."""
+        model, _, _ = self.model_of(fid)
+        x = self.meta.inherited_xattrs(fid)
+        return {"sync": str(model.policy), "workers": model.workers, "active": model.active, "timeout": float(x.get("user.irdma.timeout", "60")), "compress": x.get("user.irdma.compress", "none")}
+
+    async def on_imm(self, region, offset: int, length: int, imm: int) -> dict:
+        """A client's fused pushes, delivered by one WRITE with immediate into its staging slot:
+        ``imm`` bytes of JSON descriptors, then the gradients they point at. Each push gets its
+        own result, so one refused push does not fail the others; the reply also carries the
+        policy of every tensor involved, which keeps the client's cache fresh without calls."""
+        if region is None or not 0 < imm <= length:
+            raise RemoteError("EINVAL", "notification without a descriptor")
+        try:
+            descs = json.loads(bytes(region.buf[offset : offset + imm]))
+            assert isinstance(descs, list) and all(isinstance(d, dict) for d in descs)
+        except (ValueError, AssertionError):
+            raise RemoteError("EINVAL", "malformed push descriptor") from None
+        data = region.buf[offset + imm : offset + length]
+        results: list[dict] = [{} for _ in descs]
+
+        async def one(i: int, d: dict) -> None:
+            try:
+                at = d.pop("at")
+                results[i] = await self._push(data[at:], **d)
+            except RemoteError as exc:
+                results[i] = {"error": exc.code, "message": exc.message}
+            except (KeyError, TypeError, ValueError) as exc:
+                results[i] = {"error": "EINVAL", "message": f"bad push descriptor: {exc}"}
+
+        async with trio.open_nursery() as n:
+            for i, d in enumerate(descs):
+                n.start_soon(one, i, dict(d))
+        info = {}
+        for fid in {d.get("fid") for d in descs}:
+            try:
+                info[str(fid)] = self.policy_info(fid)
+            except (RemoteError, TypeError):
+                pass
+        return {"results": results, "info": info}
+
+    async def _push(self, staged: memoryview, fid: int, idx: int, offset: int, count: int, rank: int, step: int, wire: str, unit: int, spans: list | None = None) -> dict:
         """Gradient push ``step`` of ``rank`` for the ``count`` elements of this stripe starting
-        at byte ``offset``, staged at (rkey, soff) in dtype ``wire``: all of them, or with
+        at byte ``offset``, read from ``staged`` in dtype ``wire``: all of them, or with
         ``spans`` only the [start, length] element runs listed (chunk sparsification; the rest
         is zero); applied as the policy says."""
         self._require_ready()
@@ -480,7 +530,7 @@ class Node:
         self._check_range(offset, count * dtype.itemsize, unit)
         if wire not in ("<f2", "<f4", "<f8"):
             raise RemoteError("EINVAL", f"gradients travel as float16/32/64, not {wire}")
-        grad = self._gradient(rkey, soff, count, np.dtype(wire), spans, optim.work_dtype(dtype))
+        grad = self._gradient(staged, count, np.dtype(wire), spans, optim.work_dtype(dtype))
         key = (fid, idx)
         st = self.training[key]
         with trio.fail_after(self.cfg.op_timeout * 3):

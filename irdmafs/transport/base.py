@@ -28,6 +28,8 @@ Buffer = Union[bytes, bytearray, memoryview]
 # A scatter-gather list: one remote range <-> several local buffers, in order.
 BufferList = Union[Buffer, Sequence[Buffer]]
 Handler = Callable[[str, dict], Awaitable[dict]]
+# Called after a WRITE_IMM landed: (region, offset, length, imm) -> JSON-able result
+ImmHandler = Callable[["Region", int, int, int], Awaitable[dict]]
 
 
 class TransportError(Exception):
@@ -177,6 +179,11 @@ class Connection(abc.ABC):
     async def write(self, rkey: int, offset: int, data: BufferList) -> None:
         """One-sided WRITE of the local buffer(s), concatenated, to the remote range."""
 
+    @abc.abstractmethod
+    async def write_imm(self, rkey: int, offset: int, data: BufferList, imm: int) -> dict:
+        """A WRITE that also delivers ``imm`` to the serving side's notification handler (as
+        RDMA WRITE_WITH_IMM does) once the data has landed; returns the handler's result."""
+
     async def read_many(self, ops: Sequence[tuple[int, int, BufferList]]) -> None:
         """Several READs issued back to back; the peer serves them in order (used for the
         version-checked stripe read). Implementations pipeline them."""
@@ -211,9 +218,9 @@ class Transport(abc.ABC):
         self.regions.remove(region.rkey)
 
     @abc.abstractmethod
-    async def serve(self, host: str, port: int, handler: Handler, *, task_status: Any) -> None:
-        """Serve regions and control calls until cancelled; ``task_status.started((host, port))``
-        once listening (port 0 picks a free one)."""
+    async def serve(self, host: str, port: int, handler: Handler, *, on_imm: ImmHandler | None = None, task_status: Any) -> None:
+        """Serve regions, control calls and (with ``on_imm``) WRITE_IMM notifications until
+        cancelled; ``task_status.started((host, port))`` once listening (port 0 picks one)."""
 
     @abc.abstractmethod
     async def connect(self, host: str, port: int, *, nursery: Any) -> Connection:

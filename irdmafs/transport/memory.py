@@ -23,7 +23,9 @@ from .base import (
     ConnectError,
     Connection,
     Handler,
+    ImmHandler,
     PeerLost,
+    ProtocolError,
     RemoteError,
     TimeoutError,
     Transport,
@@ -32,14 +34,15 @@ from .base import (
 
 log = logging.getLogger(__name__)
 
-_listeners: dict[tuple[str, int], tuple["MemoryTransport", Handler]] = {}
+_listeners: dict[tuple[str, int], tuple["MemoryTransport", Handler, ImmHandler | None]] = {}
 _ports = itertools.count(40000)
 
 
 class MemoryConnection(Connection):
-    def __init__(self, server: "MemoryTransport", handler: Handler, address: tuple[str, int]):
+    def __init__(self, server: "MemoryTransport", handler: Handler, address: tuple[str, int], on_imm: ImmHandler | None = None):
         self.server = server
         self.handler = handler
+        self.on_imm = on_imm
         self.address = address
         self.peer = f"{address[0]}:{address[1]}"
         self._closed = False
@@ -68,13 +71,25 @@ class MemoryConnection(Connection):
             view[pos : pos + len(b)] = b
             pos += len(b)
 
+    async def write_imm(self, rkey: int, offset: int, data: BufferList, imm: int) -> dict:
+        await self.write(rkey, offset, data)
+        if self.on_imm is None:
+            raise ProtocolError(f"{self.peer}: this peer takes no notifications")
+        length = sum(map(len, as_buffers(data)))
+        return await self._guarded(self.on_imm(self.server.regions.get(rkey), offset, length, imm), None)
+
     async def call(self, method: str, args: dict[str, Any] | None = None, *, timeout: float | None = None) -> dict:
         self._check_alive()
         # The JSON round trip keeps the in-process path honest about what can cross a wire.
         args = json.loads(json.dumps(args or {}))
+        return await self._guarded(self.handler(method, args), timeout)
+
+    async def _guarded(self, coro, timeout: float | None) -> dict:
+        """Run a serving-side coroutine as the network transports would: its errors become
+        RemoteError, and its result must survive JSON."""
         try:
             with trio.fail_after(timeout if timeout is not None else 30.0):
-                result = await self.handler(method, args)
+                result = await coro
         except RemoteError:
             raise
         except trio.TooSlowError:
@@ -92,11 +107,11 @@ class MemoryConnection(Connection):
 class MemoryTransport(Transport):
     name = "memory"
 
-    async def serve(self, host: str, port: int, handler: Handler, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    async def serve(self, host: str, port: int, handler: Handler, *, on_imm: ImmHandler | None = None, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         address = (host, port or next(_ports))
         if address in _listeners:
             raise OSError(f"address {address} already in use")
-        _listeners[address] = (self, handler)
+        _listeners[address] = (self, handler, on_imm)
         try:
             task_status.started(address)
             await trio.sleep_forever()
@@ -108,8 +123,8 @@ class MemoryTransport(Transport):
         entry = _listeners.get((host, port))
         if entry is None:
             raise ConnectError(f"cannot connect to {host}:{port}: nothing listens there")
-        server, handler = entry
+        server, handler, on_imm = entry
         if not hmac.compare_digest(server.token, self.token):
             log.warning("memory transport %s:%s refused a connection: wrong cluster token", host, port)
             raise AuthError(f"{host}:{port} refused our cluster token: wrong cluster token")
-        return MemoryConnection(server, handler, (host, port))
+        return MemoryConnection(server, handler, (host, port), on_imm)

@@ -9,12 +9,12 @@ Every frame is a 40-byte header, optionally followed by a payload:
     6      2    status    Status (0 in requests)
     8      8    req_id    chosen by the requester, echoed in the response
     16     4    rkey      region key (READ/WRITE)
-    20     4    reserved  0
+    20     4    imm       WRITE_IMM: the immediate value delivered with the data; else 0
     24     8    offset    byte offset in the region (READ/WRITE)
     32     8    length    READ request: bytes wanted; every other frame: payload bytes that follow
 
-The payload of a READ response is the data; of a WRITE request the data; of a CALL a JSON
-document; of an error response (status != OK) a UTF-8 message (JSON for a failed CALL). Because
+The payload of a READ response is the data; of a WRITE or WRITE_IMM request the data; of a CALL,
+and of a WRITE_IMM response, a JSON document; of an error response (status != OK) a UTF-8 message (JSON for a failed CALL). Because
 payload sizes come from the header alone, a reader can always skip a frame it refuses, and it can
 receive a payload straight into its final buffer.
 
@@ -47,6 +47,7 @@ class Op(enum.IntEnum):
     READ = 3
     WRITE = 4
     CALL = 5
+    WRITE_IMM = 6  # WRITE, then the serving side's notification handler runs with ``imm``
 
 
 class Status(enum.IntEnum):
@@ -65,6 +66,7 @@ class Header(NamedTuple):
     offset: int = 0
     length: int = 0
     status: int = Status.OK
+    imm: int = 0
 
     @property
     def is_response(self) -> bool:
@@ -77,14 +79,14 @@ class Header(NamedTuple):
 
 def pack(h: Header) -> bytes:
     try:
-        return HEADER.pack(MAGIC, VERSION, h.opcode, h.status, h.req_id, h.rkey, 0, h.offset, h.length)
+        return HEADER.pack(MAGIC, VERSION, h.opcode, h.status, h.req_id, h.rkey, h.imm, h.offset, h.length)
     except struct.error as exc:
         raise ProtocolError(f"field out of range in {h}: {exc}") from None
 
 
 def pack_into(buf: bytearray | memoryview, h: Header) -> None:
     try:
-        HEADER.pack_into(buf, 0, MAGIC, VERSION, h.opcode, h.status, h.req_id, h.rkey, 0, h.offset, h.length)
+        HEADER.pack_into(buf, 0, MAGIC, VERSION, h.opcode, h.status, h.req_id, h.rkey, h.imm, h.offset, h.length)
     except struct.error as exc:
         raise ProtocolError(f"field out of range in {h}: {exc}") from None
 
@@ -93,14 +95,14 @@ def unpack(data: bytes | bytearray | memoryview) -> Header:
     """Parse and validate one header; ProtocolError for anything malformed."""
     if len(data) != HEADER.size:
         raise ProtocolError(f"truncated header: {len(data)} of {HEADER.size} bytes")
-    magic, version, opcode, status, req_id, rkey, _reserved, offset, length = HEADER.unpack(data)
+    magic, version, opcode, status, req_id, rkey, imm, offset, length = HEADER.unpack(data)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {bytes(magic)!r}")
     if version != VERSION:
         raise ProtocolError(f"unsupported protocol version {version}")
-    h = Header(opcode, req_id, rkey, offset, length, status)
+    h = Header(opcode, req_id, rkey, offset, length, status, imm)
     size = payload_size(h)
-    limit = MAX_IO if h.op in (Op.READ, Op.WRITE) and h.status == Status.OK else MAX_CONTROL
+    limit = MAX_IO if h.op in (Op.READ, Op.WRITE, Op.WRITE_IMM) and h.status == Status.OK and not (h.is_response and h.op == Op.WRITE_IMM) else MAX_CONTROL
     if size > limit or h.length > MAX_IO:
         raise ProtocolError(f"oversized frame: {h.length} bytes for opcode {opcode:#x}")
     return h

@@ -37,6 +37,7 @@ from .base import (
     ConnectError,
     Connection,
     Handler,
+    ImmHandler,
     PeerLost,
     ProtocolError,
     RemoteError,
@@ -205,6 +206,12 @@ class TcpConnection(Connection):
         h = P.Header(P.Op.WRITE, rkey=rkey, offset=offset, length=sum(map(len, bufs)))
         await self._wait(await self._submit([(h, bufs, None)]), None)
 
+    async def write_imm(self, rkey: int, offset: int, data: BufferList, imm: int) -> dict:
+        bufs = as_buffers(data)
+        h = P.Header(P.Op.WRITE_IMM, rkey=rkey, offset=offset, length=sum(map(len, bufs)), imm=imm)
+        [p] = await self._wait(await self._submit([(h, bufs, None)]), None)
+        return P.decode_result(p.payload)
+
     async def call(self, method: str, args: dict[str, Any] | None = None, *, timeout: float | None = None) -> dict:
         doc = P.encode_call(method, args or {})
         h = P.Header(P.Op.CALL, length=len(doc))
@@ -269,7 +276,7 @@ class TcpTransport(Transport):
         self.op_timeout = op_timeout
 
     # -- serving side ------------------------------------------------------------------------
-    async def serve(self, host: str, port: int, handler: Handler, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    async def serve(self, host: str, port: int, handler: Handler, *, on_imm: ImmHandler | None = None, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         listener = trio.socket.socket(_stdsocket.AF_INET, _stdsocket.SOCK_STREAM)
         listener.setsockopt(_stdsocket.SOL_SOCKET, _stdsocket.SO_REUSEADDR, 1)
         with listener:
@@ -284,7 +291,7 @@ class TcpTransport(Transport):
                         log.warning("accept failed: %s", exc)
                         await trio.sleep(0.1)
                         continue
-                    nursery.start_soon(self._serve_connection, sock, f"{addr[0]}:{addr[1]}", handler)
+                    nursery.start_soon(self._serve_connection, sock, f"{addr[0]}:{addr[1]}", handler, on_imm)
 
     async def _authenticate(self, sock: trio.socket.SocketType, peer: str) -> bool:
         nonce = new_nonce()
@@ -305,7 +312,7 @@ class TcpTransport(Transport):
         await _sendv(sock, [P.pack(P.Header(P.Op.AUTH | P.RESPONSE, length=len(proof))), proof])
         return True
 
-    async def _serve_connection(self, sock: trio.socket.SocketType, peer: str, handler: Handler) -> None:
+    async def _serve_connection(self, sock: trio.socket.SocketType, peer: str, handler: Handler, on_imm: ImmHandler | None = None) -> None:
         _tune(sock)
         send_lock = trio.Lock()
 
@@ -334,6 +341,18 @@ class TcpTransport(Transport):
                 log.exception("%s: control call failed", peer)
                 await respond(h, [P.encode_remote_error("EIO", f"{type(exc).__name__}: {exc}")], P.Status.REMOTE)
 
+        async def run_imm(h: P.Header) -> None:
+            try:
+                result = await on_imm(self.regions.get(h.rkey), h.offset, h.length, h.imm)
+                await respond(h, [P.encode_result(result)])
+            except RemoteError as exc:
+                await respond(h, [P.encode_remote_error(exc.code, exc.message)], P.Status.REMOTE)
+            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+            except Exception as exc:  # a bug in a handler must not take the node down
+                log.exception("%s: notification handler failed", peer)
+                await respond(h, [P.encode_remote_error("EIO", f"{type(exc).__name__}: {exc}")], P.Status.REMOTE)
+
         async def serve_frames(calls: trio.Nursery) -> None:
             hdr = memoryview(bytearray(P.HEADER.size))
             while True:
@@ -357,6 +376,19 @@ class TcpTransport(Transport):
                     else:
                         await _recv_into(sock, view)
                         await respond(h, [])
+                elif h.opcode == P.Op.WRITE_IMM:
+                    try:
+                        view = self.regions.check(h.rkey, h.offset, h.length, Access.WRITE)
+                    except AccessError as exc:
+                        log.info("%s: WRITE_IMM refused: %s", peer, exc)
+                        await _drain(sock, h.length)
+                        await refuse(h, P.Status.ACCESS, str(exc))
+                        continue
+                    await _recv_into(sock, view)
+                    if on_imm is None:
+                        await refuse(h, P.Status.BAD_REQUEST, "this peer takes no notifications")
+                    else:
+                        calls.start_soon(run_imm, h)
                 elif h.opcode == P.Op.CALL:
                     calls.start_soon(run_call, h, await _recv_bytes(sock, h.length))
                 else:

@@ -112,3 +112,27 @@ async def test_torch_helper_short_run(model):
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["framework"] == "torch" and result["test_accuracy"] > 0.8
+
+
+async def test_steady_state_steps_make_no_control_calls(model):
+    """After the first steps, a pull and a push of a known tensor are data operations only:
+    one-sided header/data reads and one WRITE with immediate; no metadata or control call."""
+    m = model
+    os.setxattr(m / "net", "user.irdma.workers", b"1")
+    stats = m / ".irdma" / "stats"
+
+    def step():
+        w = pull(m, 0)
+        push(m, 0, np.ones_like(w))
+
+    for _ in range(3):  # warm-up: lookups, stripe keys, staging, policy
+        step()
+    before = json.loads(stats.read_text())
+    for _ in range(5):
+        step()
+    after = json.loads(stats.read_text())
+    by = {k: v - before["control_calls_by_method"].get(k, 0) for k, v in after["control_calls_by_method"].items()}
+    assert after["control_calls"] - before["control_calls"] == 0, {k: v for k, v in by.items() if v}
+    assert after["metadata_calls"] - before["metadata_calls"] == 0
+    assert after["bytes_pushed"] - before["bytes_pushed"] == 5 * 300_000 * 4
+    assert np.allclose(np.load(m / "net" / "w.npy"), -0.1 * 8)

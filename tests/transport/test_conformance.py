@@ -129,3 +129,29 @@ async def test_peer_that_vanishes_gives_peer_lost(served, nursery):
 
 async def handlerless(method, args):
     raise RemoteError("ENOSYS", method)
+
+
+async def test_write_with_immediate_notifies_after_the_data_landed(nursery):
+    """WRITE_IMM over each transport that serves notifications (memory, tcp)."""
+    from irdmafs.transport.memory import MemoryTransport
+    from irdmafs.transport.tcp import TcpTransport
+
+    for kind in (MemoryTransport, TcpTransport):
+        server = kind(TOKEN)
+        region = server.alloc_region(4096, 3)
+        seen = []
+
+        async def on_imm(r, offset, length, imm):
+            seen.append((r.rkey, offset, length, imm, bytes(r.buf[offset : offset + length])))
+            if imm == 0:
+                raise RemoteError("EINVAL", "imm 0 refused")
+            return {"sum": sum(r.buf[offset : offset + length])}
+
+        host, port = await nursery.start(lambda task_status: server.serve("127.0.0.1", 0, handlerless, on_imm=on_imm, task_status=task_status))
+        conn = await kind(TOKEN).connect(host, port, nursery=nursery)
+        assert await conn.write_imm(region.rkey, 10, [b"\x01\x02", b"\x03"], 77) == {"sum": 6}
+        assert seen == [(region.rkey, 10, 3, 77, b"\x01\x02\x03")]
+        with pytest.raises(RemoteError):
+            await conn.write_imm(region.rkey, 0, b"x", 0)
+        with pytest.raises(AccessError):
+            await conn.write_imm(region.rkey, 4095, b"xy", 1)
