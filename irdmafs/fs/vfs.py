@@ -146,7 +146,8 @@ class Handle:
 
 @dataclass
 class BytesHandle(Handle):
-    """A virtual file whose whole content is made at open (status files)."""
+    """A file whose whole content is made at open: status files, and pulls (the parameters as
+    the model's policy lets the rank see them)."""
 
     content: bytes = b""
 
@@ -237,17 +238,6 @@ class PushHandle(Handle):
     async def fsync(self) -> None:
         await self.flush()
         await self.vfs.client.wait_applied(self.ino, self.rank)
-
-
-@dataclass
-class PullHandle(Handle):
-    """``.workers/<rank>/.../t.npy`` opened for reading: the parameters once the model's
-    policy lets this rank see them (pulled at open)."""
-
-    content: bytes = b""
-
-    async def read(self, off: int, size: int) -> memoryview:
-        return memoryview(self.content)[off : off + size]
 
 
 @dataclass
@@ -537,7 +527,7 @@ class Vfs:
             out = np.empty(t["shape"], t["dtype"])
             header = await self.client.read(i, 0, t["offset"], info["attr"])
             await self.client.pull_into(i, rank, out)
-            return self._register(PullHandle(i, header + out.tobytes()))
+            return self._register(BytesHandle(i, header + out.tobytes()))
         if is_cluster(ino) or ino & SNAP:
             sid, i = split_snap(ino) if ino & SNAP else (0, ino)
             if sid and writes(flags):

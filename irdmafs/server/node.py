@@ -303,7 +303,7 @@ class Node:
             raise RemoteError("EBUSY", f"frozen by {self.frozen_by}")
         self.frozen_by = token
         self.thawed = trio.Event()
-        self.cluster.nursery.start_soon(self._auto_thaw, token, seconds)
+        self.cluster.nursery.start_soon(self._auto_thaw, token, min(seconds, FREEZE_SECONDS))
         while self.commits_in_flight:
             await self.commits_drained.wait()
         return {}

@@ -353,6 +353,19 @@ class TcpTransport(Transport):
                 log.exception("%s: notification handler failed", peer)
                 await respond(h, [P.encode_remote_error("EIO", f"{type(exc).__name__}: {exc}")], P.Status.REMOTE)
 
+        async def land(h: P.Header) -> bool:
+            """Receive a write's payload straight into its region; False (and answered) if the
+            region refuses it, after draining the payload so the stream stays in step."""
+            try:
+                view = self.regions.check(h.rkey, h.offset, h.length, Access.WRITE)
+            except AccessError as exc:
+                log.info("%s: WRITE refused: %s", peer, exc)
+                await _drain(sock, h.length)
+                await refuse(h, P.Status.ACCESS, str(exc))
+                return False
+            await _recv_into(sock, view)
+            return True
+
         async def serve_frames(calls: trio.Nursery) -> None:
             hdr = memoryview(bytearray(P.HEADER.size))
             while True:
@@ -367,25 +380,12 @@ class TcpTransport(Transport):
                     else:
                         await respond(h, [view])
                 elif h.opcode == P.Op.WRITE:
-                    try:
-                        view = self.regions.check(h.rkey, h.offset, h.length, Access.WRITE)
-                    except AccessError as exc:
-                        log.info("%s: WRITE refused: %s", peer, exc)
-                        await _drain(sock, h.length)
-                        await refuse(h, P.Status.ACCESS, str(exc))
-                    else:
-                        await _recv_into(sock, view)
+                    if await land(h):
                         await respond(h, [])
                 elif h.opcode == P.Op.WRITE_IMM:
-                    try:
-                        view = self.regions.check(h.rkey, h.offset, h.length, Access.WRITE)
-                    except AccessError as exc:
-                        log.info("%s: WRITE_IMM refused: %s", peer, exc)
-                        await _drain(sock, h.length)
-                        await refuse(h, P.Status.ACCESS, str(exc))
-                        continue
-                    await _recv_into(sock, view)
-                    if on_imm is None:
+                    if not await land(h):
+                        pass
+                    elif on_imm is None:
                         await refuse(h, P.Status.BAD_REQUEST, "this peer takes no notifications")
                     else:
                         calls.start_soon(run_imm, h)
