@@ -79,7 +79,9 @@ class Client:
         self.meta_calls = 0
         self._train: dict[tuple[int, int], dict] = {}
         self._sparsifiers: dict[tuple[int, int], compress.Sparsifier] = {}
-        self._push_queues: dict[str, dict] = {}
+        self._push_queues: dict[tuple[str, int], dict] = {}
+        self.busy: dict[str, float] = {}  # rank -> its measured compute time per step (seconds)
+        self._pulled_at: dict[tuple[int, int], float] = {}
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -353,6 +355,17 @@ class Client:
             self._train[key] = dict(info, attr=attr, fetched=trio.current_time())
         return self._train[key]
 
+    def suggest_batch(self, rank: int, batches: dict[int, int]) -> int | None:
+        """R2SP for heterogeneous workers: a batch for ``rank`` proportional to its measured
+        throughput (its batch over its compute time per step, from pull to push), keeping the
+        total batch, so that every rank keeps the same period. None until every rank has been
+        measured."""
+        speeds = {r: b / self.busy[str(r)] for r, b in batches.items() if self.busy.get(str(r))}
+        if rank not in speeds or len(speeds) < len(batches):
+            return None
+        total = sum(batches.values())
+        return max(1, round(total * speeds[rank] / sum(speeds.values())))
+
     def cached_train_info(self, ino: int, rank: int) -> dict | None:
         """``train_info`` if this client has it at hand (no call)."""
         return self._train.get((ino, rank))
@@ -375,6 +388,9 @@ class Client:
         except compress.CompressError as exc:
             raise RemoteError("EINVAL", str(exc)) from None
         step = info["pushed"]
+        # compute time since this rank's last pull: what batch-size suggestions are based on
+        pulled = self._pulled_at.pop((ino, rank), None)
+        busy = round(trio.current_time() - pulled, 6) if pulled is not None else None
         flat = np.require(grad, requirements="C").reshape(-1)
         wire = np.dtype(np.float16) if mode.fp16 else flat.dtype
         chosen = None
@@ -383,10 +399,11 @@ class Client:
             chosen, flat = sparsifier.select(flat, mode)
         isz = grad.dtype.itemsize
         sent = 0
+        replies: list[dict] = []
         async with trio.open_nursery() as n:
             for p in split(t["offset"], flat.size * isz, attr["unit"]):
                 e0, count = p.pos // isz, p.length // isz
-                desc = {"fid": ino, "idx": p.idx, "offset": p.offset, "count": count, "rank": rank, "step": step, "wire": wire.str, "unit": attr["unit"]}
+                desc = {"fid": ino, "idx": p.idx, "offset": p.offset, "count": count, "rank": rank, "step": step, "wire": wire.str, "unit": attr["unit"], "busy": busy}
                 if chosen is None:
                     values = flat[e0 : e0 + count]
                 else:
@@ -396,12 +413,14 @@ class Client:
                     sent += 8 * len(runs)  # the span list travels too
                 payload = np.ascontiguousarray(values.astype(wire, copy=False))
                 sent += payload.nbytes
-                n.start_soon(self._push_piece, desc, memoryview(payload).cast("B"))
+                n.start_soon(self._push_piece, desc, memoryview(payload).cast("B"), replies)
         info["pushed"] = step + 1
+        for r in replies:
+            self.busy.update(r.get("busy", {}))
         self.io.bytes_pushed += sent
         return step
 
-    async def _push_piece(self, desc: dict, payload: memoryview) -> dict:
+    async def _push_piece(self, desc: dict, payload: memoryview, replies: list) -> None:
         """One stripe's part of a push, to the stripe's primary; follows the primary when it
         moves. A retried piece that already arrived is answered "duplicate" (exactly once)."""
         fid, idx = desc["fid"], desc["idx"]
@@ -419,7 +438,8 @@ class Client:
                     continue
                 code = r.get("error")
                 if code is None:
-                    return r
+                    replies.append(r)
+                    return
                 if code in ("ENOTPRIMARY", "EAGAIN"):
                     await trio.sleep(0.1)
                     await self.cluster.refresh()
@@ -428,9 +448,10 @@ class Client:
 
     async def _fused(self, node: str, desc: dict, payload: memoryview) -> dict:
         """Send a push piece to ``node``: at once if no transfer to it is under way, otherwise
-        together with every piece that queued meanwhile, in one WRITE with immediate (fusion
-        with no added latency when idle)."""
-        q = self._push_queues.setdefault(node, {"queue": [], "busy": False})
+        together with every piece of the same rank that queued meanwhile, in one WRITE with
+        immediate (fusion with no added latency when idle). One queue per rank: under r2sp a
+        rank's push may wait on the node for another rank's, which must not queue behind it."""
+        q = self._push_queues.setdefault((node, desc["rank"]), {"queue": [], "busy": False})
         entry = [desc, payload, trio.Event(), None]
         q["queue"].append(entry)
         if not q["busy"]:
@@ -492,6 +513,7 @@ class Client:
         need = required_clock(parse_policy(info["sync"]), info["pushed"])
         view = memoryview(out.reshape(-1)).cast("B")
         await self.io.read(ino, t["offset"] + len(view), attr["unit"], t["offset"], view, 0, need, info["timeout"])
+        self._pulled_at[(ino, rank)] = trio.current_time()
         return out
 
     async def wait_applied(self, ino: int, rank: int) -> None:

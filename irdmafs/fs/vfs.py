@@ -60,6 +60,8 @@ INO_MASK = (1 << INO_BITS) - 1
 
 IRDMA_DIR, SNAPSHOTS_DIR, WORKERS_DIR, CLUSTER_FILE, STATS_FILE, RANKS_DIR = (VIRT + k for k in range(1, 7))
 RANK_DIR = VIRT + (1 << 20)  # RANK_DIR + r: .irdma/workers/<r>
+BATCH_FILE = VIRT + (2 << 20)  # BATCH_FILE + r: .irdma/workers/<r>/batch_size
+BATCH_XATTR = "user.irdma.batch."  # + rank, on the root: the batch size each rank reported
 MAX_RANK = 1 << 16
 HIDDEN = {".irdma": IRDMA_DIR, ".snapshots": SNAPSHOTS_DIR, ".workers": WORKERS_DIR}
 IRDMA_FILES = {"cluster": CLUSTER_FILE, "stats": STATS_FILE}
@@ -241,6 +243,28 @@ class PushHandle(Handle):
 
 
 @dataclass
+class BatchSizeHandle(Handle):
+    """``.irdma/workers/<r>/batch_size`` opened for writing: the rank reports its batch size."""
+
+    vfs: "Vfs" = None  # type: ignore[assignment]
+    rank: int = 0
+    buf: bytearray = field(default_factory=bytearray)
+
+    async def write(self, off: int, data: bytes) -> int:
+        self.buf[off : off + len(data)] = data
+        return len(data)
+
+    async def flush(self) -> None:
+        if not self.buf:
+            return
+        text = self.buf.decode(errors="replace").strip()
+        if not text.isdigit() or int(text) < 1:
+            raise FsError(errno.EINVAL, f"a batch size is a positive integer, not {text!r}")
+        await self.vfs.client.setxattr(ROOT, f"{BATCH_XATTR}{self.rank}", text)
+        self.buf.clear()
+
+
+@dataclass
 class ViewReadHandle(Handle):
     """The safetensors stream of a directory, laid out at open."""
 
@@ -347,6 +371,8 @@ class Vfs:
             return self._work_stat(cached["attr"] if cached else await self.client.getattr(i), ino)
         if RANK_DIR <= ino < RANK_DIR + MAX_RANK:
             return dir_stat(ino, 0o755)
+        if BATCH_FILE <= ino < BATCH_FILE + MAX_RANK:
+            return file_stat(ino, len(await self.batch_content(ino - BATCH_FILE)), 0o644)
         if ino & VIEW:
             d = await self.client.getattr(ino & ~VIEW)
             header, parts = await self.view_layout(d["ino"])
@@ -372,6 +398,10 @@ class Vfs:
             if rank in await self._removed_ranks():
                 raise FsError(errno.ENOENT)
             return await self.getattr(RANK_DIR + rank)
+        if RANK_DIR <= parent < RANK_DIR + MAX_RANK:
+            if name != "batch_size":
+                raise FsError(errno.ENOENT)
+            return await self.getattr(BATCH_FILE + parent - RANK_DIR)
         if parent == WORKERS_DIR:
             return self._work_stat(await self.client.getattr(ROOT), work_ino(rank_of(name), ROOT))
         if parent & WORK:
@@ -410,7 +440,9 @@ class Vfs:
             return [(n, self._work_stat(a, work_ino(rank, a["ino"]))) for n, a in await self.client.readdir(i)]
         if ino == IRDMA_DIR:
             return [(name, await self.getattr(i)) for name, i in IRDMA_FILES.items()]
-        if ino == RANKS_DIR or RANK_DIR <= ino < RANK_DIR + MAX_RANK:
+        if RANK_DIR <= ino < RANK_DIR + MAX_RANK:
+            return [("batch_size", await self.getattr(BATCH_FILE + ino - RANK_DIR))]
+        if ino == RANKS_DIR:
             return []
         if ino == SNAPSHOTS_DIR:
             return [(name, await self.getattr(snap_ino(sid, ROOT))) for name, sid in sorted((await self._snapshot_ids()).items())]
@@ -431,6 +463,8 @@ class Vfs:
             if set(changes) - {"size", "atime_ns", "mtime_ns"} or changes.get("size", 0) != 0:
                 raise FsError(errno.EPERM, "a model view can only be replaced as a whole")
             return await self.getattr(ino)  # O_TRUNC before a rewrite: the write replaces it
+        if BATCH_FILE <= ino < BATCH_FILE + MAX_RANK:
+            return await self.getattr(ino)  # O_TRUNC before a new batch size is written
         if not is_cluster(ino):
             raise FsError(errno.EPERM)
         attrs = dict(changes)
@@ -546,6 +580,11 @@ class Vfs:
             if writes(flags):
                 raise FsError(errno.EACCES)
             return self._register(BytesHandle(ino, await self.virtual_content(ino)))
+        if BATCH_FILE <= ino < BATCH_FILE + MAX_RANK:
+            rank = ino - BATCH_FILE
+            if writes(flags):
+                return self._register(BatchSizeHandle(ino, self, rank))
+            return self._register(BytesHandle(ino, await self.batch_content(rank)))
         raise FsError(errno.EISDIR if ino in (IRDMA_DIR, SNAPSHOTS_DIR, WORKERS_DIR) else errno.ENOENT)
 
     async def create(self, parent: int, name: str, mode: int, flags: int, uid: int, gid: int) -> tuple[int, dict]:
@@ -673,6 +712,18 @@ class Vfs:
         elif META_XATTR in (await self.client.getattr(model))["xattrs"]:
             await self.client.setxattr(model, META_XATTR, None)  # the new stream has none
         log.info("safetensors stream applied to directory %d: %d tensors", model, len(entries))
+
+    async def batch_content(self, rank: int) -> bytes:
+        """The batch size suggested to ``rank`` (r2sp, heterogeneous workers): proportional to
+        its measured throughput; the batch it reported until every rank has been measured;
+        empty before it reported one."""
+        root = await self.client.getattr(ROOT)
+        batches = {int(k[len(BATCH_XATTR) :]): int(v) for k, v in root["xattrs"].items() if k.startswith(BATCH_XATTR)}
+        batches = {r: b for r, b in batches.items() if r not in await self._removed_ranks()}
+        if rank not in batches:
+            return b""
+        suggestion = self.client.suggest_batch(rank, batches) or batches[rank]
+        return f"{suggestion}\n".encode()
 
     # -- status files --------------------------------------------------------------------------------
     async def virtual_content(self, ino: int) -> bytes:

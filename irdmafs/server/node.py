@@ -515,7 +515,7 @@ class Node:
                 pass
         return {"results": results, "info": info}
 
-    async def _push(self, staged: memoryview, fid: int, idx: int, offset: int, count: int, rank: int, step: int, wire: str, unit: int, spans: list | None = None) -> dict:
+    async def _push(self, staged: memoryview, fid: int, idx: int, offset: int, count: int, rank: int, step: int, wire: str, unit: int, spans: list | None = None, busy: float | None = None) -> dict:
         """Gradient push ``step`` of ``rank`` for the ``count`` elements of this stripe starting
         at byte ``offset``, read from ``staged`` in dtype ``wire``: all of them, or with
         ``spans`` only the [start, length] element runs listed (chunk sparsification; the rest
@@ -543,11 +543,16 @@ class Node:
             if step > done:
                 raise RemoteError("EINVAL", f"rank {rank} pushed {done} times; push {step} is out of order")
             st.span = (offset, count, unit)
+            st.observe(rank, busy)
             await self._settle(fid, idx, st, model, opt, dtype, st.accept(model, rank, step, grad))
             clock = st.clock(model)
         self.turns.set()
         self.turns = trio.Event()
-        return {"clock": clock, "pushed": step + 1}
+        return {
+            "clock": clock,
+            "pushed": step + 1,
+            "busy": {str(r): round(v, 6) for r, v in st.busy.items()},  # compute time per step
+        }
 
     async def _settle(self, fid: int, idx: int, st: StripeTraining, model: Model, opt: optim.Optimizer, dtype: np.dtype, updates: list) -> None:
         """Apply ``updates`` and the stripe's new clock in one install, then replicate them.

@@ -9,8 +9,9 @@ keeps how many pushes each rank made and turns them into updates:
   parameters as far as one BSP round. The clock is the slowest active rank's push count.
 - ``ssp:S``: applied like asp; a pull waits until the slowest rank is within S steps.
 - ``r2sp``: applied like asp, but in round-robin order: rank r's push of step k is admitted once
-  every active rank before r has pushed step k and every rank after r has pushed step k-1, so
-  pushes reach the PS evenly spread instead of all at once.
+  every active rank before r has pushed step k and every rank after r has pushed step k-1, so the
+  PS link carries the pushes of a round one after another instead of W at once; a pull sees the
+  previous round complete. (Adaptive, evenly gapped slot timing is not implemented yet.)
 
 The clock is written into the stripe header, so a pull waits for it with one-sided reads of the
 header alone (``required_clock``). Pure: no I/O, no trio.
@@ -50,8 +51,12 @@ def parse_policy(text: str) -> Policy:
 
 def required_clock(policy: Policy, own_pushes: int) -> int:
     """The stripe clock a pull by a rank that has pushed ``own_pushes`` times must wait for."""
-    if policy.kind in ("bsp", "r2sp"):
+    if policy.kind == "bsp":
         return own_pushes
+    if policy.kind == "r2sp":
+        # the previous round complete: the others' pushes of this round come in their own
+        # slots while this rank computes (round-robin admission already keeps it within one)
+        return max(0, own_pushes - 1)
     if policy.kind == "ssp":
         return max(0, own_pushes - policy.staleness)
     return 0
@@ -78,6 +83,12 @@ class StripeTraining:
     rounds: dict[int, list] = field(default_factory=dict)  # step -> [sum, ranks]
     applied: int = 0  # bsp rounds applied
     span: tuple[int, int, int] = (0, 0, 0)  # (byte offset in the stripe, element count, stripe unit)
+    busy: dict[int, float] = field(default_factory=dict)  # rank -> EMA of its compute time per step
+
+    def observe(self, rank: int, busy: float | None) -> None:
+        """The compute time a rank reported with its push (for batch-size suggestions)."""
+        if busy is not None and busy >= 0:
+            self.busy[rank] = busy if rank not in self.busy else 0.7 * self.busy[rank] + 0.3 * busy
 
     def clock(self, model: Model) -> int:
         if model.policy.kind == "bsp":

@@ -136,3 +136,34 @@ async def test_steady_state_steps_make_no_control_calls(model):
     assert after["metadata_calls"] - before["metadata_calls"] == 0
     assert after["bytes_pushed"] - before["bytes_pushed"] == 5 * 300_000 * 4
     assert np.allclose(np.load(m / "net" / "w.npy"), -0.1 * 8)
+
+
+async def test_r2sp_batch_size_suggestions_for_heterogeneous_workers(model):
+    """Two r2sp workers, one twice as slow: the faster is told to take the larger batch."""
+    m = model
+    os.setxattr(m / "net", "user.irdma.sync", b"r2sp")
+    batch = {0: m / ".irdma" / "workers" / "0" / "batch_size", 1: m / ".irdma" / "workers" / "1" / "batch_size"}
+    assert batch[0].read_text() == ""  # nothing reported yet
+    with pytest.raises(OSError) as err:
+        batch[0].write_text("many")
+    assert err.value.errno == errno.EINVAL
+    for r in (0, 1):
+        batch[r].write_text("32")
+    assert batch[0].read_text() == "32\n"  # not measured yet: keep what you have
+
+    def worker(rank, pause):
+        for _ in range(6):
+            w = pull(m, rank)
+            time.sleep(pause)
+            push(m, rank, np.zeros_like(w))
+
+    threads = [threading.Thread(target=worker, args=(0, 0.05)), threading.Thread(target=worker, args=(1, 0.3))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    # compute time per step (pull to push) is measured per rank: 0.05 s against 0.3 s, so the
+    # fast rank is told to take most of the total batch of 64
+    s0, s1 = int(batch[0].read_text()), int(batch[1].read_text())
+    assert s0 + s1 in (63, 64, 65) and s0 > 3 * s1
+    assert sorted(os.listdir(m / ".irdma" / "workers" / "0")) == ["batch_size"]

@@ -143,3 +143,13 @@ async def test_compressed_pushes(trained, mode):
         await c.pull_into(attr["ino"], 0, out)
     assert np.allclose(out, -g, atol=1e-3)  # everything arrives, fp16 to its precision
     assert sent < g.nbytes * (0.55 if "chunks" in mode else 1) * (0.5 if "fp16" in mode else 1) + 1000
+
+
+def test_batch_suggestions_follow_throughput():
+    from irdmafs.client.client import Client
+
+    c = Client.__new__(Client)
+    c.busy = {"0": 0.1, "1": 0.2}  # rank 1 computes twice as long for the same batch
+    assert c.suggest_batch(0, {0: 32, 1: 32}) == 43 and c.suggest_batch(1, {0: 32, 1: 32}) == 21
+    c.busy = {"0": 0.1}
+    assert c.suggest_batch(0, {0: 32, 1: 32}) is None  # not every rank measured yet
