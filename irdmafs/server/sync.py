@@ -10,8 +10,8 @@ keeps how many pushes each rank made and turns them into updates:
 - ``ssp:S``: applied like asp; a pull waits until the slowest rank is within S steps.
 - ``r2sp``: applied like asp, but in round-robin order: rank r's push of step k is admitted once
   every active rank before r has pushed step k and every rank after r has pushed step k-1, so the
-  PS link carries the pushes of a round one after another instead of W at once; a pull sees the
-  previous round complete. (Adaptive, evenly gapped slot timing is not implemented yet.)
+  PS link carries the pushes of a round one after another instead of W at once; a pull waits
+  for its round, as under bsp. (Adaptive, evenly gapped slot timing is not implemented yet.)
 
 The clock is written into the stripe header, so a pull waits for it with one-sided reads of the
 header alone (``required_clock``). Pure: no I/O, no trio.
@@ -51,12 +51,8 @@ def parse_policy(text: str) -> Policy:
 
 def required_clock(policy: Policy, own_pushes: int) -> int:
     """The stripe clock a pull by a rank that has pushed ``own_pushes`` times must wait for."""
-    if policy.kind == "bsp":
+    if policy.kind in ("bsp", "r2sp"):
         return own_pushes
-    if policy.kind == "r2sp":
-        # the previous round complete: the others' pushes of this round come in their own
-        # slots while this rank computes (round-robin admission already keeps it within one)
-        return max(0, own_pushes - 1)
     if policy.kind == "ssp":
         return max(0, own_pushes - policy.staleness)
     return 0
