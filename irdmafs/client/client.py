@@ -366,6 +366,10 @@ class Client:
         total = sum(batches.values())
         return max(1, round(total * speeds[rank] / sum(speeds.values())))
 
+    def pushed_tensors(self, rank: int) -> list[int]:
+        """The tensors ``rank`` has pushed to through this client."""
+        return [ino for (ino, r), info in self._train.items() if r == rank and info["pushed"]]
+
     def cached_train_info(self, ino: int, rank: int) -> dict | None:
         """``train_info`` if this client has it at hand (no call)."""
         return self._train.get((ino, rank))

@@ -96,6 +96,7 @@ class Operations(pyfuse3.Operations):
         super().__init__()
         self.vfs = vfs
         self._dirs: dict[int, list] = {}
+        self._dir_inode: dict[int, int] = {}
         self._dir_fh = 1 << 40
 
     @fuse_errors
@@ -130,6 +131,7 @@ class Operations(pyfuse3.Operations):
         entries = await self.vfs.readdir(inode)  # listed once per open: offsets stay stable
         self._dir_fh += 1
         self._dirs[self._dir_fh] = entries
+        self._dir_inode[self._dir_fh] = inode
         return self._dir_fh
 
     @fuse_errors
@@ -143,6 +145,7 @@ class Operations(pyfuse3.Operations):
     @fuse_errors
     async def releasedir(self, fh):
         self._dirs.pop(fh, None)
+        self._dir_inode.pop(fh, None)
 
     @fuse_errors
     async def mkdir(self, parent_inode, name, mode, ctx):
@@ -189,7 +192,7 @@ class Operations(pyfuse3.Operations):
 
     @fuse_errors
     async def fsyncdir(self, fh, datasync):
-        pass  # namespace operations are replicated before they return
+        await self.vfs.fsyncdir(self._dir_inode.get(fh, 0))
 
     @fuse_errors
     async def release(self, fh):

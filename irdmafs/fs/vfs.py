@@ -625,6 +625,14 @@ class Vfs:
     async def fsync(self, fh: int) -> None:
         await self.handle(fh).fsync()
 
+    async def fsyncdir(self, ino: int) -> None:
+        """On a ``.workers/<rank>/...`` directory: until every push this mount made for that
+        rank is applied. Elsewhere namespace changes are already replicated: nothing to wait."""
+        if ino & WORK:
+            rank, _ = split_work(ino)
+            for tensor in self.client.pushed_tensors(rank):
+                await self.client.wait_applied(tensor, rank)
+
     async def release(self, fh: int) -> None:
         h = self.handles.pop(fh, None)
         if h is None:

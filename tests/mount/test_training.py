@@ -62,6 +62,26 @@ async def test_raw_bytes_push_and_fsync_waits_until_applied(model):
     assert np.allclose(np.load(m / "net" / "w.npy"), -0.1)
 
 
+async def test_fsync_of_the_workers_directory_waits_until_applied(model):
+    m = model
+    push(m, 0, np.ones(300_000, np.float32))  # bsp: applied once rank 1 pushes too
+    done = threading.Event()
+
+    def sync_dir():
+        fd = os.open(m / ".workers" / "0" / "net", os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+        done.set()
+
+    t = threading.Thread(target=sync_dir)
+    t.start()
+    time.sleep(0.5)
+    assert not done.is_set()  # the round is not complete yet
+    push(m, 1, np.ones(300_000, np.float32))
+    t.join(10)
+    assert done.is_set() and np.allclose(np.load(m / "net" / "w.npy"), -0.1)
+
+
 async def test_bad_pushes_and_pulls(model):
     m = model
     base = m / ".workers"
