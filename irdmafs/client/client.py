@@ -493,6 +493,8 @@ class Client:
         try:
             reply = await self.staging.with_slot(node, send)
             results = reply["results"]
+            if len(results) != len(batch):  # never leave a pusher waiting for a missing answer
+                raise RemoteError("EIO", f"{node} answered {len(results)} of {len(batch)} pushes")
             for fid, pinfo in reply.get("info", {}).items():
                 for (ino, _), cached in self._train.items():
                     if ino == int(fid):
@@ -500,7 +502,7 @@ class Client:
                         cached.update(pinfo, fetched=trio.current_time())
         except (NodeDown, RemoteError) as exc:
             results = [exc] * len(batch)
-        for entry, result in zip(batch, results):
+        for entry, result in zip(batch, results, strict=True):
             entry[3] = result
             entry[2].set()
 

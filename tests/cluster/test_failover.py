@@ -5,7 +5,6 @@ import re
 
 import numpy as np
 import pytest
-import trio
 
 from irdmafs.client.client import Client
 from irdmafs.local import wait_settled
