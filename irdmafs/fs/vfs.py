@@ -195,12 +195,9 @@ class FileHandle(Handle):
 
 
 @dataclass
-class PushHandle(Handle):
-    """``.workers/<rank>/.../t.npy`` opened for writing: the bytes written are one gradient
-    (an .npy, or the raw data bytes), pushed at flush."""
+class BufferedHandle(Handle):
+    """Written bytes gathered in memory and used as a whole at flush (a push, a model stream)."""
 
-    vfs: "Vfs" = None  # type: ignore[assignment]
-    rank: int = 0
     buf: bytearray = field(default_factory=bytearray)
     dirty: bool = False
 
@@ -211,6 +208,16 @@ class PushHandle(Handle):
         self.buf[off:end] = data
         self.dirty = True
         return len(data)
+
+
+@dataclass
+class PushHandle(BufferedHandle):
+    """``.workers/<rank>/.../t.npy`` opened for writing: the bytes written are one gradient
+    (an .npy, or the raw data bytes), pushed at flush."""
+
+    vfs: "Vfs" = None  # type: ignore[assignment]
+    rank: int = 0
+
 
     async def flush(self) -> None:
         # Clean only once pushed: a failed flush (say, from the close of a dup'd fd, which
@@ -243,25 +250,20 @@ class PushHandle(Handle):
 
 
 @dataclass
-class BatchSizeHandle(Handle):
+class BatchSizeHandle(BufferedHandle):
     """``.irdma/workers/<r>/batch_size`` opened for writing: the rank reports its batch size."""
 
     vfs: "Vfs" = None  # type: ignore[assignment]
     rank: int = 0
-    buf: bytearray = field(default_factory=bytearray)
-
-    async def write(self, off: int, data: bytes) -> int:
-        self.buf[off : off + len(data)] = data
-        return len(data)
 
     async def flush(self) -> None:
-        if not self.buf:
+        if not self.dirty:
             return
         text = self.buf.decode(errors="replace").strip()
         if not text.isdigit() or int(text) < 1:
             raise FsError(errno.EINVAL, f"a batch size is a positive integer, not {text!r}")
         await self.vfs.client.setxattr(ROOT, f"{BATCH_XATTR}{self.rank}", text)
-        self.buf.clear()
+        self.dirty = False
 
 
 @dataclass
@@ -294,22 +296,13 @@ class ViewReadHandle(Handle):
 
 
 @dataclass
-class ViewWriteHandle(Handle):
+class ViewWriteHandle(BufferedHandle):
     """A safetensors stream being written; applied as a whole at flush."""
 
     vfs: "Vfs" = None  # type: ignore[assignment]
     model: int = 0  # the model directory's inode
-    buf: bytearray = field(default_factory=bytearray)
-    dirty: bool = False
     created_dir: tuple[int, str] | None = None  # (parent, name) if this open made the directory
 
-    async def write(self, off: int, data: bytes) -> int:
-        end = off + len(data)
-        if end > len(self.buf):
-            self.buf.extend(bytes(end - len(self.buf)))
-        self.buf[off:end] = data
-        self.dirty = True
-        return len(data)
 
     async def read(self, off: int, size: int) -> memoryview:
         return memoryview(self.buf)[off : off + size]
@@ -555,7 +548,7 @@ class Vfs:
             rank, i = split_work(ino)
             if writes(flags):
                 await self.client.train_info(i, rank)  # EINVAL now if it cannot take pushes
-                return self._register(PushHandle(i, self, rank))
+                return self._register(PushHandle(i, vfs=self, rank=rank))
             info = await self.client.train_info(i, rank)
             t = info["tensor"]
             out = np.empty(t["shape"], t["dtype"])
@@ -573,7 +566,7 @@ class Vfs:
         if ino & VIEW:
             model = ino & ~VIEW
             if writes(flags):
-                return self._register(ViewWriteHandle(ino, self, model))
+                return self._register(ViewWriteHandle(ino, vfs=self, model=model))
             header, parts = await self.view_layout(model)
             return self._register(ViewReadHandle(ino, self, header, parts))
         if ino in (CLUSTER_FILE, STATS_FILE):
@@ -583,7 +576,7 @@ class Vfs:
         if BATCH_FILE <= ino < BATCH_FILE + MAX_RANK:
             rank = ino - BATCH_FILE
             if writes(flags):
-                return self._register(BatchSizeHandle(ino, self, rank))
+                return self._register(BatchSizeHandle(ino, vfs=self, rank=rank))
             return self._register(BytesHandle(ino, await self.batch_content(rank)))
         raise FsError(errno.EISDIR if ino in (IRDMA_DIR, SNAPSHOTS_DIR, WORKERS_DIR) else errno.ENOENT)
 
@@ -601,7 +594,7 @@ class Vfs:
                 created = (parent, model_name)
             if not S.S_ISDIR(model["mode"]):
                 raise FsError(errno.ENOTDIR, f"{model_name} is not a directory")
-            fh = self._register(ViewWriteHandle(VIEW | model["ino"], self, model["ino"], created_dir=created))
+            fh = self._register(ViewWriteHandle(VIEW | model["ino"], vfs=self, model=model["ino"], created_dir=created))
             return fh, await self.getattr(VIEW | model["ino"])
         attr = await self.client.create(parent, name, mode, uid, gid)
         fh = self._register(FileHandle(attr["ino"], self, attr, 0, 0, name=name))
