@@ -27,7 +27,6 @@ import trio
 from .config import ClusterConfig
 from .placement import rank, stripe_key
 from .transport.base import (
-    AccessError,
     ConnectError,
     Connection,
     PeerLost,
@@ -296,15 +295,3 @@ async def read_verified(conn: Connection, rkey: int, offset: int, into: memoryvi
 def now_ns() -> int:
     return time.time_ns()
 
-
-__all__ = [
-    "AccessError",
-    "Cluster",
-    "NodeDown",
-    "READY",
-    "SYNCING",
-    "DOWN",
-    "StagingPool",
-    "Unavailable",
-    "read_verified",
-]

@@ -132,6 +132,7 @@ def main() -> int:
             nodes.append(subprocess.Popen(["ip", "netns", "exec", f"{PREFIX}{i}", sys.executable, "-m", "irdmafs.server.node", "--config", str(cfg_path), "--node", f"n{i}"], stdout=log, stderr=subprocess.STDOUT))
         mnt = state / "ps"
         mnt.mkdir()
+        mount = None
         try:
             trio.run(wait_settled, cfg)
             mount = mount_background(str(cfg_path), str(mnt), [], state / "mount.log")
@@ -144,7 +145,7 @@ def main() -> int:
             print(f"r2sp step time / bsp step time: {res['r2sp_vs_bsp']:.2f} (below 1: r2sp is faster)")
         finally:
             unmount(str(mnt), lazy=True)
-            if "mount" in locals():
+            if mount is not None:
                 mount.terminate()
             for p in nodes:
                 p.terminate()
