@@ -82,6 +82,7 @@ class Client:
         self._push_queues: dict[tuple[str, int], dict] = {}
         self.busy: dict[str, float] = {}  # rank -> its measured compute time per step (seconds)
         self._pulled_at: dict[tuple[int, int], float] = {}
+        self._pacing: dict[int, list] = {}  # r2sp: rank -> [step, its slot wait, next slot time]
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -395,6 +396,7 @@ class Client:
         # compute time since this rank's last pull: what batch-size suggestions are based on
         pulled = self._pulled_at.pop((ino, rank), None)
         busy = round(trio.current_time() - pulled, 6) if pulled is not None else None
+        paced = await self._pace(rank, step, info["timeout"]) if info["sync"] == "r2sp" else 0.0
         flat = np.require(grad, requirements="C").reshape(-1)
         wire = np.dtype(np.float16) if mode.fp16 else flat.dtype
         chosen = None
@@ -407,7 +409,7 @@ class Client:
         async with trio.open_nursery() as n:
             for p in split(t["offset"], flat.size * isz, attr["unit"]):
                 e0, count = p.pos // isz, p.length // isz
-                desc = {"fid": ino, "idx": p.idx, "offset": p.offset, "count": count, "rank": rank, "step": step, "wire": wire.str, "unit": attr["unit"], "busy": busy}
+                desc = {"fid": ino, "idx": p.idx, "offset": p.offset, "count": count, "rank": rank, "step": step, "wire": wire.str, "unit": attr["unit"], "busy": busy, "paced": paced}
                 if chosen is None:
                     values = flat[e0 : e0 + count]
                 else:
@@ -421,8 +423,20 @@ class Client:
         info["pushed"] = step + 1
         for r in replies:
             self.busy.update(r.get("busy", {}))
+        if replies:  # r2sp: the slot of this rank's next step
+            self._pacing.setdefault(rank, [step, 0.0, 0.0])[2] = trio.current_time() + max(r.get("slot_in", 0.0) for r in replies)
         self.io.bytes_pushed += sent
         return step
+
+    async def _pace(self, rank: int, step: int, limit: float) -> float:
+        """Under r2sp, wait for ``rank``'s slot before the first push of ``step`` (the primaries
+        said when it is, with the replies to the previous step); returns the wait, which every
+        push of the step reports so the period is measured without it."""
+        entry = self._pacing.setdefault(rank, [step, 0.0, 0.0])  # [step, its wait, next slot]
+        if entry[0] != step:
+            entry[0], entry[1] = step, min(max(0.0, entry[2] - trio.current_time()), limit)
+            await trio.sleep(entry[1])
+        return round(entry[1], 6)
 
     async def _push_piece(self, desc: dict, payload: memoryview, replies: list) -> None:
         """One stripe's part of a push, to the stripe's primary; follows the primary when it
@@ -524,15 +538,25 @@ class Client:
 
     async def wait_applied(self, ino: int, rank: int) -> None:
         """Until every push of ``rank`` to ``ino`` so far has been applied (under bsp, its
-        rounds are complete; under the other policies a push is applied when it is taken)."""
-        from ..server.sync import parse_policy
-
+        rounds are complete; under r2sp, its turns have come; asp and ssp apply a push when
+        they take it)."""
         info = await self.train_info(ino, rank)
-        if parse_policy(info["sync"]).kind == "bsp":
-            out = np.empty(info["tensor"]["shape"], info["tensor"]["dtype"])
-            t, attr = info["tensor"], info["attr"]
+        t, attr = info["tensor"], info["attr"]
+        if info["sync"] == "bsp":  # the stripes' clocks say it: one-sided reads
+            out = np.empty(t["shape"], t["dtype"])
             view = memoryview(out.reshape(-1)).cast("B")
             await self.io.read(ino, t["offset"] + len(view), attr["unit"], t["offset"], view, 0, info["pushed"], info["timeout"])
+        elif info["sync"] == "r2sp" and info["pushed"]:  # a held push shows in no clock: ask
+            nbytes = int(np.prod(t["shape"], dtype=np.int64)) * np.dtype(t["dtype"]).itemsize
+            async with trio.open_nursery() as n:
+                for p in split(t["offset"], nbytes, attr["unit"]):
+                    n.start_soon(self._train_wait, ino, p.idx, rank, info["pushed"], info["timeout"])
+
+    async def _train_wait(self, ino: int, idx: int, rank: int, pushed: int, timeout: float) -> None:
+        primary = self.cluster.stripe_primary(ino, idx)
+        if primary is None:
+            raise RemoteError("EIO", f"no primary for stripe {idx} of inode {ino}")
+        await self.cluster.call(primary, "train_wait", {"fid": ino, "idx": idx, "rank": rank, "pushed": pushed, "timeout": timeout}, timeout=timeout + self.cfg.op_timeout)
 
     def forget_training(self, ino: int | None = None) -> None:
         """Drop cached policy/push counts (a policy xattr changed, or a rank was removed)."""

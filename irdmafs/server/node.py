@@ -102,7 +102,7 @@ class Node:
         self.started = time.time()
         self.counters: dict[str, int] = defaultdict(int)
         self.training: dict[tuple[int, int], StripeTraining] = defaultdict(StripeTraining)
-        self.turns = trio.Event()  # set (and replaced) whenever a push is accepted (r2sp turns)
+        self.progress = trio.Event()  # set (and replaced) whenever pushes may have been applied
         # The commit barrier: a snapshot freezes commits on every node at once.
         self.commits_in_flight = 0
         self.commits_drained = trio.Event()
@@ -469,7 +469,7 @@ class Node:
         """The model's policy as this tensor sees it, and how many pushes of ``rank`` this node
         (a stripe primary) has taken for it."""
         model, opt, tensor = self.model_of(fid)
-        pushed = max((st.pushed.get(rank, 0) for (f, _), st in self.training.items() if f == fid), default=0)
+        pushed = max((st.next_step(rank) for (f, _), st in self.training.items() if f == fid), default=0)
         x = self.meta.inherited_xattrs(fid)
         timeout = float(x.get("user.irdma.timeout", "60"))
         return {"sync": str(model.policy), "workers": model.workers, "active": model.active, "pushed": pushed, "timeout": timeout, "tensor": tensor, "compress": x.get("user.irdma.compress", "none")}
@@ -515,7 +515,7 @@ class Node:
                 pass
         return {"results": results, "info": info}
 
-    async def _push(self, staged: memoryview, fid: int, idx: int, offset: int, count: int, rank: int, step: int, wire: str, unit: int, spans: list | None = None, busy: float | None = None) -> dict:
+    async def _push(self, staged: memoryview, fid: int, idx: int, offset: int, count: int, rank: int, step: int, wire: str, unit: int, spans: list | None = None, busy: float | None = None, paced: float = 0.0) -> dict:
         """Gradient push ``step`` of ``rank`` for the ``count`` elements of this stripe starting
         at byte ``offset``, read from ``staged`` in dtype ``wire``: all of them, or with
         ``spans`` only the [start, length] element runs listed (chunk sparsification; the rest
@@ -533,26 +533,41 @@ class Node:
         grad = self._gradient(staged, count, np.dtype(wire), spans, optim.work_dtype(dtype))
         key = (fid, idx)
         st = self.training[key]
-        with trio.fail_after(self.cfg.op_timeout * 3):
-            while not st.admitted(model, rank, step):  # r2sp: wait for this rank's turn
-                await self.turns.wait()
         async with self.stripe_locks(key):
-            done = st.pushed.get(rank, 0)
-            if step < done:  # a retry of a push already applied: exactly once
+            done = st.next_step(rank)
+            if step < done:  # a retry of a push already taken: exactly once
                 return {"clock": st.clock(model), "pushed": done, "duplicate": True}
             if step > done:
                 raise RemoteError("EINVAL", f"rank {rank} pushed {done} times; push {step} is out of order")
             st.span = (offset, count, unit)
             st.observe(rank, busy)
-            await self._settle(fid, idx, st, model, opt, dtype, st.accept(model, rank, step, grad))
-            clock = st.clock(model)
-        self.turns.set()
-        self.turns = trio.Event()
+            now = trio.current_time()
+            st.arrive(rank, step, now, paced)
+            await self._settle(fid, idx, st, model, opt, dtype, st.take(model, rank, step, grad))
+            clock, held = st.clock(model), step >= st.pushed.get(rank, 0)
+        self._progressed()
         return {
             "clock": clock,
             "pushed": step + 1,
+            "held": held,  # r2sp: taken, applied when its turn comes
+            "slot_in": round(st.slot_in(model, rank, now), 6),  # r2sp: wait this long before the next push
             "busy": {str(r): round(v, 6) for r, v in st.busy.items()},  # compute time per step
         }
+
+    def _progressed(self) -> None:
+        """Wake whoever waits for pushes to be applied."""
+        self.progress.set()
+        self.progress = trio.Event()
+
+    async def rpc_train_wait(self, fid: int, idx: int, rank: int, pushed: int, timeout: float) -> dict:
+        """Until ``pushed`` pushes of ``rank`` to this stripe have been applied (an r2sp push is
+        held until its turn); ETIMEDOUT after ``timeout`` seconds."""
+        st = self.training[(fid, idx)]
+        with trio.move_on_after(timeout):
+            while st.pushed.get(rank, 0) < pushed:
+                await self.progress.wait()
+            return {"pushed": st.pushed.get(rank, 0)}
+        raise RemoteError("ETIMEDOUT", f"rank {rank}'s push {pushed - 1} not applied within {timeout}s")
 
     async def _settle(self, fid: int, idx: int, st: StripeTraining, model: Model, opt: optim.Optimizer, dtype: np.dtype, updates: list) -> None:
         """Apply ``updates`` and the stripe's new clock in one install, then replicate them.
@@ -581,10 +596,9 @@ class Node:
             except RemoteError:
                 continue
             async with self.stripe_locks((fid, idx)):
-                updates = st.complete_rounds(model) if model.policy.kind == "bsp" else []
+                updates = st.release(model) + st.complete_rounds(model)
                 await self._settle(fid, idx, st, model, opt, np.dtype(tensor["dtype"]), updates)
-        self.turns.set()
-        self.turns = trio.Event()
+        self._progressed()
 
     def _apply_updates(self, fid: int, idx: int, param: np.ndarray, grads: list[np.ndarray], opt: optim.Optimizer, unit: int) -> None:
         """Optimizer steps on ``param`` (in place); the state lives in stripes -1, -2 of the

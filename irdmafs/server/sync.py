@@ -8,10 +8,15 @@ keeps how many pushes each rank made and turns them into updates:
 - ``asp``: every push is applied on arrival, scaled by 1/W so that a round of W pushes moves the
   parameters as far as one BSP round. The clock is the slowest active rank's push count.
 - ``ssp:S``: applied like asp; a pull waits until the slowest rank is within S steps.
-- ``r2sp``: applied like asp, but in round-robin order: rank r's push of step k is admitted once
-  every active rank before r has pushed step k and every rank after r has pushed step k-1, so the
-  PS link carries the pushes of a round one after another instead of W at once; a pull waits
-  for its round, as under bsp. (Adaptive, evenly gapped slot timing is not implemented yet.)
+- ``r2sp`` (round-robin synchronous parallel): applied like asp, but in round-robin order: rank
+  r's push of step k is applied once every active rank before r has pushed step k and every rank
+  after r has pushed step k-1 (a push that comes early is held, already copied out of the
+  sender's staging slot, and applied when its turn comes). A pull waits only for the previous
+  round (staleness at most one step), so workers run phase-shifted instead of in lock-step. The
+  pushes leave in evenly gapped slots: the period T is the slowest rank's step time, measured
+  from push arrivals without the time spent waiting for a slot; the rank at position i of the
+  active ranks pushes at T*i/W after position 0's push of the same step (``slot_in`` tells a
+  pushing client how long to wait), so the PS link carries one push at a time instead of W.
 
 The clock is written into the stripe header, so a pull waits for it with one-sided reads of the
 header alone (``required_clock``). Pure: no I/O, no trio.
@@ -51,8 +56,10 @@ def parse_policy(text: str) -> Policy:
 
 def required_clock(policy: Policy, own_pushes: int) -> int:
     """The stripe clock a pull by a rank that has pushed ``own_pushes`` times must wait for."""
-    if policy.kind in ("bsp", "r2sp"):
+    if policy.kind == "bsp":
         return own_pushes
+    if policy.kind == "r2sp":
+        return max(0, own_pushes - 1)
     if policy.kind == "ssp":
         return max(0, own_pushes - policy.staleness)
     return 0
@@ -71,20 +78,56 @@ class Model:
         return [r for r in range(self.workers) if r not in self.removed]
 
 
+EMA = 0.3  # weight of the newest sample in the moving averages of step and compute times
+
+
 @dataclass
 class StripeTraining:
-    """Pushes per rank and, under bsp, the rounds being summed."""
+    """Pushes per rank; under bsp the rounds being summed; under r2sp the pushes held for their
+    turn and the timing of the slots."""
 
     pushed: dict[int, int] = field(default_factory=dict)
     rounds: dict[int, list] = field(default_factory=dict)  # step -> [sum, ranks]
     applied: int = 0  # bsp rounds applied
     span: tuple[int, int, int] = (0, 0, 0)  # (byte offset in the stripe, element count, stripe unit)
     busy: dict[int, float] = field(default_factory=dict)  # rank -> EMA of its compute time per step
+    held: dict[int, dict[int, np.ndarray]] = field(default_factory=dict)  # r2sp: rank -> step -> gradient
+    arrived: dict[int, tuple[int, float]] = field(default_factory=dict)  # rank -> (step, time) of its last push
+    cycle: dict[int, float] = field(default_factory=dict)  # rank -> EMA of its step time, slot waits excluded
 
     def observe(self, rank: int, busy: float | None) -> None:
         """The compute time a rank reported with its push (for batch-size suggestions)."""
         if busy is not None and busy >= 0:
-            self.busy[rank] = busy if rank not in self.busy else 0.7 * self.busy[rank] + 0.3 * busy
+            self.busy[rank] = busy if rank not in self.busy else (1 - EMA) * self.busy[rank] + EMA * busy
+
+    def next_step(self, rank: int) -> int:
+        """The step of ``rank``'s next push: pushes applied plus pushes held."""
+        return self.pushed.get(rank, 0) + len(self.held.get(rank, ()))
+
+    def arrive(self, rank: int, step: int, now: float, paced: float = 0.0) -> None:
+        """A push of ``step`` arrived at ``now`` after its sender waited ``paced`` seconds for
+        its slot: the step time without that wait feeds the period."""
+        last = self.arrived.get(rank)
+        self.arrived[rank] = (step, now)
+        if last is not None and step == last[0] + 1:
+            natural = max(0.0, now - last[1] - max(0.0, paced))
+            self.cycle[rank] = natural if rank not in self.cycle else (1 - EMA) * self.cycle[rank] + EMA * natural
+
+    def period(self, model: Model) -> float:
+        """The r2sp round period: the slowest active rank's step time (0 until measured)."""
+        return max((self.cycle.get(r, 0.0) for r in model.active), default=0.0)
+
+    def slot_in(self, model: Model, rank: int, now: float) -> float:
+        """Seconds from ``now`` until ``rank``'s slot for its next push: position i of W active
+        ranks pushes T*i/W after position 0's push of the same step. 0 when there is nothing to
+        wait for (not r2sp, one rank, period or position 0 not measured yet)."""
+        active = model.active
+        period = self.period(model)
+        if model.policy.kind != "r2sp" or len(active) < 2 or rank not in active or period <= 0 or active[0] not in self.arrived:
+            return 0.0
+        step0, t0 = self.arrived[active[0]]
+        slot = t0 + (self.next_step(rank) - step0) * period + period * active.index(rank) / len(active)
+        return min(max(0.0, slot - now), 2 * period)
 
     def clock(self, model: Model) -> int:
         if model.policy.kind == "bsp":
@@ -100,6 +143,26 @@ class StripeTraining:
             if need is not None and self.pushed.get(r, 0) < need + 1 and need >= 0:
                 return False
         return True
+
+    def take(self, model: Model, rank: int, step: int, grad: np.ndarray) -> list[np.ndarray]:
+        """Take push ``step`` of ``rank`` (its next, see ``next_step``): under r2sp held until
+        its turn; returns the averaged gradients to apply now, in order."""
+        self.held.setdefault(rank, {})[step] = grad
+        return self.release(model)
+
+    def release(self, model: Model) -> list[np.ndarray]:
+        """Accept every held push whose turn has come, in turn order (under other policies
+        than r2sp, every one: a policy changed away from r2sp frees what it held)."""
+        out: list[np.ndarray] = []
+        progress = True
+        while progress:
+            progress = False
+            for rank, steps in self.held.items():
+                step = self.pushed.get(rank, 0)
+                if step in steps and self.admitted(model, rank, step):
+                    out += self.accept(model, rank, step, steps.pop(step))
+                    progress = True
+        return out
 
     def accept(self, model: Model, rank: int, step: int, grad: np.ndarray) -> list[np.ndarray]:
         """Record push ``step`` of ``rank``; returns the averaged gradients to apply now, in

@@ -39,6 +39,47 @@ def test_r2sp_turns_are_round_robin():
     assert st.admitted(m, 0, 1)
 
 
+def test_r2sp_holds_an_early_push_until_its_turn():
+    m = Model(Policy("r2sp"), 3)
+    st = StripeTraining()
+    assert st.take(m, 1, 0, np.array([3.0])) == []  # rank 0 has not pushed step 0: held
+    assert st.next_step(1) == 1 and st.pushed.get(1, 0) == 0
+    assert st.take(m, 2, 0, np.array([6.0])) == []
+    # rank 0's push lets 1's and then 2's through, in turn order, each scaled by 1/W
+    assert [u.tolist() for u in st.take(m, 0, 0, np.array([9.0]))] == [[3.0], [1.0], [2.0]]
+    assert st.pushed == {0: 1, 1: 1, 2: 1} and st.clock(m) == 1
+    # a removed rank no longer holds the others up
+    assert st.take(m, 1, 1, np.array([3.0])) == []
+    assert [u.tolist() for u in st.release(Model(Policy("r2sp"), 3, frozenset({0})))] == [[1.5]]
+
+
+def test_r2sp_pulls_wait_for_the_previous_round_only():
+    from irdmafs.server.sync import required_clock
+
+    assert required_clock(Policy("r2sp"), 0) == 0 and required_clock(Policy("r2sp"), 5) == 4
+    assert required_clock(Policy("bsp"), 5) == 5 and required_clock(Policy("ssp", 2), 5) == 3
+
+
+def test_r2sp_slots_are_evenly_gapped_over_the_measured_period():
+    m = Model(Policy("r2sp"), 4)
+    st = StripeTraining()
+    assert st.slot_in(m, 1, 0.0) == 0.0  # nothing measured yet: no wait
+    # every rank steps once a second; rank 3 waited 0.5 s for a slot, which is not its step time
+    for r in range(4):
+        st.arrive(r, 0, 10.0)
+        st.arrive(r, 1, 11.0 + (0.5 if r == 3 else 0.0), paced=0.5 if r == 3 else 0.0)
+    assert st.period(m) == pytest.approx(1.0)
+    # position 0 pushed step 1 at t=11; rank i's step 1 slot is 11 + i/4, its step 2 slot 12 + i/4
+    for r in range(4):
+        st.pushed[r] = 1
+    st.pushed[0] = 2
+    assert st.slot_in(m, 2, 11.0) == pytest.approx(0.5)
+    assert st.slot_in(m, 0, 11.0) == pytest.approx(1.0)
+    assert st.slot_in(m, 3, 11.5) == pytest.approx(0.25)
+    assert st.slot_in(m, 1, 20.0) == 0.0  # a late rank pushes at once
+    assert st.slot_in(Model(Policy("asp"), 4), 2, 11.0) == 0.0  # other policies never wait
+
+
 @pytest.fixture
 async def trained(nursery):
     cfg = config(unit=64 << 10)
