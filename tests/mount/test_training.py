@@ -82,6 +82,29 @@ async def test_fsync_of_the_workers_directory_waits_until_applied(model):
     assert done.is_set() and np.allclose(np.load(m / "net" / "w.npy"), -0.1)
 
 
+async def test_r2sp_holds_an_early_push_and_pulls_wait_only_for_the_previous_round(model):
+    m = model
+    os.setxattr(m / "net", "user.irdma.sync", b"r2sp")
+    push(m, 1, np.full(300_000, 4.0, np.float32))  # before rank 0's turn: taken and held
+    assert np.allclose(np.load(m / "net" / "w.npy"), 0.0)
+    assert np.allclose(pull(m, 1), 0.0)  # its pull needs the previous round only: no wait
+    done = threading.Event()
+
+    def fsync_push():
+        fd = os.open(m / ".workers" / "1" / "net" / "w.npy", os.O_WRONLY)  # (O_RDONLY would pull)
+        os.fsync(fd)  # waits until the held push is applied; closing unwritten pushes nothing
+        os.close(fd)
+        done.set()
+
+    t = threading.Thread(target=fsync_push)
+    t.start()
+    time.sleep(0.5)
+    assert not done.is_set()
+    push(m, 0, np.full(300_000, 2.0, np.float32))  # rank 0's turn, then rank 1's: both applied
+    t.join(10)
+    assert done.is_set() and np.allclose(np.load(m / "net" / "w.npy"), -0.1 * (2.0 + 4.0) / 2)
+
+
 async def test_bad_pushes_and_pulls(model):
     m = model
     base = m / ".workers"
