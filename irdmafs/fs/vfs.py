@@ -48,6 +48,8 @@ from ..client.client import Client
 from ..server.meta import ROOT
 from ..transport.base import RemoteError
 from ..util import single_exception
+from . import writeback
+from .writeback import WriteBehind
 
 log = logging.getLogger(__name__)
 
@@ -167,8 +169,10 @@ class FileHandle(Handle):
     size: int = 0  # what this handle knows the size to be, its own unflushed writes included
     dirty: bool = False
     name: str = ""
+    behind: WriteBehind | None = None  # its writes on their way (see writeback.py)
 
     async def read(self, off: int, size: int) -> memoryview:
+        await self.vfs.drain(self.ino)  # this mount's writes in flight first
         if off + size > self.attr["size"] and not self.dirty:
             # another mount may have grown the file since we opened it
             self.attr = await self.vfs.client.getattr(self.ino, self.snap)
@@ -178,7 +182,10 @@ class FileHandle(Handle):
         return memoryview(buf)[:n]
 
     async def write(self, off: int, data: bytes) -> int:
-        await self.vfs.client.write(self.ino, off, data, self.attr, extend=False)
+        if self.behind is None:
+            self.behind = WriteBehind(self.vfs.client, self.ino, self.attr, self.vfs.write_slots)
+            self.vfs.writers.setdefault(self.ino, set()).add(self.behind)
+        await self.behind.write(off, data)
         self.size = max(self.size, off + len(data))
         self.dirty = True
         self.vfs.pending[self.ino] = max(self.vfs.pending.get(self.ino, 0), self.size)
@@ -187,6 +194,7 @@ class FileHandle(Handle):
     async def flush(self) -> None:
         if not self.dirty:
             return
+        await self.behind.drain()
         self.attr = await self.vfs.client.extend(self.ino, self.size)
         self.dirty = False
         if self.vfs.pending.get(self.ino, 0) <= self.attr["size"]:
@@ -324,8 +332,16 @@ class Vfs:
         self.status = status or {}
         self.handles: dict[int, Handle] = {}
         self.pending: dict[int, int] = {}  # ino -> size written through this mount, not yet flushed
+        self.writers: dict[int, set[WriteBehind]] = {}  # ino -> open files' writes on their way
+        self.write_slots = trio.Semaphore(writeback.SLOTS)
         self._fh = itertools.count(1)
         self.counters: dict[str, int] = {}
+
+    async def drain(self, ino: int | None = None) -> None:
+        """Until the writes this mount has on their way to ``ino`` (or to any file) have landed."""
+        for i in [ino] if ino is not None else list(self.writers):
+            for w in list(self.writers.get(i, ())):
+                await w.drain()
 
     # -- attributes ------------------------------------------------------------------------------
     def stat_of(self, attr: dict, ino: int | None = None, readonly: bool = False) -> dict:
@@ -462,6 +478,7 @@ class Vfs:
             raise FsError(errno.EPERM)
         attrs = dict(changes)
         if "size" in attrs:
+            await self.drain(ino)  # a truncate must not be overtaken by an earlier write
             self.pending.pop(ino, None)
             for h in self.handles.values():
                 if isinstance(h, FileHandle) and h.ino == ino:
@@ -479,6 +496,7 @@ class Vfs:
 
     async def mkdir(self, parent: int, name: str, mode: int, uid: int, gid: int) -> dict:
         if parent == SNAPSHOTS_DIR:
+            await self.drain()  # what this mount wrote before the mkdir is in the snapshot
             snap = await self.client.take_snapshot(name)
             log.info("snapshot %r taken (id %d)", name, snap["id"])
             return await self.getattr(snap_ino(snap["id"], ROOT))
@@ -636,6 +654,10 @@ class Vfs:
             # close() already reported this through FLUSH; nobody sees RELEASE's answer
             log.info("inode %d released with its last flush refused: %s", h.ino, exc)
         finally:
+            if isinstance(h, FileHandle) and h.behind is not None:
+                self.writers.get(h.ino, set()).discard(h.behind)
+                if not self.writers.get(h.ino):
+                    self.writers.pop(h.ino, None)
             if isinstance(h, ViewWriteHandle) and h.created_dir:
                 # the write that was to create this model failed: take the empty directory away
                 try:

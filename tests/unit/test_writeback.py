@@ -1,0 +1,88 @@
+"""Write-behind of the mount: stripe-sized background writes, their order, their errors."""
+
+import pytest
+import trio
+
+from irdmafs.fs.writeback import WriteBehind
+from irdmafs.transport.base import RemoteError
+
+UNIT = 16
+
+
+class FakeClient:
+    """Records the writes that reach 'the cluster'; a write may be slowed or made to fail."""
+
+    def __init__(self):
+        self.data = bytearray(256)
+        self.writes: list[tuple[int, int]] = []
+        self.slow: dict[int, float] = {}
+        self.fail_at: int | None = None
+
+    async def write(self, ino, offset, view, attr, *, extend):
+        assert extend is False
+        await trio.sleep(self.slow.get(offset, 0))
+        if offset == self.fail_at:
+            raise RemoteError("ENOSPC", "node full")
+        self.data[offset : offset + len(view)] = view
+        self.writes.append((offset, len(view)))
+
+
+def behind(client, slots=4):
+    return WriteBehind(client, 7, {"unit": UNIT, "size": 0}, trio.Semaphore(slots))
+
+
+async def test_writes_leave_as_whole_stripes_and_drain_sends_the_rest():
+    c = FakeClient()
+    w = behind(c)
+    for off in range(0, 40, 8):  # five 8-byte writes: two whole stripes and a half
+        await w.write(off, bytes([off]) * 8)
+    await trio.sleep(0.01)
+    assert sorted(c.writes) == [(0, 16), (16, 16)]  # the tail waits for more
+    await w.drain()
+    assert sorted(c.writes) == [(0, 16), (16, 16), (32, 8)]
+    assert bytes(c.data[:40]) == b"".join(bytes([o]) * 8 for o in range(0, 40, 8))
+
+
+async def test_an_overlapping_write_waits_for_the_one_in_flight():
+    c = FakeClient()
+    c.slow[0] = 0.2  # the first version of stripe 0 is slow to land
+    w = behind(c)
+    await w.write(0, b"a" * 16)
+    await w.write(0, b"b" * 16)  # not contiguous with the run: the first is in flight
+    await w.drain()
+    assert c.writes == [(0, 16), (0, 16)] and bytes(c.data[:16]) == b"b" * 16
+
+
+async def test_a_background_error_is_raised_by_later_calls_and_at_drain():
+    c = FakeClient()
+    c.fail_at = 16
+    w = behind(c)
+    await w.write(0, b"x" * 16)
+    await w.write(16, b"x" * 16)
+    with pytest.raises(RemoteError, match="ENOSPC|node full"):
+        await w.drain()
+    with pytest.raises(RemoteError):  # sticky: the file lost that write
+        await w.write(32, b"y" * 4)
+    assert (0, 16) in c.writes and all(off != 16 for off, _ in c.writes)
+
+
+async def test_writes_in_flight_are_bounded_by_the_slots():
+    c = FakeClient()
+    for off in range(0, 128, 16):
+        c.slow[off] = 0.05
+    slots = trio.Semaphore(2)
+    w = WriteBehind(c, 7, {"unit": UNIT}, slots)
+    seen = []
+
+    async def watch():
+        while True:
+            seen.append(len(w.inflight))
+            await trio.sleep(0.005)
+
+    async with trio.open_nursery() as n:
+        n.start_soon(watch)
+        for off in range(0, 128, 16):  # eight stripes, each complete at once
+            await w.write(off, b"z" * 16)
+        await w.drain()
+        n.cancel_scope.cancel()
+    assert max(seen) == 2 and len(c.writes) == 8
