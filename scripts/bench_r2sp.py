@@ -21,7 +21,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -29,44 +28,13 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from netns import namespaces  # noqa: E402
+
 from irdmafs import config as C  # noqa: E402
 from irdmafs.local import wait_settled  # noqa: E402
 from irdmafs.mount import mount_background, unmount  # noqa: E402
 
 PREFIX = "irdr2sp"
-
-
-def sh(*cmd: str) -> None:
-    subprocess.run(cmd, check=True, capture_output=True)
-
-
-@contextmanager
-def namespaces(n: int, rate: str):
-    """n namespaces, each with one veth to the root namespace shaped to ``rate`` both ways;
-    yields their node addresses. The root namespace forwards between them."""
-    forward = Path("/proc/sys/net/ipv4/ip_forward")
-    old_forward = forward.read_text().strip()
-    made = []
-    try:
-        forward.write_text("1")
-        for i in range(n):
-            ns, here, there = f"{PREFIX}{i}", f"{PREFIX}h{i}", f"{PREFIX}n{i}"
-            sh("ip", "netns", "add", ns)
-            made.append(ns)
-            sh("ip", "link", "add", here, "type", "veth", "peer", "name", there)
-            sh("ip", "link", "set", there, "netns", ns)
-            sh("ip", "addr", "add", f"10.77.{i}.1/24", "dev", here)
-            sh("ip", "link", "set", here, "up")
-            for cmd in (["ip", "link", "set", "lo", "up"], ["ip", "addr", "add", f"10.77.{i}.2/24", "dev", there], ["ip", "link", "set", there, "up"], ["ip", "route", "add", "default", "via", f"10.77.{i}.1"]):
-                sh("ip", "netns", "exec", ns, *cmd)
-            sh("tc", "qdisc", "add", "dev", here, "root", "tbf", "rate", rate, "burst", "256kb", "latency", "100ms")
-            sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", there, "root", "tbf", "rate", rate, "burst", "256kb", "latency", "100ms")
-        yield [f"10.77.{i}.2" for i in range(n)]
-    finally:
-        for i, ns in enumerate(made):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-            subprocess.run(["ip", "link", "del", f"{PREFIX}h{i}"], capture_output=True)
-        forward.write_text(old_forward)
 
 
 def worker(mount: str, model: str, rank: int, steps: int, compute: float, out: mp.Queue) -> None:
@@ -122,7 +90,7 @@ def main() -> int:
     if os.geteuid() != 0:
         print("bench_r2sp: needs root (network namespaces and tc)", file=sys.stderr)
         return 2
-    with tempfile.TemporaryDirectory(prefix="irdmafs-r2sp-") as tmp, namespaces(args.nodes, args.rate) as hosts:
+    with tempfile.TemporaryDirectory(prefix="irdmafs-r2sp-") as tmp, namespaces(args.nodes, args.rate, prefix=PREFIX, net=77) as hosts:
         state = Path(tmp)
         (state / "token").write_text(os.urandom(16).hex())
         doc = {"nodes": [{"name": f"n{i}", "host": h, "port": 7100} for i, h in enumerate(hosts)], "token_file": "token", "replicas": 1, "transport": ["tcp"], "op_timeout": 60.0, "down_after": 5.0}

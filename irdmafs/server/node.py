@@ -442,7 +442,9 @@ class Node:
 
     @staticmethod
     def _gradient(staged: memoryview, count: int, wire: np.dtype, spans: list | None, work: np.dtype) -> np.ndarray:
-        """The staged gradient as a dense array in the working dtype (accumulation precision)."""
+        """The staged gradient as a dense array in the working dtype (accumulation precision),
+        except that a dense float16 gradient for float32 work stays float16 (summed by
+        native.acc_f16 without a temporary)."""
 
         def take(nbytes: int) -> memoryview:
             if nbytes > len(staged):
@@ -450,7 +452,10 @@ class Node:
             return staged[:nbytes]
 
         if spans is None:
-            return np.frombuffer(take(count * wire.itemsize), wire).astype(work)
+            dense = np.frombuffer(take(count * wire.itemsize), wire)
+            # float16 into float32 stays float16 here: the round sum takes it in one pass
+            # (native.acc_f16); anything else becomes the working dtype now
+            return dense.copy() if (wire, work) == (np.float16, np.float32) else dense.astype(work)
         total, end = 0, 0
         for start, length in spans:
             if not (isinstance(start, int) and isinstance(length, int)) or start < end or length < 1 or start + length > count:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import native as kernels
+
 FORMS = 'sgd lr=F [momentum=F] [nesterov=0|1] [weight_decay=F] | adam lr=F [betas=F,F] [eps=F] [weight_decay=F]'
 
 
@@ -73,9 +75,16 @@ def work_dtype(param_dtype: np.dtype) -> np.dtype:
     return np.dtype(np.float64) if param_dtype == np.float64 else np.dtype(np.float32)
 
 
-def step(opt: Optimizer, param: np.ndarray, grad: np.ndarray, state: dict[str, np.ndarray], t: int) -> None:
+def step(opt: Optimizer, param: np.ndarray, grad: np.ndarray, state: dict[str, np.ndarray], t: int, *, native: bool = kernels.NATIVE) -> None:
     """One update of ``param`` (in place) with gradient ``grad``; ``state`` arrays are updated in
-    place; ``t`` is the 1-based count of updates including this one."""
+    place; ``t`` is the 1-based count of updates including this one. float32 arrays go to the C
+    kernels when built (same bits, one pass; see irdmafs/native.py) unless ``native`` is False."""
+    if native and kernels.can_run(param, grad, *state.values()):
+        if opt.kind == "sgd":
+            kernels.sgd(param, grad, state.get("buf"), opt.lr, opt.momentum, opt.weight_decay, opt.nesterov, t == 1)
+        else:
+            kernels.adam(param, grad, state["m"], state["v"], opt.lr, opt.beta1, opt.beta2, opt.eps, opt.weight_decay, t)
+        return
     wd = work_dtype(param.dtype)
     p = param.astype(wd, copy=param.dtype != wd)
     g = grad.astype(wd, copy=True)
@@ -98,8 +107,9 @@ def step(opt: Optimizer, param: np.ndarray, grad: np.ndarray, state: dict[str, n
         m += (1 - b1) * g
         v *= b2
         v += (1 - b2) * g * g
-        m_hat = m / (1 - b1**t)
-        v_hat = v / (1 - b2**t)
+        c1, c2 = kernels.bias_corrections(opt.beta1, opt.beta2, t) if wd == np.float32 else (1 - b1**t, 1 - b2**t)
+        m_hat = m / c1
+        v_hat = v / c2
         p -= wd.type(opt.lr) * m_hat / (np.sqrt(v_hat) + wd.type(opt.eps))
     if p is not param:
         param[...] = p

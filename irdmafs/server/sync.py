@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .. import native
+
 FORMS = "bsp | asp | ssp:S (S >= 0) | r2sp"
 
 
@@ -168,10 +170,14 @@ class StripeTraining:
         """Record push ``step`` of ``rank``; returns the averaged gradients to apply now, in
         order (none, one, or several when a removed rank completes waiting rounds)."""
         self.pushed[rank] = step + 1
+        work = np.dtype(np.float32) if grad.dtype == np.float16 else grad.dtype  # an fp16 push sums in fp32
         if model.policy.kind != "bsp":
-            return [grad / max(1, len(model.active))]
-        entry = self.rounds.setdefault(step, [np.zeros_like(grad), set()])
-        entry[0] += grad
+            return [grad.astype(work, copy=False) / max(1, len(model.active))]
+        entry = self.rounds.setdefault(step, [np.zeros(grad.shape, work), set()])
+        if grad.dtype == np.float16:
+            native.acc_f16(entry[0], grad)  # one pass, no float32 temporary
+        else:
+            entry[0] += grad
         entry[1].add(rank)
         return self.complete_rounds(model)
 

@@ -1,0 +1,54 @@
+"""The PS kernels: C (native/kernels.c, built as irdmafs._native) when built, numpy otherwise.
+
+Both give the same bits (tests/unit/test_native.py checks it): the C versions do the numpy
+versions' float32 operations in the same order, one pass over memory instead of one per
+operation. ``NATIVE`` says which runs; the PS logs it at start and reports it in its status.
+Set IRDMAFS_NATIVE=0 to force the numpy versions.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+try:
+    if os.environ.get("IRDMAFS_NATIVE", "1") == "0":
+        raise ImportError("IRDMAFS_NATIVE=0")
+    from . import _native
+except ImportError as exc:  # not built (no C compiler at install time) or turned off
+    _native = None
+    WHY = str(exc)
+else:
+    WHY = "built"
+
+NATIVE = _native is not None
+F32 = np.dtype(np.float32)
+
+
+def acc_f16(acc: np.ndarray, src: np.ndarray, native: bool = NATIVE) -> None:
+    """``acc += float32(src)`` for a float32 ``acc`` and a float16 ``src``."""
+    if native and _native is not None and acc.dtype == F32 and acc.flags.c_contiguous:
+        _native.acc_f16(acc, np.ascontiguousarray(src, np.float16))
+    else:
+        acc += src.astype(acc.dtype)
+
+
+def bias_corrections(beta1: float, beta2: float, t: int) -> tuple[np.float32, np.float32]:
+    """Adam's 1 - b1^t and 1 - b2^t, in float32, as both kernels use them."""
+    b1, b2 = np.float32(beta1), np.float32(beta2)
+    return np.float32(1) - b1**t, np.float32(1) - b2**t
+
+
+def can_run(param: np.ndarray, grad: np.ndarray, *state: np.ndarray) -> bool:
+    """Whether the C kernels take these arrays: float32, contiguous, writable."""
+    return NATIVE and all(a.dtype == F32 and a.flags.c_contiguous for a in (param, grad, *state)) and param.flags.writeable
+
+
+def sgd(param, grad, buf, lr: float, momentum: float, weight_decay: float, nesterov: bool, first: bool) -> None:
+    _native.sgd(param, grad, buf, lr, momentum, weight_decay, nesterov, first)
+
+
+def adam(param, grad, m, v, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, t: int) -> None:
+    c1, c2 = bias_corrections(beta1, beta2, t)
+    _native.adam(param, grad, m, v, lr, beta1, beta2, eps, weight_decay, float(c1), float(c2))

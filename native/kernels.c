@@ -1,0 +1,164 @@
+/*
+ * irdmafs._native: the PS arithmetic that numpy does in several passes, in one.
+ *
+ *   acc_f16(acc, src)                 acc[i] += (float)src[i]       fp16 push -> fp32 sum
+ *   sgd(param, grad, buf, lr, momentum, weight_decay, nesterov, first)
+ *   adam(param, grad, m, v, lr, b1, b2, eps, weight_decay, c1, c2)
+ *
+ * Every array is a contiguous float32 buffer (float16 for src), updated in place; buf may be
+ * None when momentum is 0. The operations are the ones irdmafs/server/optim.py does, in the same
+ * order, each rounded to float32 (built with -ffp-contract=off: no fused multiply-add), so the
+ * results are bit-identical to the numpy fallback, which the tests check. numpy needs a
+ * temporary array and a pass over memory per operation; here each element is loaded and stored
+ * once. c1 and c2 are Adam's bias corrections 1 - b1^t and 1 - b2^t, computed by the caller so
+ * that both paths use the same float32 values.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f;
+    uint32_t man = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;  /* +-0 */
+        } else {          /* subnormal: normalise */
+            int e = -1;
+            do {
+                e++;
+                man <<= 1;
+            } while (!(man & 0x400));
+            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);  /* inf, nan */
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* A writable (or read-only) contiguous buffer of n items of size itemsize. */
+static int get(PyObject *obj, Py_buffer *view, int writable, Py_ssize_t itemsize, const char *what) {
+    if (PyObject_GetBuffer(obj, view, (writable ? PyBUF_WRITABLE : 0) | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return -1;
+    if (view->itemsize != itemsize) {
+        PyErr_Format(PyExc_TypeError, "%s: items of %zd bytes, not %zd", what, view->itemsize, itemsize);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *acc_f16(PyObject *self, PyObject *args) {
+    PyObject *a, *s;
+    Py_buffer acc, src;
+    if (!PyArg_ParseTuple(args, "OO", &a, &s)) return NULL;
+    if (get(a, &acc, 1, 4, "acc") < 0) return NULL;
+    if (get(s, &src, 0, 2, "src") < 0) { PyBuffer_Release(&acc); return NULL; }
+    Py_ssize_t n = acc.len / 4;
+    if (src.len / 2 != n) {
+        PyErr_SetString(PyExc_ValueError, "acc and src differ in length");
+    } else {
+        float *out = acc.buf;
+        const uint16_t *in = src.buf;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++) out[i] += half_to_float(in[i]);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&acc);
+    PyBuffer_Release(&src);
+    if (PyErr_Occurred()) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *sgd(PyObject *self, PyObject *args) {
+    PyObject *po, *go, *bo;
+    float lr, mom, wd;
+    int nesterov, first;
+    Py_buffer p, g, b = {0};
+    if (!PyArg_ParseTuple(args, "OOOfffpp", &po, &go, &bo, &lr, &mom, &wd, &nesterov, &first)) return NULL;
+    if (get(po, &p, 1, 4, "param") < 0) return NULL;
+    if (get(go, &g, 0, 4, "grad") < 0) { PyBuffer_Release(&p); return NULL; }
+    int has_buf = bo != Py_None;
+    if (has_buf && get(bo, &b, 1, 4, "buf") < 0) { PyBuffer_Release(&p); PyBuffer_Release(&g); return NULL; }
+    Py_ssize_t n = p.len / 4;
+    if (g.len / 4 != n || (has_buf && b.len / 4 != n) || (mom != 0.0f) != has_buf) {
+        PyErr_SetString(PyExc_ValueError, "param, grad and buf differ in length, or buf does not match momentum");
+    } else {
+        float *pp = p.buf, *bb = has_buf ? b.buf : NULL;
+        const float *gg = g.buf;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++) {
+            float x = gg[i];
+            if (wd != 0.0f) x = x + wd * pp[i];
+            if (bb) {
+                float v = first ? x : bb[i] * mom + x;
+                bb[i] = v;
+                x = nesterov ? x + mom * v : v;
+            }
+            pp[i] = pp[i] - lr * x;
+        }
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&p);
+    PyBuffer_Release(&g);
+    if (has_buf) PyBuffer_Release(&b);
+    if (PyErr_Occurred()) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *adam(PyObject *self, PyObject *args) {
+    PyObject *po, *go, *mo, *vo;
+    float lr, b1, b2, eps, wd, c1, c2;
+    Py_buffer p, g, m, v;
+    if (!PyArg_ParseTuple(args, "OOOOfffffff", &po, &go, &mo, &vo, &lr, &b1, &b2, &eps, &wd, &c1, &c2)) return NULL;
+    if (get(po, &p, 1, 4, "param") < 0) return NULL;
+    if (get(go, &g, 0, 4, "grad") < 0) { PyBuffer_Release(&p); return NULL; }
+    if (get(mo, &m, 1, 4, "m") < 0) { PyBuffer_Release(&p); PyBuffer_Release(&g); return NULL; }
+    if (get(vo, &v, 1, 4, "v") < 0) { PyBuffer_Release(&p); PyBuffer_Release(&g); PyBuffer_Release(&m); return NULL; }
+    Py_ssize_t n = p.len / 4;
+    if (g.len / 4 != n || m.len / 4 != n || v.len / 4 != n) {
+        PyErr_SetString(PyExc_ValueError, "param, grad, m and v differ in length");
+    } else {
+        float *pp = p.buf, *mm = m.buf, *vv = v.buf;
+        const float *gg = g.buf;
+        const float one_b1 = 1.0f - b1, one_b2 = 1.0f - b2;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++) {
+            float x = gg[i];
+            if (wd != 0.0f) x = x + wd * pp[i];
+            float mi = mm[i] * b1 + one_b1 * x;
+            float vi = vv[i] * b2 + (one_b2 * x) * x;
+            mm[i] = mi;
+            vv[i] = vi;
+            float mhat = mi / c1, vhat = vi / c2;
+            pp[i] = pp[i] - (lr * mhat) / (sqrtf(vhat) + eps);
+        }
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&p);
+    PyBuffer_Release(&g);
+    PyBuffer_Release(&m);
+    PyBuffer_Release(&v);
+    if (PyErr_Occurred()) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"acc_f16", acc_f16, METH_VARARGS, "acc += float32(src), src float16, in one pass"},
+    {"sgd", sgd, METH_VARARGS, "SGD (momentum, Nesterov, weight decay) in one pass"},
+    {"adam", adam, METH_VARARGS, "Adam (weight decay) in one pass"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", "irdmafs PS kernels in C", -1, methods};
+
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }

@@ -1,0 +1,372 @@
+#!/usr/bin/env python3
+"""irdmafs beside what a user would pick instead and beside the machine's limits, in one run.
+
+    .venv/bin/python scripts/bench.py [--json FILE] [--plot FILE.png] [--reps N] [--quick]
+
+(``./scripts/bench`` installs the ``bench`` extra -- torch, grpcio, matplotlib -- and runs it.)
+
+Limits: raw loopback socket between two processes; memcpy; the pyfuse3 ceiling (scripts/memfs.py,
+a minimal FUSE file system serving a buffer from memory) read and written with 1 MiB and 4 MiB
+requests. Peers (scripts/peers.py): torch.distributed gloo broadcast and all_reduce between 2
+processes; a gRPC parameter server's unary get and put. irdmafs: pull (read) and push (write) of
+a 64 MiB and a 256 MiB tensor through the mount over 3 local node processes, R=1 and R=2, the
+page cache out of the way (every open starts cold); the same through the Client API; a
+ResNet-50-shaped model (161 tensors, 25.6 M float32 parameters) pulled through the
+``<model>.safetensors`` view and file by file, against one tensor of the same bytes. Link
+utilisation (root only): 4 PS nodes in network namespaces behind 1 Gbit/s tbf links, a client in
+its own namespace reading a striped 1 GiB file. Native kernels against their numpy fallbacks.
+
+Every figure is a median of --reps runs; the ratios printed and written to the JSON are between
+figures of this run only (these machines are shared and noisy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import peers  # noqa: E402
+from bench_transport import RawSocket  # noqa: E402
+
+from irdmafs import config as C  # noqa: E402
+from irdmafs.client.client import Client  # noqa: E402
+from irdmafs.local import LocalCluster, wait_settled, write_config  # noqa: E402
+from irdmafs.mount import mount_background, unmount, wait_for_mount  # noqa: E402
+
+MiB = 1 << 20
+HERE = Path(__file__).resolve().parent
+
+TARGETS = {  # key: (comparison, bound)
+    "pull_vs_gloo": (">=", 1.0),
+    "push_vs_gloo": (">=", 1.0),
+    "pull_vs_grpc": (">=", 6.0),
+    "pull_vs_fuse_ceiling": (">=", 0.8),
+    "client_pull_vs_socket": (">=", 0.8),
+    "link_utilisation": (">=", 0.95),
+    "model_pull_vs_tensor_pull": ("<=", 1.25),
+}
+
+
+def resnet50_shapes() -> list[tuple[str, tuple[int, ...]]]:
+    """The 161 parameter tensors of ResNet-50 (torchvision's names and shapes), written out from
+    its architecture: a 7x7 stem, bottleneck stages of 3, 4, 6, 3 blocks, a 1000-way classifier."""
+    shapes = [("conv1.weight", (64, 3, 7, 7)), ("bn1.weight", (64,)), ("bn1.bias", (64,))]
+    inplanes = 64
+    for stage, (blocks, width) in enumerate(((3, 64), (4, 128), (6, 256), (3, 512)), 1):
+        for b in range(blocks):
+            p = f"layer{stage}.{b}"
+            shapes += [
+                (f"{p}.conv1.weight", (width, inplanes, 1, 1)), (f"{p}.bn1.weight", (width,)), (f"{p}.bn1.bias", (width,)),
+                (f"{p}.conv2.weight", (width, width, 3, 3)), (f"{p}.bn2.weight", (width,)), (f"{p}.bn2.bias", (width,)),
+                (f"{p}.conv3.weight", (4 * width, width, 1, 1)), (f"{p}.bn3.weight", (4 * width,)), (f"{p}.bn3.bias", (4 * width,)),
+            ]  # fmt: skip
+            if b == 0:
+                shapes += [(f"{p}.downsample.0.weight", (4 * width, inplanes, 1, 1)), (f"{p}.downsample.1.weight", (4 * width,)), (f"{p}.downsample.1.bias", (4 * width,))]
+            inplanes = 4 * width
+    shapes += [("fc.weight", (1000, 2048)), ("fc.bias", (1000,))]
+    assert len(shapes) == 161 and sum(int(np.prod(s)) for _, s in shapes) == 25_557_032
+    return shapes
+
+
+def med(times: list[float]) -> float:
+    return statistics.median(times)
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+# -- through a mount: reads and writes with a given request size ---------------------------------
+def read_file(path: Path, nbytes: int, bs: int, buf: memoryview) -> float:
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got = 0
+        while got < nbytes:
+            n = os.readv(fd, [buf[got : got + bs]])
+            if n == 0:
+                raise RuntimeError(f"{path}: short read at {got} of {nbytes}")
+            got += n
+    finally:
+        os.close(fd)
+    return time.perf_counter() - t0
+
+
+def write_file(path: Path, data: memoryview, bs: int) -> float:
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        for off in range(0, len(data), bs):
+            os.pwrite(fd, data[off : off + bs], off)
+    finally:
+        os.close(fd)  # the flush: irdmafs answers once the data is on every replica
+    return time.perf_counter() - t0
+
+
+def fuse_ceiling(tmp: Path, nbytes: int, reps: int) -> dict[str, float]:
+    mnt = tmp / "memfs"
+    mnt.mkdir()
+    proc = subprocess.Popen([sys.executable, str(HERE / "memfs.py"), str(mnt), str(nbytes)], start_new_session=True)
+    try:
+        wait_for_mount(str(mnt), proc)
+        data = memoryview(np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8))
+        buf = memoryview(bytearray(nbytes))
+        res = {}
+        for bs in (MiB, 4 * MiB):
+            write_file(mnt / "data", data, bs)
+            res[f"fuse_ceiling_write_{bs // MiB}mib_gbps"] = gbps(nbytes, med([write_file(mnt / "data", data, bs) for _ in range(reps)]))
+            read_file(mnt / "data", nbytes, bs, buf)
+            res[f"fuse_ceiling_read_{bs // MiB}mib_gbps"] = gbps(nbytes, med([read_file(mnt / "data", nbytes, bs, buf) for _ in range(reps)]))
+        if bytes(buf[: 1 << 16]) != bytes(data[: 1 << 16]):
+            raise RuntimeError("memfs returned different bytes")
+        return res
+    finally:
+        unmount(str(mnt), lazy=True)
+        proc.terminate()
+        proc.wait(10)
+
+
+# -- irdmafs -------------------------------------------------------------------------------------
+async def client_figures(cfg: C.ClusterConfig, sizes: list[int], reps: int, tag: str) -> dict[str, float]:
+    """Pull (read_into) and push (write) of one tensor-sized file through the Client API."""
+    res = {}
+    async with Client.connect(cfg) as c:
+        for nbytes in sizes:
+            data = np.random.default_rng(nbytes).integers(0, 255, nbytes, dtype=np.uint8)
+            out = np.empty_like(data)
+            attr = await c.write_file(f"/client-{nbytes}", data)
+            times = {"push": [], "pull": []}
+            for i in range(reps + 1):
+                t0 = time.perf_counter()
+                await c.write(attr["ino"], 0, data, attr)
+                t1 = time.perf_counter()
+                await c.read_into(attr["ino"], 0, memoryview(out), attr)
+                t2 = time.perf_counter()
+                if i:
+                    times["push"].append(t1 - t0)
+                    times["pull"].append(t2 - t1)
+            if not np.array_equal(out, data):
+                raise RuntimeError("Client pull returned different bytes")
+            for op, ts in times.items():
+                res[f"client_{op}_{nbytes // MiB}mib_{tag}_gbps"] = gbps(nbytes, med(ts))
+    return res
+
+
+def mount_figures(mnt: Path, sizes: list[int], reps: int, tag: str) -> dict[str, float]:
+    res = {}
+    (mnt / "bench").mkdir(exist_ok=True)
+    for nbytes in sizes:
+        data = memoryview(np.random.default_rng(nbytes).integers(0, 255, nbytes, dtype=np.uint8))
+        buf = memoryview(bytearray(nbytes))
+        path = mnt / "bench" / f"t{nbytes // MiB}.bin"
+        for bs in (MiB, 4 * MiB):
+            write_file(path, data, bs)  # warm-up: allocates every stripe
+            res[f"push_{nbytes // MiB}mib_{bs // MiB}m_{tag}_gbps"] = gbps(nbytes, med([write_file(path, data, bs) for _ in range(reps)]))
+            read_file(path, nbytes, bs, buf)
+            res[f"pull_{nbytes // MiB}mib_{bs // MiB}m_{tag}_gbps"] = gbps(nbytes, med([read_file(path, nbytes, bs, buf) for _ in range(reps)]))
+        if bytes(buf) != bytes(data):
+            raise RuntimeError("pull through the mount returned different bytes")
+    return res
+
+
+def model_figures(mnt: Path, reps: int) -> dict[str, float]:
+    """ResNet-50-shaped model: the safetensors view and file by file, against one tensor file of
+    the same bytes."""
+    shapes = resnet50_shapes()
+    model = mnt / "resnet50"
+    model.mkdir()
+    rng = np.random.default_rng(50)
+    total = 0
+    for name, shape in shapes:
+        arr = rng.standard_normal(shape, dtype=np.float32)
+        total += arr.nbytes
+        np.save(model / f"{name}.npy", arr)
+    one = mnt / "one"
+    one.mkdir()
+    np.save(one / "flat.npy", np.zeros(total // 4, np.float32))
+    files = sorted(model.glob("*.npy"))
+    view = mnt / "resnet50.safetensors"
+    size = view.stat().st_size
+    buf = memoryview(bytearray(max(size, total + 4096)))
+
+    def by_view() -> float:
+        return read_file(view, size, 4 * MiB, buf)
+
+    def by_files() -> float:
+        t0 = time.perf_counter()
+        for f in files:
+            read_file(f, f.stat().st_size, 4 * MiB, buf)
+        return time.perf_counter() - t0
+
+    def one_tensor() -> float:
+        return read_file(one / "flat.npy", (one / "flat.npy").stat().st_size, 4 * MiB, buf)
+
+    for fn in (by_view, by_files, one_tensor):
+        fn()  # warm-up
+    times = {"view": [], "files": [], "tensor": []}
+    for _ in range(reps):  # interleaved, so noise lands on each alike
+        times["view"].append(by_view())
+        times["files"].append(by_files())
+        times["tensor"].append(one_tensor())
+    return {
+        "model_bytes": total,
+        "model_pull_view_gbps": gbps(total, med(times["view"])),
+        "model_pull_files_gbps": gbps(total, med(times["files"])),
+        "model_tensor_pull_gbps": gbps(total, med(times["tensor"])),
+        "model_pull_vs_tensor_pull": med(times["view"]) / med(times["tensor"]),
+        "model_files_vs_tensor_pull": med(times["files"]) / med(times["tensor"]),
+    }
+
+
+def irdmafs_figures(tmp: Path, replicas: int, sizes: list[int], reps: int, with_model: bool) -> dict[str, float]:
+    tag = f"r{replicas}"
+    state = tmp / tag
+    path = write_config(state, 3, replicas, transport=["tcp"])
+    lc = LocalCluster(path)
+    lc.start_all()
+    mnt = state / "mnt"
+    mnt.mkdir()
+    mount = None
+    try:
+        trio.run(wait_settled, lc.cfg)
+        res = trio.run(client_figures, lc.cfg, sizes, reps, tag)
+        mount = mount_background(str(path), str(mnt), [], state / "mount.log")
+        res |= mount_figures(mnt, sizes, reps, tag)
+        if with_model:
+            res |= model_figures(mnt, reps)
+        return res
+    finally:
+        unmount(str(mnt), lazy=True)
+        if mount is not None:
+            mount.terminate()
+            mount.wait(10)
+        lc.stop_all()
+
+
+def link_utilisation(tmp: Path, reps: int) -> dict[str, float]:
+    """4 nodes behind 1 Gbit/s links, a client in its own namespace reading a striped 1 GiB file."""
+    from link_bench import both
+
+    return both(tmp, reps)
+
+
+# -- report ---------------------------------------------------------------------------------------
+def ratios(res: dict) -> None:
+    big = "256mib" if "pull_256mib_1m_r1_gbps" in res else "64mib"
+    pull = max(res[f"pull_{big}_1m_r1_gbps"], res[f"pull_{big}_4m_r1_gbps"])
+    push = max(res[f"push_{big}_1m_r1_gbps"], res[f"push_{big}_4m_r1_gbps"])
+    res["pull_vs_gloo"] = pull / res[f"gloo_broadcast_{big}_gbps"]
+    res["push_vs_gloo"] = push / res[f"gloo_broadcast_{big}_gbps"]
+    res["pull_vs_grpc"] = pull / res[f"grpc_get_{big}_gbps"]
+    res["pull_vs_fuse_ceiling"] = res[f"pull_{big}_1m_r1_gbps"] / res["fuse_ceiling_read_1mib_gbps"]
+    res["pull_vs_fuse_ceiling_4m"] = res[f"pull_{big}_4m_r1_gbps"] / res["fuse_ceiling_read_4mib_gbps"]
+    res["push_vs_fuse_ceiling"] = res[f"push_{big}_1m_r1_gbps"] / res["fuse_ceiling_write_1mib_gbps"]
+    res["client_pull_vs_socket"] = res[f"client_pull_{big}_r1_gbps"] / res["raw_socket_gbps"]
+    res["client_push_vs_socket"] = res[f"client_push_{big}_r1_gbps"] / res["raw_socket_gbps"]
+
+
+def table(res: dict) -> str:
+    lines = [f"{'figure':42} {'value':>9}  target"]
+    for k in sorted(k for k in res if k.endswith("_gbps")):
+        lines.append(f"{k:42} {res[k]:9.3f}  (GB/s)")
+    for k, v in res.items():
+        if k in TARGETS or k.endswith("_vs_tensor_pull") or k.endswith("_speedup") or "_vs_" in k and not k.endswith("_gbps"):
+            if isinstance(v, float):
+                cmp, bound = TARGETS.get(k, ("", None))
+                ok = "" if bound is None else ("met" if (v >= bound if cmp == ">=" else v <= bound) else "MISSED")
+                lines.append(f"{k:42} {v:9.3f}  {cmp}{'' if bound is None else bound} {ok}")
+    return "\n".join(lines)
+
+
+def plot(res: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = ["raw_socket_gbps", "fuse_ceiling_read_1mib_gbps", "gloo_broadcast_256mib_gbps", "grpc_get_256mib_gbps", "client_pull_256mib_r1_gbps", "pull_256mib_1m_r1_gbps", "pull_256mib_1m_r2_gbps", "push_256mib_1m_r1_gbps", "push_256mib_1m_r2_gbps", "model_pull_view_gbps"]
+    keys = [k for k in keys if k in res]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    colors = ["#888" if k.startswith(("raw", "fuse")) else "#c84" if k.startswith(("gloo", "grpc")) else "#37a" for k in keys]
+    ax.barh([k.removesuffix("_gbps") for k in keys], [res[k] for k in keys], color=colors)
+    ax.set_xlabel("GB/s (grey: limits, orange: peers, blue: irdmafs)")
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", help="write the flat JSON object here")
+    ap.add_argument("--plot", help="draw a PNG of the throughputs here")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="64 MiB only, no model, no network namespaces")
+    args = ap.parse_args()
+    sizes = [64 * MiB] if args.quick else [64 * MiB, 256 * MiB]
+    big = sizes[-1]
+    res: dict[str, float] = {}
+
+    def step(what: str) -> None:
+        print(f"bench: {what}", file=sys.stderr, flush=True)
+
+    step("limits: raw socket, memcpy")
+    raw = RawSocket(big)
+    raw.once()
+    res["raw_socket_gbps"] = gbps(big, med([raw.once() for _ in range(args.reps)]))
+    raw.close()
+    a, b = np.ones(big, np.uint8), np.empty(big, np.uint8)
+    np.copyto(b, a)
+    res["memcpy_gbps"] = gbps(big, med([_timed(np.copyto, b, a) for _ in range(args.reps)]))
+
+    with tempfile.TemporaryDirectory(prefix="irdmafs-bench-") as tmp:
+        step("limits: pyfuse3 ceiling")
+        res |= fuse_ceiling(Path(tmp), big, args.reps)
+        step("peers: gloo")
+        for k, v in peers.gloo(sizes, args.reps).items():
+            res[f"gloo_{k}mib_gbps"] = gbps(int(k.rsplit("_", 1)[1]) * MiB, v)
+        step("peers: gRPC")
+        for k, v in peers.grpc_ps(sizes, args.reps).items():
+            res[f"grpc_{k}mib_gbps"] = gbps(int(k.rsplit("_", 1)[1]) * MiB, v)
+        for r in (1, 2):
+            step(f"irdmafs: 3 nodes, R={r}")
+            res |= irdmafs_figures(Path(tmp), r, sizes, args.reps, with_model=(r == 1 and not args.quick))
+        if not args.quick:
+            if os.geteuid() == 0:
+                step("link utilisation: 4 nodes behind 1 Gbit/s links")
+                res |= link_utilisation(Path(tmp), args.reps)
+            else:
+                print("bench: link utilisation skipped: network namespaces need root", file=sys.stderr)
+    step("native kernels")
+    from native_bench import speedups
+
+    res |= speedups(args.reps)
+    ratios(res)
+    print(table(res))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1, sort_keys=True) + "\n")
+    if args.plot:
+        plot(res, args.plot)
+    print(json.dumps(res, sort_keys=True))
+    return 0
+
+
+def _timed(fn, *args) -> float:
+    t0 = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
