@@ -49,6 +49,7 @@ from ..server.meta import ROOT
 from ..transport.base import RemoteError
 from ..util import single_exception
 from . import writeback
+from .readahead import StripeReader
 from .writeback import WriteBehind
 
 log = logging.getLogger(__name__)
@@ -170,6 +171,7 @@ class FileHandle(Handle):
     dirty: bool = False
     name: str = ""
     behind: WriteBehind | None = None  # its writes on their way (see writeback.py)
+    reader: StripeReader | None = None  # what it has read and reads ahead (see readahead.py)
 
     async def read(self, off: int, size: int) -> memoryview:
         await self.vfs.drain(self.ino)  # this mount's writes in flight first
@@ -177,15 +179,16 @@ class FileHandle(Handle):
             # another mount may have grown the file since we opened it
             self.attr = await self.vfs.client.getattr(self.ino, self.snap)
         attr = dict(self.attr, size=max(self.attr["size"], self.size))
-        buf = bytearray(size)
-        n = await self.vfs.client.read_into(self.ino, off, memoryview(buf), attr, self.snap)
-        return memoryview(buf)[:n]
+        if self.reader is None:
+            self.reader = StripeReader(self.vfs.client, self.ino, self.snap)
+        return await self.reader.read(off, size, attr)
 
     async def write(self, off: int, data: bytes) -> int:
         if self.behind is None:
             self.behind = WriteBehind(self.vfs.client, self.ino, self.attr, self.vfs.write_slots)
             self.vfs.writers.setdefault(self.ino, set()).add(self.behind)
         await self.behind.write(off, data)
+        self.vfs.forget_fetched(self.ino)
         self.size = max(self.size, off + len(data))
         self.dirty = True
         self.vfs.pending[self.ino] = max(self.vfs.pending.get(self.ino, 0), self.size)
@@ -343,6 +346,12 @@ class Vfs:
             for w in list(self.writers.get(i, ())):
                 await w.drain()
 
+    def forget_fetched(self, ino: int) -> None:
+        """Open files of ``ino`` drop the stripes they read ahead: this mount changed them."""
+        for h in self.handles.values():
+            if isinstance(h, FileHandle) and h.ino == ino and h.reader is not None:
+                h.reader.invalidate()
+
     # -- attributes ------------------------------------------------------------------------------
     def stat_of(self, attr: dict, ino: int | None = None, readonly: bool = False) -> dict:
         mode = attr["mode"] & ~0o222 if readonly else attr["mode"]
@@ -368,7 +377,10 @@ class Vfs:
 
     async def getattr(self, ino: int) -> dict:
         if is_cluster(ino):
-            return self.stat_of(await self.client.getattr(ino))
+            # The kernel asks before every read (libfuse turns auto_inval_data on); while this
+            # mount has the file open, what the open fetched answers (close-to-open, as NFS does)
+            h = next((h for h in self.handles.values() if isinstance(h, FileHandle) and h.ino == ino and not h.snap), None)
+            return self.stat_of(h.attr if h is not None else await self.client.getattr(ino))
         if ino & SNAP:
             sid, i = split_snap(ino)
             return self.stat_of(await self.client.getattr(i, sid), ino, readonly=True)
@@ -479,11 +491,16 @@ class Vfs:
         attrs = dict(changes)
         if "size" in attrs:
             await self.drain(ino)  # a truncate must not be overtaken by an earlier write
+            self.forget_fetched(ino)
             self.pending.pop(ino, None)
             for h in self.handles.values():
                 if isinstance(h, FileHandle) and h.ino == ino:
                     h.size = min(h.size, attrs["size"])
-        return self.stat_of(await self.client.setattr(ino, **attrs))
+        attr = await self.client.setattr(ino, **attrs)
+        for h in self.handles.values():
+            if isinstance(h, FileHandle) and h.ino == ino and not h.snap:
+                h.attr = attr  # open files answer getattr: keep them current
+        return self.stat_of(attr)
 
     # -- directories -----------------------------------------------------------------------------
     def _check_create(self, parent: int, name: str) -> None:
