@@ -1,4 +1,4 @@
-"""Stripe read-ahead for files read through the mount.
+"""Read-ahead for files read through the mount (cluster files and safetensors views).
 
 The kernel asks a FUSE file system for at most 1 MiB per read, a few at a time. Fetching each
 from the cluster as it comes costs a round trip per MiB and keeps at most a few stripes' worth of
@@ -6,7 +6,8 @@ transfers going, far below what the Client reaches with every stripe of a file i
 open file that is read sequentially (from offset 0, or from where the last read ended) is read in
 whole stripes, and the next AHEAD stripes are fetched before they are asked for, from their
 different nodes at once; the kernel's reads are then answered from memory. A read elsewhere that
-is small is fetched as asked, so a header peek does not pull a whole stripe.
+is small is fetched as asked, so a header peek does not pull a whole stripe. A safetensors view
+is read ahead the same way, in chunks of the view that span many small tensor files at once.
 
 What an open file holds is what the cluster held when it was fetched: close-to-open consistency,
 as the page cache gives. Writes through this mount to the file drop what was fetched. Errors of
@@ -31,13 +32,12 @@ class _Fetch:
         self.error: BaseException | None = None
 
 
-class StripeReader:
-    """The stripes of one open file, fetched and on their way."""
+class ReadAhead:
+    """The chunks of one open file, fetched and on their way. ``fetch(offset, into)`` reads
+    bytes of the file into the memoryview ``into`` and returns how many it read."""
 
-    def __init__(self, client, ino: int, snap: int):
-        self.client = client
-        self.ino = ino
-        self.snap = snap
+    def __init__(self, fetch):
+        self.fetch = fetch
         self.stripes: dict[int, _Fetch] = {}
         self.next_off: int | None = None
 
@@ -45,8 +45,8 @@ class StripeReader:
         self.stripes.clear()
         self.next_off = None
 
-    async def read(self, off: int, size: int, attr: dict) -> memoryview | bytes:
-        fsize, unit = attr["size"], attr["unit"]
+    async def read(self, off: int, size: int, fsize: int, unit: int) -> memoryview | bytes:
+        """``size`` bytes at ``off`` of a file of ``fsize`` bytes read in chunks of ``unit``."""
         end = min(off + size, fsize)
         if end <= off:
             return b""
@@ -54,7 +54,7 @@ class StripeReader:
         self.next_off = end
         if not sequential and end - off < SMALL:
             buf = bytearray(end - off)
-            n = await self.client.read_into(self.ino, off, memoryview(buf), attr, self.snap)
+            n = await self.fetch(off, memoryview(buf))
             return memoryview(buf)[:n]
         first, last = off // unit, (end - 1) // unit
         horizon = last + (AHEAD if sequential else 0)
@@ -63,7 +63,7 @@ class StripeReader:
         for idx in range(first, horizon + 1):
             if idx * unit < fsize and idx not in self.stripes:
                 f = self.stripes[idx] = _Fetch(idx * unit, min(unit, fsize - idx * unit))
-                trio.lowlevel.spawn_system_task(self._fetch, f, attr)
+                trio.lowlevel.spawn_system_task(self._fetch, f)
         # what this read needs, taken now: concurrent reads may evict them meanwhile
         needed = [self.stripes[idx] for idx in range(first, last + 1)]
         parts = []
@@ -79,9 +79,9 @@ class StripeReader:
                 break  # short: the file ends here
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
-    async def _fetch(self, f: _Fetch, attr: dict) -> None:
+    async def _fetch(self, f: _Fetch) -> None:
         try:
-            f.n = await self.client.read_into(self.ino, f.start, memoryview(f.buf), attr, self.snap)
+            f.n = await self.fetch(f.start, memoryview(f.buf))
         except trio.Cancelled:
             f.error = OSError("read cancelled: the mount is shutting down")
             raise

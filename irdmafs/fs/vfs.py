@@ -49,7 +49,7 @@ from ..server.meta import ROOT
 from ..transport.base import RemoteError
 from ..util import single_exception
 from . import writeback
-from .readahead import StripeReader
+from .readahead import ReadAhead
 from .writeback import WriteBehind
 
 log = logging.getLogger(__name__)
@@ -74,9 +74,10 @@ REMOVED_XATTR = "user.irdma.removed"
 # through the mount run without a single metadata call.
 WORK_CACHE_SECONDS = 60.0
 # Directory attributes (mode, owner: what the kernel checks on every path walk) may be cached
-# this long; file attributes and names never are, so sizes and renames by other mounts show at
-# once.
+# this long; file attributes and names are not, so sizes and renames by other mounts show at
+# the next open (while a file is open here, its attributes come from the open: see getattr).
 DIR_ATTR_SECONDS = 10.0
+VIEW_CHUNK = 4 << 20  # a safetensors view is read ahead in chunks of this many bytes
 SUFFIX = ".safetensors"
 DERIVED_XATTRS = ("user.irdma.dtype", "user.irdma.shape", "user.irdma.version")
 META_XATTR = "user.irdma.safetensors_metadata"
@@ -171,7 +172,8 @@ class FileHandle(Handle):
     dirty: bool = False
     name: str = ""
     behind: WriteBehind | None = None  # its writes on their way (see writeback.py)
-    reader: StripeReader | None = None  # what it has read and reads ahead (see readahead.py)
+    reader: ReadAhead | None = None  # what it has read and reads ahead (see readahead.py)
+    _read_attr: dict = field(default_factory=dict)
 
     async def read(self, off: int, size: int) -> memoryview:
         await self.vfs.drain(self.ino)  # this mount's writes in flight first
@@ -180,8 +182,12 @@ class FileHandle(Handle):
             self.attr = await self.vfs.client.getattr(self.ino, self.snap)
         attr = dict(self.attr, size=max(self.attr["size"], self.size))
         if self.reader is None:
-            self.reader = StripeReader(self.vfs.client, self.ino, self.snap)
-        return await self.reader.read(off, size, attr)
+            self.reader = ReadAhead(self._fetch)
+        self._read_attr = attr
+        return await self.reader.read(off, size, attr["size"], attr["unit"])
+
+    async def _fetch(self, off: int, into: memoryview) -> int:
+        return await self.vfs.client.read_into(self.ino, off, into, self._read_attr, self.snap)
 
     async def write(self, off: int, data: bytes) -> int:
         if self.behind is None:
@@ -284,12 +290,23 @@ class ViewReadHandle(Handle):
     vfs: "Vfs" = None  # type: ignore[assignment]
     header: bytes = b""
     parts: list = field(default_factory=list)  # (entry, file attr) in data order
+    stat: dict = field(default_factory=dict)  # its attributes as of the open
 
-    async def read(self, off: int, size: int) -> memoryview:
-        total = len(self.header) + (self.parts[-1][0].end if self.parts else 0)
-        size = max(0, min(size, total - off))
-        out = bytearray(size)
-        view = memoryview(out)
+    reader: ReadAhead | None = None
+
+    @property
+    def size(self) -> int:
+        return len(self.header) + (self.parts[-1][0].end if self.parts else 0)
+
+    async def read(self, off: int, size: int) -> memoryview | bytes:
+        if self.reader is None:
+            self.reader = ReadAhead(self._fill)
+        return await self.reader.read(off, size, self.size, VIEW_CHUNK)
+
+    async def _fill(self, off: int, view: memoryview) -> int:
+        """Bytes ``off``.. of the stream into ``view``: the header, then every tensor's data
+        bytes that fall in the range, read concurrently."""
+        size = max(0, min(len(view), self.size - off))
         if off < len(self.header):
             n = min(size, len(self.header) - off)
             view[:n] = self.header[off : off + n]
@@ -303,7 +320,7 @@ class ViewReadHandle(Handle):
                         dst = view[a - lo : b - lo]
                         src = attr["tensor"]["offset"] + a - entry.begin
                         n.start_soon(self.vfs.client.read_into, attr["ino"], src, dst, attr)
-        return view
+        return size
 
 
 @dataclass
@@ -372,6 +389,11 @@ class Vfs:
     def _work_stat(self, attr: dict, ino: int) -> dict:
         return dict(self.stat_of(attr, ino), entry_timeout=WORK_CACHE_SECONDS, attr_timeout=WORK_CACHE_SECONDS)
 
+    async def _view_stat(self, ino: int, header: bytes, parts: list) -> dict:
+        d = await self.client.getattr(ino & ~VIEW)
+        size = len(header) + (parts[-1][0].end if parts else 0)
+        return file_stat(ino, size, d["mode"] & 0o666, d["mtime_ns"], d["uid"], d["gid"])
+
     async def _snapshot_ids(self) -> dict[str, int]:
         return {name: s["id"] for name, s in (await self.client.snapshots()).items()}
 
@@ -395,10 +417,11 @@ class Vfs:
         if BATCH_FILE <= ino < BATCH_FILE + MAX_RANK:
             return file_stat(ino, len(await self.batch_content(ino - BATCH_FILE)), 0o644)
         if ino & VIEW:
-            d = await self.client.getattr(ino & ~VIEW)
-            header, parts = await self.view_layout(d["ino"])
-            size = len(header) + (parts[-1][0].end if parts else 0)
-            return file_stat(ino, size, d["mode"] & 0o666, d["mtime_ns"], d["uid"], d["gid"])
+            # open for reading here: the layout made at open answers (the kernel asks per read)
+            h = next((h for h in self.handles.values() if isinstance(h, ViewReadHandle) and h.ino == ino), None)
+            if h is not None:
+                return h.stat
+            return await self._view_stat(ino, *await self.view_layout(ino & ~VIEW))
         if ino in (IRDMA_DIR, SNAPSHOTS_DIR, WORKERS_DIR, RANKS_DIR):
             return dir_stat(ino, 0o755 if ino in (SNAPSHOTS_DIR, RANKS_DIR) else 0o555)
         if ino in (CLUSTER_FILE, STATS_FILE):
@@ -603,7 +626,7 @@ class Vfs:
             if writes(flags):
                 return self._register(ViewWriteHandle(ino, vfs=self, model=model))
             header, parts = await self.view_layout(model)
-            return self._register(ViewReadHandle(ino, self, header, parts))
+            return self._register(ViewReadHandle(ino, self, header, parts, await self._view_stat(ino, header, parts)))
         if ino in (CLUSTER_FILE, STATS_FILE):
             if writes(flags):
                 raise FsError(errno.EACCES)
