@@ -19,6 +19,7 @@ import trio
 
 from .client.client import Client
 from .config import ClusterConfig
+from .notify import notify
 from .transport.select import choose
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ async def run_mount(cfg: ClusterConfig, mountpoint: str, options: list[str] | No
                 # stat()s the mount, which only answers once pyfuse3.main() below is serving
                 nursery.start_soon(trio.to_thread.run_sync, _widen_readahead, mountpoint)
                 task_status.started()
+                notify(f"READY=1\nSTATUS=mounted on {mountpoint}")  # Type=notify units
                 await pyfuse3.main()
                 nursery.cancel_scope.cancel()
         finally:

@@ -39,6 +39,7 @@ import trio
 
 from ..cluster import READY, SYNCING, Cluster, NodeDown, StagingPool, now_ns, read_verified
 from ..config import ClusterConfig, ConfigError, load
+from ..notify import notify
 from ..transport.base import Access, AccessError, RemoteError, Transport, TransportError
 from . import optim
 from .meta import Meta
@@ -124,6 +125,7 @@ class Node:
             await self.resync()
             self.state = READY
             log.info("node %s ready", self.name)
+            notify(f"READY=1\nSTATUS=serving on {address[0]}:{address[1]}")
 
     # -- dispatch ----------------------------------------------------------------------------
     async def handle(self, method: str, args: dict) -> dict:
@@ -674,6 +676,7 @@ class Node:
             if time.monotonic() - last_log > 1.0 or i == len(todo):
                 last_log = time.monotonic()
                 log.info("resync: %d/%d stripes, %d/%d bytes", i, len(todo), done_bytes, total_bytes)
+                notify(f"STATUS=resync {i}/{len(todo)} stripes")
         log.info("resync of node %s done in %.2fs", self.name, time.monotonic() - t0)
 
     async def _fetch_stripe(self, fid: int, idx: int, snap: int, peer: str) -> None:
