@@ -14,11 +14,13 @@ import os
 import signal
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import trio
 
 from . import config as C
+from .client.client import NODE_FIGURES
 from .local import LocalCluster, node_status, pids_alive, wait_settled, write_config
 from .server.node import setup_logging
 
@@ -151,13 +153,13 @@ def cmd_mount(args: argparse.Namespace) -> int:
     mp = check_mountpoint(args.mountpoint)
     options = [o for o in (args.options or "").split(",") if o]
     if args.foreground:
-        trio.run(run_mount, cfg, mp, options)
+        trio.run(partial(run_mount, cfg, mp, options, metrics=args.metrics))
         return 0
     log_dir = state_home() / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"mount-{registry_path(mp).stem}.log"
     try:
-        proc = mount_background(args.config, mp, options, log_path)
+        proc = mount_background(args.config, mp, options, log_path, metrics=args.metrics)
     except (RuntimeError, TimeoutError) as exc:
         raise QuietError(f"mount failed: {exc}") from None
     print(f"irdmafs: mounted on {mp} (pid {proc.pid}, log {log_path})")
@@ -173,7 +175,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             out = []
             for spec in cfg.nodes:
                 info = await node_status(cfg, spec.name) or {}
-                out.append({"name": spec.name, "address": f"{spec.host}:{spec.port}", "state": info.get("state", "down"), "alive": bool(info), **{k: info[k] for k in ("pid", "stripes", "bytes", "capacity", "transport") if k in info}})
+                out.append({"name": spec.name, "address": f"{spec.host}:{spec.port}", "state": info.get("state", "down"), "alive": bool(info), **{k: info[k] for k in NODE_FIGURES if k in info}})
             return out
 
         nodes = trio.run(gather)
@@ -189,9 +191,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0
     print(f"config:    {doc.get('config')}")
     print(f"transport: {doc.get('transport')}    replicas: {doc.get('replicas')}")
-    print(f"{'node':10} {'address':22} {'pid':>8} {'state':8} {'stripes':>8} {'bytes':>14}")
+    print(f"{'node':10} {'address':22} {'pid':>8} {'state':8} {'stripes':>8} {'bytes':>14} {'calls':>9} {'served':>14} {'behind':>6}")
     for n in doc["nodes"]:
-        print(f"{n['name']:10} {n['address']:22} {str(n.get('pid', '-')):>8} {n['state']:8} {str(n.get('stripes', '-')):>8} {str(n.get('bytes', '-')):>14}")
+        cols = [str(n.get(k, "-")) for k in ("pid", "stripes", "bytes", "calls", "served_bytes", "replicas_behind")]
+        print(f"{n['name']:10} {n['address']:22} {cols[0]:>8} {n['state']:8} {cols[1]:>8} {cols[2]:>14} {cols[3]:>9} {cols[4]:>14} {cols[5]:>6}")
     return 0 if all(n["alive"] for n in doc["nodes"]) else 1
 
 
@@ -224,6 +227,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("mountpoint")
     p.add_argument("-o", dest="options", help="mount options, comma separated")
     p.add_argument("-f", dest="foreground", action="store_true", help="stay in the foreground")
+    p.add_argument("--metrics", metavar="[HOST:]PORT", help="serve Prometheus metrics here")
     p.set_defaults(fn=cmd_mount)
 
     p = sub.add_parser("status", help="nodes, replicas, transport and config of a mount or a config")

@@ -37,7 +37,7 @@ def fuse_options(extra: list[str]) -> set[str]:
     return opts
 
 
-async def run_mount(cfg: ClusterConfig, mountpoint: str, options: list[str] | None = None, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+async def run_mount(cfg: ClusterConfig, mountpoint: str, options: list[str] | None = None, *, metrics: str | None = None, task_status=trio.TASK_STATUS_IGNORED) -> None:
     import pyfuse3
 
     from .fs.ops import Operations
@@ -46,7 +46,12 @@ async def run_mount(cfg: ClusterConfig, mountpoint: str, options: list[str] | No
     transport = choose(cfg.transport, cfg.token, op_timeout=cfg.op_timeout)
     async with Client.connect(cfg, transport) as client:
         status = {"config": os.path.abspath(cfg.path) if cfg.path else None, "mountpoint": os.path.abspath(mountpoint), "mount_pid": os.getpid(), "transport": transport.name, "replicas": cfg.replicas}
-        ops = Operations(Vfs(client, status=status))
+        vfs = Vfs(client, status=status)
+        ops = Operations(vfs)
+        if metrics:
+            from .metrics import mount_samples, serve
+
+            status["metrics"] = "http://%s:%d/metrics" % serve(metrics, lambda: mount_samples(vfs))
         pyfuse3.init(ops, mountpoint, fuse_options(options or []))
         log.info("mounted %s on %s (transport %s, %d nodes, R=%d)", cfg.path, mountpoint, transport.name, len(cfg.nodes), cfg.replicas)
         try:
@@ -111,9 +116,11 @@ def wait_for_mount(mountpoint: str, proc: subprocess.Popen | None, timeout: floa
         time.sleep(0.05)
 
 
-def mount_background(config_path: str, mountpoint: str, options: list[str], log_path: Path) -> subprocess.Popen:
+def mount_background(config_path: str, mountpoint: str, options: list[str], log_path: Path, metrics: str | None = None) -> subprocess.Popen:
     """``irdmafs mount -f`` in a new session, logging to ``log_path``; returns once it is live."""
     cmd = [sys.executable, "-m", "irdmafs.cli", "mount", "--config", str(config_path), str(mountpoint), "-f"]
+    if metrics:
+        cmd += ["--metrics", metrics]
     if options:
         cmd += ["-o", ",".join(options)]
     with open(log_path, "ab") as logf:

@@ -9,7 +9,7 @@ mount.irdmafs) /sbin/mount.fuse.irdmafs``) and calls it as above; the fstab line
 
 Options that only tell mount(8) and systemd when or by whom to mount (``defaults``, ``nofail``,
 ``_netdev``, ``noauto``, ``auto``, ``user``, ``users``, ``rw``, ``x-*``, ``comment=*``) are dropped;
-the rest go to FUSE. The helper returns once the mount is live (exit 0), or with the mount
+``metrics=[HOST:]PORT`` serves the mount's Prometheus metrics there; the rest go to FUSE. The helper returns once the mount is live (exit 0), or with the mount
 process's last log lines and exit 1 if it failed; the mount process stays in the background,
 logging to /var/log/irdmafs (root) or the user's state directory.
 """
@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     if is_mounted(mp):
         print(f"mount.irdmafs: {args.mountpoint}: already a mount point", file=sys.stderr)
         return 1
-    fuse_opts = fuse_mount_options(opts)
+    metrics = next((o.split("=", 1)[1] for o in opts if o.startswith("metrics=")), None)
+    fuse_opts = fuse_mount_options([o for o in opts if not o.startswith("metrics=")])
     if args.v:
         print(f"mount.irdmafs: {config} on {mp} with {','.join(fuse_opts) or 'no options'}", file=sys.stderr)
     if args.f:
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     log_path = logs / f"mount-{mp.strip('/').replace('/', '-') or 'root'}.log"
     try:
-        mount_background(config, mp, fuse_opts, log_path)
+        mount_background(config, mp, fuse_opts, log_path, metrics=metrics)
     except (RuntimeError, TimeoutError) as exc:
         print(f"mount.irdmafs: mount failed: {exc}", file=sys.stderr)
         return 1

@@ -576,7 +576,7 @@ class Client:
                     "address": f"{spec.host}:{spec.port}",
                     "state": self.cluster.node_state(spec.name),
                     "alive": alive,
-                    **{k: info[k] for k in ("pid", "stripes", "bytes", "capacity", "transport", "uptime") if k in info},
+                    **{k: info[k] for k in NODE_FIGURES if k in info},
                 }
             )
         return out
@@ -616,6 +616,10 @@ class Client:
         if h.nbytes:
             await self.read_into(attr["ino"], h.data_offset, memoryview(out.reshape(-1, order="A")).cast("B"), attr)
         return out
+
+
+# what a node's heartbeat reports that status tables show
+NODE_FIGURES = ("pid", "stripes", "bytes", "capacity", "transport", "uptime", "calls", "served_bytes", "replicas_behind")
 
 
 class SyncClient:

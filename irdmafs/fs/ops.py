@@ -13,6 +13,7 @@ import errno
 import functools
 import logging
 import os
+import time
 
 import pyfuse3
 import trio
@@ -56,6 +57,7 @@ def fuse_errors(fn):
     @functools.wraps(fn)
     async def wrapper(self, *args):
         self.vfs.counters[fn.__name__] = self.vfs.counters.get(fn.__name__, 0) + 1
+        t0 = time.perf_counter()
         try:
             return await fn(self, *args)
         except pyfuse3.FUSEError:
@@ -65,6 +67,8 @@ def fuse_errors(fn):
             raise pyfuse3.FUSEError(errno_for(leaves[0] if len(leaves) == 1 else group, fn.__name__)) from None
         except Exception as exc:
             raise pyfuse3.FUSEError(errno_for(exc, fn.__name__)) from None
+        finally:
+            self.vfs.latency.observe(fn.__name__, time.perf_counter() - t0)
 
     return wrapper
 

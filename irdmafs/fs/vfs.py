@@ -49,6 +49,7 @@ from ..server.meta import ROOT
 from ..transport.base import RemoteError
 from ..util import single_exception
 from . import writeback
+from ..metrics import Latency, as_dict, mount_samples
 from .readahead import ReadAhead
 from .writeback import WriteBehind
 
@@ -356,6 +357,7 @@ class Vfs:
         self.write_slots = trio.Semaphore(writeback.SLOTS)
         self._fh = itertools.count(1)
         self.counters: dict[str, int] = {}
+        self.latency = Latency()  # per FUSE operation (fs/ops.py observes)
 
     async def drain(self, ino: int | None = None) -> None:
         """Until the writes this mount has on their way to ``ino`` (or to any file) have landed."""
@@ -793,7 +795,8 @@ class Vfs:
         if ino == CLUSTER_FILE:
             doc = dict(self.status, nodes=self.client.cluster_status())
         else:
-            doc = self.client.stats() | {"fuse": self.counters}
+            # the same figures the Prometheus endpoint serves (mount --metrics)
+            doc = self.client.stats() | {"fuse": self.counters, "metrics": as_dict(mount_samples(self))}
         return (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
 
     # -- extended attributes ---------------------------------------------------------------------------

@@ -39,6 +39,8 @@ import trio
 
 from ..cluster import READY, SYNCING, Cluster, NodeDown, StagingPool, now_ns, read_verified
 from ..config import ClusterConfig, ConfigError, load
+from ..metrics import Latency, node_samples
+from ..metrics import serve as serve_metrics
 from ..notify import notify
 from ..transport.base import Access, AccessError, RemoteError, Transport, TransportError
 from . import optim
@@ -102,6 +104,7 @@ class Node:
         self.peer_staging: StagingPool | None = None
         self.started = time.time()
         self.counters: dict[str, int] = defaultdict(int)
+        self.latency = Latency()
         self.training: dict[tuple[int, int], StripeTraining] = defaultdict(StripeTraining)
         self.progress = trio.Event()  # set (and replaced) whenever pushes may have been applied
         # The commit barrier: a snapshot freezes commits on every node at once.
@@ -137,12 +140,15 @@ class Node:
         except TypeError as exc:
             raise RemoteError("EINVAL", f"{method}: {exc}") from None
         self.counters[method] += 1
+        t0 = time.perf_counter()
         try:
             return await fn(**args)
         except NoSpace as exc:
             raise RemoteError("ENOSPC", str(exc)) from None
         except (KeyError, ValueError) as exc:
             raise RemoteError("EINVAL", f"{method}: {exc}") from None
+        finally:
+            self.latency.observe(method, time.perf_counter() - t0)
 
     def _require_ready(self) -> None:
         if self.state != READY:
@@ -165,6 +171,9 @@ class Node:
             "transport": self.transport.name,
             "pid": __import__("os").getpid(),
             "uptime": round(time.time() - self.started, 3),
+            "calls": sum(self.counters.values()),
+            "served_bytes": sum(b for _, b in self.transport.served.values()),
+            "replicas_behind": sum(self.cluster.node_state(n) != READY for n in self.cfg.names if n != self.name) if self.cluster else 0,
         }
 
     async def rpc_stripes(self) -> dict:
@@ -511,9 +520,11 @@ class Node:
             except (KeyError, TypeError, ValueError) as exc:
                 results[i] = {"error": "EINVAL", "message": f"bad push descriptor: {exc}"}
 
+        t0 = time.perf_counter()
         async with trio.open_nursery() as n:
             for i, d in enumerate(descs):
                 n.start_soon(one, i, dict(d))
+        self.latency.observe("push", time.perf_counter() - t0)
         info = {}
         for fid in {d.get("fid") for d in descs}:
             try:
@@ -710,6 +721,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="irdmafs-node", description="Run one irdmafs PS node.")
     ap.add_argument("--config", required=True)
     ap.add_argument("--node", required=True)
+    ap.add_argument("--metrics", metavar="[HOST:]PORT", help="serve Prometheus metrics here")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
     setup_logging(args.node, logging.DEBUG if args.verbose else logging.INFO)
@@ -720,6 +732,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"irdmafs: {exc}", file=sys.stderr)
         return 2
     node = Node(cfg, args.node, choose_transport(cfg))
+    if args.metrics:
+        try:
+            serve_metrics(args.metrics, lambda: node_samples(node))
+        except (OSError, ValueError) as exc:
+            print(f"irdmafs: metrics on {args.metrics}: {exc}", file=sys.stderr)
+            return 2
     try:
         trio.run(node.run)
     except KeyboardInterrupt:

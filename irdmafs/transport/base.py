@@ -209,6 +209,14 @@ class Transport(abc.ABC):
             raise ValueError("a cluster token is required")
         self.token = token
         self.regions = RegionTable()
+        # one-sided operations this process served: op -> [count, bytes] (for metrics; a
+        # transport whose one-sided operations bypass the CPU, as verbs', cannot count them)
+        self.served: dict[str, list[int]] = {}
+
+    def count_served(self, op: str, nbytes: int) -> None:
+        c = self.served.setdefault(op, [0, 0])
+        c[0] += 1
+        c[1] += nbytes
 
     def alloc_region(self, nbytes: int, access: Access) -> Region:
         """A new zeroed region this transport will serve."""

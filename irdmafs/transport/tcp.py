@@ -379,15 +379,18 @@ class TcpTransport(Transport):
                         await refuse(h, P.Status.ACCESS, str(exc))
                     else:
                         await respond(h, [view])
+                        self.count_served("read", h.length)
                 elif h.opcode == P.Op.WRITE:
                     if await land(h):
                         await respond(h, [])
+                        self.count_served("write", h.length)
                 elif h.opcode == P.Op.WRITE_IMM:
                     if not await land(h):
                         pass
                     elif on_imm is None:
                         await refuse(h, P.Status.BAD_REQUEST, "this peer takes no notifications")
                     else:
+                        self.count_served("write_imm", h.length)
                         calls.start_soon(run_imm, h)
                 elif h.opcode == P.Op.CALL:
                     calls.start_soon(run_call, h, await _recv_bytes(sock, h.length))

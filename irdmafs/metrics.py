@@ -1,0 +1,157 @@
+"""Metrics of a node or a mount: gathered as plain numbers, served to Prometheus, shown by status.
+
+``Latency`` keeps per-operation histograms in plain Python (the hot paths only add to a list).
+``node_samples`` and ``mount_samples`` turn a process's state into samples: (name, type, help,
+labels, value). ``serve`` exposes them on an HTTP endpoint (prometheus-client, in its own
+thread; collection copies what it reads, so the trio thread never waits for a scrape), and the
+same samples feed ``.irdma/stats`` and ``irdmafs status``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+Sample = tuple[str, str, str, dict, object]  # name, "counter"|"gauge"|"histogram", help, labels, value
+
+
+class Latency:
+    """Histograms of operation latency, per operation name."""
+
+    def __init__(self) -> None:
+        self.ops: dict[str, list] = {}  # op -> [counts per bucket (+Inf last), sum, count]
+
+    def observe(self, op: str, seconds: float) -> None:
+        h = self.ops.get(op)
+        if h is None:
+            h = self.ops[op] = [[0] * (len(BUCKETS) + 1), 0.0, 0]
+        h[0][bisect.bisect_left(BUCKETS, seconds)] += 1
+        h[1] += seconds
+        h[2] += 1
+
+    def snapshot(self) -> dict[str, dict]:
+        out = {}
+        for op, (counts, total, n) in list(self.ops.items()):
+            cum, acc = [], 0
+            for c in counts:
+                acc += c
+                cum.append(acc)
+            out[op] = {"count": n, "sum": total, "buckets": cum}
+        return out
+
+
+def _latency_samples(name: str, what: str, latency: Latency, label: str) -> list[Sample]:
+    return [(name, "histogram", what, {label: op}, h) for op, h in latency.snapshot().items()]
+
+
+def node_samples(node) -> list[Sample]:
+    """A PS node's figures: storage, calls, one-sided traffic served, peers, training clocks."""
+    s: list[Sample] = [
+        ("irdmafs_node_up", "gauge", "1 once the node serves (ready), 0 while it resyncs", {"state": node.state}, 1 if node.state == "ready" else 0),
+        ("irdmafs_node_stripes", "gauge", "stripes held (live, snapshots, optimizer state)", {}, len(node.store.stripes)),
+        ("irdmafs_node_bytes", "gauge", "bytes of stripe data held", {}, node.store.bytes_held),
+        ("irdmafs_node_capacity_bytes", "gauge", "configured capacity", {}, node.cfg.capacity),
+    ]
+    for method, n in list(node.counters.items()):
+        s.append(("irdmafs_node_calls_total", "counter", "control calls served, by method", {"method": method}, n))
+    for op, (count, nbytes) in list(node.transport.served.items()):
+        s.append(("irdmafs_node_served_total", "counter", "one-sided operations served (tcp; verbs ones bypass the CPU)", {"op": op}, count))
+        s.append(("irdmafs_node_served_bytes_total", "counter", "bytes moved by one-sided operations served", {"op": op}, nbytes))
+    if node.cluster is not None:
+        states = [node.cluster.node_state(n) for n in node.cfg.names if n != node.name]
+        for st in ("ready", "syncing", "down"):
+            s.append(("irdmafs_node_peers", "gauge", "peers by state, as this node sees them", {"state": st}, states.count(st)))
+        s.append(("irdmafs_node_replicas_behind", "gauge", "peers whose replicas are behind (syncing or down)", {}, sum(st != "ready" for st in states)))
+    s += _latency_samples("irdmafs_node_call_seconds", "control call latency on the node", node.latency, "method")
+    s += training_samples(node)
+    return s
+
+
+def training_samples(node) -> list[Sample]:
+    """Per tensor (file id) this node is primary for: each rank's pushes and the staleness."""
+    pushes: dict[tuple[int, int], int] = {}
+    for (fid, _idx), st in list(node.training.items()):
+        for rank, n in list(st.pushed.items()):
+            pushes[(fid, rank)] = max(pushes.get((fid, rank), 0), n)
+    s: list[Sample] = []
+    by_fid: dict[int, list[int]] = {}
+    for (fid, rank), n in sorted(pushes.items()):
+        s.append(("irdmafs_worker_pushes", "gauge", "pushes of a rank applied to a tensor (its clock)", {"tensor": str(fid), "rank": str(rank)}, n))
+        by_fid.setdefault(fid, []).append(n)
+    for fid, ns in by_fid.items():
+        s.append(("irdmafs_tensor_staleness_steps", "gauge", "fastest rank's pushes minus the slowest's", {"tensor": str(fid)}, max(ns) - min(ns)))
+    return s
+
+
+def mount_samples(vfs) -> list[Sample]:
+    """A mount's figures: bytes, FUSE operations and their latency, calls it made, nodes."""
+    stats = vfs.client.stats()
+    s: list[Sample] = [
+        ("irdmafs_mount_bytes_total", "counter", "bytes moved by this mount", {"dir": "read"}, stats["bytes_read"]),
+        ("irdmafs_mount_bytes_total", "counter", "bytes moved by this mount", {"dir": "written"}, stats["bytes_written"]),
+        ("irdmafs_mount_bytes_total", "counter", "bytes moved by this mount", {"dir": "pushed"}, stats["bytes_pushed"]),
+        ("irdmafs_mount_metadata_calls_total", "counter", "namespace operations sent to the metadata primary", {}, stats["metadata_calls"]),
+    ]
+    for method, n in stats["control_calls_by_method"].items():
+        s.append(("irdmafs_mount_control_calls_total", "counter", "control calls made, by method", {"method": method}, n))
+    for op, n in list(vfs.counters.items()):
+        s.append(("irdmafs_mount_ops_total", "counter", "FUSE operations served, by operation", {"op": op}, n))
+    states = [n["state"] for n in vfs.client.cluster_status()]
+    for st in ("ready", "syncing", "down"):
+        s.append(("irdmafs_mount_nodes", "gauge", "nodes by state, as this mount sees them", {"state": st}, states.count(st)))
+    s += _latency_samples("irdmafs_mount_op_seconds", "FUSE operation latency", vfs.latency, "op")
+    return s
+
+
+def as_dict(samples: list[Sample]) -> dict:
+    """Samples as one JSON-able document: name -> list of {labels, value}."""
+    out: dict[str, list] = {}
+    for name, _kind, _help, labels, value in samples:
+        out.setdefault(name, []).append({"labels": labels, "value": value})
+    return out
+
+
+def serve(address: str, samples: Callable[[], list[Sample]]) -> tuple[str, int]:
+    """Serve ``samples()`` to Prometheus on ``[host:]port`` (port 0: any); returns the address."""
+    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+    host, _, port = address.rpartition(":")
+    host = host or "0.0.0.0"
+
+    class Collector:
+        def collect(self):
+            families: dict[str, object] = {}
+            for _ in range(3):  # the trio thread may change a dict mid-copy: read again
+                try:
+                    got = samples()
+                    break
+                except RuntimeError:
+                    continue
+            else:
+                return
+            for name, kind, what, labels, value in got:
+                key = (name, tuple(sorted(labels)))
+                fam = families.get(key)
+                if fam is None:
+                    cls = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily, "histogram": HistogramMetricFamily}[kind]
+                    fam = families[key] = cls(name.removesuffix("_total") if kind == "counter" else name, what, labels=sorted(labels))
+                values = [labels[k] for k in sorted(labels)]
+                if kind == "histogram":
+                    bounds = [str(b) for b in BUCKETS] + ["+Inf"]
+                    fam.add_metric(values, list(zip(bounds, value["buckets"])), value["sum"])
+                else:
+                    fam.add_metric(values, value)
+            yield from families.values()
+
+    registry = CollectorRegistry()
+    registry.register(Collector())
+    server, _thread = start_http_server(int(port), addr=host, registry=registry)
+    bound = server.server_address[:2]
+    log.info("metrics on http://%s:%d/metrics", *bound)
+    return bound
