@@ -43,7 +43,10 @@ def test_k8s_config_is_a_valid_cluster_config_naming_the_statefulset_pods(tmp_pa
         assert node.name == f"{name}-{i}"  # the pod name is passed as --node
         assert node.host == f"{name}-{i}.{svc['metadata']['name']}.{ns}.svc.cluster.local"
     [c] = containers(sts)
-    ports = {p["containerPort"] for p in c["ports"]}
+    ports = {p["containerPort"] for p in c["ports"] if p["name"] == "irdmafs"}
+    metrics = {p["containerPort"] for p in c["ports"] if p["name"] == "metrics"}
+    assert metrics == {int(c["command"][c["command"].index("--metrics") + 1].rpartition(":")[2])}
+    assert sts["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == str(metrics.pop())
     assert {n.port for n in cfg.nodes} == ports == {p["targetPort"] for p in svc["spec"]["ports"]}
     assert "$(POD_NAME)" in c["command"] and c["env"][0]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
 
