@@ -1,4 +1,4 @@
-"""The ``irdmafs`` command: up, down, serve, mount, status.
+"""The ``irdmafs`` command: up, down, serve, mount, rebalance, status.
 
 User mistakes (a bad config, a mountpoint that is not a directory, nothing running) end with one
 line on stderr and a non-zero exit (2 for a bad config or bad usage), never a traceback.
@@ -166,6 +166,19 @@ def cmd_mount(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- rebalance -------------------------------------------------------------------------------------
+def cmd_rebalance(args: argparse.Namespace) -> int:
+    from .rebalance import RebalanceError, rebalance
+
+    old, new = load_config(args.old), load_config(args.new)
+    try:
+        r = trio.run(partial(rebalance, old, new, show_progress=not args.quiet))
+    except RebalanceError as exc:
+        raise QuietError(f"rebalance: {exc}") from None
+    print(f"irdmafs: rebalanced to {', '.join(new.names)} (R={new.replicas}): {r['stripes']} stripes, {r['bytes']} bytes copied")
+    return 0
+
+
 # -- status ----------------------------------------------------------------------------------------
 def cmd_status(args: argparse.Namespace) -> int:
     if args.config:
@@ -229,6 +242,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-f", dest="foreground", action="store_true", help="stay in the foreground")
     p.add_argument("--metrics", metavar="[HOST:]PORT", help="serve Prometheus metrics here")
     p.set_defaults(fn=cmd_mount)
+
+    p = sub.add_parser("rebalance", help="move a running cluster to a new config's nodes (one added or removed)")
+    p.add_argument("--from", dest="old", required=True, help="the config the cluster runs with")
+    p.add_argument("--to", dest="new", required=True, help="the new config (same token)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(fn=cmd_rebalance)
 
     p = sub.add_parser("status", help="nodes, replicas, transport and config of a mount or a config")
     p.add_argument("mountpoint", nargs="?")

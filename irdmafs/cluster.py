@@ -24,7 +24,7 @@ from typing import Callable
 
 import trio
 
-from .config import ClusterConfig
+from .config import ClusterConfig, NodeSpec
 from .placement import rank, stripe_key
 from .transport.base import (
     ConnectError,
@@ -82,12 +82,19 @@ class Cluster:
         self.changed = trio.Event()  # set (and replaced) whenever a state changes
         self.calls = 0  # control calls made (the steady state of training should make none)
         self.calls_by_method: dict[str, int] = defaultdict(int)
+        # membership: the config's nodes (epoch 0) until a rebalance switches every process over
+        self.epoch = 0
+        self.known: dict[str, NodeSpec] = {}  # nodes reachable though not (yet) members
+        self.on_adopt: Callable[[int], None] | None = None
+        self.follow_membership = True  # False for a rebalance coordinator, which sets it itself
 
     # -- states ------------------------------------------------------------------------------
     def node_state(self, name: str) -> str:
         return self._my_state() if name == self.me else self.state.get(name, DOWN)
 
     def _set(self, name: str, state: str, why: str = "") -> None:
+        if name not in self.cfg.names and name not in self.known:
+            return  # no longer a member: nothing to track
         old = self.state.get(name)
         if old != state:
             self.state[name] = state
@@ -143,7 +150,9 @@ class Cluster:
         async with self._connecting[name]:
             conn = self._conns.get(name)
             if conn is None:
-                spec = self.cfg.node(name)
+                spec = next((n for n in self.cfg.nodes if n.name == name), None) or self.known.get(name)
+                if spec is None:  # removed by a membership change while a probe was under way
+                    raise NodeDown(name, "not a member of the cluster any more")
                 try:
                     conn = await self.transport.connect(spec.host, spec.port, nursery=self.nursery)
                 except ConnectError as exc:
@@ -219,11 +228,44 @@ class Cluster:
             return
         self.info[name] = info
         self._set(name, info.get("state", DOWN))
+        if self.follow_membership and info.get("epoch", 0) > self.epoch:  # a rebalance switched membership: follow it
+            try:
+                m = await self.call(name, "members")
+            except (NodeDown, RemoteError) as exc:
+                log.warning("membership %d from %s not fetched: %s", info["epoch"], name, exc)
+                return
+            if m["epoch"] > self.epoch:
+                self.adopt([NodeSpec(n["name"], n["host"], n["port"]) for n in m["nodes"]], m["replicas"], m["epoch"])
+                if self.on_adopt is not None:
+                    self.on_adopt(m["epoch"])
+
+    def know(self, specs: list[NodeSpec]) -> None:
+        """Nodes this process may connect to before they are members (a rebalance's copies)."""
+        for s in specs:
+            self.known[s.name] = s
+
+    def adopt(self, specs: list[NodeSpec], replicas: int, epoch: int) -> None:
+        """Switch to a new membership: placement, heartbeats and connections follow it."""
+        old = set(self.cfg.names)
+        self.cfg.nodes[:] = specs
+        self.cfg.replicas = replicas
+        self.epoch = epoch
+        for name in set(self.cfg.names) - old - {self.me}:
+            self.state.setdefault(name, DOWN)
+        for name in old - set(self.cfg.names):
+            self.state.pop(name, None)
+            self.info.pop(name, None)
+            conn = self._conns.pop(name, None)
+            if conn is not None:
+                self.nursery.start_soon(conn.aclose)
+        log.info("membership %d adopted: %s (R=%d)", epoch, ", ".join(self.cfg.names), replicas)
+        self.changed.set()
+        self.changed = trio.Event()
 
     async def refresh(self) -> None:
         """Probe every other node once, in parallel."""
         async with trio.open_nursery() as n:
-            for name in self.state:
+            for name in list(self.state):
                 n.start_soon(self._probe, name)
 
     async def heartbeat_loop(self) -> None:

@@ -31,6 +31,8 @@ import math
 import sys
 import time
 from collections import defaultdict
+from contextlib import asynccontextmanager
+from dataclasses import asdict
 from functools import partial
 from typing import Any
 
@@ -38,10 +40,11 @@ import numpy as np
 import trio
 
 from ..cluster import READY, SYNCING, Cluster, NodeDown, StagingPool, now_ns, read_verified
-from ..config import ClusterConfig, ConfigError, load
+from ..config import ClusterConfig, ConfigError, NodeSpec, load
 from ..metrics import Latency, node_samples
 from ..metrics import serve as serve_metrics
 from ..notify import notify
+from ..placement import placement
 from ..transport.base import Access, AccessError, RemoteError, Transport, TransportError
 from . import optim
 from .meta import Meta
@@ -52,6 +55,9 @@ log = logging.getLogger(__name__)
 
 MAX_STAGING_PER_OWNER = 512 << 20
 FREEZE_SECONDS = 30.0  # a frozen node thaws by itself after this
+# after a membership change, stripes a node no longer holds are kept this many heartbeats (plus
+# down_after) so that clients still on the old membership read them until they learn the new one
+GRACE_HEARTBEATS = 20
 
 
 class KeyedLocks:
@@ -111,6 +117,8 @@ class Node:
         self.commits_in_flight = 0
         self.commits_drained = trio.Event()
         self.frozen_by: str | None = None
+        self.freeze_deadline = 0.0
+        self.work: dict = {}  # long work under way (resync, rebalance): shown by heartbeats
         self.thawed = trio.Event()
         self.thawed.set()
 
@@ -118,6 +126,7 @@ class Node:
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             self.cluster = Cluster(self.cfg, self.transport, nursery, me=self.name, my_state=lambda: self.state)
+            self.cluster.on_adopt = self._adopted  # a membership learnt from a peer's heartbeat
             # slots of two units: optimizer state of a float16 stripe is twice its size
             self.peer_staging = StagingPool(self.cluster, f"node:{self.name}:{time.time_ns()}", 2 * self.cfg.stripe_unit)
             address = await nursery.start(partial(self.transport.serve, self.spec.host, self.spec.port, self.handle, on_imm=self.on_imm))
@@ -171,6 +180,8 @@ class Node:
             "transport": self.transport.name,
             "pid": __import__("os").getpid(),
             "uptime": round(time.time() - self.started, 3),
+            "epoch": self.cluster.epoch if self.cluster else 0,
+            "work": self.work,
             "calls": sum(self.counters.values()),
             "served_bytes": sum(b for _, b in self.transport.served.values()),
             "replicas_behind": sum(self.cluster.node_state(n) != READY for n in self.cfg.names if n != self.name) if self.cluster else 0,
@@ -306,23 +317,42 @@ class Node:
     async def rpc_snapshots(self) -> dict:
         return {"snapshots": {n: {"id": s["id"], "time_ns": s["time_ns"]} for n, s in self.meta.snapshots.items()}}
 
-    # -- the commit barrier (snapshots) ----------------------------------------------------------
+    # -- the commit barrier (snapshots, rebalance) -----------------------------------------------
+    @asynccontextmanager
+    async def _commit_barrier(self):
+        """Around a change of stripe data (a commit, a push): waits while the node is frozen,
+        and counts as in flight so that a freeze waits for it."""
+        while self.frozen_by is not None:
+            await self.thawed.wait()
+        self.commits_in_flight += 1
+        try:
+            yield
+        finally:
+            self.commits_in_flight -= 1
+            if not self.commits_in_flight:
+                self.commits_drained.set()
+                self.commits_drained = trio.Event()
+
     async def rpc_freeze(self, token: str, seconds: float) -> dict:
-        """Hold new commits and wait for those in flight; thaws by itself after ``seconds`` so a
-        coordinator that died cannot leave the node frozen."""
-        if self.frozen_by is not None:
+        """Hold new commits and pushes and wait for those in flight; thaws by itself after
+        ``seconds`` (at most FREEZE_SECONDS) so a coordinator that died cannot leave the node
+        frozen. The same token again extends the freeze (a long rebalance keeps it alive)."""
+        if self.frozen_by not in (None, token):
             raise RemoteError("EBUSY", f"frozen by {self.frozen_by}")
-        self.frozen_by = token
-        self.thawed = trio.Event()
-        self.cluster.nursery.start_soon(self._auto_thaw, token, min(seconds, FREEZE_SECONDS))
+        self.freeze_deadline = trio.current_time() + min(seconds, FREEZE_SECONDS)
+        if self.frozen_by is None:
+            self.frozen_by = token
+            self.thawed = trio.Event()
+            self.cluster.nursery.start_soon(self._auto_thaw, token)
         while self.commits_in_flight:
             await self.commits_drained.wait()
         return {}
 
-    async def _auto_thaw(self, token: str, seconds: float) -> None:
-        await trio.sleep(seconds)
+    async def _auto_thaw(self, token: str) -> None:
+        while self.frozen_by == token and trio.current_time() < self.freeze_deadline:
+            await trio.sleep(self.freeze_deadline - trio.current_time())
         if self.frozen_by == token:
-            log.warning("freeze %s not lifted within %ss; thawing", token, seconds)
+            log.warning("freeze %s not lifted or extended in time; thawing", token)
             await self.rpc_thaw(token)
 
     async def rpc_thaw(self, token: str) -> dict:
@@ -377,10 +407,10 @@ class Node:
         if primary != self.name:
             raise RemoteError("ENOTPRIMARY", primary or "")
         data = self._staged(rkey, soff, length)
-        while self.frozen_by is not None:  # a snapshot is being taken
-            await self.thawed.wait()
-        self.commits_in_flight += 1
-        try:
+        async with self._commit_barrier():
+            primary = self.cluster.stripe_primary(fid, idx)  # again: a rebalance may have moved it
+            if primary != self.name:
+                raise RemoteError("ENOTPRIMARY", primary or "")
             async with self.stripe_locks((fid, idx)):
                 version = self.store.install(fid, idx, offset, data, unit)
                 stripe = self.store.get(fid, idx)
@@ -388,11 +418,6 @@ class Node:
                     for peer in self.cluster.targets(fid, idx):
                         if peer != self.name:
                             n.start_soon(self._replicate, peer, fid, idx, offset, length, version, unit, stripe)
-        finally:
-            self.commits_in_flight -= 1
-            if not self.commits_in_flight:
-                self.commits_drained.set()
-                self.commits_drained = trio.Event()
         return {"version": version}
 
     async def _replicate(self, peer: str, fid: int, idx: int, offset: int, length: int, version: int, unit: int, stripe, snap: int = 0) -> None:
@@ -539,6 +564,10 @@ class Node:
         ``spans`` only the [start, length] element runs listed (chunk sparsification; the rest
         is zero); applied as the policy says."""
         self._require_ready()
+        async with self._commit_barrier():
+            return await self._push_now(staged, fid, idx, offset, count, rank, step, wire, unit, spans, busy, paced)
+
+    async def _push_now(self, staged: memoryview, fid: int, idx: int, offset: int, count: int, rank: int, step: int, wire: str, unit: int, spans: list | None, busy: float | None, paced: float) -> dict:
         if self.cluster.stripe_primary(fid, idx) != self.name:
             raise RemoteError("ENOTPRIMARY", self.cluster.stripe_primary(fid, idx) or "")
         model, opt, tensor = self.model_of(fid)
@@ -649,7 +678,7 @@ class Node:
                     s = self.store.get(fid, idx, -k)
                     n.start_soon(self._replicate, peer, fid, idx, 0, s.capacity, s.version, 2 * unit, s, -k)
 
-    # -- resync --------------------------------------------------------------------------------
+    # -- resync and rebalance ---------------------------------------------------------------------
     async def resync(self) -> None:
         peers = [n for n in self.cluster.ready() if n != self.name]
         if not peers:
@@ -659,52 +688,116 @@ class Node:
         primary = self.cluster.meta_primary()
         snap = await self.cluster.call(primary, "meta_snapshot")
         await self.rpc_meta_restore(snap)
+        live = set(peers) | {self.name}
+
+        def mine(fid: int, idx: int) -> bool:
+            return self.name in [n for n in self.cluster.stripe_rank(fid, idx) if n in live][: self.cfg.replicas]
+
+        await self._pull_stripes("resync", peers, mine)
+        log.info("resync of node %s done in %.2fs", self.name, time.monotonic() - t0)
+
+    async def _pull_stripes(self, what: str, peers: list[str], mine, *, strict: bool = False) -> dict:
+        """Fetch, from ``peers``, the newest copy of every stripe (live, snapshot, optimizer
+        state) for which ``mine(fid, idx)`` holds and that this node lacks or holds older. With
+        ``strict``, a peer that cannot be listed or a stripe that cannot be fetched is an error
+        (a rebalance must not switch over without every copy); otherwise it is logged."""
         newest: dict[tuple[int, int, int], tuple[int, str, int]] = {}
         for peer in peers:
             try:
                 listing = (await self.cluster.call(peer, "stripes"))["stripes"]
             except (NodeDown, RemoteError) as exc:
-                log.warning("resync: cannot list %s: %s", peer, exc)
+                if strict:
+                    raise RemoteError("EAGAIN", f"{what}: cannot list {peer}: {exc}") from None
+                log.warning("%s: cannot list %s: %s", what, peer, exc)
                 continue
             for fid, idx, snap, version, cap in listing:
                 if version > newest.get((fid, idx, snap), (-1,))[0]:
                     newest[(fid, idx, snap)] = (version, peer, cap)
         live_files = self.meta.files()
         files = {0: live_files, -1: live_files, -2: live_files} | {sid: self.meta.view(sid).files() for sid in self.meta.snapshot_ids().values()}
-        live = set(peers) | {self.name}
         todo = []
         for (fid, idx, snap), (version, peer, cap) in newest.items():
-            ranking = [n for n in self.cluster.stripe_rank(fid, idx) if n in live]
-            mine = self.store.get(fid, idx, snap)
-            if fid in files.get(snap, ()) and self.name in ranking[: self.cfg.replicas] and (mine is None or mine.version < version):
+            held = self.store.get(fid, idx, snap)
+            if fid in files.get(snap, ()) and mine(fid, idx) and (held is None or held.version < version):
                 todo.append((fid, idx, snap, peer, cap))
         total_bytes = sum(t[4] for t in todo)
-        log.info("resync: %d stripes (%d bytes) to fetch from %d peers", len(todo), total_bytes, len(peers))
+        log.info("%s: %d stripes (%d bytes) to fetch from %d peers", what, len(todo), total_bytes, len(peers))
         done_bytes, last_log = 0, time.monotonic()
-        for i, (fid, idx, snap, peer, cap) in enumerate(todo, 1):
-            await self._fetch_stripe(fid, idx, snap, peer)
-            done_bytes += cap
-            if time.monotonic() - last_log > 1.0 or i == len(todo):
-                last_log = time.monotonic()
-                log.info("resync: %d/%d stripes, %d/%d bytes", i, len(todo), done_bytes, total_bytes)
-                notify(f"STATUS=resync {i}/{len(todo)} stripes")
-        log.info("resync of node %s done in %.2fs", self.name, time.monotonic() - t0)
+        self.work = {"what": what, "done": 0, "total": len(todo), "bytes": 0, "total_bytes": total_bytes}
+        try:
+            for i, (fid, idx, snap, peer, cap) in enumerate(todo, 1):
+                if not await self._fetch_stripe(fid, idx, snap, peer) and strict:
+                    raise RemoteError("EAGAIN", f"{what}: stripe {fid}:{idx} (snapshot {snap}) not fetched from {peer}")
+                done_bytes += cap
+                self.work.update(done=i, bytes=done_bytes)
+                if time.monotonic() - last_log > 1.0 or i == len(todo):
+                    last_log = time.monotonic()
+                    log.info("%s: %d/%d stripes, %d/%d bytes", what, i, len(todo), done_bytes, total_bytes)
+                    notify(f"STATUS={what} {i}/{len(todo)} stripes")
+        finally:
+            self.work = {}
+        return {"stripes": len(todo), "bytes": done_bytes}
 
-    async def _fetch_stripe(self, fid: int, idx: int, snap: int, peer: str) -> None:
+    async def rpc_members(self) -> dict:
+        """The membership this node works with, and its epoch (0: as its config file says)."""
+        return {"epoch": self.cluster.epoch, "replicas": self.cfg.replicas, "nodes": [asdict(n) for n in self.cfg.nodes]}
+
+    async def rpc_rebalance_pull(self, nodes: list[dict], replicas: int) -> dict:
+        """Rebalance, step 1 (the cluster frozen): fetch every stripe this node holds under the
+        new membership ``nodes`` and lacks, from any node of the old or the new membership."""
+        specs = [NodeSpec(str(n["name"]), str(n["host"]), int(n["port"])) for n in nodes]
+        self.cluster.know(specs)
+        names = [s.name for s in specs]
+        peers = sorted((set(names) | set(self.cfg.names)) - {self.name})
+
+        def mine(fid: int, idx: int) -> bool:
+            return self.name in placement(fid, idx, names, replicas)
+
+        return await self._pull_stripes("rebalance", peers, mine, strict=True)
+
+    async def rpc_reconfigure(self, nodes: list[dict], replicas: int, epoch: int) -> dict:
+        """Rebalance, step 2: switch to the new membership; after a grace period (clients learn
+        it from heartbeats meanwhile) drop the stripes this node no longer holds."""
+        if epoch <= self.cluster.epoch:
+            return {"epoch": self.cluster.epoch}
+        specs = [NodeSpec(str(n["name"]), str(n["host"]), int(n["port"])) for n in nodes]
+        self.cluster.adopt(specs, replicas, epoch)
+        self._adopted(epoch)
+        return {"epoch": epoch}
+
+    def _adopted(self, epoch: int) -> None:
+        if self.name in self.cfg.names:
+            self.cluster.nursery.start_soon(self._drop_unhomed, epoch)
+        else:
+            log.warning("node %s is not a member any more (membership %d): it can be stopped", self.name, epoch)
+
+    async def _drop_unhomed(self, epoch: int) -> None:
+        await trio.sleep(GRACE_HEARTBEATS * self.cfg.heartbeat + self.cfg.down_after)
+        if self.cluster.epoch != epoch:
+            return  # another change came meanwhile: it drops for itself
+        names, r = self.cfg.names, self.cfg.replicas
+        gone = [k for k in self.store.stripes if self.name not in placement(k[0], k[1], names, r)]
+        freed = self.store.drop_keys(gone)
+        log.info("rebalance: dropped %d stripes this node no longer holds", freed)
+
+    async def _fetch_stripe(self, fid: int, idx: int, snap: int, peer: str) -> bool:
+        """Copy one stripe from ``peer`` unless this node holds it as new; False if it failed."""
         try:
             info = (await self.cluster.call(peer, "stripe_info", {"fid": fid, "idxs": [idx], "snap": snap}))[str(idx)]
             if info is None:
-                return
+                log.warning("stripe %d:%d (snapshot %d) is gone from %s", fid, idx, snap, peer)
+                return False
             buf = bytearray(info["capacity"])
             conn = await self.cluster.conn(peer)
             version, clock = await read_verified(conn, info["rkey"], 0, memoryview(buf))
         except (TransportError, RemoteError) as exc:
-            log.warning("resync: stripe %d:%d from %s failed: %s", fid, idx, peer, exc)
-            return
+            log.warning("stripe %d:%d from %s failed: %s", fid, idx, peer, exc)
+            return False
         async with self.stripe_locks((fid, idx)):
             mine = self.store.get(fid, idx, snap)
             if mine is None or mine.version < version:  # replication may have brought newer
                 self.store.replace(fid, idx, memoryview(buf), 2 * self.cfg.stripe_unit, version, snap, clock)
+        return True
 
 
 def choose_transport(cfg: ClusterConfig) -> Transport:

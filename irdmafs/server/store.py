@@ -131,6 +131,10 @@ class Store:
     def drop_snapshot(self, snap: int) -> int:
         return self._drop([k for k in self.stripes if k[2] == snap])
 
+    def drop_keys(self, keys: list) -> int:
+        """Free these (fid, idx, snap) stripes (a rebalance moved them elsewhere)."""
+        return self._drop([k for k in keys if k in self.stripes])
+
     def _drop(self, keys: list) -> int:
         for key in keys:
             self._free(self.stripes.pop(key).region)

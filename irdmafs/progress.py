@@ -1,0 +1,68 @@
+"""Progress of long work for a person: a bar on a terminal, plain lines in a log otherwise.
+
+    p = Progress("rebalance", total_bytes, unit="B")
+    p.update(done)      # as often as you like: the terminal is redrawn at most 10 times a second,
+    p.close()           # a log line is written at most every 2 seconds
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TextIO
+
+
+def _human(n: float, unit: str) -> str:
+    if unit != "B":
+        return f"{n:.0f}"
+    for suffix in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or suffix == "TiB":
+            return f"{n:.1f} {suffix}" if suffix != "B" else f"{n:.0f} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+class Progress:
+    def __init__(self, what: str, total: float, *, unit: str = "", stream: TextIO | None = None, width: int = 30):
+        self.what = what
+        self.total = total
+        self.unit = unit
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.width = width
+        self.done = 0.0
+        self.t0 = time.monotonic()
+        self._last = 0.0
+
+    def line(self) -> str:
+        frac = min(1.0, self.done / self.total) if self.total else 1.0
+        rate = self.done / max(1e-9, time.monotonic() - self.t0)
+        text = f"{self.what}: {_human(self.done, self.unit)}/{_human(self.total, self.unit)} ({frac:.0%}"
+        if self.unit == "B":
+            text += f", {_human(rate, 'B')}/s"
+        return text + ")"
+
+    def update(self, done: float, total: float | None = None) -> None:
+        self.done = done
+        if total is not None:
+            self.total = total
+        now = time.monotonic()
+        if now - self._last < (0.1 if self.tty else 2.0):
+            return
+        self._last = now
+        self._draw()
+
+    def _draw(self) -> None:
+        if self.tty:
+            frac = min(1.0, self.done / self.total) if self.total else 1.0
+            filled = int(frac * self.width)
+            self.stream.write(f"\r[{'#' * filled}{'.' * (self.width - filled)}] {self.line()}\033[K")
+        else:
+            self.stream.write(self.line() + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        self._draw()
+        if self.tty:
+            self.stream.write("\n")
+        self.stream.flush()

@@ -1,0 +1,137 @@
+"""``irdmafs rebalance``: move a running cluster to a new membership (a node added or removed).
+
+    irdmafs rebalance --from cluster.toml --to cluster-new.toml
+
+Every node of both configs must be running and ready (start an added node first, with the new
+config; keep a removed node running until the rebalance is done). Then, as a coordinator:
+
+1. freeze commits and pushes on every node (the snapshot barrier; kept alive while it works):
+   reads go on, writes wait;
+2. every node of the new membership copies the stripes it holds under the new placement and
+   lacks, from whichever node has the newest copy (``rebalance_pull``), with progress shown here;
+   if any copy fails, nothing switches: the cluster thaws on the old membership, nothing lost;
+3. every node switches to the new membership (``reconfigure``, with a new epoch); clients and
+   mounts learn it from their next heartbeat, and the coordinator waits for that before it
+4. thaws. Waiting writes find their stripe's new primary and go on. Nodes drop the stripes they
+   no longer hold after a grace period, so a client still on the old membership reads them until
+   it has switched.
+
+Write the new config where mounts and nodes will read it on their next start: running ones
+follow the epoch, and a process started later from the old file learns it from the nodes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, replace
+
+import trio
+
+from .cluster import READY, Cluster, NodeDown
+from .config import ClusterConfig
+from .progress import Progress
+from .transport.base import RemoteError
+from .transport.select import choose
+from .util import single_exception
+
+log = logging.getLogger(__name__)
+
+KEEPALIVE = 10.0  # seconds between extensions of the freeze (nodes thaw by themselves after 30 s)
+
+
+class RebalanceError(Exception):
+    """The rebalance could not start or a copy failed; the cluster stays on its old membership."""
+
+
+async def rebalance(old: ClusterConfig, new: ClusterConfig, *, show_progress: bool = True) -> dict:
+    if old.token != new.token:
+        raise RebalanceError("the two configs have different tokens")
+    union = replace(new, nodes=[*new.nodes, *[n for n in old.nodes if n.name not in new.names]])
+    members = [asdict(n) for n in new.nodes]
+    transport = choose(new.transport, new.token, op_timeout=new.op_timeout)
+    token = f"rebalance:{time.time_ns()}"
+    epoch = time.time_ns()
+    with single_exception():
+        return await _run(old, new, union, members, transport, token, epoch, show_progress)
+
+
+async def _run(old, new, union, members, transport, token: str, epoch: int, show_progress: bool) -> dict:
+    names = union.names
+    async with trio.open_nursery() as nursery:
+        cluster = Cluster(union, transport, nursery)
+        cluster.follow_membership = False
+        await cluster.refresh()
+        missing = [n for n in names if cluster.node_state(n) != READY]
+        if missing:
+            raise RebalanceError(f"not running and ready: {', '.join(missing)} (start added nodes with the new config first)")
+        frozen: list[str] = []
+        try:
+            for n in names:
+                await cluster.call(n, "freeze", {"token": token, "seconds": 30.0})
+                frozen.append(n)
+            nursery.start_soon(_keep_frozen, cluster, names, token)
+            moved = await _copy(cluster, new, members, show_progress)
+            for n in names:
+                await cluster.call(n, "reconfigure", {"nodes": members, "replicas": new.replicas, "epoch": epoch})
+            # clients switch at their next heartbeat; writes waiting on old primaries then
+            # find the new ones
+            await trio.sleep(2 * max(old.heartbeat, new.heartbeat) + 0.5)
+        except (NodeDown, RemoteError) as exc:
+            raise RebalanceError(f"{exc}; the cluster stays on its old membership") from None
+        finally:
+            with trio.CancelScope(shield=True):
+                for n in frozen:
+                    try:
+                        await cluster.call(n, "thaw", {"token": token})
+                    except (NodeDown, RemoteError) as exc:  # it thaws by itself
+                        log.warning("thaw of %s failed: %s", n, exc)
+            nursery.cancel_scope.cancel()
+    log.info("rebalance done: membership %d, %d stripes (%d bytes) copied", epoch, moved["stripes"], moved["bytes"])
+    return {"epoch": epoch, **moved}
+
+
+async def _keep_frozen(cluster: Cluster, names: list[str], token: str) -> None:
+    while True:
+        await trio.sleep(KEEPALIVE)
+        for n in names:
+            try:
+                await cluster.call(n, "freeze", {"token": token, "seconds": 30.0})
+            except (NodeDown, RemoteError) as exc:
+                log.warning("freeze of %s not extended: %s", n, exc)
+
+
+async def _copy(cluster: Cluster, new: ClusterConfig, members: list[dict], show_progress: bool) -> dict:
+    results: dict[str, dict] = {}
+    bar = Progress("rebalance", 0, unit="B") if show_progress else None
+
+    async def pull(name: str) -> None:
+        results[name] = await cluster.call(name, "rebalance_pull", {"nodes": members, "replicas": new.replicas}, timeout=24 * 3600)
+
+    async with trio.open_nursery() as n:
+        for name in new.names:
+            n.start_soon(pull, name)
+        if bar is not None:
+            n.start_soon(_watch, cluster, new.names, results, bar)
+    if bar is not None:
+        bar.update(sum(r["bytes"] for r in results.values()), max(bar.total, sum(r["bytes"] for r in results.values())))
+        bar.close()
+    return {"stripes": sum(r["stripes"] for r in results.values()), "bytes": sum(r["bytes"] for r in results.values())}
+
+
+async def _watch(cluster: Cluster, names: list[str], results: dict, bar: Progress) -> None:
+    """The nodes' copy progress, from their heartbeats, until every pull answered."""
+    totals: dict[str, tuple[int, int]] = {}
+    while len(results) < len(names):
+        for name in names:
+            if name in results:
+                totals[name] = (results[name]["bytes"], results[name]["bytes"])
+                continue
+            try:
+                work = (await cluster.call(name, "heartbeat", {"from": "rebalance"})).get("work") or {}
+            except (NodeDown, RemoteError):
+                continue
+            if work.get("what") == "rebalance":
+                totals[name] = (work["bytes"], work["total_bytes"])
+        bar.update(sum(d for d, _ in totals.values()), sum(t for _, t in totals.values()))
+        await trio.sleep(0.2)
