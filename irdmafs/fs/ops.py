@@ -171,7 +171,8 @@ class Operations(pyfuse3.Operations):
     async def open(self, inode, flags, ctx):
         fh = await self.vfs.open(inode, flags)
         # keep_cache=False: the kernel drops cached pages at every open (close-to-open consistency)
-        return pyfuse3.FileInfo(fh=fh, keep_cache=False, direct_io=False)
+        # direct_io for status files: their size changes between the stat and the read
+        return pyfuse3.FileInfo(fh=fh, keep_cache=False, direct_io=getattr(self.vfs.handles.get(fh), "direct", False))
 
     @fuse_errors
     async def create(self, parent_inode, name, mode, flags, ctx):

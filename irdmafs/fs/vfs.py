@@ -157,6 +157,7 @@ class BytesHandle(Handle):
     the model's policy lets the rank see them)."""
 
     content: bytes = b""
+    direct: bool = False  # read past the size the kernel was told (status files change size)
 
     async def read(self, off: int, size: int) -> memoryview:
         return memoryview(self.content)[off : off + size]
@@ -427,7 +428,10 @@ class Vfs:
         if ino in (IRDMA_DIR, SNAPSHOTS_DIR, WORKERS_DIR, RANKS_DIR):
             return dir_stat(ino, 0o755 if ino in (SNAPSHOTS_DIR, RANKS_DIR) else 0o555)
         if ino in (CLUSTER_FILE, STATS_FILE):
-            return file_stat(ino, len(await self.virtual_content(ino)))
+            # open: the content made at open (the figures change between calls, and the kernel
+            # reads no further than the size it was told)
+            h = next((h for h in self.handles.values() if isinstance(h, BytesHandle) and h.ino == ino), None)
+            return file_stat(ino, len(h.content if h is not None else await self.virtual_content(ino)))
         raise FsError(errno.ENOENT)
 
     async def lookup(self, parent: int, name: str) -> dict:
@@ -632,7 +636,7 @@ class Vfs:
         if ino in (CLUSTER_FILE, STATS_FILE):
             if writes(flags):
                 raise FsError(errno.EACCES)
-            return self._register(BytesHandle(ino, await self.virtual_content(ino)))
+            return self._register(BytesHandle(ino, await self.virtual_content(ino), direct=True))
         if BATCH_FILE <= ino < BATCH_FILE + MAX_RANK:
             rank = ino - BATCH_FILE
             if writes(flags):
