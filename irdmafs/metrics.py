@@ -144,7 +144,7 @@ def serve(address: str, samples: Callable[[], list[Sample]]) -> tuple[str, int]:
                 values = [labels[k] for k in sorted(labels)]
                 if kind == "histogram":
                     bounds = [str(b) for b in BUCKETS] + ["+Inf"]
-                    fam.add_metric(values, list(zip(bounds, value["buckets"])), value["sum"])
+                    fam.add_metric(values, list(zip(bounds, value["buckets"], strict=True)), value["sum"])
                 else:
                     fam.add_metric(values, value)
             yield from families.values()
