@@ -45,6 +45,7 @@ from ..metrics import Latency, node_samples
 from ..metrics import serve as serve_metrics
 from ..notify import notify
 from ..placement import placement
+from ..progress import Progress
 from ..transport.base import Access, AccessError, RemoteError, Transport, TransportError
 from . import optim
 from .meta import Meta
@@ -724,18 +725,23 @@ class Node:
         log.info("%s: %d stripes (%d bytes) to fetch from %d peers", what, len(todo), total_bytes, len(peers))
         done_bytes, last_log = 0, time.monotonic()
         self.work = {"what": what, "done": 0, "total": len(todo), "bytes": 0, "total_bytes": total_bytes}
+        bar = Progress(what, total_bytes, unit="B") if sys.stderr.isatty() and todo else None  # in a terminal
         try:
             for i, (fid, idx, snap, peer, cap) in enumerate(todo, 1):
                 if not await self._fetch_stripe(fid, idx, snap, peer) and strict:
                     raise RemoteError("EAGAIN", f"{what}: stripe {fid}:{idx} (snapshot {snap}) not fetched from {peer}")
                 done_bytes += cap
                 self.work.update(done=i, bytes=done_bytes)
-                if time.monotonic() - last_log > 1.0 or i == len(todo):
+                if bar is not None:
+                    bar.update(done_bytes)
+                elif time.monotonic() - last_log > 1.0 or i == len(todo):
                     last_log = time.monotonic()
                     log.info("%s: %d/%d stripes, %d/%d bytes", what, i, len(todo), done_bytes, total_bytes)
                     notify(f"STATUS={what} {i}/{len(todo)} stripes")
         finally:
             self.work = {}
+            if bar is not None:
+                bar.close()
         return {"stripes": len(todo), "bytes": done_bytes}
 
     async def rpc_members(self) -> dict:
