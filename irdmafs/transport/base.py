@@ -106,12 +106,14 @@ class RegionTable:
 
     def __init__(self) -> None:
         self._regions: dict[int, Region] = {}
-        self._next = 1
 
     def add(self, buf: memoryview, access: Access) -> Region:
-        region = Region(self._next, buf, access)
-        self._regions[self._next] = region
-        self._next += 1
+        # random, not sequential: a peer cannot guess the key of a region it was not given
+        rkey = 0
+        while rkey == 0 or rkey in self._regions:
+            rkey = secrets.randbits(32)
+        region = Region(rkey, buf, access)
+        self._regions[rkey] = region
         return region
 
     def get(self, rkey: int) -> Region | None:

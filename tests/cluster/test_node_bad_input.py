@@ -48,3 +48,64 @@ async def test_bad_requests_get_typed_errors_and_the_node_survives(local_cluster
     await trio.sleep(0.2)
     log = lc.log_of("n1")
     assert "wrong cluster token" in log and "READ refused" in log and "WRITE refused" in log
+
+
+async def test_a_node_process_survives_thousands_of_random_frames(local_cluster):
+    """Random headers (valid magic, wild fields) and random bytes, after a real handshake, against
+    a real node process: it keeps serving and the data it holds is unchanged."""
+    import random
+    import socket
+
+    import numpy as np
+
+    from irdmafs.client.client import Client
+    from irdmafs.local import node_status
+    from irdmafs.transport import protocol as P
+    from irdmafs.transport.base import client_proof, new_nonce
+
+    lc = await local_cluster(nodes=1, replicas=1)
+    data = np.random.default_rng(0).integers(0, 255, 3 << 20, dtype=np.uint8)
+    async with Client.connect(lc.cfg) as c:
+        await c.write_file("/keep", data)
+    spec = lc.cfg.nodes[0]
+    rng = random.Random(6)
+
+    def session_frames(n):
+        out = bytearray()
+        for _ in range(n):
+            if rng.random() < 0.2:
+                out += rng.randbytes(rng.randint(1, 60))  # garbage: the node closes this session
+                break
+            op = rng.choice([P.Op.READ, P.Op.WRITE, P.Op.WRITE_IMM, P.Op.CALL, 0x55])
+            length = rng.choice([0, 1, 16, 4096, rng.randint(0, 5000)])
+            # rkeys no region has (an authenticated peer may legitimately write the ones it knows)
+            h = P.Header(op, rng.getrandbits(64), rng.choice([0, rng.randint(1 << 24, 2**32 - 1)]), rng.choice([0, 8, 1 << 20, 2**63, rng.getrandbits(64)]), length, 0, rng.getrandbits(32))
+            out += P.pack(h) + rng.randbytes(P.payload_size(h) if op != P.Op.READ else 0)
+        return bytes(out)
+
+    def fuzz():
+        sent = 0
+        for _ in range(100):
+            s = socket.create_connection((spec.host, spec.port), timeout=5)
+            try:
+                h = P.unpack(s.recv(40, socket.MSG_WAITALL))
+                snonce = s.recv(h.length, socket.MSG_WAITALL)
+                cnonce = new_nonce()
+                s.sendall(P.pack(P.Header(P.Op.AUTH, length=64)) + cnonce + client_proof(lc.cfg.token, snonce, cnonce))
+                s.sendall(session_frames(30))
+                sent += 30
+                s.shutdown(socket.SHUT_WR)
+                while s.recv(65536):
+                    pass
+            except OSError:
+                pass
+            finally:
+                s.close()
+        return sent
+
+    assert await trio.to_thread.run_sync(fuzz) >= 2000
+    assert (await node_status(lc.cfg, spec.name))["state"] == "ready"
+    lc.check_alive()
+    async with Client.connect(lc.cfg) as c:
+        ino = (await c.resolve("/keep"))["ino"]
+        assert np.array_equal(np.frombuffer(await c.read(ino, 0, len(data)), np.uint8), data)
