@@ -55,8 +55,9 @@ def check_mountpoint(mountpoint: str) -> str:
     mp = os.path.abspath(mountpoint)
     if not os.path.isdir(mp):
         raise QuietError(f"{mountpoint}: not a directory", 2)
-    from .mount import is_mounted
+    from .mount import clear_dead_mount, is_mounted
 
+    clear_dead_mount(mp)  # a mount whose process died: mounting again over it recovers
     if is_mounted(mp):
         raise QuietError(f"{mountpoint}: already a mount point", 2)
     return mp

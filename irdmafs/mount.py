@@ -7,6 +7,7 @@ cleanly. ``mount_background`` starts that in a new process and returns once the 
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -24,7 +25,9 @@ from .transport.select import choose
 
 log = logging.getLogger(__name__)
 
-BASE_OPTIONS = ("fsname=irdmafs", "subtype=irdmafs", "default_permissions")
+# auto_unmount: libfuse's fusermount3 stays behind and unmounts if the mount process dies (even
+# by kill -9), so a dead mount never leaves a mountpoint that hangs or says ENOTCONN
+BASE_OPTIONS = ("fsname=irdmafs", "subtype=irdmafs", "default_permissions", "auto_unmount")
 # mount(8) options that concern when/who mounts, not the file system itself
 IGNORED_OPTIONS = {"nofail", "_netdev", "noauto", "auto", "user", "users", "defaults", "rw"}
 
@@ -91,6 +94,21 @@ async def _terminate_on_signals() -> None:
             log.info("signal %s: unmounting", signal.Signals(sig).name)
             pyfuse3.terminate()
             return
+
+
+def clear_dead_mount(mountpoint: str) -> bool:
+    """If ``mountpoint`` is a FUSE mount whose process is gone (ENOTCONN), detach it; True if it
+    did. A live mount, or no mount, is left alone."""
+    if not is_mounted(mountpoint):
+        return False
+    try:
+        os.listdir(mountpoint)  # not stat: the kernel may answer that from its cache
+        return False
+    except OSError as exc:
+        if exc.errno != errno.ENOTCONN:
+            return False
+    log.warning("%s: the mount's process is gone (ENOTCONN); detaching it", mountpoint)
+    return unmount(mountpoint, lazy=True)
 
 
 def is_mounted(mountpoint: str) -> bool:

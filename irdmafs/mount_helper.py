@@ -21,7 +21,7 @@ import os
 import sys
 from pathlib import Path
 
-from .mount import IGNORED_OPTIONS, is_mounted, mount_background
+from .mount import IGNORED_OPTIONS, clear_dead_mount, is_mounted, mount_background
 
 
 def fuse_mount_options(opts: list[str]) -> list[str]:
@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.isdir(mp):
         print(f"mount.irdmafs: {args.mountpoint}: not a directory", file=sys.stderr)
         return 1
+    clear_dead_mount(mp)
     if is_mounted(mp):
         print(f"mount.irdmafs: {args.mountpoint}: already a mount point", file=sys.stderr)
         return 1

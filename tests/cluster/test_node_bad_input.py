@@ -35,6 +35,10 @@ async def test_bad_requests_get_typed_errors_and_the_node_survives(local_cluster
         ("commit", dict(commit, rkey=staging["rkey"], offset=4 << 20), "EINVAL"),  # past the stripe
         ("meta", {"op": {"op": "explode"}}, "EINVAL"),
         ("meta", {"op": {"op": "mkdir", "parent": 1, "name": "../x", "mode": 0o755}}, "EINVAL"),
+        ("meta", {"op": {"op": "mkdir", "parent": 1, "name": "..", "mode": 0o755}}, "EINVAL"),
+        ("meta", {"op": {"op": "mkdir", "parent": 1, "name": "a\0b", "mode": 0o755}}, "EINVAL"),
+        ("meta", {"op": {"op": "mkdir", "parent": 1, "name": "x" * 256, "mode": 0o755}}, "ENAMETOOLONG"),
+        ("meta", {"op": {"op": "mkdir", "parent": 1, "name": "é" * 128, "mode": 0o755}}, "ENAMETOOLONG"),  # 256 bytes
     ]
     for method, args, code in expected:
         with pytest.raises(RemoteError) as err:

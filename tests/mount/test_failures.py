@@ -49,3 +49,63 @@ async def test_cluster_full_is_enospc(local_cluster, mount):
             f.write(os.urandom(4 * MiB))
     assert err.value.errno == errno.ENOSPC
     assert (m / "small").read_bytes() == b"x" * MiB
+
+
+async def test_mount_process_killed_with_kill_9_leaves_no_hung_mountpoint_and_loses_nothing(local_cluster, tmp_path):
+    """auto_unmount detaches the mount when its process dies; mounting again shows every file
+    that was closed before the kill; a mount whose process died without auto_unmount is
+    detached by the next mount over it."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from irdmafs.mount import clear_dead_mount, is_mounted, unmount, wait_for_mount
+
+    lc = await local_cluster(nodes=2, replicas=2)
+    mp = tmp_path / "ps"
+    mp.mkdir()
+
+    def start():
+        proc = subprocess.Popen([sys.executable, "-m", "irdmafs.cli", "mount", "--config", str(lc.config_path), str(mp), "-f"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for_mount(str(mp), proc)
+        return proc
+
+    proc = start()
+    data = os.urandom(5 * MiB)
+    (mp / "kept").write_bytes(data)
+    f = open(mp / "open-at-kill", "wb")
+    f.write(b"x" * 1000)  # never flushed: may be lost, and may not break anything
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    deadline = time.monotonic() + 10
+    while is_mounted(str(mp)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not is_mounted(str(mp))  # detached by auto_unmount, so nothing can hang on it
+    assert os.listdir(mp) == []  # the bare directory
+    try:
+        f.close()
+    except OSError:
+        pass
+    proc = start()
+    assert (mp / "kept").read_bytes() == data
+
+    # without the helper that auto-unmounts (killed first), the mountpoint is left dead
+    helper = subprocess.run(["pgrep", "-f", f"fusermount3.*{mp}"], capture_output=True, text=True).stdout.split()
+    for pid in helper:
+        os.kill(int(pid), signal.SIGKILL)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    if helper:
+        assert is_mounted(str(mp))
+        with pytest.raises(OSError) as err:
+            os.listdir(mp)
+        assert err.value.errno == errno.ENOTCONN  # not a hang: an error at once
+    # what a user types: irdmafs mount over it detaches the dead mount first
+    r = subprocess.run([sys.executable, "-m", "irdmafs.cli", "mount", "--config", str(lc.config_path), str(mp)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    try:
+        assert (mp / "kept").read_bytes() == data
+    finally:
+        unmount(str(mp))
+    assert not clear_dead_mount(str(mp))  # nothing mounted: nothing to do
