@@ -5,8 +5,9 @@ from the cluster as it comes costs a round trip per MiB and keeps at most a few 
 transfers going, far below what the Client reaches with every stripe of a file in flight. So an
 open file that is read sequentially (from offset 0, or from where the last read ended) is read in
 whole stripes, and the next AHEAD stripes are fetched before they are asked for, from their
-different nodes at once; the kernel's reads are then answered from memory. A read elsewhere that
-is small is fetched as asked, so a header peek does not pull a whole stripe. A safetensors view
+different nodes at once; the kernel's reads are then answered from memory (also when they come
+out of order). A read elsewhere is fetched as asked: random access pays no read-ahead, and a
+header peek does not pull a whole stripe. A safetensors view
 is read ahead the same way, in chunks of the view that span many small tensor files at once.
 
 What an open file holds is what the cluster held when it was fetched: close-to-open consistency,
@@ -20,7 +21,6 @@ import numpy as np
 import trio
 
 AHEAD = 3  # stripes fetched ahead of a sequential reader
-SMALL = 64 << 10  # a non-sequential read below this is fetched as asked
 
 
 class _Fetch:
@@ -52,14 +52,16 @@ class ReadAhead:
             return b""
         sequential = off == (self.next_off if self.next_off is not None else 0)
         self.next_off = end
-        if not sequential and end - off < SMALL:
+        first, last = off // unit, (end - 1) // unit
+        held = all(i in self.stripes for i in range(first, last + 1))
+        if not sequential and not held:  # a random read: exactly what was asked, no read-ahead
             buf = bytearray(end - off)
             n = await self.fetch(off, memoryview(buf))
             return memoryview(buf)[:n]
-        first, last = off // unit, (end - 1) // unit
         horizon = last + (AHEAD if sequential else 0)
-        for idx in [i for i in self.stripes if not first <= i <= horizon]:
-            del self.stripes[idx]  # behind the reader (or far from it): not needed again
+        if sequential:
+            for idx in [i for i in self.stripes if not first <= i <= horizon]:
+                del self.stripes[idx]  # behind the reader (or far from it): not needed again
         for idx in range(first, horizon + 1):
             if idx * unit < fsize and idx not in self.stripes:
                 f = self.stripes[idx] = _Fetch(idx * unit, min(unit, fsize - idx * unit))

@@ -78,6 +78,7 @@ WORK_CACHE_SECONDS = 60.0
 # this long; file attributes and names are not, so sizes and renames by other mounts show at
 # the next open (while a file is open here, its attributes come from the open: see getattr).
 DIR_ATTR_SECONDS = 10.0
+UNLINKED = ".irdmafs-unlinked-"  # the hidden name of a file unlinked while open (not listed)
 VIEW_CHUNK = 4 << 20  # a safetensors view is read ahead in chunks of this many bytes
 SUFFIX = ".safetensors"
 DERIVED_XATTRS = ("user.irdma.dtype", "user.irdma.shape", "user.irdma.version")
@@ -354,7 +355,8 @@ class Vfs:
         self.status = status or {}
         self.handles: dict[int, Handle] = {}
         self.pending: dict[int, int] = {}  # ino -> size written through this mount, not yet flushed
-        self.writers: dict[int, set[WriteBehind]] = {}  # ino -> open files' writes on their way
+        self.writers: dict[int, set[WriteBehind]] = {}
+        self.unlinked: dict[int, tuple[int, str]] = {}  # ino -> (parent, hidden name) until last close  # ino -> open files' writes on their way
         self.write_slots = trio.Semaphore(writeback.SLOTS)
         self._fh = itertools.count(1)
         self.counters: dict[str, int] = {}
@@ -481,7 +483,7 @@ class Vfs:
 
     async def readdir(self, ino: int) -> list[tuple[str, dict]]:
         if is_cluster(ino):
-            return [(name, self.stat_of(attr)) for name, attr in await self.client.readdir(ino)]
+            return [(name, self.stat_of(attr)) for name, attr in await self.client.readdir(ino) if not name.startswith(UNLINKED)]
         if ino & SNAP:
             sid, i = split_snap(ino)
             return [(n, self.stat_of(a, snap_ino(sid, a["ino"]), readonly=True)) for n, a in await self.client.readdir(i, sid)]
@@ -575,6 +577,18 @@ class Vfs:
             raise FsError(errno.EROFS)
         if parent == ROOT and name in HIDDEN or not is_cluster(parent):
             raise FsError(errno.EPERM)
+        if any(isinstance(h, FileHandle) and not h.snap for h in self.handles.values()):
+            # POSIX: a file unlinked while open stays usable until its last close. As NFS does,
+            # the mount renames it out of sight instead and unlinks it at that last close.
+            try:
+                ino = (await self.client.lookup(parent, name))["ino"]
+            except RemoteError:
+                ino = None
+            if ino is not None and any(isinstance(h, FileHandle) and h.ino == ino and not h.snap for h in self.handles.values()):
+                hidden = f"{UNLINKED}{ino}"
+                await self.client.rename(parent, name, parent, hidden)
+                self.unlinked[ino] = (parent, hidden)
+                return
         try:
             await self.client.unlink(parent, name)
         except RemoteError as exc:
@@ -704,6 +718,12 @@ class Vfs:
                 self.writers.get(h.ino, set()).discard(h.behind)
                 if not self.writers.get(h.ino):
                     self.writers.pop(h.ino, None)
+            if isinstance(h, FileHandle) and h.ino in self.unlinked and not any(isinstance(o, FileHandle) and o.ino == h.ino for o in self.handles.values()):
+                parent, hidden = self.unlinked.pop(h.ino)
+                try:  # the last close of a file unlinked while open
+                    await self.client.unlink(parent, hidden)
+                except RemoteError as exc:
+                    log.warning("unlinked file %d not removed at its last close: %s", h.ino, exc)
             if isinstance(h, ViewWriteHandle) and h.created_dir:
                 # the write that was to create this model failed: take the empty directory away
                 try:

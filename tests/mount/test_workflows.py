@@ -258,3 +258,21 @@ async def test_reads_never_mix_within_a_stripe(ps):
             stop.set()
             await trio.to_thread.run_sync(t.join, 60)
     assert reads > 0 and not errors, errors[:5]
+
+
+async def test_a_file_unlinked_while_open_stays_usable_until_its_last_close(ps):
+    _, ps = ps
+    fd = os.open(ps / "tmp", os.O_RDWR | os.O_CREAT, 0o644)
+    os.write(fd, b"hello" * 1000)
+    os.unlink(ps / "tmp")
+    assert not (ps / "tmp").exists() and "tmp" not in os.listdir(ps)
+    assert not any(n.startswith(".irdmafs-unlinked-") for n in os.listdir(ps))  # hidden
+    os.pwrite(fd, b"xyz", 10)
+    assert os.pread(fd, 20, 0) == b"hellohelloxyzlohello"
+    os.fsync(fd)
+    os.ftruncate(fd, 100)
+    assert os.fstat(fd).st_size == 100
+    hidden = ps / f".irdmafs-unlinked-{os.fstat(fd).st_ino}"
+    assert hidden.exists()  # reachable by name only, until the last close
+    os.close(fd)
+    assert not hidden.exists()
