@@ -76,6 +76,7 @@ class Cluster:
         self._my_state = my_state or (lambda: DOWN)
         self.state: dict[str, str] = {n: DOWN for n in cfg.names if n != me}
         self.info: dict[str, dict] = {}
+        self.info_at: dict[str, float] = {}  # when each node's info was last heard
         self.load: dict[str, int] = defaultdict(int)
         self._conns: dict[str, Connection] = {}
         self._connecting: dict[str, trio.Lock] = defaultdict(trio.Lock)
@@ -227,6 +228,7 @@ class Cluster:
             self.mark_down(name, str(exc) or "no heartbeat")
             return
         self.info[name] = info
+        self.info_at[name] = trio.current_time()
         self._set(name, info.get("state", DOWN))
         if self.follow_membership and info.get("epoch", 0) > self.epoch:  # a rebalance switched membership: follow it
             try:

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import trio
 
-from ..cluster import READY, SYNCING, Cluster, NodeDown, StagingPool, now_ns, read_verified
+from ..cluster import DOWN, READY, SYNCING, Cluster, NodeDown, StagingPool, now_ns, read_verified
 from ..config import ClusterConfig, ConfigError, NodeSpec, load
 from ..metrics import Latency, node_samples
 from ..metrics import serve as serve_metrics
@@ -119,7 +119,8 @@ class Node:
         self.commits_drained = trio.Event()
         self.frozen_by: str | None = None
         self.freeze_deadline = 0.0
-        self.work: dict = {}  # long work under way (resync, rebalance): shown by heartbeats
+        self.work: dict = {}
+        self.ready_since = 0.0  # long work under way (resync, rebalance): shown by heartbeats
         self.thawed = trio.Event()
         self.thawed.set()
 
@@ -137,8 +138,58 @@ class Node:
             task_status.started(address)
             await self.resync()
             self.state = READY
+            self.ready_since = trio.current_time()
             log.info("node %s ready", self.name)
             notify(f"READY=1\nSTATUS=serving on {address[0]}:{address[1]}")
+            nursery.start_soon(self._fence_loop)
+
+    # -- fencing -------------------------------------------------------------------------------
+    def _cut_off(self) -> str | None:
+        """Why this node may hold stale data, or None: it reaches less than a majority of the
+        cluster (counting itself; with one or two nodes a dead peer and a partition look alike,
+        so this rule needs three), or a ready peer has counted it down (so writes may have gone
+        on without it)."""
+        peers = [n for n in self.cfg.names if n != self.name]
+        if not peers:
+            return None
+        reachable = sum(self.cluster.node_state(n) != DOWN for n in peers)
+        if len(self.cfg.names) >= 3 and reachable + 1 < len(self.cfg.names) // 2 + 1:
+            return "less than a majority of the cluster reachable"
+        settle = 3 * self.cfg.heartbeat + self.cfg.down_after  # peers see a new ready node by then
+        for n in peers:
+            info = self.cluster.info.get(n, {})
+            if self.cluster.node_state(n) == READY and self.name not in info.get("sees_ready", [self.name]) and self.cluster.info_at.get(n, 0) - self.ready_since > settle:
+                return f"{n} counts this node down"
+        return None
+
+    def _may_rejoin(self) -> bool:
+        peers = [n for n in self.cfg.names if n != self.name]
+        states = [self.cluster.node_state(n) for n in peers]
+        return READY in states or sum(s != DOWN for s in states) + 1 >= len(self.cfg.names) // 2 + 1
+
+    async def _fence_loop(self) -> None:
+        """A node cut off from the cluster stops serving (syncing) and, once it reaches a peer
+        again, resyncs before it serves: a stale node never serves an old version."""
+        cut_since = None
+        while True:
+            await trio.sleep(self.cfg.heartbeat)
+            why = self._cut_off() if self.state == READY else None
+            if why is None:
+                cut_since = None
+                continue
+            cut_since = cut_since if cut_since is not None else trio.current_time()
+            if "majority" in why and trio.current_time() - cut_since < self.cfg.down_after:
+                continue  # a moment without heartbeats: not yet a partition
+            log.warning("node %s fenced: %s; it serves nothing until it has resynced", self.name, why)
+            self.state = SYNCING
+            # until a ready peer to resync from, or (everyone fenced) a majority to decide with
+            while not self._may_rejoin():
+                await self.cluster.wait_changed(self.cfg.heartbeat * 5)
+            await self.resync()
+            self.state = READY
+            self.ready_since = trio.current_time()
+            cut_since = None
+            log.info("node %s ready again after resync", self.name)
 
     # -- dispatch ----------------------------------------------------------------------------
     async def handle(self, method: str, args: dict) -> dict:
