@@ -78,7 +78,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     cfg_path = state / "cluster.toml"
     if not cfg_path.exists():
         write_config(state, args.nodes, args.replicas, stripe_unit=C.parse_size(args.stripe_unit, "--stripe-unit"))
-    lc = LocalCluster(cfg_path)
+    lc = LocalCluster(cfg_path, persist=state / "data" if args.persist else None)
     lc.start_all()
     try:
         trio.run(wait_settled, lc.cfg)
@@ -136,7 +136,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         async with trio.open_nursery() as n:
-            await n.start(Node(cfg, args.node, choose_transport(cfg)).run)
+            await n.start(Node(cfg, args.node, choose_transport(cfg), persist=args.persist).run)
             if mp:
                 from .mount import run_mount
 
@@ -224,6 +224,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--stripe-unit", default="4MiB")
     p.add_argument("--state", help="directory for config, token and logs (default under ~/.local/state/irdmafs)")
     p.add_argument("-o", dest="options", help="mount options, comma separated (e.g. allow_other)")
+    p.add_argument("--persist", action="store_true", help="nodes keep their data under the state directory: a later 'up' with the same --state brings it back")
     p.set_defaults(fn=cmd_up)
 
     p = sub.add_parser("down", help="unmount and stop every process that 'up' started")
@@ -234,6 +235,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True)
     p.add_argument("--node", required=True)
     p.add_argument("--mount", help="also mount the file system here")
+    p.add_argument("--persist", metavar="DIR", help="keep the node's stripes and namespace in DIR and load them at start")
     p.set_defaults(fn=cmd_serve)
 
     p = sub.add_parser("mount", help="mount a cluster")

@@ -89,15 +89,17 @@ async def wait_settled(cfg: C.ClusterConfig, names: list[str] | None = None, tim
 class LocalCluster:
     """Node processes of one config, started and stopped from this process."""
 
-    def __init__(self, config_path: Path, *, log_dir: Path | None = None, python: str = sys.executable):
+    def __init__(self, config_path: Path, *, log_dir: Path | None = None, python: str = sys.executable, persist: Path | None = None):
         self.config_path = Path(config_path)
+        self.persist = Path(persist) if persist else None  # nodes keep their data in persist/<name>
         self.cfg = C.load(self.config_path)
         self.log_dir = log_dir or self.config_path.parent
         self.python = python
         self.procs: dict[str, subprocess.Popen] = {}
 
     def command(self, name: str) -> list[str]:
-        return [self.python, "-m", "irdmafs.server.node", "--config", str(self.config_path), "--node", name]
+        cmd = [self.python, "-m", "irdmafs.server.node", "--config", str(self.config_path), "--node", name]
+        return cmd + (["--persist", str(self.persist / name)] if self.persist else [])
 
     def start(self, name: str) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "ab")

@@ -49,6 +49,7 @@ from ..progress import Progress
 from ..transport.base import Access, AccessError, RemoteError, Transport, TransportError
 from . import optim
 from .meta import Meta
+from .persist import Persist
 from .store import NoSpace, Store
 from .sync import Model, PolicyError, StripeTraining, parse_policy
 
@@ -96,14 +97,15 @@ class _KeyedLock:
 
 
 class Node:
-    def __init__(self, cfg: ClusterConfig, name: str, transport: Transport):
+    def __init__(self, cfg: ClusterConfig, name: str, transport: Transport, persist: str | None = None):
         self.cfg = cfg
         self.name = name
         self.spec = cfg.node(name)
         self.transport = transport
         self.state = SYNCING
         self.meta = Meta()
-        self.store = Store(transport, cfg.capacity)
+        self.persist = Persist(persist) if persist else None
+        self.store = Store(transport, cfg.capacity, self.persist)
         self.meta_lock = trio.Lock()
         self.stripe_locks = KeyedLocks()
         self.staging: dict[str, list] = defaultdict(list)
@@ -125,7 +127,17 @@ class Node:
         self.thawed.set()
 
     # -- lifetime ----------------------------------------------------------------------------
+    def _load_persisted(self) -> None:
+        meta, stripes = self.persist.load()
+        if meta is not None:
+            self.meta = Meta.restore(meta)
+        for key, raw in stripes:
+            self.store.load(key, raw)
+        log.info("node %s: loaded %d stripes (%d bytes) and %s from %s", self.name, len(stripes), self.store.bytes_held, "the namespace" if meta else "no namespace", self.persist.root)
+
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        if self.persist is not None:
+            self._load_persisted()  # then resync as always: a peer's newer version wins
         async with trio.open_nursery() as nursery:
             self.cluster = Cluster(self.cfg, self.transport, nursery, me=self.name, my_state=lambda: self.state)
             self.cluster.on_adopt = self._adopted  # a membership learnt from a peer's heartbeat
@@ -308,8 +320,13 @@ class Node:
         except (NodeDown, RemoteError) as exc:
             log.warning("snapshot %d not copied on %s: %s", snap, node, exc)
 
+    def _save_meta(self) -> None:
+        if self.persist is not None:
+            self.persist.save_meta(self.meta.snapshot())
+
     def _apply_meta(self, op: dict) -> dict:
         result = self.meta.apply(op)
+        self._save_meta()
         # Side effects on data are local and deterministic, so every replica does the same.
         if result.get("freed"):
             self.store.drop(result["freed"])
@@ -346,6 +363,7 @@ class Node:
     async def rpc_meta_restore(self, snapshot: dict) -> dict:
         if snapshot["seq"] > self.meta.seq:
             self.meta = Meta.restore(snapshot)
+            self._save_meta()
             known = self.meta.files()
             for fid in {fid for fid, _, snap in self.store.stripes if snap == 0} - known:
                 self.store.drop(fid)
@@ -872,6 +890,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", required=True)
     ap.add_argument("--node", required=True)
     ap.add_argument("--metrics", metavar="[HOST:]PORT", help="serve Prometheus metrics here")
+    ap.add_argument("--persist", metavar="DIR", help="keep every stripe and the namespace in DIR (written through) and load them at start")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
     setup_logging(args.node, logging.DEBUG if args.verbose else logging.INFO)
@@ -881,7 +900,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"irdmafs: {exc}", file=sys.stderr)
         return 2
-    node = Node(cfg, args.node, choose_transport(cfg))
+    node = Node(cfg, args.node, choose_transport(cfg), persist=args.persist)
     if args.metrics:
         try:
             serve_metrics(args.metrics, lambda: node_samples(node))

@@ -62,11 +62,22 @@ class Stripe:
 
 
 class Store:
-    def __init__(self, transport: Transport, capacity: int):
+    def __init__(self, transport: Transport, capacity: int, persist=None):
         self.transport = transport
         self.capacity = capacity
         self.used = 0
         self.stripes: dict[tuple[int, int, int], Stripe] = {}
+        self.persist = persist  # a server.persist.Persist: every change written through
+
+    def _saved(self, key: tuple[int, int, int], start: int = 0, end: int | None = None) -> None:
+        if self.persist is not None:
+            self.persist.write(key, self.stripes[key].region.buf, start, end)
+
+    def load(self, key: tuple[int, int, int], raw: bytes) -> None:
+        """A stripe as persisted: its region byte for byte (header, then data)."""
+        region = self._alloc(len(raw) - HEADER)
+        region.buf[:] = raw
+        self.stripes[key] = Stripe(region)
 
     def get(self, fid: int, idx: int, snap: int = 0) -> Stripe | None:
         return self.stripes.get((fid, idx, snap))
@@ -96,6 +107,7 @@ class Store:
             self._free(stripe.region)
         stripe = Stripe(region)
         self.stripes[(fid, idx, snap)] = stripe
+        self._saved((fid, idx, snap))  # the file takes the new size (zeros past the old data)
         return stripe
 
     def install(self, fid: int, idx: int, offset: int, data: memoryview, unit: int, version: int | None = None, clock: int | None = None, snap: int = 0) -> int:
@@ -111,6 +123,7 @@ class Store:
         if clock is not None:
             _WORD.pack_into(buf, _CLOCK, clock)
         _WORD.pack_into(buf, 0, 2 * new)
+        self._saved((fid, idx, snap), HEADER + offset, HEADER + offset + len(data))
         return new
 
     def replace(self, fid: int, idx: int, data: memoryview, unit: int, version: int, snap: int = 0, clock: int = 0) -> None:
@@ -122,6 +135,7 @@ class Store:
         buf[HEADER + len(data) :] = bytes(len(buf) - HEADER - len(data))
         _WORD.pack_into(buf, _CLOCK, clock)
         _WORD.pack_into(buf, 0, 2 * version)
+        self._saved((fid, idx, snap))
 
     def drop(self, fid: int, from_idx: int = 0) -> int:
         """Free the live stripes ``from_idx`` and up of a file (with their optimizer state,
@@ -138,6 +152,8 @@ class Store:
     def _drop(self, keys: list) -> int:
         for key in keys:
             self._free(self.stripes.pop(key).region)
+            if self.persist is not None:
+                self.persist.remove(key)
         return len(keys)
 
     def copy_snapshot(self, snap: int) -> int:
@@ -151,6 +167,7 @@ class Store:
             region = self._alloc(s.capacity)
             region.buf[:] = s.region.buf
             self.stripes[(fid, idx, snap)] = Stripe(region)
+            self._saved((fid, idx, snap))
         return need
 
     def listing(self) -> list[list[int]]:
