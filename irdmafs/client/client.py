@@ -35,7 +35,7 @@ from .. import formats
 from ..cluster import Cluster, NodeDown, StagingPool
 from ..config import ClusterConfig
 from ..server.meta import ROOT
-from ..transport.base import RemoteError, Transport, TransportError
+from ..transport.base import AccessError, RemoteError, Transport, TransportError
 from ..util import single_exception
 from . import compress
 from .stripe import StripeIO, split
@@ -451,7 +451,7 @@ class Client:
                     continue
                 try:
                     r = await self._fused(primary, desc, payload)
-                except NodeDown:
+                except (NodeDown, AccessError):  # down, or restarted (its staging is new)
                     self.staging.forget(primary)
                     continue
                 code = r.get("error")
@@ -514,7 +514,7 @@ class Client:
                     if ino == int(fid):
                         # policy changes reach us with the push replies: no refresh call needed
                         cached.update(pinfo, fetched=trio.current_time())
-        except (NodeDown, RemoteError) as exc:
+        except (NodeDown, RemoteError, AccessError) as exc:
             results = [exc] * len(batch)
         for entry, result in zip(batch, results, strict=True):
             entry[3] = result

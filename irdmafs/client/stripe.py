@@ -22,6 +22,14 @@ from ..transport.base import AccessError, RemoteError
 
 log = logging.getLogger(__name__)
 
+# A pull waits this long for one replica's clock before asking another (that replica may have
+# missed an update while it restarted); the model's timeout bounds the whole wait.
+CLOCK_SLICE = 1.0
+
+
+class _Behind(Exception):
+    """A replica's clock did not reach the one waited for within CLOCK_SLICE."""
+
 
 class Piece(NamedTuple):
     idx: int  # stripe index
@@ -96,20 +104,29 @@ class StripeIO:
         self.bytes_read += n
         return n
 
-    async def _wait_clock(self, node: str, rkey: int, min_clock: int, wait: float) -> None:
-        """Poll the stripe header one-sidedly until its clock reaches ``min_clock``."""
+    async def _wait_clock(self, node: str, rkey: int, min_clock: int, deadline: float) -> None:
+        """Poll the stripe header one-sidedly until its clock reaches ``min_clock``; after
+        CLOCK_SLICE seconds raise _Behind so that another replica is asked (this one may have
+        missed an update), and trio.TooSlowError at ``deadline``."""
         delay = 0.0005
-        with trio.fail_after(wait):
-            while (await self.cluster.read_header(node, rkey))[1] < min_clock:
-                await trio.sleep(delay)
-                delay = min(delay * 2, 0.02)
+        give_up = min(deadline, trio.current_time() + CLOCK_SLICE)
+        while (await self.cluster.read_header(node, rkey))[1] < min_clock:
+            if trio.current_time() >= give_up:
+                if give_up >= deadline:
+                    raise trio.TooSlowError
+                raise _Behind(node)
+            await trio.sleep(delay)
+            delay = min(delay * 2, 0.02)
 
     async def _read_piece(self, fid: int, p: Piece, view: memoryview, snap: int, min_clock: int = 0, wait: float = 0.0) -> None:
         missing: set[str] = set()
+        behind: list[str] = []  # replicas whose clock did not move while waited on: asked last
         stale_keys = 0
         give_up = trio.current_time() + self.cluster.cfg.op_timeout
+        clock_deadline = trio.current_time() + wait
         while True:
             candidates = [c for c in self.cluster.read_candidates(fid, p.idx) if c not in missing]
+            candidates.sort(key=lambda c: behind.index(c) + 1 if c in behind else 0)
             if not candidates:
                 homes = self.cluster.stripe_rank(fid, p.idx)[: self.cluster.cfg.replicas]
                 if set(homes) <= missing:  # every home replica answered: nothing there, a hole
@@ -136,12 +153,16 @@ class StripeIO:
                     continue
                 rkey, capacity = key
                 if min_clock:
-                    await self._wait_clock(node, rkey, min_clock, wait)
+                    await self._wait_clock(node, rkey, min_clock, clock_deadline)
                 k = max(0, min(len(view), capacity - p.offset))
                 if k:
                     await self.cluster.read_stripe(node, rkey, p.offset, view[:k])
                 view[k:] = bytes(len(view) - k)
                 return
+            except _Behind:
+                if node in behind:
+                    behind.remove(node)
+                behind.append(node)
             except AccessError:
                 self._keys.pop((node, fid, p.idx, snap), None)  # stripe moved to a new region
                 stale_keys += 1

@@ -490,28 +490,35 @@ class Node:
                             n.start_soon(self._replicate, peer, fid, idx, offset, length, version, unit, stripe)
         return {"version": version}
 
-    async def _replicate(self, peer: str, fid: int, idx: int, offset: int, length: int, version: int, unit: int, stripe, snap: int = 0) -> None:
+    async def _replicate(self, peer: str, fid: int, idx: int, offset: int, length: int, version: int, unit: int, stripe, snap: int = 0, record: dict | None = None) -> None:
         async def push(rkey: int, soff: int, off: int, view: memoryview, full: bool) -> dict:
             conn = await self.cluster.conn(peer)
             await conn.write(rkey, soff, view)
             return await self.cluster.call(
                 peer,
                 "apply",
-                {"fid": fid, "idx": idx, "offset": off, "length": len(view), "rkey": rkey, "soff": soff, "version": version, "unit": unit, "full": full, "snap": snap, "clock": stripe.clock},
+                {"fid": fid, "idx": idx, "offset": off, "length": len(view), "rkey": rkey, "soff": soff, "version": version, "unit": unit, "full": full, "snap": snap, "clock": stripe.clock} | ({"record": record} if record is not None else {}),
             )
 
-        try:
-            r = await self.peer_staging.with_slot(peer, lambda rk, so: push(rk, so, offset, stripe.data[offset : offset + length], False))
-            if r.get("stale"):
-                log.info("replica %s of stripe %d:%d is behind; sending the whole stripe", peer, fid, idx)
-                await self.peer_staging.with_slot(peer, lambda rk, so: push(rk, so, 0, stripe.data[: stripe.capacity], True))
-        except (TransportError, RemoteError) as exc:
-            if isinstance(exc, RemoteError) and exc.code == "EINVAL":
-                self.peer_staging.forget(peer)  # its staging region is gone: it restarted
-            log.warning("stripe %d:%d version %d not replicated to %s: %s", fid, idx, version, peer, exc)
+        for attempt in (1, 2):
+            try:
+                r = await self.peer_staging.with_slot(peer, lambda rk, so: push(rk, so, offset, stripe.data[offset : offset + length], False))
+                if r.get("stale"):
+                    log.info("replica %s of stripe %d:%d is behind; sending the whole stripe", peer, fid, idx)
+                    await self.peer_staging.with_slot(peer, lambda rk, so: push(rk, so, 0, stripe.data[: stripe.capacity], True))
+                return
+            except (TransportError, RemoteError) as exc:
+                if isinstance(exc, AccessError) or isinstance(exc, RemoteError) and exc.code == "EINVAL":
+                    # its staging region is gone (it restarted): ask for a new one, once
+                    self.peer_staging.forget(peer)
+                    if attempt == 1:
+                        continue
+                log.warning("stripe %d:%d version %d not replicated to %s: %s", fid, idx, version, peer, exc)
+                return
 
-    async def rpc_apply(self, fid: int, idx: int, offset: int, length: int, rkey: int, soff: int, version: int, unit: int, full: bool, snap: int = 0, clock: int = 0) -> dict:
-        """Install a range (or the whole stripe) a primary sent, in version order."""
+    async def rpc_apply(self, fid: int, idx: int, offset: int, length: int, rkey: int, soff: int, version: int, unit: int, full: bool, snap: int = 0, clock: int = 0, record: dict | None = None) -> dict:
+        """Install a range (or the whole stripe) a primary sent, in version order, with the
+        push bookkeeping that produced it (training) in the same step."""
         self._check_range(offset, length, unit)
         data = self._staged(rkey, soff, length)
         async with self.stripe_locks((fid, idx)):
@@ -524,6 +531,8 @@ class Node:
                 self.store.install(fid, idx, offset, data, unit, version, clock, snap)
             elif current < version:
                 return {"stale": True}
+            if record is not None:
+                self.training[(fid, idx)].restore(record)
         return {}
 
     # -- training: pushes, updates, clocks ----------------------------------------------------------
@@ -655,6 +664,7 @@ class Node:
             if step < done:  # a retry of a push already taken: exactly once
                 return {"clock": st.clock(model), "pushed": done, "duplicate": True}
             if step > done:
+                log.warning("push %d of rank %d to stripe %d:%d refused: %d taken so far", step, rank, fid, idx, done)
                 raise RemoteError("EINVAL", f"rank {rank} pushed {done} times; push {step} is out of order")
             st.span = (offset, count, unit)
             st.observe(rank, busy)
@@ -694,13 +704,36 @@ class Node:
         stripe = self.store.get(fid, idx)
         if stripe is None:
             raise RemoteError("EINVAL", f"tensor {fid} has no data in stripe {idx}")
-        if not updates and stripe.clock == clock:
-            return  # a bsp push that only adds to its round
+        # The push bookkeeping goes to the backups with the parameters it produced, in the same
+        # apply: a backup that takes over then holds both or neither, so a client's retry of an
+        # unanswered push is applied exactly once (duplicate if it was, anew if it was not).
+        record = st.record()
+        if not updates and stripe.clock == clock:  # a bsp push that only adds to its round
+            await self._replicate_record(fid, idx, record)
+            return
         param = np.frombuffer(stripe.data[offset : offset + count * dtype.itemsize], dtype).copy()
         if updates:
             self._apply_updates(fid, idx, param, updates, opt, unit)
         self.store.install(fid, idx, offset, memoryview(param).cast("B"), unit, clock=clock)
-        await self._replicate_training(fid, idx, offset, count * dtype.itemsize, unit, len(opt.state_names) if updates else 0)
+        await self._replicate_training(fid, idx, offset, count * dtype.itemsize, unit, len(opt.state_names) if updates else 0, record)
+
+    async def _replicate_record(self, fid: int, idx: int, record: dict) -> None:
+        async def one(peer: str) -> None:
+            try:
+                await self.cluster.call(peer, "train_record", {"fid": fid, "idx": idx, "record": record})
+            except (NodeDown, RemoteError) as exc:
+                log.warning("training record of stripe %d:%d not replicated to %s: %s", fid, idx, peer, exc)
+
+        async with trio.open_nursery() as n:
+            for peer in self.cluster.targets(fid, idx):
+                if peer != self.name:
+                    n.start_soon(one, peer)
+
+    async def rpc_train_record(self, fid: int, idx: int, record: dict) -> dict:
+        """A backup keeps the primary's push bookkeeping for a stripe (to take over with it)."""
+        async with self.stripe_locks((fid, idx)):
+            self.training[(fid, idx)].restore(record)
+        return {}
 
     async def _recheck_training(self) -> None:
         """The set of active ranks changed: rounds waiting for a removed rank complete, clocks
@@ -736,17 +769,19 @@ class Node:
         for k, name in enumerate(opt.state_names, 1):
             self.store.install(fid, idx, 0, memoryview(state[name]).cast("B"), 2 * unit, clock=t, snap=-k)
 
-    async def _replicate_training(self, fid: int, idx: int, offset: int, length: int, unit: int, nstate: int) -> None:
-        """Parameters (with version and clock) and optimizer state to every backup."""
+    async def _replicate_training(self, fid: int, idx: int, offset: int, length: int, unit: int, nstate: int, record: dict | None = None) -> None:
+        """Optimizer state, then parameters (with version, clock and the push bookkeeping), to
+        every backup."""
         stripe = self.store.get(fid, idx)
+        peers = [p for p in self.cluster.targets(fid, idx) if p != self.name]
         async with trio.open_nursery() as n:
-            for peer in self.cluster.targets(fid, idx):
-                if peer == self.name:
-                    continue
-                n.start_soon(self._replicate, peer, fid, idx, offset, length, stripe.version, unit, stripe)
+            for peer in peers:
                 for k in range(1, nstate + 1):
                     s = self.store.get(fid, idx, -k)
                     n.start_soon(self._replicate, peer, fid, idx, 0, s.capacity, s.version, 2 * unit, s, -k)
+        async with trio.open_nursery() as n:
+            for peer in peers:
+                n.start_soon(partial(self._replicate, peer, fid, idx, offset, length, stripe.version, unit, stripe, record=record))
 
     # -- resync and rebalance ---------------------------------------------------------------------
     async def resync(self) -> None:
@@ -764,7 +799,30 @@ class Node:
             return self.name in [n for n in self.cluster.stripe_rank(fid, idx) if n in live][: self.cfg.replicas]
 
         await self._pull_stripes("resync", peers, mine)
+        await self._pull_training_records(peers, mine)
         log.info("resync of node %s done in %.2fs", self.name, time.monotonic() - t0)
+
+    async def _pull_training_records(self, peers: list[str], mine) -> None:
+        """The push bookkeeping of the stripes this node holds, from its peers: a node that
+        becomes a stripe's primary again must know how many pushes each rank made."""
+        for peer in peers:
+            try:
+                records = (await self.cluster.call(peer, "train_records"))["records"]
+            except (NodeDown, RemoteError) as exc:
+                log.warning("resync: no training records from %s: %s", peer, exc)
+                continue
+            for key, rec in records.items():
+                fid, idx = (int(x) for x in key.split(":"))
+                if not mine(fid, idx):
+                    continue
+                incoming = StripeTraining()
+                incoming.restore(rec)
+                async with self.stripe_locks((fid, idx)):
+                    if incoming.progress > self.training[(fid, idx)].progress:  # never go back
+                        self.training[(fid, idx)].restore(rec)
+
+    async def rpc_train_records(self) -> dict:
+        return {"records": {f"{fid}:{idx}": st.record() for (fid, idx), st in list(self.training.items()) if st.span[2]}}
 
     async def _pull_stripes(self, what: str, peers: list[str], mine, *, strict: bool = False) -> dict:
         """Fetch, from ``peers``, the newest copy of every stripe (live, snapshot, optimizer

@@ -24,6 +24,7 @@ header alone (``required_clock``). Pure: no I/O, no trio.
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -96,6 +97,36 @@ class StripeTraining:
     held: dict[int, dict[int, np.ndarray]] = field(default_factory=dict)  # r2sp: rank -> step -> gradient
     arrived: dict[int, tuple[int, float]] = field(default_factory=dict)  # rank -> (step, time) of its last push
     cycle: dict[int, float] = field(default_factory=dict)  # rank -> EMA of its step time, slot waits excluded
+
+    def record(self) -> dict:
+        """What a backup needs to carry on as primary with nothing lost or applied twice: each
+        rank's push count, the bsp rounds being summed, the r2sp pushes held (arrays as base64)."""
+
+        def arr(a: np.ndarray) -> list:
+            return [a.dtype.str, base64.b64encode(np.ascontiguousarray(a).tobytes()).decode()]
+
+        return {
+            "pushed": {str(r): n for r, n in self.pushed.items()},
+            "applied": self.applied,
+            "span": list(self.span),
+            "rounds": {str(k): [arr(total), sorted(ranks)] for k, (total, ranks) in self.rounds.items()},
+            "held": {str(r): {str(k): arr(g) for k, g in steps.items()} for r, steps in self.held.items() if steps},
+        }
+
+    @property
+    def progress(self) -> int:
+        """How many pushes this bookkeeping has taken (to tell an older record from a newer)."""
+        return sum(self.pushed.values()) + sum(len(s) for s in self.held.values())
+
+    def restore(self, rec: dict) -> None:
+        def arr(a: list) -> np.ndarray:
+            return np.frombuffer(base64.b64decode(a[1]), np.dtype(a[0])).copy()
+
+        self.pushed = {int(r): int(n) for r, n in rec["pushed"].items()}
+        self.applied = int(rec["applied"])
+        self.span = tuple(rec["span"])
+        self.rounds = {int(k): [arr(v[0]), set(v[1])] for k, v in rec["rounds"].items()}
+        self.held = {int(r): {int(k): arr(g) for k, g in steps.items()} for r, steps in rec["held"].items()}
 
     def observe(self, rank: int, busy: float | None) -> None:
         """The compute time a rank reported with its push (for batch-size suggestions)."""
