@@ -13,9 +13,18 @@ code running. What runs here is the control path:
   snapshot.
 - ``heartbeat``, ``stripe_info``, ``staging``, ``stripes``, reads of the namespace.
 
-A node starts ``syncing``: it serves replication but not reads, fetches the namespace and every
-stripe it should hold from ready peers (newest version wins), logs its progress, then turns
-``ready``. The first node of a fresh cluster finds no ready peer and is ready at once.
+- training (``on_imm``: fused pushes; ``train_info``, ``train_wait``, ``train_record(s)``): the
+  primary of a stripe takes pushes under its sync policy (sync.py), runs the optimizer, and sends
+  parameters and push bookkeeping to the backups in one ``apply``, so a backup can take over.
+- ``freeze``/``thaw`` (the commit barrier of snapshots and rebalance), ``rebalance_pull``,
+  ``reconfigure`` and ``members`` (membership changes, rebalance.py).
+
+A node starts ``syncing``: it serves replication but not reads, fetches the namespace, every
+stripe it should hold and their push bookkeeping from ready peers (newest version wins), logs its
+progress, then turns ``ready``. The first node of a fresh cluster finds no ready peer and is
+ready at once. A ready node that reaches less than a majority, or that a ready peer counts down,
+fences itself (syncing) and resyncs before it serves again. With ``--persist`` it loads its
+stripes and namespace from disk first (persist.py).
 
 Concurrency: one trio thread; handlers run as concurrent tasks, so everything that must be
 ordered takes a lock (metadata, per stripe).
