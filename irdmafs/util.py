@@ -16,15 +16,16 @@ def single_exception() -> Iterator[None]:
     try:
         yield
     except BaseExceptionGroup as group:
-        leaves = list(_leaves(group))
-        if len(leaves) == 1:
-            raise leaves[0] from None
+        inner = list(leaves(group))
+        if len(inner) == 1:
+            raise inner[0] from None
         raise
 
 
-def _leaves(exc: BaseException) -> Iterator[BaseException]:
+def leaves(exc: BaseException) -> Iterator[BaseException]:
+    """Every exception inside ``exc``, groups flattened."""
     if isinstance(exc, BaseExceptionGroup):
         for e in exc.exceptions:
-            yield from _leaves(e)
+            yield from leaves(e)
     else:
         yield exc

@@ -19,6 +19,7 @@ import trio
 
 from ..cluster import Cluster, NodeDown, StagingPool, TornRead, Unavailable
 from ..transport.base import AccessError, RemoteError
+from ..util import leaves
 
 log = logging.getLogger(__name__)
 
@@ -98,9 +99,15 @@ class StripeIO:
         n = max(0, min(len(into), size - offset))
         pieces = split(offset, n, unit)
         await self._prefetch(fid, [p.idx for p in pieces], snap)
-        async with trio.open_nursery() as nursery:
-            for p in pieces:
-                nursery.start_soon(self._read_piece, fid, p, into[p.pos : p.pos + p.length], snap, min_clock, wait)
+        try:
+            async with trio.open_nursery() as nursery:
+                for p in pieces:
+                    nursery.start_soon(self._read_piece, fid, p, into[p.pos : p.pos + p.length], snap, min_clock, wait)
+        except BaseExceptionGroup as group:
+            # every piece ran out of the same wait (a pull's timeout): that is one timeout
+            if all(isinstance(e, trio.TooSlowError) for e in leaves(group)):
+                raise trio.TooSlowError from None
+            raise
         self.bytes_read += n
         return n
 
