@@ -42,6 +42,9 @@ from .stripe import StripeIO, split
 
 log = logging.getLogger(__name__)
 
+# what a node's heartbeat reports that status tables show
+NODE_FIGURES = ("pid", "stripes", "bytes", "capacity", "transport", "uptime", "calls", "served_bytes", "replicas_behind")
+
 TRAIN_INFO_TTL = 1.0
 PUSH_BATCH = 4 << 20  # bytes of gradients fused into one WRITE with immediate
 
@@ -616,10 +619,6 @@ class Client:
         if h.nbytes:
             await self.read_into(attr["ino"], h.data_offset, memoryview(out.reshape(-1, order="A")).cast("B"), attr)
         return out
-
-
-# what a node's heartbeat reports that status tables show
-NODE_FIGURES = ("pid", "stripes", "bytes", "capacity", "transport", "uptime", "calls", "served_bytes", "replicas_behind")
 
 
 class SyncClient:

@@ -368,10 +368,16 @@ class Vfs:
             for w in list(self.writers.get(i, ())):
                 await w.drain()
 
+    def open_handles(self, ino: int, kind: type = None) -> list:
+        """This mount's open handles of ``ino`` (FileHandles by default; of the live file, not a
+        snapshot's)."""
+        kind = kind or FileHandle
+        return [h for h in self.handles.values() if isinstance(h, kind) and h.ino == ino and not getattr(h, "snap", 0)]
+
     def forget_fetched(self, ino: int) -> None:
         """Open files of ``ino`` drop the stripes they read ahead: this mount changed them."""
-        for h in self.handles.values():
-            if isinstance(h, FileHandle) and h.ino == ino and h.reader is not None:
+        for h in self.open_handles(ino):
+            if h.reader is not None:
                 h.reader.invalidate()
 
     # -- attributes ------------------------------------------------------------------------------
@@ -406,8 +412,8 @@ class Vfs:
         if is_cluster(ino):
             # The kernel asks before every read (libfuse turns auto_inval_data on); while this
             # mount has the file open, what the open fetched answers (close-to-open, as NFS does)
-            h = next((h for h in self.handles.values() if isinstance(h, FileHandle) and h.ino == ino and not h.snap), None)
-            return self.stat_of(h.attr if h is not None else await self.client.getattr(ino))
+            opened = self.open_handles(ino)
+            return self.stat_of(opened[0].attr if opened else await self.client.getattr(ino))
         if ino & SNAP:
             sid, i = split_snap(ino)
             return self.stat_of(await self.client.getattr(i, sid), ino, readonly=True)
@@ -423,17 +429,17 @@ class Vfs:
             return file_stat(ino, len(await self.batch_content(ino - BATCH_FILE)), 0o644)
         if ino & VIEW:
             # open for reading here: the layout made at open answers (the kernel asks per read)
-            h = next((h for h in self.handles.values() if isinstance(h, ViewReadHandle) and h.ino == ino), None)
-            if h is not None:
-                return h.stat
+            opened = self.open_handles(ino, ViewReadHandle)
+            if opened:
+                return opened[0].stat
             return await self._view_stat(ino, *await self.view_layout(ino & ~VIEW))
         if ino in (IRDMA_DIR, SNAPSHOTS_DIR, WORKERS_DIR, RANKS_DIR):
             return dir_stat(ino, 0o755 if ino in (SNAPSHOTS_DIR, RANKS_DIR) else 0o555)
         if ino in (CLUSTER_FILE, STATS_FILE):
             # open: the content made at open (the figures change between calls, and the kernel
             # reads no further than the size it was told)
-            h = next((h for h in self.handles.values() if isinstance(h, BytesHandle) and h.ino == ino), None)
-            return file_stat(ino, len(h.content if h is not None else await self.virtual_content(ino)))
+            opened = self.open_handles(ino, BytesHandle)
+            return file_stat(ino, len(opened[0].content if opened else await self.virtual_content(ino)))
         raise FsError(errno.ENOENT)
 
     async def lookup(self, parent: int, name: str) -> dict:
@@ -524,13 +530,11 @@ class Vfs:
             await self.drain(ino)  # a truncate must not be overtaken by an earlier write
             self.forget_fetched(ino)
             self.pending.pop(ino, None)
-            for h in self.handles.values():
-                if isinstance(h, FileHandle) and h.ino == ino:
-                    h.size = min(h.size, attrs["size"])
+            for h in self.open_handles(ino):
+                h.size = min(h.size, attrs["size"])
         attr = await self.client.setattr(ino, **attrs)
-        for h in self.handles.values():
-            if isinstance(h, FileHandle) and h.ino == ino and not h.snap:
-                h.attr = attr  # open files answer getattr: keep them current
+        for h in self.open_handles(ino):
+            h.attr = attr  # open files answer getattr: keep them current
         return self.stat_of(attr)
 
     # -- directories -----------------------------------------------------------------------------
@@ -584,7 +588,7 @@ class Vfs:
                 ino = (await self.client.lookup(parent, name))["ino"]
             except RemoteError:
                 ino = None
-            if ino is not None and any(isinstance(h, FileHandle) and h.ino == ino and not h.snap for h in self.handles.values()):
+            if ino is not None and self.open_handles(ino):
                 hidden = f"{UNLINKED}{ino}"
                 await self.client.rename(parent, name, parent, hidden)
                 self.unlinked[ino] = (parent, hidden)
@@ -718,7 +722,7 @@ class Vfs:
                 self.writers.get(h.ino, set()).discard(h.behind)
                 if not self.writers.get(h.ino):
                     self.writers.pop(h.ino, None)
-            if isinstance(h, FileHandle) and h.ino in self.unlinked and not any(isinstance(o, FileHandle) and o.ino == h.ino for o in self.handles.values()):
+            if isinstance(h, FileHandle) and h.ino in self.unlinked and not self.open_handles(h.ino):
                 parent, hidden = self.unlinked.pop(h.ino)
                 try:  # the last close of a file unlinked while open
                     await self.client.unlink(parent, hidden)

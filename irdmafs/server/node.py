@@ -165,28 +165,30 @@ class Node:
             nursery.start_soon(self._fence_loop)
 
     # -- fencing -------------------------------------------------------------------------------
-    def _cut_off(self) -> str | None:
-        """Why this node may hold stale data, or None: it reaches less than a majority of the
-        cluster (counting itself; with one or two nodes a dead peer and a partition look alike,
-        so this rule needs three), or a ready peer has counted it down (so writes may have gone
-        on without it)."""
+    def _reaches_majority(self) -> bool:
+        """Whether this node and the peers it can reach are a majority of the cluster."""
+        reachable = sum(self.cluster.node_state(n) != DOWN for n in self.cfg.names if n != self.name)
+        return reachable + 1 >= len(self.cfg.names) // 2 + 1
+
+    def _cut_off(self) -> tuple[str, float] | None:
+        """Why this node may hold stale data and how long that must last before it fences, or
+        None: it reaches less than a majority of the cluster for ``down_after`` (counting
+        itself; with one or two nodes a dead peer and a partition look alike, so this rule needs
+        three), or a ready peer has counted it down (writes may have gone on without it: at
+        once)."""
         peers = [n for n in self.cfg.names if n != self.name]
-        if not peers:
-            return None
-        reachable = sum(self.cluster.node_state(n) != DOWN for n in peers)
-        if len(self.cfg.names) >= 3 and reachable + 1 < len(self.cfg.names) // 2 + 1:
-            return "less than a majority of the cluster reachable"
+        if len(self.cfg.names) >= 3 and not self._reaches_majority():
+            return "less than a majority of the cluster reachable", self.cfg.down_after
         settle = 3 * self.cfg.heartbeat + self.cfg.down_after  # peers see a new ready node by then
         for n in peers:
             info = self.cluster.info.get(n, {})
             if self.cluster.node_state(n) == READY and self.name not in info.get("sees_ready", [self.name]) and self.cluster.info_at.get(n, 0) - self.ready_since > settle:
-                return f"{n} counts this node down"
+                return f"{n} counts this node down", 0.0
         return None
 
     def _may_rejoin(self) -> bool:
-        peers = [n for n in self.cfg.names if n != self.name]
-        states = [self.cluster.node_state(n) for n in peers]
-        return READY in states or sum(s != DOWN for s in states) + 1 >= len(self.cfg.names) // 2 + 1
+        """A ready peer to resync from, or (everyone fenced) a majority to decide with."""
+        return any(self.cluster.node_state(n) == READY for n in self.cfg.names if n != self.name) or self._reaches_majority()
 
     async def _fence_loop(self) -> None:
         """A node cut off from the cluster stops serving (syncing) and, once it reaches a peer
@@ -194,16 +196,16 @@ class Node:
         cut_since = None
         while True:
             await trio.sleep(self.cfg.heartbeat)
-            why = self._cut_off() if self.state == READY else None
-            if why is None:
+            cut = self._cut_off() if self.state == READY else None
+            if cut is None:
                 cut_since = None
                 continue
+            why, grace = cut
             cut_since = cut_since if cut_since is not None else trio.current_time()
-            if "majority" in why and trio.current_time() - cut_since < self.cfg.down_after:
+            if trio.current_time() - cut_since < grace:
                 continue  # a moment without heartbeats: not yet a partition
             log.warning("node %s fenced: %s; it serves nothing until it has resynced", self.name, why)
             self.state = SYNCING
-            # until a ready peer to resync from, or (everyone fenced) a majority to decide with
             while not self._may_rejoin():
                 await self.cluster.wait_changed(self.cfg.heartbeat * 5)
             await self.resync()
