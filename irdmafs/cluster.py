@@ -17,6 +17,7 @@ Concurrency: one trio thread; the heartbeat task runs in the nursery given to th
 from __future__ import annotations
 
 import logging
+import math
 import struct
 import time
 from collections import defaultdict
@@ -77,6 +78,7 @@ class Cluster:
         self.state: dict[str, str] = {n: DOWN for n in cfg.names if n != me}
         self.info: dict[str, dict] = {}
         self.info_at: dict[str, float] = {}  # when each node's info was last heard
+        self.vouched_at: dict[str, float] = {}  # when a node last told us its state itself
         self.load: dict[str, int] = defaultdict(int)
         self._conns: dict[str, Connection] = {}
         self._connecting: dict[str, trio.Lock] = defaultdict(trio.Lock)
@@ -103,11 +105,20 @@ class Cluster:
             self.changed.set()
             self.changed = trio.Event()
 
-    def mark_down(self, name: str, why: str) -> None:
+    def vouch(self, name: str, state: str) -> None:
+        """A node told us its state itself (joining, taking its stripes back: server/node.py).
+        That is newer than any heartbeat probe already under way, whose answer is then ignored."""
+        self.vouched_at[name] = trio.current_time()
+        self._set(name, state, "told by the node")
+
+    def mark_down(self, name: str, why: str, since: float | None = None) -> None:
+        """Drop the connection to ``name`` and count it down, unless the failure is of an
+        operation begun ``since`` before the node vouched for itself (the process that failed
+        it is gone; the one that vouched is new)."""
         conn = self._conns.pop(name, None)
         if conn is not None:
             self.nursery.start_soon(conn.aclose)
-        if name != self.me:
+        if name != self.me and (since is None or self.vouched_at.get(name, -math.inf) < since):
             self._set(name, DOWN, why)
 
     def ready(self) -> list[str]:
@@ -145,6 +156,7 @@ class Cluster:
 
     # -- connections ---------------------------------------------------------------------------
     async def conn(self, name: str) -> Connection:
+        begun = trio.current_time()
         conn = self._conns.get(name)
         if conn is not None:
             return conn
@@ -157,13 +169,14 @@ class Cluster:
                 try:
                     conn = await self.transport.connect(spec.host, spec.port, nursery=self.nursery)
                 except ConnectError as exc:
-                    self.mark_down(name, str(exc))
+                    self.mark_down(name, str(exc), since=begun)
                     raise NodeDown(name, str(exc)) from None
                 self._conns[name] = conn
         return conn
 
     async def call(self, name: str, method: str, args: dict | None = None, *, timeout: float | None = None) -> dict:
         """A control call; a node that cannot be reached is marked down and raises NodeDown."""
+        begun = trio.current_time()
         conn = await self.conn(name)
         if method != "heartbeat":
             self.calls += 1
@@ -171,65 +184,71 @@ class Cluster:
         try:
             return await conn.call(method, args or {}, timeout=timeout or self.cfg.op_timeout)
         except (PeerLost, TimeoutError) as exc:
-            self.mark_down(name, str(exc))
+            self.mark_down(name, str(exc), since=begun)
             raise NodeDown(name, str(exc)) from None
 
     async def write(self, name: str, rkey: int, offset: int, data) -> None:
         """A one-sided WRITE; a node that cannot be reached is marked down and raises NodeDown."""
+        begun = trio.current_time()
         conn = await self.conn(name)
         try:
             with trio.fail_after(self.cfg.op_timeout):
                 await conn.write(rkey, offset, data)
         except (PeerLost, TimeoutError, trio.TooSlowError) as exc:
-            self.mark_down(name, str(exc) or "write timed out")
+            self.mark_down(name, str(exc) or "write timed out", since=begun)
             raise NodeDown(name, str(exc) or "write timed out") from None
 
     async def write_imm(self, name: str, rkey: int, offset: int, data, imm: int) -> dict:
         """A WRITE with immediate; a node that cannot be reached is marked down (NodeDown)."""
+        begun = trio.current_time()
         conn = await self.conn(name)
         try:
             with trio.fail_after(self.cfg.op_timeout * 3):
                 return await conn.write_imm(rkey, offset, data, imm)
         except (PeerLost, TimeoutError, trio.TooSlowError) as exc:
-            self.mark_down(name, str(exc) or "write timed out")
+            self.mark_down(name, str(exc) or "write timed out", since=begun)
             raise NodeDown(name, str(exc) or "write timed out") from None
 
     async def read_stripe(self, name: str, rkey: int, offset: int, into: memoryview) -> tuple[int, int]:
         """``read_verified`` against one node, counted in its load; marks it down on failure."""
+        begun = trio.current_time()
         conn = await self.conn(name)
         self.load[name] += 1
         try:
             with trio.fail_after(self.cfg.op_timeout):
                 return await read_verified(conn, rkey, offset, into)
         except (PeerLost, TimeoutError, trio.TooSlowError) as exc:
-            self.mark_down(name, str(exc) or "read timed out")
+            self.mark_down(name, str(exc) or "read timed out", since=begun)
             raise NodeDown(name, str(exc) or "read timed out") from None
         finally:
             self.load[name] -= 1
 
     async def read_header(self, name: str, rkey: int) -> tuple[int, int]:
         """A stripe's (version, clock) from its header alone: how a pull waits for a step."""
+        begun = trio.current_time()
         buf = bytearray(HEADER)
         conn = await self.conn(name)
         try:
             with trio.fail_after(self.cfg.op_timeout):
                 await conn.read(rkey, 0, buf)
         except (PeerLost, TimeoutError, trio.TooSlowError) as exc:
-            self.mark_down(name, str(exc) or "read timed out")
+            self.mark_down(name, str(exc) or "read timed out", since=begun)
             raise NodeDown(name, str(exc) or "read timed out") from None
         return _WORD.unpack_from(buf, 0)[0] // 2, _WORD.unpack_from(buf, 8)[0]
 
     # -- heartbeats ----------------------------------------------------------------------------
     async def _probe(self, name: str) -> None:
+        sent = trio.current_time()
         try:
             with trio.fail_after(self.cfg.down_after):
                 info = await self.call(name, "heartbeat", {"from": self.me or "client"}, timeout=self.cfg.down_after)
         except (NodeDown, trio.TooSlowError, RemoteError) as exc:
-            self.mark_down(name, str(exc) or "no heartbeat")
+            self.mark_down(name, str(exc) or "no heartbeat", since=sent)
             return
         self.info[name] = info
         self.info_at[name] = trio.current_time()
-        self._set(name, info.get("state", DOWN))
+        if self.vouched_at.get(name, -math.inf) < sent:  # else older than what the node told us
+            self._set(name, info.get("state", DOWN))
         if self.follow_membership and info.get("epoch", 0) > self.epoch:  # a rebalance switched membership: follow it
             try:
                 m = await self.call(name, "members")

@@ -80,6 +80,10 @@ class KeyedLocks:
     def __call__(self, key: Any):
         return _KeyedLock(self, key)
 
+    def busy(self) -> list:
+        """The keys someone holds or waits for."""
+        return list(self._locks)
+
 
 class _KeyedLock:
     def __init__(self, owner: KeyedLocks, key: Any):
@@ -124,6 +128,10 @@ class Node:
         self.counters: dict[str, int] = defaultdict(int)
         self.latency = Latency()
         self.training: dict[tuple[int, int], StripeTraining] = defaultdict(StripeTraining)
+        # optimizer state a primary sent ahead of the parameters it goes with: installed by the
+        # parameters' apply, never alone (a primary that dies between leaves both as they were)
+        self.pending_state: dict[tuple[int, int, int], tuple[bytes, int, int, int]] = {}
+        self.taken_over = trio.Event()  # set once peers have handed this node its stripes back
         self.progress = trio.Event()  # set (and replaced) whenever pushes may have been applied
         # The commit barrier: a snapshot freezes commits on every node at once.
         self.commits_in_flight = 0
@@ -157,12 +165,80 @@ class Node:
             await self.cluster.refresh()
             nursery.start_soon(self.cluster.heartbeat_loop)
             task_status.started(address)
-            await self.resync()
-            self.state = READY
-            self.ready_since = trio.current_time()
+            await self._join()
             log.info("node %s ready", self.name)
             notify(f"READY=1\nSTATUS=serving on {address[0]}:{address[1]}")
             nursery.start_soon(self._fence_loop)
+
+    # -- joining: resync, then the hand-over ------------------------------------------------------
+    async def _join(self) -> None:
+        """(Re)join the cluster without ever having two primaries for a stripe.
+
+        While this node was away, stand-ins were primaries of its stripes. It tells every peer
+        it is ``joining`` (they replicate to it from then on, without waiting for a heartbeat),
+        resyncs, turns ready, and asks each peer to ``handover``: the peer counts it ready, so
+        stops taking commits and pushes for those stripes, and waits for the ones under way
+        (which replicate here before they finish). Commits, pushes and namespace ops sent here
+        meanwhile wait for the hand-over (``_await_takeover``). Peers' heartbeat probes begun
+        before a node's own word are ignored (Cluster.vouch)."""
+        self.state = SYNCING
+        self.taken_over = trio.Event()
+        await self._tell_peers("joining")
+        await self.resync()
+        self.state = READY
+        self.ready_since = trio.current_time()
+        await self._tell_peers("handover")
+        self.taken_over.set()
+
+    async def _tell_peers(self, method: str) -> None:
+        async def one(peer: str) -> None:
+            try:
+                await self.cluster.call(peer, method, {"name": self.name})
+            except (NodeDown, RemoteError) as exc:  # down: it learns from heartbeats when back
+                log.info("%s not told to %s: %s", method, peer, exc)
+
+        async with trio.open_nursery() as n:
+            for peer in self.cfg.names:
+                if peer != self.name:
+                    n.start_soon(one, peer)
+
+    def _check_member(self, name: str) -> None:
+        if name == self.name or name not in self.cfg.names:
+            raise RemoteError("EINVAL", f"{name!r} is not another member of the cluster")
+
+    async def rpc_joining(self, name: str) -> dict:
+        """A peer is resyncing: replicate to it from now on."""
+        self._check_member(name)
+        self.cluster.vouch(name, SYNCING)
+        return {}
+
+    async def rpc_handover(self, name: str) -> dict:
+        """A peer has resynced and is ready: it is primary again of what ranks it first. Count
+        it ready, then wait for every commit, push or namespace op under way here on what it
+        now leads (each rechecks who is primary under its lock, so none starts after this)."""
+        self._check_member(name)
+        self.cluster.vouch(name, READY)
+        for key in self.stripe_locks.busy():
+            if self.cluster.stripe_primary(*key) == name:
+                async with self.stripe_locks(key):
+                    pass
+        if self.cluster.meta_primary() == name:
+            async with self.meta_lock:
+                pass
+        return {}
+
+    async def _await_takeover(self) -> None:
+        """Primary work waits (briefly) while this node takes its stripes back."""
+        if not self.taken_over.is_set():
+            with trio.move_on_after(self.cfg.op_timeout):
+                await self.taken_over.wait()
+            if not self.taken_over.is_set():
+                raise RemoteError("EAGAIN", f"node {self.name} is taking over from its stand-ins")
+
+    def _check_primary(self, fid: int, idx: int) -> None:
+        primary = self.cluster.stripe_primary(fid, idx)
+        if primary != self.name:
+            raise RemoteError("ENOTPRIMARY", primary or "")
 
     # -- fencing -------------------------------------------------------------------------------
     def _reaches_majority(self) -> bool:
@@ -208,9 +284,7 @@ class Node:
             self.state = SYNCING
             while not self._may_rejoin():
                 await self.cluster.wait_changed(self.cfg.heartbeat * 5)
-            await self.resync()
-            self.state = READY
-            self.ready_since = trio.current_time()
+            await self._join()
             cut_since = None
             log.info("node %s ready again after resync", self.name)
 
@@ -269,10 +343,11 @@ class Node:
     async def rpc_meta(self, op: dict) -> dict:
         """Apply a namespace op as the metadata primary and replicate it to every live node."""
         self._require_ready()
-        primary = self.cluster.meta_primary()
-        if primary != self.name:
-            raise RemoteError("ENOTPRIMARY", primary or "")
+        await self._await_takeover()
         async with self.meta_lock:
+            primary = self.cluster.meta_primary()  # under the lock: a hand-over waits for it
+            if primary != self.name:
+                raise RemoteError("ENOTPRIMARY", primary or "")
             op = self.meta.prepare(op, now_ns())
             if op["op"] == "snapshot":
                 return await self._take_snapshot(op)
@@ -484,15 +559,13 @@ class Node:
         """Install a staged range as the stripe's primary, replicate it, answer with its version."""
         self._require_ready()
         self._check_range(offset, length, unit)
-        primary = self.cluster.stripe_primary(fid, idx)
-        if primary != self.name:
-            raise RemoteError("ENOTPRIMARY", primary or "")
+        self._check_primary(fid, idx)
         data = self._staged(rkey, soff, length)
+        await self._await_takeover()
         async with self._commit_barrier():
-            primary = self.cluster.stripe_primary(fid, idx)  # again: a rebalance may have moved it
-            if primary != self.name:
-                raise RemoteError("ENOTPRIMARY", primary or "")
             async with self.stripe_locks((fid, idx)):
+                # again, under the lock: a rebalance or a hand-over may have moved it meanwhile
+                self._check_primary(fid, idx)
                 version = self.store.install(fid, idx, offset, data, unit)
                 stripe = self.store.get(fid, idx)
                 async with trio.open_nursery() as n:
@@ -501,18 +574,25 @@ class Node:
                             n.start_soon(self._replicate, peer, fid, idx, offset, length, version, unit, stripe)
         return {"version": version}
 
-    async def _replicate(self, peer: str, fid: int, idx: int, offset: int, length: int, version: int, unit: int, stripe, snap: int = 0, record: dict | None = None) -> None:
+    async def _replicate(self, peer: str, fid: int, idx: int, offset: int, length: int, version: int, unit: int, stripe, snap: int = 0, record: dict | None = None, *, pending: bool = False, state: int = 0) -> None:
+        """Send a range of a stripe to a backup (WRITE into its staging + ``apply``); with
+        ``pending``, the whole stripe, held there until the apply that names it in ``state``."""
+        extra = ({"record": record} if record is not None else {}) | ({"pending": True} if pending else {}) | ({"state": state} if state else {})
+
         async def push(rkey: int, soff: int, off: int, view: memoryview, full: bool) -> dict:
             conn = await self.cluster.conn(peer)
             await conn.write(rkey, soff, view)
             return await self.cluster.call(
                 peer,
                 "apply",
-                {"fid": fid, "idx": idx, "offset": off, "length": len(view), "rkey": rkey, "soff": soff, "version": version, "unit": unit, "full": full, "snap": snap, "clock": stripe.clock} | ({"record": record} if record is not None else {}),
+                {"fid": fid, "idx": idx, "offset": off, "length": len(view), "rkey": rkey, "soff": soff, "version": version, "unit": unit, "full": full, "snap": snap, "clock": stripe.clock} | extra,
             )
 
         for attempt in (1, 2):
             try:
+                if pending:
+                    await self.peer_staging.with_slot(peer, lambda rk, so: push(rk, so, 0, stripe.data[: stripe.capacity], True))
+                    return
                 r = await self.peer_staging.with_slot(peer, lambda rk, so: push(rk, so, offset, stripe.data[offset : offset + length], False))
                 if r.get("stale"):
                     log.info("replica %s of stripe %d:%d is behind; sending the whole stripe", peer, fid, idx)
@@ -527,11 +607,19 @@ class Node:
                 log.warning("stripe %d:%d version %d not replicated to %s: %s", fid, idx, version, peer, exc)
                 return
 
-    async def rpc_apply(self, fid: int, idx: int, offset: int, length: int, rkey: int, soff: int, version: int, unit: int, full: bool, snap: int = 0, clock: int = 0, record: dict | None = None) -> dict:
+    async def rpc_apply(self, fid: int, idx: int, offset: int, length: int, rkey: int, soff: int, version: int, unit: int, full: bool, snap: int = 0, clock: int = 0, record: dict | None = None, pending: bool = False, state: int = 0) -> dict:
         """Install a range (or the whole stripe) a primary sent, in version order, with the
-        push bookkeeping that produced it (training) in the same step."""
+        push bookkeeping and the ``state`` optimizer-state stripes (sent ahead, ``pending``)
+        that go with it (training) in the same step."""
         self._check_range(offset, length, unit)
         data = self._staged(rkey, soff, length)
+        if pending:  # optimizer state: kept aside until the parameters it belongs to arrive
+            if snap >= 0 or not full:
+                raise RemoteError("EINVAL", "only whole optimizer-state stripes are sent ahead")
+            self.pending_state[(fid, idx, snap)] = (bytes(data), version, clock, unit)
+            return {}
+        if not 0 <= state <= 2:
+            raise RemoteError("EINVAL", f"{state} optimizer-state stripes (at most 2)")
         async with self.stripe_locks((fid, idx)):
             stripe = self.store.get(fid, idx, snap)
             current = stripe.version if stripe else 0
@@ -542,6 +630,15 @@ class Node:
                 self.store.install(fid, idx, offset, data, unit, version, clock, snap)
             elif current < version:
                 return {"stale": True}
+            for k in range(1, state + 1):  # with the parameters, not before: never one without the other
+                held = self.pending_state.pop((fid, idx, -k), None)
+                if held is None:
+                    log.warning("stripe %d:%d: optimizer state %d did not arrive with its parameters", fid, idx, -k)
+                    continue
+                raw, sversion, sclock, sunit = held
+                mine = self.store.get(fid, idx, -k)
+                if mine is None or mine.version < sversion:
+                    self.store.replace(fid, idx, memoryview(raw), sunit, sversion, -k, sclock)
             if record is not None:
                 self.training[(fid, idx)].restore(record)
         return {}
@@ -654,12 +751,12 @@ class Node:
         ``spans`` only the [start, length] element runs listed (chunk sparsification; the rest
         is zero); applied as the policy says."""
         self._require_ready()
+        await self._await_takeover()
         async with self._commit_barrier():
             return await self._push_now(staged, fid, idx, offset, count, rank, step, wire, unit, spans, busy, paced)
 
     async def _push_now(self, staged: memoryview, fid: int, idx: int, offset: int, count: int, rank: int, step: int, wire: str, unit: int, spans: list | None, busy: float | None, paced: float) -> dict:
-        if self.cluster.stripe_primary(fid, idx) != self.name:
-            raise RemoteError("ENOTPRIMARY", self.cluster.stripe_primary(fid, idx) or "")
+        self._check_primary(fid, idx)
         model, opt, tensor = self.model_of(fid)
         if rank not in model.active:
             raise RemoteError("EINVAL", f"rank {rank} is not one of the active workers {model.active}")
@@ -671,6 +768,7 @@ class Node:
         key = (fid, idx)
         st = self.training[key]
         async with self.stripe_locks(key):
+            self._check_primary(fid, idx)  # again, under the lock: a hand-over may have moved it
             done = st.next_step(rank)
             if step < done:  # a retry of a push already taken: exactly once
                 return {"clock": st.clock(model), "pushed": done, "duplicate": True}
@@ -757,6 +855,8 @@ class Node:
             except RemoteError:
                 continue
             async with self.stripe_locks((fid, idx)):
+                if self.cluster.stripe_primary(fid, idx) != self.name:
+                    continue  # handed over meanwhile
                 updates = st.release(model) + st.complete_rounds(model)
                 await self._settle(fid, idx, st, model, opt, np.dtype(tensor["dtype"]), updates)
         self._progressed()
@@ -781,18 +881,19 @@ class Node:
             self.store.install(fid, idx, 0, memoryview(state[name]).cast("B"), 2 * unit, clock=t, snap=-k)
 
     async def _replicate_training(self, fid: int, idx: int, offset: int, length: int, unit: int, nstate: int, record: dict | None = None) -> None:
-        """Optimizer state, then parameters (with version, clock and the push bookkeeping), to
-        every backup."""
+        """Optimizer state (held aside by each backup), then the parameters with version, clock
+        and push bookkeeping, whose apply installs the state too: a backup that takes over holds
+        all of one step or none of it."""
         stripe = self.store.get(fid, idx)
         peers = [p for p in self.cluster.targets(fid, idx) if p != self.name]
         async with trio.open_nursery() as n:
             for peer in peers:
                 for k in range(1, nstate + 1):
                     s = self.store.get(fid, idx, -k)
-                    n.start_soon(self._replicate, peer, fid, idx, 0, s.capacity, s.version, 2 * unit, s, -k)
+                    n.start_soon(partial(self._replicate, peer, fid, idx, 0, s.capacity, s.version, 2 * unit, s, -k, pending=True))
         async with trio.open_nursery() as n:
             for peer in peers:
-                n.start_soon(partial(self._replicate, peer, fid, idx, offset, length, stripe.version, unit, stripe, record=record))
+                n.start_soon(partial(self._replicate, peer, fid, idx, offset, length, stripe.version, unit, stripe, record=record, state=nstate))
 
     # -- resync and rebalance ---------------------------------------------------------------------
     async def resync(self) -> None:
