@@ -19,9 +19,11 @@ code running. What runs here is the control path:
 - ``freeze``/``thaw`` (the commit barrier of snapshots and rebalance), ``rebalance_pull``,
   ``reconfigure`` and ``members`` (membership changes, rebalance.py).
 
-A node starts ``syncing``: it serves replication but not reads, fetches the namespace, every
-stripe it should hold and their push bookkeeping from ready peers (newest version wins), logs its
-progress, then turns ``ready``. The first node of a fresh cluster finds no ready peer and is
+A node starts ``syncing``: it tells its peers it is ``joining`` (they replicate to it from then
+on), serves replication but not reads, fetches the namespace, every stripe it should hold and
+their push bookkeeping from ready peers (newest version wins), logs its progress, turns
+``ready`` and asks each peer to ``handover`` what it stood in for (``_join``: never two
+primaries for a stripe). The first node of a fresh cluster finds no ready peer and is
 ready at once. A ready node that reaches less than a majority, or that a ready peer counts down,
 fences itself (syncing) and resyncs before it serves again. With ``--persist`` it loads its
 stripes and namespace from disk first (persist.py).
