@@ -179,3 +179,70 @@ async def test_snapshot_waits_for_commits_in_flight(cluster):
         data = await c.read(attr["ino"], 0, 8 * unit, await c.getattr(attr["ino"], sid), snap=sid)
         for i in range(8):
             assert data[i * unit : (i + 1) * unit] in (bytes([1]) * unit, bytes([2]) * unit)
+
+
+async def test_handover_stops_the_stand_in_and_waits_for_its_commits(cluster):
+    """A node back from a restart asks the stand-in to hand over: from the answer on, the
+    stand-in counts it ready and refuses to lead its stripes; a commit under way finishes first;
+    a heartbeat failure from before the node's own word does not count it down again."""
+    cfg, nodes = cluster
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
+        attr = await c.write_file("/f", bytes(16 * cfg.stripe_unit))
+    back, stand_in = nodes[0], nodes[1]
+    idx = next(i for i in range(16) if stand_in.cluster.stripe_rank(attr["ino"], i)[:2] == ["n0", "n1"])
+    before = trio.current_time()
+    stand_in.cluster.mark_down("n0", "test: it died")
+    assert stand_in.cluster.stripe_primary(attr["ino"], idx) == "n1"
+
+    released, handed = trio.Event(), trio.Event()
+
+    async def commit_under_way():
+        async with stand_in.stripe_locks((attr["ino"], idx)):
+            await released.wait()
+
+    async def handover():
+        await stand_in.rpc_handover(name="n0")
+        handed.set()
+
+    async with trio.open_nursery() as n:
+        n.start_soon(commit_under_way)
+        await trio.sleep(0.01)
+        n.start_soon(handover)
+        await trio.sleep(0.05)
+        assert not handed.is_set()  # waits for what the stand-in is doing on n0's stripe
+        released.set()
+    assert handed.is_set() and stand_in.cluster.node_state("n0") == "ready"
+    assert stand_in.cluster.stripe_primary(attr["ino"], idx) == "n0"
+    stand_in.cluster.mark_down("n0", "a probe sent before the hand-over", since=before)
+    assert stand_in.cluster.node_state("n0") == "ready"
+    with pytest.raises(RemoteError) as err:
+        await stand_in.rpc_handover(name="n9")
+    assert err.value.code == "EINVAL"
+    assert back.taken_over.is_set()
+
+
+async def test_optimizer_state_waits_for_its_parameters(cluster):
+    """Optimizer state sent ahead is held aside: a primary that dies before the parameters'
+    apply leaves the backup's state as it was; the apply installs both."""
+    from irdmafs.transport.base import Access
+
+    cfg, nodes = cluster
+    backup, unit, fid, idx = nodes[2], cfg.stripe_unit, 999_999, 0
+    staged = backup.transport.alloc_region(2 * unit, Access.WRITE)
+    old_state = backup.store.get(fid, idx, -1)
+    assert old_state is None
+
+    def stage(value: int, n: int) -> None:
+        staged.buf[:n] = bytes([value]) * n
+
+    stage(7, 2 * unit)
+    await backup.rpc_apply(fid=fid, idx=idx, offset=0, length=2 * unit, rkey=staged.rkey, soff=0, version=1, unit=2 * unit, full=True, snap=-1, clock=1, pending=True)
+    assert backup.store.get(fid, idx, -1) is None  # not without its parameters
+    stage(3, unit)
+    await backup.rpc_apply(fid=fid, idx=idx, offset=0, length=unit, rkey=staged.rkey, soff=0, version=1, unit=unit, full=True, state=1)
+    state = backup.store.get(fid, idx, -1)
+    assert state is not None and bytes(state.data[: 2 * unit]) == bytes([7]) * (2 * unit) and state.clock == 1
+    assert bytes(backup.store.get(fid, idx).data[:unit]) == bytes([3]) * unit
+    with pytest.raises(RemoteError) as err:  # parameters are never sent ahead
+        await backup.rpc_apply(fid=fid, idx=idx, offset=0, length=unit, rkey=staged.rkey, soff=0, version=2, unit=unit, full=True, pending=True)
+    assert err.value.code == "EINVAL"
