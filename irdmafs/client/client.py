@@ -194,7 +194,7 @@ class Client:
 
     async def setattr(self, ino: int, **attrs: Any) -> dict:
         if "size" in attrs:
-            return await self.truncate(ino, attrs.pop("size"), **attrs)
+            return await self.truncate(ino, attrs.pop("size"), written=attrs.pop("written", 0), **attrs)
         return await self._op(op="setattr", ino=ino, attrs=attrs)
 
     async def setxattr(self, ino: int, name: str, value: str | None) -> dict:
@@ -228,9 +228,11 @@ class Client:
         await self.io.write(ino, attr["unit"], offset, view)
         return await self.extend(ino, offset + len(view)) if extend else None
 
-    async def truncate(self, ino: int, size: int, **attrs: Any) -> dict:
+    async def truncate(self, ino: int, size: int, *, written: int = 0, **attrs: Any) -> dict:
+        """Set the size; ``written``: how far this client wrote data the file's size does not
+        show yet (write-behind), which must be zeroed as well."""
         attr = await self.getattr(ino)
-        old, unit = attr["size"], attr["unit"]
+        old, unit = max(attr["size"], written), attr["unit"]
         result = await self._op(op="setattr", ino=ino, attrs=dict(attrs, size=size))
         # Whole stripes past the end were dropped by every node; the tail of the last one must
         # read as zeros if the file grows again, so it is zeroed through the normal write path.

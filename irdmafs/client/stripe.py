@@ -108,6 +108,13 @@ class StripeIO:
             if all(isinstance(e, trio.TooSlowError) for e in leaves(group)):
                 raise trio.TooSlowError from None
             raise
+        finally:
+            # A hole is known only for this read: any client's next write may fill it (a region
+            # key stays valid until its stripe moves, which the read notices: AccessError).
+            for p in pieces:
+                for node in self.cluster.stripe_rank(fid, p.idx):
+                    if self._keys.get((node, fid, p.idx, snap), 0) is None:
+                        del self._keys[(node, fid, p.idx, snap)]
         self.bytes_read += n
         return n
 
@@ -129,6 +136,7 @@ class StripeIO:
         missing: set[str] = set()
         behind: list[str] = []  # replicas whose clock did not move while waited on: asked last
         stale_keys = 0
+        looked_up: set[str] = set()  # nodes whose key this read asked for (not from the cache)
         give_up = trio.current_time() + self.cluster.cfg.op_timeout
         clock_deadline = trio.current_time() + wait
         while True:
@@ -154,11 +162,17 @@ class StripeIO:
             try:
                 if (node, fid, p.idx, snap) not in self._keys:
                     await self._lookup(node, fid, [p.idx], snap)
+                    looked_up.add(node)
                 key = self._keys[(node, fid, p.idx, snap)]
                 if key is None:
                     missing.add(node)
                     continue
                 rkey, capacity = key
+                if p.offset + len(view) > capacity and node not in looked_up:
+                    # past the stripe's end as cached: it may have grown since (into a new
+                    # region) -- ask again before calling the rest zeros
+                    del self._keys[(node, fid, p.idx, snap)]
+                    continue
                 if min_clock:
                     await self._wait_clock(node, rkey, min_clock, clock_deadline)
                 k = max(0, min(len(view), capacity - p.offset))

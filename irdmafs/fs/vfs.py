@@ -179,10 +179,17 @@ class FileHandle(Handle):
     _read_attr: dict = field(default_factory=dict)
 
     async def read(self, off: int, size: int) -> memoryview:
-        await self.vfs.drain(self.ino)  # this mount's writes in flight first
-        if off + size > self.attr["size"] and not self.dirty:
-            # another mount may have grown the file since we opened it
-            self.attr = await self.vfs.client.getattr(self.ino, self.snap)
+        # This mount's writes in flight first. A write that comes in while this waits (its
+        # data still in the write-behind) would be missing from what the read-ahead fetches
+        # next and keeps, after that write dropped the read-ahead: so wait until none came.
+        while True:
+            seen = self.vfs.writes_seen.get(self.ino, 0)
+            await self.vfs.drain(self.ino)
+            if off + size > self.attr["size"] and not self.dirty:
+                # another mount may have grown the file since we opened it
+                self.attr = await self.vfs.client.getattr(self.ino, self.snap)
+            if self.vfs.writes_seen.get(self.ino, 0) == seen:
+                break  # and no await from here until the read-ahead has started its fetches
         attr = dict(self.attr, size=max(self.attr["size"], self.size))
         if self.reader is None:
             self.reader = ReadAhead(self._fetch)
@@ -193,6 +200,7 @@ class FileHandle(Handle):
         return await self.vfs.client.read_into(self.ino, off, into, self._read_attr, self.snap)
 
     async def write(self, off: int, data: bytes) -> int:
+        self.vfs.writes_seen[self.ino] = self.vfs.writes_seen.get(self.ino, 0) + 1
         if self.behind is None:
             self.behind = WriteBehind(self.vfs.client, self.ino, self.attr, self.vfs.write_slots)
             self.vfs.writers.setdefault(self.ino, set()).add(self.behind)
@@ -355,6 +363,7 @@ class Vfs:
         self.status = status or {}
         self.handles: dict[int, Handle] = {}
         self.pending: dict[int, int] = {}  # ino -> size written through this mount, not yet flushed
+        self.writes_seen: dict[int, int] = {}  # ino -> writes this mount took for it (reads wait them out)
         self.writers: dict[int, set[WriteBehind]] = {}
         self.unlinked: dict[int, tuple[int, str]] = {}  # ino -> (parent, hidden name) until last close  # ino -> open files' writes on their way
         self.write_slots = trio.Semaphore(writeback.SLOTS)
@@ -525,17 +534,24 @@ class Vfs:
             return await self.getattr(ino)  # O_TRUNC before a new batch size is written
         if not is_cluster(ino):
             raise FsError(errno.EPERM)
+        return self.stat_of(await self.setattr_raw(ino, changes))
+
+    async def setattr_raw(self, ino: int, changes: dict[str, Any]) -> dict:
+        """Change a cluster file's attributes; a new size waits for this mount's writes to it
+        and zeroes what lies past it. Returns the node's attributes."""
         attrs = dict(changes)
         if "size" in attrs:
             await self.drain(ino)  # a truncate must not be overtaken by an earlier write
             self.forget_fetched(ino)
-            self.pending.pop(ino, None)
+            # data this mount wrote past the size the nodes know (not yet extended) is in the
+            # stripes too: the truncate must zero it as well, or a later grow shows it again
+            attrs["written"] = max([self.pending.pop(ino, 0)] + [h.size for h in self.open_handles(ino)])
             for h in self.open_handles(ino):
                 h.size = min(h.size, attrs["size"])
         attr = await self.client.setattr(ino, **attrs)
         for h in self.open_handles(ino):
             h.attr = attr  # open files answer getattr: keep them current
-        return self.stat_of(attr)
+        return attr
 
     # -- directories -----------------------------------------------------------------------------
     def _check_create(self, parent: int, name: str) -> None:
@@ -644,6 +660,9 @@ class Vfs:
             attr = await self.client.getattr(i, sid)
             if S.S_ISDIR(attr["mode"]):
                 raise FsError(errno.EISDIR)
+            if flags & os.O_TRUNC and writes(flags) and attr["size"]:
+                # libfuse asks for atomic O_TRUNC: the kernel sends no setattr, the open truncates
+                attr = await self.setattr_raw(i, {"size": 0})
             return self._register(FileHandle(i, self, attr, sid, attr["size"]))
         if ino & VIEW:
             model = ino & ~VIEW

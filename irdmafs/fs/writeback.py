@@ -65,12 +65,19 @@ class WriteBehind:
 
     async def _send(self, start: int, view: memoryview) -> None:
         end = start + len(view)
-        for s, e, done in list(self.inflight):
-            if s < end and start < e:  # an overlapping write goes first
-                await done.wait()
-        await self.slots.acquire()
         entry = (start, end, trio.Event())
+        earlier = [done for s, e, done in self.inflight if s < end and start < e]
+        # In flight from now on, also while it waits below: a drain meanwhile must wait for it
+        # (its bytes are no longer in the run, and not yet in the cluster).
         self.inflight.append(entry)
+        try:
+            for done in earlier:  # an overlapping write goes first
+                await done.wait()
+            await self.slots.acquire()
+        except BaseException:
+            self.inflight.remove(entry)
+            entry[2].set()
+            raise
         # A system task: it outlives the FUSE request that made it, which is the point.
         trio.lowlevel.spawn_system_task(self._write, start, view, entry)
 

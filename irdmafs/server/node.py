@@ -180,8 +180,10 @@ class Node:
         it is ``joining`` (they replicate to it from then on, without waiting for a heartbeat),
         resyncs, turns ready, and asks each peer to ``handover``: the peer counts it ready, so
         stops taking commits and pushes for those stripes, and waits for the ones under way
-        (which replicate here before they finish). Commits, pushes and namespace ops sent here
-        meanwhile wait for the hand-over (``_await_takeover``). Peers' heartbeat probes begun
+        (which replicate here before they finish), and answers with the versions and push
+        bookkeeping it holds of them; this node fetches any newer than its own (``_catch_up``).
+        Commits, pushes, namespace ops and stripe lookups sent here meanwhile wait for the
+        hand-over (``_await_takeover``). Peers' heartbeat probes begun
         before a node's own word are ignored (Cluster.vouch)."""
         self.state = SYNCING
         self.taken_over = trio.Event()
@@ -189,13 +191,17 @@ class Node:
         await self.resync()
         self.state = READY
         self.ready_since = trio.current_time()
-        await self._tell_peers("handover")
+        handed = await self._tell_peers("handover")
+        await self._catch_up(handed)
         self.taken_over.set()
 
-    async def _tell_peers(self, method: str) -> None:
+    async def _tell_peers(self, method: str) -> dict[str, dict]:
+        """Call ``method`` on every peer that answers; returns their answers by name."""
+        answers: dict[str, dict] = {}
+
         async def one(peer: str) -> None:
             try:
-                await self.cluster.call(peer, method, {"name": self.name})
+                answers[peer] = await self.cluster.call(peer, method, {"name": self.name})
             except (NodeDown, RemoteError) as exc:  # down: it learns from heartbeats when back
                 log.info("%s not told to %s: %s", method, peer, exc)
 
@@ -203,6 +209,27 @@ class Node:
             for peer in self.cfg.names:
                 if peer != self.name:
                     n.start_soon(one, peer)
+        return answers
+
+    async def _catch_up(self, handed: dict[str, dict]) -> None:
+        """After the hand-over the stand-ins change nothing more of what this node leads: fetch
+        what they hold newer than this node (a replication to it that failed while it synced),
+        so it never leads with an old version or old push bookkeeping."""
+        fetched = 0
+        for peer, answer in handed.items():
+            for fid, idx, snap, version in answer.get("stripes", []):
+                mine = self.store.get(fid, idx, snap)
+                if (mine is None or mine.version < version) and await self._fetch_stripe(fid, idx, snap, peer):
+                    fetched += 1
+            for key, rec in answer.get("records", {}).items():
+                fid, idx = (int(x) for x in key.split(":"))
+                incoming = StripeTraining()
+                incoming.restore(rec)
+                async with self.stripe_locks((fid, idx)):
+                    if incoming.progress > self.training[(fid, idx)].progress:
+                        self.training[(fid, idx)].restore(rec)
+        if fetched:
+            log.warning("hand-over: %d stripes fetched again (their replication here had failed)", fetched)
 
     def _check_member(self, name: str) -> None:
         if name == self.name or name not in self.cfg.names:
@@ -227,7 +254,12 @@ class Node:
         if self.cluster.meta_primary() == name:
             async with self.meta_lock:
                 pass
-        return {}
+        # what it now leads, as held here: it fetches whatever of it is newer here than there
+        led = {(fid, idx) for fid, idx, _ in self.store.stripes if self.cluster.stripe_primary(fid, idx) == name}
+        return {
+            "stripes": [[fid, idx, snap, s.version] for (fid, idx, snap), s in list(self.store.stripes.items()) if (fid, idx) in led],
+            "records": {f"{fid}:{idx}": st.record() for (fid, idx), st in list(self.training.items()) if (fid, idx) in led and st.span[2]},
+        }
 
     async def _await_takeover(self) -> None:
         """Primary work waits (briefly) while this node takes its stripes back."""
@@ -528,6 +560,7 @@ class Node:
     # -- data --------------------------------------------------------------------------------
     async def rpc_stripe_info(self, fid: int, idxs: list[int], snap: int = 0) -> dict:
         self._require_ready()
+        await self._await_takeover()  # no reads of this node's copies before it has caught up
         return {str(i): (s.describe() if (s := self.store.get(fid, i, snap)) else None) for i in idxs}
 
     async def rpc_staging(self, owner: str, size: int) -> dict:

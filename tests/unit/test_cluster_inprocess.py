@@ -187,7 +187,7 @@ async def test_handover_stops_the_stand_in_and_waits_for_its_commits(cluster):
     a heartbeat failure from before the node's own word does not count it down again."""
     cfg, nodes = cluster
     async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
-        attr = await c.write_file("/f", bytes(16 * cfg.stripe_unit))
+        attr = await c.write_file("/f", os.urandom(16 * cfg.stripe_unit))
     back, stand_in = nodes[0], nodes[1]
     idx = next(i for i in range(16) if stand_in.cluster.stripe_rank(attr["ino"], i)[:2] == ["n0", "n1"])
     before = trio.current_time()
@@ -200,8 +200,10 @@ async def test_handover_stops_the_stand_in_and_waits_for_its_commits(cluster):
         async with stand_in.stripe_locks((attr["ino"], idx)):
             await released.wait()
 
+    answer = {}
+
     async def handover():
-        await stand_in.rpc_handover(name="n0")
+        answer.update(await stand_in.rpc_handover(name="n0"))
         handed.set()
 
     async with trio.open_nursery() as n:
@@ -213,6 +215,13 @@ async def test_handover_stops_the_stand_in_and_waits_for_its_commits(cluster):
         released.set()
     assert handed.is_set() and stand_in.cluster.node_state("n0") == "ready"
     assert stand_in.cluster.stripe_primary(attr["ino"], idx) == "n0"
+    # the answer lists what n0 now leads as the stand-in holds it; n0 fetches what it lacks
+    held = stand_in.store.get(attr["ino"], idx)
+    assert [attr["ino"], idx, 0, held.version] in answer["stripes"]
+    back.store.replace(attr["ino"], idx, memoryview(bytes(10)), cfg.stripe_unit, 0)  # as if a replication failed
+    await back._catch_up({"n1": answer})
+    assert back.store.get(attr["ino"], idx).version == held.version
+    assert bytes(back.store.get(attr["ino"], idx).data[: cfg.stripe_unit]) == bytes(held.data[: cfg.stripe_unit])
     stand_in.cluster.mark_down("n0", "a probe sent before the hand-over", since=before)
     assert stand_in.cluster.node_state("n0") == "ready"
     with pytest.raises(RemoteError) as err:
