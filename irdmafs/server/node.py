@@ -183,8 +183,8 @@ class Node:
         (which replicate here before they finish), and answers with the versions and push
         bookkeeping it holds of them; this node fetches any newer than its own (``_catch_up``).
         Commits, pushes, namespace ops and stripe lookups sent here meanwhile wait for the
-        hand-over (``_await_takeover``). Peers' heartbeat probes begun
-        before a node's own word are ignored (Cluster.vouch)."""
+        hand-over (``_await_takeover``). Peers' heartbeat probes begun before a node's own word
+        are ignored (Cluster.vouch)."""
         self.state = SYNCING
         self.taken_over = trio.Event()
         await self._tell_peers("joining")
@@ -223,11 +223,7 @@ class Node:
                     fetched += 1
             for key, rec in answer.get("records", {}).items():
                 fid, idx = (int(x) for x in key.split(":"))
-                incoming = StripeTraining()
-                incoming.restore(rec)
-                async with self.stripe_locks((fid, idx)):
-                    if incoming.progress > self.training[(fid, idx)].progress:
-                        self.training[(fid, idx)].restore(rec)
+                await self._take_record_if_newer(fid, idx, rec)
         if fetched:
             log.warning("hand-over: %d stripes fetched again (their replication here had failed)", fetched)
 
@@ -960,13 +956,16 @@ class Node:
                 continue
             for key, rec in records.items():
                 fid, idx = (int(x) for x in key.split(":"))
-                if not mine(fid, idx):
-                    continue
-                incoming = StripeTraining()
-                incoming.restore(rec)
-                async with self.stripe_locks((fid, idx)):
-                    if incoming.progress > self.training[(fid, idx)].progress:  # never go back
-                        self.training[(fid, idx)].restore(rec)
+                if mine(fid, idx):
+                    await self._take_record_if_newer(fid, idx, rec)
+
+    async def _take_record_if_newer(self, fid: int, idx: int, rec: dict) -> None:
+        """A peer's push bookkeeping of a stripe, if it has taken more pushes (never go back)."""
+        incoming = StripeTraining()
+        incoming.restore(rec)
+        async with self.stripe_locks((fid, idx)):
+            if incoming.progress > self.training[(fid, idx)].progress:
+                self.training[(fid, idx)].restore(rec)
 
     async def rpc_train_records(self) -> dict:
         return {"records": {f"{fid}:{idx}": st.record() for (fid, idx), st in list(self.training.items()) if st.span[2]}}
