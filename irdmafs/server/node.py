@@ -12,21 +12,15 @@ code running. What runs here is the control path:
   sequence number to every other live node (``meta_apply``); a node that missed ops gets a
   snapshot.
 - ``heartbeat``, ``stripe_info``, ``staging``, ``stripes``, reads of the namespace.
+- ``freeze``/``thaw``: the commit barrier of snapshots and rebalance.
+- resync: a node starts ``syncing`` (serves replication, not reads), fetches the namespace and
+  every stripe it should hold from ready peers (newest version wins), logs its progress, then
+  turns ``ready``. The first node of a fresh cluster finds no ready peer and is ready at once.
+  With ``--persist`` it loads its stripes and namespace from disk first (persist.py).
 
-- training (``on_imm``: fused pushes; ``train_info``, ``train_wait``, ``train_record(s)``): the
-  primary of a stripe takes pushes under its sync policy (sync.py), runs the optimizer, and sends
-  parameters and push bookkeeping to the backups in one ``apply``, so a backup can take over.
-- ``freeze``/``thaw`` (the commit barrier of snapshots and rebalance), ``rebalance_pull``,
-  ``reconfigure`` and ``members`` (membership changes, rebalance.py).
-
-A node starts ``syncing``: it tells its peers it is ``joining`` (they replicate to it from then
-on), serves replication but not reads, fetches the namespace, every stripe it should hold and
-their push bookkeeping from ready peers (newest version wins), logs its progress, turns
-``ready`` and asks each peer to ``handover`` what it stood in for (``_join``: never two
-primaries for a stripe). The first node of a fresh cluster finds no ready peer and is
-ready at once. A ready node that reaches less than a majority, or that a ready peer counts down,
-fences itself (syncing) and resyncs before it serves again. With ``--persist`` it loads its
-stripes and namespace from disk first (persist.py).
+Two parts live in their own modules, mixed into ``Node``: training.py (pushes, policies,
+optimizers, the push bookkeeping backups take over with) and membership.py (joining and the
+hand-over of stripes from stand-ins, fencing, membership changes).
 
 Concurrency: one trio thread; handlers run as concurrent tasks, so everything that must be
 ordered takes a lock (metadata, per stripe).
@@ -36,41 +30,35 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import logging
 import math
 import sys
 import time
 from collections import defaultdict
 from contextlib import asynccontextmanager
-from dataclasses import asdict
 from functools import partial
 from typing import Any
 
-import numpy as np
 import trio
 
-from ..cluster import DOWN, READY, SYNCING, Cluster, NodeDown, StagingPool, now_ns, read_verified
-from ..config import ClusterConfig, ConfigError, NodeSpec, load
+from ..cluster import READY, SYNCING, Cluster, NodeDown, StagingPool, now_ns, read_verified
+from ..config import ClusterConfig, ConfigError, load
 from ..metrics import Latency, node_samples
 from ..metrics import serve as serve_metrics
 from ..notify import notify
-from ..placement import placement
 from ..progress import Progress
 from ..transport.base import Access, AccessError, RemoteError, Transport, TransportError
-from . import optim
+from .membership import Membership
 from .meta import Meta
 from .persist import Persist
 from .store import NoSpace, Store
-from .sync import Model, PolicyError, StripeTraining, parse_policy
+from .training import Training
+from .sync import StripeTraining
 
 log = logging.getLogger(__name__)
 
 MAX_STAGING_PER_OWNER = 512 << 20
 FREEZE_SECONDS = 30.0  # a frozen node thaws by itself after this
-# after a membership change, stripes a node no longer holds are kept this many heartbeats (plus
-# down_after) so that clients still on the old membership read them until they learn the new one
-GRACE_HEARTBEATS = 20
 
 
 class KeyedLocks:
@@ -111,7 +99,9 @@ class _KeyedLock:
             del self.owner._locks[self.key]
 
 
-class Node:
+class Node(Membership, Training):
+    """A PS node's state and its control calls (``rpc_<method>``, dispatched by ``handle``)."""
+
     def __init__(self, cfg: ClusterConfig, name: str, transport: Transport, persist: str | None = None):
         self.cfg = cfg
         self.name = name
@@ -172,151 +162,10 @@ class Node:
             notify(f"READY=1\nSTATUS=serving on {address[0]}:{address[1]}")
             nursery.start_soon(self._fence_loop)
 
-    # -- joining: resync, then the hand-over ------------------------------------------------------
-    async def _join(self) -> None:
-        """(Re)join the cluster without ever having two primaries for a stripe.
-
-        While this node was away, stand-ins were primaries of its stripes. It tells every peer
-        it is ``joining`` (they replicate to it from then on, without waiting for a heartbeat),
-        resyncs, turns ready, and asks each peer to ``handover``: the peer counts it ready, so
-        stops taking commits and pushes for those stripes, and waits for the ones under way
-        (which replicate here before they finish), and answers with the versions and push
-        bookkeeping it holds of them; this node fetches any newer than its own (``_catch_up``).
-        Commits, pushes, namespace ops and stripe lookups sent here meanwhile wait for the
-        hand-over (``_await_takeover``). Peers' heartbeat probes begun before a node's own word
-        are ignored (Cluster.vouch)."""
-        self.state = SYNCING
-        self.taken_over = trio.Event()
-        await self._tell_peers("joining")
-        await self.resync()
-        self.state = READY
-        self.ready_since = trio.current_time()
-        handed = await self._tell_peers("handover")
-        await self._catch_up(handed)
-        self.taken_over.set()
-
-    async def _tell_peers(self, method: str) -> dict[str, dict]:
-        """Call ``method`` on every peer that answers; returns their answers by name."""
-        answers: dict[str, dict] = {}
-
-        async def one(peer: str) -> None:
-            try:
-                answers[peer] = await self.cluster.call(peer, method, {"name": self.name})
-            except (NodeDown, RemoteError) as exc:  # down: it learns from heartbeats when back
-                log.info("%s not told to %s: %s", method, peer, exc)
-
-        async with trio.open_nursery() as n:
-            for peer in self.cfg.names:
-                if peer != self.name:
-                    n.start_soon(one, peer)
-        return answers
-
-    async def _catch_up(self, handed: dict[str, dict]) -> None:
-        """After the hand-over the stand-ins change nothing more of what this node leads: fetch
-        what they hold newer than this node (a replication to it that failed while it synced),
-        so it never leads with an old version or old push bookkeeping."""
-        fetched = 0
-        for peer, answer in handed.items():
-            for fid, idx, snap, version in answer.get("stripes", []):
-                mine = self.store.get(fid, idx, snap)
-                if (mine is None or mine.version < version) and await self._fetch_stripe(fid, idx, snap, peer):
-                    fetched += 1
-            for key, rec in answer.get("records", {}).items():
-                fid, idx = (int(x) for x in key.split(":"))
-                await self._take_record_if_newer(fid, idx, rec)
-        if fetched:
-            log.warning("hand-over: %d stripes fetched again (their replication here had failed)", fetched)
-
-    def _check_member(self, name: str) -> None:
-        if name == self.name or name not in self.cfg.names:
-            raise RemoteError("EINVAL", f"{name!r} is not another member of the cluster")
-
-    async def rpc_joining(self, name: str) -> dict:
-        """A peer is resyncing: replicate to it from now on."""
-        self._check_member(name)
-        self.cluster.vouch(name, SYNCING)
-        return {}
-
-    async def rpc_handover(self, name: str) -> dict:
-        """A peer has resynced and is ready: it is primary again of what ranks it first. Count
-        it ready, then wait for every commit, push or namespace op under way here on what it
-        now leads (each rechecks who is primary under its lock, so none starts after this)."""
-        self._check_member(name)
-        self.cluster.vouch(name, READY)
-        for key in self.stripe_locks.busy():
-            if self.cluster.stripe_primary(*key) == name:
-                async with self.stripe_locks(key):
-                    pass
-        if self.cluster.meta_primary() == name:
-            async with self.meta_lock:
-                pass
-        # what it now leads, as held here: it fetches whatever of it is newer here than there
-        led = {(fid, idx) for fid, idx, _ in self.store.stripes if self.cluster.stripe_primary(fid, idx) == name}
-        return {
-            "stripes": [[fid, idx, snap, s.version] for (fid, idx, snap), s in list(self.store.stripes.items()) if (fid, idx) in led],
-            "records": {f"{fid}:{idx}": st.record() for (fid, idx), st in list(self.training.items()) if (fid, idx) in led and st.span[2]},
-        }
-
-    async def _await_takeover(self) -> None:
-        """Primary work waits (briefly) while this node takes its stripes back."""
-        if not self.taken_over.is_set():
-            with trio.move_on_after(self.cfg.op_timeout):
-                await self.taken_over.wait()
-            if not self.taken_over.is_set():
-                raise RemoteError("EAGAIN", f"node {self.name} is taking over from its stand-ins")
-
     def _check_primary(self, fid: int, idx: int) -> None:
         primary = self.cluster.stripe_primary(fid, idx)
         if primary != self.name:
             raise RemoteError("ENOTPRIMARY", primary or "")
-
-    # -- fencing -------------------------------------------------------------------------------
-    def _reaches_majority(self) -> bool:
-        """Whether this node and the peers it can reach are a majority of the cluster."""
-        reachable = sum(self.cluster.node_state(n) != DOWN for n in self.cfg.names if n != self.name)
-        return reachable + 1 >= len(self.cfg.names) // 2 + 1
-
-    def _cut_off(self) -> tuple[str, float] | None:
-        """Why this node may hold stale data and how long that must last before it fences, or
-        None: it reaches less than a majority of the cluster for ``down_after`` (counting
-        itself; with one or two nodes a dead peer and a partition look alike, so this rule needs
-        three), or a ready peer has counted it down (writes may have gone on without it: at
-        once)."""
-        peers = [n for n in self.cfg.names if n != self.name]
-        if len(self.cfg.names) >= 3 and not self._reaches_majority():
-            return "less than a majority of the cluster reachable", self.cfg.down_after
-        settle = 3 * self.cfg.heartbeat + self.cfg.down_after  # peers see a new ready node by then
-        for n in peers:
-            info = self.cluster.info.get(n, {})
-            if self.cluster.node_state(n) == READY and self.name not in info.get("sees_ready", [self.name]) and self.cluster.info_at.get(n, 0) - self.ready_since > settle:
-                return f"{n} counts this node down", 0.0
-        return None
-
-    def _may_rejoin(self) -> bool:
-        """A ready peer to resync from, or (everyone fenced) a majority to decide with."""
-        return any(self.cluster.node_state(n) == READY for n in self.cfg.names if n != self.name) or self._reaches_majority()
-
-    async def _fence_loop(self) -> None:
-        """A node cut off from the cluster stops serving (syncing) and, once it reaches a peer
-        again, resyncs before it serves: a stale node never serves an old version."""
-        cut_since = None
-        while True:
-            await trio.sleep(self.cfg.heartbeat)
-            cut = self._cut_off() if self.state == READY else None
-            if cut is None:
-                cut_since = None
-                continue
-            why, grace = cut
-            cut_since = cut_since if cut_since is not None else trio.current_time()
-            if trio.current_time() - cut_since < grace:
-                continue  # a moment without heartbeats: not yet a partition
-            log.warning("node %s fenced: %s; it serves nothing until it has resynced", self.name, why)
-            self.state = SYNCING
-            while not self._may_rejoin():
-                await self.cluster.wait_changed(self.cfg.heartbeat * 5)
-            await self._join()
-            cut_since = None
-            log.info("node %s ready again after resync", self.name)
 
     # -- dispatch ----------------------------------------------------------------------------
     async def handle(self, method: str, args: dict) -> dict:
@@ -674,258 +523,6 @@ class Node:
                 self.training[(fid, idx)].restore(record)
         return {}
 
-    # -- training: pushes, updates, clocks ----------------------------------------------------------
-    def model_of(self, fid: int) -> tuple[Model, optim.Optimizer, dict]:
-        """The sync policy, worker count and optimizer in force for tensor ``fid``, from the
-        user.irdma.* xattrs of its directories; EINVAL naming the accepted forms if malformed."""
-        tensor = self.meta.inode(fid).get("tensor")
-        if not tensor:
-            raise RemoteError("EINVAL", f"inode {fid} is not a tensor")
-        x = self.meta.inherited_xattrs(fid)
-        try:
-            policy = parse_policy(x.get("user.irdma.sync", "bsp"))
-            opt = optim.parse(x.get("user.irdma.optimizer", "sgd lr=0.01"))
-            workers = int(x.get("user.irdma.workers", "1"))
-            removed = frozenset(int(r) for r in x.get("user.irdma.removed", "").split(",") if r.strip())
-        except (PolicyError, optim.OptimError, ValueError) as exc:
-            log.warning("tensor %d: %s", fid, exc)
-            raise RemoteError("EINVAL", str(exc)) from None
-        if workers < 1:
-            raise RemoteError("EINVAL", "user.irdma.workers must be at least 1")
-        return Model(policy, workers, removed), opt, tensor
-
-    @staticmethod
-    def _gradient(staged: memoryview, count: int, wire: np.dtype, spans: list | None, work: np.dtype) -> np.ndarray:
-        """The staged gradient as a dense array in the working dtype (accumulation precision),
-        except that a dense float16 gradient for float32 work stays float16 (summed by
-        native.acc_f16 without a temporary)."""
-
-        def take(nbytes: int) -> memoryview:
-            if nbytes > len(staged):
-                raise RemoteError("EINVAL", f"push of {nbytes} bytes, {len(staged)} staged")
-            return staged[:nbytes]
-
-        if spans is None:
-            dense = np.frombuffer(take(count * wire.itemsize), wire)
-            # float16 into float32 stays float16 here: the round sum takes it in one pass
-            # (native.acc_f16); anything else becomes the working dtype now
-            return dense.copy() if (wire, work) == (np.float16, np.float32) else dense.astype(work)
-        total, end = 0, 0
-        for start, length in spans:
-            if not (isinstance(start, int) and isinstance(length, int)) or start < end or length < 1 or start + length > count:
-                raise RemoteError("EINVAL", f"bad span [{start}, {length}] for {count} elements")
-            end = start + length
-            total += length
-        values = np.frombuffer(take(total * wire.itemsize), wire)
-        grad = np.zeros(count, work)
-        pos = 0
-        for start, length in spans:
-            grad[start : start + length] = values[pos : pos + length]
-            pos += length
-        return grad
-
-    async def rpc_train_info(self, fid: int, rank: int) -> dict:
-        """The model's policy as this tensor sees it, and how many pushes of ``rank`` this node
-        (a stripe primary) has taken for it."""
-        model, opt, tensor = self.model_of(fid)
-        pushed = max((st.next_step(rank) for (f, _), st in self.training.items() if f == fid), default=0)
-        x = self.meta.inherited_xattrs(fid)
-        timeout = float(x.get("user.irdma.timeout", "60"))
-        return {"sync": str(model.policy), "workers": model.workers, "active": model.active, "pushed": pushed, "timeout": timeout, "tensor": tensor, "compress": x.get("user.irdma.compress", "none")}
-
-    def policy_info(self, fid: int) -> dict:
-        """What a pushing client caches about a tensor's model; sent back with every push."""
-        model, _, _ = self.model_of(fid)
-        x = self.meta.inherited_xattrs(fid)
-        return {"sync": str(model.policy), "workers": model.workers, "active": model.active, "timeout": float(x.get("user.irdma.timeout", "60")), "compress": x.get("user.irdma.compress", "none")}
-
-    async def on_imm(self, region, offset: int, length: int, imm: int) -> dict:
-        """A client's fused pushes, delivered by one WRITE with immediate into its staging slot:
-        ``imm`` bytes of JSON descriptors, then the gradients they point at. Each push gets its
-        own result, so one refused push does not fail the others; the reply also carries the
-        policy of every tensor involved, which keeps the client's cache fresh without calls."""
-        if region is None or not 0 < imm <= length:
-            raise RemoteError("EINVAL", "notification without a descriptor")
-        try:
-            descs = json.loads(bytes(region.buf[offset : offset + imm]))
-            assert isinstance(descs, list) and all(isinstance(d, dict) for d in descs)
-        except (ValueError, AssertionError):
-            raise RemoteError("EINVAL", "malformed push descriptor") from None
-        data = region.buf[offset + imm : offset + length]
-        results: list[dict] = [{} for _ in descs]
-
-        async def one(i: int, d: dict) -> None:
-            try:
-                at = d.pop("at")
-                results[i] = await self._push(data[at:], **d)
-            except RemoteError as exc:
-                results[i] = {"error": exc.code, "message": exc.message}
-            except (KeyError, TypeError, ValueError) as exc:
-                results[i] = {"error": "EINVAL", "message": f"bad push descriptor: {exc}"}
-
-        t0 = time.perf_counter()
-        async with trio.open_nursery() as n:
-            for i, d in enumerate(descs):
-                n.start_soon(one, i, dict(d))
-        self.latency.observe("push", time.perf_counter() - t0)
-        info = {}
-        for fid in {d.get("fid") for d in descs}:
-            try:
-                info[str(fid)] = self.policy_info(fid)
-            except (RemoteError, TypeError):
-                pass
-        return {"results": results, "info": info}
-
-    async def _push(self, staged: memoryview, fid: int, idx: int, offset: int, count: int, rank: int, step: int, wire: str, unit: int, spans: list | None = None, busy: float | None = None, paced: float = 0.0) -> dict:
-        """Gradient push ``step`` of ``rank`` for the ``count`` elements of this stripe starting
-        at byte ``offset``, read from ``staged`` in dtype ``wire``: all of them, or with
-        ``spans`` only the [start, length] element runs listed (chunk sparsification; the rest
-        is zero); applied as the policy says."""
-        self._require_ready()
-        await self._await_takeover()
-        async with self._commit_barrier():
-            return await self._push_now(staged, fid, idx, offset, count, rank, step, wire, unit, spans, busy, paced)
-
-    async def _push_now(self, staged: memoryview, fid: int, idx: int, offset: int, count: int, rank: int, step: int, wire: str, unit: int, spans: list | None, busy: float | None, paced: float) -> dict:
-        self._check_primary(fid, idx)
-        model, opt, tensor = self.model_of(fid)
-        if rank not in model.active:
-            raise RemoteError("EINVAL", f"rank {rank} is not one of the active workers {model.active}")
-        dtype = np.dtype(tensor["dtype"])
-        self._check_range(offset, count * dtype.itemsize, unit)
-        if wire not in ("<f2", "<f4", "<f8"):
-            raise RemoteError("EINVAL", f"gradients travel as float16/32/64, not {wire}")
-        grad = self._gradient(staged, count, np.dtype(wire), spans, optim.work_dtype(dtype))
-        key = (fid, idx)
-        st = self.training[key]
-        async with self.stripe_locks(key):
-            self._check_primary(fid, idx)  # again, under the lock: a hand-over may have moved it
-            done = st.next_step(rank)
-            if step < done:  # a retry of a push already taken: exactly once
-                return {"clock": st.clock(model), "pushed": done, "duplicate": True}
-            if step > done:
-                log.warning("push %d of rank %d to stripe %d:%d refused: %d taken so far", step, rank, fid, idx, done)
-                raise RemoteError("EINVAL", f"rank {rank} pushed {done} times; push {step} is out of order")
-            st.span = (offset, count, unit)
-            st.observe(rank, busy)
-            now = trio.current_time()
-            st.arrive(rank, step, now, paced)
-            await self._settle(fid, idx, st, model, opt, dtype, st.take(model, rank, step, grad))
-            clock, held = st.clock(model), step >= st.pushed.get(rank, 0)
-        self._progressed()
-        return {
-            "clock": clock,
-            "pushed": step + 1,
-            "held": held,  # r2sp: taken, applied when its turn comes
-            "slot_in": round(st.slot_in(model, rank, now), 6),  # r2sp: wait this long before the next push
-            "busy": {str(r): round(v, 6) for r, v in st.busy.items()},  # compute time per step
-        }
-
-    def _progressed(self) -> None:
-        """Wake whoever waits for pushes to be applied."""
-        self.progress.set()
-        self.progress = trio.Event()
-
-    async def rpc_train_wait(self, fid: int, idx: int, rank: int, pushed: int, timeout: float) -> dict:
-        """Until ``pushed`` pushes of ``rank`` to this stripe have been applied (an r2sp push is
-        held until its turn); ETIMEDOUT after ``timeout`` seconds."""
-        st = self.training[(fid, idx)]
-        with trio.move_on_after(timeout):
-            while st.pushed.get(rank, 0) < pushed:
-                await self.progress.wait()
-            return {"pushed": st.pushed.get(rank, 0)}
-        raise RemoteError("ETIMEDOUT", f"rank {rank}'s push {pushed - 1} not applied within {timeout}s")
-
-    async def _settle(self, fid: int, idx: int, st: StripeTraining, model: Model, opt: optim.Optimizer, dtype: np.dtype, updates: list) -> None:
-        """Apply ``updates`` and the stripe's new clock in one install, then replicate them.
-        Called with the stripe's lock held."""
-        offset, count, unit = st.span
-        clock = st.clock(model)
-        stripe = self.store.get(fid, idx)
-        if stripe is None:
-            raise RemoteError("EINVAL", f"tensor {fid} has no data in stripe {idx}")
-        # The push bookkeeping goes to the backups with the parameters it produced, in the same
-        # apply: a backup that takes over then holds both or neither, so a client's retry of an
-        # unanswered push is applied exactly once (duplicate if it was, anew if it was not).
-        record = st.record()
-        if not updates and stripe.clock == clock:  # a bsp push that only adds to its round
-            await self._replicate_record(fid, idx, record)
-            return
-        param = np.frombuffer(stripe.data[offset : offset + count * dtype.itemsize], dtype).copy()
-        if updates:
-            self._apply_updates(fid, idx, param, updates, opt, unit)
-        self.store.install(fid, idx, offset, memoryview(param).cast("B"), unit, clock=clock)
-        await self._replicate_training(fid, idx, offset, count * dtype.itemsize, unit, len(opt.state_names) if updates else 0, record)
-
-    async def _replicate_record(self, fid: int, idx: int, record: dict) -> None:
-        async def one(peer: str) -> None:
-            try:
-                await self.cluster.call(peer, "train_record", {"fid": fid, "idx": idx, "record": record})
-            except (NodeDown, RemoteError) as exc:
-                log.warning("training record of stripe %d:%d not replicated to %s: %s", fid, idx, peer, exc)
-
-        async with trio.open_nursery() as n:
-            for peer in self.cluster.targets(fid, idx):
-                if peer != self.name:
-                    n.start_soon(one, peer)
-
-    async def rpc_train_record(self, fid: int, idx: int, record: dict) -> dict:
-        """A backup keeps the primary's push bookkeeping for a stripe (to take over with it)."""
-        async with self.stripe_locks((fid, idx)):
-            self.training[(fid, idx)].restore(record)
-        return {}
-
-    async def _recheck_training(self) -> None:
-        """The set of active ranks changed: rounds waiting for a removed rank complete, clocks
-        move on, and r2sp turns skip it."""
-        for (fid, idx), st in list(self.training.items()):
-            if self.cluster.stripe_primary(fid, idx) != self.name or not st.span[2]:
-                continue
-            try:
-                model, opt, tensor = self.model_of(fid)
-            except RemoteError:
-                continue
-            async with self.stripe_locks((fid, idx)):
-                if self.cluster.stripe_primary(fid, idx) != self.name:
-                    continue  # handed over meanwhile
-                updates = st.release(model) + st.complete_rounds(model)
-                await self._settle(fid, idx, st, model, opt, np.dtype(tensor["dtype"]), updates)
-        self._progressed()
-
-    def _apply_updates(self, fid: int, idx: int, param: np.ndarray, grads: list[np.ndarray], opt: optim.Optimizer, unit: int) -> None:
-        """Optimizer steps on ``param`` (in place); the state lives in stripes -1, -2 of the
-        stripe, whose clock word counts the steps taken (Adam's t)."""
-        n = len(param)
-        wd = optim.work_dtype(param.dtype)
-        state, t = {}, 0
-        for k, name in enumerate(opt.state_names, 1):
-            s = self.store.get(fid, idx, -k)
-            if s is not None and s.capacity >= n * wd.itemsize:
-                state[name] = np.frombuffer(s.data[: n * wd.itemsize], wd).copy()
-                t = s.clock
-            else:
-                state[name] = np.zeros(n, wd)
-        for grad in grads:
-            t += 1
-            optim.step(opt, param, grad, state, t)
-        for k, name in enumerate(opt.state_names, 1):
-            self.store.install(fid, idx, 0, memoryview(state[name]).cast("B"), 2 * unit, clock=t, snap=-k)
-
-    async def _replicate_training(self, fid: int, idx: int, offset: int, length: int, unit: int, nstate: int, record: dict | None = None) -> None:
-        """Optimizer state (held aside by each backup), then the parameters with version, clock
-        and push bookkeeping, whose apply installs the state too: a backup that takes over holds
-        all of one step or none of it."""
-        stripe = self.store.get(fid, idx)
-        peers = [p for p in self.cluster.targets(fid, idx) if p != self.name]
-        async with trio.open_nursery() as n:
-            for peer in peers:
-                for k in range(1, nstate + 1):
-                    s = self.store.get(fid, idx, -k)
-                    n.start_soon(partial(self._replicate, peer, fid, idx, 0, s.capacity, s.version, 2 * unit, s, -k, pending=True))
-        async with trio.open_nursery() as n:
-            for peer in peers:
-                n.start_soon(partial(self._replicate, peer, fid, idx, offset, length, stripe.version, unit, stripe, record=record, state=nstate))
-
     # -- resync and rebalance ---------------------------------------------------------------------
     async def resync(self) -> None:
         peers = [n for n in self.cluster.ready() if n != self.name]
@@ -944,31 +541,6 @@ class Node:
         await self._pull_stripes("resync", peers, mine)
         await self._pull_training_records(peers, mine)
         log.info("resync of node %s done in %.2fs", self.name, time.monotonic() - t0)
-
-    async def _pull_training_records(self, peers: list[str], mine) -> None:
-        """The push bookkeeping of the stripes this node holds, from its peers: a node that
-        becomes a stripe's primary again must know how many pushes each rank made."""
-        for peer in peers:
-            try:
-                records = (await self.cluster.call(peer, "train_records"))["records"]
-            except (NodeDown, RemoteError) as exc:
-                log.warning("resync: no training records from %s: %s", peer, exc)
-                continue
-            for key, rec in records.items():
-                fid, idx = (int(x) for x in key.split(":"))
-                if mine(fid, idx):
-                    await self._take_record_if_newer(fid, idx, rec)
-
-    async def _take_record_if_newer(self, fid: int, idx: int, rec: dict) -> None:
-        """A peer's push bookkeeping of a stripe, if it has taken more pushes (never go back)."""
-        incoming = StripeTraining()
-        incoming.restore(rec)
-        async with self.stripe_locks((fid, idx)):
-            if incoming.progress > self.training[(fid, idx)].progress:
-                self.training[(fid, idx)].restore(rec)
-
-    async def rpc_train_records(self) -> dict:
-        return {"records": {f"{fid}:{idx}": st.record() for (fid, idx), st in list(self.training.items()) if st.span[2]}}
 
     async def _pull_stripes(self, what: str, peers: list[str], mine, *, strict: bool = False) -> dict:
         """Fetch, from ``peers``, the newest copy of every stripe (live, snapshot, optimizer
@@ -1016,48 +588,6 @@ class Node:
             if bar is not None:
                 bar.close()
         return {"stripes": len(todo), "bytes": done_bytes}
-
-    async def rpc_members(self) -> dict:
-        """The membership this node works with, and its epoch (0: as its config file says)."""
-        return {"epoch": self.cluster.epoch, "replicas": self.cfg.replicas, "nodes": [asdict(n) for n in self.cfg.nodes]}
-
-    async def rpc_rebalance_pull(self, nodes: list[dict], replicas: int) -> dict:
-        """Rebalance, step 1 (the cluster frozen): fetch every stripe this node holds under the
-        new membership ``nodes`` and lacks, from any node of the old or the new membership."""
-        specs = [NodeSpec(str(n["name"]), str(n["host"]), int(n["port"])) for n in nodes]
-        self.cluster.know(specs)
-        names = [s.name for s in specs]
-        peers = sorted((set(names) | set(self.cfg.names)) - {self.name})
-
-        def mine(fid: int, idx: int) -> bool:
-            return self.name in placement(fid, idx, names, replicas)
-
-        return await self._pull_stripes("rebalance", peers, mine, strict=True)
-
-    async def rpc_reconfigure(self, nodes: list[dict], replicas: int, epoch: int) -> dict:
-        """Rebalance, step 2: switch to the new membership; after a grace period (clients learn
-        it from heartbeats meanwhile) drop the stripes this node no longer holds."""
-        if epoch <= self.cluster.epoch:
-            return {"epoch": self.cluster.epoch}
-        specs = [NodeSpec(str(n["name"]), str(n["host"]), int(n["port"])) for n in nodes]
-        self.cluster.adopt(specs, replicas, epoch)
-        self._adopted(epoch)
-        return {"epoch": epoch}
-
-    def _adopted(self, epoch: int) -> None:
-        if self.name in self.cfg.names:
-            self.cluster.nursery.start_soon(self._drop_unhomed, epoch)
-        else:
-            log.warning("node %s is not a member any more (membership %d): it can be stopped", self.name, epoch)
-
-    async def _drop_unhomed(self, epoch: int) -> None:
-        await trio.sleep(GRACE_HEARTBEATS * self.cfg.heartbeat + self.cfg.down_after)
-        if self.cluster.epoch != epoch:
-            return  # another change came meanwhile: it drops for itself
-        names, r = self.cfg.names, self.cfg.replicas
-        gone = [k for k in self.store.stripes if self.name not in placement(k[0], k[1], names, r)]
-        freed = self.store.drop_keys(gone)
-        log.info("rebalance: dropped %d stripes this node no longer holds", freed)
 
     async def _fetch_stripe(self, fid: int, idx: int, snap: int, peer: str) -> bool:
         """Copy one stripe from ``peer`` unless this node holds it as new; False if it failed."""

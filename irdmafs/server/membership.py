@@ -1,0 +1,220 @@
+"""How a PS node joins, rejoins and leaves the membership: mixed into ``Node`` (server/node.py).
+
+- Joining (``_join``): a node tells its peers it is ``joining`` (they replicate to it from then
+  on), resyncs, turns ready and asks each peer to ``handover`` the stripes it led while the node
+  was away: the peer counts it ready, drains what it has under way on them and answers with what
+  it holds, which the node fetches if newer. So a stripe never has two primaries, and a node never
+  leads with an old copy.
+- Fencing (``_fence_loop``): a ready node that reaches less than a majority, or that a ready peer
+  counts down, stops serving and joins again before it serves.
+- Membership changes (rebalance.py drives them): ``members``, ``rebalance_pull``, ``reconfigure``,
+  and dropping what a node no longer holds after a grace period.
+
+Everything here runs on the node's trio thread and uses its cluster view, store and locks.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict
+
+import trio
+
+from ..cluster import DOWN, READY, SYNCING, NodeDown
+from ..config import NodeSpec
+from ..placement import placement
+from ..transport.base import RemoteError
+
+log = logging.getLogger(__name__)
+
+# after a membership change, stripes a node no longer holds are kept this many heartbeats (plus
+# down_after) so that clients still on the old membership read them until they learn the new one
+GRACE_HEARTBEATS = 20
+
+
+class Membership:
+    """Joining, the hand-over, fencing and membership changes of a ``Node``."""
+
+    # -- joining: resync, then the hand-over -----------------------------------------------------
+    async def _join(self) -> None:
+        """(Re)join the cluster without ever having two primaries for a stripe.
+
+        While this node was away, stand-ins were primaries of its stripes. It tells every peer
+        it is ``joining`` (they replicate to it from then on, without waiting for a heartbeat),
+        resyncs, turns ready, and asks each peer to ``handover``: the peer counts it ready, so
+        stops taking commits and pushes for those stripes, and waits for the ones under way
+        (which replicate here before they finish), and answers with the versions and push
+        bookkeeping it holds of them; this node fetches any newer than its own (``_catch_up``).
+        Commits, pushes, namespace ops and stripe lookups sent here meanwhile wait for the
+        hand-over (``_await_takeover``). Peers' heartbeat probes begun before a node's own word
+        are ignored (Cluster.vouch)."""
+        self.state = SYNCING
+        self.taken_over = trio.Event()
+        await self._tell_peers("joining")
+        await self.resync()
+        self.state = READY
+        self.ready_since = trio.current_time()
+        handed = await self._tell_peers("handover")
+        await self._catch_up(handed)
+        self.taken_over.set()
+
+    async def _tell_peers(self, method: str) -> dict[str, dict]:
+        """Call ``method`` on every peer that answers; returns their answers by name."""
+        answers: dict[str, dict] = {}
+
+        async def one(peer: str) -> None:
+            try:
+                answers[peer] = await self.cluster.call(peer, method, {"name": self.name})
+            except (NodeDown, RemoteError) as exc:  # down: it learns from heartbeats when back
+                log.info("%s not told to %s: %s", method, peer, exc)
+
+        async with trio.open_nursery() as n:
+            for peer in self.cfg.names:
+                if peer != self.name:
+                    n.start_soon(one, peer)
+        return answers
+
+    async def _catch_up(self, handed: dict[str, dict]) -> None:
+        """After the hand-over the stand-ins change nothing more of what this node leads: fetch
+        what they hold newer than this node (a replication to it that failed while it synced),
+        so it never leads with an old version or old push bookkeeping."""
+        fetched = 0
+        for peer, answer in handed.items():
+            for fid, idx, snap, version in answer.get("stripes", []):
+                mine = self.store.get(fid, idx, snap)
+                if (mine is None or mine.version < version) and await self._fetch_stripe(fid, idx, snap, peer):
+                    fetched += 1
+            for key, rec in answer.get("records", {}).items():
+                fid, idx = (int(x) for x in key.split(":"))
+                await self._take_record_if_newer(fid, idx, rec)
+        if fetched:
+            log.warning("hand-over: %d stripes fetched again (their replication here had failed)", fetched)
+
+    def _check_member(self, name: str) -> None:
+        if name == self.name or name not in self.cfg.names:
+            raise RemoteError("EINVAL", f"{name!r} is not another member of the cluster")
+
+    async def rpc_joining(self, name: str) -> dict:
+        """A peer is resyncing: replicate to it from now on."""
+        self._check_member(name)
+        self.cluster.vouch(name, SYNCING)
+        return {}
+
+    async def rpc_handover(self, name: str) -> dict:
+        """A peer has resynced and is ready: it is primary again of what ranks it first. Count
+        it ready, then wait for every commit, push or namespace op under way here on what it
+        now leads (each rechecks who is primary under its lock, so none starts after this)."""
+        self._check_member(name)
+        self.cluster.vouch(name, READY)
+        for key in self.stripe_locks.busy():
+            if self.cluster.stripe_primary(*key) == name:
+                async with self.stripe_locks(key):
+                    pass
+        if self.cluster.meta_primary() == name:
+            async with self.meta_lock:
+                pass
+        # what it now leads, as held here: it fetches whatever of it is newer here than there
+        led = {(fid, idx) for fid, idx, _ in self.store.stripes if self.cluster.stripe_primary(fid, idx) == name}
+        return {
+            "stripes": [[fid, idx, snap, s.version] for (fid, idx, snap), s in list(self.store.stripes.items()) if (fid, idx) in led],
+            "records": {f"{fid}:{idx}": st.record() for (fid, idx), st in list(self.training.items()) if (fid, idx) in led and st.span[2]},
+        }
+
+    async def _await_takeover(self) -> None:
+        """Primary work waits (briefly) while this node takes its stripes back."""
+        if not self.taken_over.is_set():
+            with trio.move_on_after(self.cfg.op_timeout):
+                await self.taken_over.wait()
+            if not self.taken_over.is_set():
+                raise RemoteError("EAGAIN", f"node {self.name} is taking over from its stand-ins")
+
+    # -- fencing ---------------------------------------------------------------------------------
+    def _reaches_majority(self) -> bool:
+        """Whether this node and the peers it can reach are a majority of the cluster."""
+        reachable = sum(self.cluster.node_state(n) != DOWN for n in self.cfg.names if n != self.name)
+        return reachable + 1 >= len(self.cfg.names) // 2 + 1
+
+    def _cut_off(self) -> tuple[str, float] | None:
+        """Why this node may hold stale data and how long that must last before it fences, or
+        None: it reaches less than a majority of the cluster for ``down_after`` (counting
+        itself; with one or two nodes a dead peer and a partition look alike, so this rule needs
+        three), or a ready peer has counted it down (writes may have gone on without it: at
+        once)."""
+        peers = [n for n in self.cfg.names if n != self.name]
+        if len(self.cfg.names) >= 3 and not self._reaches_majority():
+            return "less than a majority of the cluster reachable", self.cfg.down_after
+        settle = 3 * self.cfg.heartbeat + self.cfg.down_after  # peers see a new ready node by then
+        for n in peers:
+            info = self.cluster.info.get(n, {})
+            if self.cluster.node_state(n) == READY and self.name not in info.get("sees_ready", [self.name]) and self.cluster.info_at.get(n, 0) - self.ready_since > settle:
+                return f"{n} counts this node down", 0.0
+        return None
+
+    def _may_rejoin(self) -> bool:
+        """A ready peer to resync from, or (everyone fenced) a majority to decide with."""
+        return any(self.cluster.node_state(n) == READY for n in self.cfg.names if n != self.name) or self._reaches_majority()
+
+    async def _fence_loop(self) -> None:
+        """A node cut off from the cluster stops serving (syncing) and, once it reaches a peer
+        again, resyncs before it serves: a stale node never serves an old version."""
+        cut_since = None
+        while True:
+            await trio.sleep(self.cfg.heartbeat)
+            cut = self._cut_off() if self.state == READY else None
+            if cut is None:
+                cut_since = None
+                continue
+            why, grace = cut
+            cut_since = cut_since if cut_since is not None else trio.current_time()
+            if trio.current_time() - cut_since < grace:
+                continue  # a moment without heartbeats: not yet a partition
+            log.warning("node %s fenced: %s; it serves nothing until it has resynced", self.name, why)
+            self.state = SYNCING
+            while not self._may_rejoin():
+                await self.cluster.wait_changed(self.cfg.heartbeat * 5)
+            await self._join()
+            cut_since = None
+            log.info("node %s ready again after resync", self.name)
+
+    # -- membership changes (rebalance.py) -------------------------------------------------------
+    async def rpc_members(self) -> dict:
+        """The membership this node works with, and its epoch (0: as its config file says)."""
+        return {"epoch": self.cluster.epoch, "replicas": self.cfg.replicas, "nodes": [asdict(n) for n in self.cfg.nodes]}
+
+    async def rpc_rebalance_pull(self, nodes: list[dict], replicas: int) -> dict:
+        """Rebalance, step 1 (the cluster frozen): fetch every stripe this node holds under the
+        new membership ``nodes`` and lacks, from any node of the old or the new membership."""
+        specs = [NodeSpec(str(n["name"]), str(n["host"]), int(n["port"])) for n in nodes]
+        self.cluster.know(specs)
+        names = [s.name for s in specs]
+        peers = sorted((set(names) | set(self.cfg.names)) - {self.name})
+
+        def mine(fid: int, idx: int) -> bool:
+            return self.name in placement(fid, idx, names, replicas)
+
+        return await self._pull_stripes("rebalance", peers, mine, strict=True)
+
+    async def rpc_reconfigure(self, nodes: list[dict], replicas: int, epoch: int) -> dict:
+        """Rebalance, step 2: switch to the new membership; after a grace period (clients learn
+        it from heartbeats meanwhile) drop the stripes this node no longer holds."""
+        if epoch <= self.cluster.epoch:
+            return {"epoch": self.cluster.epoch}
+        specs = [NodeSpec(str(n["name"]), str(n["host"]), int(n["port"])) for n in nodes]
+        self.cluster.adopt(specs, replicas, epoch)
+        self._adopted(epoch)
+        return {"epoch": epoch}
+
+    def _adopted(self, epoch: int) -> None:
+        if self.name in self.cfg.names:
+            self.cluster.nursery.start_soon(self._drop_unhomed, epoch)
+        else:
+            log.warning("node %s is not a member any more (membership %d): it can be stopped", self.name, epoch)
+
+    async def _drop_unhomed(self, epoch: int) -> None:
+        await trio.sleep(GRACE_HEARTBEATS * self.cfg.heartbeat + self.cfg.down_after)
+        if self.cluster.epoch != epoch:
+            return  # another change came meanwhile: it drops for itself
+        names, r = self.cfg.names, self.cfg.replicas
+        gone = [k for k in self.store.stripes if self.name not in placement(k[0], k[1], names, r)]
+        freed = self.store.drop_keys(gone)
+        log.info("rebalance: dropped %d stripes this node no longer holds", freed)

@@ -1,0 +1,308 @@
+"""Training on a PS node: gradient pushes, sync policies, optimizer steps, and the push
+bookkeeping that lets a backup take over: mixed into ``Node`` (server/node.py).
+
+A client's pushes arrive fused in one WRITE with immediate (``on_imm``). The primary of each
+stripe takes a push under the model's policy (sync.py: bsp, asp, ssp, r2sp), runs the optimizer
+(optim.py; state in stripes -1/-2 of the stripe) and sends the parameters, the optimizer state
+(held aside by the backup until then) and the push bookkeeping to every backup in one ``apply``:
+a backup that takes over holds all of one step or none of it, so a client's retry of an
+unanswered push is applied exactly once. ``train_wait`` waits for held r2sp pushes;
+``train_records`` hands the bookkeeping to a resyncing peer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from functools import partial
+
+import numpy as np
+import trio
+
+from ..cluster import NodeDown
+from ..transport.base import RemoteError
+from . import optim
+from .sync import Model, PolicyError, StripeTraining, parse_policy
+
+log = logging.getLogger(__name__)
+
+
+class Training:
+    """The training calls of a ``Node``."""
+
+    def model_of(self, fid: int) -> tuple[Model, optim.Optimizer, dict]:
+        """The sync policy, worker count and optimizer in force for tensor ``fid``, from the
+        user.irdma.* xattrs of its directories; EINVAL naming the accepted forms if malformed."""
+        tensor = self.meta.inode(fid).get("tensor")
+        if not tensor:
+            raise RemoteError("EINVAL", f"inode {fid} is not a tensor")
+        x = self.meta.inherited_xattrs(fid)
+        try:
+            policy = parse_policy(x.get("user.irdma.sync", "bsp"))
+            opt = optim.parse(x.get("user.irdma.optimizer", "sgd lr=0.01"))
+            workers = int(x.get("user.irdma.workers", "1"))
+            removed = frozenset(int(r) for r in x.get("user.irdma.removed", "").split(",") if r.strip())
+        except (PolicyError, optim.OptimError, ValueError) as exc:
+            log.warning("tensor %d: %s", fid, exc)
+            raise RemoteError("EINVAL", str(exc)) from None
+        if workers < 1:
+            raise RemoteError("EINVAL", "user.irdma.workers must be at least 1")
+        return Model(policy, workers, removed), opt, tensor
+
+    @staticmethod
+    def _gradient(staged: memoryview, count: int, wire: np.dtype, spans: list | None, work: np.dtype) -> np.ndarray:
+        """The staged gradient as a dense array in the working dtype (accumulation precision),
+        except that a dense float16 gradient for float32 work stays float16 (summed by
+        native.acc_f16 without a temporary)."""
+
+        def take(nbytes: int) -> memoryview:
+            if nbytes > len(staged):
+                raise RemoteError("EINVAL", f"push of {nbytes} bytes, {len(staged)} staged")
+            return staged[:nbytes]
+
+        if spans is None:
+            dense = np.frombuffer(take(count * wire.itemsize), wire)
+            # float16 into float32 stays float16 here: the round sum takes it in one pass
+            # (native.acc_f16); anything else becomes the working dtype now
+            return dense.copy() if (wire, work) == (np.float16, np.float32) else dense.astype(work)
+        total, end = 0, 0
+        for start, length in spans:
+            if not (isinstance(start, int) and isinstance(length, int)) or start < end or length < 1 or start + length > count:
+                raise RemoteError("EINVAL", f"bad span [{start}, {length}] for {count} elements")
+            end = start + length
+            total += length
+        values = np.frombuffer(take(total * wire.itemsize), wire)
+        grad = np.zeros(count, work)
+        pos = 0
+        for start, length in spans:
+            grad[start : start + length] = values[pos : pos + length]
+            pos += length
+        return grad
+
+    async def rpc_train_info(self, fid: int, rank: int) -> dict:
+        """The model's policy as this tensor sees it, and how many pushes of ``rank`` this node
+        (a stripe primary) has taken for it."""
+        model, opt, tensor = self.model_of(fid)
+        pushed = max((st.next_step(rank) for (f, _), st in self.training.items() if f == fid), default=0)
+        x = self.meta.inherited_xattrs(fid)
+        timeout = float(x.get("user.irdma.timeout", "60"))
+        return {"sync": str(model.policy), "workers": model.workers, "active": model.active, "pushed": pushed, "timeout": timeout, "tensor": tensor, "compress": x.get("user.irdma.compress", "none")}
+
+    def policy_info(self, fid: int) -> dict:
+        """What a pushing client caches about a tensor's model; sent back with every push."""
+        model, _, _ = self.model_of(fid)
+        x = self.meta.inherited_xattrs(fid)
+        return {"sync": str(model.policy), "workers": model.workers, "active": model.active, "timeout": float(x.get("user.irdma.timeout", "60")), "compress": x.get("user.irdma.compress", "none")}
+
+    async def on_imm(self, region, offset: int, length: int, imm: int) -> dict:
+        """A client's fused pushes, delivered by one WRITE with immediate into its staging slot:
+        ``imm`` bytes of JSON descriptors, then the gradients they point at. Each push gets its
+        own result, so one refused push does not fail the others; the reply also carries the
+        policy of every tensor involved, which keeps the client's cache fresh without calls."""
+        if region is None or not 0 < imm <= length:
+            raise RemoteError("EINVAL", "notification without a descriptor")
+        try:
+            descs = json.loads(bytes(region.buf[offset : offset + imm]))
+            assert isinstance(descs, list) and all(isinstance(d, dict) for d in descs)
+        except (ValueError, AssertionError):
+            raise RemoteError("EINVAL", "malformed push descriptor") from None
+        data = region.buf[offset + imm : offset + length]
+        results: list[dict] = [{} for _ in descs]
+
+        async def one(i: int, d: dict) -> None:
+            try:
+                at = d.pop("at")
+                results[i] = await self._push(data[at:], **d)
+            except RemoteError as exc:
+                results[i] = {"error": exc.code, "message": exc.message}
+            except (KeyError, TypeError, ValueError) as exc:
+                results[i] = {"error": "EINVAL", "message": f"bad push descriptor: {exc}"}
+
+        t0 = time.perf_counter()
+        async with trio.open_nursery() as n:
+            for i, d in enumerate(descs):
+                n.start_soon(one, i, dict(d))
+        self.latency.observe("push", time.perf_counter() - t0)
+        info = {}
+        for fid in {d.get("fid") for d in descs}:
+            try:
+                info[str(fid)] = self.policy_info(fid)
+            except (RemoteError, TypeError):
+                pass
+        return {"results": results, "info": info}
+
+    async def _push(self, staged: memoryview, fid: int, idx: int, offset: int, count: int, rank: int, step: int, wire: str, unit: int, spans: list | None = None, busy: float | None = None, paced: float = 0.0) -> dict:
+        """Gradient push ``step`` of ``rank`` for the ``count`` elements of this stripe starting
+        at byte ``offset``, read from ``staged`` in dtype ``wire``: all of them, or with
+        ``spans`` only the [start, length] element runs listed (chunk sparsification; the rest
+        is zero); applied as the policy says."""
+        self._require_ready()
+        await self._await_takeover()
+        async with self._commit_barrier():
+            return await self._push_now(staged, fid, idx, offset, count, rank, step, wire, unit, spans, busy, paced)
+
+    async def _push_now(self, staged: memoryview, fid: int, idx: int, offset: int, count: int, rank: int, step: int, wire: str, unit: int, spans: list | None, busy: float | None, paced: float) -> dict:
+        self._check_primary(fid, idx)
+        model, opt, tensor = self.model_of(fid)
+        if rank not in model.active:
+            raise RemoteError("EINVAL", f"rank {rank} is not one of the active workers {model.active}")
+        dtype = np.dtype(tensor["dtype"])
+        self._check_range(offset, count * dtype.itemsize, unit)
+        if wire not in ("<f2", "<f4", "<f8"):
+            raise RemoteError("EINVAL", f"gradients travel as float16/32/64, not {wire}")
+        grad = self._gradient(staged, count, np.dtype(wire), spans, optim.work_dtype(dtype))
+        key = (fid, idx)
+        st = self.training[key]
+        async with self.stripe_locks(key):
+            self._check_primary(fid, idx)  # again, under the lock: a hand-over may have moved it
+            done = st.next_step(rank)
+            if step < done:  # a retry of a push already taken: exactly once
+                return {"clock": st.clock(model), "pushed": done, "duplicate": True}
+            if step > done:
+                log.warning("push %d of rank %d to stripe %d:%d refused: %d taken so far", step, rank, fid, idx, done)
+                raise RemoteError("EINVAL", f"rank {rank} pushed {done} times; push {step} is out of order")
+            st.span = (offset, count, unit)
+            st.observe(rank, busy)
+            now = trio.current_time()
+            st.arrive(rank, step, now, paced)
+            await self._settle(fid, idx, st, model, opt, dtype, st.take(model, rank, step, grad))
+            clock, held = st.clock(model), step >= st.pushed.get(rank, 0)
+        self._progressed()
+        return {
+            "clock": clock,
+            "pushed": step + 1,
+            "held": held,  # r2sp: taken, applied when its turn comes
+            "slot_in": round(st.slot_in(model, rank, now), 6),  # r2sp: wait this long before the next push
+            "busy": {str(r): round(v, 6) for r, v in st.busy.items()},  # compute time per step
+        }
+
+    def _progressed(self) -> None:
+        """Wake whoever waits for pushes to be applied."""
+        self.progress.set()
+        self.progress = trio.Event()
+
+    async def rpc_train_wait(self, fid: int, idx: int, rank: int, pushed: int, timeout: float) -> dict:
+        """Until ``pushed`` pushes of ``rank`` to this stripe have been applied (an r2sp push is
+        held until its turn); ETIMEDOUT after ``timeout`` seconds."""
+        st = self.training[(fid, idx)]
+        with trio.move_on_after(timeout):
+            while st.pushed.get(rank, 0) < pushed:
+                await self.progress.wait()
+            return {"pushed": st.pushed.get(rank, 0)}
+        raise RemoteError("ETIMEDOUT", f"rank {rank}'s push {pushed - 1} not applied within {timeout}s")
+
+    async def _settle(self, fid: int, idx: int, st: StripeTraining, model: Model, opt: optim.Optimizer, dtype: np.dtype, updates: list) -> None:
+        """Apply ``updates`` and the stripe's new clock in one install, then replicate them.
+        Called with the stripe's lock held."""
+        offset, count, unit = st.span
+        clock = st.clock(model)
+        stripe = self.store.get(fid, idx)
+        if stripe is None:
+            raise RemoteError("EINVAL", f"tensor {fid} has no data in stripe {idx}")
+        # The push bookkeeping goes to the backups with the parameters it produced, in the same
+        # apply: a backup that takes over then holds both or neither, so a client's retry of an
+        # unanswered push is applied exactly once (duplicate if it was, anew if it was not).
+        record = st.record()
+        if not updates and stripe.clock == clock:  # a bsp push that only adds to its round
+            await self._replicate_record(fid, idx, record)
+            return
+        param = np.frombuffer(stripe.data[offset : offset + count * dtype.itemsize], dtype).copy()
+        if updates:
+            self._apply_updates(fid, idx, param, updates, opt, unit)
+        self.store.install(fid, idx, offset, memoryview(param).cast("B"), unit, clock=clock)
+        await self._replicate_training(fid, idx, offset, count * dtype.itemsize, unit, len(opt.state_names) if updates else 0, record)
+
+    async def _replicate_record(self, fid: int, idx: int, record: dict) -> None:
+        async def one(peer: str) -> None:
+            try:
+                await self.cluster.call(peer, "train_record", {"fid": fid, "idx": idx, "record": record})
+            except (NodeDown, RemoteError) as exc:
+                log.warning("training record of stripe %d:%d not replicated to %s: %s", fid, idx, peer, exc)
+
+        async with trio.open_nursery() as n:
+            for peer in self.cluster.targets(fid, idx):
+                if peer != self.name:
+                    n.start_soon(one, peer)
+
+    async def rpc_train_record(self, fid: int, idx: int, record: dict) -> dict:
+        """A backup keeps the primary's push bookkeeping for a stripe (to take over with it)."""
+        async with self.stripe_locks((fid, idx)):
+            self.training[(fid, idx)].restore(record)
+        return {}
+
+    async def _recheck_training(self) -> None:
+        """The set of active ranks changed: rounds waiting for a removed rank complete, clocks
+        move on, and r2sp turns skip it."""
+        for (fid, idx), st in list(self.training.items()):
+            if self.cluster.stripe_primary(fid, idx) != self.name or not st.span[2]:
+                continue
+            try:
+                model, opt, tensor = self.model_of(fid)
+            except RemoteError:
+                continue
+            async with self.stripe_locks((fid, idx)):
+                if self.cluster.stripe_primary(fid, idx) != self.name:
+                    continue  # handed over meanwhile
+                updates = st.release(model) + st.complete_rounds(model)
+                await self._settle(fid, idx, st, model, opt, np.dtype(tensor["dtype"]), updates)
+        self._progressed()
+
+    def _apply_updates(self, fid: int, idx: int, param: np.ndarray, grads: list[np.ndarray], opt: optim.Optimizer, unit: int) -> None:
+        """Optimizer steps on ``param`` (in place); the state lives in stripes -1, -2 of the
+        stripe, whose clock word counts the steps taken (Adam's t)."""
+        n = len(param)
+        wd = optim.work_dtype(param.dtype)
+        state, t = {}, 0
+        for k, name in enumerate(opt.state_names, 1):
+            s = self.store.get(fid, idx, -k)
+            if s is not None and s.capacity >= n * wd.itemsize:
+                state[name] = np.frombuffer(s.data[: n * wd.itemsize], wd).copy()
+                t = s.clock
+            else:
+                state[name] = np.zeros(n, wd)
+        for grad in grads:
+            t += 1
+            optim.step(opt, param, grad, state, t)
+        for k, name in enumerate(opt.state_names, 1):
+            self.store.install(fid, idx, 0, memoryview(state[name]).cast("B"), 2 * unit, clock=t, snap=-k)
+
+    async def _replicate_training(self, fid: int, idx: int, offset: int, length: int, unit: int, nstate: int, record: dict | None = None) -> None:
+        """Optimizer state (held aside by each backup), then the parameters with version, clock
+        and push bookkeeping, whose apply installs the state too: a backup that takes over holds
+        all of one step or none of it."""
+        stripe = self.store.get(fid, idx)
+        peers = [p for p in self.cluster.targets(fid, idx) if p != self.name]
+        async with trio.open_nursery() as n:
+            for peer in peers:
+                for k in range(1, nstate + 1):
+                    s = self.store.get(fid, idx, -k)
+                    n.start_soon(partial(self._replicate, peer, fid, idx, 0, s.capacity, s.version, 2 * unit, s, -k, pending=True))
+        async with trio.open_nursery() as n:
+            for peer in peers:
+                n.start_soon(partial(self._replicate, peer, fid, idx, offset, length, stripe.version, unit, stripe, record=record, state=nstate))
+
+    async def _pull_training_records(self, peers: list[str], mine) -> None:
+        """The push bookkeeping of the stripes this node holds, from its peers: a node that
+        becomes a stripe's primary again must know how many pushes each rank made."""
+        for peer in peers:
+            try:
+                records = (await self.cluster.call(peer, "train_records"))["records"]
+            except (NodeDown, RemoteError) as exc:
+                log.warning("resync: no training records from %s: %s", peer, exc)
+                continue
+            for key, rec in records.items():
+                fid, idx = (int(x) for x in key.split(":"))
+                if mine(fid, idx):
+                    await self._take_record_if_newer(fid, idx, rec)
+
+    async def _take_record_if_newer(self, fid: int, idx: int, rec: dict) -> None:
+        """A peer's push bookkeeping of a stripe, if it has taken more pushes (never go back)."""
+        incoming = StripeTraining()
+        incoming.restore(rec)
+        async with self.stripe_locks((fid, idx)):
+            if incoming.progress > self.training[(fid, idx)].progress:
+                self.training[(fid, idx)].restore(rec)
+
+    async def rpc_train_records(self) -> dict:
+        return {"records": {f"{fid}:{idx}": st.record() for (fid, idx), st in list(self.training.items()) if st.span[2]}}
