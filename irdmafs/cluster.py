@@ -106,7 +106,7 @@ class Cluster:
             self.changed = trio.Event()
 
     def vouch(self, name: str, state: str) -> None:
-        """A node told us its state itself (joining, taking its stripes back: server/node.py).
+        """A node told us its state itself (joining, taking its stripes back: server/membership.py).
         That is newer than any heartbeat probe already under way, whose answer is then ignored."""
         self.vouched_at[name] = trio.current_time()
         self._set(name, state, "told by the node")

@@ -741,6 +741,8 @@ class Vfs:
                 self.writers.get(h.ino, set()).discard(h.behind)
                 if not self.writers.get(h.ino):
                     self.writers.pop(h.ino, None)
+            if isinstance(h, FileHandle) and not self.open_handles(h.ino):
+                self.writes_seen.pop(h.ino, None)  # no open handle left to read against the count
             if isinstance(h, FileHandle) and h.ino in self.unlinked and not self.open_handles(h.ino):
                 parent, hidden = self.unlinked.pop(h.ino)
                 try:  # the last close of a file unlinked while open
