@@ -255,3 +255,15 @@ async def test_optimizer_state_waits_for_its_parameters(cluster):
     with pytest.raises(RemoteError) as err:  # parameters are never sent ahead
         await backup.rpc_apply(fid=fid, idx=idx, offset=0, length=unit, rkey=staged.rkey, soff=0, version=2, unit=unit, full=True, pending=True)
     assert err.value.code == "EINVAL"
+
+
+async def test_a_stripe_grown_since_its_key_was_cached_reads_its_new_end(nursery):
+    """Stripes start small and grow into a new region as data lands further in: a read past the
+    end a client cached asks for the stripe again instead of answering zeros (found by fsx)."""
+    cfg = config(unit=1 << 20)  # stripes grow in 64 KiB steps up to 1 MiB
+    await start_cluster(nursery, cfg)
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
+        attr = await c.write_file("/f", b"a" * 10)
+        assert await c.read(attr["ino"], 0, 10) == b"a" * 10  # the key is cached: 64 KiB long
+        await c.write(attr["ino"], 300_000, b"b" * 10)  # the stripe moves to a larger region
+        assert await c.read(attr["ino"], 300_000, 10) == b"b" * 10
