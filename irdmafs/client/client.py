@@ -192,9 +192,10 @@ class Client:
             self.io.forget(r["freed"])
         return r
 
-    async def setattr(self, ino: int, **attrs: Any) -> dict:
+    async def setattr(self, ino: int, *, written: int = 0, **attrs: Any) -> dict:
+        """Change attributes; with ``size``, a truncate (``written``: see truncate)."""
         if "size" in attrs:
-            return await self.truncate(ino, attrs.pop("size"), written=attrs.pop("written", 0), **attrs)
+            return await self.truncate(ino, attrs.pop("size"), written=written, **attrs)
         return await self._op(op="setattr", ino=ino, attrs=attrs)
 
     async def setxattr(self, ino: int, name: str, value: str | None) -> dict:

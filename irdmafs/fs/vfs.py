@@ -539,16 +539,16 @@ class Vfs:
     async def setattr_raw(self, ino: int, changes: dict[str, Any]) -> dict:
         """Change a cluster file's attributes; a new size waits for this mount's writes to it
         and zeroes what lies past it. Returns the node's attributes."""
-        attrs = dict(changes)
-        if "size" in attrs:
+        written = 0
+        if "size" in changes:
             await self.drain(ino)  # a truncate must not be overtaken by an earlier write
             self.forget_fetched(ino)
             # data this mount wrote past the size the nodes know (not yet extended) is in the
             # stripes too: the truncate must zero it as well, or a later grow shows it again
-            attrs["written"] = max([self.pending.pop(ino, 0)] + [h.size for h in self.open_handles(ino)])
+            written = max([self.pending.pop(ino, 0)] + [h.size for h in self.open_handles(ino)])
             for h in self.open_handles(ino):
-                h.size = min(h.size, attrs["size"])
-        attr = await self.client.setattr(ino, **attrs)
+                h.size = min(h.size, changes["size"])
+        attr = await self.client.setattr(ino, written=written, **changes)
         for h in self.open_handles(ino):
             h.attr = attr  # open files answer getattr: keep them current
         return attr
