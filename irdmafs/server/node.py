@@ -546,8 +546,10 @@ class Node(Membership, Training):
         """Fetch, from ``peers``, the newest copy of every stripe (live, snapshot, optimizer
         state) for which ``mine(fid, idx)`` holds and that this node lacks or holds older. With
         ``strict``, a peer that cannot be listed or a stripe that cannot be fetched is an error
-        (a rebalance must not switch over without every copy); otherwise it is logged."""
-        newest: dict[tuple[int, int, int], tuple[int, str, int]] = {}
+        (a rebalance must not switch over without every copy); otherwise it is logged. A stripe
+        that every peer holding its newest copy has freed meanwhile (a namespace op: unlink,
+        truncate) has nothing to copy."""
+        newest: dict[tuple[int, int, int], tuple[int, list[str], int]] = {}
         for peer in peers:
             try:
                 listing = (await self.cluster.call(peer, "stripes"))["stripes"]
@@ -557,24 +559,32 @@ class Node(Membership, Training):
                 log.warning("%s: cannot list %s: %s", what, peer, exc)
                 continue
             for fid, idx, snap, version, cap in listing:
-                if version > newest.get((fid, idx, snap), (-1,))[0]:
-                    newest[(fid, idx, snap)] = (version, peer, cap)
+                best = newest.get((fid, idx, snap))
+                if best is None or version > best[0]:
+                    newest[(fid, idx, snap)] = (version, [peer], cap)
+                elif version == best[0]:
+                    best[1].append(peer)  # as new: asked if the first has freed it
         live_files = self.meta.files()
         files = {0: live_files, -1: live_files, -2: live_files} | {sid: self.meta.view(sid).files() for sid in self.meta.snapshot_ids().values()}
         todo = []
-        for (fid, idx, snap), (version, peer, cap) in newest.items():
+        for (fid, idx, snap), (version, holders, cap) in newest.items():
             held = self.store.get(fid, idx, snap)
             if fid in files.get(snap, ()) and mine(fid, idx) and (held is None or held.version < version):
-                todo.append((fid, idx, snap, peer, cap))
+                todo.append((fid, idx, snap, holders, cap))
         total_bytes = sum(t[4] for t in todo)
         log.info("%s: %d stripes (%d bytes) to fetch from %d peers", what, len(todo), total_bytes, len(peers))
         done_bytes, last_log = 0, time.monotonic()
         self.work = {"what": what, "done": 0, "total": len(todo), "bytes": 0, "total_bytes": total_bytes}
         bar = Progress(what, total_bytes, unit="B") if sys.stderr.isatty() and todo else None  # in a terminal
         try:
-            for i, (fid, idx, snap, peer, cap) in enumerate(todo, 1):
-                if not await self._fetch_stripe(fid, idx, snap, peer) and strict:
-                    raise RemoteError("EAGAIN", f"{what}: stripe {fid}:{idx} (snapshot {snap}) not fetched from {peer}")
+            for i, (fid, idx, snap, holders, cap) in enumerate(todo, 1):
+                outcomes = []
+                for peer in holders:
+                    outcomes.append(await self._fetch_stripe(fid, idx, snap, peer))
+                    if outcomes[-1] is True:
+                        break
+                if False in outcomes and True not in outcomes and strict:
+                    raise RemoteError("EAGAIN", f"{what}: stripe {fid}:{idx} (snapshot {snap}) not fetched from {', '.join(holders)}")
                 done_bytes += cap
                 self.work.update(done=i, bytes=done_bytes)
                 if bar is not None:
@@ -589,13 +599,14 @@ class Node(Membership, Training):
                 bar.close()
         return {"stripes": len(todo), "bytes": done_bytes}
 
-    async def _fetch_stripe(self, fid: int, idx: int, snap: int, peer: str) -> bool:
-        """Copy one stripe from ``peer`` unless this node holds it as new; False if it failed."""
+    async def _fetch_stripe(self, fid: int, idx: int, snap: int, peer: str) -> bool | None:
+        """Copy one stripe from ``peer`` unless this node holds it as new: True once done, None
+        if ``peer`` no longer holds it (freed), False if the copy failed."""
         try:
             info = (await self.cluster.call(peer, "stripe_info", {"fid": fid, "idxs": [idx], "snap": snap}))[str(idx)]
             if info is None:
-                log.warning("stripe %d:%d (snapshot %d) is gone from %s", fid, idx, snap, peer)
-                return False
+                log.info("stripe %d:%d (snapshot %d) is gone from %s (freed meanwhile)", fid, idx, snap, peer)
+                return None
             buf = bytearray(info["capacity"])
             conn = await self.cluster.conn(peer)
             version, clock = await read_verified(conn, info["rkey"], 0, memoryview(buf))

@@ -267,3 +267,27 @@ async def test_a_stripe_grown_since_its_key_was_cached_reads_its_new_end(nursery
         assert await c.read(attr["ino"], 0, 10) == b"a" * 10  # the key is cached: 64 KiB long
         await c.write(attr["ino"], 300_000, b"b" * 10)  # the stripe moves to a larger region
         assert await c.read(attr["ino"], 300_000, 10) == b"b" * 10
+
+
+async def test_a_strict_pull_skips_a_stripe_freed_between_listing_and_copy(cluster):
+    """A rebalance copy lists the peers' stripes, then fetches them; a file truncated or
+    unlinked in between (namespace ops go on while commits are frozen) has nothing to copy:
+    not an error. Found by the rebalance test once O_TRUNC truncated."""
+    cfg, nodes = cluster
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
+        attr = await c.write_file("/f", os.urandom(3 * cfg.stripe_unit))
+    fid = attr["ino"]
+    puller = next(n for n in nodes if n.store.get(fid, 0) is not None)
+    puller.store.drop(fid)  # it lacks the file's stripes: it will fetch them
+    peers = [n for n in nodes if n is not puller]
+    listed = puller.cluster.call
+
+    async def call(node, method, args=None, **kw):
+        if method == "stripe_info":  # between the listing and the copy: the file is truncated
+            for p in peers:
+                p.store.drop(fid)
+        return await listed(node, method, args, **kw)
+
+    puller.cluster.call = call
+    result = await puller._pull_stripes("test", [p.name for p in peers], lambda f, i: True, strict=True)
+    assert result["stripes"] >= 1 and puller.store.get(fid, 0) is None
