@@ -4,28 +4,32 @@
     ps.publish(model)          # once (rank 0): every parameter becomes /mnt/ps/mlp/<name>.npy
     ps.pull(model)             # parameters as the model's sync policy lets this rank see them
     loss.backward()
-    ps.push(model)             # every .grad, pushed through /mnt/ps/.workers/<rank>/mlp/
+    ps.push(model)             # every .grad, pushed as one stream
 
 Only files are used, so this works with any mount of the cluster; the policy, optimizer and
-compression are the model directory's xattrs (``configure``). Pulls and pushes of the tensors of
-one step run concurrently (a thread each), so many small tensors cost about one round trip.
+compression are the model directory's xattrs (``configure``). A step is one stream per
+direction (``/mnt/ps/.workers/<rank>/mlp.safetensors``, see irdmafs/steps.py): the gradients
+are written straight from the ``.grad`` tensors' memory and the parameters read straight into
+the parameters' memory (CPU float tensors; others go through a temporary and ``copy_``).
 """
 
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from .steps import pull_arrays, push_arrays
+
 
 class ParameterServer:
-    def __init__(self, mount: str | os.PathLike, model: str, rank: int, threads: int = 16):
-        self.root = Path(mount) / model
-        self.worker = Path(mount) / ".workers" / str(rank) / model
-        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="irdmafs-torch")
+    def __init__(self, mount: str | os.PathLike, model: str, rank: int):
+        self.mount = Path(mount)
+        self.model = model
+        self.rank = rank
+        self.root = self.mount / model
 
     @staticmethod
     def _file(name: str) -> str:
@@ -44,14 +48,17 @@ class ParameterServer:
 
     def pull(self, module: torch.nn.Module) -> None:
         params = dict(module.named_parameters())
-        arrays = self.pool.map(lambda n: np.load(self.worker / self._file(n)), list(params))
+        direct = {n: p for n, p in params.items() if p.device.type == "cpu" and p.is_contiguous() and p.dtype in (torch.float32, torch.float64, torch.float16)}
+        out = {n: p.data.numpy() for n, p in direct.items()}
+        staged = {n: np.empty_like(p.detach().cpu().contiguous().numpy()) for n, p in params.items() if n not in direct}
+        pull_arrays(self.mount, self.model, self.rank, out | staged)
         with torch.no_grad():
-            for (name, p), arr in zip(params.items(), arrays):
-                p.copy_(torch.from_numpy(arr))
+            for n, arr in staged.items():
+                params[n].copy_(torch.from_numpy(arr))
 
     def push(self, module: torch.nn.Module) -> None:
-        grads = [(n, p.grad.detach().cpu().numpy()) for n, p in module.named_parameters() if p.grad is not None]
-        list(self.pool.map(lambda item: np.save(self.worker / self._file(item[0]), item[1]), grads))
+        grads = {n: p.grad.detach().cpu().numpy() for n, p in module.named_parameters() if p.grad is not None}
+        push_arrays(self.mount, self.model, self.rank, grads)
 
     def close(self) -> None:
-        self.pool.shutdown()
+        pass

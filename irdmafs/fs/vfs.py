@@ -51,6 +51,7 @@ from ..util import single_exception
 from . import writeback
 from ..metrics import Latency, as_dict, mount_samples
 from .readahead import ReadAhead
+from .streams import Layouts, PullStreamHandle, PushStreamHandle
 from .writeback import WriteBehind
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ VIRT = 1 << 56
 VIEW = 1 << 57
 SNAP = 1 << 58
 WORK = 1 << 59  # WORK | rank << 40 | i: inode i as seen by worker ``rank`` (push and pull)
+STREAM = 1 << 60  # STREAM | rank << 40 | d: .workers/<rank>/.../<d's name>.safetensors (streams.py)
 INO_BITS = 40
 INO_MASK = (1 << INO_BITS) - 1
 
@@ -106,6 +108,14 @@ def work_ino(rank: int, ino: int) -> int:
 
 def split_work(ino: int) -> tuple[int, int]:
     return (ino & ~WORK) >> INO_BITS, ino & INO_MASK
+
+
+def stream_ino(rank: int, model: int) -> int:
+    return STREAM | (rank << INO_BITS) | model
+
+
+def split_stream(ino: int) -> tuple[int, int]:
+    return (ino & ~STREAM) >> INO_BITS, ino & INO_MASK
 
 
 def rank_of(name: str) -> int:
@@ -158,7 +168,9 @@ class BytesHandle(Handle):
     the model's policy lets the rank see them)."""
 
     content: bytes = b""
-    direct: bool = False  # read past the size the kernel was told (status files change size)
+    # status files: read past the size the kernel was told (they change size); pulls: read
+    # once, so the page cache would only cost a copy
+    direct: bool = False
 
     async def read(self, off: int, size: int) -> memoryview:
         return memoryview(self.content)[off : off + size]
@@ -245,7 +257,7 @@ class PushHandle(BufferedHandle):
 
     vfs: "Vfs" = None  # type: ignore[assignment]
     rank: int = 0
-
+    direct: bool = True  # written once and pushed: no page cache
 
     async def flush(self) -> None:
         # Clean only once pushed: a failed flush (say, from the close of a dup'd fd, which
@@ -370,6 +382,7 @@ class Vfs:
         self._fh = itertools.count(1)
         self.counters: dict[str, int] = {}
         self.latency = Latency()  # per FUSE operation (fs/ops.py observes)
+        self.layouts = Layouts(self)  # model layouts and buffers of the step streams
 
     async def drain(self, ino: int | None = None) -> None:
         """Until the writes this mount has on their way to ``ino`` (or to any file) have landed."""
@@ -432,6 +445,12 @@ class Vfs:
             rank, i = split_work(ino)
             cached = self.client.cached_train_info(i, rank)
             return self._work_stat(cached["attr"] if cached else await self.client.getattr(i), ino)
+        if ino & STREAM:
+            # a step stream: the size of the model's pull stream (the layout is cached)
+            _, model = split_stream(ino)
+            d = await self.client.getattr(model)
+            size = (await self.layouts.get(model)).size
+            return dict(file_stat(ino, size, d["mode"] & 0o666, d["mtime_ns"], d["uid"], d["gid"]), entry_timeout=WORK_CACHE_SECONDS, attr_timeout=WORK_CACHE_SECONDS)
         if RANK_DIR <= ino < RANK_DIR + MAX_RANK:
             return dir_stat(ino, 0o755)
         if BATCH_FILE <= ino < BATCH_FILE + MAX_RANK:
@@ -473,7 +492,15 @@ class Vfs:
             return self._work_stat(await self.client.getattr(ROOT), work_ino(rank_of(name), ROOT))
         if parent & WORK:
             rank, p = split_work(parent)
-            attr = await self.client.lookup(p, name)
+            try:
+                attr = await self.client.lookup(p, name)
+            except RemoteError as exc:
+                if exc.code != "ENOENT" or not name.endswith(SUFFIX) or len(name) == len(SUFFIX):
+                    raise
+                model = await self.client.lookup(p, name[: -len(SUFFIX)])
+                if not S.S_ISDIR(model["mode"]):
+                    raise FsError(errno.ENOENT) from None
+                return await self.getattr(stream_ino(rank, model["ino"]))
             return self._work_stat(attr, work_ino(rank, attr["ino"]))
         if parent == SNAPSHOTS_DIR:
             sid = (await self._snapshot_ids()).get(name)
@@ -526,6 +553,10 @@ class Vfs:
             # O_TRUNC before a push (np.save): nothing to truncate; answered from the cache
             rank, i = split_work(ino)
             return self._work_stat((await self.client.train_info(i, rank))["attr"], ino)
+        if ino & STREAM:
+            if set(changes) - {"size", "atime_ns", "mtime_ns"}:
+                raise FsError(errno.EPERM, "a step stream only takes gradients")
+            return await self.getattr(ino)  # O_TRUNC before a push: nothing to truncate
         if ino & VIEW:
             if set(changes) - {"size", "atime_ns", "mtime_ns"} or changes.get("size", 0) != 0:
                 raise FsError(errno.EPERM, "a model view can only be replaced as a whole")
@@ -563,6 +594,7 @@ class Vfs:
             raise FsError(errno.EPERM)
 
     async def mkdir(self, parent: int, name: str, mode: int, uid: int, gid: int) -> dict:
+        self.layouts.forget()  # tensors may come or go
         if parent == SNAPSHOTS_DIR:
             await self.drain()  # what this mount wrote before the mkdir is in the snapshot
             snap = await self.client.take_snapshot(name)
@@ -576,6 +608,7 @@ class Vfs:
         return {int(r) for r in root["xattrs"].get(REMOVED_XATTR, "").split(",") if r.strip()}
 
     async def rmdir(self, parent: int, name: str) -> None:
+        self.layouts.forget()  # tensors may come or go
         if parent == SNAPSHOTS_DIR:
             await self.client.drop_snapshot(name)
             return
@@ -593,6 +626,7 @@ class Vfs:
         await self.client.rmdir(parent, name)
 
     async def unlink(self, parent: int, name: str) -> None:
+        self.layouts.forget()  # tensors may come or go
         if parent & SNAP:
             raise FsError(errno.EROFS)
         if parent == ROOT and name in HIDDEN or not is_cluster(parent):
@@ -617,6 +651,7 @@ class Vfs:
             raise
 
     async def rename(self, parent: int, name: str, new_parent: int, new_name: str, flags: int) -> None:
+        self.layouts.forget()  # tensors may come or go
         for p, n in ((parent, name), (new_parent, new_name)):
             if p & SNAP:
                 raise FsError(errno.EROFS)
@@ -652,7 +687,20 @@ class Vfs:
             out = np.empty(t["shape"], t["dtype"])
             header = await self.client.read(i, 0, t["offset"], info["attr"])
             await self.client.pull_into(i, rank, out)
-            return self._register(BytesHandle(i, header + out.tobytes()))
+            return self._register(BytesHandle(i, header + out.tobytes(), direct=True))
+        if ino & STREAM:
+            rank, model = split_stream(ino)
+            if writes(flags):
+                push = PushStreamHandle(ino, self, rank, model)
+                await push.prepare()
+                return self._register(push)
+            pull = PullStreamHandle(ino, self, rank, model)
+            try:
+                await pull.pull()
+            except BaseException:
+                pull.close()
+                raise
+            return self._register(pull)
         if is_cluster(ino) or ino & SNAP:
             sid, i = split_snap(ino) if ino & SNAP else (0, ino)
             if sid and writes(flags):
@@ -737,6 +785,8 @@ class Vfs:
             # close() already reported this through FLUSH; nobody sees RELEASE's answer
             log.info("inode %d released with its last flush refused: %s", h.ino, exc)
         finally:
+            if isinstance(h, (PushStreamHandle, PullStreamHandle)):
+                h.close()  # its buffer serves the next step
             if isinstance(h, FileHandle) and h.behind is not None:
                 self.writers.get(h.ino, set()).discard(h.behind)
                 if not self.writers.get(h.ino):
@@ -778,6 +828,7 @@ class Vfs:
         elif name.endswith(".npy"):
             log.warning("%s (inode %d): no .npy magic; kept as plain bytes, not a tensor", name, ino)
         if info != attr.get("tensor"):
+            self.layouts.forget()  # a tensor came, went or changed shape
             await self.client.set_tensor(ino, info)
 
     async def view_layout(self, model: int) -> tuple[bytes, list]:

@@ -119,6 +119,7 @@ class Node(Membership, Training):
         self.started = time.time()
         self.counters: dict[str, int] = defaultdict(int)
         self.latency = Latency()
+        self.apply_seconds = 0.0  # optimizer steps and installs of pushed gradients (training.py)
         self.training: dict[tuple[int, int], StripeTraining] = defaultdict(StripeTraining)
         # optimizer state a primary sent ahead of the parameters it goes with: installed by the
         # parameters' apply, never alone (a primary that dies between leaves both as they were)
@@ -212,6 +213,7 @@ class Node(Membership, Training):
             "work": self.work,
             "calls": sum(self.counters.values()),
             "served_bytes": sum(b for _, b in self.transport.served.values()),
+            "apply_seconds": round(self.apply_seconds, 6),
             "replicas_behind": sum(self.cluster.node_state(n) != READY for n in self.cfg.names if n != self.name) if self.cluster else 0,
         }
 

@@ -207,10 +207,12 @@ class Training:
         if not updates and stripe.clock == clock:  # a bsp push that only adds to its round
             await self._replicate_record(fid, idx, record)
             return
+        t0 = time.perf_counter()
         param = np.frombuffer(stripe.data[offset : offset + count * dtype.itemsize], dtype).copy()
         if updates:
             self._apply_updates(fid, idx, param, updates, opt, unit)
         self.store.install(fid, idx, offset, memoryview(param).cast("B"), unit, clock=clock)
+        self.apply_seconds += time.perf_counter() - t0
         await self._replicate_training(fid, idx, offset, count * dtype.itemsize, unit, len(opt.state_names) if updates else 0, record)
 
     async def _replicate_record(self, fid: int, idx: int, record: dict) -> None:

@@ -1,0 +1,223 @@
+"""A training step as one stream per direction: ``.workers/<rank>/<model>.safetensors``.
+
+Written, the stream is every gradient of one step of ``rank`` (a safetensors stream, tensors
+named as in the model's view: ``a.b`` is ``<model>/a.b.npy``); read, it is every parameter as
+the model's sync policy lets ``rank`` see them. One open, one stream of 1 MiB requests and one
+close per direction and step, instead of an open, writes or reads, a flush and a close per
+tensor: the per-file work of the mount costs more than the bytes for real models. The pieces
+travel as the per-tensor paths send them (``Client.push`` and ``Client.pull_into``), all at
+once, so pushes to one node fuse into few WRITEs with immediate.
+
+- **Push** (``PushStreamHandle``): the bytes are gathered at their offsets into one buffer (the
+  one copy the mount makes); at flush the header is parsed and every entry checked against the
+  tensor it names (exists, same dtype and shape, no entry twice, the data all there) before
+  anything is sent: a malformed stream gets EINVAL and pushes nothing. Tensors the stream does
+  not name are not pushed (a partial step: the sync policy waits for them as for any push).
+- **Pull** (``PullStreamHandle``): at open the header is laid out and every tensor pulled into
+  one buffer, concurrently; reads answer from it.
+
+The layout of a model (its tensors, dtypes, shapes, inodes) is cached per mount for
+``LAYOUT_SECONDS`` and dropped at any namespace change this mount makes: a push naming a tensor
+the cache does not know reads the layout again before refusing it. Buffers are kept per (rank,
+model) between steps: a fresh 100 MB buffer per step costs more in page faults than its copy.
+
+Concurrency: one trio thread. A stream handle's state is touched only by requests on it.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import trio
+
+from .. import formats
+from ..util import single_exception
+
+log = logging.getLogger(__name__)
+
+LAYOUT_SECONDS = 60.0  # as long as the kernel caches .workers entries (vfs.WORK_CACHE_SECONDS)
+
+
+@dataclass
+class Layout:
+    """A model's stream: header bytes and, in data order, (entry, tensor file attributes)."""
+
+    header: bytes
+    parts: list
+    at: float
+
+    @property
+    def size(self) -> int:
+        return len(self.header) + (self.parts[-1][0].end if self.parts else 0)
+
+    def by_name(self) -> dict:
+        return {e.name: (e, a) for e, a in self.parts}
+
+
+class Layouts:
+    """Per-mount cache of model layouts, and the reusable stream buffers."""
+
+    def __init__(self, vfs) -> None:
+        self.vfs = vfs
+        self._cache: dict[int, Layout] = {}
+        self._buffers: dict[tuple[str, int, int], bytearray] = {}
+
+    async def get(self, model: int, *, fresh: bool = False) -> Layout:
+        cached = self._cache.get(model)
+        if fresh or cached is None or trio.current_time() - cached.at > LAYOUT_SECONDS:
+            header, parts = await self.vfs.view_layout(model)
+            cached = self._cache[model] = Layout(header, parts, trio.current_time())
+        return cached
+
+    def forget(self) -> None:
+        """The namespace changed through this mount: tensors may have come or gone."""
+        self._cache.clear()
+
+    def take(self, kind: str, rank: int, model: int, size: int) -> bytearray:
+        """A buffer of at least ``size`` bytes for one stream (the one kept from the last
+        step when it fits)."""
+        buf = self._buffers.pop((kind, rank, model), None)
+        if buf is None or len(buf) < size or len(buf) > 2 * size + (1 << 20):
+            buf = bytearray(size)
+        return buf
+
+    def give_back(self, kind: str, rank: int, model: int, buf: bytearray) -> None:
+        self._buffers[(kind, rank, model)] = buf
+
+
+@dataclass
+class PushStreamHandle:
+    """``.workers/<rank>/<model>.safetensors`` opened for writing: one step's gradients."""
+
+    ino: int
+    vfs: object
+    rank: int
+    model: int
+    buf: bytearray = field(default_factory=bytearray)
+    end: int = 0  # bytes written so far reach this offset
+    dirty: bool = False
+    direct: bool = True
+
+    async def read(self, off: int, size: int) -> memoryview:
+        from .vfs import FsError
+
+        raise FsError(errno.EBADF)
+
+    async def prepare(self) -> None:
+        """Start from the buffer of the last step (a stream is usually the model's size)."""
+        try:
+            size = (await self.vfs.layouts.get(self.model)).size
+        except Exception:  # noqa: BLE001 -- a model that cannot be laid out is refused at flush
+            size = 0
+        self.buf = self.vfs.layouts.take("push", self.rank, self.model, size)
+
+    async def write(self, off: int, data: bytes) -> int:
+        end = off + len(data)
+        if end > len(self.buf):
+            # grow geometrically; a stream is usually one model's size, known from the last step
+            grown = self.vfs.layouts.take("push", self.rank, self.model, max(end, 2 * len(self.buf)))
+            grown[: self.end] = self.buf[: self.end]
+            self.buf = grown
+        self.buf[off:end] = data
+        self.end = max(self.end, end)
+        self.dirty = True
+        return len(data)
+
+    async def flush(self) -> None:
+        if not self.dirty:
+            return
+        pushes = await self._validate()
+        with single_exception():
+            async with trio.open_nursery() as n:
+                for ino, grad in pushes:
+                    n.start_soon(self.vfs.client.push, ino, self.rank, grad)
+        self.dirty = False  # only once pushed: a failed flush fails again at close
+        self.end = 0
+
+    async def fsync(self) -> None:
+        await self.flush()
+        for ino in self.vfs.client.pushed_tensors(self.rank):
+            await self.vfs.client.wait_applied(ino, self.rank)
+
+    async def _validate(self) -> list[tuple[int, np.ndarray]]:
+        """(tensor inode, gradient view) for every entry, or EINVAL naming what is wrong."""
+        from .vfs import FsError
+
+        data = memoryview(self.buf)[: self.end]
+        try:
+            if self.end < 8:
+                raise formats.SafetensorsError("shorter than the 8-byte header length")
+            n = int.from_bytes(data[:8], "little")
+            start, entries, _ = formats.st_parse(bytes(data[: min(self.end, 8 + n)]), self.end)
+            layout = await self.vfs.layouts.get(self.model)
+            known = layout.by_name()
+            if any(e.name not in known for e in entries):
+                known = (await self.vfs.layouts.get(self.model, fresh=True)).by_name()
+            seen: set[str] = set()
+            out = []
+            for e in entries:
+                if e.name not in known:
+                    raise formats.SafetensorsError(f"tensor {e.name!r} is not in this model")
+                if e.name in seen:
+                    raise formats.SafetensorsError(f"tensor {e.name!r} named twice")
+                seen.add(e.name)
+                want, attr = known[e.name]
+                if (np.dtype(e.dtype), e.shape) != (np.dtype(want.dtype), want.shape):
+                    raise formats.SafetensorsError(f"tensor {e.name!r}: pushed {np.dtype(e.dtype)}{list(e.shape)}, the model holds {np.dtype(want.dtype)}{list(want.shape)}")
+                count = (e.end - e.begin) // np.dtype(e.dtype).itemsize
+                grad = np.frombuffer(data, e.dtype, count, offset=start + e.begin).reshape(e.shape)
+                out.append((attr["ino"], grad))
+        except formats.SafetensorsError as exc:
+            log.warning("push stream of rank %d to directory %d refused: %s", self.rank, self.model, exc)
+            raise FsError(errno.EINVAL, str(exc)) from None
+        return out
+
+    def close(self) -> None:
+        self.vfs.layouts.give_back("push", self.rank, self.model, self.buf)
+
+
+@dataclass
+class PullStreamHandle:
+    """``.workers/<rank>/<model>.safetensors`` opened for reading: every parameter, pulled at
+    open as the model's policy lets ``rank`` see them."""
+
+    ino: int
+    vfs: object
+    rank: int
+    model: int
+    buf: bytearray = field(default_factory=bytearray)
+    size: int = 0
+    direct: bool = True
+
+    async def pull(self) -> None:
+        layout = await self.vfs.layouts.get(self.model)
+        self.size = layout.size
+        self.buf = self.vfs.layouts.take("pull", self.rank, self.model, self.size)
+        base = len(layout.header)
+        self.buf[:base] = layout.header
+        with single_exception():
+            async with trio.open_nursery() as n:
+                for e, attr in layout.parts:
+                    count = (e.end - e.begin) // np.dtype(e.dtype).itemsize
+                    out = np.frombuffer(self.buf, e.dtype, count, offset=base + e.begin)
+                    n.start_soon(self.vfs.client.pull_into, attr["ino"], self.rank, out)
+
+    async def read(self, off: int, size: int) -> memoryview:
+        return memoryview(self.buf)[off : min(off + size, self.size)]
+
+    async def write(self, off: int, data: bytes) -> int:
+        from .vfs import FsError
+
+        raise FsError(errno.EBADF)
+
+    async def flush(self) -> None:
+        pass
+
+    async def fsync(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.vfs.layouts.give_back("pull", self.rank, self.model, self.buf)

@@ -1,0 +1,103 @@
+"""A training step's two streams, from the worker's side: numpy arrays in, numpy arrays out.
+
+    push_arrays(mount, model, rank, {"fc.weight": grad, ...})   # one write of every gradient
+    pull_arrays(mount, model, rank, {"fc.weight": out, ...})    # every parameter, into ``out``
+
+They use ``<mount>/.workers/<rank>/<model>.safetensors`` (fs/streams.py): a push is one
+``writev`` of the safetensors header and every array's own memory (no concatenated copy), and
+the ``close`` reports the push's result (EINVAL for a stream that does not fit the model: then
+nothing was pushed). A pull is one ``readv`` straight into the caller's arrays. Only files are
+used, so any mount of the cluster serves, and any other language can do the same.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from .formats import ST_DTYPES, st_layout
+
+IOV_MAX = 1024  # Linux's limit on buffers per readv/writev
+
+
+def stream_path(mount: str | os.PathLike, model: str, rank: int) -> Path:
+    return Path(mount) / ".workers" / str(rank) / f"{model}.safetensors"
+
+
+def _bytes_of(a: np.ndarray) -> memoryview:
+    return memoryview(a.reshape(-1)).cast("B") if a.size else memoryview(b"")
+
+
+def writev_all(fd: int, bufs: list) -> None:
+    """Every byte of ``bufs``, in order, however the kernel splits the writes."""
+    bufs = [memoryview(b).cast("B") for b in bufs if len(memoryview(b).cast("B"))]
+    while bufs:
+        n = os.writev(fd, bufs[:IOV_MAX])
+        while n and n >= len(bufs[0]):
+            n -= len(bufs[0])
+            bufs.pop(0)
+        if n:
+            bufs[0] = bufs[0][n:]
+
+
+def readv_all(fd: int, bufs: list) -> None:
+    """Fill every buffer of ``bufs`` in order; EOFError if the file ends first."""
+    bufs = [b for b in bufs if len(b)]
+    while bufs:
+        n = os.readv(fd, bufs[:IOV_MAX])
+        if n == 0:
+            raise EOFError(f"stream ended with {sum(map(len, bufs))} bytes still wanted")
+        while n and n >= len(bufs[0]):
+            n -= len(bufs[0])
+            bufs.pop(0)
+        if n:
+            bufs[0] = bufs[0][n:]
+
+
+def push_arrays(mount: str | os.PathLike, model: str, rank: int, grads: dict[str, np.ndarray]) -> None:
+    """Push one step's gradients of ``rank`` (C-contiguous arrays of the tensors' dtypes and
+    shapes; others are copied to C order first)."""
+    arrays = {n: np.require(a, requirements="C") for n, a in grads.items()}
+    header, _ = st_layout([(n, a.dtype.str, a.shape) for n, a in arrays.items()])
+    fd = os.open(stream_path(mount, model, rank), os.O_WRONLY)
+    try:
+        writev_all(fd, [header] + [_bytes_of(a) for a in arrays.values()])
+    finally:
+        os.close(fd)  # the push happens here; its error (EINVAL, EIO...) is raised here
+
+
+def pull_arrays(mount: str | os.PathLike, model: str, rank: int, out: dict[str, np.ndarray]) -> None:
+    """Fill ``out`` (writable C-contiguous arrays) with the parameters ``rank`` may see now;
+    tensors of the model that ``out`` does not name are read past. KeyError if ``out`` names
+    a tensor the model lacks, ValueError if one has another dtype or shape."""
+    fd = os.open(stream_path(mount, model, rank), os.O_RDONLY)
+    try:
+        head = bytearray(8)
+        readv_all(fd, [head])
+        doc = bytearray(int.from_bytes(head, "little"))
+        readv_all(fd, [doc])
+        entries = json.loads(doc)
+        entries.pop("__metadata__", None)
+        missing = set(out) - set(entries)
+        if missing:
+            raise KeyError(f"the model has no tensor {sorted(missing)[0]!r}")
+        bufs, pos, scratch = [], 0, None
+        for name, e in sorted(entries.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            begin, end = e["data_offsets"]
+            if begin > pos:
+                bufs.append(memoryview(bytearray(begin - pos)))
+            a = out.get(name)
+            if a is None:
+                scratch = scratch if scratch is not None and len(scratch) >= end - begin else bytearray(end - begin)
+                bufs.append(memoryview(scratch)[: end - begin])
+            else:
+                if np.dtype(ST_DTYPES.get(e["dtype"], "V")) != a.dtype or list(a.shape) != e["shape"]:
+                    raise ValueError(f"{name}: the model holds {e['dtype']}{e['shape']}, the array is {a.dtype}{list(a.shape)}")
+                bufs.append(_bytes_of(a))
+            pos = max(pos, end)
+        readv_all(fd, bufs)
+    finally:
+        os.close(fd)
