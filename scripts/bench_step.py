@@ -308,6 +308,7 @@ def main() -> int:
     ap.add_argument("--workers", default="2,4")
     ap.add_argument("--mounts", choices=("per-worker", "shared"), default="per-worker")
     ap.add_argument("--no-fp16", action="store_true", help="skip the fp16 rows")
+    ap.add_argument("--no-ddp", action="store_true", help="irdmafs only (for profiling it; no ratios)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: resnet50, 2 workers, 2 steps")
     args = ap.parse_args()
     models = args.models.split(",")
@@ -326,7 +327,7 @@ def main() -> int:
                 res[f"bytes_{m}"] = sum(int(np.prod(s)) * 4 for _, s in MODELS[m]())
                 for w in workers:
                     for prefix, compress in rows:
-                        d = ddp(m, w, args.steps, fp16=bool(prefix))
+                        d = {"comm": float("nan"), "sync": float("nan"), "nosync": float("nan")} if args.no_ddp else ddp(m, w, args.steps, fp16=bool(prefix))
                         mounts = bed.mounts[:w] if args.mounts == "per-worker" else bed.mounts
                         r = irdmafs_step(bed.lc, mounts, m, w, args.steps, compress)
                         key = f"{m}_w{w}"

@@ -471,15 +471,17 @@ class Client:
                 raise RemoteError(code, r.get("message", ""))
 
     async def _fused(self, node: str, desc: dict, payload: memoryview) -> dict:
-        """Send a push piece to ``node``: at once if no transfer to it is under way, otherwise
-        together with every piece of the same rank that queued meanwhile, in one WRITE with
-        immediate (fusion with no added latency when idle). One queue per rank: under r2sp a
-        rank's push may wait on the node for another rank's, which must not queue behind it."""
-        q = self._push_queues.setdefault((node, desc["rank"]), {"queue": [], "busy": False})
+        """Send a push piece to ``node``: at once if fewer transfers to it are under way than
+        the client has staging slots there, otherwise together with every piece of the same
+        rank that queued meanwhile, in one WRITE with immediate (fusion with no added latency
+        when idle; as many transfers in flight as slots, so a whole model's pushes pipeline).
+        One queue per rank: under r2sp a rank's push may wait on the node for another rank's,
+        which must not queue behind it."""
+        q = self._push_queues.setdefault((node, desc["rank"]), {"queue": [], "senders": 0})
         entry = [desc, payload, trio.Event(), None]
         q["queue"].append(entry)
-        if not q["busy"]:
-            q["busy"] = True
+        if q["senders"] < self.staging.slots:
+            q["senders"] += 1
             try:
                 while q["queue"]:
                     batch, size = [], 0
@@ -487,13 +489,21 @@ class Client:
                         e = q["queue"].pop(0)
                         batch.append(e)
                         size += len(e[1])
-                    await self._send_batch(node, batch)
+                    try:
+                        await self._send_batch(node, batch)
+                    except BaseException:
+                        for e in batch:  # cancelled mid-send: nobody must wait for an answer
+                            if not e[2].is_set():
+                                e[3] = NodeDown(node, "push sender cancelled")
+                                e[2].set()
+                        raise
             finally:
-                q["busy"] = False
-                for e in q["queue"]:  # the sender was cancelled: let the others retry
-                    e[3] = NodeDown(node, "push sender cancelled")
-                    e[2].set()
-                q["queue"].clear()
+                q["senders"] -= 1
+                if not q["senders"]:
+                    for e in q["queue"]:  # the last sender was cancelled: let the others retry
+                        e[3] = NodeDown(node, "push sender cancelled")
+                        e[2].set()
+                    q["queue"].clear()
         await entry[2].wait()
         if isinstance(entry[3], BaseException):
             raise entry[3]

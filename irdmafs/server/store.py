@@ -126,6 +126,26 @@ class Store:
         self._saved((fid, idx, snap), HEADER + offset, HEADER + offset + len(data))
         return new
 
+    def update(self, fid: int, idx: int, offset: int, length: int, unit: int, fn, clock: int | None = None) -> int:
+        """Change ``length`` bytes at ``offset`` of a live stripe in place: ``fn(view)`` runs
+        under the seqlock (it must not await), then the clock is set if given; returns the new
+        version. An optimizer step this way writes the parameters once, where a copy out, the
+        step and ``install`` would pass over them three times."""
+        stripe = self.ensure(fid, idx, offset + length, unit)
+        buf = stripe.region.buf
+        word = _WORD.unpack_from(buf, 0)[0]
+        new = word // 2 + 1
+        _WORD.pack_into(buf, 0, word | 1)
+        try:
+            if fn is not None:
+                fn(memoryview(buf)[HEADER + offset : HEADER + offset + length])
+            if clock is not None:
+                _WORD.pack_into(buf, _CLOCK, clock)
+        finally:
+            _WORD.pack_into(buf, 0, 2 * new)  # never left odd: readers would wait forever
+        self._saved((fid, idx, 0), HEADER + offset, HEADER + offset + length)
+        return new
+
     def replace(self, fid: int, idx: int, data: memoryview, unit: int, version: int, snap: int = 0, clock: int = 0) -> None:
         """Set the whole stripe content (resync, or a backup found behind)."""
         stripe = self.ensure(fid, idx, len(data), unit, snap)

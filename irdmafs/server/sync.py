@@ -98,12 +98,18 @@ class StripeTraining:
     arrived: dict[int, tuple[int, float]] = field(default_factory=dict)  # rank -> (step, time) of its last push
     cycle: dict[int, float] = field(default_factory=dict)  # rank -> EMA of its step time, slot waits excluded
 
-    def record(self) -> dict:
+    def record(self, blobs: list | None = None) -> dict:
         """What a backup needs to carry on as primary with nothing lost or applied twice: each
-        rank's push count, the bsp rounds being summed, the r2sp pushes held (arrays as base64)."""
+        rank's push count, the bsp rounds being summed, the r2sp pushes held. Arrays are
+        ``[dtype, base64]``, or with ``blobs`` ``[dtype, k]``: the array appended to ``blobs``
+        as its k-th entry, to travel as raw bytes beside the record (no copy made here)."""
 
         def arr(a: np.ndarray) -> list:
-            return [a.dtype.str, base64.b64encode(np.ascontiguousarray(a).tobytes()).decode()]
+            a = np.ascontiguousarray(a)
+            if blobs is not None:
+                blobs.append(a)
+                return [a.dtype.str, len(blobs) - 1]
+            return [a.dtype.str, base64.b64encode(a.tobytes()).decode()]
 
         return {
             "pushed": {str(r): n for r, n in self.pushed.items()},
@@ -118,8 +124,14 @@ class StripeTraining:
         """How many pushes this bookkeeping has taken (to tell an older record from a newer)."""
         return sum(self.pushed.values()) + sum(len(s) for s in self.held.values())
 
-    def restore(self, rec: dict) -> None:
+    def restore(self, rec: dict, blobs: list | None = None) -> None:
+        """Take a record made by ``record`` (its raw arrays in ``blobs``, if it was made so)."""
+
         def arr(a: list) -> np.ndarray:
+            if isinstance(a[1], int):
+                if blobs is None or not 0 <= a[1] < len(blobs):
+                    raise ValueError(f"record names array {a[1]} of {len(blobs or ())}")
+                return np.frombuffer(blobs[a[1]], np.dtype(a[0])).copy()
             return np.frombuffer(base64.b64decode(a[1]), np.dtype(a[0])).copy()
 
         self.pushed = {int(r): int(n) for r, n in rec["pushed"].items()}
@@ -180,8 +192,12 @@ class StripeTraining:
     def take(self, model: Model, rank: int, step: int, grad: np.ndarray) -> list[np.ndarray]:
         """Take push ``step`` of ``rank`` (its next, see ``next_step``): under r2sp held until
         its turn; returns the averaged gradients to apply now, in order."""
-        self.held.setdefault(rank, {})[step] = grad
-        return self.release(model)
+        steps = self.held.setdefault(rank, {})
+        steps[step] = grad
+        out = self.release(model)
+        if steps.get(step) is grad:  # held past this push: ``grad`` may be a view of staging
+            steps[step] = grad.copy()
+        return out
 
     def release(self, model: Model) -> list[np.ndarray]:
         """Accept every held push whose turn has come, in turn order (under other policies
@@ -204,8 +220,10 @@ class StripeTraining:
         work = np.dtype(np.float32) if grad.dtype == np.float16 else grad.dtype  # an fp16 push sums in fp32
         if model.policy.kind != "bsp":
             return [grad.astype(work, copy=False) / max(1, len(model.active))]
-        entry = self.rounds.setdefault(step, [np.zeros(grad.shape, work), set()])
-        if grad.dtype == np.float16:
+        entry = self.rounds.get(step)
+        if entry is None:  # the round's first push: its copy is the sum so far (one pass)
+            entry = self.rounds[step] = [grad.astype(work, copy=True), set()]
+        elif grad.dtype == np.float16:
             native.acc_f16(entry[0], grad)  # one pass, no float32 temporary
         else:
             entry[0] += grad
@@ -219,6 +237,7 @@ class StripeTraining:
         while self.applied in self.rounds and active and active <= self.rounds[self.applied][1]:
             total, ranks = self.rounds.pop(self.applied)
             # a removed rank's push of this round still counts, so divide by who pushed
-            out.append(total / len(ranks))
+            total /= len(ranks)  # in place: the round's sum is ours alone now
+            out.append(total)
             self.applied += 1
         return out

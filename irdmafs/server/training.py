@@ -21,7 +21,7 @@ import numpy as np
 import trio
 
 from ..cluster import NodeDown
-from ..transport.base import RemoteError
+from ..transport.base import AccessError, RemoteError
 from . import optim
 from .sync import Model, PolicyError, StripeTraining, parse_policy
 
@@ -63,9 +63,10 @@ class Training:
 
         if spans is None:
             dense = np.frombuffer(take(count * wire.itemsize), wire)
-            # float16 into float32 stays float16 here: the round sum takes it in one pass
-            # (native.acc_f16); anything else becomes the working dtype now
-            return dense.copy() if (wire, work) == (np.float16, np.float32) else dense.astype(work)
+            # A view of the staging slot when it is in the working dtype, or float16 for
+            # float32 work (the round sum takes it in one pass: native.acc_f16): whatever keeps
+            # it past the push copies it (sync.StripeTraining.take/accept). Else converted now.
+            return dense if wire == work or (wire, work) == (np.float16, np.float32) else dense.astype(work)
         total, end = 0, 0
         for start, length in spans:
             if not (isinstance(start, int) and isinstance(length, int)) or start < end or length < 1 or start + length > count:
@@ -203,34 +204,74 @@ class Training:
         # The push bookkeeping goes to the backups with the parameters it produced, in the same
         # apply: a backup that takes over then holds both or neither, so a client's retry of an
         # unanswered push is applied exactly once (duplicate if it was, anew if it was not).
-        record = st.record()
         if not updates and stripe.clock == clock:  # a bsp push that only adds to its round
-            await self._replicate_record(fid, idx, record)
+            await self._replicate_record(fid, idx, st)
             return
+        record = st.record()
         t0 = time.perf_counter()
-        param = np.frombuffer(stripe.data[offset : offset + count * dtype.itemsize], dtype).copy()
-        if updates:
-            self._apply_updates(fid, idx, param, updates, opt, unit)
-        self.store.install(fid, idx, offset, memoryview(param).cast("B"), unit, clock=clock)
+
+        def step(view: memoryview) -> None:
+            self._apply_updates(fid, idx, np.frombuffer(view, dtype), updates, opt, unit)
+
+        self.store.update(fid, idx, offset, count * dtype.itemsize, unit, step if updates else None, clock=clock)
         self.apply_seconds += time.perf_counter() - t0
         await self._replicate_training(fid, idx, offset, count * dtype.itemsize, unit, len(opt.state_names) if updates else 0, record)
 
-    async def _replicate_record(self, fid: int, idx: int, record: dict) -> None:
+    async def _replicate_record(self, fid: int, idx: int, st: StripeTraining) -> None:
+        """The push bookkeeping of a stripe to its backups. Its arrays (a bsp round's partial
+        sum, held r2sp pushes) travel as raw bytes through the backup's staging (one-sided
+        WRITE, then the call naming them), not as base64 inside the call: for a large model
+        they are as many bytes as the gradients themselves. Called with the stripe's lock held,
+        so the arrays do not change while they are sent."""
+        blobs: list[np.ndarray] = []
+        record = st.record(blobs)
+        views = [memoryview(b).cast("B") for b in blobs]
+        args = {"fid": fid, "idx": idx, "record": record, "lengths": [len(v) for v in views]}
+
+        async def staged(peer: str, rkey: int, soff: int) -> dict:
+            conn = await self.cluster.conn(peer)
+            await conn.write(rkey, soff, views)
+            return await self.cluster.call(peer, "train_record", dict(args, rkey=rkey, soff=soff))
+
         async def one(peer: str) -> None:
-            try:
-                await self.cluster.call(peer, "train_record", {"fid": fid, "idx": idx, "record": record})
-            except (NodeDown, RemoteError) as exc:
-                log.warning("training record of stripe %d:%d not replicated to %s: %s", fid, idx, peer, exc)
+            for attempt in (1, 2):
+                try:
+                    if not views:
+                        await self.cluster.call(peer, "train_record", args)
+                    elif sum(args["lengths"]) <= self.peer_staging.slot_size:
+                        await self.peer_staging.with_slot(peer, partial(staged, peer))
+                    else:  # larger than a staging slot (many held pushes): inline, as base64
+                        await self.cluster.call(peer, "train_record", {"fid": fid, "idx": idx, "record": st.record()})
+                    return
+                except (NodeDown, RemoteError, AccessError) as exc:
+                    if attempt == 1 and not isinstance(exc, NodeDown) and (isinstance(exc, AccessError) or exc.code == "EINVAL"):
+                        self.peer_staging.forget(peer)  # its staging region is gone (it restarted)
+                        continue
+                    log.warning("training record of stripe %d:%d not replicated to %s: %s", fid, idx, peer, exc)
+                    return
 
         async with trio.open_nursery() as n:
             for peer in self.cluster.targets(fid, idx):
                 if peer != self.name:
                     n.start_soon(one, peer)
 
-    async def rpc_train_record(self, fid: int, idx: int, record: dict) -> dict:
-        """A backup keeps the primary's push bookkeeping for a stripe (to take over with it)."""
+    async def rpc_train_record(self, fid: int, idx: int, record: dict, lengths: list | None = None, rkey: int = 0, soff: int = 0) -> dict:
+        """A backup keeps the primary's push bookkeeping for a stripe (to take over with it);
+        its arrays, if ``lengths`` are given, were staged at ``rkey``/``soff`` in that order."""
+        blobs = None
+        if lengths:
+            if not all(isinstance(n, int) and n >= 0 for n in lengths):
+                raise RemoteError("EINVAL", "bad record array lengths")
+            data = self._staged(rkey, soff, sum(lengths))
+            blobs, at = [], 0
+            for n in lengths:
+                blobs.append(data[at : at + n])
+                at += n
         async with self.stripe_locks((fid, idx)):
-            self.training[(fid, idx)].restore(record)
+            try:
+                self.training[(fid, idx)].restore(record, blobs)
+            except (ValueError, KeyError, TypeError) as exc:
+                raise RemoteError("EINVAL", f"malformed training record: {exc}") from None
         return {}
 
     async def _recheck_training(self) -> None:
