@@ -5,9 +5,11 @@
 
 (``./scripts/bench`` installs the ``bench`` extra -- torch, grpcio, matplotlib -- and runs it.)
 
-Limits: raw loopback socket between two processes; memcpy; the pyfuse3 ceiling (scripts/memfs.py,
-a minimal FUSE file system serving a buffer from memory) read and written with 1 MiB and 4 MiB
-requests. Peers (scripts/peers.py): torch.distributed gloo broadcast and all_reduce between 2
+Limits: the socket limit (the larger of a raw loopback socket between two processes and iperf3
+on loopback, this run); memcpy; the pyfuse3 ceiling (scripts/memfs.py, a minimal FUSE file
+system serving a buffer from memory with direct_io, its fastest option) read and written with
+1 MiB and 4 MiB requests. irdmafs's pulls and pushes are measured through the page cache (as
+any program reads a file) and with O_DIRECT. Peers (scripts/peers.py): torch.distributed gloo broadcast and all_reduce between 2
 processes; a gRPC parameter server's unary get and put. irdmafs: pull (read) and push (write) of
 a 64 MiB and a 256 MiB tensor through the mount over 3 local node processes, R=1 and R=2, the
 page cache out of the way (every open starts cold); the same through the Client API; a
@@ -38,7 +40,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import peers  # noqa: E402
-from bench_transport import RawSocket  # noqa: E402
+from bench_transport import RawSocket, iperf3_gbps  # noqa: E402
 
 from irdmafs import config as C  # noqa: E402
 from irdmafs.client.client import Client  # noqa: E402
@@ -53,6 +55,8 @@ TARGETS = {  # key: (comparison, bound)
     "push_vs_gloo": (">=", 1.0),
     "pull_vs_grpc": (">=", 6.0),
     "pull_vs_fuse_ceiling": (">=", 0.8),
+    "push_vs_fuse_ceiling": (">=", 0.8),
+    "model_files_vs_tensor_pull": ("<=", 2.0),
     "client_pull_vs_socket": (">=", 0.8),
     "link_utilisation": (">=", 0.95),
     "model_pull_vs_tensor_pull": ("<=", 1.25),
@@ -89,9 +93,9 @@ def gbps(nbytes: int, seconds: float) -> float:
 
 
 # -- through a mount: reads and writes with a given request size ---------------------------------
-def read_file(path: Path, nbytes: int, bs: int, buf: memoryview) -> float:
+def read_file(path: Path, nbytes: int, bs: int, buf: memoryview, flags: int = 0) -> float:
     t0 = time.perf_counter()
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | flags)
     try:
         got = 0
         while got < nbytes:
@@ -104,9 +108,9 @@ def read_file(path: Path, nbytes: int, bs: int, buf: memoryview) -> float:
     return time.perf_counter() - t0
 
 
-def write_file(path: Path, data: memoryview, bs: int) -> float:
+def write_file(path: Path, data: memoryview, bs: int, flags: int = 0) -> float:
     t0 = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | flags, 0o644)
     try:
         for off in range(0, len(data), bs):
             os.pwrite(fd, data[off : off + bs], off)
@@ -176,6 +180,10 @@ def mount_figures(mnt: Path, sizes: list[int], reps: int, tag: str) -> dict[str,
             res[f"push_{nbytes // MiB}mib_{bs // MiB}m_{tag}_gbps"] = gbps(nbytes, med([write_file(path, data, bs) for _ in range(reps)]))
             read_file(path, nbytes, bs, buf)
             res[f"pull_{nbytes // MiB}mib_{bs // MiB}m_{tag}_gbps"] = gbps(nbytes, med([read_file(path, nbytes, bs, buf) for _ in range(reps)]))
+        # the same with O_DIRECT: what a stream that needs no page cache gets (the step
+        # streams under .workers are always opened so)
+        res[f"push_{nbytes // MiB}mib_1m_direct_{tag}_gbps"] = gbps(nbytes, med([write_file(path, data, MiB, os.O_DIRECT) for _ in range(reps)]))
+        res[f"pull_{nbytes // MiB}mib_1m_direct_{tag}_gbps"] = gbps(nbytes, med([read_file(path, nbytes, MiB, buf, os.O_DIRECT) for _ in range(reps)]))
         if bytes(buf) != bytes(data):
             raise RuntimeError("pull through the mount returned different bytes")
     return res
@@ -273,8 +281,10 @@ def ratios(res: dict) -> None:
     res["pull_vs_fuse_ceiling"] = res[f"pull_{big}_1m_r1_gbps"] / res["fuse_ceiling_read_1mib_gbps"]
     res["pull_vs_fuse_ceiling_4m"] = res[f"pull_{big}_4m_r1_gbps"] / res["fuse_ceiling_read_4mib_gbps"]
     res["push_vs_fuse_ceiling"] = res[f"push_{big}_1m_r1_gbps"] / res["fuse_ceiling_write_1mib_gbps"]
-    res["client_pull_vs_socket"] = res[f"client_pull_{big}_r1_gbps"] / res["raw_socket_gbps"]
-    res["client_push_vs_socket"] = res[f"client_push_{big}_r1_gbps"] / res["raw_socket_gbps"]
+    res["pull_direct_vs_fuse_ceiling"] = res[f"pull_{big}_1m_direct_r1_gbps"] / res["fuse_ceiling_read_1mib_gbps"]
+    res["push_direct_vs_fuse_ceiling"] = res[f"push_{big}_1m_direct_r1_gbps"] / res["fuse_ceiling_write_1mib_gbps"]
+    res["client_pull_vs_socket"] = res[f"client_pull_{big}_r1_gbps"] / res["socket_limit_gbps"]
+    res["client_push_vs_socket"] = res[f"client_push_{big}_r1_gbps"] / res["socket_limit_gbps"]
 
 
 def table(res: dict) -> str:
@@ -320,11 +330,13 @@ def main() -> int:
     def step(what: str) -> None:
         print(f"bench: {what}", file=sys.stderr, flush=True)
 
-    step("limits: raw socket, memcpy")
+    step("limits: raw socket, iperf3, memcpy")
     raw = RawSocket(big)
     raw.once()
     res["raw_socket_gbps"] = gbps(big, med([raw.once() for _ in range(args.reps)]))
     raw.close()
+    res["iperf3_gbps"] = iperf3_gbps()
+    res["socket_limit_gbps"] = max(res["raw_socket_gbps"], res["iperf3_gbps"])
     a, b = np.ones(big, np.uint8), np.empty(big, np.uint8)
     np.copyto(b, a)
     res["memcpy_gbps"] = gbps(big, med([_timed(np.copyto, b, a) for _ in range(args.reps)]))
