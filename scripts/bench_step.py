@@ -201,6 +201,20 @@ def _irdmafs_rank(rank: int, world: int, mount: str, model: str, tag: str, steps
     out.put((rank, {k: statistics.median(v) for k, v in times.items()}, worst))
 
 
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time so far of these processes (from /proc; kernel copies for sockets
+    and FUSE count as system time of the process that makes them)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+        except (OSError, IndexError, ValueError):
+            pass
+    return total / tick
+
+
 def apply_seconds(cfg) -> float:
     async def total() -> float:
         s = 0.0
@@ -212,7 +226,7 @@ def apply_seconds(cfg) -> float:
     return trio.run(total)
 
 
-def irdmafs_step(lc: LocalCluster, mounts: list[Path], model: str, world: int, steps: int, compress: str) -> dict:
+def irdmafs_step(lc: LocalCluster, mounts: list[Path], model: str, world: int, steps: int, compress: str, mount_pids: list[int]) -> dict:
     """Publish the model, run ``steps`` bsp steps with ``world`` worker processes; medians."""
     import torch
 
@@ -230,15 +244,19 @@ def irdmafs_step(lc: LocalCluster, mounts: list[Path], model: str, world: int, s
     for p in procs:
         p.start()
     applied0 = apply_seconds(lc.cfg)
+    node_pids = [p.pid for p in lc.procs.values()]
+    cpu0 = (cpu_seconds(node_pids), cpu_seconds(mount_pids))
     start.set()
     try:
         results = [q.get(timeout=900) for _ in procs]
+        cpu1 = (cpu_seconds(node_pids), cpu_seconds(mount_pids), cpu_seconds([p.pid for p in procs]))
     finally:
         for p in procs:
             p.join(60)
             if p.is_alive():
                 p.kill()
     applied = (apply_seconds(lc.cfg) - applied0) / (steps + 1)
+    cpu = {"cpu_nodes": (cpu1[0] - cpu0[0]) / (steps + 2), "cpu_mounts": (cpu1[1] - cpu0[1]) / (steps + 2), "cpu_workers": cpu1[2] / (steps + 2)}
     tol = 1e-5 if compress == "none" else 1e-3  # fp16 gradients round
     worst = max(r[2] for r in results)
     if worst > tol:
@@ -246,7 +264,7 @@ def irdmafs_step(lc: LocalCluster, mounts: list[Path], model: str, world: int, s
     push = max(r[1]["push"] for r in results)
     pull = max(r[1]["pull"] for r in results)
     del torch
-    return {"push": push, "pull": pull, "step": statistics.median([r[1]["push"] + r[1]["pull"] for r in results]), "apply": applied}
+    return {"push": push, "pull": pull, "step": statistics.median([r[1]["push"] + r[1]["pull"] for r in results]), "apply": applied} | cpu
 
 
 class Bed:
@@ -329,16 +347,17 @@ def main() -> int:
                     for prefix, compress in rows:
                         d = {"comm": float("nan"), "sync": float("nan"), "nosync": float("nan")} if args.no_ddp else ddp(m, w, args.steps, fp16=bool(prefix))
                         mounts = bed.mounts[:w] if args.mounts == "per-worker" else bed.mounts
-                        r = irdmafs_step(bed.lc, mounts, m, w, args.steps, compress)
+                        r = irdmafs_step(bed.lc, mounts, m, w, args.steps, compress, [p.pid for p in bed.procs])
                         key = f"{m}_w{w}"
                         res[f"ddp_{prefix}comm_s_{key}"] = d["comm"]
                         res[f"ddp_{prefix}backward_s_{key}"] = d["sync"]
                         res[f"ddp_{prefix}backward_nosync_s_{key}"] = d["nosync"]
-                        for phase in ("push", "pull", "step", "apply"):
+                        for phase in ("push", "pull", "step", "apply", "cpu_nodes", "cpu_mounts", "cpu_workers"):
                             res[f"irdmafs_{prefix}{phase}_s_{key}"] = r[phase]
                         res[f"step_vs_ddp_{prefix}{key}"] = r["step"] / d["comm"]
                         print(f"{m:12s} W={w} {compress:5s}: irdmafs step {r['step'] * 1000:7.1f} ms (push {r['push'] * 1000:6.1f}, pull {r['pull'] * 1000:6.1f}, nodes' apply {r['apply'] * 1000:6.1f})"
-                              f"  DDP comm {d['comm'] * 1000:7.1f} ms  -> step_vs_ddp_{prefix}{key} = {res[f'step_vs_ddp_{prefix}{key}']:.2f}", flush=True)  # fmt: skip
+                              f"  DDP comm {d['comm'] * 1000:7.1f} ms  -> step_vs_ddp_{prefix}{key} = {res[f'step_vs_ddp_{prefix}{key}']:.2f}\n"
+                              f"{'':23}CPU per step: nodes {r['cpu_nodes'] * 1000:6.1f} ms, mounts {r['cpu_mounts'] * 1000:6.1f} ms, workers {r['cpu_workers'] * 1000:6.1f} ms", flush=True)  # fmt: skip
     res["mounts_per_worker"] = float(args.mounts == "per-worker")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1, sort_keys=True) + "\n")

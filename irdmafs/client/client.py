@@ -86,6 +86,9 @@ class Client:
         self.busy: dict[str, float] = {}  # rank -> its measured compute time per step (seconds)
         self._pulled_at: dict[tuple[int, int], float] = {}
         self._pacing: dict[int, list] = {}  # r2sp: rank -> [step, its slot wait, next slot time]
+        # bsp pushes in rounds still open: (fid, idx, rank) -> [descriptor, payload, owner]
+        self._open: dict[tuple[int, int, int], list] = {}
+        self.io.on_behind = self._repush_open
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -381,10 +384,15 @@ class Client:
         """``train_info`` if this client has it at hand (no call)."""
         return self._train.get((ino, rank))
 
-    async def push(self, ino: int, rank: int, grad: np.ndarray) -> int:
+    async def push(self, ino: int, rank: int, grad: np.ndarray, *, owner: object = None) -> int:
         """Push one gradient of ``rank`` for tensor ``ino``; returns its step. The gradient
         must have the tensor's dtype and shape (EINVAL otherwise, and nothing changes). Returns
-        once every stripe's primary has taken its part (the update may still be pending)."""
+        once every stripe's primary has taken its part (the update may still be pending).
+
+        Under bsp a part that joined a round still open is kept (``_open``) until the round
+        closes, to be sent again if the primary is lost first (``_repush_open``): as a view of
+        ``grad`` when the caller names an ``owner`` that lets it know before it reuses the
+        memory (``detach``), else as a copy."""
         info = await self.train_info(ino, rank)
         attr, t = info["attr"], info["tensor"]
         grad = np.asarray(grad)
@@ -425,7 +433,9 @@ class Client:
                     sent += 8 * len(runs)  # the span list travels too
                 payload = np.ascontiguousarray(values.astype(wire, copy=False))
                 sent += payload.nbytes
-                n.start_soon(self._push_piece, desc, memoryview(payload).cast("B"), replies)
+                # a payload made here (fp16, sparse) is ours to keep; a view of ``grad`` is the owner's
+                keeper = payload if payload.base is None else owner
+                n.start_soon(self._push_kept, desc, memoryview(payload).cast("B"), replies, keeper, info["sync"] == "bsp")
         info["pushed"] = step + 1
         for r in replies:
             self.busy.update(r.get("busy", {}))
@@ -444,7 +454,46 @@ class Client:
             await trio.sleep(entry[1])
         return round(entry[1], 6)
 
-    async def _push_piece(self, desc: dict, payload: memoryview, replies: list) -> None:
+    async def _push_kept(self, desc: dict, payload: memoryview, replies: list, owner: object, bsp: bool) -> None:
+        """``_push_piece``, then, under bsp, keep the piece while its round is open."""
+        r = await self._push_piece(desc, payload, replies)
+        if bsp and r.get("clock", 0) <= desc["step"]:
+            if owner is None:
+                payload = memoryview(bytes(payload))  # the caller may reuse its array at once
+            self._open[(desc["fid"], desc["idx"], desc["rank"])] = [desc, payload, owner]
+
+    def detach(self, owner: object) -> None:
+        """The memory of ``owner`` is about to be reused: copy the kept pushes that are views
+        of it."""
+        for entry in self._open.values():
+            if entry[2] is owner:
+                entry[1], entry[2] = memoryview(bytes(entry[1])), None
+
+    def _closed(self, ino: int, rank: int, clock: int) -> None:
+        """Every stripe of ``ino`` has applied ``clock`` steps: rounds before it are closed."""
+        for key in [k for k, e in self._open.items() if k[0] == ino and k[2] == rank and e[0]["step"] < clock]:
+            del self._open[key]
+
+    async def _repush_open(self, fid: int, idx: int) -> None:
+        """A pull waits on stripe ``idx`` of ``fid`` longer than it should: if a round this
+        client pushed to is still open there, ask the stripe's primary whether it has the push
+        (a primary lost mid-round takes its open rounds with it) and send it again if not.
+        The primary counts each rank's pushes, so a push it has is never taken twice."""
+        for (f, i, rank), (desc, payload, _) in list(self._open.items()):
+            if (f, i) != (fid, idx):
+                continue
+            primary = self.cluster.stripe_primary(fid, idx)
+            if primary is None:
+                return
+            try:
+                nxt = (await self.cluster.call(primary, "train_next", {"fid": fid, "idx": idx, "rank": rank}))["next"]
+                if nxt <= desc["step"]:
+                    log.warning("stripe %d:%d: %s lacks push %d of rank %d (its round was open on a lost primary); sending it again", fid, idx, primary, desc["step"], rank)
+                    await self._push_piece(desc, payload, [])
+            except (NodeDown, RemoteError, AccessError, trio.TooSlowError) as exc:
+                log.info("stripe %d:%d: open push of rank %d not checked with %s: %s", fid, idx, rank, primary, exc)
+
+    async def _push_piece(self, desc: dict, payload: memoryview, replies: list) -> dict:
         """One stripe's part of a push, to the stripe's primary; follows the primary when it
         moves. A retried piece that already arrived is answered "duplicate" (exactly once)."""
         fid, idx = desc["fid"], desc["idx"]
@@ -463,7 +512,7 @@ class Client:
                 code = r.get("error")
                 if code is None:
                     replies.append(r)
-                    return
+                    return r
                 if code in ("ENOTPRIMARY", "EAGAIN"):
                     await trio.sleep(0.1)
                     await self.cluster.refresh()
@@ -549,6 +598,7 @@ class Client:
         need = required_clock(parse_policy(info["sync"]), info["pushed"])
         view = memoryview(out.reshape(-1)).cast("B")
         await self.io.read(ino, t["offset"] + len(view), attr["unit"], t["offset"], view, 0, need, info["timeout"])
+        self._closed(ino, rank, need)
         self._pulled_at[(ino, rank)] = trio.current_time()
         return out
 
@@ -562,6 +612,7 @@ class Client:
             out = np.empty(t["shape"], t["dtype"])
             view = memoryview(out.reshape(-1)).cast("B")
             await self.io.read(ino, t["offset"] + len(view), attr["unit"], t["offset"], view, 0, info["pushed"], info["timeout"])
+            self._closed(ino, rank, info["pushed"])
         elif info["sync"] == "r2sp" and info["pushed"]:  # a held push shows in no clock: ask
             nbytes = int(np.prod(t["shape"], dtype=np.int64)) * np.dtype(t["dtype"]).itemsize
             async with trio.open_nursery() as n:

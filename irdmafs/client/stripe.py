@@ -59,6 +59,8 @@ class StripeIO:
         self.bytes_read = 0
         self.bytes_written = 0
         self.bytes_pushed = 0  # gradient bytes put on the wire
+        # called when a stripe's clock has not moved for CLOCK_SLICE (Client._repush_open)
+        self.on_behind = None
 
     # -- stripe keys ---------------------------------------------------------------------------
     async def _lookup(self, node: str, fid: int, idxs: list[int], snap: int) -> None:
@@ -184,6 +186,8 @@ class StripeIO:
                 if node in behind:
                     behind.remove(node)
                 behind.append(node)
+                if self.on_behind is not None:
+                    await self.on_behind(fid, p.idx)
             except AccessError:
                 self._keys.pop((node, fid, p.idx, snap), None)  # stripe moved to a new region
                 stale_keys += 1

@@ -29,6 +29,7 @@ from __future__ import annotations
 import errno
 import logging
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import trio
@@ -78,10 +79,13 @@ class Layouts:
 
     def take(self, kind: str, rank: int, model: int, size: int) -> bytearray:
         """A buffer of at least ``size`` bytes for one stream (the one kept from the last
-        step when it fits)."""
+        step when it fits). The client may still keep pushes of a round not yet closed as
+        views of it (Client.push): they are copied out before it is written again."""
         buf = self._buffers.pop((kind, rank, model), None)
         if buf is None or len(buf) < size or len(buf) > 2 * size + (1 << 20):
             buf = bytearray(size)
+        else:
+            self.vfs.client.detach(buf)
         return buf
 
     def give_back(self, kind: str, rank: int, model: int, buf: bytearray) -> None:
@@ -133,7 +137,7 @@ class PushStreamHandle:
         with single_exception():
             async with trio.open_nursery() as n:
                 for ino, grad in pushes:
-                    n.start_soon(self.vfs.client.push, ino, self.rank, grad)
+                    n.start_soon(partial(self.vfs.client.push, ino, self.rank, grad, owner=self.buf))
         self.dirty = False  # only once pushed: a failed flush fails again at close
         self.end = 0
 

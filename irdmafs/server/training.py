@@ -6,7 +6,9 @@ stripe takes a push under the model's policy (sync.py: bsp, asp, ssp, r2sp), run
 (optim.py; state in stripes -1/-2 of the stripe) and sends the parameters, the optimizer state
 (held aside by the backup until then) and the push bookkeeping to every backup in one ``apply``:
 a backup that takes over holds all of one step or none of it, so a client's retry of an
-unanswered push is applied exactly once. ``train_wait`` waits for held r2sp pushes;
+unanswered push is applied exactly once. A bsp round still open lives on the primary alone; its
+pushers keep their pushes until it closes and send them again to a new primary (``train_next``
+says whether it has them), so a primary lost mid-round loses nothing either. ``train_wait`` waits for held r2sp pushes;
 ``train_records`` hands the bookkeeping to a resyncing peer.
 """
 
@@ -178,6 +180,14 @@ class Training:
             "busy": {str(r): round(v, 6) for r, v in st.busy.items()},  # compute time per step
         }
 
+    async def rpc_train_next(self, fid: int, idx: int, rank: int) -> dict:
+        """The step of ``rank``'s next push to this stripe, as its primary counts: a client
+        whose push sat in a round that did not close asks before sending it again."""
+        self._require_ready()
+        await self._await_takeover()
+        self._check_primary(fid, idx)
+        return {"next": self.training[(fid, idx)].next_step(rank)}
+
     def _progressed(self) -> None:
         """Wake whoever waits for pushes to be applied."""
         self.progress.set()
@@ -204,8 +214,16 @@ class Training:
         # The push bookkeeping goes to the backups with the parameters it produced, in the same
         # apply: a backup that takes over then holds both or neither, so a client's retry of an
         # unanswered push is applied exactly once (duplicate if it was, anew if it was not).
-        if not updates and stripe.clock == clock:  # a bsp push that only adds to its round
-            await self._replicate_record(fid, idx, st)
+        if not updates and stripe.clock == clock:  # a push taken, nothing to apply yet
+            if model.policy.kind == "bsp":
+                # It only adds to an open round, whose sum stays here: the backups learn of
+                # the round when it is applied (the record goes with the parameters). Until
+                # then each pushing client keeps its push and sends it again to whoever is
+                # primary if the round does not close (Client._repush_open): the sum of a
+                # round is never copied to the backups, which would cost as many bytes as
+                # the gradients themselves, W-1 times per step.
+                return
+            await self._replicate_record(fid, idx, st)  # an r2sp push held for its turn
             return
         record = st.record()
         t0 = time.perf_counter()
