@@ -127,6 +127,16 @@ def st_layout(tensors: list[tuple[str, str, tuple[int, ...]]], metadata: dict[st
     return len(text).to_bytes(8, "little") + text, entries
 
 
+def _unique(pairs: list) -> dict:
+    """A JSON object whose keys are distinct (a tensor named twice is ambiguous: refused)."""
+    doc = dict(pairs)
+    if len(doc) != len(pairs):
+        seen: set = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise SafetensorsError(f"{twice!r} named twice in the header")
+    return doc
+
+
 def st_parse(head: bytes, total: int) -> tuple[int, list[StEntry], dict[str, str]]:
     """Validate a safetensors header against a file of ``total`` bytes; returns (offset of the
     data section, entries, metadata). ``head`` must hold at least the whole header."""
@@ -138,7 +148,9 @@ def st_parse(head: bytes, total: int) -> tuple[int, list[StEntry], dict[str, str
     if len(head) < 8 + n:
         raise SafetensorsError("header incomplete")
     try:
-        doc = json.loads(head[8 : 8 + n])
+        doc = json.loads(head[8 : 8 + n], object_pairs_hook=_unique)
+    except SafetensorsError:
+        raise
     except (ValueError, UnicodeDecodeError) as exc:
         raise SafetensorsError(f"header is not JSON: {exc}") from None
     if not isinstance(doc, dict):
