@@ -182,6 +182,7 @@ def _irdmafs_rank(rank: int, world: int, mount: str, model: str, tag: str, steps
     ps.pull(module)  # step 0's parameters (as published)
     published = {k: getattr(module, k).detach().numpy().copy() for k, _ in module.names}
     times = {"push": [], "pull": []}
+    cpu0 = time.process_time()
     for i in range(steps + 1):
         x = torch.tensor(1e-3 * (rank + 1) * (1 + i % 3))
         module.zero_grad(set_to_none=False)
@@ -194,11 +195,12 @@ def _irdmafs_rank(rank: int, world: int, mount: str, model: str, tag: str, steps
         if i:
             times["push"].append(t1 - t0)
             times["pull"].append(t2 - t1)
+    cpu = (time.process_time() - cpu0) / (steps + 1)
     # bsp + sgd: p = p0 - lr * sum over steps of the ranks' mean gradient
     total = sum(np.mean([1e-3 * (r + 1) * (1 + i % 3) for r in range(world)]) for i in range(steps + 1))
     worst = max(float(np.max(np.abs(getattr(module, k).detach().numpy() - (published[k] - LR * total)))) for k, _ in module.names)
     ps.close()
-    out.put((rank, {k: statistics.median(v) for k, v in times.items()}, worst))
+    out.put((rank, {k: statistics.median(v) for k, v in times.items()}, worst, cpu))
 
 
 def cpu_seconds(pids: list[int]) -> float:
@@ -249,14 +251,16 @@ def irdmafs_step(lc: LocalCluster, mounts: list[Path], model: str, world: int, s
     start.set()
     try:
         results = [q.get(timeout=900) for _ in procs]
-        cpu1 = (cpu_seconds(node_pids), cpu_seconds(mount_pids), cpu_seconds([p.pid for p in procs]))
+        cpu1 = (cpu_seconds(node_pids), cpu_seconds(mount_pids))
     finally:
         for p in procs:
             p.join(60)
             if p.is_alive():
                 p.kill()
     applied = (apply_seconds(lc.cfg) - applied0) / (steps + 1)
-    cpu = {"cpu_nodes": (cpu1[0] - cpu0[0]) / (steps + 2), "cpu_mounts": (cpu1[1] - cpu0[1]) / (steps + 2), "cpu_workers": cpu1[2] / (steps + 2)}
+    # nodes and mounts: from /proc over the whole run, the first pull (step 0's parameters)
+    # counted as one more step; workers: their own CPU over the steps (backward included)
+    cpu = {"cpu_nodes": (cpu1[0] - cpu0[0]) / (steps + 2), "cpu_mounts": (cpu1[1] - cpu0[1]) / (steps + 2), "cpu_workers": sum(r[3] for r in results)}
     tol = 1e-5 if compress == "none" else 1e-3  # fp16 gradients round
     worst = max(r[2] for r in results)
     if worst > tol:
@@ -363,7 +367,10 @@ def main() -> int:
         Path(args.json).write_text(json.dumps(res, indent=1, sort_keys=True) + "\n")
     if args.plot:
         plot(res, args.plot, models, workers)
-    missed = [k for k, v in res.items() if k.startswith("step_vs_ddp_") and v > 1.0]
+    if args.no_ddp:
+        print("targets: not judged (--no-ddp: no DDP figures, no ratios)")
+        return 0
+    missed = [k for k, v in res.items() if k.startswith("step_vs_ddp_") and not v <= 1.0]
     print("targets (step_vs_ddp_* <= 1.0):", "all met" if not missed else "missed: " + ", ".join(missed))
     return 0
 

@@ -61,6 +61,7 @@ class StripeIO:
         self.bytes_pushed = 0  # gradient bytes put on the wire
         # called when a stripe's clock has not moved for CLOCK_SLICE (Client._repush_open)
         self.on_behind = None
+        self._watches: dict[str, trio.Event] = {}  # node -> set when its clock poller moves on
 
     # -- stripe keys ---------------------------------------------------------------------------
     async def _lookup(self, node: str, fid: int, idxs: list[int], snap: int) -> None:
@@ -121,18 +122,37 @@ class StripeIO:
         return n
 
     async def _wait_clock(self, node: str, rkey: int, min_clock: int, deadline: float) -> None:
-        """Poll the stripe header one-sidedly until its clock reaches ``min_clock``; after
+        """Read the stripe header one-sidedly until its clock reaches ``min_clock``; after
         CLOCK_SLICE seconds raise _Behind so that another replica is asked (this one may have
-        missed an update), and trio.TooSlowError at ``deadline``."""
-        delay = 0.0005
+        missed an update), and trio.TooSlowError at ``deadline``.
+
+        The stripes of a pull waiting on one node do not each poll: one of them polls its own
+        header (backing off) for all, and when it moves on the others look once at theirs
+        (a step's rounds close together, when the last rank's pushes land). A pull of a whole
+        model would otherwise read hundreds of headers every few milliseconds while a slower
+        rank computes, and each of those reads costs both sides CPU on TCP."""
         give_up = min(deadline, trio.current_time() + CLOCK_SLICE)
         while (await self.cluster.read_header(node, rkey))[1] < min_clock:
             if trio.current_time() >= give_up:
                 if give_up >= deadline:
                     raise trio.TooSlowError
                 raise _Behind(node)
-            await trio.sleep(delay)
-            delay = min(delay * 2, 0.02)
+            watch = self._watches.get(node)
+            if watch is not None:  # another stripe polls for this node: wait for its news
+                with trio.move_on_at(give_up):
+                    await watch.wait()
+                continue
+            watch = self._watches[node] = trio.Event()
+            try:
+                delay = 0.0005
+                while trio.current_time() < give_up:
+                    await trio.sleep(delay)
+                    delay = min(delay * 2, 0.02)
+                    if (await self.cluster.read_header(node, rkey))[1] >= min_clock:
+                        break
+            finally:
+                del self._watches[node]
+                watch.set()  # the others look at their own headers again
 
     async def _read_piece(self, fid: int, p: Piece, view: memoryview, snap: int, min_clock: int = 0, wait: float = 0.0) -> None:
         missing: set[str] = set()
