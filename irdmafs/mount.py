@@ -22,6 +22,7 @@ from .client.client import Client
 from .config import ClusterConfig
 from .notify import notify
 from .transport.select import choose
+from .util import keep_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ async def run_mount(cfg: ClusterConfig, mountpoint: str, options: list[str] | No
     from .fs.ops import Operations
     from .fs.vfs import Vfs
 
+    keep_freed_memory()  # request-sized buffers come and go by the hundred per step: reuse them
     transport = choose(cfg.transport, cfg.token, op_timeout=cfg.op_timeout)
     async with Client.connect(cfg, transport) as client:
         status = {"config": os.path.abspath(cfg.path) if cfg.path else None, "mountpoint": os.path.abspath(mountpoint), "mount_pid": os.getpid(), "transport": transport.name, "replicas": cfg.replicas}

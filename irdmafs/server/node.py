@@ -47,6 +47,7 @@ from ..metrics import Latency, node_samples
 from ..metrics import serve as serve_metrics
 from ..notify import notify
 from ..progress import Progress
+from ..util import keep_freed_memory
 from ..transport.base import Access, AccessError, RemoteError, Transport, TransportError
 from .membership import Membership
 from .meta import Meta
@@ -654,6 +655,7 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError) as exc:
             print(f"irdmafs: metrics on {args.metrics}: {exc}", file=sys.stderr)
             return 2
+    keep_freed_memory()  # stripe-sized buffers come and go every step: reuse, do not fault
     try:
         trio.run(node.run)
     except KeyboardInterrupt:
