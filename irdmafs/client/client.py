@@ -88,6 +88,7 @@ class Client:
         self._pacing: dict[int, list] = {}  # r2sp: rank -> [step, its slot wait, next slot time]
         # bsp pushes in rounds still open: (fid, idx, rank) -> [descriptor, payload, owner]
         self._open: dict[tuple[int, int, int], list] = {}
+        self._pushed_to: dict[tuple[int, int], int] = {}  # (tensor, rank) -> clock its last bsp push needs
         self.io.on_behind = self._repush_open
 
     @classmethod
@@ -437,6 +438,8 @@ class Client:
                 keeper = payload if payload.base is None else owner
                 n.start_soon(self._push_kept, desc, memoryview(payload).cast("B"), replies, keeper, info["sync"] == "bsp")
         info["pushed"] = step + 1
+        if info["sync"] == "bsp":
+            self._pushed_to[(ino, rank)] = step + 1  # pieces kept in _open are the rounds left open
         for r in replies:
             self.busy.update(r.get("busy", {}))
         if replies:  # r2sp: the slot of this rank's next step
@@ -597,7 +600,9 @@ class Client:
         attr, t = info["attr"], info["tensor"]
         need = required_clock(parse_policy(info["sync"]), info["pushed"])
         view = memoryview(out.reshape(-1)).cast("B")
-        await self.io.read(ino, t["offset"] + len(view), attr["unit"], t["offset"], view, 0, need, info["timeout"])
+        # a stripe whose round this rank's push closed (nothing kept open) is there already
+        closed = lambda idx: (ino, idx, rank) not in self._open and self._pushed_to.get((ino, rank)) == need  # noqa: E731
+        await self.io.read(ino, t["offset"] + len(view), attr["unit"], t["offset"], view, 0, need, info["timeout"], closed)
         self._closed(ino, rank, need)
         self._pulled_at[(ino, rank)] = trio.current_time()
         return out

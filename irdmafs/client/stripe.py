@@ -94,18 +94,20 @@ class StripeIO:
             del self._keys[key]
 
     # -- reads ---------------------------------------------------------------------------------
-    async def read(self, fid: int, size: int, unit: int, offset: int, into: memoryview, snap: int = 0, min_clock: int = 0, wait: float = 0.0) -> int:
+    async def read(self, fid: int, size: int, unit: int, offset: int, into: memoryview, snap: int = 0, min_clock: int = 0, wait: float = 0.0, eager=None) -> int:
         """Fill ``into`` from ``offset`` (clipped at ``size``) of the live file or of snapshot
         ``snap``; returns the byte count. With ``min_clock``, each stripe is read once its clock
         (training steps applied) has reached it, waiting up to ``wait`` seconds
-        (trio.TooSlowError after that)."""
+        (trio.TooSlowError after that). ``eager(idx)`` True says the stripe is likely there
+        already (this client's push closed its round): it is read at once, its clock checked
+        in the same burst, instead of its header first (one round trip less per stripe)."""
         n = max(0, min(len(into), size - offset))
         pieces = split(offset, n, unit)
         await self._prefetch(fid, [p.idx for p in pieces], snap)
         try:
             async with trio.open_nursery() as nursery:
                 for p in pieces:
-                    nursery.start_soon(self._read_piece, fid, p, into[p.pos : p.pos + p.length], snap, min_clock, wait)
+                    nursery.start_soon(self._read_piece, fid, p, into[p.pos : p.pos + p.length], snap, min_clock, wait, eager)
         except BaseExceptionGroup as group:
             # every piece ran out of the same wait (a pull's timeout): that is one timeout
             if all(isinstance(e, trio.TooSlowError) for e in leaves(group)):
@@ -154,7 +156,7 @@ class StripeIO:
                 del self._watches[node]
                 watch.set()  # the others look at their own headers again
 
-    async def _read_piece(self, fid: int, p: Piece, view: memoryview, snap: int, min_clock: int = 0, wait: float = 0.0) -> None:
+    async def _read_piece(self, fid: int, p: Piece, view: memoryview, snap: int, min_clock: int = 0, wait: float = 0.0, eager=None) -> None:
         missing: set[str] = set()
         behind: list[str] = []  # replicas whose clock did not move while waited on: asked last
         stale_keys = 0
@@ -195,11 +197,15 @@ class StripeIO:
                     # region) -- ask again before calling the rest zeros
                     del self._keys[(node, fid, p.idx, snap)]
                     continue
-                if min_clock:
-                    await self._wait_clock(node, rkey, min_clock, clock_deadline)
                 k = max(0, min(len(view), capacity - p.offset))
+                guess = bool(min_clock and k and eager is not None and eager(p.idx))
+                if min_clock and not guess:
+                    await self._wait_clock(node, rkey, min_clock, clock_deadline)
                 if k:
-                    await self.cluster.read_stripe(node, rkey, p.offset, view[:k])
+                    clock = (await self.cluster.read_stripe(node, rkey, p.offset, view[:k]))[1]
+                    if guess and clock < min_clock:  # guessed wrong: wait, then read again
+                        await self._wait_clock(node, rkey, min_clock, clock_deadline)
+                        await self.cluster.read_stripe(node, rkey, p.offset, view[:k])
                 view[k:] = bytes(len(view) - k)
                 return
             except _Behind:
