@@ -3,9 +3,9 @@
 
     python scripts/train_digits.py --workers 2 --sync bsp [--compress MODE] [--mount DIR] [--steps 150]
 
-N worker processes each loop: pull the parameters (read ``.workers/<rank>/<model>/*.npy``, which
-waits as the model's sync policy says), compute a gradient on their shard of the training set,
-push it (``np.save`` to the same path). The PS averages each round over the workers and applies
+N worker processes each loop: pull the parameters (read ``.workers/<rank>/<model>.safetensors``,
+the step stream, which waits as the model's sync policy says), compute a gradient on their shard
+of the training set, push it (write the same path; ``irdmafs.steps``). The PS averages each round over the workers and applies
 its optimizer (``user.irdma.optimizer``) on the stripe primaries. Without ``--mount`` a local
 cluster (3 nodes, R=2) is brought up with ``irdmafs up`` and taken down after.
 
@@ -27,6 +27,10 @@ import uuid
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from irdmafs.steps import pull_arrays, push_arrays  # noqa: E402
 
 CLASSES, FEATURES = 10, 64
 
@@ -61,18 +65,17 @@ def worker(mount: str, model: str, rank: int, workers: int, steps: int, batch: i
     Xtr, ytr, Xte, yte = load_data()
     Xs, ys = Xtr[rank::workers], ytr[rank::workers]  # this rank's shard
     rng = np.random.default_rng(100 + rank)
-    base = Path(mount) / ".workers" / str(rank) / model
+    # one step stream per direction: .workers/<rank>/<model>.safetensors (irdmafs/steps.py)
+    W, b = np.load(Path(mount) / model / "W.npy"), np.load(Path(mount) / model / "b.npy")
     curve, step_times = [], []
     t0 = time.perf_counter()
     try:
         for step in range(steps):
             ts = time.perf_counter()
-            W = np.load(base / "W.npy")  # pull: waits as the policy requires
-            b = np.load(base / "b.npy")
+            pull_arrays(mount, model, rank, {"W": W, "b": b})  # pull: waits as the policy requires
             idx = rng.integers(0, len(Xs), batch)
             gW, gb = gradients(W, b, Xs[idx], ys[idx])
-            np.save(base / "W.npy", gW)  # push
-            np.save(base / "b.npy", gb)
+            push_arrays(mount, model, rank, {"W": gW.astype(W.dtype, copy=False), "b": gb.astype(b.dtype, copy=False)})
             step_times.append(time.perf_counter() - ts)
             if rank == 0 and (step % 10 == 0 or step == steps - 1):
                 curve.append((time.perf_counter() - t0, accuracy(W, b, Xte, yte)))
