@@ -36,6 +36,7 @@ import trio
 
 from .. import formats
 from ..util import single_exception
+from .errors import FsError
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +107,6 @@ class PushStreamHandle:
     direct: bool = True
 
     async def read(self, off: int, size: int) -> memoryview:
-        from .vfs import FsError
-
         raise FsError(errno.EBADF)
 
     async def prepare(self) -> None:
@@ -148,8 +147,6 @@ class PushStreamHandle:
 
     async def _validate(self) -> list[tuple[int, np.ndarray]]:
         """(tensor inode, gradient view) for every entry, or EINVAL naming what is wrong."""
-        from .vfs import FsError
-
         data = memoryview(self.buf)[: self.end]
         try:
             if self.end < 8:
@@ -209,8 +206,6 @@ class PullStreamHandle:
         return memoryview(self.buf)[off : min(off + size, self.size)]
 
     async def write(self, off: int, data: bytes) -> int:
-        from .vfs import FsError
-
         raise FsError(errno.EBADF)
 
     async def flush(self) -> None:

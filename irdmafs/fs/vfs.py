@@ -50,6 +50,7 @@ from ..transport.base import RemoteError
 from ..util import single_exception
 from . import writeback
 from ..metrics import Latency, as_dict, mount_samples
+from .errors import FsError
 from .readahead import ReadAhead
 from .streams import Layouts, PullStreamHandle, PushStreamHandle
 from .writeback import WriteBehind
@@ -86,12 +87,6 @@ SUFFIX = ".safetensors"
 DERIVED_XATTRS = ("user.irdma.dtype", "user.irdma.shape", "user.irdma.version")
 META_XATTR = "user.irdma.safetensors_metadata"
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR
-
-
-class FsError(Exception):
-    def __init__(self, errno_: int, message: str = ""):
-        super().__init__(message or os.strerror(errno_))
-        self.errno = errno_
 
 
 def snap_ino(sid: int, ino: int) -> int:
