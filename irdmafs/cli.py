@@ -51,7 +51,19 @@ def load_config(path: str) -> C.ClusterConfig:
         raise QuietError(str(exc), 2) from None
 
 
-def check_mountpoint(mountpoint: str) -> str:
+def require_fuse() -> None:
+    """Mounting needs pyfuse3 (the ``fuse`` extra); without it, one line saying what to install."""
+    try:
+        import pyfuse3  # noqa: F401
+    except ImportError as exc:
+        raise QuietError(f"mounting needs pyfuse3 ({exc}): pip install 'irdmafs[fuse]'; it builds against libfuse3 (Debian: apt-get install fuse3 libfuse3-dev pkg-config gcc)", 2) from None
+
+
+def check_mountpoint(mountpoint: str, options: list[str] | tuple = ()) -> str:
+    """The absolute mountpoint, or one line saying why not: not a directory, already mounted,
+    or not empty (a mount would hide what is there, as it once hid a checkout and its .venv)
+    unless ``nonempty`` is among the options, as s3fs does."""
+    require_fuse()
     mp = os.path.abspath(mountpoint)
     if not os.path.isdir(mp):
         raise QuietError(f"{mountpoint}: not a directory", 2)
@@ -60,6 +72,8 @@ def check_mountpoint(mountpoint: str) -> str:
     clear_dead_mount(mp)  # a mount whose process died: mounting again over it recovers
     if is_mounted(mp):
         raise QuietError(f"{mountpoint}: already a mount point", 2)
+    if "nonempty" not in options and os.listdir(mp):
+        raise QuietError(f"{mountpoint}: not empty; a mount would hide what is in it (mount on an empty directory, or add -o nonempty)", 2)
     return mp
 
 
@@ -68,7 +82,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from .mount import mount_background
 
     os.makedirs(args.mountpoint, exist_ok=True)
-    mp = check_mountpoint(args.mountpoint)
+    mp = check_mountpoint(args.mountpoint, args.options.split(",") if args.options else [])
     reg = registry_path(mp)
     if reg.exists():
         raise QuietError(f"{mp} is already up (run: irdmafs down {mp})", 2)
@@ -151,8 +165,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
     from .mount import mount_background, run_mount
 
     cfg = load_config(args.config)
-    mp = check_mountpoint(args.mountpoint)
     options = [o for o in (args.options or "").split(",") if o]
+    mp = check_mountpoint(args.mountpoint, options)
     if args.foreground:
         trio.run(partial(run_mount, cfg, mp, options, metrics=args.metrics))
         return 0

@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 # by kill -9), so a dead mount never leaves a mountpoint that hangs or says ENOTCONN
 BASE_OPTIONS = ("fsname=irdmafs", "subtype=irdmafs", "default_permissions", "auto_unmount")
 # mount(8) options that concern when/who mounts, not the file system itself
-IGNORED_OPTIONS = {"nofail", "_netdev", "noauto", "auto", "user", "users", "defaults", "rw"}
+# (and ``nonempty``, irdmafs's own: mount over a non-empty directory; libfuse 3 has no such option)
+IGNORED_OPTIONS = {"nofail", "_netdev", "noauto", "auto", "user", "users", "defaults", "rw", "nonempty"}
 
 
 def fuse_options(extra: list[str]) -> set[str]:

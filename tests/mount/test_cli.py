@@ -133,3 +133,31 @@ def test_missing_config_and_unknown_node(tmp_path, env):
     cfg.write_text('token = "longenoughtoken"\n[[nodes]]\nname = "a"\nhost = "127.0.0.1"\nport = 7000\n')
     r = irdmafs("serve", "--config", cfg, "--node", "zz", env=env)
     assert r.returncode == 2 and "no node named 'zz'" in r.stderr
+
+
+def test_a_non_empty_mountpoint_is_refused_unless_nonempty(tmp_path, env):
+    reason = fuse_unavailable()
+    if reason:
+        pytest.skip(reason)
+    mp = tmp_path / "checkout"
+    mp.mkdir()
+    (mp / "keep.txt").write_text("mine")
+    r = irdmafs("up", mp, "--nodes", 3, "--replicas", 2, "--state", tmp_path / "st", env=env)
+    assert r.returncode == 2 and "not empty" in r.stderr and "-o nonempty" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    assert not is_mounted(mp) and not (tmp_path / "st" / "cluster.toml").exists()  # nothing started
+    assert (mp / "keep.txt").read_text() == "mine"
+    irdmafs("up", mp, "--nodes", 3, "--replicas", 2, "--state", tmp_path / "st", "-o", "nonempty", env=env, check=True)
+    try:
+        assert is_mounted(mp) and not (mp / "keep.txt").exists()  # hidden, as asked
+    finally:
+        irdmafs("down", mp, env=env, check=True)
+    assert (mp / "keep.txt").read_text() == "mine"  # and there again
+
+
+def test_mounting_without_pyfuse3_says_what_to_install(tmp_path, env):
+    code = "import sys; sys.modules['pyfuse3'] = None; from irdmafs.cli import main; sys.exit(main(sys.argv[1:]))"
+    r = subprocess.run([sys.executable, "-c", code, "up", str(tmp_path / "ps")], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert "pip install 'irdmafs[fuse]'" in r.stderr and "libfuse3-dev" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
