@@ -51,24 +51,17 @@ def load_config(path: str) -> C.ClusterConfig:
         raise QuietError(str(exc), 2) from None
 
 
-def require_fuse() -> None:
-    """Mounting needs pyfuse3 (the ``fuse`` extra); without it, one line saying what to install."""
-    try:
-        import pyfuse3  # noqa: F401
-    except ImportError as exc:
-        raise QuietError(f"mounting needs pyfuse3 ({exc}): pip install 'irdmafs[fuse]'; it builds against libfuse3 (Debian: apt-get install fuse3 libfuse3-dev pkg-config gcc)", 2) from None
-
-
 def check_mountpoint(mountpoint: str, options: list[str] | tuple = ()) -> str:
     """The absolute mountpoint, or one line saying why not: not a directory, already mounted,
     or not empty (a mount would hide what is there, as it once hid a checkout and its .venv)
     unless ``nonempty`` is among the options, as s3fs does."""
-    require_fuse()
+    from .mount import clear_dead_mount, is_mounted, require_fuse
+
+    if not require_fuse():
+        raise QuietError("mounting needs pyfuse3, which does not import: pip install 'irdmafs[fuse]'; it builds against libfuse3 (Debian: apt-get install fuse3 libfuse3-dev pkg-config gcc)", 2)
     mp = os.path.abspath(mountpoint)
     if not os.path.isdir(mp):
         raise QuietError(f"{mountpoint}: not a directory", 2)
-    from .mount import clear_dead_mount, is_mounted
-
     clear_dead_mount(mp)  # a mount whose process died: mounting again over it recovers
     if is_mounted(mp):
         raise QuietError(f"{mountpoint}: already a mount point", 2)

@@ -34,6 +34,15 @@ BASE_OPTIONS = ("fsname=irdmafs", "subtype=irdmafs", "default_permissions", "aut
 IGNORED_OPTIONS = {"nofail", "_netdev", "noauto", "auto", "user", "users", "defaults", "rw", "nonempty"}
 
 
+def require_fuse() -> bool:
+    """Whether pyfuse3 (the ``fuse`` extra) imports: mounting needs it, nothing else does."""
+    try:
+        import pyfuse3  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def fuse_options(extra: list[str]) -> set[str]:
     opts = set(BASE_OPTIONS)
     for o in extra:

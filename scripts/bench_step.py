@@ -35,7 +35,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -49,6 +48,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
+import peers  # noqa: E402
 from irdmafs.local import LocalCluster, node_status, wait_settled, write_config  # noqa: E402
 from irdmafs.mount import mount_background, unmount  # noqa: E402
 
@@ -99,8 +99,7 @@ def make_module(shapes, seed: int = 0):
             # one multiply-add per parameter: dL/dp = x * (rank-dependent constant), cheap
             return sum((getattr(self, k) * x).sum() for k, _ in self.names)
 
-    m = Shapes()
-    return m
+    return Shapes()
 
 
 def expected_grad(shape, rank: int, step: int) -> np.ndarray:
@@ -148,7 +147,7 @@ def _ddp_rank(rank: int, world: int, port: int, model: str, steps: int, fp16: bo
 def ddp(model: str, world: int, steps: int, fp16: bool) -> dict:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    port = peers._free_port()
     procs = [ctx.Process(target=_ddp_rank, args=(r, world, port, model, steps, fp16, q)) for r in range(world)]
     for p in procs:
         p.start()
@@ -160,12 +159,6 @@ def ddp(model: str, world: int, steps: int, fp16: bool) -> dict:
             if p.is_alive():
                 p.kill()
     return {"comm": max(res["sync"] - res["nosync"], 1e-9), "sync": res["sync"], "nosync": res["nosync"]}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- irdmafs ------------------------------------------------------------------------------------
@@ -230,8 +223,6 @@ def apply_seconds(cfg) -> float:
 
 def irdmafs_step(lc: LocalCluster, mounts: list[Path], model: str, world: int, steps: int, compress: str, mount_pids: list[int]) -> dict:
     """Publish the model, run ``steps`` bsp steps with ``world`` worker processes; medians."""
-    import torch
-
     from irdmafs.torch import ParameterServer
 
     tag = f"{model}-w{world}-{compress}"
@@ -267,7 +258,6 @@ def irdmafs_step(lc: LocalCluster, mounts: list[Path], model: str, world: int, s
         raise RuntimeError(f"{tag}: pulled parameters differ from SGD's by {worst:g}")
     push = max(r[1]["push"] for r in results)
     pull = max(r[1]["pull"] for r in results)
-    del torch
     return {"push": push, "pull": pull, "step": statistics.median([r[1]["push"] + r[1]["pull"] for r in results]), "apply": applied} | cpu
 
 

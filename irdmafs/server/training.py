@@ -236,11 +236,12 @@ class Training:
         await self._replicate_training(fid, idx, offset, count * dtype.itemsize, unit, len(opt.state_names) if updates else 0, record)
 
     async def _replicate_record(self, fid: int, idx: int, st: StripeTraining) -> None:
-        """The push bookkeeping of a stripe to its backups. Its arrays (a bsp round's partial
-        sum, held r2sp pushes) travel as raw bytes through the backup's staging (one-sided
-        WRITE, then the call naming them), not as base64 inside the call: for a large model
-        they are as many bytes as the gradients themselves. Called with the stripe's lock held,
-        so the arrays do not change while they are sent."""
+        """The push bookkeeping of a stripe to its backups when a push was taken but nothing
+        applied: an r2sp push held for its turn (a bsp round stays on the primary, see
+        ``_settle``). Its held arrays travel as raw bytes through the backup's staging
+        (one-sided WRITE, then the call naming them), not as base64 inside the call: they are
+        as many bytes as the gradients themselves. Called with the stripe's lock held, so the
+        arrays do not change while they are sent."""
         blobs: list[np.ndarray] = []
         record = st.record(blobs)
         views = [memoryview(b).cast("B") for b in blobs]
