@@ -2,7 +2,13 @@
 
 Nodes and clients both hold a ``Cluster``. It connects to nodes lazily, heartbeats them, and keeps
 each node's state: ``ready`` (serves everything), ``syncing`` (receives replication, not yet
-trusted for reads or as a primary) or ``down``. From the states and the pure placement function
+trusted for reads or as a primary) or ``down``.
+
+Every node process has an *incarnation*, new at each start, learnt in the transport's handshake
+and repeated in heartbeats. Whatever a process caches about a node (region keys, staging slots)
+is tied to the incarnation it came from: when a node's incarnation changes, ``on_restart``
+callbacks drop those caches, and a one-sided operation given a key's incarnation refuses to send
+it to a newer one (``StaleKey``, an ``AccessError``: refresh and retry). From the states and the pure placement function
 it answers: the metadata primary (first ready node in config order), a stripe's primary (first
 ready node in the stripe's rendezvous ranking), the replicas a write must reach, and the order in
 which to try replicas for a read (least-loaded first).
@@ -21,7 +27,7 @@ import math
 import struct
 import time
 from collections import defaultdict
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import trio
 
@@ -32,6 +38,7 @@ from .transport.base import (
     Connection,
     PeerLost,
     RemoteError,
+    StaleKey,
     TimeoutError,
     Transport,
     TransportError,
@@ -90,6 +97,11 @@ class Cluster:
         self.known: dict[str, NodeSpec] = {}  # nodes reachable though not (yet) members
         self.on_adopt: Callable[[int], None] | None = None
         self.follow_membership = True  # False for a rebalance coordinator, which sets it itself
+        # node -> the incarnation of it this process last talked to; on_restart(node) callbacks
+        # run (synchronously, before the new connection is used) when it changes
+        self.incarnation: dict[str, int] = {}
+        self.on_restart: list[Callable[[str], None]] = []
+        self.restarts_seen = 0
 
     # -- states ------------------------------------------------------------------------------
     def node_state(self, name: str) -> str:
@@ -172,25 +184,52 @@ class Cluster:
                     self.mark_down(name, str(exc), since=begun)
                     raise NodeDown(name, str(exc)) from None
                 self._conns[name] = conn
+                self._seen(name, conn.incarnation)
+        return conn
+
+    def _seen(self, name: str, incarnation: int) -> None:
+        """``name`` answered as ``incarnation``: a new one means it restarted, and everything
+        cached from the old one is dropped before anything uses the new connection."""
+        if not incarnation:
+            return
+        old = self.incarnation.get(name)
+        self.incarnation[name] = incarnation
+        if old is not None and old != incarnation:
+            self.restarts_seen += 1
+            log.warning("node %s restarted (incarnation %08x -> %08x): dropping what was cached of it", name, old, incarnation)
+            for callback in self.on_restart:
+                callback(name)
+
+    async def _conn_for(self, name: str, inc: int | None) -> Connection:
+        """The connection to ``name``, unless a key of incarnation ``inc`` is to be used on it
+        and the node has restarted since: StaleKey, before anything is sent."""
+        conn = await self.conn(name)
+        if inc is not None and conn.incarnation and conn.incarnation != inc:
+            raise StaleKey(f"node {name}: key from incarnation {inc:08x}, node is now {conn.incarnation:08x}")
         return conn
 
     async def call(self, name: str, method: str, args: dict | None = None, *, timeout: float | None = None) -> dict:
         """A control call; a node that cannot be reached is marked down and raises NodeDown."""
+        return (await self.call_on(name, method, args, timeout=timeout))[0]
+
+    async def call_on(self, name: str, method: str, args: dict | None = None, *, timeout: float | None = None) -> tuple[dict, int]:
+        """``call``, and the incarnation that answered: the one any key in the reply belongs to."""
         begun = trio.current_time()
         conn = await self.conn(name)
         if method != "heartbeat":
             self.calls += 1
             self.calls_by_method[method] += 1
         try:
-            return await conn.call(method, args or {}, timeout=timeout or self.cfg.op_timeout)
+            return await conn.call(method, args or {}, timeout=timeout or self.cfg.op_timeout), conn.incarnation
         except (PeerLost, TimeoutError) as exc:
             self.mark_down(name, str(exc), since=begun)
             raise NodeDown(name, str(exc)) from None
 
-    async def write(self, name: str, rkey: int, offset: int, data) -> None:
-        """A one-sided WRITE; a node that cannot be reached is marked down and raises NodeDown."""
+    async def write(self, name: str, rkey: int, offset: int, data, inc: int | None = None) -> None:
+        """A one-sided WRITE; a node that cannot be reached is marked down and raises NodeDown.
+        ``inc``: the incarnation ``rkey`` came from (StaleKey if the node restarted since)."""
         begun = trio.current_time()
-        conn = await self.conn(name)
+        conn = await self._conn_for(name, inc)
         try:
             with trio.fail_after(self.cfg.op_timeout):
                 await conn.write(rkey, offset, data)
@@ -198,10 +237,10 @@ class Cluster:
             self.mark_down(name, str(exc) or "write timed out", since=begun)
             raise NodeDown(name, str(exc) or "write timed out") from None
 
-    async def write_imm(self, name: str, rkey: int, offset: int, data, imm: int) -> dict:
+    async def write_imm(self, name: str, rkey: int, offset: int, data, imm: int, inc: int | None = None) -> dict:
         """A WRITE with immediate; a node that cannot be reached is marked down (NodeDown)."""
         begun = trio.current_time()
-        conn = await self.conn(name)
+        conn = await self._conn_for(name, inc)
         try:
             with trio.fail_after(self.cfg.op_timeout * 3):
                 return await conn.write_imm(rkey, offset, data, imm)
@@ -209,10 +248,10 @@ class Cluster:
             self.mark_down(name, str(exc) or "write timed out", since=begun)
             raise NodeDown(name, str(exc) or "write timed out") from None
 
-    async def read_stripe(self, name: str, rkey: int, offset: int, into: memoryview) -> tuple[int, int]:
+    async def read_stripe(self, name: str, rkey: int, offset: int, into: memoryview, inc: int | None = None) -> tuple[int, int]:
         """``read_verified`` against one node, counted in its load; marks it down on failure."""
         begun = trio.current_time()
-        conn = await self.conn(name)
+        conn = await self._conn_for(name, inc)
         self.load[name] += 1
         try:
             with trio.fail_after(self.cfg.op_timeout):
@@ -223,11 +262,11 @@ class Cluster:
         finally:
             self.load[name] -= 1
 
-    async def read_header(self, name: str, rkey: int) -> tuple[int, int]:
+    async def read_header(self, name: str, rkey: int, inc: int | None = None) -> tuple[int, int]:
         """A stripe's (version, clock) from its header alone: how a pull waits for a step."""
         begun = trio.current_time()
         buf = bytearray(HEADER)
-        conn = await self.conn(name)
+        conn = await self._conn_for(name, inc)
         try:
             with trio.fail_after(self.cfg.op_timeout):
                 await conn.read(rkey, 0, buf)
@@ -245,6 +284,7 @@ class Cluster:
         except (NodeDown, trio.TooSlowError, RemoteError) as exc:
             self.mark_down(name, str(exc) or "no heartbeat", since=sent)
             return
+        self._seen(name, info.get("incarnation", 0))
         self.info[name] = info
         self.info_at[name] = trio.current_time()
         if self.vouched_at.get(name, -math.inf) < sent:  # else older than what the node told us
@@ -304,26 +344,36 @@ class Cluster:
         self._conns.clear()
 
 
+class Slot(NamedTuple):
+    """One slot of a peer's staging region: where a WRITE lands before the call naming it."""
+
+    rkey: int
+    offset: int
+    inc: int  # the incarnation of the node that handed out the region
+
+
 class StagingPool:
     """Write-staging slots in peers' memory, one slot per write in flight.
 
     A writer asks each node once for a staging region (``staging`` call) of ``slots`` slots of
-    ``slot_size`` bytes, then WRITEs into a free slot and names it in the ``commit``/``apply``."""
+    ``slot_size`` bytes, then WRITEs into a free slot and names it in the ``commit``/``apply``.
+    A region belongs to the node's incarnation: a restart drops it (``Cluster.on_restart``)."""
 
     def __init__(self, cluster: Cluster, owner: str, slot_size: int, slots: int = 4):
         self.cluster = cluster
         self.owner = owner
         self.slot_size = slot_size
         self.slots = slots
-        self._regions: dict[str, tuple[int, list[int], trio.Semaphore]] = {}
+        self._regions: dict[str, tuple[int, int, list[int], trio.Semaphore]] = {}
         self._locks: dict[str, trio.Lock] = defaultdict(trio.Lock)
+        cluster.on_restart.append(self.forget)
 
-    async def _region(self, node: str) -> tuple[int, list[int], trio.Semaphore]:
+    async def _region(self, node: str) -> tuple[int, int, list[int], trio.Semaphore]:
         async with self._locks[node]:
             if node not in self._regions:
-                r = await self.cluster.call(node, "staging", {"owner": self.owner, "size": self.slot_size * self.slots})
+                r, inc = await self.cluster.call_on(node, "staging", {"owner": self.owner, "size": self.slot_size * self.slots})
                 free = [i * self.slot_size for i in range(self.slots)]
-                self._regions[node] = (r["rkey"], free, trio.Semaphore(self.slots))
+                self._regions[node] = (r["rkey"], inc, free, trio.Semaphore(self.slots))
             return self._regions[node]
 
     def forget(self, node: str) -> None:
@@ -331,11 +381,12 @@ class StagingPool:
         self._regions.pop(node, None)
 
     async def with_slot(self, node: str, fn):
-        rkey, free, sem = await self._region(node)
+        """``fn(slot)`` with a free ``Slot`` of ``node``'s region, returned to the pool after."""
+        rkey, inc, free, sem = await self._region(node)
         async with sem:
             offset = free.pop()
             try:
-                return await fn(rkey, offset)
+                return await fn(Slot(rkey, offset, inc))
             finally:
                 free.append(offset)
 

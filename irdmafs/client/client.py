@@ -569,8 +569,8 @@ class Client:
             at += len(payload)
         head = json.dumps(descs, separators=(",", ":")).encode()
 
-        async def send(rkey: int, soff: int) -> dict:
-            return await self.cluster.write_imm(node, rkey, soff, [head, *bufs], len(head))
+        async def send(slot) -> dict:
+            return await self.cluster.write_imm(node, slot.rkey, slot.offset, [head, *bufs], len(head), slot.inc)
 
         try:
             reply = await self.staging.with_slot(node, send)

@@ -6,8 +6,8 @@ replica serves. A write becomes, per stripe unit, a one-sided WRITE into a stagi
 stripe's primary plus a ``commit``; the primary replicates before it answers, so when ``write``
 returns the data is on every live replica.
 
-Stripe region keys (rkey, capacity) are cached per node; a stale key (the stripe grew or the node
-restarted) answers AccessError and is looked up again.
+Stripe region keys (rkey, capacity) are cached per node, with the node's incarnation; a stale key
+(the stripe grew, or the node restarted: StaleKey) answers AccessError and is looked up again.
 """
 
 from __future__ import annotations
@@ -55,20 +55,23 @@ class StripeIO:
         self.cluster = cluster
         self.staging = staging
         self.write_deadline = write_deadline
-        self._keys: dict[tuple[str, int, int, int], tuple[int, int] | None] = {}
+        # (node, fid, idx, snap) -> (rkey, capacity, incarnation of the node that gave it), or
+        # None for a hole; a node's entries go when it restarts (Cluster.on_restart)
+        self._keys: dict[tuple[str, int, int, int], tuple[int, int, int] | None] = {}
         self.bytes_read = 0
         self.bytes_written = 0
         self.bytes_pushed = 0  # gradient bytes put on the wire
         # called when a stripe's clock has not moved for CLOCK_SLICE (Client._repush_open)
         self.on_behind = None
         self._watches: dict[str, trio.Event] = {}  # node -> set when its clock poller moves on
+        cluster.on_restart.append(self.forget_node)
 
     # -- stripe keys ---------------------------------------------------------------------------
     async def _lookup(self, node: str, fid: int, idxs: list[int], snap: int) -> None:
-        info = await self.cluster.call(node, "stripe_info", {"fid": fid, "idxs": idxs, "snap": snap})
+        info, inc = await self.cluster.call_on(node, "stripe_info", {"fid": fid, "idxs": idxs, "snap": snap})
         for idx in idxs:
             d = info.get(str(idx))
-            self._keys[(node, fid, idx, snap)] = (d["rkey"], d["capacity"]) if d else None
+            self._keys[(node, fid, idx, snap)] = (d["rkey"], d["capacity"], inc) if d else None
 
     async def _prefetch(self, fid: int, idxs: list[int], snap: int) -> None:
         """One stripe_info call per node for every stripe whose key is not cached."""
@@ -91,6 +94,11 @@ class StripeIO:
 
     def forget(self, fid: int) -> None:
         for key in [k for k in self._keys if k[1] == fid]:
+            del self._keys[key]
+
+    def forget_node(self, node: str) -> None:
+        """``node`` restarted: none of its region keys (nor its holes) hold any more."""
+        for key in [k for k in self._keys if k[0] == node]:
             del self._keys[key]
 
     # -- reads ---------------------------------------------------------------------------------
@@ -123,7 +131,7 @@ class StripeIO:
         self.bytes_read += n
         return n
 
-    async def _wait_clock(self, node: str, rkey: int, min_clock: int, deadline: float) -> None:
+    async def _wait_clock(self, node: str, rkey: int, inc: int, min_clock: int, deadline: float) -> None:
         """Read the stripe header one-sidedly until its clock reaches ``min_clock``; after
         CLOCK_SLICE seconds raise _Behind so that another replica is asked (this one may have
         missed an update), and trio.TooSlowError at ``deadline``.
@@ -134,7 +142,7 @@ class StripeIO:
         model would otherwise read hundreds of headers every few milliseconds while a slower
         rank computes, and each of those reads costs both sides CPU on TCP."""
         give_up = min(deadline, trio.current_time() + CLOCK_SLICE)
-        while (await self.cluster.read_header(node, rkey))[1] < min_clock:
+        while (await self.cluster.read_header(node, rkey, inc))[1] < min_clock:
             if trio.current_time() >= give_up:
                 if give_up >= deadline:
                     raise trio.TooSlowError
@@ -150,7 +158,7 @@ class StripeIO:
                 while trio.current_time() < give_up:
                     await trio.sleep(delay)
                     delay = min(delay * 2, 0.02)
-                    if (await self.cluster.read_header(node, rkey))[1] >= min_clock:
+                    if (await self.cluster.read_header(node, rkey, inc))[1] >= min_clock:
                         break
             finally:
                 del self._watches[node]
@@ -191,7 +199,7 @@ class StripeIO:
                 if key is None:
                     missing.add(node)
                     continue
-                rkey, capacity = key
+                rkey, capacity, inc = key
                 if p.offset + len(view) > capacity and node not in looked_up:
                     # past the stripe's end as cached: it may have grown since (into a new
                     # region) -- ask again before calling the rest zeros
@@ -200,12 +208,12 @@ class StripeIO:
                 k = max(0, min(len(view), capacity - p.offset))
                 guess = bool(min_clock and k and eager is not None and eager(p.idx))
                 if min_clock and not guess:
-                    await self._wait_clock(node, rkey, min_clock, clock_deadline)
+                    await self._wait_clock(node, rkey, inc, min_clock, clock_deadline)
                 if k:
-                    clock = (await self.cluster.read_stripe(node, rkey, p.offset, view[:k]))[1]
+                    clock = (await self.cluster.read_stripe(node, rkey, p.offset, view[:k], inc))[1]
                     if guess and clock < min_clock:  # guessed wrong: wait, then read again
-                        await self._wait_clock(node, rkey, min_clock, clock_deadline)
-                        await self.cluster.read_stripe(node, rkey, p.offset, view[:k])
+                        await self._wait_clock(node, rkey, inc, min_clock, clock_deadline)
+                        await self.cluster.read_stripe(node, rkey, p.offset, view[:k], inc)
                 view[k:] = bytes(len(view) - k)
                 return
             except _Behind:
@@ -255,13 +263,13 @@ class StripeIO:
                     await self.cluster.refresh()
                     continue
 
-                async def send(rkey: int, soff: int) -> dict:
-                    await self.cluster.write(primary, rkey, soff, view)
-                    return await self.cluster.call(primary, method, dict(args, rkey=rkey, soff=soff))
+                async def send(slot) -> dict:
+                    await self.cluster.write(primary, slot.rkey, slot.offset, view, slot.inc)
+                    return await self.cluster.call(primary, method, dict(args, rkey=slot.rkey, soff=slot.offset))
 
                 try:
                     return await self.staging.with_slot(primary, send)
-                except NodeDown:
+                except (NodeDown, AccessError):  # down, or restarted since its staging was given
                     self.staging.forget(primary)
                 except RemoteError as exc:
                     if exc.code in ("ENOTPRIMARY", "EAGAIN"):

@@ -41,7 +41,7 @@ from typing import Any
 
 import trio
 
-from ..cluster import READY, SYNCING, Cluster, NodeDown, StagingPool, now_ns, read_verified
+from ..cluster import READY, SYNCING, Cluster, NodeDown, Slot, StagingPool, now_ns
 from ..config import ClusterConfig, ConfigError, load
 from ..metrics import Latency, node_samples
 from ..metrics import serve as serve_metrics
@@ -209,6 +209,7 @@ class Node(Membership, Training):
             "capacity": self.cfg.capacity,
             "transport": self.transport.name,
             "pid": __import__("os").getpid(),
+            "incarnation": self.transport.incarnation,
             "uptime": round(time.time() - self.started, 3),
             "epoch": self.cluster.epoch if self.cluster else 0,
             "work": self.work,
@@ -462,24 +463,23 @@ class Node(Membership, Training):
         ``pending``, the whole stripe, held there until the apply that names it in ``state``."""
         extra = ({"record": record} if record is not None else {}) | ({"pending": True} if pending else {}) | ({"state": state} if state else {})
 
-        async def push(rkey: int, soff: int, off: int, view: memoryview, full: bool) -> dict:
-            conn = await self.cluster.conn(peer)
-            await conn.write(rkey, soff, view)
+        async def push(slot: Slot, off: int, view: memoryview, full: bool) -> dict:
+            await self.cluster.write(peer, slot.rkey, slot.offset, view, slot.inc)
             return await self.cluster.call(
                 peer,
                 "apply",
-                {"fid": fid, "idx": idx, "offset": off, "length": len(view), "rkey": rkey, "soff": soff, "version": version, "unit": unit, "full": full, "snap": snap, "clock": stripe.clock} | extra,
+                {"fid": fid, "idx": idx, "offset": off, "length": len(view), "rkey": slot.rkey, "soff": slot.offset, "version": version, "unit": unit, "full": full, "snap": snap, "clock": stripe.clock} | extra,
             )
 
         for attempt in (1, 2):
             try:
                 if pending:
-                    await self.peer_staging.with_slot(peer, lambda rk, so: push(rk, so, 0, stripe.data[: stripe.capacity], True))
+                    await self.peer_staging.with_slot(peer, lambda slot: push(slot, 0, stripe.data[: stripe.capacity], True))
                     return
-                r = await self.peer_staging.with_slot(peer, lambda rk, so: push(rk, so, offset, stripe.data[offset : offset + length], False))
+                r = await self.peer_staging.with_slot(peer, lambda slot: push(slot, offset, stripe.data[offset : offset + length], False))
                 if r.get("stale"):
                     log.info("replica %s of stripe %d:%d is behind; sending the whole stripe", peer, fid, idx)
-                    await self.peer_staging.with_slot(peer, lambda rk, so: push(rk, so, 0, stripe.data[: stripe.capacity], True))
+                    await self.peer_staging.with_slot(peer, lambda slot: push(slot, 0, stripe.data[: stripe.capacity], True))
                 return
             except (TransportError, RemoteError) as exc:
                 if isinstance(exc, AccessError) or isinstance(exc, RemoteError) and exc.code == "EINVAL":
@@ -606,13 +606,13 @@ class Node(Membership, Training):
         """Copy one stripe from ``peer`` unless this node holds it as new: True once done, None
         if ``peer`` no longer holds it (freed), False if the copy failed."""
         try:
-            info = (await self.cluster.call(peer, "stripe_info", {"fid": fid, "idxs": [idx], "snap": snap}))[str(idx)]
+            reply, inc = await self.cluster.call_on(peer, "stripe_info", {"fid": fid, "idxs": [idx], "snap": snap})
+            info = reply[str(idx)]
             if info is None:
                 log.info("stripe %d:%d (snapshot %d) is gone from %s (freed meanwhile)", fid, idx, snap, peer)
                 return None
             buf = bytearray(info["capacity"])
-            conn = await self.cluster.conn(peer)
-            version, clock = await read_verified(conn, info["rkey"], 0, memoryview(buf))
+            version, clock = await self.cluster.read_stripe(peer, info["rkey"], 0, memoryview(buf), inc)
         except (TransportError, RemoteError) as exc:
             log.warning("stripe %d:%d from %s failed: %s", fid, idx, peer, exc)
             return False

@@ -247,10 +247,9 @@ class Training:
         views = [memoryview(b).cast("B") for b in blobs]
         args = {"fid": fid, "idx": idx, "record": record, "lengths": [len(v) for v in views]}
 
-        async def staged(peer: str, rkey: int, soff: int) -> dict:
-            conn = await self.cluster.conn(peer)
-            await conn.write(rkey, soff, views)
-            return await self.cluster.call(peer, "train_record", dict(args, rkey=rkey, soff=soff))
+        async def staged(peer: str, slot) -> dict:
+            await self.cluster.write(peer, slot.rkey, slot.offset, views, slot.inc)
+            return await self.cluster.call(peer, "train_record", dict(args, rkey=slot.rkey, soff=slot.offset))
 
         async def one(peer: str) -> None:
             for attempt in (1, 2):

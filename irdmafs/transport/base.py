@@ -56,6 +56,11 @@ class AccessError(TransportError):
     """Bad rkey, range outside the region, or an access the region does not grant."""
 
 
+class StaleKey(AccessError):
+    """A key cached from an earlier incarnation of the peer (it restarted since): refresh it.
+    Raised before anything is sent, so a recycled key can never reach a region it did not name."""
+
+
 class ProtocolError(TransportError):
     """A frame that is not valid irdmafs wire protocol."""
 
@@ -172,6 +177,8 @@ class Connection(abc.ABC):
     """One authenticated link to a serving peer."""
 
     peer: str
+    # the serving process's incarnation, learnt in the handshake (0: the peer did not say)
+    incarnation: int = 0
 
     @abc.abstractmethod
     async def read(self, rkey: int, offset: int, into: BufferList) -> None:
@@ -211,6 +218,9 @@ class Transport(abc.ABC):
             raise ValueError("a cluster token is required")
         self.token = token
         self.regions = RegionTable()
+        # New at every start of a serving process: every key it hands out belongs to it, and a
+        # peer that sees it change drops what it cached (cluster.py, Cluster.on_restart).
+        self.incarnation = secrets.randbits(32) or 1  # 32 bits: it travels in a header's imm word
         # one-sided operations this process served: op -> [count, bytes] (for metrics; a
         # transport whose one-sided operations bypass the CPU, as verbs', cannot count them)
         self.served: dict[str, list[int]] = {}

@@ -45,6 +45,7 @@ class MemoryConnection(Connection):
         self.on_imm = on_imm
         self.address = address
         self.peer = f"{address[0]}:{address[1]}"
+        self.incarnation = server.incarnation
         self._closed = False
 
     def _check_alive(self) -> None:

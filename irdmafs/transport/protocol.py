@@ -9,7 +9,8 @@ Every frame is a 40-byte header, optionally followed by a payload:
     6      2    status    Status (0 in requests)
     8      8    req_id    chosen by the requester, echoed in the response
     16     4    rkey      region key (READ/WRITE)
-    20     4    imm       WRITE_IMM: the immediate value delivered with the data; else 0
+    20     4    imm       WRITE_IMM: the immediate value delivered with the data; AUTH reply: the
+                          serving process's incarnation (new at every start); else 0
     24     8    offset    byte offset in the region (READ/WRITE)
     32     8    length    READ request: bytes wanted; every other frame: payload bytes that follow
 

@@ -309,7 +309,7 @@ class TcpTransport(Transport):
             await _sendv(sock, [P.pack(resp), msg])
             return False
         proof = server_proof(self.token, nonce, cnonce)
-        await _sendv(sock, [P.pack(P.Header(P.Op.AUTH | P.RESPONSE, length=len(proof))), proof])
+        await _sendv(sock, [P.pack(P.Header(P.Op.AUTH | P.RESPONSE, length=len(proof), imm=self.incarnation)), proof])
         return True
 
     async def _serve_connection(self, sock: trio.socket.SocketType, peer: str, handler: Handler, on_imm: ImmHandler | None = None) -> None:
@@ -431,7 +431,7 @@ class TcpTransport(Transport):
                     await sock.connect((host, port))
                 except OSError as exc:
                     raise ConnectError(f"cannot connect to {peer}: {exc.strerror or exc}") from None
-                await self._handshake(sock, peer)
+                incarnation = await self._handshake(sock, peer)
         except trio.TooSlowError:
             sock.close()
             raise ConnectError(f"{peer}: handshake timed out") from None
@@ -442,10 +442,12 @@ class TcpTransport(Transport):
             sock.close()
             raise
         conn = TcpConnection(sock, peer, self.op_timeout)
+        conn.incarnation = incarnation
         await nursery.start(conn.receiver)
         return conn
 
-    async def _handshake(self, sock: trio.socket.SocketType, peer: str) -> None:
+    async def _handshake(self, sock: trio.socket.SocketType, peer: str) -> int:
+        """Prove the token both ways; returns the peer's incarnation (its AUTH reply's imm)."""
         try:
             h = P.unpack(await _recv_bytes(sock, P.HEADER.size))
             if h.opcode != P.Op.CHALLENGE or h.length != _NONCE:
@@ -462,4 +464,5 @@ class TcpTransport(Transport):
             raise AuthError(f"{peer} refused our cluster token: {payload.decode('utf-8', 'replace')}")
         if h.status != P.Status.OK or not hmac.compare_digest(payload, server_proof(self.token, snonce, cnonce)):
             raise AuthError(f"{peer} could not prove it holds the cluster token")
+        return h.imm
 

@@ -203,6 +203,7 @@ class VerbsConnection(Connection):
         self.control = control
         self.qp = qp
         self.peer = control.peer
+        self.incarnation = control.incarnation
         self.op_timeout = op_timeout
         self._regions: dict[int, tuple[int, int, int, int]] = {}
         self._broken: str | None = None

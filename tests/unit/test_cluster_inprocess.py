@@ -280,14 +280,14 @@ async def test_a_strict_pull_skips_a_stripe_freed_between_listing_and_copy(clust
     puller = next(n for n in nodes if n.store.get(fid, 0) is not None)
     puller.store.drop(fid)  # it lacks the file's stripes: it will fetch them
     peers = [n for n in nodes if n is not puller]
-    listed = puller.cluster.call
+    listed = puller.cluster.call_on
 
-    async def call(node, method, args=None, **kw):
+    async def call_on(node, method, args=None, **kw):
         if method == "stripe_info":  # between the listing and the copy: the file is truncated
             for p in peers:
                 p.store.drop(fid)
         return await listed(node, method, args, **kw)
 
-    puller.cluster.call = call
+    puller.cluster.call_on = call_on
     result = await puller._pull_stripes("test", [p.name for p in peers], lambda f, i: True, strict=True)
     assert result["stripes"] >= 1 and puller.store.get(fid, 0) is None

@@ -1,0 +1,72 @@
+"""Incarnations: a key cached from one process of a node never reaches the next one.
+
+In-process on the memory transport, with the worst case forced: the restarted node hands out a
+region under the very rkey the old one had (random keys rarely collide; RDMA hardware keys are
+often reused across a process restart). A write with the old key must be refused before it is
+sent (StaleKey), the caches built from the old process dropped, and the new region untouched.
+"""
+
+import pytest
+import trio
+
+from irdmafs.cluster import Cluster, StagingPool
+from irdmafs.config import from_dict
+from irdmafs.transport.base import Access, AccessError, Region, StaleKey
+from irdmafs.transport.memory import MemoryTransport
+
+
+def config():
+    return from_dict({"nodes": [{"name": "a", "host": "mem", "port": 9501}], "token": "test-token-123", "replicas": 1, "transport": ["memory"], "heartbeat": 0.05, "down_after": 0.3})
+
+
+async def handler(method, args):
+    if method == "heartbeat":
+        return {"state": "ready"}
+    if method == "staging":
+        return {"rkey": 77}
+    raise AssertionError(method)
+
+
+async def serve(nursery, transport):
+    return await nursery.start(transport.serve, "mem", 9501, handler)
+
+
+async def test_a_key_from_an_earlier_incarnation_is_refused_before_it_is_sent():
+    cfg = config()
+    async with trio.open_nursery() as nursery:
+        old = MemoryTransport(cfg.token)
+        region = old.regions.add(memoryview(bytearray(64)), Access.RW)
+        scope = trio.CancelScope()
+
+        async def run_old(task_status=trio.TASK_STATUS_IGNORED):
+            with scope:
+                await old.serve("mem", 9501, handler, task_status=task_status)
+
+        await nursery.start(run_old)
+        cluster = Cluster(cfg, MemoryTransport(cfg.token), nursery)
+        pool = StagingPool(cluster, "t", 16)
+        dropped = []
+        cluster.on_restart.append(dropped.append)
+        reply, inc = await cluster.call_on("a", "staging", {})
+        assert inc == old.incarnation
+        await pool._region("a")
+        await cluster.write("a", region.rkey, 0, b"old", inc)  # the right incarnation: lands
+        assert bytes(region.buf[:3]) == b"old"
+
+        scope.cancel()  # the process dies ...
+        await trio.sleep(0)
+        new = MemoryTransport(cfg.token)  # ... and a new one starts, reusing the same key
+        assert new.incarnation != old.incarnation
+        new.regions._regions[region.rkey] = Region(region.rkey, memoryview(bytearray(64)), Access.RW)
+        await serve(nursery, new)
+        cluster.mark_down("a", "gone")  # as a failed operation or a heartbeat would
+
+        with pytest.raises(StaleKey):
+            await cluster.write("a", region.rkey, 0, b"stale", inc)
+        assert bytes(new.regions.get(region.rkey).buf[:5]) == bytes(5)  # nothing reached it
+        assert dropped == ["a"] and cluster.restarts_seen == 1
+        assert "a" not in pool._regions  # the staging region of the old process is forgotten
+        assert isinstance(StaleKey("x"), AccessError)  # every path that refreshes on AccessError does here
+        await cluster.write("a", region.rkey, 0, b"new", cluster.incarnation["a"])  # a key of the new one lands
+        assert bytes(new.regions.get(region.rkey).buf[:3]) == b"new"
+        nursery.cancel_scope.cancel()
