@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import sys
 import time
 from functools import partial
@@ -103,6 +104,7 @@ def _stop(pids: list[int], timeout: float = 10.0) -> None:
     for pid in pids:
         try:
             os.kill(pid, signal.SIGTERM)
+            os.kill(pid, signal.SIGCONT)  # a stopped (SIGSTOP) process must run to take SIGTERM
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + timeout
@@ -110,6 +112,36 @@ def _stop(pids: list[int], timeout: float = 10.0) -> None:
         time.sleep(0.05)
     for pid in pids_alive(pids):
         os.kill(pid, signal.SIGKILL)
+
+
+def _runs_config(pid: int, config: str) -> bool:
+    """Whether ``pid`` is an irdmafs process of ``config`` (not a pid reused by something else)."""
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return any(b"irdmafs" in a for a in args) and os.fsencode(config) in args
+
+
+def cluster_pids(info: dict) -> dict[str, set[int]]:
+    """Every node process of the cluster ``up`` started, as far as can be known: the pids 'up'
+    recorded, the ones the mount last heard in heartbeats (a node restarted by hand since, or
+    one hung by SIGSTOP that no longer answers), and the ones answering heartbeats now."""
+    found: dict[str, set[int]] = {n: {p} for n, p in info["node_pids"].items()}
+    try:  # a hung mount must not hang 'down': read its status file in a child, with a deadline
+        doc = subprocess.run(["cat", os.path.join(info["mountpoint"], ".irdma", "cluster")], capture_output=True, timeout=5).stdout
+        for node in json.loads(doc or b"{}").get("nodes", []):
+            for key in ("pid", "last_pid"):
+                if node.get(key):
+                    found.setdefault(node["name"], set()).add(node[key])
+    except (subprocess.TimeoutExpired, ValueError, OSError):
+        pass
+    cfg = C.load(info["config"])
+    for name in cfg.names:
+        status = trio.run(partial(node_status, cfg, name))
+        if status and status.get("pid"):
+            found.setdefault(name, set()).add(status["pid"])
+    return {n: {p for p in pids if _runs_config(p, info["config"])} for n, pids in found.items()}
 
 
 def cmd_down(args: argparse.Namespace) -> int:
@@ -120,13 +152,14 @@ def cmd_down(args: argparse.Namespace) -> int:
     if not reg.exists():
         raise QuietError(f"{mp}: no cluster was brought up here by 'irdmafs up'", 2)
     info = json.loads(reg.read_text())
+    nodes = cluster_pids(info)  # before unmounting: the mount knows the pids it heard
     if not unmount(mp):
         log.warning("%s is busy; detaching it lazily", mp)
         unmount(mp, lazy=True)
     _stop([info["mount_pid"]])
-    _stop(list(info["node_pids"].values()))
+    _stop(sorted(set().union(*nodes.values())))
     reg.unlink()
-    print(f"irdmafs: {mp} unmounted; {len(info['node_pids'])} nodes stopped (state kept in {info['state']})")
+    print(f"irdmafs: {mp} unmounted; {len(nodes)} nodes stopped (state kept in {info['state']})")
     return 0
 
 

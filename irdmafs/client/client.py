@@ -90,6 +90,8 @@ class Client:
         self._open: dict[tuple[int, int, int], list] = {}
         self._pushed_to: dict[tuple[int, int], int] = {}  # (tensor, rank) -> clock its last bsp push needs
         self.io.on_behind = self._repush_open
+        # a restarted node lost its push bookkeeping: fetch policies and counts afresh
+        self.cluster.on_restart.append(lambda node: self._train.clear())
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -649,6 +651,9 @@ class Client:
                     "state": self.cluster.node_state(spec.name),
                     "alive": alive,
                     **{k: info[k] for k in NODE_FIGURES if k in info},
+                    # the process last heard from, even when down now: what 'irdmafs down' stops
+                    # (a node restarted by hand or by the soak is not the one 'up' started)
+                    "last_pid": self.cluster.info.get(spec.name, {}).get("pid"),
                 }
             )
         return out

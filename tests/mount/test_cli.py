@@ -54,6 +54,43 @@ def test_up_status_down(tmp_path, env):
     assert irdmafs("down", mp, env=env).returncode == 2
 
 
+def test_down_stops_nodes_restarted_by_hand_and_hung_ones(tmp_path, env):
+    """A node killed and started again from its own command line is not the process 'up'
+    started; one stopped with SIGSTOP answers no heartbeat. 'down' stops both."""
+    import signal
+    import time
+
+    reason = fuse_unavailable()
+    if reason:
+        pytest.skip(reason)
+    mp = tmp_path / "ps"
+    irdmafs("up", mp, "--nodes", 3, "--replicas", 2, "--state", tmp_path / "st", env=env, check=True)
+    reg = next((tmp_path / "state-home" / "irdmafs" / "mounts").glob("*.json"))
+    started = json.loads(reg.read_text())["node_pids"]
+    restarted = None
+    try:
+        cmdline = open(f"/proc/{started['n2']}/cmdline", "rb").read().split(b"\0")[:-1]
+        os.kill(started["n2"], signal.SIGKILL)
+        log = open(tmp_path / "n2-again.log", "wb")
+        restarted = subprocess.Popen(cmdline, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # until the mount has heard the new process
+            nodes = json.loads((mp / ".irdma" / "cluster").read_text())["nodes"]
+            if any(n["name"] == "n2" and n.get("pid") == restarted.pid for n in nodes):
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError(f"the mount never heard n2's new process: {nodes}")
+        os.kill(started["n3"], signal.SIGSTOP)  # hung: no heartbeat answers from here on
+    finally:
+        down = irdmafs("down", mp, env=env)
+    assert down.returncode == 0, down.stderr
+    if restarted is not None:
+        restarted.wait(15)  # it was stopped; wait() reaps it (it is this test's child)
+        assert restarted.returncode is not None
+    assert not is_mounted(mp) and not pids_alive(list(started.values()))
+
+
 def test_mount_in_background_then_unmount(tmp_path, env):
     reason = fuse_unavailable()
     if reason:
