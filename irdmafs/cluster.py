@@ -102,6 +102,8 @@ class Cluster:
         self.incarnation: dict[str, int] = {}
         self.on_restart: list[Callable[[str], None]] = []
         self.restarts_seen = 0
+        # sent with every heartbeat: "owner" keeps this process's staging leased (server/node.py)
+        self.heartbeat_args: dict = {}
 
     # -- states ------------------------------------------------------------------------------
     def node_state(self, name: str) -> str:
@@ -280,7 +282,7 @@ class Cluster:
         sent = trio.current_time()
         try:
             with trio.fail_after(self.cfg.down_after):
-                info = await self.call(name, "heartbeat", {"from": self.me or "client"}, timeout=self.cfg.down_after)
+                info = await self.call(name, "heartbeat", {"from": self.me or "client", **self.heartbeat_args}, timeout=self.cfg.down_after)
         except (NodeDown, trio.TooSlowError, RemoteError) as exc:
             self.mark_down(name, str(exc) or "no heartbeat", since=sent)
             return

@@ -76,6 +76,7 @@ class Client:
         self.cfg = cfg
         self.owner = f"client:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.cluster = Cluster(cfg, transport, nursery)
+        self.cluster.heartbeat_args["owner"] = self.owner  # keeps our staging leased on the nodes
         # a slot holds a stripe (commit), or fused pushes plus their descriptors
         self.staging = StagingPool(self.cluster, self.owner, max(cfg.stripe_unit, PUSH_BATCH) + (64 << 10))
         self.io = StripeIO(self.cluster, self.staging)

@@ -59,6 +59,10 @@ from .sync import StripeTraining
 log = logging.getLogger(__name__)
 
 MAX_STAGING_PER_OWNER = 512 << 20
+# Staging of an owner (a client, a mount, a peer) not heard from in heartbeats for this long is
+# freed: a killed mount never says "release". A live owner cut off longer than this finds its
+# region gone (AccessError) and asks for a new one.
+STAGING_LEASE = 60.0
 FREEZE_SECONDS = 30.0  # a frozen node thaws by itself after this
 
 
@@ -115,6 +119,7 @@ class Node(Membership, Training):
         self.meta_lock = trio.Lock()
         self.stripe_locks = KeyedLocks()
         self.staging: dict[str, list] = defaultdict(list)
+        self.owner_seen: dict[str, float] = {}  # staging owner -> when last heard (trio clock)
         self.cluster: Cluster | None = None
         self.peer_staging: StagingPool | None = None
         self.started = time.time()
@@ -157,7 +162,9 @@ class Node(Membership, Training):
             address = await nursery.start(partial(self.transport.serve, self.spec.host, self.spec.port, self.handle, on_imm=self.on_imm))
             log.info("node %s listening on %s:%s (transport %s)", self.name, *address, self.transport.name)
             await self.cluster.refresh()
+            self.cluster.heartbeat_args["owner"] = self.peer_staging.owner
             nursery.start_soon(self.cluster.heartbeat_loop)
+            nursery.start_soon(self._expire_staging)
             task_status.started(address)
             await self._join()
             log.info("node %s ready", self.name)
@@ -198,7 +205,9 @@ class Node(Membership, Training):
     def sees_all_ready(self) -> bool:
         return self.cluster is not None and self.cluster.ready() == self.cfg.names
 
-    async def rpc_heartbeat(self, **_: Any) -> dict:
+    async def rpc_heartbeat(self, owner: str | None = None, **_: Any) -> dict:
+        if owner is not None:
+            self.owner_seen[owner] = trio.current_time()
         return {
             "name": self.name,
             "state": self.state,
@@ -420,12 +429,23 @@ class Node(Membership, Training):
             raise RemoteError("ENOSPC", f"owner {owner} holds {held} bytes of staging already")
         region = self.transport.alloc_region(size, Access.WRITE)
         self.staging[owner].append(region)
+        self.owner_seen[owner] = trio.current_time()
         return {"rkey": region.rkey, "size": size}
 
     async def rpc_release(self, owner: str) -> dict:
         for region in self.staging.pop(owner, []):
             self.transport.free_region(region)
+        self.owner_seen.pop(owner, None)
         return {}
+
+    async def _expire_staging(self) -> None:
+        """Free the staging of owners whose heartbeats stopped (see STAGING_LEASE)."""
+        while True:
+            await trio.sleep(min(STAGING_LEASE / 4, 5.0))
+            now = trio.current_time()
+            for owner in [o for o in self.staging if now - self.owner_seen.get(o, now) > STAGING_LEASE]:
+                log.info("staging of %s freed: not heard from in %.0f s", owner, STAGING_LEASE)
+                await self.rpc_release(owner)
 
     def _staged(self, rkey: int, offset: int, length: int) -> memoryview:
         try:

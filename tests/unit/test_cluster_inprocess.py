@@ -291,3 +291,29 @@ async def test_a_strict_pull_skips_a_stripe_freed_between_listing_and_copy(clust
     puller.cluster.call_on = call_on
     result = await puller._pull_stripes("test", [p.name for p in peers], lambda f, i: True, strict=True)
     assert result["stripes"] >= 1 and puller.store.get(fid, 0) is None
+
+
+async def test_staging_of_an_owner_whose_heartbeats_stopped_is_freed(nursery, monkeypatch):
+    """A killed mount never releases its staging: the node frees it once the owner's
+    heartbeats stop for STAGING_LEASE; a live client's heartbeats keep its own."""
+    import irdmafs.server.node as node_mod
+
+    monkeypatch.setattr(node_mod, "STAGING_LEASE", 0.4)
+    cfg = config()
+    nodes = await start_cluster(nursery, cfg)
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as live:
+        await live.write_file("/f", os.urandom(3 * cfg.stripe_unit))  # staging on the primaries
+        held = {n.name for n in nodes if live.owner in n.staging}
+        assert held
+        async with Client.connect(cfg, MemoryTransport(cfg.token)) as dead:
+            g = os.urandom(3 * cfg.stripe_unit)
+            await dead.write_file("/g", g)
+            owner = dead.owner
+            dead.release = lambda: trio.lowlevel.checkpoint()  # as if killed: no release call
+        assert any(owner in n.staging for n in nodes)
+        await trio.sleep(1.0)
+        assert not any(owner in n.staging for n in nodes)  # freed: its heartbeats stopped
+        assert {n.name for n in nodes if live.owner in n.staging} == held  # still leased
+        assert await live.read_file("/g") == g  # what the dead client closed stays
+        await live.write_file("/h", b"x" * 10)  # the live client's staging still works
+        assert await live.read_file("/h") == b"x" * 10
