@@ -81,6 +81,7 @@ class Client:
         self.staging = StagingPool(self.cluster, self.owner, max(cfg.stripe_unit, PUSH_BATCH) + (64 << 10))
         self.io = StripeIO(self.cluster, self.staging)
         self.meta_calls = 0
+        self._rids = 0
         self._train: dict[tuple[int, int], dict] = {}
         self._sparsifiers: dict[tuple[int, int], compress.Sparsifier] = {}
         self._push_queues: dict[tuple[str, int], dict] = {}
@@ -141,7 +142,9 @@ class Client:
                     await self.cluster.refresh()
 
     async def _op(self, **op: Any) -> dict:
-        return await self._primary_call("meta", {"op": op})
+        # a request id, so a retry after a lost answer is not applied twice (server/meta.py)
+        self._rids += 1
+        return await self._primary_call("meta", {"op": dict(op, rid=f"{self.owner}:{self._rids}")})
 
     async def lookup(self, parent: int, name: str, snap: int = 0) -> dict:
         return await self._primary_call("lookup", {"parent": parent, "name": name, "snap": snap})

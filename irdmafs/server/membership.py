@@ -53,7 +53,7 @@ class Membership:
         await self._tell_peers("joining")
         await self.resync()
         self.state = READY
-        self.ready_since = trio.current_time()
+        self.ready_since = self.last_tick = trio.current_time()
         handed = await self._tell_peers("handover")
         await self._catch_up(handed)
         self.taken_over.set()
@@ -154,22 +154,39 @@ class Membership:
         """A ready peer to resync from, or (everyone fenced) a majority to decide with."""
         return any(self.cluster.node_state(n) == READY for n in self.cfg.names if n != self.name) or self._reaches_majority()
 
+    def _check_stall(self) -> None:
+        """Fence at once if this process did not run for most of ``down_after`` (SIGSTOP, a
+        paused VM, swapping): its peers may have counted it down and gone on writing without
+        it, and it cannot know. Called first thing by every heartbeat it answers and by its
+        own ticker, whichever runs first after the stall, so no heartbeat answers "ready" in
+        between (clients trust a node's state only from its heartbeats)."""
+        now = trio.current_time()
+        gap, self.last_tick = now - self.last_tick, now
+        if gap > 0.8 * self.cfg.down_after and self.state == READY:
+            log.warning("node %s fenced: it did not run for %.1f s (stopped or paused); it serves nothing until it has resynced", self.name, gap)
+            self.state = SYNCING
+            self.stalled = True
+
     async def _fence_loop(self) -> None:
         """A node cut off from the cluster stops serving (syncing) and, once it reaches a peer
         again, resyncs before it serves: a stale node never serves an old version."""
         cut_since = None
         while True:
-            await trio.sleep(self.cfg.heartbeat)
-            cut = self._cut_off() if self.state == READY else None
-            if cut is None:
-                cut_since = None
-                continue
-            why, grace = cut
-            cut_since = cut_since if cut_since is not None else trio.current_time()
-            if trio.current_time() - cut_since < grace:
-                continue  # a moment without heartbeats: not yet a partition
-            log.warning("node %s fenced: %s; it serves nothing until it has resynced", self.name, why)
-            self.state = SYNCING
+            await trio.sleep(min(self.cfg.heartbeat, self.cfg.down_after / 4))
+            self._check_stall()
+            if self.stalled:
+                self.stalled = False
+            else:
+                cut = self._cut_off() if self.state == READY else None
+                if cut is None:
+                    cut_since = None
+                    continue
+                why, grace = cut
+                cut_since = cut_since if cut_since is not None else trio.current_time()
+                if trio.current_time() - cut_since < grace:
+                    continue  # a moment without heartbeats: not yet a partition
+                log.warning("node %s fenced: %s; it serves nothing until it has resynced", self.name, why)
+                self.state = SYNCING
             while not self._may_rejoin():
                 await self.cluster.wait_changed(self.cfg.heartbeat * 5)
             await self._join()

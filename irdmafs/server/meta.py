@@ -33,6 +33,9 @@ def check_name(name: str) -> None:
         raise _err("ENAMETOOLONG", f"name longer than {NAME_MAX} bytes")
 
 
+DONE_KEPT = 4096  # results of this many recent ops are kept for retries (see Meta.done)
+
+
 class Meta:
     def __init__(self) -> None:
         self.seq = 0
@@ -43,6 +46,11 @@ class Meta:
         # name -> {"id", "time_ns", "inodes", "entries"}: frozen copies of the namespace
         self.snapshots: dict[str, dict[str, Any]] = {}
         self._views: dict[int, Meta] = {}
+        # request id -> result of the newest DONE_KEPT ops that carried one: a client retrying
+        # an op whose answer it lost (its primary died after forwarding it) gets that answer
+        # again instead of the op applied twice (a second mkdir would say EEXIST). Applied on
+        # every node in the same order, so whichever node is primary next knows it.
+        self.done: dict[str, dict] = {}
         self._new_inode(ROOT, S.S_IFDIR | 0o755, 0, 0, 0, 0)
 
     # -- reading ---------------------------------------------------------------------------
@@ -115,6 +123,7 @@ class Meta:
             "inodes": {str(k): v for k, v in self.inodes.items()},
             "entries": {str(k): v for k, v in self.entries.items()},
             "snapshots": self.snapshots,
+            "done": self.done,
         }
 
     @classmethod
@@ -126,6 +135,7 @@ class Meta:
         m.inodes = {int(k): v for k, v in snap["inodes"].items()}
         m.entries = {int(k): dict(v) for k, v in snap["entries"].items()}
         m.snapshots = copy.deepcopy(snap.get("snapshots", {}))
+        m.done = dict(snap.get("done", {}))
         return m
 
     # -- the primary's side: turn a request into a deterministic op -----------------------------
@@ -148,6 +158,10 @@ class Meta:
             raise _err("EINVAL", f"unknown metadata op {kind!r}")
         result = fn(op)
         self.seq += 1
+        if op.get("rid"):
+            self.done[op["rid"]] = result
+            while len(self.done) > DONE_KEPT:
+                del self.done[next(iter(self.done))]
         return result
 
     def _new_inode(self, ino: int, mode: int, uid: int, gid: int, now: int, unit: int) -> dict:

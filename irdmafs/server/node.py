@@ -139,6 +139,8 @@ class Node(Membership, Training):
         self.freeze_deadline = 0.0
         self.work: dict = {}
         self.ready_since = 0.0  # long work under way (resync, rebalance): shown by heartbeats
+        self.last_tick = 0.0  # when this process last ran its fence ticker or a heartbeat (trio clock)
+        self.stalled = False  # a stall fenced this node; its fence loop resyncs it
         self.thawed = trio.Event()
         self.thawed.set()
 
@@ -206,6 +208,8 @@ class Node(Membership, Training):
         return self.cluster is not None and self.cluster.ready() == self.cfg.names
 
     async def rpc_heartbeat(self, owner: str | None = None, **_: Any) -> dict:
+        if self.state == READY:
+            self._check_stall()  # before saying "ready": this process may have been stopped
         if owner is not None:
             self.owner_seen[owner] = trio.current_time()
         return {
@@ -234,6 +238,10 @@ class Node(Membership, Training):
     # -- metadata ----------------------------------------------------------------------------
     async def rpc_meta(self, op: dict) -> dict:
         """Apply a namespace op as the metadata primary and replicate it to every live node."""
+        if op.get("rid") in self.meta.done:
+            # a retry of an op applied already (its answer was lost with the old primary): a
+            # hit is a fact on any node, as ops reach every node in one order
+            return self.meta.done[op["rid"]]
         self._require_ready()
         await self._await_takeover()
         async with self.meta_lock:

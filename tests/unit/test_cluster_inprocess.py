@@ -317,3 +317,28 @@ async def test_staging_of_an_owner_whose_heartbeats_stopped_is_freed(nursery, mo
         assert await live.read_file("/g") == g  # what the dead client closed stays
         await live.write_file("/h", b"x" * 10)  # the live client's staging still works
         assert await live.read_file("/h") == b"x" * 10
+
+
+async def test_a_metadata_op_retried_after_its_answer_was_lost_is_applied_once(cluster):
+    """A client whose primary died after applying and forwarding an op retries it on the next
+    primary (found by scripts/chaos.py: a snapshot mkdir retried after a partition said
+    EEXIST). Every node knows the op's request id, so the retry gets the first answer."""
+    cfg, nodes = cluster
+    primary, other = nodes[0], nodes[1]
+    op = {"op": "mkdir", "parent": 1, "name": "d", "mode": 0o755, "rid": "client:x:1"}
+    first = await primary.rpc_meta(op=dict(op))
+    with trio.fail_after(5):
+        while other.meta.seq < primary.meta.seq:  # forwarded
+            await trio.sleep(0.01)
+    seq = other.meta.seq
+    assert other.meta.done["client:x:1"] == first
+    for node in nodes:  # the primary is lost: the next one answers the retry
+        if node is primary:
+            continue
+        node.cluster.mark_down(primary.name, "test")
+    assert other.cluster.meta_primary() == other.name
+    again = await other.rpc_meta(op=dict(op))
+    assert again == first and other.meta.seq == seq  # not applied a second time
+    with pytest.raises(RemoteError) as err:  # a new request for the same name still fails
+        await other.rpc_meta(op=dict(op, rid="client:x:2"))
+    assert err.value.code == "EEXIST"

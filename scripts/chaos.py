@@ -1,0 +1,587 @@
+"""A seeded fault-injection soak: a local cluster and its mount under load while faults land.
+
+    scripts/chaos.py --minutes 30 --seed 7 --json chaos.json
+    scripts/chaos.py --seed 7 --schedule 20      # the first 20 faults of seed 7, then exit
+
+Workers check content continuously through the mount, each in its own directory so that what
+a file must hold is known exactly: files of random sizes written at random offsets, truncated,
+renamed, read back byte for byte; tensors saved with ``np.save`` and loaded with ``np.load``;
+snapshots taken and read back; a training job (2 ranks, bsp, SGD, through the step streams)
+whose every pull must equal SGD's result. Meanwhile a scheduler applies faults drawn from the
+seed, one at a time, waiting until the cluster has settled (every node ready and resynced)
+before the next, so never more than R-1 nodes are out at once:
+
+- ``kill``: ``kill -9`` of a node, then its restart from its own command line;
+- ``stop``: ``SIGSTOP`` (a hung node), then ``SIGCONT``;
+- ``partition``: the node's veth taken down, then up (as root: nodes in network namespaces);
+- ``mount``: ``kill -9`` of the mount process, then mounting again.
+
+The schedule (kinds, targets, durations, gaps) is a function of the seed alone: the same seed
+replays the same faults. What a user call sees is counted: ``errors`` are errors outside the
+documented window, ``lost`` bytes read back wrong or missing; both must be 0 (exit status 1
+otherwise). The one window (README, Reliability): from a mount's kill until it is mounted again,
+calls on it fail with ENOTCONN or ECONNABORTED, and paths below the bare mountpoint with ENOENT;
+a file being changed then holds its old or its new content, so the checker forgets it (only
+closed writes are promised). No other error is allowed, at any time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from contextlib import ExitStack
+from pathlib import Path
+
+import numpy as np
+import trio
+
+from irdmafs import config as C
+from irdmafs.local import free_ports, wait_settled
+from irdmafs.mount import clear_dead_mount, is_mounted, unmount, wait_for_mount
+from irdmafs.steps import pull_arrays, push_arrays
+
+MiB = 1 << 20
+WINDOW_ERRNOS = {errno.ENOTCONN, errno.ECONNABORTED, errno.ENOENT}
+PREFIX, NET = "irdchaos", 83  # network namespaces irdchaos0.., addresses 10.83.i.2
+
+
+# -- the schedule -----------------------------------------------------------------------------------
+def schedule(seed: int, kinds: list[str], nodes: list[str]):
+    """Faults of ``seed``, one after another: (kind, target, seconds out, seconds before it)."""
+    rng = random.Random(seed)
+    while True:
+        kind = rng.choice(kinds)
+        target = "mount" if kind == "mount" else rng.choice(nodes)
+        yield {"kind": kind, "target": target, "down": round(rng.uniform(0.5, 4.0), 2), "gap": round(rng.uniform(1.0, 4.0), 2)}
+
+
+# -- what every worker reports to ---------------------------------------------------------------------
+class Tally:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.ops: Counter = Counter()
+        self.errors: list[dict] = []
+        self.allowed: Counter = Counter()
+        self.lost = 0
+        self.checked = 0  # bytes compared against what they must be
+        self.windows: list[list[float]] = []  # [start, end] of each mount outage (end None: open)
+        self.mount_up = threading.Event()
+        self.mount_up.set()
+        self.stop = threading.Event()
+        self.t0 = time.monotonic()
+
+    def in_window(self, begun: float) -> bool:
+        """Whether an operation begun at ``begun`` and failing now overlapped a mount outage."""
+        now = time.monotonic()
+        with self.lock:
+            return any(s <= now and (e is None or begun <= e) for s, e in self.windows)
+
+    def error(self, what: str, exc: BaseException | str) -> None:
+        with self.lock:
+            self.errors.append({"t": round(time.monotonic() - self.t0, 2), "op": what, "error": repr(exc) if isinstance(exc, BaseException) else exc})
+        print(f"chaos: ERROR {what}: {exc}", file=sys.stderr, flush=True)
+
+    def compare(self, what: str, got: bytes, want: bytes) -> None:
+        n = min(len(got), len(want))
+        a, b = np.frombuffer(got, np.uint8, n), np.frombuffer(want, np.uint8, n)
+        wrong = int(np.count_nonzero(a != b)) + abs(len(got) - len(want))
+        with self.lock:
+            self.checked += len(want)
+            self.lost += wrong
+        if wrong:
+            self.error(what, f"{wrong} bytes wrong or missing (read {len(got)}, expected {len(want)})")
+
+    def attempt(self, what: str, fn):
+        """Run one user call: True once done, None if it failed inside a mount outage (its
+        effect is unknown: the caller forgets what it touched), False for an error."""
+        begun = time.monotonic()
+        try:
+            fn()
+        except OSError as exc:
+            if exc.errno in WINDOW_ERRNOS and self.in_window(begun):
+                with self.lock:
+                    self.allowed[errno.errorcode.get(exc.errno, str(exc.errno))] += 1
+                self.mount_up.wait()
+                return None
+            self.error(what, exc)
+            return False
+        except Exception as exc:  # np.load of a corrupt file and the like: never allowed
+            self.error(what, exc)
+            return False
+        with self.lock:
+            self.ops[what] += 1
+        return True
+
+    def pause(self, seconds: float) -> None:
+        self.stop.wait(seconds)
+
+
+# -- workers ---------------------------------------------------------------------------------------
+class FileWorker:
+    """Files of random sizes changed at random offsets; ``self.files`` is what they must hold."""
+
+    def __init__(self, tally: Tally, root: Path, seed: int, unit: int) -> None:
+        self.t, self.root, self.rng, self.unit = tally, root, np.random.default_rng(seed), unit
+        self.files: dict[str, bytearray] = {}
+        self.n = 0
+
+    def _forget(self, *names: str) -> None:
+        """A call on these failed in a mount outage: their content is unknown; remove them."""
+        for name in names:
+            self.files.pop(name, None)
+            try:
+                os.unlink(self.root / name)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                self.t.error("unlink after an outage", exc)
+
+    def step(self) -> None:
+        r = self.rng
+        names = sorted(self.files)
+        choice = "create" if len(names) < 3 else r.choice(["create", "write", "write", "truncate", "rename", "check", "check", "delete"], p=[0.1, 0.25, 0.15, 0.1, 0.1, 0.15, 0.1, 0.05])
+        if choice == "create" or not names:
+            if len(names) >= 8:
+                choice = "check"
+            else:
+                self.n += 1
+                name, data = f"f{self.n}", bytearray(r.bytes(int(r.integers(0, 3 * self.unit))))
+                ok = self.t.attempt("file_create", lambda: (self.root / name).write_bytes(data))
+                if ok:
+                    self.files[name] = data
+                elif ok is None:
+                    self._forget(name)
+                return
+        name = names[int(r.integers(len(names)))]
+        cur = self.files[name]
+        if choice == "write":
+            off = int(r.integers(0, len(cur) + self.unit))
+            data = r.bytes(int(r.integers(1, 2 * self.unit)))
+
+            def write() -> None:
+                fd = os.open(self.root / name, os.O_WRONLY)
+                try:
+                    os.pwrite(fd, data, off)
+                    if r.random() < 0.2:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+
+            ok = self.t.attempt("file_write", write)
+            if ok:
+                if off > len(cur):
+                    cur.extend(bytes(off - len(cur)))
+                cur[off : off + len(data)] = data
+        elif choice == "truncate":
+            size = int(r.integers(0, int(len(cur) * 1.3) + 2))
+            ok = self.t.attempt("file_truncate", lambda: os.truncate(self.root / name, size))
+            if ok:
+                del cur[size:]
+                cur.extend(bytes(size - len(cur)))
+        elif choice == "rename":
+            self.n += 1
+            new = f"f{self.n}"
+            ok = self.t.attempt("file_rename", lambda: os.rename(self.root / name, self.root / new))
+            if ok:
+                self.files[new] = self.files.pop(name)
+            elif ok is None:
+                self._forget(name, new)
+            return
+        elif choice == "delete":
+            ok = self.t.attempt("file_unlink", lambda: os.unlink(self.root / name))
+            if ok:
+                del self.files[name]
+            elif ok is None:
+                self._forget(name)
+            return
+        else:
+            got: list[bytes] = []
+            ok = self.t.attempt("file_check", lambda: got.append((self.root / name).read_bytes()))
+            if ok:
+                self.t.compare(f"file {name}", got[0], bytes(cur))
+            return
+        if ok is None:
+            self._forget(name)
+
+    def verify_all(self) -> None:
+        for name, want in sorted(self.files.items()):
+            got: list[bytes] = []
+            if self.t.attempt("final_check", lambda: got.append((self.root / name).read_bytes())):
+                self.t.compare(f"file {name} (final)", got[0], bytes(want))
+
+
+class TensorWorker:
+    """Tensors saved with np.save and loaded with np.load."""
+
+    SHAPES = [(1000,), (64, 64), (3, 128, 129), (300_000,), (2, 700, 1000)]
+    DTYPES = [np.float32, np.float16, np.int64, np.float64]
+
+    def __init__(self, tally: Tally, root: Path, seed: int) -> None:
+        self.t, self.root, self.rng = tally, root, np.random.default_rng(seed)
+        self.tensors: dict[str, np.ndarray] = {}
+
+    def step(self) -> None:
+        r = self.rng
+        name = f"t{int(r.integers(6))}.npy"
+        if name not in self.tensors or r.random() < 0.4:
+            shape = self.SHAPES[int(r.integers(len(self.SHAPES)))]
+            a = (r.standard_normal(shape) * 100).astype(self.DTYPES[int(r.integers(len(self.DTYPES)))])
+            ok = self.t.attempt("tensor_save", lambda: np.save(self.root / name, a))
+            if ok:
+                self.tensors[name] = a
+            elif ok is None:
+                self.tensors.pop(name, None)
+                try:
+                    os.unlink(self.root / name)
+                except FileNotFoundError:
+                    pass
+            return
+        self.check(name)
+
+    def check(self, name: str, what: str = "tensor_load") -> None:
+        got: list[np.ndarray] = []
+        if self.t.attempt(what, lambda: got.append(np.load(self.root / name))):
+            want = self.tensors[name]
+            if got[0].dtype != want.dtype or got[0].shape != want.shape:
+                self.t.error(f"tensor {name}", f"{got[0].dtype}{got[0].shape} read, {want.dtype}{want.shape} saved")
+                with self.t.lock:
+                    self.t.lost += want.nbytes
+            else:
+                self.t.compare(f"tensor {name}", got[0].tobytes(), want.tobytes())
+
+    def verify_all(self) -> None:
+        for name in sorted(self.tensors):
+            self.check(name, "final_check")
+
+
+class SnapshotWorker:
+    """A marker file written, a snapshot taken, the marker read back from the snapshot; the two
+    newest snapshots are kept and checked again, older ones dropped."""
+
+    def __init__(self, tally: Tally, mnt: Path, root: Path, seed: int) -> None:
+        self.t, self.mnt, self.root, self.rng = tally, mnt, root, np.random.default_rng(seed)
+        self.kept: list[tuple[str, bytes]] = []
+        self.n = 0
+
+    def snap(self, name: str) -> Path:
+        return self.mnt / ".snapshots" / name / self.root.relative_to(self.mnt) / "marker"
+
+    def step(self) -> None:
+        self.t.pause(float(self.rng.uniform(2, 6)))
+        if self.t.stop.is_set():
+            return
+        self.n += 1
+        name, data = f"chaos-{self.n}", self.rng.bytes(int(self.rng.integers(1, 3 * MiB)))
+        if not self.t.attempt("snapshot_marker", lambda: (self.root / "marker").write_bytes(data)):
+            return
+        ok = self.t.attempt("snapshot_take", lambda: os.mkdir(self.mnt / ".snapshots" / name))
+        if ok is None:  # taken or not: drop it either way
+            self.t.attempt("snapshot_drop", lambda: os.rmdir(self.mnt / ".snapshots" / name) if os.path.isdir(self.mnt / ".snapshots" / name) else None)
+            return
+        if not ok:
+            return
+        self.kept.append((name, data))
+        self.verify_all("snapshot_check")
+        while len(self.kept) > 2:
+            old, _ = self.kept.pop(0)
+            self.t.attempt("snapshot_drop", lambda: os.rmdir(self.mnt / ".snapshots" / old))
+
+    def verify_all(self, what: str = "final_check") -> None:
+        for name, want in self.kept:
+            got: list[bytes] = []
+            if self.t.attempt(what, lambda: got.append(self.snap(name).read_bytes())):
+                self.t.compare(f"snapshot {name}", got[0], want)
+
+
+class TrainingJob:
+    """Two ranks under bsp with SGD through the step streams, run after run; every pull of
+    every step must equal SGD's result exactly (float32 within rounding)."""
+
+    LR, STEPS = 0.1, 25
+    SHAPES = {"w": (256, 300), "b": (300,)}
+
+    def __init__(self, tally: Tally, mnt: Path, root: Path, seed: int) -> None:
+        self.t, self.mnt, self.root, self.seed = tally, mnt, root, seed
+        self.runs = 0
+
+    @staticmethod
+    def grad(shape, rank: int, step: int) -> np.ndarray:
+        return np.full(shape, 1e-3 * (rank + 1) * (1 + step % 3), np.float32)
+
+    def step(self) -> None:
+        self.runs += 1
+        model = f"train{self.runs}"
+        rng = np.random.default_rng(self.seed * 1000 + self.runs)
+        p0 = {k: rng.standard_normal(s).astype(np.float32) for k, s in self.SHAPES.items()}
+        d = self.root / model
+
+        def publish() -> None:
+            os.mkdir(d)
+            for key, value in {"sync": "bsp", "workers": "2", "optimizer": f"sgd lr={self.LR}", "timeout": "120"}.items():
+                os.setxattr(d, f"user.irdma.{key}", value.encode())
+            for k, a in p0.items():
+                np.save(d / f"{k}.npy", a)
+
+        if not self.t.attempt("train_publish", publish):
+            self._drop(d)
+            return
+        model_path = str(d.relative_to(self.mnt))
+        abandoned = threading.Event()
+
+        def rank(r: int) -> None:
+            out = {k: np.empty_like(a) for k, a in p0.items()}
+            total = 0.0
+            for i in range(self.STEPS):
+                if abandoned.is_set() or self.t.stop.is_set():
+                    return
+                grads = {k: self.grad(a.shape, r, i) for k, a in p0.items()}
+                if not self.t.attempt("train_push", lambda: push_arrays(self.mnt, model_path, r, grads)) or not self.t.attempt("train_pull", lambda: pull_arrays(self.mnt, model_path, r, out)):
+                    abandoned.set()
+                    return
+                total += np.mean([1e-3 * (q + 1) * (1 + i % 3) for q in range(2)])
+                for k, a in out.items():
+                    want = p0[k] - np.float32(self.LR * total)
+                    bad = ~np.isclose(a, want, rtol=0, atol=2e-5)
+                    if bad.any():
+                        self.t.error(f"training {model} rank {r} step {i}", f"{k}: {int(bad.sum())} parameters differ from SGD's by up to {float(np.abs(a - want).max()):g}")
+                        with self.t.lock:
+                            self.t.lost += int(bad.sum()) * 4
+                        abandoned.set()
+                        return
+                    with self.t.lock:
+                        self.t.checked += a.nbytes
+
+        threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(2)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        self._drop(d)
+
+    def _drop(self, d: Path) -> None:
+        self.t.mount_up.wait()
+        try:
+            shutil.rmtree(d)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            if not (exc.errno in WINDOW_ERRNOS and not self.t.mount_up.is_set()):
+                self.t.error(f"removing {d.name}", exc)
+
+    def verify_all(self) -> None:
+        pass  # every step was checked as it went
+
+
+def loop(tally: Tally, worker) -> None:
+    while not tally.stop.is_set():
+        tally.mount_up.wait()
+        worker.step()
+
+
+# -- the cluster and the faults ------------------------------------------------------------------------
+class Bed:
+    """Node processes (in network namespaces when root) and one mount, started and faulted."""
+
+    def __init__(self, tmp: Path, nodes: int, replicas: int, netns: bool, stack: ExitStack) -> None:
+        self.tmp, self.netns = tmp, netns
+        (tmp / "token").write_text(os.urandom(16).hex())
+        if netns:
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            from netns import namespaces
+
+            hosts = stack.enter_context(namespaces(nodes, None, prefix=PREFIX, net=NET))
+            specs = [{"name": f"n{i + 1}", "host": h, "port": 7400} for i, h in enumerate(hosts)]
+        else:
+            specs = [{"name": f"n{i + 1}", "host": "127.0.0.1", "port": p} for i, p in enumerate(free_ports(nodes))]
+        doc = {"nodes": specs, "token_file": "token", "replicas": replicas, "stripe_unit": MiB, "transport": ["tcp"], "heartbeat": 0.2, "down_after": 1.0, "op_timeout": 3.0}
+        self.config = tmp / "cluster.toml"
+        self.config.write_text(C.dump(C.from_dict(doc, base=tmp)))
+        self.cfg = C.load(self.config)
+        self.mnt = tmp / "mnt"
+        self.mnt.mkdir()
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.commands: dict[str, list[str]] = {}
+        self.mount_proc: subprocess.Popen | None = None
+        for i, name in enumerate(self.cfg.names):
+            cmd = [sys.executable, "-m", "irdmafs.server.node", "--config", str(self.config), "--node", name]
+            self.commands[name] = (["ip", "netns", "exec", f"{PREFIX}{i}"] if netns else []) + cmd
+            self.start(name)
+        self.settle(60)
+        self.mount()
+
+    def start(self, name: str) -> None:
+        """The node's own command line, as a user would run it again."""
+        with open(self.tmp / f"{name}.log", "ab") as log:
+            self.procs[name] = subprocess.Popen(self.commands[name], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def settle(self, timeout: float) -> float:
+        t = time.monotonic()
+        trio.run(lambda: wait_settled(self.cfg, timeout=timeout))
+        return time.monotonic() - t
+
+    def mount(self) -> None:
+        clear_dead_mount(str(self.mnt))
+        with open(self.tmp / "mount.log", "ab") as log:
+            self.mount_proc = subprocess.Popen([sys.executable, "-m", "irdmafs.cli", "mount", "--config", str(self.config), str(self.mnt), "-f"], stdout=log, stderr=subprocess.STDOUT)
+        wait_for_mount(str(self.mnt), self.mount_proc, log_path=self.tmp / "mount.log")
+
+    def apply(self, fault: dict, tally: Tally) -> None:
+        kind, name, down = fault["kind"], fault["target"], fault["down"]
+        if kind == "mount":
+            with tally.lock:
+                tally.mount_up.clear()
+                tally.windows.append([time.monotonic(), None])
+            self.mount_proc.kill()
+            self.mount_proc.wait(10)
+            deadline = time.monotonic() + 10
+            while is_mounted(str(self.mnt)) and time.monotonic() < deadline:
+                time.sleep(0.05)  # auto_unmount detaches it
+            time.sleep(down)
+            self.mount()
+            with tally.lock:
+                tally.windows[-1][1] = time.monotonic()
+                tally.mount_up.set()
+            return
+        proc = self.procs[name]
+        if kind == "kill":
+            proc.kill()
+            proc.wait(10)
+            time.sleep(down)
+            self.start(name)
+        elif kind == "stop":
+            proc.send_signal(signal.SIGSTOP)
+            time.sleep(down)
+            proc.send_signal(signal.SIGCONT)
+        elif kind == "partition":
+            veth = f"{PREFIX}h{self.cfg.names.index(name)}"
+            subprocess.run(["ip", "link", "set", veth, "down"], check=True)
+            time.sleep(down)
+            subprocess.run(["ip", "link", "set", veth, "up"], check=True)
+        fault["settle"] = round(self.settle(120), 2)  # never a second node out: wait it back
+
+    def close(self) -> None:
+        if self.mount_proc is not None:
+            unmount(str(self.mnt), lazy=True)
+            self.mount_proc.terminate()
+            try:
+                self.mount_proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.mount_proc.kill()
+        for proc in self.procs.values():
+            proc.send_signal(signal.SIGCONT)
+            proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def run(args: argparse.Namespace) -> dict:
+    netns = os.geteuid() == 0 and shutil.which("ip") is not None and not args.no_netns
+    kinds = ["kill", "stop", "mount"] + (["partition"] if netns else [])
+    tally = Tally()
+    with ExitStack() as stack:
+        tmp = Path(tempfile.mkdtemp(prefix="irdmafs-chaos-"))
+        if not args.keep:
+            stack.callback(shutil.rmtree, tmp, True)
+        bed = Bed(tmp, args.nodes, args.replicas, netns, stack)
+        stack.callback(bed.close)
+        root = bed.mnt / "chaos"
+        for sub in ("files0", "files1", "tensors", "snap", "train"):
+            (root / sub).mkdir(parents=True)
+        workers = [
+            FileWorker(tally, root / "files0", args.seed * 10 + 1, MiB),
+            FileWorker(tally, root / "files1", args.seed * 10 + 2, MiB),
+            TensorWorker(tally, root / "tensors", args.seed * 10 + 3),
+            SnapshotWorker(tally, bed.mnt, root / "snap", args.seed * 10 + 4),
+            TrainingJob(tally, bed.mnt, root / "train", args.seed * 10 + 5),
+        ]
+        threads = [threading.Thread(target=loop, args=(tally, w), daemon=True) for w in workers]
+        for th in threads:
+            th.start()
+        print(f"chaos: seed {args.seed}, {args.minutes} min, {args.nodes} nodes R={args.replicas}, faults {', '.join(kinds)}; logs in {tmp}", flush=True)
+        end = tally.t0 + args.minutes * 60
+        applied: list[dict] = []
+        for fault in schedule(args.seed, kinds, bed.cfg.names):
+            if time.monotonic() + fault["gap"] + fault["down"] + 10 > end:
+                break
+            time.sleep(fault["gap"])
+            fault["t"] = round(time.monotonic() - tally.t0, 2)
+            try:
+                bed.apply(fault, tally)
+            except Exception as exc:  # a node that never came back, a mount that did not mount
+                tally.error(f"fault {fault['kind']} {fault['target']}", exc)
+                tally.mount_up.set()
+                applied.append(fault)
+                break
+            applied.append(fault)
+            print(f"chaos: {fault['t']:8.1f}s {fault['kind']:9s} {fault['target']:5s} out {fault['down']:.1f}s, settled in {fault.get('settle', 0):.1f}s; {sum(tally.ops.values())} operations, {len(tally.errors)} errors, {tally.lost} bytes lost", flush=True)
+        time.sleep(max(0.0, end - time.monotonic()))
+        tally.stop.set()
+        for th, w in zip(threads, workers):
+            th.join(180)
+            if th.is_alive():
+                tally.error(type(w).__name__, "still in a call 180 s after the end: hung")
+        for w in workers:
+            w.verify_all()
+        faults = Counter(f["kind"] for f in applied)
+        return {
+            "seed": args.seed,
+            "minutes": args.minutes,
+            "nodes": args.nodes,
+            "replicas": args.replicas,
+            "fault_kinds": kinds,
+            "operations": dict(sorted(tally.ops.items())) | {"total": sum(tally.ops.values())},
+            "faults": dict(sorted(faults.items())) | {"total": len(applied)},
+            "errors": len(tally.errors),
+            "lost": tally.lost,
+            "checked_bytes": tally.checked,
+            "allowed": dict(tally.allowed),
+            "error_list": tally.errors[:100],
+            "fault_log": applied,
+            "training_runs": workers[-1].runs,
+        }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--minutes", type=float, default=2.0)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--json", metavar="FILE", help="write the result here too")
+    ap.add_argument("--nodes", type=int, default=3)
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--no-netns", action="store_true", help="loopback only, even as root (no partitions)")
+    ap.add_argument("--keep", action="store_true", help="keep the state directory (logs) afterwards")
+    ap.add_argument("--schedule", type=int, metavar="N", help="print the first N faults of the seed and exit")
+    args = ap.parse_args()
+    if args.replicas < 2:
+        ap.error("faults need --replicas 2 or more (one node out at a time)")
+    if args.schedule:
+        netns = os.geteuid() == 0 and shutil.which("ip") is not None and not args.no_netns
+        kinds = ["kill", "stop", "mount"] + (["partition"] if netns else [])
+        gen = schedule(args.seed, kinds, [f"n{i + 1}" for i in range(args.nodes)])
+        print(json.dumps([next(gen) for _ in range(args.schedule)], indent=1))
+        return 0
+    result = run(args)
+    text = json.dumps(result, indent=1)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    summary = {k: result[k] for k in ("operations", "faults", "errors", "lost", "checked_bytes", "allowed")}
+    print(json.dumps(summary, indent=1))
+    return 0 if result["errors"] == 0 and result["lost"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
