@@ -324,34 +324,37 @@ class TcpTransport(Transport):
         async def refuse(h: P.Header, status: int, message: str) -> None:
             await respond(h, [message.encode()], status)
 
+        async def answer(h: P.Header, payload: list, status: int = P.Status.OK) -> None:
+            """The response of a call or notification, which may finish after its caller left:
+            a peer gone by then ends nothing but this answer (never the node)."""
+            try:
+                await respond(h, payload, status)
+            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+
         async def run_call(h: P.Header, payload: bytearray) -> None:
             try:
                 method, args = P.decode_call(payload)
                 result = await handler(method, args)
-                body = P.encode_result(result)
-                await respond(h, [body])
+                await answer(h, [P.encode_result(result)])
             except RemoteError as exc:
-                await respond(h, [P.encode_remote_error(exc.code, exc.message)], P.Status.REMOTE)
+                await answer(h, [P.encode_remote_error(exc.code, exc.message)], P.Status.REMOTE)
             except ProtocolError as exc:
                 log.warning("%s: %s", peer, exc)
-                await refuse(h, P.Status.BAD_REQUEST, str(exc))
-            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
-                pass  # the caller went away; nothing to answer
+                await answer(h, [str(exc).encode()], P.Status.BAD_REQUEST)
             except Exception as exc:  # a bug in a handler must not take the node down
                 log.exception("%s: control call failed", peer)
-                await respond(h, [P.encode_remote_error("EIO", f"{type(exc).__name__}: {exc}")], P.Status.REMOTE)
+                await answer(h, [P.encode_remote_error("EIO", f"{type(exc).__name__}: {exc}")], P.Status.REMOTE)
 
         async def run_imm(h: P.Header) -> None:
             try:
                 result = await on_imm(self.regions.get(h.rkey), h.offset, h.length, h.imm)
-                await respond(h, [P.encode_result(result)])
+                await answer(h, [P.encode_result(result)])
             except RemoteError as exc:
-                await respond(h, [P.encode_remote_error(exc.code, exc.message)], P.Status.REMOTE)
-            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
+                await answer(h, [P.encode_remote_error(exc.code, exc.message)], P.Status.REMOTE)
             except Exception as exc:  # a bug in a handler must not take the node down
                 log.exception("%s: notification handler failed", peer)
-                await respond(h, [P.encode_remote_error("EIO", f"{type(exc).__name__}: {exc}")], P.Status.REMOTE)
+                await answer(h, [P.encode_remote_error("EIO", f"{type(exc).__name__}: {exc}")], P.Status.REMOTE)
 
         async def land(h: P.Header) -> bool:
             """Receive a write's payload straight into its region; False (and answered) if the

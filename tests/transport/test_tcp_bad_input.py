@@ -7,7 +7,7 @@ import pytest
 import trio
 
 from irdmafs.transport import protocol as P
-from irdmafs.transport.base import Access, client_proof, new_nonce
+from irdmafs.transport.base import Access, RemoteError, client_proof, new_nonce
 from irdmafs.transport.tcp import TcpTransport
 
 from .conftest import TOKEN, handler
@@ -141,3 +141,24 @@ async def test_peer_vanishing_mid_request_fails_pending_ops(nursery):
         while not results:
             await trio.sleep(0.01)
     assert isinstance(results[0], PeerLost)
+
+
+@pytest.mark.parametrize("method", ["echo", "fail", "crash"])
+async def test_a_caller_gone_before_its_answers_ends_only_those_answers(node, method):
+    """Calls whose caller closed the connection before their answers went out: the first
+    answer provokes a reset, the next ones fail with EPIPE. That must end the connection, not
+    the node. Found by scripts/chaos.py: a node resumed from SIGSTOP found a mount's calls
+    queued behind the mount's close, answered the first with EAGAIN (it had just fenced), and
+    the broken pipe of the second error answer killed the node."""
+    _, _, port = node
+    s, _, _ = await trio.to_thread.run_sync(raw_session, port)
+    body = P.encode_call(method, {})
+    s.sendall(b"".join(P.pack(P.Header(P.Op.CALL, req_id=i, length=len(body))) + body for i in range(1, 9)))
+    s.close()  # before the node has read any of them: it reads the calls, then the end
+    await trio.sleep(0.5)
+    s2, _, _ = await trio.to_thread.run_sync(raw_session, port)  # the node still serves
+    body = P.encode_call("echo", {"x": 1})
+    s2.sendall(P.pack(P.Header(P.Op.CALL, req_id=99, length=len(body))) + body)
+    h, payload = await trio.to_thread.run_sync(answer, s2)
+    assert h.req_id == 99 and h.status == P.Status.OK
+    s2.close()
