@@ -199,6 +199,8 @@ class Node(Membership, Training):
             self.latency.observe(method, time.perf_counter() - t0)
 
     def _require_ready(self) -> None:
+        if self.state == READY:
+            self._check_stall()  # calls queued while this process was stopped find it fenced
         if self.state != READY:
             raise RemoteError("EAGAIN", f"node {self.name} is {self.state}")
 
@@ -569,17 +571,26 @@ class Node(Membership, Training):
         def mine(fid: int, idx: int) -> bool:
             return self.name in [n for n in self.cluster.stripe_rank(fid, idx) if n in live][: self.cfg.replicas]
 
-        await self._pull_stripes("resync", peers, mine)
+        await self._pull_stripes("resync", peers, mine, converge=True)
         await self._pull_training_records(peers, mine)
         log.info("resync of node %s done in %.2fs", self.name, time.monotonic() - t0)
 
-    async def _pull_stripes(self, what: str, peers: list[str], mine, *, strict: bool = False) -> dict:
+    async def _pull_stripes(self, what: str, peers: list[str], mine, *, strict: bool = False, converge: bool = False) -> dict:
         """Fetch, from ``peers``, the newest copy of every stripe (live, snapshot, optimizer
         state) for which ``mine(fid, idx)`` holds and that this node lacks or holds older. With
         ``strict``, a peer that cannot be listed or a stripe that cannot be fetched is an error
         (a rebalance must not switch over without every copy); otherwise it is logged. A stripe
         that every peer holding its newest copy has freed meanwhile (a namespace op: unlink,
-        truncate) has nothing to copy."""
+        truncate) has nothing to copy.
+
+        With ``converge`` (a resync: this node was away, its ready peers hold the truth), a
+        stripe of this node that its peers hold at a *lower* version is replaced by theirs,
+        and one that no home peer holds any more is dropped, unless it changed since the
+        listing (a write replicated here meanwhile). A stripe freed by a truncate this node
+        missed and then written again starts over at version 1 on its peers: keeping the old
+        copy because its version is higher would serve old bytes (found by scripts/chaos.py)."""
+        before = {key: s.version for key, s in self.store.stripes.items()} if converge else {}
+        listed: set[str] = set()
         newest: dict[tuple[int, int, int], tuple[int, list[str], int]] = {}
         for peer in peers:
             try:
@@ -589,6 +600,7 @@ class Node(Membership, Training):
                     raise RemoteError("EAGAIN", f"{what}: cannot list {peer}: {exc}") from None
                 log.warning("%s: cannot list %s: %s", what, peer, exc)
                 continue
+            listed.add(peer)
             for fid, idx, snap, version, cap in listing:
                 best = newest.get((fid, idx, snap))
                 if best is None or version > best[0]:
@@ -602,6 +614,23 @@ class Node(Membership, Training):
             held = self.store.get(fid, idx, snap)
             if fid in files.get(snap, ()) and mine(fid, idx) and (held is None or held.version < version):
                 todo.append((fid, idx, snap, holders, cap))
+            elif converge and held is not None and held.version > version and before.get((fid, idx, snap)) == held.version:
+                log.info("%s: stripe %d:%d (snapshot %d) is at version %d here, %d on its peers: taking theirs", what, fid, idx, snap, held.version, version)
+                self.store.drop_keys([(fid, idx, snap)])
+                todo.append((fid, idx, snap, holders, cap))
+        if converge:
+            gone = []
+            for key, version in before.items():
+                homes = self.cluster.stripe_rank(key[0], key[1])[: self.cfg.replicas]
+                others = [n for n in homes if n != self.name]
+                held = self.store.get(*key)
+                # every other home answered and none holds it: freed while this node was away
+                # (a home that did not answer may hold the last copy: then it stays)
+                if key not in newest and self.name in homes and others and set(others) <= listed and held is not None and held.version == version:
+                    gone.append(key)
+            if gone:
+                log.info("%s: %d stripes freed on every peer while this node was away: dropped here", what, len(gone))
+                self.store.drop_keys(gone)
         total_bytes = sum(t[4] for t in todo)
         log.info("%s: %d stripes (%d bytes) to fetch from %d peers", what, len(todo), total_bytes, len(peers))
         done_bytes, last_log = 0, time.monotonic()

@@ -342,3 +342,31 @@ async def test_a_metadata_op_retried_after_its_answer_was_lost_is_applied_once(c
     with pytest.raises(RemoteError) as err:  # a new request for the same name still fails
         await other.rpc_meta(op=dict(op, rid="client:x:2"))
     assert err.value.code == "EEXIST"
+
+
+async def test_a_resync_drops_stripes_freed_meanwhile_and_takes_its_peers_lower_versions(cluster):
+    """A node away while a file was truncated and written again holds the old stripes at
+    higher versions than the new ones (a freed stripe starts over at 1); on resync its ready
+    peers hold the truth. Found by scripts/chaos.py (old bytes read after a SIGSTOP)."""
+    cfg, nodes = cluster
+    unit = cfg.stripe_unit
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
+        old = os.urandom(8 * unit)
+        attr = await c.write_file("/f", old)
+        fid = attr["ino"]
+        away = max(nodes, key=lambda n: (n.store.get(fid, 1) is not None, sum(n.store.get(fid, i) is not None for i in range(2, 8))))
+        freed = [i for i in range(2, 8) if away.store.get(fid, i) is not None]
+        assert away.store.get(fid, 1) is not None and freed
+        stale = {i: bytes(away.store.get(fid, i).data[:unit]) for i in [1, *freed]}
+        # what the away node missed: a truncate to 1 stripe, then stripe 1 written again
+        await c.truncate(fid, unit)
+        new = os.urandom(unit)
+        await c.write(fid, unit, new)
+        assert (await c.read_file("/f"))[unit:] == new
+    # put the missed state back on the away node, as if it had been stopped meanwhile
+    for i, data in stale.items():
+        away.store.replace(fid, i, memoryview(data), unit, 9)
+    await away.resync()
+    assert all(away.store.get(fid, i) is None for i in freed)  # freed on every peer: dropped
+    held = away.store.get(fid, 1)
+    assert held is not None and bytes(held.data[:unit]) == new  # the peers' (lower) version won
