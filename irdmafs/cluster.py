@@ -104,6 +104,14 @@ class Cluster:
         self.restarts_seen = 0
         # sent with every heartbeat: "owner" keeps this process's staging leased (server/node.py)
         self.heartbeat_args: dict = {}
+        # A node's own word on its state, from its last heartbeat (nodes only say "ready" after a
+        # resync). A client trusts "ready" only if no other ready node counts that one out
+        # (_confirmed): a node cut off for a moment may say "ready" before it learns that its
+        # peers wrote without it. A node that counts a peer down remembers the (incarnation,
+        # serving generation) it lost and says so in its probes: that peer then fences and
+        # resyncs unless it has done so since (server/membership.py, _lost_by_peer).
+        self.claimed: dict[str, str] = {}
+        self.lost: dict[str, list[int]] = {}
 
     # -- states ------------------------------------------------------------------------------
     def node_state(self, name: str) -> str:
@@ -113,6 +121,11 @@ class Cluster:
         if name not in self.cfg.names and name not in self.known:
             return  # no longer a member: nothing to track
         old = self.state.get(name)
+        if state == DOWN and self.me is not None and old in (READY, SYNCING) and name in self.info:
+            info = self.info[name]
+            self.lost[name] = [info.get("incarnation", 0), info.get("gen", 0)]
+        if state == DOWN:
+            self.claimed.pop(name, None)
         if old != state:
             self.state[name] = state
             log.log(logging.WARNING if state == DOWN else logging.INFO, "node %s: %s -> %s%s", name, old, state, f" ({why})" if why else "")
@@ -282,15 +295,25 @@ class Cluster:
         sent = trio.current_time()
         try:
             with trio.fail_after(self.cfg.down_after):
-                info = await self.call(name, "heartbeat", {"from": self.me or "client", **self.heartbeat_args}, timeout=self.cfg.down_after)
+                args = {"from": self.me or "client", **self.heartbeat_args}
+                if name in self.lost and self._my_state() == READY:  # a fenced node's word is no proof
+                    args["lost_at"] = self.lost[name]
+                info = await self.call(name, "heartbeat", args, timeout=self.cfg.down_after)
         except (NodeDown, trio.TooSlowError, RemoteError) as exc:
             self.mark_down(name, str(exc) or "no heartbeat", since=sent)
             return
         self._seen(name, info.get("incarnation", 0))
         self.info[name] = info
         self.info_at[name] = trio.current_time()
+        if self.lost.get(name) not in (None, [info.get("incarnation", 0), info.get("gen", 0)]):
+            del self.lost[name]  # it restarted or resynced since we lost it
         if self.vouched_at.get(name, -math.inf) < sent:  # else older than what the node told us
-            self._set(name, info.get("state", DOWN))
+            if self.me is None:
+                self.claimed[name] = info.get("state", DOWN)
+                for n in list(self.claimed):  # this answer may change what others are trusted with
+                    self._set(n, self._confirmed(n))
+            else:
+                self._set(name, info.get("state", DOWN))
         if self.follow_membership and info.get("epoch", 0) > self.epoch:  # a rebalance switched membership: follow it
             try:
                 m = await self.call(name, "members")
@@ -301,6 +324,17 @@ class Cluster:
                 self.adopt([NodeSpec(n["name"], n["host"], n["port"]) for n in m["nodes"]], m["replicas"], m["epoch"])
                 if self.on_adopt is not None:
                     self.on_adopt(m["epoch"])
+
+    def _confirmed(self, name: str) -> str:
+        """What a client takes node ``name`` for: its own word, except that "ready" counts as
+        "syncing" while another node that says "ready" does not count it ready."""
+        claimed = self.claimed.get(name, DOWN)
+        if claimed != READY:
+            return claimed
+        for other, said in self.claimed.items():
+            if other != name and said == READY and name not in self.info.get(other, {}).get("sees_ready", [name]):
+                return SYNCING
+        return READY
 
     def know(self, specs: list[NodeSpec]) -> None:
         """Nodes this process may connect to before they are members (a rebalance's copies)."""

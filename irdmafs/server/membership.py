@@ -49,10 +49,12 @@ class Membership:
         hand-over (``_await_takeover``). Peers' heartbeat probes begun before a node's own word
         are ignored (Cluster.vouch)."""
         self.state = SYNCING
+        self.cluster.lost.clear()  # what it lost while serving before, its resync takes care of
         self.taken_over = trio.Event()
         await self._tell_peers("joining")
         await self.resync()
         self.state = READY
+        self.gen += 1  # a new serving generation: peers that lost the old one trust this one
         self.ready_since = self.last_tick = trio.current_time()
         handed = await self._tell_peers("handover")
         await self._catch_up(handed)
@@ -154,6 +156,17 @@ class Membership:
         """A ready peer to resync from, or (everyone fenced) a majority to decide with."""
         return any(self.cluster.node_state(n) == READY for n in self.cfg.names if n != self.name) or self._reaches_majority()
 
+    def _lost_by_peer(self, lost_at: list | None) -> None:
+        """A peer counted this node down while it served generation ``lost_at`` (incarnation,
+        generation), and may have written without it since: if that is still the generation
+        it serves, it fences and resyncs before it serves again. A node cut off for a moment
+        (a partition shorter than its own fencing grace) would otherwise come back ready and
+        serve what it missed."""
+        if self.state == READY and lost_at is not None and list(lost_at) == [self.transport.incarnation, self.gen]:
+            log.warning("node %s fenced: a peer counted it down (generation %d); it serves nothing until it has resynced", self.name, self.gen)
+            self.state = SYNCING
+            self.must_rejoin = True
+
     def _check_stall(self) -> None:
         """Fence at once if this process did not run for most of ``down_after`` (SIGSTOP, a
         paused VM, swapping): its peers may have counted it down and gone on writing without
@@ -165,7 +178,7 @@ class Membership:
         if gap > 0.8 * self.cfg.down_after and self.state == READY:
             log.warning("node %s fenced: it did not run for %.1f s (stopped or paused); it serves nothing until it has resynced", self.name, gap)
             self.state = SYNCING
-            self.stalled = True
+            self.must_rejoin = True
 
     async def _fence_loop(self) -> None:
         """A node cut off from the cluster stops serving (syncing) and, once it reaches a peer
@@ -174,8 +187,8 @@ class Membership:
         while True:
             await trio.sleep(min(self.cfg.heartbeat, self.cfg.down_after / 4))
             self._check_stall()
-            if self.stalled:
-                self.stalled = False
+            if self.must_rejoin:  # fenced by a stall or by a peer that lost it (rpc_heartbeat)
+                self.must_rejoin = False
             else:
                 cut = self._cut_off() if self.state == READY else None
                 if cut is None:

@@ -140,7 +140,8 @@ class Node(Membership, Training):
         self.work: dict = {}
         self.ready_since = 0.0  # long work under way (resync, rebalance): shown by heartbeats
         self.last_tick = 0.0  # when this process last ran its fence ticker or a heartbeat (trio clock)
-        self.stalled = False  # a stall fenced this node; its fence loop resyncs it
+        self.must_rejoin = False  # fenced by a stall or a peer: its fence loop resyncs it
+        self.gen = 0  # serving generation: +1 each time this node becomes ready (after a resync)
         self.thawed = trio.Event()
         self.thawed.set()
 
@@ -209,9 +210,10 @@ class Node(Membership, Training):
     def sees_all_ready(self) -> bool:
         return self.cluster is not None and self.cluster.ready() == self.cfg.names
 
-    async def rpc_heartbeat(self, owner: str | None = None, **_: Any) -> dict:
+    async def rpc_heartbeat(self, owner: str | None = None, lost_at: list | None = None, **_: Any) -> dict:
         if self.state == READY:
             self._check_stall()  # before saying "ready": this process may have been stopped
+            self._lost_by_peer(lost_at)
         if owner is not None:
             self.owner_seen[owner] = trio.current_time()
         return {
@@ -225,6 +227,7 @@ class Node(Membership, Training):
             "transport": self.transport.name,
             "pid": __import__("os").getpid(),
             "incarnation": self.transport.incarnation,
+            "gen": self.gen,
             "uptime": round(time.time() - self.started, 3),
             "epoch": self.cluster.epoch if self.cluster else 0,
             "work": self.work,
