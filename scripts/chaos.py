@@ -100,7 +100,9 @@ class Tally:
             self.checked += len(want)
             self.lost += wrong
         if wrong:
-            self.error(what, f"{wrong} bytes wrong or missing (read {len(got)}, expected {len(want)})")
+            bad = np.flatnonzero(a != b)
+            where = f", first at {int(bad[0])}, last at {int(bad[-1])}" if len(bad) else ""
+            self.error(what, f"{wrong} bytes wrong or missing (read {len(got)}, expected {len(want)}{where})")
 
     def attempt(self, what: str, fn):
         """Run one user call: True once done, None if it failed inside a mount outage (its
@@ -491,6 +493,8 @@ class Bed:
 def run(args: argparse.Namespace) -> dict:
     netns = os.geteuid() == 0 and shutil.which("ip") is not None and not args.no_netns
     kinds = ["kill", "stop", "mount"] + (["partition"] if netns else [])
+    if args.faults:
+        kinds = [k for k in args.faults.split(",") if k in kinds]
     tally = Tally()
     with ExitStack() as stack:
         tmp = Path(tempfile.mkdtemp(prefix="irdmafs-chaos-"))
@@ -564,6 +568,7 @@ def main() -> int:
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--no-netns", action="store_true", help="loopback only, even as root (no partitions)")
     ap.add_argument("--keep", action="store_true", help="keep the state directory (logs) afterwards")
+    ap.add_argument("--faults", help="only these kinds, comma-separated (to chase one finding)")
     ap.add_argument("--schedule", type=int, metavar="N", help="print the first N faults of the seed and exit")
     args = ap.parse_args()
     if args.replicas < 2:

@@ -16,6 +16,7 @@ Everything here runs on the node's trio thread and uses its cluster view, store 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import asdict
 
 import trio
@@ -54,6 +55,8 @@ class Membership:
         await self._tell_peers("joining")
         await self.resync()
         self.state = READY
+        self.suspect_since = math.inf
+        self.led.clear()  # what it led before is settled by this resync
         self.gen += 1  # a new serving generation: peers that lost the old one trust this one
         self.ready_since = self.last_tick = trio.current_time()
         handed = await self._tell_peers("handover")
@@ -164,6 +167,8 @@ class Membership:
         serve what it missed."""
         if self.state == READY and lost_at is not None and list(lost_at) == [self.transport.incarnation, self.gen]:
             log.warning("node %s fenced: a peer counted it down (generation %d); it serves nothing until it has resynced", self.name, self.gen)
+            # it was cut off since some time within the peer's down_after and op timeouts
+            self.suspect_since = trio.current_time() - 2 * (self.cfg.op_timeout + self.cfg.down_after)
             self.state = SYNCING
             self.must_rejoin = True
 
@@ -177,6 +182,7 @@ class Membership:
         gap, self.last_tick = now - self.last_tick, now
         if gap > 0.8 * self.cfg.down_after and self.state == READY:
             log.warning("node %s fenced: it did not run for %.1f s (stopped or paused); it serves nothing until it has resynced", self.name, gap)
+            self.suspect_since = now - gap - self.cfg.op_timeout  # commits begun before the stall
             self.state = SYNCING
             self.must_rejoin = True
 
@@ -199,6 +205,7 @@ class Membership:
                 if trio.current_time() - cut_since < grace:
                     continue  # a moment without heartbeats: not yet a partition
                 log.warning("node %s fenced: %s; it serves nothing until it has resynced", self.name, why)
+                self.suspect_since = trio.current_time() - 2 * (self.cfg.op_timeout + self.cfg.down_after) - grace
                 self.state = SYNCING
             while not self._may_rejoin():
                 await self.cluster.wait_changed(self.cfg.heartbeat * 5)

@@ -63,6 +63,7 @@ MAX_STAGING_PER_OWNER = 512 << 20
 # freed: a killed mount never says "release". A live owner cut off longer than this finds its
 # region gone (AccessError) and asks for a new one.
 STAGING_LEASE = 60.0
+VERSION_SHIFT = 32  # a stripe takes 2**32 writes before its versions reach the next base
 FREEZE_SECONDS = 30.0  # a frozen node thaws by itself after this
 
 
@@ -116,6 +117,11 @@ class Node(Membership, Training):
         self.meta = Meta()
         self.persist = Persist(persist) if persist else None
         self.store = Store(transport, cfg.capacity, self.persist)
+        # A stripe created after namespace op N starts at version N << 32 + 1: a truncate is an
+        # op, so a stripe freed and written again is always "newer" than its old copies, which
+        # a node away meanwhile may still hold (its resync then takes the new one). Every node
+        # has applied the truncate before the write that recreates the stripe is sent.
+        self.store.version_base = lambda: self.meta.seq << VERSION_SHIFT
         self.meta_lock = trio.Lock()
         self.stripe_locks = KeyedLocks()
         self.staging: dict[str, list] = defaultdict(list)
@@ -142,6 +148,12 @@ class Node(Membership, Training):
         self.last_tick = 0.0  # when this process last ran its fence ticker or a heartbeat (trio clock)
         self.must_rejoin = False  # fenced by a stall or a peer: its fence loop resyncs it
         self.gen = 0  # serving generation: +1 each time this node becomes ready (after a resync)
+        # (fid, idx, snap) -> when this node last gave the stripe a version as its primary. A
+        # node fenced by a stall or a peer may have given versions whose replication never
+        # finished (nor was acknowledged) while the next primary gave the same numbers to other
+        # bytes: its resync takes its peers' copy of what it led since ``suspect_since``.
+        self.led: dict[tuple[int, int, int], float] = {}
+        self.suspect_since = math.inf
         self.thawed = trio.Event()
         self.thawed.set()
 
@@ -484,6 +496,7 @@ class Node(Membership, Training):
                 # again, under the lock: a rebalance or a hand-over may have moved it meanwhile
                 self._check_primary(fid, idx)
                 version = self.store.install(fid, idx, offset, data, unit)
+                self.led[(fid, idx, 0)] = trio.current_time()
                 stripe = self.store.get(fid, idx)
                 async with trio.open_nursery() as n:
                     for peer in self.cluster.targets(fid, idx):
@@ -542,7 +555,9 @@ class Node(Membership, Training):
             if full:
                 if version > current:
                     self.store.replace(fid, idx, data, unit, version, snap, clock)
-            elif current == version - 1:
+            elif current == version - 1 or (stripe is None and version & ((1 << VERSION_SHIFT) - 1) == 1):
+                # the next version, or the first of a stripe the primary just created (its other
+                # bytes are zeros, as a missing stripe's are here)
                 self.store.install(fid, idx, offset, data, unit, version, clock, snap)
             elif current < version:
                 return {"stale": True}
@@ -617,8 +632,8 @@ class Node(Membership, Training):
             held = self.store.get(fid, idx, snap)
             if fid in files.get(snap, ()) and mine(fid, idx) and (held is None or held.version < version):
                 todo.append((fid, idx, snap, holders, cap))
-            elif converge and held is not None and held.version > version and before.get((fid, idx, snap)) == held.version:
-                log.info("%s: stripe %d:%d (snapshot %d) is at version %d here, %d on its peers: taking theirs", what, fid, idx, snap, held.version, version)
+            elif converge and held is not None and held.version >= version and before.get((fid, idx, snap)) == held.version and (held.version > version or self.led.get((fid, idx, snap), -math.inf) >= self.suspect_since):
+                log.info("%s: stripe %d:%d (snapshot %d) is at version %d here (led here before the fence), %d on its peers: taking theirs", what, fid, idx, snap, held.version, version)
                 self.store.drop_keys([(fid, idx, snap)])
                 todo.append((fid, idx, snap, holders, cap))
         if converge:

@@ -79,6 +79,12 @@ class Store:
         region.buf[:] = raw
         self.stripes[key] = Stripe(region)
 
+    def version_base(self) -> int:
+        """Where a new stripe's versions start: above every version an earlier stripe of the
+        same (file, index) had, freed since (a truncate), so that "newer" stays "higher" for
+        replicas and resyncs (the node sets it from its namespace's sequence number)."""
+        return 0
+
     def get(self, fid: int, idx: int, snap: int = 0) -> Stripe | None:
         return self.stripes.get((fid, idx, snap))
 
@@ -114,10 +120,11 @@ class Store:
         """Copy ``data`` into the stripe at ``offset`` under the seqlock, and set its clock if
         given; returns the new version (the next one, or ``version`` when a primary dictates it
         to a backup)."""
+        fresh = (fid, idx, snap) not in self.stripes
         stripe = self.ensure(fid, idx, offset + len(data), unit, snap)
         buf = stripe.region.buf
         word = _WORD.unpack_from(buf, 0)[0]
-        new = word // 2 + 1 if version is None else version
+        new = (self.version_base() + 1 if fresh else word // 2 + 1) if version is None else version
         _WORD.pack_into(buf, 0, word | 1)
         buf[HEADER + offset : HEADER + offset + len(data)] = data
         if clock is not None:
@@ -131,10 +138,11 @@ class Store:
         under the seqlock (it must not await), then the clock is set if given; returns the new
         version. An optimizer step this way writes the parameters once, where a copy out, the
         step and ``install`` would pass over them three times."""
+        fresh = (fid, idx, 0) not in self.stripes
         stripe = self.ensure(fid, idx, offset + length, unit)
         buf = stripe.region.buf
         word = _WORD.unpack_from(buf, 0)[0]
-        new = word // 2 + 1
+        new = self.version_base() + 1 if fresh else word // 2 + 1
         _WORD.pack_into(buf, 0, word | 1)
         try:
             if fn is not None:

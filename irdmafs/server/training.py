@@ -232,6 +232,7 @@ class Training:
             self._apply_updates(fid, idx, np.frombuffer(view, dtype), updates, opt, unit)
 
         self.store.update(fid, idx, offset, count * dtype.itemsize, unit, step if updates else None, clock=clock)
+        self.led[(fid, idx, 0)] = trio.current_time()
         self.apply_seconds += time.perf_counter() - t0
         await self._replicate_training(fid, idx, offset, count * dtype.itemsize, unit, len(opt.state_names) if updates else 0, record)
 
