@@ -175,11 +175,14 @@ class Cluster:
         return chosen
 
     def read_candidates(self, fid: int, idx: int) -> list[str]:
-        """Ready nodes to try for a read: the stripe's first R by load, then the rest (a node that
-        stood in while another was down may hold the newest copy)."""
-        ready = [n for n in self.stripe_rank(fid, idx) if self.node_state(n) == READY]
-        first = sorted(ready[: self.cfg.replicas], key=lambda n: self.load[n])
-        return first + ready[self.cfg.replicas :]
+        """Ready nodes to try for a read: the stripe's ready homes (the first R of its ranking)
+        by load, then ready stand-ins. A ready home holds the newest copy (it took every write,
+        or resynced before it said ready); a stand-in took writes only while a home was out and
+        keeps that copy afterwards, so it is asked only when no home can answer (a stale
+        stand-in served old bytes during the next outage; found by scripts/chaos.py)."""
+        ranking = self.stripe_rank(fid, idx)
+        homes = [n for n in ranking[: self.cfg.replicas] if self.node_state(n) == READY]
+        return sorted(homes, key=lambda n: self.load[n]) + [n for n in ranking[self.cfg.replicas :] if self.node_state(n) == READY]
 
     # -- connections ---------------------------------------------------------------------------
     async def conn(self, name: str) -> Connection:

@@ -365,10 +365,7 @@ class Client:
             t = attr.get("tensor")
             if not t:
                 raise RemoteError("EINVAL", f"inode {ino} is not a tensor")
-            primary = self.cluster.stripe_primary(ino, t["offset"] // attr["unit"])
-            if primary is None:
-                raise RemoteError("EIO", "no ready node")
-            info = await self.cluster.call(primary, "train_info", {"fid": ino, "rank": rank})
+            info = await self._stripe_call(ino, t["offset"] // attr["unit"], "train_info", {"fid": ino, "rank": rank})
             self._train[key] = dict(info, attr=attr, fetched=trio.current_time())
         return self._train[key]
 
@@ -631,10 +628,27 @@ class Client:
                     n.start_soon(self._train_wait, ino, p.idx, rank, info["pushed"], info["timeout"])
 
     async def _train_wait(self, ino: int, idx: int, rank: int, pushed: int, timeout: float) -> None:
-        primary = self.cluster.stripe_primary(ino, idx)
-        if primary is None:
-            raise RemoteError("EIO", f"no primary for stripe {idx} of inode {ino}")
-        await self.cluster.call(primary, "train_wait", {"fid": ino, "idx": idx, "rank": rank, "pushed": pushed, "timeout": timeout}, timeout=timeout + self.cfg.op_timeout)
+        await self._stripe_call(ino, idx, "train_wait", {"fid": ino, "idx": idx, "rank": rank, "pushed": pushed, "timeout": timeout}, timeout=timeout + self.cfg.op_timeout)
+
+    async def _stripe_call(self, fid: int, idx: int, method: str, args: dict, *, timeout: float | None = None) -> dict:
+        """A control call to the stripe's primary, following it when it moves (a node lost or
+        fenced mid-call is not an error the user should see while a replica can answer)."""
+        with trio.fail_after((timeout or self.cfg.op_timeout) + 2 * self.cfg.op_timeout):
+            while True:
+                primary = self.cluster.stripe_primary(fid, idx)
+                if primary is None:
+                    await self.cluster.wait_changed(0.5)
+                    await self.cluster.refresh()
+                    continue
+                try:
+                    return await self.cluster.call(primary, method, args, timeout=timeout)
+                except NodeDown:
+                    continue
+                except RemoteError as exc:
+                    if exc.code not in ("ENOTPRIMARY", "EAGAIN"):
+                        raise
+                    await trio.sleep(0.1)
+                    await self.cluster.refresh()
 
     def forget_training(self, ino: int | None = None) -> None:
         """Drop cached policy/push counts (a policy xattr changed, or a rank was removed)."""
