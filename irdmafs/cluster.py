@@ -205,6 +205,14 @@ class Cluster:
                 self._seen(name, conn.incarnation)
         return conn
 
+    def _failed(self, name: str, exc: BaseException, begun: float) -> None:
+        """An operation on ``name`` failed: a lost connection counts it down. A timeout does on
+        a node (a replication that did not land must keep the peer from serving until it
+        resyncs), not on a client: a call may wait on purpose (a commit during a snapshot's
+        freeze), and heartbeats tell a hung node from a busy one soon enough."""
+        if isinstance(exc, PeerLost) or self.me is not None:
+            self.mark_down(name, str(exc) or "timed out", since=begun)
+
     def _seen(self, name: str, incarnation: int) -> None:
         """``name`` answered as ``incarnation``: a new one means it restarted, and everything
         cached from the old one is dropped before anything uses the new connection."""
@@ -240,7 +248,7 @@ class Cluster:
         try:
             return await conn.call(method, args or {}, timeout=timeout or self.cfg.op_timeout), conn.incarnation
         except (PeerLost, TimeoutError) as exc:
-            self.mark_down(name, str(exc), since=begun)
+            self._failed(name, exc, begun)
             raise NodeDown(name, str(exc)) from None
 
     async def write(self, name: str, rkey: int, offset: int, data, inc: int | None = None) -> None:
@@ -252,7 +260,7 @@ class Cluster:
             with trio.fail_after(self.cfg.op_timeout):
                 await conn.write(rkey, offset, data)
         except (PeerLost, TimeoutError, trio.TooSlowError) as exc:
-            self.mark_down(name, str(exc) or "write timed out", since=begun)
+            self._failed(name, exc, begun)
             raise NodeDown(name, str(exc) or "write timed out") from None
 
     async def write_imm(self, name: str, rkey: int, offset: int, data, imm: int, inc: int | None = None) -> dict:
@@ -263,7 +271,7 @@ class Cluster:
             with trio.fail_after(self.cfg.op_timeout * 3):
                 return await conn.write_imm(rkey, offset, data, imm)
         except (PeerLost, TimeoutError, trio.TooSlowError) as exc:
-            self.mark_down(name, str(exc) or "write timed out", since=begun)
+            self._failed(name, exc, begun)
             raise NodeDown(name, str(exc) or "write timed out") from None
 
     async def read_stripe(self, name: str, rkey: int, offset: int, into: memoryview, inc: int | None = None) -> tuple[int, int]:
@@ -275,7 +283,7 @@ class Cluster:
             with trio.fail_after(self.cfg.op_timeout):
                 return await read_verified(conn, rkey, offset, into)
         except (PeerLost, TimeoutError, trio.TooSlowError) as exc:
-            self.mark_down(name, str(exc) or "read timed out", since=begun)
+            self._failed(name, exc, begun)
             raise NodeDown(name, str(exc) or "read timed out") from None
         finally:
             self.load[name] -= 1
@@ -289,7 +297,7 @@ class Cluster:
             with trio.fail_after(self.cfg.op_timeout):
                 await conn.read(rkey, 0, buf)
         except (PeerLost, TimeoutError, trio.TooSlowError) as exc:
-            self.mark_down(name, str(exc) or "read timed out", since=begun)
+            self._failed(name, exc, begun)
             raise NodeDown(name, str(exc) or "read timed out") from None
         return _WORD.unpack_from(buf, 0)[0] // 2, _WORD.unpack_from(buf, 8)[0]
 
