@@ -128,6 +128,10 @@ class Cluster:
             self.claimed.pop(name, None)
         if old != state:
             self.state[name] = state
+            if self.me is not None and not self.reaches_majority():
+                # the cut-off side of a partition: its word that it lost the others must not
+                # fence them when the link returns (it fences itself, server/membership.py)
+                self.lost.clear()
             log.log(logging.WARNING if state == DOWN else logging.INFO, "node %s: %s -> %s%s", name, old, state, f" ({why})" if why else "")
             self.changed.set()
             self.changed = trio.Event()
@@ -147,6 +151,11 @@ class Cluster:
             self.nursery.start_soon(conn.aclose)
         if name != self.me and (since is None or self.vouched_at.get(name, -math.inf) < since):
             self._set(name, DOWN, why)
+
+    def reaches_majority(self) -> bool:
+        """Whether this node and the peers it does not count down are a majority."""
+        reachable = sum(self.node_state(n) != DOWN for n in self.cfg.names if n != self.me)
+        return reachable + 1 >= len(self.cfg.names) // 2 + 1
 
     def ready(self) -> list[str]:
         return [n for n in self.cfg.names if self.node_state(n) == READY]

@@ -136,8 +136,7 @@ class Membership:
     # -- fencing ---------------------------------------------------------------------------------
     def _reaches_majority(self) -> bool:
         """Whether this node and the peers it can reach are a majority of the cluster."""
-        reachable = sum(self.cluster.node_state(n) != DOWN for n in self.cfg.names if n != self.name)
-        return reachable + 1 >= len(self.cfg.names) // 2 + 1
+        return self.cluster.reaches_majority()
 
     def _cut_off(self) -> tuple[str, float] | None:
         """Why this node may hold stale data and how long that must last before it fences, or
