@@ -41,7 +41,7 @@ from typing import Any
 
 import trio
 
-from ..cluster import READY, SYNCING, Cluster, NodeDown, Slot, StagingPool, now_ns
+from ..cluster import DOWN, READY, SYNCING, Cluster, NodeDown, Slot, StagingPool, now_ns
 from ..config import ClusterConfig, ConfigError, load
 from ..metrics import Latency, node_samples
 from ..metrics import serve as serve_metrics
@@ -345,13 +345,27 @@ class Node(Membership, Training):
 
     async def _forward_meta(self, peer: str, seq: int, op: dict) -> None:
         try:
-            r = await self.cluster.call(peer, "meta_apply", {"seq": seq, "op": op})
+            r = await self.cluster.call(peer, "meta_apply", {"seq": seq, "op": op, "sender": self.name})
             if r.get("stale"):
                 await self.cluster.call(peer, "meta_restore", {"snapshot": self.meta.snapshot()})
         except (NodeDown, RemoteError) as exc:
             log.warning("metadata op %d not replicated to %s: %s", seq, peer, exc)
+            self.lost_replica(peer, exc)
 
-    async def rpc_meta_apply(self, seq: int, op: dict) -> dict:
+    def lost_replica(self, peer: str, exc: BaseException) -> None:
+        """A replication to ``peer`` failed for good: it lacks what it was sent, so it must not
+        serve before it resyncs. Counting it down here makes it fence (Cluster.lost)."""
+        self.cluster.mark_down(peer, f"replication failed: {exc}")
+
+    def _check_sender(self, sender: str) -> None:
+        """Replication only from a node this one does not count down: one that was (stopped,
+        cut off) may send what it began before, numbered as the next primary numbers other
+        bytes. It is refused; it fences (stall, or a peer's lost_at) and resyncs."""
+        if sender and self.cluster is not None and self.cluster.node_state(sender) == DOWN:
+            raise RemoteError("ESTALE", f"{sender} is counted down here: it must resync before it leads")
+
+    async def rpc_meta_apply(self, seq: int, op: dict, sender: str = "") -> dict:
+        self._check_sender(sender)
         if seq <= self.meta.seq:
             return {}
         if seq != self.meta.seq + 1:
@@ -514,7 +528,7 @@ class Node(Membership, Training):
             return await self.cluster.call(
                 peer,
                 "apply",
-                {"fid": fid, "idx": idx, "offset": off, "length": len(view), "rkey": slot.rkey, "soff": slot.offset, "version": version, "unit": unit, "full": full, "snap": snap, "clock": stripe.clock} | extra,
+                {"fid": fid, "idx": idx, "offset": off, "length": len(view), "rkey": slot.rkey, "soff": slot.offset, "version": version, "unit": unit, "full": full, "snap": snap, "clock": stripe.clock, "sender": self.name} | extra,
             )
 
         for attempt in (1, 2):
@@ -534,12 +548,14 @@ class Node(Membership, Training):
                     if attempt == 1:
                         continue
                 log.warning("stripe %d:%d version %d not replicated to %s: %s", fid, idx, version, peer, exc)
+                self.lost_replica(peer, exc)
                 return
 
-    async def rpc_apply(self, fid: int, idx: int, offset: int, length: int, rkey: int, soff: int, version: int, unit: int, full: bool, snap: int = 0, clock: int = 0, record: dict | None = None, pending: bool = False, state: int = 0) -> dict:
+    async def rpc_apply(self, fid: int, idx: int, offset: int, length: int, rkey: int, soff: int, version: int, unit: int, full: bool, snap: int = 0, clock: int = 0, record: dict | None = None, pending: bool = False, state: int = 0, sender: str = "") -> dict:
         """Install a range (or the whole stripe) a primary sent, in version order, with the
         push bookkeeping and the ``state`` optimizer-state stripes (sent ahead, ``pending``)
         that go with it (training) in the same step."""
+        self._check_sender(sender)
         self._check_range(offset, length, unit)
         data = self._staged(rkey, soff, length)
         if pending:  # optimizer state: kept aside until the parameters it belongs to arrive

@@ -246,7 +246,7 @@ class Training:
         blobs: list[np.ndarray] = []
         record = st.record(blobs)
         views = [memoryview(b).cast("B") for b in blobs]
-        args = {"fid": fid, "idx": idx, "record": record, "lengths": [len(v) for v in views]}
+        args = {"fid": fid, "idx": idx, "record": record, "lengths": [len(v) for v in views], "sender": self.name}
 
         async def staged(peer: str, slot) -> dict:
             await self.cluster.write(peer, slot.rkey, slot.offset, views, slot.inc)
@@ -260,13 +260,14 @@ class Training:
                     elif sum(args["lengths"]) <= self.peer_staging.slot_size:
                         await self.peer_staging.with_slot(peer, partial(staged, peer))
                     else:  # larger than a staging slot (many held pushes): inline, as base64
-                        await self.cluster.call(peer, "train_record", {"fid": fid, "idx": idx, "record": st.record()})
+                        await self.cluster.call(peer, "train_record", {"fid": fid, "idx": idx, "record": st.record(), "sender": self.name})
                     return
                 except (NodeDown, RemoteError, AccessError) as exc:
                     if attempt == 1 and not isinstance(exc, NodeDown) and (isinstance(exc, AccessError) or exc.code == "EINVAL"):
                         self.peer_staging.forget(peer)  # its staging region is gone (it restarted)
                         continue
                     log.warning("training record of stripe %d:%d not replicated to %s: %s", fid, idx, peer, exc)
+                    self.lost_replica(peer, exc)
                     return
 
         async with trio.open_nursery() as n:
@@ -274,9 +275,10 @@ class Training:
                 if peer != self.name:
                     n.start_soon(one, peer)
 
-    async def rpc_train_record(self, fid: int, idx: int, record: dict, lengths: list | None = None, rkey: int = 0, soff: int = 0) -> dict:
+    async def rpc_train_record(self, fid: int, idx: int, record: dict, lengths: list | None = None, rkey: int = 0, soff: int = 0, sender: str = "") -> dict:
         """A backup keeps the primary's push bookkeeping for a stripe (to take over with it);
         its arrays, if ``lengths`` are given, were staged at ``rkey``/``soff`` in that order."""
+        self._check_sender(sender)
         blobs = None
         if lengths:
             if not all(isinstance(n, int) and n >= 0 for n in lengths):
