@@ -67,6 +67,29 @@ class TornRead(TransportError):
     """A stripe kept changing under a reader for every retry."""
 
 
+class _AbortOnDown:
+    """Runs an operation on a node so that it fails (NodeDown) as soon as the node is counted
+    down, instead of waiting out its own timeout: heartbeats find a hung node in
+    ``down_after``, and what waits on it (a push, a commit) goes to a replica then."""
+
+    def __init__(self, cluster: "Cluster", name: str):
+        self.cluster, self.name = cluster, name
+        self.scope = trio.CancelScope()
+
+    def __enter__(self) -> None:
+        self.cluster._inflight[self.name].add(self.scope)
+        self.scope.__enter__()
+
+    def __exit__(self, *exc) -> bool:
+        try:
+            handled = self.scope.__exit__(*exc)
+        finally:
+            self.cluster._inflight[self.name].discard(self.scope)
+        if self.scope.cancelled_caught and self.cluster.state.get(self.name) == DOWN:
+            raise NodeDown(self.name, "counted down while the operation waited")
+        return handled
+
+
 class Cluster:
     def __init__(
         self,
@@ -112,6 +135,7 @@ class Cluster:
         # resyncs unless it has done so since (server/membership.py, _lost_by_peer).
         self.claimed: dict[str, str] = {}
         self.lost: dict[str, list[int]] = {}
+        self._inflight: dict[str, set[trio.CancelScope]] = defaultdict(set)  # see _AbortOnDown
 
     # -- states ------------------------------------------------------------------------------
     def node_state(self, name: str) -> str:
@@ -128,6 +152,9 @@ class Cluster:
             self.claimed.pop(name, None)
         if old != state:
             self.state[name] = state
+            if state == DOWN:
+                for scope in list(self._inflight.get(name, ())):
+                    scope.cancel()
             if self.me is not None and not self.reaches_majority():
                 # the cut-off side of a partition: its word that it lost the others must not
                 # fence them when the link returns (it fences itself, server/membership.py)
@@ -255,7 +282,8 @@ class Cluster:
             self.calls += 1
             self.calls_by_method[method] += 1
         try:
-            return await conn.call(method, args or {}, timeout=timeout or self.cfg.op_timeout), conn.incarnation
+            with _AbortOnDown(self, name):
+                return await conn.call(method, args or {}, timeout=timeout or self.cfg.op_timeout), conn.incarnation
         except (PeerLost, TimeoutError) as exc:
             self._failed(name, exc, begun)
             raise NodeDown(name, str(exc)) from None
@@ -266,7 +294,7 @@ class Cluster:
         begun = trio.current_time()
         conn = await self._conn_for(name, inc)
         try:
-            with trio.fail_after(self.cfg.op_timeout):
+            with _AbortOnDown(self, name), trio.fail_after(self.cfg.op_timeout):
                 await conn.write(rkey, offset, data)
         except (PeerLost, TimeoutError, trio.TooSlowError) as exc:
             self._failed(name, exc, begun)
@@ -277,7 +305,7 @@ class Cluster:
         begun = trio.current_time()
         conn = await self._conn_for(name, inc)
         try:
-            with trio.fail_after(self.cfg.op_timeout * 3):
+            with _AbortOnDown(self, name), trio.fail_after(self.cfg.op_timeout * 3):
                 return await conn.write_imm(rkey, offset, data, imm)
         except (PeerLost, TimeoutError, trio.TooSlowError) as exc:
             self._failed(name, exc, begun)
@@ -289,7 +317,7 @@ class Cluster:
         conn = await self._conn_for(name, inc)
         self.load[name] += 1
         try:
-            with trio.fail_after(self.cfg.op_timeout):
+            with _AbortOnDown(self, name), trio.fail_after(self.cfg.op_timeout):
                 return await read_verified(conn, rkey, offset, into)
         except (PeerLost, TimeoutError, trio.TooSlowError) as exc:
             self._failed(name, exc, begun)
@@ -303,7 +331,7 @@ class Cluster:
         buf = bytearray(HEADER)
         conn = await self._conn_for(name, inc)
         try:
-            with trio.fail_after(self.cfg.op_timeout):
+            with _AbortOnDown(self, name), trio.fail_after(self.cfg.op_timeout):
                 await conn.read(rkey, 0, buf)
         except (PeerLost, TimeoutError, trio.TooSlowError) as exc:
             self._failed(name, exc, begun)
