@@ -128,7 +128,7 @@ class Cluster:
         # sent with every heartbeat: "owner" keeps this process's staging leased (server/node.py)
         self.heartbeat_args: dict = {}
         # A node's own word on its state, from its last heartbeat (nodes only say "ready" after a
-        # resync). A client trusts "ready" only if no other ready node counts that one out
+        # resync). A client trusts "ready" only if no other ready node counts that one down
         # (_confirmed): a node cut off for a moment may say "ready" before it learns that its
         # peers wrote without it. A node that counts a peer down remembers the (incarnation,
         # serving generation) it lost and says so in its probes: that peer then fences and
@@ -375,12 +375,12 @@ class Cluster:
 
     def _confirmed(self, name: str) -> str:
         """What a client takes node ``name`` for: its own word, except that "ready" counts as
-        "syncing" while another node that says "ready" does not count it ready."""
+        "syncing" while another node that says "ready" counts it down."""
         claimed = self.claimed.get(name, DOWN)
         if claimed != READY:
             return claimed
         for other, said in self.claimed.items():
-            if other != name and said == READY and name not in self.info.get(other, {}).get("sees_ready", [name]):
+            if other != name and said == READY and name in self.info.get(other, {}).get("sees_down", ()):
                 return SYNCING
         return READY
 

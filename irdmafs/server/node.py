@@ -232,6 +232,7 @@ class Node(Membership, Training):
             "name": self.name,
             "state": self.state,
             "sees_ready": self.cluster.ready() if self.cluster else [],
+            "sees_down": [n for n in self.cfg.names if n != self.name and self.cluster.node_state(n) == DOWN] if self.cluster else [],
             "meta_seq": self.meta.seq,
             "stripes": len(self.store.stripes),
             "bytes": self.store.bytes_held,
