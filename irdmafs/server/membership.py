@@ -6,7 +6,11 @@
   it holds, which the node fetches if newer. So a stripe never has two primaries, and a node never
   leads with an old copy.
 - Fencing (``_fence_loop``): a ready node that reaches less than a majority, or that a ready peer
-  counts down, stops serving and joins again before it serves.
+  counts down, stops serving and joins again before it serves. Two cases a node cannot see from
+  its own view are fenced at once: a stall (it did not run for most of ``down_after``: SIGSTOP,
+  a paused VM; ``_check_stall``, before any heartbeat answers "ready"), and a peer that kept
+  its majority saying it lost this node's serving generation (``_lost_by_peer``). Its resync
+  then takes its peers' copy of what it led just before.
 - Membership changes (rebalance.py drives them): ``members``, ``rebalance_pull``, ``reconfigure``,
   and dropping what a node no longer holds after a grace period.
 

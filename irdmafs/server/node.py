@@ -7,15 +7,20 @@ code running. What runs here is the control path:
   then replicate it to the stripe's backups (WRITE into the backup's staging + ``apply``) before
   answering, so an acknowledged write lives on every live replica. One lock per stripe orders
   commits, so every backup sees them in version order; a backup that is behind (it was down)
-  answers ``stale`` and gets the whole stripe.
+  answers ``stale`` and gets the whole stripe. A backup refuses replication from a node it
+  counts down (``ESTALE``: it may be a stopped primary sending what it began before), and a
+  replication that fails for good counts the backup down, so it fences and resyncs. A new
+  stripe's versions start above any earlier stripe's of the same index (``version_base``).
 - ``meta`` (on the metadata primary): validate and apply a namespace op, then forward it with its
   sequence number to every other live node (``meta_apply``); a node that missed ops gets a
   snapshot.
-- ``heartbeat``, ``stripe_info``, ``staging``, ``stripes``, reads of the namespace.
+- ``heartbeat``, ``stripe_info``, ``staging``, ``stripes``, reads of the namespace. Heartbeats
+  carry the node's incarnation (new at each start) and serving generation, and lease the
+  caller's staging (``STAGING_LEASE``).
 - ``freeze``/``thaw``: the commit barrier of snapshots and rebalance.
 - resync: a node starts ``syncing`` (serves replication, not reads), fetches the namespace and
-  every stripe it should hold from ready peers (newest version wins), logs its progress, then
-  turns ``ready``. The first node of a fresh cluster finds no ready peer and is ready at once.
+  every stripe it should hold from ready peers (newest version wins; what they freed meanwhile
+  is dropped), logs its progress, then turns ``ready``. The first node of a fresh cluster finds no ready peer and is ready at once.
   With ``--persist`` it loads its stripes and namespace from disk first (persist.py).
 
 Two parts live in their own modules, mixed into ``Node``: training.py (pushes, policies,
