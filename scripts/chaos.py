@@ -130,6 +130,16 @@ class Tally:
 
 
 # -- workers ---------------------------------------------------------------------------------------
+def remove_unknown(tally: Tally, path: Path) -> None:
+    """Remove a file whose content a mount outage left unknown (called once the mount is back)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        tally.error(f"unlink {path.name} after an outage", exc)
+
+
 class FileWorker:
     """Files of random sizes changed at random offsets; ``self.files`` is what they must hold."""
 
@@ -142,12 +152,7 @@ class FileWorker:
         """A call on these failed in a mount outage: their content is unknown; remove them."""
         for name in names:
             self.files.pop(name, None)
-            try:
-                os.unlink(self.root / name)
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                self.t.error("unlink after an outage", exc)
+            remove_unknown(self.t, self.root / name)
 
     def step(self) -> None:
         r = self.rng
@@ -244,10 +249,7 @@ class TensorWorker:
                 self.tensors[name] = a
             elif ok is None:
                 self.tensors.pop(name, None)
-                try:
-                    os.unlink(self.root / name)
-                except FileNotFoundError:
-                    pass
+                remove_unknown(self.t, self.root / name)
             return
         self.check(name)
 

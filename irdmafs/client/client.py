@@ -124,15 +124,21 @@ class Client:
     async def _primary_call(self, method: str, args: dict) -> dict:
         """A call to the metadata primary, following it when it moves."""
         self.meta_calls += 1
-        with trio.fail_after(self.cfg.op_timeout * 3):
+        return await self._call_following(self.cluster.meta_primary, method, args)
+
+    async def _call_following(self, choose, method: str, args: dict, *, timeout: float | None = None) -> dict:
+        """A control call to the node ``choose()`` names (the metadata primary, a stripe's
+        primary), following it when it moves: a node lost or fenced mid-call is not an error
+        the user should see while another can answer."""
+        with trio.fail_after((timeout or self.cfg.op_timeout) + 2 * self.cfg.op_timeout):
             while True:
-                primary = self.cluster.meta_primary()
-                if primary is None:
+                target = choose()
+                if target is None:
                     await self.cluster.wait_changed(0.5)
                     await self.cluster.refresh()
                     continue
                 try:
-                    return await self.cluster.call(primary, method, args)
+                    return await self.cluster.call(target, method, args, timeout=timeout)
                 except NodeDown:
                     continue
                 except RemoteError as exc:
@@ -631,24 +637,8 @@ class Client:
         await self._stripe_call(ino, idx, "train_wait", {"fid": ino, "idx": idx, "rank": rank, "pushed": pushed, "timeout": timeout}, timeout=timeout + self.cfg.op_timeout)
 
     async def _stripe_call(self, fid: int, idx: int, method: str, args: dict, *, timeout: float | None = None) -> dict:
-        """A control call to the stripe's primary, following it when it moves (a node lost or
-        fenced mid-call is not an error the user should see while a replica can answer)."""
-        with trio.fail_after((timeout or self.cfg.op_timeout) + 2 * self.cfg.op_timeout):
-            while True:
-                primary = self.cluster.stripe_primary(fid, idx)
-                if primary is None:
-                    await self.cluster.wait_changed(0.5)
-                    await self.cluster.refresh()
-                    continue
-                try:
-                    return await self.cluster.call(primary, method, args, timeout=timeout)
-                except NodeDown:
-                    continue
-                except RemoteError as exc:
-                    if exc.code not in ("ENOTPRIMARY", "EAGAIN"):
-                        raise
-                    await trio.sleep(0.1)
-                    await self.cluster.refresh()
+        """A control call to the stripe's primary, following it when it moves."""
+        return await self._call_following(lambda: self.cluster.stripe_primary(fid, idx), method, args, timeout=timeout)
 
     def forget_training(self, ino: int | None = None) -> None:
         """Drop cached policy/push counts (a policy xattr changed, or a rank was removed)."""
