@@ -8,10 +8,12 @@ Every node process has an *incarnation*, new at each start, learnt in the transp
 and repeated in heartbeats. Whatever a process caches about a node (region keys, staging slots)
 is tied to the incarnation it came from: when a node's incarnation changes, ``on_restart``
 callbacks drop those caches, and a one-sided operation given a key's incarnation refuses to send
-it to a newer one (``StaleKey``, an ``AccessError``: refresh and retry). From the states and the pure placement function
-it answers: the metadata primary (first ready node in config order), a stripe's primary (first
-ready node in the stripe's rendezvous ranking), the replicas a write must reach, and the order in
-which to try replicas for a read (least-loaded first).
+it to a newer one (``StaleKey``, an ``AccessError``: refresh and retry).
+
+From the states and the pure placement function it answers: the metadata primary (first ready
+node in config order), a stripe's primary (first ready node in the stripe's rendezvous ranking),
+the replicas a write must reach, and the order in which to try replicas for a read (ready homes,
+least-loaded first, then stand-ins).
 
 It also holds two mechanisms every data mover needs: ``StagingPool`` (slots in a peer's write
 staging region, so concurrent writes never share one) and ``read_verified`` (the seqlock read that
