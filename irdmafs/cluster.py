@@ -457,7 +457,8 @@ class StagingPool:
     async def _region(self, node: str) -> tuple[int, int, list[int], trio.Semaphore]:
         async with self._locks[node]:
             if node not in self._regions:
-                r, inc = await self.cluster.call_on(node, "staging", {"owner": self.owner, "size": self.slot_size * self.slots})
+                # one region per node and owner: a new one replaces what the node still holds
+                r, inc = await self.cluster.call_on(node, "staging", {"owner": self.owner, "size": self.slot_size * self.slots, "replace": True})
                 free = [i * self.slot_size for i in range(self.slots)]
                 self._regions[node] = (r["rkey"], inc, free, trio.Semaphore(self.slots))
             return self._regions[node]

@@ -573,6 +573,8 @@ def main() -> int:
     ap.add_argument("--faults", help="only these kinds, comma-separated (to chase one finding)")
     ap.add_argument("--schedule", type=int, metavar="N", help="print the first N faults of the seed and exit")
     args = ap.parse_args()
+    # SIGTERM (timeout, a CI runner) unwinds like ^C: nodes, mount and namespaces are removed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.replicas < 2:
         ap.error("faults need --replicas 2 or more (one node out at a time)")
     if args.schedule:

@@ -466,9 +466,16 @@ class Node(Membership, Training):
         await self._await_takeover()  # no reads of this node's copies before it has caught up
         return {str(i): (s.describe() if (s := self.store.get(fid, i, snap)) else None) for i in idxs}
 
-    async def rpc_staging(self, owner: str, size: int) -> dict:
+    async def rpc_staging(self, owner: str, size: int, replace: bool = False) -> dict:
+        """A staging region for ``owner``; with ``replace``, the owner's earlier ones are freed
+        first (a client that dropped its region after a failed transfer asks for a new one: the
+        old one would otherwise stay allocated until the owner's 512 MiB were used up, then
+        every write got ENOSPC; found by scripts/chaos.py)."""
         if not 0 < size <= MAX_STAGING_PER_OWNER:
             raise RemoteError("EINVAL", f"staging size {size} out of range")
+        if replace:
+            for old in self.staging.pop(owner, []):
+                self.transport.free_region(old)
         held = sum(r.length for r in self.staging[owner])
         if held + size > MAX_STAGING_PER_OWNER:
             raise RemoteError("ENOSPC", f"owner {owner} holds {held} bytes of staging already")

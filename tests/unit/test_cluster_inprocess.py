@@ -8,6 +8,7 @@ import trio
 
 from irdmafs.client.client import Client
 from irdmafs.config import from_dict
+from irdmafs.server import node as node_mod
 from irdmafs.server.node import Node
 from irdmafs.transport.base import RemoteError
 from irdmafs.transport.memory import MemoryTransport
@@ -371,3 +372,19 @@ async def test_a_resync_drops_stripes_freed_meanwhile_and_takes_its_peers_lower_
     assert all(away.store.get(fid, i) is None for i in freed)  # freed on every peer: dropped
     held = away.store.get(fid, 1)
     assert held is not None and bytes(held.data[:unit]) == new  # the peers' (lower) version won
+
+
+async def test_a_staging_region_asked_for_again_replaces_the_owners_old_one(cluster):
+    """A client forgets a node's staging region after a failed transfer and asks again; the
+    node must not keep the old one too (found by scripts/chaos.py: after enough failovers every
+    write got ENOSPC, the owner's 512 MiB of staging used up by forgotten regions)."""
+    cfg, nodes = cluster
+    node = nodes[0]
+    size = 1 << 20
+    for _ in range(3 * node_mod.MAX_STAGING_PER_OWNER // size):
+        await node.rpc_staging(owner="c", size=size, replace=True)
+    assert len(node.staging["c"]) == 1
+    with pytest.raises(RemoteError) as err:  # without replace the cap still holds
+        for _ in range(node_mod.MAX_STAGING_PER_OWNER // size + 1):
+            await node.rpc_staging(owner="d", size=size)
+    assert err.value.code == "ENOSPC"
