@@ -504,6 +504,7 @@ def run(args: argparse.Namespace) -> dict:
             stack.callback(shutil.rmtree, tmp, True)
         bed = Bed(tmp, args.nodes, args.replicas, netns, stack)
         stack.callback(bed.close)
+        stack.callback(tally.stop.set)  # runs first when unwinding early: workers stop their loops
         root = bed.mnt / "chaos"
         for sub in ("files0", "files1", "tensors", "snap", "train"):
             (root / sub).mkdir(parents=True)
