@@ -388,3 +388,39 @@ async def test_a_staging_region_asked_for_again_replaces_the_owners_old_one(clus
         for _ in range(node_mod.MAX_STAGING_PER_OWNER // size + 1):
             await node.rpc_staging(owner="d", size=size)
     assert err.value.code == "ENOSPC"
+
+
+async def test_a_node_that_did_not_run_or_that_a_peer_lost_fences_before_it_answers_ready(cluster):
+    """Found by scripts/chaos.py: a node resumed from SIGSTOP answered its first heartbeat
+    "ready" and served stripes its peers had changed meanwhile; a node back from a short
+    partition did the same. Both must say "syncing" at once, and come back ready (a new serving
+    generation) only after a resync."""
+    cfg, nodes = cluster
+    node = nodes[2]
+    gen = node.gen
+    node.last_tick -= 10 * cfg.down_after  # as if the process had been stopped
+    assert (await node.rpc_heartbeat())["state"] == "syncing"
+    with trio.fail_after(5):
+        while node.state != "ready":
+            await trio.sleep(0.01)
+    assert node.gen == gen + 1
+    stale = [node.transport.incarnation, gen]  # what a peer lost: the old generation
+    assert (await node.rpc_heartbeat(lost_at=stale))["state"] == "ready"  # resynced since
+    assert (await node.rpc_heartbeat(lost_at=[node.transport.incarnation, node.gen]))["state"] == "syncing"
+    with trio.fail_after(5):
+        while node.state != "ready":
+            await trio.sleep(0.01)
+
+
+async def test_reads_ask_a_stripes_ready_homes_before_a_stand_in(cluster):
+    """A stand-in keeps the copy it took while a home was out; once the home is back that copy
+    goes stale, so it is read only when no home can answer (found by scripts/chaos.py)."""
+    cfg, nodes = cluster
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
+        rank = c.cluster.stripe_rank(7, 0)
+        homes, stand_in = rank[: cfg.replicas], rank[cfg.replicas]
+        for _ in range(20):  # whatever the load counts say
+            c.cluster.load[stand_in] = -100
+            assert c.cluster.read_candidates(7, 0)[: cfg.replicas] == sorted(homes, key=lambda n: c.cluster.load[n])
+        c.cluster.mark_down(homes[0], "test")
+        assert c.cluster.read_candidates(7, 0) == [homes[1], stand_in]
