@@ -96,10 +96,12 @@ class LocalCluster:
         self.log_dir = log_dir or self.config_path.parent
         self.python = python
         self.procs: dict[str, subprocess.Popen] = {}
+        # node -> what runs its command (``ip netns exec NS`` for a node in a network namespace)
+        self.launcher: dict[str, list[str]] = {}
 
     def command(self, name: str) -> list[str]:
         cmd = [self.python, "-m", "irdmafs.server.node", "--config", str(self.config_path), "--node", name]
-        return cmd + (["--persist", str(self.persist / name)] if self.persist else [])
+        return self.launcher.get(name, []) + cmd + (["--persist", str(self.persist / name)] if self.persist else [])
 
     def start(self, name: str) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "ab")
@@ -122,6 +124,7 @@ class LocalCluster:
             proc = self.procs[name]
             if proc.poll() is None:
                 proc.terminate()
+                proc.send_signal(signal.SIGCONT)  # a stopped (SIGSTOP) node must run to take it
         deadline = time.monotonic() + 5
         for name, proc in list(self.procs.items()):
             try:

@@ -47,8 +47,8 @@ import numpy as np
 import trio
 
 from irdmafs import config as C
-from irdmafs.local import free_ports, wait_settled
-from irdmafs.mount import clear_dead_mount, is_mounted, unmount, wait_for_mount
+from irdmafs.local import LocalCluster, free_ports, wait_settled
+from irdmafs.mount import clear_dead_mount, is_mounted, mount_background, unmount
 from irdmafs.steps import pull_arrays, push_arrays
 
 MiB = 1 << 20
@@ -411,23 +411,16 @@ class Bed:
         doc = {"nodes": specs, "token_file": "token", "replicas": replicas, "stripe_unit": MiB, "transport": ["tcp"], "heartbeat": 0.2, "down_after": 1.0, "op_timeout": 3.0}
         self.config = tmp / "cluster.toml"
         self.config.write_text(C.dump(C.from_dict(doc, base=tmp)))
-        self.cfg = C.load(self.config)
+        self.lc = LocalCluster(self.config, log_dir=tmp)
+        self.cfg = self.lc.cfg
+        if netns:
+            self.lc.launcher = {name: ["ip", "netns", "exec", f"{PREFIX}{i}"] for i, name in enumerate(self.cfg.names)}
         self.mnt = tmp / "mnt"
         self.mnt.mkdir()
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.commands: dict[str, list[str]] = {}
         self.mount_proc: subprocess.Popen | None = None
-        for i, name in enumerate(self.cfg.names):
-            cmd = [sys.executable, "-m", "irdmafs.server.node", "--config", str(self.config), "--node", name]
-            self.commands[name] = (["ip", "netns", "exec", f"{PREFIX}{i}"] if netns else []) + cmd
-            self.start(name)
+        self.lc.start_all()  # restarts later run the same command lines, as a user would
         self.settle(60)
         self.mount()
-
-    def start(self, name: str) -> None:
-        """The node's own command line, as a user would run it again."""
-        with open(self.tmp / f"{name}.log", "ab") as log:
-            self.procs[name] = subprocess.Popen(self.commands[name], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def settle(self, timeout: float) -> float:
         t = time.monotonic()
@@ -436,9 +429,7 @@ class Bed:
 
     def mount(self) -> None:
         clear_dead_mount(str(self.mnt))
-        with open(self.tmp / "mount.log", "ab") as log:
-            self.mount_proc = subprocess.Popen([sys.executable, "-m", "irdmafs.cli", "mount", "--config", str(self.config), str(self.mnt), "-f"], stdout=log, stderr=subprocess.STDOUT)
-        wait_for_mount(str(self.mnt), self.mount_proc, log_path=self.tmp / "mount.log")
+        self.mount_proc = mount_background(str(self.config), str(self.mnt), [], self.tmp / "mount.log")
 
     def apply(self, fault: dict, tally: Tally) -> None:
         kind, name, down = fault["kind"], fault["target"], fault["down"]
@@ -457,13 +448,12 @@ class Bed:
                 tally.windows[-1][1] = time.monotonic()
                 tally.mount_up.set()
             return
-        proc = self.procs[name]
         if kind == "kill":
-            proc.kill()
-            proc.wait(10)
+            self.lc.kill(name)
             time.sleep(down)
-            self.start(name)
+            self.lc.start(name)
         elif kind == "stop":
+            proc = self.lc.procs[name]
             proc.send_signal(signal.SIGSTOP)
             time.sleep(down)
             proc.send_signal(signal.SIGCONT)
@@ -482,14 +472,7 @@ class Bed:
                 self.mount_proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.mount_proc.kill()
-        for proc in self.procs.values():
-            proc.send_signal(signal.SIGCONT)
-            proc.terminate()
-        for proc in self.procs.values():
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        self.lc.stop_all()
 
 
 def run(args: argparse.Namespace) -> dict:

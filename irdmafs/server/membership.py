@@ -25,7 +25,7 @@ from dataclasses import asdict
 
 import trio
 
-from ..cluster import DOWN, READY, SYNCING, NodeDown
+from ..cluster import READY, SYNCING, NodeDown
 from ..config import NodeSpec
 from ..placement import placement
 from ..transport.base import RemoteError
@@ -138,10 +138,6 @@ class Membership:
                 raise RemoteError("EAGAIN", f"node {self.name} is taking over from its stand-ins")
 
     # -- fencing ---------------------------------------------------------------------------------
-    def _reaches_majority(self) -> bool:
-        """Whether this node and the peers it can reach are a majority of the cluster."""
-        return self.cluster.reaches_majority()
-
     def _cut_off(self) -> tuple[str, float] | None:
         """Why this node may hold stale data and how long that must last before it fences, or
         None: it reaches less than a majority of the cluster for ``down_after`` (counting
@@ -149,7 +145,7 @@ class Membership:
         three), or a ready peer has counted it down (writes may have gone on without it: at
         once)."""
         peers = [n for n in self.cfg.names if n != self.name]
-        if len(self.cfg.names) >= 3 and not self._reaches_majority():
+        if len(self.cfg.names) >= 3 and not self.cluster.reaches_majority():
             return "less than a majority of the cluster reachable", self.cfg.down_after
         settle = 3 * self.cfg.heartbeat + self.cfg.down_after  # peers see a new ready node by then
         for n in peers:
@@ -160,7 +156,14 @@ class Membership:
 
     def _may_rejoin(self) -> bool:
         """A ready peer to resync from, or (everyone fenced) a majority to decide with."""
-        return any(self.cluster.node_state(n) == READY for n in self.cfg.names if n != self.name) or self._reaches_majority()
+        return any(self.cluster.node_state(n) == READY for n in self.cfg.names if n != self.name) or self.cluster.reaches_majority()
+
+    def _fence(self, why: str, suspect_since: float) -> None:
+        """Stop serving until a resync; what this node led since ``suspect_since`` may not have
+        reached its peers, so that resync takes their copy of it."""
+        log.warning("node %s fenced: %s; it serves nothing until it has resynced", self.name, why)
+        self.suspect_since = suspect_since
+        self.state = SYNCING
 
     def _lost_by_peer(self, lost_at: list | None) -> None:
         """A peer counted this node down while it served generation ``lost_at`` (incarnation,
@@ -169,10 +172,8 @@ class Membership:
         (a partition shorter than its own fencing grace) would otherwise come back ready and
         serve what it missed."""
         if self.state == READY and lost_at is not None and list(lost_at) == [self.transport.incarnation, self.gen]:
-            log.warning("node %s fenced: a peer counted it down (generation %d); it serves nothing until it has resynced", self.name, self.gen)
             # it was cut off since some time within the peer's down_after and op timeouts
-            self.suspect_since = trio.current_time() - 2 * (self.cfg.op_timeout + self.cfg.down_after)
-            self.state = SYNCING
+            self._fence(f"a peer counted it down (generation {self.gen})", trio.current_time() - 2 * (self.cfg.op_timeout + self.cfg.down_after))
             self.must_rejoin = True
 
     def _check_stall(self) -> None:
@@ -184,9 +185,8 @@ class Membership:
         now = trio.current_time()
         gap, self.last_tick = now - self.last_tick, now
         if gap > 0.8 * self.cfg.down_after and self.state == READY:
-            log.warning("node %s fenced: it did not run for %.1f s (stopped or paused); it serves nothing until it has resynced", self.name, gap)
-            self.suspect_since = now - gap - self.cfg.op_timeout  # commits begun before the stall
-            self.state = SYNCING
+            # suspect: commits begun before the stall
+            self._fence(f"it did not run for {gap:.1f} s (stopped or paused)", now - gap - self.cfg.op_timeout)
             self.must_rejoin = True
 
     async def _fence_loop(self) -> None:
@@ -207,9 +207,7 @@ class Membership:
                 cut_since = cut_since if cut_since is not None else trio.current_time()
                 if trio.current_time() - cut_since < grace:
                     continue  # a moment without heartbeats: not yet a partition
-                log.warning("node %s fenced: %s; it serves nothing until it has resynced", self.name, why)
-                self.suspect_since = trio.current_time() - 2 * (self.cfg.op_timeout + self.cfg.down_after) - grace
-                self.state = SYNCING
+                self._fence(why, trio.current_time() - 2 * (self.cfg.op_timeout + self.cfg.down_after) - grace)
             while not self._may_rejoin():
                 await self.cluster.wait_changed(self.cfg.heartbeat * 5)
             await self._join()

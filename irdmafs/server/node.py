@@ -121,12 +121,11 @@ class Node(Membership, Training):
         self.state = SYNCING
         self.meta = Meta()
         self.persist = Persist(persist) if persist else None
-        self.store = Store(transport, cfg.capacity, self.persist)
         # A stripe created after namespace op N starts at version N << 32 + 1: a truncate is an
         # op, so a stripe freed and written again is always "newer" than its old copies, which
         # a node away meanwhile may still hold (its resync then takes the new one). Every node
         # has applied the truncate before the write that recreates the stripe is sent.
-        self.store.version_base = lambda: self.meta.seq << VERSION_SHIFT
+        self.store = Store(transport, cfg.capacity, self.persist, version_base=lambda: self.meta.seq << VERSION_SHIFT)
         self.meta_lock = trio.Lock()
         self.stripe_locks = KeyedLocks()
         self.staging: dict[str, list] = defaultdict(list)

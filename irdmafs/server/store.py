@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import Callable
 
 from ..transport.base import Access, Region, Transport
 
@@ -62,12 +63,16 @@ class Stripe:
 
 
 class Store:
-    def __init__(self, transport: Transport, capacity: int, persist=None):
+    def __init__(self, transport: Transport, capacity: int, persist=None, version_base: Callable[[], int] = lambda: 0):
         self.transport = transport
         self.capacity = capacity
         self.used = 0
         self.stripes: dict[tuple[int, int, int], Stripe] = {}
         self.persist = persist  # a server.persist.Persist: every change written through
+        # Where a new stripe's versions start: above every version an earlier stripe of the same
+        # (file, index) had, freed since (a truncate), so "newer" stays "higher" for replicas and
+        # resyncs (the node derives it from its namespace's sequence number).
+        self.version_base = version_base
 
     def _saved(self, key: tuple[int, int, int], start: int = 0, end: int | None = None) -> None:
         if self.persist is not None:
@@ -78,12 +83,6 @@ class Store:
         region = self._alloc(len(raw) - HEADER)
         region.buf[:] = raw
         self.stripes[key] = Stripe(region)
-
-    def version_base(self) -> int:
-        """Where a new stripe's versions start: above every version an earlier stripe of the
-        same (file, index) had, freed since (a truncate), so that "newer" stays "higher" for
-        replicas and resyncs (the node sets it from its namespace's sequence number)."""
-        return 0
 
     def get(self, fid: int, idx: int, snap: int = 0) -> Stripe | None:
         return self.stripes.get((fid, idx, snap))

@@ -7,7 +7,6 @@ used the old ones: EIO, "unknown rkey" in its log). Once for a data node, once f
 primary; plain file writes checked byte for byte, then fio with its own crc32c verification.
 """
 
-import os
 import shutil
 import subprocess
 
