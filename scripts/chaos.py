@@ -342,16 +342,29 @@ class TrainingJob:
             return
         model_path = str(d.relative_to(self.mnt))
         abandoned = threading.Event()
+        # Both ranks decide together, before each step, whether to take it: under bsp a rank
+        # that stopped alone would leave the other's pull waiting out the model's timeout
+        # (ETIMEDOUT, an error no fault caused). The soak's end stops a run between steps.
+        halt = [False]
+        together = threading.Barrier(2, action=lambda: halt.__setitem__(0, abandoned.is_set() or self.t.stop.is_set()))
+
+        def abandon() -> None:
+            abandoned.set()
+            together.abort()  # the other rank stops at its next step instead of waiting here
 
         def rank(r: int) -> None:
             out = {k: np.empty_like(a) for k, a in p0.items()}
             total = 0.0
             for i in range(self.STEPS):
-                if abandoned.is_set() or self.t.stop.is_set():
+                try:
+                    together.wait()
+                except threading.BrokenBarrierError:
+                    return
+                if halt[0]:
                     return
                 grads = {k: self.grad(a.shape, r, i) for k, a in p0.items()}
                 if not self.t.attempt("train_push", lambda: push_arrays(self.mnt, model_path, r, grads)) or not self.t.attempt("train_pull", lambda: pull_arrays(self.mnt, model_path, r, out)):
-                    abandoned.set()
+                    abandon()
                     return
                 total += np.mean([1e-3 * (q + 1) * (1 + i % 3) for q in range(2)])
                 for k, a in out.items():
@@ -361,7 +374,7 @@ class TrainingJob:
                         self.t.error(f"training {model} rank {r} step {i}", f"{k}: {int(bad.sum())} parameters differ from SGD's by up to {float(np.abs(a - want).max()):g}")
                         with self.t.lock:
                             self.t.lost += int(bad.sum()) * 4
-                        abandoned.set()
+                        abandon()
                         return
                     with self.t.lock:
                         self.t.checked += a.nbytes
