@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 NODE_FIGURES = ("pid", "stripes", "bytes", "capacity", "transport", "uptime", "calls", "served_bytes", "replicas_behind")
 
 TRAIN_INFO_TTL = 1.0
+MAX_SYMLINKS = 40  # links followed in one path, as Linux allows
 PUSH_BATCH = 4 << 20  # bytes of gradients fused into one WRITE with immediate
 
 
@@ -194,6 +195,24 @@ class Client:
     async def create(self, parent: int, name: str, mode: int = 0o644, uid: int = 0, gid: int = 0) -> dict:
         return await self._op(op="create", parent=parent, name=name, mode=S.S_IFREG | S.S_IMODE(mode), uid=uid, gid=gid, unit=self.cfg.stripe_unit)
 
+    async def symlink(self, parent: int, name: str, target: str, uid: int = 0, gid: int = 0) -> dict:
+        return await self._op(op="create", parent=parent, name=name, mode=S.S_IFLNK | 0o777, target=target, uid=uid, gid=gid)
+
+    async def mknod(self, parent: int, name: str, mode: int, rdev: int = 0, uid: int = 0, gid: int = 0) -> dict:
+        """A FIFO, socket or device node (``mode`` names the kind); a regular file for S_IFREG."""
+        if S.S_ISREG(mode):
+            return await self.create(parent, name, mode, uid, gid)
+        return await self._op(op="create", parent=parent, name=name, mode=mode, rdev=rdev, uid=uid, gid=gid)
+
+    async def link(self, ino: int, new_parent: int, new_name: str) -> dict:
+        return await self._op(op="link", ino=ino, new_parent=new_parent, new_name=new_name)
+
+    async def readlink(self, ino: int, snap: int = 0) -> str:
+        attr = await self.getattr(ino, snap)
+        if not S.S_ISLNK(attr["mode"]):
+            raise RemoteError("EINVAL", f"inode {ino} is not a symbolic link")
+        return attr["target"]
+
     async def unlink(self, parent: int, name: str) -> dict:
         r = await self._op(op="unlink", parent=parent, name=name)
         self.io.forget(r["ino"])
@@ -260,11 +279,35 @@ class Client:
         return result
 
     # -- path level ----------------------------------------------------------------------------
-    async def resolve(self, path: str) -> dict:
-        attr = await self.getattr(ROOT)
-        for part in [p for p in path.split("/") if p]:
-            attr = await self.lookup(attr["ino"], part)
-        return attr
+    async def resolve(self, path: str, *, follow: bool = True) -> dict:
+        """The attributes of ``path`` (from the namespace's root), following symbolic links on
+        the way as the kernel does (and the last one too, unless ``follow`` is False): a
+        relative target from the link's directory, ELOOP after MAX_SYMLINKS. An absolute
+        target names a path on the mounting machine, not in the namespace: ENOENT."""
+        parts = [p for p in path.split("/") if p]
+        trail = [await self.getattr(ROOT)]  # the directories walked, for ".."
+        links = 0
+        while parts:
+            part = parts.pop(0)
+            if part == ".":
+                continue
+            if part == "..":
+                if len(trail) > 1:
+                    trail.pop()
+                continue
+            attr = await self.lookup(trail[-1]["ino"], part)
+            if S.S_ISLNK(attr["mode"]) and (parts or follow):
+                links += 1
+                if links > MAX_SYMLINKS:
+                    raise RemoteError("ELOOP", f"more than {MAX_SYMLINKS} symbolic links in {path!r}")
+                if attr["target"].startswith("/"):
+                    raise RemoteError("ENOENT", f"{part!r} links to {attr['target']!r}, outside the namespace")
+                parts = [p for p in attr["target"].split("/") if p] + parts
+                continue
+            if parts and not S.S_ISDIR(attr["mode"]):
+                raise RemoteError("ENOTDIR", f"{part!r} is not a directory")
+            trail.append(attr)
+        return trail[-1]
 
     async def _parent(self, path: str) -> tuple[dict, str]:
         head, _, name = path.rstrip("/").rpartition("/")

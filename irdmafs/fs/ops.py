@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 # The one errno table: errno names the cluster answers with, and what else may escape the VFS.
 REMOTE_ERRNO = {
     name: getattr(errno, name)
-    for name in ("ENOENT", "EEXIST", "ENOTDIR", "EISDIR", "ENOTEMPTY", "EINVAL", "ENAMETOOLONG", "EROFS", "ENOSPC", "ENODATA", "EPERM", "EACCES", "EBUSY", "E2BIG", "ETIMEDOUT")
+    for name in ("ENOENT", "EEXIST", "ENOTDIR", "EISDIR", "ENOTEMPTY", "EINVAL", "ENAMETOOLONG", "EROFS", "ENOSPC", "ENODATA", "EPERM", "EACCES", "EBUSY", "E2BIG", "ETIMEDOUT", "EMLINK")
 }
 ATTR_TIMEOUT = 0.0  # other mounts change files: attributes are asked for every time (see vfs.py)
 ENTRY_TIMEOUT = 0.0
@@ -154,6 +154,22 @@ class Operations(pyfuse3.Operations):
     @fuse_errors
     async def mkdir(self, parent_inode, name, mode, ctx):
         return entry(await self.vfs.mkdir(parent_inode, name_of(name), mode & 0o7777, ctx.uid, ctx.gid))
+
+    @fuse_errors
+    async def symlink(self, parent_inode, name, target, ctx):
+        return entry(await self.vfs.symlink(parent_inode, name_of(name), name_of(target), ctx.uid, ctx.gid))
+
+    @fuse_errors
+    async def mknod(self, parent_inode, name, mode, rdev, ctx):
+        return entry(await self.vfs.mknod(parent_inode, name_of(name), mode, rdev, ctx.uid, ctx.gid))
+
+    @fuse_errors
+    async def link(self, inode, new_parent_inode, new_name, ctx):
+        return entry(await self.vfs.link(inode, new_parent_inode, name_of(new_name)))
+
+    @fuse_errors
+    async def readlink(self, inode, ctx):
+        return os.fsencode(await self.vfs.readlink(inode))
 
     @fuse_errors
     async def rmdir(self, parent_inode, name, ctx):

@@ -405,13 +405,15 @@ class Vfs:
         return cache | {
             "st_ino": ino or attr["ino"],
             "st_mode": mode,
-            "st_nlink": attr["nlink"],
+            # a file unlinked while open keeps a hidden name until its last close: not counted
+            "st_nlink": attr["nlink"] - (not readonly and attr["ino"] in self.unlinked),
             "st_uid": attr["uid"],
             "st_gid": attr["gid"],
             "st_size": size,
             "st_atime_ns": attr["atime_ns"],
             "st_mtime_ns": attr["mtime_ns"],
             "st_ctime_ns": attr["ctime_ns"],
+            "st_rdev": attr.get("rdev", 0),
         }
 
     def _work_stat(self, attr: dict, ino: int) -> dict:
@@ -598,6 +600,31 @@ class Vfs:
         self._check_create(parent, name)
         return self.stat_of(await self.client.mkdir(parent, name, mode, uid, gid))
 
+    async def symlink(self, parent: int, name: str, target: str, uid: int, gid: int) -> dict:
+        self._check_create(parent, name)
+        return self.stat_of(await self.client.symlink(parent, name, target, uid, gid))
+
+    async def mknod(self, parent: int, name: str, mode: int, rdev: int, uid: int, gid: int) -> dict:
+        """A FIFO, socket or device node: only a name here; the kernel does its I/O."""
+        self._check_create(parent, name)
+        return self.stat_of(await self.client.mknod(parent, name, mode, rdev, uid, gid))
+
+    async def link(self, ino: int, new_parent: int, new_name: str) -> dict:
+        self._check_create(new_parent, new_name)
+        if ino & SNAP:
+            raise FsError(errno.EXDEV, "a snapshot's file cannot have a name in the live tree")
+        if not is_cluster(ino):
+            raise FsError(errno.EPERM)
+        return self.stat_of(await self.client.link(ino, new_parent, new_name))
+
+    async def readlink(self, ino: int) -> str:
+        if ino & SNAP:
+            sid, i = split_snap(ino)
+            return await self.client.readlink(i, sid)
+        if not is_cluster(ino):
+            raise FsError(errno.EINVAL)
+        return await self.client.readlink(ino)
+
     async def _removed_ranks(self) -> set[int]:
         root = await self.client.getattr(ROOT)
         return {int(r) for r in root["xattrs"].get(REMOVED_XATTR, "").split(",") if r.strip()}
@@ -630,10 +657,12 @@ class Vfs:
             # POSIX: a file unlinked while open stays usable until its last close. As NFS does,
             # the mount renames it out of sight instead and unlinks it at that last close.
             try:
-                ino = (await self.client.lookup(parent, name))["ino"]
+                found = await self.client.lookup(parent, name)
             except RemoteError:
-                ino = None
-            if ino is not None and self.open_handles(ino):
+                found = {"ino": None}
+            ino = found["ino"]
+            # the last name of an open file (with others left, the file lives on anyway)
+            if ino is not None and self.open_handles(ino) and found["nlink"] <= 1:
                 hidden = f"{UNLINKED}{ino}"
                 await self.client.rename(parent, name, parent, hidden)
                 self.unlinked[ino] = (parent, hidden)

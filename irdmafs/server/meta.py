@@ -20,6 +20,11 @@ from ..transport.base import RemoteError
 
 ROOT = 1
 NAME_MAX = 255
+PATH_MAX = 4096
+LINK_MAX = 65000  # names one inode may have (ext4's limit)
+# what an inode may be: files hold data, directories names, symbolic links a target; FIFOs,
+# sockets and device nodes are only names (the kernel does their I/O)
+KINDS = {S.S_IFREG, S.S_IFDIR, S.S_IFLNK, S.S_IFIFO, S.S_IFSOCK, S.S_IFCHR, S.S_IFBLK}
 
 
 def _err(code: str, msg: str) -> RemoteError:
@@ -29,7 +34,7 @@ def _err(code: str, msg: str) -> RemoteError:
 def check_name(name: str) -> None:
     if not name or name in (".", "..") or "/" in name or "\0" in name:
         raise _err("EINVAL", f"invalid name {name!r}")
-    if len(name.encode()) > NAME_MAX:
+    if len(name.encode(errors="surrogateescape")) > NAME_MAX:
         raise _err("ENAMETOOLONG", f"name longer than {NAME_MAX} bytes")
 
 
@@ -66,6 +71,8 @@ class Meta:
         return self.entries[ino]
 
     def lookup(self, parent: int, name: str) -> dict:
+        if len(name.encode(errors="surrogateescape")) > NAME_MAX:
+            raise _err("ENAMETOOLONG", f"name longer than {NAME_MAX} bytes")
         ino = self.directory(parent).get(name)
         if ino is None:
             raise _err("ENOENT", f"{name!r} not in directory {parent}")
@@ -196,9 +203,20 @@ class Meta:
         if name in entries:
             raise _err("EEXIST", f"{name!r} exists")
         mode = op["mode"]
-        if not (S.S_ISREG(mode) or S.S_ISDIR(mode) or S.S_ISLNK(mode)):
+        if S.S_IFMT(mode) not in KINDS:
             mode = S.S_IFREG | S.S_IMODE(mode)
-        self._new_inode(op["ino"], mode, op.get("uid", 0), op.get("gid", 0), op["now"], op.get("unit", 0))["parent"] = parent
+        target = op.get("target")
+        if S.S_ISLNK(mode) and (not target or len(target.encode(errors="surrogateescape")) > PATH_MAX - 1):
+            raise _err("ENOENT" if not target else "ENAMETOOLONG", "a symbolic link needs a target shorter than PATH_MAX")
+        # only regular files hold data (stripes); the others are names the kernel serves
+        unit = op.get("unit", 0) if S.S_ISREG(mode) else 0
+        node = self._new_inode(op["ino"], mode, op.get("uid", 0), op.get("gid", 0), op["now"], unit)
+        node["parent"] = parent
+        if S.S_ISLNK(mode):
+            node["target"] = target
+            node["size"] = len(target.encode(errors="surrogateescape"))
+        if S.S_ISCHR(mode) or S.S_ISBLK(mode):
+            node["rdev"] = int(op.get("rdev", 0))
         entries[name] = op["ino"]
         if S.S_ISDIR(mode):
             self.inodes[parent]["nlink"] += 1
@@ -207,6 +225,24 @@ class Meta:
 
     def _op_mkdir(self, op: dict) -> dict:
         return self._op_create(dict(op, mode=S.S_IFDIR | S.S_IMODE(op["mode"])))
+
+    def _op_link(self, op: dict) -> dict:
+        """A second name for ``ino`` (a hard link): never for a directory (its parent is one)."""
+        node = self.inode(op["ino"])
+        parent, name = op["new_parent"], op["new_name"]
+        check_name(name)
+        entries = self.directory(parent)
+        if S.S_ISDIR(node["mode"]):
+            raise _err("EPERM", "a directory cannot have another name")
+        if name in entries:
+            raise _err("EEXIST", f"{name!r} exists")
+        if node["nlink"] >= LINK_MAX:
+            raise _err("EMLINK", f"inode {op['ino']} has {LINK_MAX} names already")
+        entries[name] = op["ino"]
+        node["nlink"] += 1
+        node["ctime_ns"] = op["now"]
+        self._touch_dir(parent, op["now"])
+        return self.attr(op["ino"])
 
     def _child(self, parent: int, name: str) -> tuple[dict[str, int], int]:
         """(entries of ``parent``, inode of ``name`` in it); ENOENT if there is none."""
@@ -224,12 +260,13 @@ class Meta:
             raise _err("EISDIR", f"{name!r} is a directory")
         del entries[name]
         node["nlink"] -= 1
+        node["ctime_ns"] = op["now"]  # its link count changed (seen through its other names)
         freed = None
         if node["nlink"] <= 0:
             del self.inodes[ino]
             freed = ino
         self._touch_dir(parent, op["now"])
-        return {"ino": ino, "freed": freed}
+        return {"ino": ino, "freed": freed, "nlink": node["nlink"]}
 
     def _op_rmdir(self, op: dict) -> dict:
         parent, name = op["parent"], op["name"]
@@ -257,6 +294,9 @@ class Meta:
         check_name(new_name)
         src_dir, ino = self._child(op["parent"], name)
         dst_dir = self.directory(op["new_parent"])
+        if dst_dir.get(new_name) == ino:
+            # two names of one file (or a name onto itself): POSIX says nothing happens
+            return {"ino": ino, "freed": None}
         moving_dir = S.S_ISDIR(self.inodes[ino]["mode"])
         if moving_dir and self._is_ancestor(ino, op["new_parent"]):
             raise _err("EINVAL", "cannot move a directory into itself")
@@ -279,6 +319,7 @@ class Meta:
                 self.inodes[op["new_parent"]]["nlink"] -= 1
             else:
                 target["nlink"] -= 1
+                target["ctime_ns"] = op["now"]
                 if target["nlink"] <= 0:
                     del self.inodes[replaced]
                     freed = replaced

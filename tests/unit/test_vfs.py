@@ -13,6 +13,7 @@ from irdmafs import formats
 from irdmafs.client.client import Client
 from irdmafs.fs import vfs as V
 from irdmafs.fs.ops import Operations
+from irdmafs.transport.base import RemoteError
 from irdmafs.transport.memory import MemoryTransport
 
 from .test_cluster_inprocess import config, start_cluster
@@ -192,3 +193,45 @@ async def test_write_size_is_pending_until_flush(fs):
     await fs.flush(fh)
     assert (await fs.client.getattr(st["st_ino"]))["size"] == 1000
     await fs.release(fh)
+
+
+async def test_links_and_special_files_through_the_vfs_and_the_client(fs):
+    ops, ctx = Operations(fs), type("Ctx", (), {"uid": 7, "gid": 8})()
+    d = await fs.mkdir(1, "blobs", 0o755, 0, 0)
+    ino = await write_file(fs, d["st_ino"], "x", b"payload")
+    snap = await fs.mkdir(1, "snap", 0o755, 0, 0)
+    link = await ops.symlink(snap["st_ino"], b"w", b"../blobs/x", ctx)
+    assert S.S_ISLNK(link.st_mode) and (link.st_uid, link.st_gid) == (7, 8)
+    assert await ops.readlink(link.st_ino, ctx) == b"../blobs/x"
+    with pytest.raises(pyfuse3.FUSEError) as err:
+        await ops.readlink(ino, ctx)  # not a link
+    assert err.value.errno == errno.EINVAL
+    hard = await ops.link(ino, 1, b"again", ctx)
+    assert hard.st_ino == ino and hard.st_nlink == 2
+    with pytest.raises(pyfuse3.FUSEError) as err:
+        await ops.link(d["st_ino"], 1, b"dir2", ctx)
+    assert err.value.errno == errno.EPERM
+    fifo = await ops.mknod(1, b"p", S.S_IFIFO | 0o600, 0, ctx)
+    dev = await ops.mknod(1, b"c", S.S_IFBLK | 0o600, (8 << 8) | 1, ctx)
+    assert S.S_ISFIFO(fifo.st_mode) and S.S_ISBLK(dev.st_mode) and dev.st_rdev == (8 << 8) | 1
+    # the client's own paths follow links as the kernel does
+    c = fs.client
+    assert (await c.resolve("snap/w"))["ino"] == ino and (await c.resolve("snap/w", follow=False))["ino"] == link.st_ino
+    assert await c.read_file("snap/./w") == b"payload"
+    await c.symlink(1, "loop", "loop")
+    await c.symlink(1, "abs", "/mnt/elsewhere")
+    for path, code in (("loop", "ELOOP"), ("abs", "ENOENT"), ("blobs/x/y", "ENOTDIR")):
+        with pytest.raises(RemoteError) as e:
+            await c.resolve(path)
+        assert e.value.code == code
+    # a snapshot keeps links; names cannot point from it into the live tree
+    s = await fs.mkdir(V.SNAPSHOTS_DIR, "s1", 0o755, 0, 0)
+    frozen = await fs.lookup((await fs.lookup(s["st_ino"], "snap"))["st_ino"], "w")
+    assert await fs.readlink(frozen["st_ino"]) == "../blobs/x"
+    with pytest.raises(V.FsError) as err:
+        await fs.link(V.snap_ino(split_sid(s["st_ino"]), ino), 1, "from-snapshot")
+    assert err.value.errno == errno.EXDEV
+
+
+def split_sid(ino):
+    return V.split_snap(ino)[0]
