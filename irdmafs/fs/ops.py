@@ -126,8 +126,12 @@ class Operations(pyfuse3.Operations):
             changes["atime_ns"] = attr.st_atime_ns
         if fields.update_mtime:
             changes["mtime_ns"] = attr.st_mtime_ns
-        if fh is not None and fh in self.vfs.handles and "size" not in changes:
-            await self.vfs.flush(fh)  # futimens after writes: apply the size first
+        if "size" not in changes:
+            # futimens after writes (cp -a, tar, rsync): this mount's unflushed writes to the
+            # file move its mtime when flushed, so they go first. The kernel names no handle
+            # for futimens (only ftruncate carries one): every open handle of the file flushes.
+            for h in self.vfs.open_handles(inode):
+                await h.flush()
         return entry(await self.vfs.setattr(inode, changes) if changes else await self.vfs.getattr(inode))
 
     @fuse_errors

@@ -117,23 +117,21 @@ def hf_cache(root):
     return repo, seen
 
 
-def same_tree(x, y):
-    """Identical trees, links compared as links (diff follows them)."""
-    def walk(top):
-        out = {}
-        for dirpath, dirnames, filenames in os.walk(top):
-            for n in dirnames + filenames:
-                p = os.path.join(dirpath, n)
-                rel, st = os.path.relpath(p, top), os.lstat(p)
-                if S.S_ISLNK(st.st_mode):
-                    out[rel] = ("link", os.readlink(p))
-                elif S.S_ISDIR(st.st_mode):
-                    out[rel] = ("dir", S.S_IMODE(st.st_mode))
-                else:
-                    out[rel] = ("file", S.S_IMODE(st.st_mode), int(st.st_mtime), open(p, "rb").read())
-        return out
-
-    return walk(x) == walk(y)
+def tree(top):
+    """What a tree holds, links as links (diff would follow them): path -> kind and content,
+    mode, whole-second mtime."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(top):
+        for n in dirnames + filenames:
+            p = os.path.join(dirpath, n)
+            rel, st = os.path.relpath(p, top), os.lstat(p)
+            if S.S_ISLNK(st.st_mode):
+                out[rel] = ("link", os.readlink(p))
+            elif S.S_ISDIR(st.st_mode):
+                out[rel] = ("dir", S.S_IMODE(st.st_mode))
+            else:
+                out[rel] = ("file", S.S_IMODE(st.st_mode), int(st.st_mtime), open(p, "rb").read())
+    return out
 
 
 async def test_hf_cache_in_with_cp_a_and_out_with_rsync_a(two, tmp_path):
@@ -143,7 +141,7 @@ async def test_hf_cache_in_with_cp_a_and_out_with_rsync_a(two, tmp_path):
     for rel, data in seen.items():  # through the links, on the other mount
         assert S.S_ISLNK(os.lstat(b / "hub" / rel).st_mode) and (b / "hub" / rel).read_bytes() == data
     subprocess.run(["rsync", "-a", f"{b / 'hub'}/", f"{tmp_path / 'out'}/"], check=True)
-    assert same_tree(repo, tmp_path / "out")
+    assert tree(tmp_path / "out") == tree(repo)
     r = subprocess.run(["rsync", "-a", "--itemize-changes", f"{b / 'hub'}/", f"{tmp_path / 'out'}/"], check=True, capture_output=True, text=True)
     assert r.stdout == ""  # nothing moves the second time: sizes, times, links all kept
 
@@ -169,4 +167,4 @@ async def test_tar_of_a_model_directory_round_trips(two, tmp_path):
         assert np.array_equal(np.load(back / rel), arr)
     assert os.readlink(back / "latest.npy") == "enc/w.npy" and np.array_equal(np.load(back / "latest.npy"), arrays["enc/w.npy"])
     assert os.stat(back / "b.npy").st_ino == os.stat(back / "b_again.npy").st_ino
-    assert same_tree(model, back)
+    assert tree(back) == tree(model)

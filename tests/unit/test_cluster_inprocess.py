@@ -424,3 +424,62 @@ async def test_reads_ask_a_stripes_ready_homes_before_a_stand_in(cluster):
             assert c.cluster.read_candidates(7, 0)[: cfg.replicas] == sorted(homes, key=lambda n: c.cluster.load[n])
         c.cluster.mark_down(homes[0], "test")
         assert c.cluster.read_candidates(7, 0) == [homes[1], stand_in]
+
+
+async def test_a_primary_whose_replication_fails_answers_only_with_a_majority_behind_it(cluster):
+    """Found by the 30-minute soak: a primary cut off from its peers applied pushes and
+    namespace ops alone, counted its backups down and acknowledged them; the majority went on
+    without it, so what it acknowledged was lost (its resync takes the peers' copy). Now a
+    failed replication is acknowledged only once a majority says it still counts the primary
+    in; with none, the primary fences and the op fails with EAGAIN, and the client's retry on
+    the next primary is applied there (once); the fenced node's resync takes the majority's
+    namespace even where its own ops carry the same numbers."""
+    cfg, nodes = cluster
+    primary, b, c = nodes
+    for node in (b, c):  # the majority lost it (a partition): both refuse its replication
+        node.cluster.mark_down(primary.name, "test")
+    op = {"op": "mkdir", "parent": 1, "name": "alone", "mode": 0o755, "rid": "t:1"}
+    with pytest.raises(RemoteError) as err:  # as a client's call arrives (both forwards failed)
+        await primary.handle("meta", {"op": dict(op)})
+    assert err.value.code == "EAGAIN" and primary.state == "syncing"
+    assert b.cluster.meta_primary() == b.name
+    await b.rpc_meta(op={"op": "mkdir", "parent": 1, "name": "other", "mode": 0o700, "rid": "t:0"})
+    again = await b.rpc_meta(op=dict(op))  # the client's retry, on the next primary
+    with trio.fail_after(10):  # the fenced node resyncs: it holds what the majority holds
+        while primary.state != "ready":
+            await trio.sleep(0.01)
+    assert primary.meta.snapshot() == b.meta.snapshot() == c.meta.snapshot()
+    assert primary.meta.lookup(1, "alone")["ino"] == again["ino"] and primary.meta.lookup(1, "other")
+
+
+async def test_a_failed_replication_with_a_majority_behind_the_primary_is_acknowledged(cluster):
+    """The other side of the same rule: the backup that refused is the one cut off (only it
+    counts the primary down), the third node vouches, so the op stands and the backup is
+    counted down."""
+    cfg, nodes = cluster
+    primary, b, c = nodes
+    b.cluster.mark_down(primary.name, "test")
+    r = await primary.rpc_meta(op={"op": "mkdir", "parent": 1, "name": "kept", "mode": 0o755, "rid": "t:1"})
+    assert r["ino"] and primary.state == "ready" and "kept" in c.meta.entries[1]
+    assert primary.cluster.node_state(b.name) == "down"
+
+
+async def test_a_fenced_node_takes_its_peers_push_bookkeeping_for_what_it_led_while_suspect(cluster):
+    """The bookkeeping goes with the data: a node fenced after leading a stripe alone takes its
+    peers' copy of that stripe's data (resync), so it must take their push counts too; its own
+    (higher) counts would skip the round the data lacks, or take a push twice when the client
+    sends it again. Stripes it did not lead while suspect keep the newer of the two."""
+    cfg, nodes = cluster
+    node, peer = nodes[0], nodes[1]
+    led, other = (7, 0), (7, 1)
+    for key, mine, theirs in ((led, 5, 3), (other, 5, 3)):
+        node.training[key].pushed, node.training[key].span = {0: mine, 1: mine}, (0, 4, 4096)
+        peer.training[key].pushed, peer.training[key].span = {0: theirs, 1: theirs}, (0, 4, 4096)
+    node.training[(7, 2)].pushed, node.training[(7, 2)].span = {0: 1}, (0, 4, 4096)  # no peer has it
+    now = trio.current_time()
+    node.suspect_since = now - 1
+    node.led[(*led, 0)] = node.led[(7, 2, 0)] = now
+    await node._pull_training_records([peer.name], lambda fid, idx: True)
+    assert node.training[led].pushed == {0: 3, 1: 3}
+    assert node.training[other].pushed == {0: 5, 1: 5}
+    assert node.training[(7, 2)].pushed == {}
