@@ -2,6 +2,7 @@
 command lines: every file, tensor, xattr and snapshot comes back bit-identical."""
 
 import signal
+import stat as S
 
 import numpy as np
 import pytest
@@ -24,9 +25,11 @@ async def snapshot_of(c: Client) -> dict:
             if attr["mode"] & 0o040000:
                 out[p] = ("dir", attr["mode"], dict(attr["xattrs"]))
                 await walk(attr["ino"], p, snap)
+            elif not S.S_ISREG(attr["mode"]):  # links and special files: what they are and name
+                out[p] = ("node", attr["mode"], attr["nlink"], attr.get("target"), attr.get("rdev"))
             else:
                 data = await c.read(attr["ino"], 0, attr["size"], attr, snap)
-                out[p] = ("file", attr["mode"], attr["size"], dict(attr["xattrs"]), attr.get("tensor"), data)
+                out[p] = ("file", attr["mode"], attr["size"], attr["nlink"], dict(attr["xattrs"]), attr.get("tensor"), data)
 
     await walk(1, "")
     snaps = await c.snapshots()
@@ -50,6 +53,11 @@ async def test_whole_cluster_restart_brings_everything_back(tmp_path, stop):
             await c.save("/model/layer1/w.npy", rng.standard_normal((300, 700)).astype(np.float32))
             await c.save("/model/b.npy", np.arange(10, dtype=np.float64))
             await c.write_file("/blob", rng.integers(0, 255, 5 * MiB + 3, dtype=np.uint8))
+            blob = await c.resolve("/blob")
+            await c.link(blob["ino"], 1, "blob-again")
+            await c.symlink(1, "latest", "model/b.npy")
+            await c.mknod(1, "fifo", S.S_IFIFO | 0o600)
+            await c.mknod(1, "dev", S.S_IFCHR | 0o600, rdev=(1 << 8) | 3)
             await c.take_snapshot("before")
             await c.write_file("/blob", rng.integers(0, 255, 2 * MiB, dtype=np.uint8))  # after the snapshot
             await c.write_file("/small", np.frombuffer(b"tiny", np.uint8))
@@ -62,6 +70,7 @@ async def test_whole_cluster_restart_brings_everything_back(tmp_path, stop):
             after = await snapshot_of(c)
             w = await c.load("/model/layer1/w.npy")
         assert after == before and w.shape == (300, 700)
+        assert after["/latest"][3] == "model/b.npy" and after["/dev"][4] == (1 << 8) | 3 and after["/blob-again"][3] == 2
         assert "@before/blob" in after and after["@before/blob"][2] == 5 * MiB + 3 and after["/blob"][2] == 2 * MiB
     finally:
         lc.stop_all()
