@@ -12,13 +12,9 @@ the mount or of a model copies parameters only.
 A ``.npy`` file is a tensor: when a handle that wrote a file is flushed, its header is parsed and
 recorded (dtype, shape, data offset), or the file is recorded as plain bytes with a log line.
 
-The safetensors view of ``<model>/`` lists every tensor below it, recursively: tensor ``a.b`` is
-``<model>/a.b.npy`` and ``enc/l0.w`` is ``<model>/enc/l0.w.npy`` (a ``/`` in a tensor name is a
-subdirectory). Reading the view streams a header and then each tensor's data straight from its
-file. Writing the view (``cp ckpt.safetensors /mnt/ps/bert.safetensors``) is buffered in the
-mount and applied at flush: the whole stream is validated first, so a malformed one gets EINVAL
-and leaves every tensor as it was; then every tensor is created or assigned and ``__metadata__``
-is kept in the xattr ``user.irdma.safetensors_metadata`` of the model directory.
+``<model>.safetensors`` beside ``<model>/`` is the whole model as one safetensors stream, read
+or written (views.py). The open files behind each path are in handles.py, views.py and, for
+the step streams of ``.workers``, streams.py.
 
 Errors are ``FsError(errno)``; ``ops.py`` turns them into ``FUSEError``. Namespace errors from the
 cluster arrive as ``RemoteError`` and are mapped by errno name in ``ops.py`` too.
@@ -37,7 +33,6 @@ import logging
 import os
 import stat as S
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -45,14 +40,14 @@ import trio
 
 from .. import formats
 from ..client.client import Client
+from ..metrics import Latency, as_dict, mount_samples
 from ..server.meta import ROOT
 from ..transport.base import RemoteError
-from ..util import single_exception
-from . import writeback
-from ..metrics import Latency, as_dict, mount_samples
+from . import views, writeback
 from .errors import FsError
-from .readahead import ReadAhead
+from .handles import BATCH_XATTR, BatchSizeHandle, BytesHandle, FileHandle, Handle, PushHandle
 from .streams import Layouts, PullStreamHandle, PushStreamHandle
+from .views import ViewReadHandle, ViewWriteHandle
 from .writeback import WriteBehind
 
 log = logging.getLogger(__name__)
@@ -68,7 +63,6 @@ INO_MASK = (1 << INO_BITS) - 1
 IRDMA_DIR, SNAPSHOTS_DIR, WORKERS_DIR, CLUSTER_FILE, STATS_FILE, RANKS_DIR = (VIRT + k for k in range(1, 7))
 RANK_DIR = VIRT + (1 << 20)  # RANK_DIR + r: .irdma/workers/<r>
 BATCH_FILE = VIRT + (2 << 20)  # BATCH_FILE + r: .irdma/workers/<r>/batch_size
-BATCH_XATTR = "user.irdma.batch."  # + rank, on the root: the batch size each rank reported
 MAX_RANK = 1 << 16
 HIDDEN = {".irdma": IRDMA_DIR, ".snapshots": SNAPSHOTS_DIR, ".workers": WORKERS_DIR}
 IRDMA_FILES = {"cluster": CLUSTER_FILE, "stats": STATS_FILE}
@@ -82,10 +76,8 @@ WORK_CACHE_SECONDS = 60.0
 # the next open (while a file is open here, its attributes come from the open: see getattr).
 DIR_ATTR_SECONDS = 10.0
 UNLINKED = ".irdmafs-unlinked-"  # the hidden name of a file unlinked while open (not listed)
-VIEW_CHUNK = 4 << 20  # a safetensors view is read ahead in chunks of this many bytes
 SUFFIX = ".safetensors"
 DERIVED_XATTRS = ("user.irdma.dtype", "user.irdma.shape", "user.irdma.version")
-META_XATTR = "user.irdma.safetensors_metadata"
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR
 
 
@@ -135,230 +127,6 @@ def file_stat(ino: int, size: int, mode: int = 0o444, mtime_ns: int | None = Non
 
 def writes(flags: int) -> bool:
     return bool(flags & WRITE_FLAGS)
-
-
-# -- open handles ----------------------------------------------------------------------------------
-
-
-@dataclass
-class Handle:
-    ino: int
-
-    async def read(self, off: int, size: int) -> memoryview:
-        raise FsError(errno.EBADF)
-
-    async def write(self, off: int, data: bytes) -> int:
-        raise FsError(errno.EBADF)
-
-    async def flush(self) -> None:
-        pass
-
-    async def fsync(self) -> None:
-        await self.flush()
-
-
-@dataclass
-class BytesHandle(Handle):
-    """A file whose whole content is made at open: status files, and pulls (the parameters as
-    the model's policy lets the rank see them)."""
-
-    content: bytes = b""
-    # status files: read past the size the kernel was told (they change size); pulls: read
-    # once, so the page cache would only cost a copy
-    direct: bool = False
-
-    async def read(self, off: int, size: int) -> memoryview:
-        return memoryview(self.content)[off : off + size]
-
-
-@dataclass
-class FileHandle(Handle):
-    """A cluster file (live or in a snapshot)."""
-
-    vfs: "Vfs" = None  # type: ignore[assignment]
-    attr: dict = field(default_factory=dict)
-    snap: int = 0
-    size: int = 0  # what this handle knows the size to be, its own unflushed writes included
-    dirty: bool = False
-    name: str = ""
-    behind: WriteBehind | None = None  # its writes on their way (see writeback.py)
-    reader: ReadAhead | None = None  # what it has read and reads ahead (see readahead.py)
-    _read_attr: dict = field(default_factory=dict)
-
-    async def read(self, off: int, size: int) -> memoryview:
-        # This mount's writes in flight first. A write that comes in while this waits (its
-        # data still in the write-behind) would be missing from what the read-ahead fetches
-        # next and keeps, after that write dropped the read-ahead: so wait until none came.
-        while True:
-            seen = self.vfs.writes_seen.get(self.ino, 0)
-            await self.vfs.drain(self.ino)
-            if off + size > self.attr["size"] and not self.dirty:
-                # another mount may have grown the file since we opened it
-                self.attr = await self.vfs.client.getattr(self.ino, self.snap)
-            if self.vfs.writes_seen.get(self.ino, 0) == seen:
-                break  # and no await from here until the read-ahead has started its fetches
-        attr = dict(self.attr, size=max(self.attr["size"], self.size))
-        if self.reader is None:
-            self.reader = ReadAhead(self._fetch)
-        self._read_attr = attr
-        return await self.reader.read(off, size, attr["size"], attr["unit"])
-
-    async def _fetch(self, off: int, into: memoryview) -> int:
-        return await self.vfs.client.read_into(self.ino, off, into, self._read_attr, self.snap)
-
-    async def write(self, off: int, data: bytes) -> int:
-        self.vfs.writes_seen[self.ino] = self.vfs.writes_seen.get(self.ino, 0) + 1
-        if self.behind is None:
-            self.behind = WriteBehind(self.vfs.client, self.ino, self.attr, self.vfs.write_slots)
-            self.vfs.writers.setdefault(self.ino, set()).add(self.behind)
-        await self.behind.write(off, data)
-        self.vfs.forget_fetched(self.ino)
-        self.size = max(self.size, off + len(data))
-        self.dirty = True
-        self.vfs.pending[self.ino] = max(self.vfs.pending.get(self.ino, 0), self.size)
-        return len(data)
-
-    async def flush(self) -> None:
-        if not self.dirty:
-            return
-        await self.behind.drain()
-        self.attr = await self.vfs.client.extend(self.ino, self.size)
-        self.dirty = False
-        if self.vfs.pending.get(self.ino, 0) <= self.attr["size"]:
-            self.vfs.pending.pop(self.ino, None)
-        await self.vfs.detect_tensor(self.ino, self.attr, self.name)
-
-
-@dataclass
-class BufferedHandle(Handle):
-    """Written bytes gathered in memory and used as a whole at flush (a push, a model stream)."""
-
-    buf: bytearray = field(default_factory=bytearray)
-    dirty: bool = False
-
-    async def write(self, off: int, data: bytes) -> int:
-        end = off + len(data)
-        if end > len(self.buf):
-            self.buf.extend(bytes(end - len(self.buf)))
-        self.buf[off:end] = data
-        self.dirty = True
-        return len(data)
-
-
-@dataclass
-class PushHandle(BufferedHandle):
-    """``.workers/<rank>/.../t.npy`` opened for writing: the bytes written are one gradient
-    (an .npy, or the raw data bytes), pushed at flush."""
-
-    vfs: "Vfs" = None  # type: ignore[assignment]
-    rank: int = 0
-    direct: bool = True  # written once and pushed: no page cache
-
-    async def flush(self) -> None:
-        # Clean only once pushed: a failed flush (say, from the close of a dup'd fd, which
-        # numpy's tofile ignores) must fail again at the final close.
-        if not self.dirty:
-            return
-        client = self.vfs.client
-        t = (await client.train_info(self.ino, self.rank))["tensor"]
-        dtype, shape = np.dtype(t["dtype"]), tuple(t["shape"])
-        data = bytes(self.buf)
-        try:
-            if data.startswith(formats.MAGIC):
-                h = formats.parse_header(data[: formats.header_length(data[:12])])
-                if (h.dtype, h.shape) != (dtype, shape) or len(data) != h.data_offset + h.nbytes:
-                    raise formats.NpyError(f"pushed {h.dtype}{list(h.shape)}, tensor is {dtype}{list(shape)}")
-                grad = np.frombuffer(data, dtype, offset=h.data_offset).reshape(shape, order="F" if h.fortran else "C")
-            elif len(data) == int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
-                grad = np.frombuffer(data, dtype).reshape(shape)
-            else:
-                raise formats.NpyError(f"{len(data)} raw bytes do not hold {dtype}{list(shape)}")
-        except formats.NpyError as exc:
-            log.warning("push by rank %d to inode %d refused: %s", self.rank, self.ino, exc)
-            raise FsError(errno.EINVAL, str(exc)) from None
-        await client.push(self.ino, self.rank, np.ascontiguousarray(grad))
-        self.dirty = False
-
-    async def fsync(self) -> None:
-        await self.flush()
-        await self.vfs.client.wait_applied(self.ino, self.rank)
-
-
-@dataclass
-class BatchSizeHandle(BufferedHandle):
-    """``.irdma/workers/<r>/batch_size`` opened for writing: the rank reports its batch size."""
-
-    vfs: "Vfs" = None  # type: ignore[assignment]
-    rank: int = 0
-
-    async def flush(self) -> None:
-        if not self.dirty:
-            return
-        text = self.buf.decode(errors="replace").strip()
-        if not text.isdigit() or int(text) < 1:
-            raise FsError(errno.EINVAL, f"a batch size is a positive integer, not {text!r}")
-        await self.vfs.client.setxattr(ROOT, f"{BATCH_XATTR}{self.rank}", text)
-        self.dirty = False
-
-
-@dataclass
-class ViewReadHandle(Handle):
-    """The safetensors stream of a directory, laid out at open."""
-
-    vfs: "Vfs" = None  # type: ignore[assignment]
-    header: bytes = b""
-    parts: list = field(default_factory=list)  # (entry, file attr) in data order
-    stat: dict = field(default_factory=dict)  # its attributes as of the open
-
-    reader: ReadAhead | None = None
-
-    @property
-    def size(self) -> int:
-        return len(self.header) + (self.parts[-1][0].end if self.parts else 0)
-
-    async def read(self, off: int, size: int) -> memoryview | bytes:
-        if self.reader is None:
-            self.reader = ReadAhead(self._fill)
-        return await self.reader.read(off, size, self.size, VIEW_CHUNK)
-
-    async def _fill(self, off: int, view: memoryview) -> int:
-        """Bytes ``off``.. of the stream into ``view``: the header, then every tensor's data
-        bytes that fall in the range, read concurrently."""
-        size = max(0, min(len(view), self.size - off))
-        if off < len(self.header):
-            n = min(size, len(self.header) - off)
-            view[:n] = self.header[off : off + n]
-        base = len(self.header)
-        lo, hi = off - base, off - base + size
-        with single_exception():
-            async with trio.open_nursery() as n:
-                for entry, attr in self.parts:
-                    a, b = max(lo, entry.begin), min(hi, entry.end)
-                    if a < b:
-                        dst = view[a - lo : b - lo]
-                        src = attr["tensor"]["offset"] + a - entry.begin
-                        n.start_soon(self.vfs.client.read_into, attr["ino"], src, dst, attr)
-        return size
-
-
-@dataclass
-class ViewWriteHandle(BufferedHandle):
-    """A safetensors stream being written; applied as a whole at flush."""
-
-    vfs: "Vfs" = None  # type: ignore[assignment]
-    model: int = 0  # the model directory's inode
-    created_dir: tuple[int, str] | None = None  # (parent, name) if this open made the directory
-
-
-    async def read(self, off: int, size: int) -> memoryview:
-        return memoryview(self.buf)[off : off + size]
-
-    async def flush(self) -> None:
-        if not self.dirty:
-            return
-        await self.vfs.apply_safetensors(self.model, bytes(self.buf))
-        self.dirty = False  # only once applied: a failed flush fails again at close
-        self.created_dir = None
 
 
 # -- the file system ---------------------------------------------------------------------------------
@@ -856,51 +624,10 @@ class Vfs:
             await self.client.set_tensor(ino, info)
 
     async def view_layout(self, model: int) -> tuple[bytes, list]:
-        """Header and (entry, file attr) parts of the safetensors view of directory ``model``."""
-        tensors: list[tuple[str, dict]] = []
-
-        async def walk(ino: int, prefix: str) -> None:
-            for name, attr in await self.client.readdir(ino):
-                if S.S_ISDIR(attr["mode"]):
-                    await walk(attr["ino"], f"{prefix}{name}/")
-                elif name.endswith(".npy") and attr.get("tensor") and not attr["tensor"]["fortran"] and formats.st_dtype(attr["tensor"]["dtype"]):
-                    tensors.append((prefix + name[:-4], attr))
-
-        await walk(model, "")
-        d = await self.client.getattr(model)
-        metadata = None
-        if META_XATTR in d["xattrs"]:
-            try:
-                metadata = json.loads(d["xattrs"][META_XATTR])
-            except ValueError:
-                metadata = None
-        header, entries = formats.st_layout([(n, a["tensor"]["dtype"], tuple(a["tensor"]["shape"])) for n, a in tensors], metadata)
-        return header, [(e, a) for e, (_, a) in zip(entries, tensors)]
+        return await views.layout(self.client, model)
 
     async def apply_safetensors(self, model: int, data: bytes) -> None:
-        """Create or assign every tensor of a safetensors stream under directory ``model``;
-        validates everything before changing anything."""
-        try:
-            start, entries, metadata = formats.st_parse(data, len(data))
-            for name in (e.name for e in entries):
-                parts = name.split("/")
-                if any(p in ("", ".", "..") or "\0" in p or len((p + ".npy").encode()) > 255 for p in parts):
-                    raise formats.SafetensorsError(f"tensor name {name!r} cannot be a path")
-        except formats.SafetensorsError as exc:
-            log.warning("safetensors write to directory %d refused: %s", model, exc)
-            raise FsError(errno.EINVAL, str(exc)) from None
-        for e in entries:
-            *dirs, leaf = e.name.split("/")
-            parent = model
-            for d in dirs:
-                parent = (await self.client.makedirs_under(parent, d))["ino"]
-            arr = np.frombuffer(data, dtype=e.dtype, count=(e.end - e.begin) // np.dtype(e.dtype).itemsize, offset=start + e.begin).reshape(e.shape)
-            await self.client.save_under(parent, leaf + ".npy", arr)
-        if metadata:
-            await self.client.setxattr(model, META_XATTR, json.dumps(metadata))
-        elif META_XATTR in (await self.client.getattr(model))["xattrs"]:
-            await self.client.setxattr(model, META_XATTR, None)  # the new stream has none
-        log.info("safetensors stream applied to directory %d: %d tensors", model, len(entries))
+        await views.apply(self.client, model, data)
 
     async def batch_content(self, rank: int) -> bytes:
         """The batch size suggested to ``rank`` (r2sp, heterogeneous workers): proportional to

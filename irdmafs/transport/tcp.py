@@ -268,6 +268,139 @@ class TcpConnection(Connection):
             self._closed.set()
 
 
+class _Responder:
+    """The serving side of one connection: the handshake, then frame after frame, one method
+    per frame kind. One-sided READ and WRITE are answered in line, in arrival order; calls and
+    notifications run as tasks of the connection (their answers may come in any order, matched
+    by the caller's request id). Any error ends this connection only, never the node."""
+
+    def __init__(self, transport: "TcpTransport", sock: trio.socket.SocketType, peer: str, handler: Handler, on_imm: ImmHandler | None) -> None:
+        self.transport, self.sock, self.peer = transport, sock, peer
+        self.handler, self.on_imm = handler, on_imm
+        self.regions = transport.regions
+        self.send_lock = trio.Lock()
+        self.calls: trio.Nursery | None = None
+
+    async def run(self) -> None:
+        _tune(self.sock)
+        async with trio.open_nursery() as calls:
+            self.calls = calls
+            # Errors are handled inside the nursery body so they end this connection only.
+            try:
+                with trio.fail_after(HANDSHAKE_TIMEOUT):
+                    authenticated = await self.transport._authenticate(self.sock, self.peer)
+                if authenticated:
+                    await self.serve_frames()
+            except _EOF:
+                pass
+            except trio.TooSlowError:
+                log.warning("%s: handshake timed out", self.peer)
+            except ProtocolError as exc:
+                log.warning("%s: protocol error, closing the connection: %s", self.peer, exc)
+            except PeerLost as exc:
+                log.info("%s: %s", self.peer, exc)
+            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                log.info("%s: connection lost: %s", self.peer, exc)
+            finally:
+                calls.cancel_scope.cancel()
+                self.sock.close()
+
+    async def serve_frames(self) -> None:
+        kinds = {P.Op.READ: self.on_read, P.Op.WRITE: self.on_write, P.Op.WRITE_IMM: self.on_write_imm, P.Op.CALL: self.on_call}
+        hdr = memoryview(bytearray(P.HEADER.size))
+        while True:
+            await _recv_into(self.sock, hdr, at_boundary=True)
+            h = P.unpack(hdr)
+            await kinds.get(h.opcode, self.on_unknown)(h)
+
+    # -- one method per frame kind ---------------------------------------------------------------
+    async def on_read(self, h: P.Header) -> None:
+        try:
+            view = self.regions.check(h.rkey, h.offset, h.length, Access.READ)
+        except AccessError as exc:
+            log.info("%s: READ refused: %s", self.peer, exc)
+            await self.refuse(h, P.Status.ACCESS, str(exc))
+        else:
+            await self.respond(h, [view])
+            self.transport.count_served("read", h.length)
+
+    async def on_write(self, h: P.Header) -> None:
+        if await self.land(h):
+            await self.respond(h, [])
+            self.transport.count_served("write", h.length)
+
+    async def on_write_imm(self, h: P.Header) -> None:
+        if not await self.land(h):
+            return
+        if self.on_imm is None:
+            await self.refuse(h, P.Status.BAD_REQUEST, "this peer takes no notifications")
+            return
+        self.transport.count_served("write_imm", h.length)
+        self.calls.start_soon(self.run_imm, h)
+
+    async def on_call(self, h: P.Header) -> None:
+        self.calls.start_soon(self.run_call, h, await _recv_bytes(self.sock, h.length))
+
+    async def on_unknown(self, h: P.Header) -> None:
+        log.info("%s: unknown opcode %#x refused", self.peer, h.opcode)
+        await _drain(self.sock, P.payload_size(h))
+        await self.refuse(h, P.Status.BAD_REQUEST, f"unknown opcode {h.opcode:#x}")
+
+    # -- what they share ---------------------------------------------------------------------------
+    async def land(self, h: P.Header) -> bool:
+        """Receive a write's payload straight into its region; False (and answered) if the
+        region refuses it, after draining the payload so the stream stays in step."""
+        try:
+            view = self.regions.check(h.rkey, h.offset, h.length, Access.WRITE)
+        except AccessError as exc:
+            log.info("%s: WRITE refused: %s", self.peer, exc)
+            await _drain(self.sock, h.length)
+            await self.refuse(h, P.Status.ACCESS, str(exc))
+            return False
+        await _recv_into(self.sock, view)
+        return True
+
+    async def run_call(self, h: P.Header, payload: bytearray) -> None:
+        try:
+            method, args = P.decode_call(payload)
+            result = await self.handler(method, args)
+            await self.answer(h, [P.encode_result(result)])
+        except RemoteError as exc:
+            await self.answer(h, [P.encode_remote_error(exc.code, exc.message)], P.Status.REMOTE)
+        except ProtocolError as exc:
+            log.warning("%s: %s", self.peer, exc)
+            await self.answer(h, [str(exc).encode()], P.Status.BAD_REQUEST)
+        except Exception as exc:  # a bug in a handler must not take the node down
+            log.exception("%s: control call failed", self.peer)
+            await self.answer(h, [P.encode_remote_error("EIO", f"{type(exc).__name__}: {exc}")], P.Status.REMOTE)
+
+    async def run_imm(self, h: P.Header) -> None:
+        try:
+            result = await self.on_imm(self.regions.get(h.rkey), h.offset, h.length, h.imm)
+            await self.answer(h, [P.encode_result(result)])
+        except RemoteError as exc:
+            await self.answer(h, [P.encode_remote_error(exc.code, exc.message)], P.Status.REMOTE)
+        except Exception as exc:  # a bug in a handler must not take the node down
+            log.exception("%s: notification handler failed", self.peer)
+            await self.answer(h, [P.encode_remote_error("EIO", f"{type(exc).__name__}: {exc}")], P.Status.REMOTE)
+
+    async def respond(self, h: P.Header, payload: list, status: int = P.Status.OK) -> None:
+        resp = h._replace(opcode=h.opcode | P.RESPONSE, status=status, length=sum(map(len, payload)))
+        async with self.send_lock:
+            await _sendv(self.sock, [P.pack(resp), *payload])
+
+    async def refuse(self, h: P.Header, status: int, message: str) -> None:
+        await self.respond(h, [message.encode()], status)
+
+    async def answer(self, h: P.Header, payload: list, status: int = P.Status.OK) -> None:
+        """The response of a call or notification, which may finish after its caller left:
+        a peer gone by then ends nothing but this answer (never the node)."""
+        try:
+            await self.respond(h, payload, status)
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+
 class TcpTransport(Transport):
     name = "tcp"
 
@@ -291,7 +424,7 @@ class TcpTransport(Transport):
                         log.warning("accept failed: %s", exc)
                         await trio.sleep(0.1)
                         continue
-                    nursery.start_soon(self._serve_connection, sock, f"{addr[0]}:{addr[1]}", handler, on_imm)
+                    nursery.start_soon(_Responder(self, sock, f"{addr[0]}:{addr[1]}", handler, on_imm).run)
 
     async def _authenticate(self, sock: trio.socket.SocketType, peer: str) -> bool:
         nonce = new_nonce()
@@ -311,117 +444,6 @@ class TcpTransport(Transport):
         proof = server_proof(self.token, nonce, cnonce)
         await _sendv(sock, [P.pack(P.Header(P.Op.AUTH | P.RESPONSE, length=len(proof), imm=self.incarnation)), proof])
         return True
-
-    async def _serve_connection(self, sock: trio.socket.SocketType, peer: str, handler: Handler, on_imm: ImmHandler | None = None) -> None:
-        _tune(sock)
-        send_lock = trio.Lock()
-
-        async def respond(h: P.Header, payload: list, status: int = P.Status.OK) -> None:
-            resp = h._replace(opcode=h.opcode | P.RESPONSE, status=status, length=sum(map(len, payload)))
-            async with send_lock:
-                await _sendv(sock, [P.pack(resp), *payload])
-
-        async def refuse(h: P.Header, status: int, message: str) -> None:
-            await respond(h, [message.encode()], status)
-
-        async def answer(h: P.Header, payload: list, status: int = P.Status.OK) -> None:
-            """The response of a call or notification, which may finish after its caller left:
-            a peer gone by then ends nothing but this answer (never the node)."""
-            try:
-                await respond(h, payload, status)
-            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
-
-        async def run_call(h: P.Header, payload: bytearray) -> None:
-            try:
-                method, args = P.decode_call(payload)
-                result = await handler(method, args)
-                await answer(h, [P.encode_result(result)])
-            except RemoteError as exc:
-                await answer(h, [P.encode_remote_error(exc.code, exc.message)], P.Status.REMOTE)
-            except ProtocolError as exc:
-                log.warning("%s: %s", peer, exc)
-                await answer(h, [str(exc).encode()], P.Status.BAD_REQUEST)
-            except Exception as exc:  # a bug in a handler must not take the node down
-                log.exception("%s: control call failed", peer)
-                await answer(h, [P.encode_remote_error("EIO", f"{type(exc).__name__}: {exc}")], P.Status.REMOTE)
-
-        async def run_imm(h: P.Header) -> None:
-            try:
-                result = await on_imm(self.regions.get(h.rkey), h.offset, h.length, h.imm)
-                await answer(h, [P.encode_result(result)])
-            except RemoteError as exc:
-                await answer(h, [P.encode_remote_error(exc.code, exc.message)], P.Status.REMOTE)
-            except Exception as exc:  # a bug in a handler must not take the node down
-                log.exception("%s: notification handler failed", peer)
-                await answer(h, [P.encode_remote_error("EIO", f"{type(exc).__name__}: {exc}")], P.Status.REMOTE)
-
-        async def land(h: P.Header) -> bool:
-            """Receive a write's payload straight into its region; False (and answered) if the
-            region refuses it, after draining the payload so the stream stays in step."""
-            try:
-                view = self.regions.check(h.rkey, h.offset, h.length, Access.WRITE)
-            except AccessError as exc:
-                log.info("%s: WRITE refused: %s", peer, exc)
-                await _drain(sock, h.length)
-                await refuse(h, P.Status.ACCESS, str(exc))
-                return False
-            await _recv_into(sock, view)
-            return True
-
-        async def serve_frames(calls: trio.Nursery) -> None:
-            hdr = memoryview(bytearray(P.HEADER.size))
-            while True:
-                await _recv_into(sock, hdr, at_boundary=True)
-                h = P.unpack(hdr)
-                if h.opcode == P.Op.READ:
-                    try:
-                        view = self.regions.check(h.rkey, h.offset, h.length, Access.READ)
-                    except AccessError as exc:
-                        log.info("%s: READ refused: %s", peer, exc)
-                        await refuse(h, P.Status.ACCESS, str(exc))
-                    else:
-                        await respond(h, [view])
-                        self.count_served("read", h.length)
-                elif h.opcode == P.Op.WRITE:
-                    if await land(h):
-                        await respond(h, [])
-                        self.count_served("write", h.length)
-                elif h.opcode == P.Op.WRITE_IMM:
-                    if not await land(h):
-                        pass
-                    elif on_imm is None:
-                        await refuse(h, P.Status.BAD_REQUEST, "this peer takes no notifications")
-                    else:
-                        self.count_served("write_imm", h.length)
-                        calls.start_soon(run_imm, h)
-                elif h.opcode == P.Op.CALL:
-                    calls.start_soon(run_call, h, await _recv_bytes(sock, h.length))
-                else:
-                    log.info("%s: unknown opcode %#x refused", peer, h.opcode)
-                    await _drain(sock, P.payload_size(h))
-                    await refuse(h, P.Status.BAD_REQUEST, f"unknown opcode {h.opcode:#x}")
-
-        async with trio.open_nursery() as calls:
-            # Errors are handled inside the nursery body so they end this connection only.
-            try:
-                with trio.fail_after(HANDSHAKE_TIMEOUT):
-                    authenticated = await self._authenticate(sock, peer)
-                if authenticated:
-                    await serve_frames(calls)
-            except _EOF:
-                pass
-            except trio.TooSlowError:
-                log.warning("%s: handshake timed out", peer)
-            except ProtocolError as exc:
-                log.warning("%s: protocol error, closing the connection: %s", peer, exc)
-            except PeerLost as exc:
-                log.info("%s: %s", peer, exc)
-            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                log.info("%s: connection lost: %s", peer, exc)
-            finally:
-                calls.cancel_scope.cancel()
-                sock.close()
 
     # -- calling side ------------------------------------------------------------------------
     async def connect(self, host: str, port: int, *, nursery: trio.Nursery) -> TcpConnection:

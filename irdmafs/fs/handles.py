@@ -1,0 +1,196 @@
+"""The open files of a mount: what each kind of handle does with reads, writes and flushes.
+
+- ``FileHandle``: a cluster file (live or in a snapshot): writes go through its write-behind,
+  reads through its read-ahead; a flush lands the writes, grows the file and records whether
+  it now holds a tensor;
+- ``BytesHandle``: content made whole at open (status files, a pull through ``.workers``);
+- ``PushHandle``: ``.workers/<rank>/.../t.npy`` written: one gradient, pushed at flush;
+- ``BatchSizeHandle``: ``.irdma/workers/<r>/batch_size`` written: the rank's batch size.
+
+The safetensors view's handles are in views.py, the step streams' in streams.py. A handle's
+requests come one at a time per handle (see vfs.py, Concurrency); its flush may run again at
+release, so it is a no-op once clean.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .. import formats
+from ..server.meta import ROOT
+from .errors import FsError
+from .readahead import ReadAhead
+from .writeback import WriteBehind
+
+if TYPE_CHECKING:
+    from .vfs import Vfs
+
+log = logging.getLogger(__name__)
+
+BATCH_XATTR = "user.irdma.batch."  # + rank, on the root: the batch size each rank reported
+
+
+@dataclass
+class Handle:
+    ino: int
+
+    async def read(self, off: int, size: int) -> memoryview:
+        raise FsError(errno.EBADF)
+
+    async def write(self, off: int, data: bytes) -> int:
+        raise FsError(errno.EBADF)
+
+    async def flush(self) -> None:
+        pass
+
+    async def fsync(self) -> None:
+        await self.flush()
+
+
+@dataclass
+class BytesHandle(Handle):
+    """A file whose whole content is made at open: status files, and pulls (the parameters as
+    the model's policy lets the rank see them)."""
+
+    content: bytes = b""
+    # status files: read past the size the kernel was told (they change size); pulls: read
+    # once, so the page cache would only cost a copy
+    direct: bool = False
+
+    async def read(self, off: int, size: int) -> memoryview:
+        return memoryview(self.content)[off : off + size]
+
+
+@dataclass
+class FileHandle(Handle):
+    """A cluster file (live or in a snapshot)."""
+
+    vfs: "Vfs" = None  # type: ignore[assignment]
+    attr: dict = field(default_factory=dict)
+    snap: int = 0
+    size: int = 0  # what this handle knows the size to be, its own unflushed writes included
+    dirty: bool = False
+    name: str = ""
+    behind: WriteBehind | None = None  # its writes on their way (see writeback.py)
+    reader: ReadAhead | None = None  # what it has read and reads ahead (see readahead.py)
+    _read_attr: dict = field(default_factory=dict)
+
+    async def read(self, off: int, size: int) -> memoryview:
+        # This mount's writes in flight first. A write that comes in while this waits (its
+        # data still in the write-behind) would be missing from what the read-ahead fetches
+        # next and keeps, after that write dropped the read-ahead: so wait until none came.
+        while True:
+            seen = self.vfs.writes_seen.get(self.ino, 0)
+            await self.vfs.drain(self.ino)
+            if off + size > self.attr["size"] and not self.dirty:
+                # another mount may have grown the file since we opened it
+                self.attr = await self.vfs.client.getattr(self.ino, self.snap)
+            if self.vfs.writes_seen.get(self.ino, 0) == seen:
+                break  # and no await from here until the read-ahead has started its fetches
+        attr = dict(self.attr, size=max(self.attr["size"], self.size))
+        if self.reader is None:
+            self.reader = ReadAhead(self._fetch)
+        self._read_attr = attr
+        return await self.reader.read(off, size, attr["size"], attr["unit"])
+
+    async def _fetch(self, off: int, into: memoryview) -> int:
+        return await self.vfs.client.read_into(self.ino, off, into, self._read_attr, self.snap)
+
+    async def write(self, off: int, data: bytes) -> int:
+        self.vfs.writes_seen[self.ino] = self.vfs.writes_seen.get(self.ino, 0) + 1
+        if self.behind is None:
+            self.behind = WriteBehind(self.vfs.client, self.ino, self.attr, self.vfs.write_slots)
+            self.vfs.writers.setdefault(self.ino, set()).add(self.behind)
+        await self.behind.write(off, data)
+        self.vfs.forget_fetched(self.ino)
+        self.size = max(self.size, off + len(data))
+        self.dirty = True
+        self.vfs.pending[self.ino] = max(self.vfs.pending.get(self.ino, 0), self.size)
+        return len(data)
+
+    async def flush(self) -> None:
+        if not self.dirty:
+            return
+        await self.behind.drain()
+        self.attr = await self.vfs.client.extend(self.ino, self.size)
+        self.dirty = False
+        if self.vfs.pending.get(self.ino, 0) <= self.attr["size"]:
+            self.vfs.pending.pop(self.ino, None)
+        await self.vfs.detect_tensor(self.ino, self.attr, self.name)
+
+
+@dataclass
+class BufferedHandle(Handle):
+    """Written bytes gathered in memory and used as a whole at flush (a push, a model stream)."""
+
+    buf: bytearray = field(default_factory=bytearray)
+    dirty: bool = False
+
+    async def write(self, off: int, data: bytes) -> int:
+        end = off + len(data)
+        if end > len(self.buf):
+            self.buf.extend(bytes(end - len(self.buf)))
+        self.buf[off:end] = data
+        self.dirty = True
+        return len(data)
+
+
+@dataclass
+class PushHandle(BufferedHandle):
+    """``.workers/<rank>/.../t.npy`` opened for writing: the bytes written are one gradient
+    (an .npy, or the raw data bytes), pushed at flush."""
+
+    vfs: "Vfs" = None  # type: ignore[assignment]
+    rank: int = 0
+    direct: bool = True  # written once and pushed: no page cache
+
+    async def flush(self) -> None:
+        # Clean only once pushed: a failed flush (say, from the close of a dup'd fd, which
+        # numpy's tofile ignores) must fail again at the final close.
+        if not self.dirty:
+            return
+        client = self.vfs.client
+        t = (await client.train_info(self.ino, self.rank))["tensor"]
+        dtype, shape = np.dtype(t["dtype"]), tuple(t["shape"])
+        data = bytes(self.buf)
+        try:
+            if data.startswith(formats.MAGIC):
+                h = formats.parse_header(data[: formats.header_length(data[:12])])
+                if (h.dtype, h.shape) != (dtype, shape) or len(data) != h.data_offset + h.nbytes:
+                    raise formats.NpyError(f"pushed {h.dtype}{list(h.shape)}, tensor is {dtype}{list(shape)}")
+                grad = np.frombuffer(data, dtype, offset=h.data_offset).reshape(shape, order="F" if h.fortran else "C")
+            elif len(data) == int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+                grad = np.frombuffer(data, dtype).reshape(shape)
+            else:
+                raise formats.NpyError(f"{len(data)} raw bytes do not hold {dtype}{list(shape)}")
+        except formats.NpyError as exc:
+            log.warning("push by rank %d to inode %d refused: %s", self.rank, self.ino, exc)
+            raise FsError(errno.EINVAL, str(exc)) from None
+        await client.push(self.ino, self.rank, np.ascontiguousarray(grad))
+        self.dirty = False
+
+    async def fsync(self) -> None:
+        await self.flush()
+        await self.vfs.client.wait_applied(self.ino, self.rank)
+
+
+@dataclass
+class BatchSizeHandle(BufferedHandle):
+    """``.irdma/workers/<r>/batch_size`` opened for writing: the rank reports its batch size."""
+
+    vfs: "Vfs" = None  # type: ignore[assignment]
+    rank: int = 0
+
+    async def flush(self) -> None:
+        if not self.dirty:
+            return
+        text = self.buf.decode(errors="replace").strip()
+        if not text.isdigit() or int(text) < 1:
+            raise FsError(errno.EINVAL, f"a batch size is a positive integer, not {text!r}")
+        await self.vfs.client.setxattr(ROOT, f"{BATCH_XATTR}{self.rank}", text)
+        self.dirty = False

@@ -1,0 +1,145 @@
+"""The safetensors view of a model directory: ``<model>.safetensors`` beside ``<model>/``.
+
+Reading it streams a header and then each tensor's data straight from its ``.npy`` file
+(``layout`` says where each lies; ``ViewReadHandle`` reads it ahead in chunks). Writing it is
+buffered (``ViewWriteHandle``) and applied at flush by ``apply``: the whole stream is validated
+first, so a malformed one gets EINVAL and leaves every tensor as it was; then every tensor is
+created or assigned, ``__metadata__`` kept in the directory's xattr ``META_XATTR``. Tensor
+``enc/l0.w`` is ``<model>/enc/l0.w.npy``: a ``/`` in a name is a subdirectory.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import stat as S
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import trio
+
+from .. import formats
+from ..util import single_exception
+from .errors import FsError
+from .handles import BufferedHandle, Handle
+from .readahead import ReadAhead
+
+if TYPE_CHECKING:
+    from ..client.client import Client
+    from .vfs import Vfs
+
+log = logging.getLogger(__name__)
+
+VIEW_CHUNK = 4 << 20  # a safetensors view is read ahead in chunks of this many bytes
+META_XATTR = "user.irdma.safetensors_metadata"
+
+
+@dataclass
+class ViewReadHandle(Handle):
+    """The safetensors stream of a directory, laid out at open."""
+
+    vfs: "Vfs" = None  # type: ignore[assignment]
+    header: bytes = b""
+    parts: list = field(default_factory=list)  # (entry, file attr) in data order
+    stat: dict = field(default_factory=dict)  # its attributes as of the open
+
+    reader: ReadAhead | None = None
+
+    @property
+    def size(self) -> int:
+        return len(self.header) + (self.parts[-1][0].end if self.parts else 0)
+
+    async def read(self, off: int, size: int) -> memoryview | bytes:
+        if self.reader is None:
+            self.reader = ReadAhead(self._fill)
+        return await self.reader.read(off, size, self.size, VIEW_CHUNK)
+
+    async def _fill(self, off: int, view: memoryview) -> int:
+        """Bytes ``off``.. of the stream into ``view``: the header, then every tensor's data
+        bytes that fall in the range, read concurrently."""
+        size = max(0, min(len(view), self.size - off))
+        if off < len(self.header):
+            n = min(size, len(self.header) - off)
+            view[:n] = self.header[off : off + n]
+        base = len(self.header)
+        lo, hi = off - base, off - base + size
+        with single_exception():
+            async with trio.open_nursery() as n:
+                for entry, attr in self.parts:
+                    a, b = max(lo, entry.begin), min(hi, entry.end)
+                    if a < b:
+                        dst = view[a - lo : b - lo]
+                        src = attr["tensor"]["offset"] + a - entry.begin
+                        n.start_soon(self.vfs.client.read_into, attr["ino"], src, dst, attr)
+        return size
+
+
+@dataclass
+class ViewWriteHandle(BufferedHandle):
+    """A safetensors stream being written; applied as a whole at flush."""
+
+    vfs: "Vfs" = None  # type: ignore[assignment]
+    model: int = 0  # the model directory's inode
+    created_dir: tuple[int, str] | None = None  # (parent, name) if this open made the directory
+
+
+    async def read(self, off: int, size: int) -> memoryview:
+        return memoryview(self.buf)[off : off + size]
+
+    async def flush(self) -> None:
+        if not self.dirty:
+            return
+        await self.vfs.apply_safetensors(self.model, bytes(self.buf))
+        self.dirty = False  # only once applied: a failed flush fails again at close
+        self.created_dir = None
+
+
+async def layout(client: Client, model: int) -> tuple[bytes, list]:
+    """Header and (entry, file attr) parts of the safetensors view of directory ``model``."""
+    tensors: list[tuple[str, dict]] = []
+
+    async def walk(ino: int, prefix: str) -> None:
+        for name, attr in await client.readdir(ino):
+            if S.S_ISDIR(attr["mode"]):
+                await walk(attr["ino"], f"{prefix}{name}/")
+            elif name.endswith(".npy") and attr.get("tensor") and not attr["tensor"]["fortran"] and formats.st_dtype(attr["tensor"]["dtype"]):
+                tensors.append((prefix + name[:-4], attr))
+
+    await walk(model, "")
+    d = await client.getattr(model)
+    metadata = None
+    if META_XATTR in d["xattrs"]:
+        try:
+            metadata = json.loads(d["xattrs"][META_XATTR])
+        except ValueError:
+            metadata = None
+    header, entries = formats.st_layout([(n, a["tensor"]["dtype"], tuple(a["tensor"]["shape"])) for n, a in tensors], metadata)
+    return header, [(e, a) for e, (_, a) in zip(entries, tensors)]
+
+
+async def apply(client: Client, model: int, data: bytes) -> None:
+    """Create or assign every tensor of a safetensors stream under directory ``model``;
+    validates everything before changing anything."""
+    try:
+        start, entries, metadata = formats.st_parse(data, len(data))
+        for name in (e.name for e in entries):
+            parts = name.split("/")
+            if any(p in ("", ".", "..") or "\0" in p or len((p + ".npy").encode()) > 255 for p in parts):
+                raise formats.SafetensorsError(f"tensor name {name!r} cannot be a path")
+    except formats.SafetensorsError as exc:
+        log.warning("safetensors write to directory %d refused: %s", model, exc)
+        raise FsError(errno.EINVAL, str(exc)) from None
+    for e in entries:
+        *dirs, leaf = e.name.split("/")
+        parent = model
+        for d in dirs:
+            parent = (await client.makedirs_under(parent, d))["ino"]
+        arr = np.frombuffer(data, dtype=e.dtype, count=(e.end - e.begin) // np.dtype(e.dtype).itemsize, offset=start + e.begin).reshape(e.shape)
+        await client.save_under(parent, leaf + ".npy", arr)
+    if metadata:
+        await client.setxattr(model, META_XATTR, json.dumps(metadata))
+    elif META_XATTR in (await client.getattr(model))["xattrs"]:
+        await client.setxattr(model, META_XATTR, None)  # the new stream has none
+    log.info("safetensors stream applied to directory %d: %d tensors", model, len(entries))
