@@ -61,7 +61,7 @@ class StripeIO:
         self.bytes_read = 0
         self.bytes_written = 0
         self.bytes_pushed = 0  # gradient bytes put on the wire
-        # called when a stripe's clock has not moved for CLOCK_SLICE (Client._repush_open)
+        # called when a stripe's clock has not moved for CLOCK_SLICE (client/training.py, Training._repush_open)
         self.on_behind = None
         self._watches: dict[str, trio.Event] = {}  # node -> set when its clock poller moves on
         cluster.on_restart.append(self.forget_node)

@@ -227,7 +227,7 @@ class Training:
                 # It only adds to an open round, whose sum stays here: the backups learn of
                 # the round when it is applied (the record goes with the parameters). Until
                 # then each pushing client keeps its push and sends it again to whoever is
-                # primary if the round does not close (Client._repush_open): the sum of a
+                # primary if the round does not close (client/training.py, Training._repush_open): the sum of a
                 # round is never copied to the backups, which would cost as many bytes as
                 # the gradients themselves, W-1 times per step.
                 return

@@ -187,9 +187,9 @@ async def test_compressed_pushes(trained, mode):
 
 
 def test_batch_suggestions_follow_throughput():
-    from irdmafs.client.client import Client
+    from irdmafs.client.training import Training
 
-    c = Client.__new__(Client)
+    c = Training.__new__(Training)
     c.busy = {"0": 0.1, "1": 0.2}  # rank 1 computes twice as long for the same batch
     assert c.suggest_batch(0, {0: 32, 1: 32}) == 43 and c.suggest_batch(1, {0: 32, 1: 32}) == 21
     c.busy = {"0": 0.1}

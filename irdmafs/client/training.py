@@ -1,0 +1,351 @@
+"""A client's side of training: pushes, pulls and their bookkeeping (``Client.training``).
+
+A push sends each stripe's part of a gradient to that stripe's primary, fused with the rank's
+other pieces in one WRITE with immediate when transfers queue (``_fused``), and follows the
+primary when it moves; the primary counts each rank's pushes, so a retried push is taken once.
+Under bsp a piece that joined a round still open is kept (``_open``) until the round closes, and
+sent again if the primary is lost first (``_repush_open``, called by StripeIO when a pull's
+stripe clock stops moving). A pull reads the parameters one-sidedly once the stripes' clocks
+allow it (``pull_into``). Policies and push counts are cached per tensor and rank
+(``train_info``), refreshed every TRAIN_INFO_TTL seconds or by push replies, and dropped when a
+node restarts.
+
+Collaborators, handed in by the Client: the cluster view, its staging pool and StripeIO, its
+``getattr`` and its ``call_following`` (a control call that follows a moving primary).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Awaitable, Callable
+
+import numpy as np
+import trio
+
+from ..cluster import Cluster, NodeDown, StagingPool
+from ..config import ClusterConfig
+from ..transport.base import AccessError, RemoteError
+from . import compress
+from .stripe import StripeIO, split
+
+log = logging.getLogger(__name__)
+
+TRAIN_INFO_TTL = 1.0
+PUSH_BATCH = 4 << 20  # bytes of gradients fused into one WRITE with immediate
+
+
+def _runs_in(chosen: np.ndarray, chunk: int, e0: int, count: int) -> list[list[int]]:
+    """The [start, length] runs (relative to e0) of chosen chunks inside [e0, e0 + count)."""
+    runs = []
+    for c in chosen:
+        a, b = max(int(c) * chunk, e0), min((int(c) + 1) * chunk, e0 + count)
+        if a < b:
+            if runs and runs[-1][0] + runs[-1][1] == a - e0:
+                runs[-1][1] += b - a  # adjacent chunks travel as one run
+            else:
+                runs.append([a - e0, b - a])
+    return runs
+
+
+class Training:
+    def __init__(self, cfg: ClusterConfig, cluster: Cluster, staging: StagingPool, io: StripeIO, getattr: Callable[[int], Awaitable[dict]], call_following: Callable[..., Awaitable[dict]]):
+        self.cfg, self.cluster, self.staging, self.io = cfg, cluster, staging, io
+        self.getattr, self._call_following = getattr, call_following
+        self._train: dict[tuple[int, int], dict] = {}
+        self._sparsifiers: dict[tuple[int, int], compress.Sparsifier] = {}
+        self._push_queues: dict[tuple[str, int], dict] = {}
+        self.busy: dict[str, float] = {}  # rank -> its measured compute time per step (seconds)
+        self._pulled_at: dict[tuple[int, int], float] = {}
+        self._pacing: dict[int, list] = {}  # r2sp: rank -> [step, its slot wait, next slot time]
+        # bsp pushes in rounds still open: (fid, idx, rank) -> [descriptor, payload, owner]
+        self._open: dict[tuple[int, int, int], list] = {}
+        self._pushed_to: dict[tuple[int, int], int] = {}  # (tensor, rank) -> clock its last bsp push needs
+        self.io.on_behind = self._repush_open
+        # a restarted node lost its push bookkeeping: fetch policies and counts afresh
+        self.cluster.on_restart.append(lambda node: self._train.clear())
+
+    async def train_info(self, ino: int, rank: int) -> dict:
+        """Policy, workers, pull timeout and this rank's push count for tensor ``ino``, from the
+        primary of its first stripe; cached for TRAIN_INFO_TTL seconds so that a policy changed
+        anywhere is seen within that time at the cost of one control call per tensor and rank."""
+        key = (ino, rank)
+        cached = self._train.get(key)
+        if cached is None or trio.current_time() - cached["fetched"] > TRAIN_INFO_TTL:
+            attr = await self.getattr(ino)
+            t = attr.get("tensor")
+            if not t:
+                raise RemoteError("EINVAL", f"inode {ino} is not a tensor")
+            info = await self._stripe_call(ino, t["offset"] // attr["unit"], "train_info", {"fid": ino, "rank": rank})
+            self._train[key] = dict(info, attr=attr, fetched=trio.current_time())
+        return self._train[key]
+
+    def suggest_batch(self, rank: int, batches: dict[int, int]) -> int | None:
+        """R2SP for heterogeneous workers: a batch for ``rank`` proportional to its measured
+        throughput (its batch over its compute time per step, from pull to push), keeping the
+        total batch, so that every rank keeps the same period. None until every rank has been
+        measured."""
+        speeds = {r: b / self.busy[str(r)] for r, b in batches.items() if self.busy.get(str(r))}
+        if rank not in speeds or len(speeds) < len(batches):
+            return None
+        total = sum(batches.values())
+        return max(1, round(total * speeds[rank] / sum(speeds.values())))
+
+    def pushed_tensors(self, rank: int) -> list[int]:
+        """The tensors ``rank`` has pushed to through this client."""
+        return [ino for (ino, r), info in self._train.items() if r == rank and info["pushed"]]
+
+    def cached_train_info(self, ino: int, rank: int) -> dict | None:
+        """``train_info`` if this client has it at hand (no call)."""
+        return self._train.get((ino, rank))
+
+    async def push(self, ino: int, rank: int, grad: np.ndarray, *, owner: object = None) -> int:
+        """Push one gradient of ``rank`` for tensor ``ino``; returns its step. The gradient
+        must have the tensor's dtype and shape (EINVAL otherwise, and nothing changes). Returns
+        once every stripe's primary has taken its part (the update may still be pending).
+
+        Under bsp a part that joined a round still open is kept (``_open``) until the round
+        closes, to be sent again if the primary is lost first (``_repush_open``): as a view of
+        ``grad`` when the caller names an ``owner`` that lets it know before it reuses the
+        memory (``detach``), else as a copy."""
+        info = await self.train_info(ino, rank)
+        attr, t = info["attr"], info["tensor"]
+        grad = np.asarray(grad)
+        if grad.dtype != np.dtype(t["dtype"]) or grad.shape != tuple(t["shape"]):
+            raise RemoteError("EINVAL", f"gradient {grad.dtype}{list(grad.shape)} does not match tensor {t['dtype']}{t['shape']}")
+        if grad.dtype.kind != "f":
+            raise RemoteError("EINVAL", f"only floating-point tensors take gradients, not {grad.dtype}")
+        if rank not in info["active"]:
+            raise RemoteError("EINVAL", f"rank {rank} is not one of the active workers {info['active']}")
+        try:
+            mode = compress.parse(info["compress"])
+        except compress.CompressError as exc:
+            raise RemoteError("EINVAL", str(exc)) from None
+        step = info["pushed"]
+        # compute time since this rank's last pull: what batch-size suggestions are based on
+        pulled = self._pulled_at.pop((ino, rank), None)
+        busy = round(trio.current_time() - pulled, 6) if pulled is not None else None
+        paced = await self._pace(rank, step, info["timeout"]) if info["sync"] == "r2sp" else 0.0
+        flat = np.require(grad, requirements="C").reshape(-1)
+        wire = np.dtype(np.float16) if mode.fp16 else flat.dtype
+        chosen = None
+        if mode.fraction:
+            sparsifier = self._sparsifiers.setdefault((ino, rank), compress.Sparsifier(flat.size, flat.dtype))
+            chosen, flat = sparsifier.select(flat, mode)
+        isz = grad.dtype.itemsize
+        sent = 0
+        replies: list[dict] = []
+        async with trio.open_nursery() as n:
+            for p in split(t["offset"], flat.size * isz, attr["unit"]):
+                e0, count = p.pos // isz, p.length // isz
+                desc = {"fid": ino, "idx": p.idx, "offset": p.offset, "count": count, "rank": rank, "step": step, "wire": wire.str, "unit": attr["unit"], "busy": busy, "paced": paced}
+                if chosen is None:
+                    values = flat[e0 : e0 + count]
+                else:
+                    runs = _runs_in(chosen, mode.chunk, e0, count)
+                    desc["spans"] = runs
+                    values = np.concatenate([flat[e0 + a : e0 + a + k] for a, k in runs]) if runs else flat[:0]
+                    sent += 8 * len(runs)  # the span list travels too
+                payload = np.ascontiguousarray(values.astype(wire, copy=False))
+                sent += payload.nbytes
+                # a payload made here (fp16, sparse) is ours to keep; a view of ``grad`` is the owner's
+                keeper = payload if payload.base is None else owner
+                n.start_soon(self._push_kept, desc, memoryview(payload).cast("B"), replies, keeper, info["sync"] == "bsp")
+        info["pushed"] = step + 1
+        if info["sync"] == "bsp":
+            self._pushed_to[(ino, rank)] = step + 1  # pieces kept in _open are the rounds left open
+        for r in replies:
+            self.busy.update(r.get("busy", {}))
+        if replies:  # r2sp: the slot of this rank's next step
+            self._pacing.setdefault(rank, [step, 0.0, 0.0])[2] = trio.current_time() + max(r.get("slot_in", 0.0) for r in replies)
+        self.io.bytes_pushed += sent
+        return step
+
+    async def _pace(self, rank: int, step: int, limit: float) -> float:
+        """Under r2sp, wait for ``rank``'s slot before the first push of ``step`` (the primaries
+        said when it is, with the replies to the previous step); returns the wait, which every
+        push of the step reports so the period is measured without it."""
+        entry = self._pacing.setdefault(rank, [step, 0.0, 0.0])  # [step, its wait, next slot]
+        if entry[0] != step:
+            entry[0], entry[1] = step, min(max(0.0, entry[2] - trio.current_time()), limit)
+            await trio.sleep(entry[1])
+        return round(entry[1], 6)
+
+    async def _push_kept(self, desc: dict, payload: memoryview, replies: list, owner: object, bsp: bool) -> None:
+        """``_push_piece``, then, under bsp, keep the piece while its round is open."""
+        r = await self._push_piece(desc, payload, replies)
+        if bsp and r.get("clock", 0) <= desc["step"]:
+            if owner is None:
+                payload = memoryview(bytes(payload))  # the caller may reuse its array at once
+            self._open[(desc["fid"], desc["idx"], desc["rank"])] = [desc, payload, owner]
+
+    def detach(self, owner: object) -> None:
+        """The memory of ``owner`` is about to be reused: copy the kept pushes that are views
+        of it."""
+        for entry in self._open.values():
+            if entry[2] is owner:
+                entry[1], entry[2] = memoryview(bytes(entry[1])), None
+
+    def _closed(self, ino: int, rank: int, clock: int) -> None:
+        """Every stripe of ``ino`` has applied ``clock`` steps: rounds before it are closed."""
+        for key in [k for k, e in self._open.items() if k[0] == ino and k[2] == rank and e[0]["step"] < clock]:
+            del self._open[key]
+
+    async def _repush_open(self, fid: int, idx: int) -> None:
+        """A pull waits on stripe ``idx`` of ``fid`` longer than it should: if a round this
+        client pushed to is still open there, ask the stripe's primary whether it has the push
+        (a primary lost mid-round takes its open rounds with it) and send it again if not.
+        The primary counts each rank's pushes, so a push it has is never taken twice."""
+        for (f, i, rank), (desc, payload, _) in list(self._open.items()):
+            if (f, i) != (fid, idx):
+                continue
+            primary = self.cluster.stripe_primary(fid, idx)
+            if primary is None:
+                return
+            try:
+                nxt = (await self.cluster.call(primary, "train_next", {"fid": fid, "idx": idx, "rank": rank}))["next"]
+                if nxt <= desc["step"]:
+                    log.warning("stripe %d:%d: %s lacks push %d of rank %d (its round was open on a lost primary); sending it again", fid, idx, primary, desc["step"], rank)
+                    await self._push_piece(desc, payload, [])
+            except (NodeDown, RemoteError, AccessError, trio.TooSlowError) as exc:
+                log.info("stripe %d:%d: open push of rank %d not checked with %s: %s", fid, idx, rank, primary, exc)
+
+    async def _push_piece(self, desc: dict, payload: memoryview, replies: list) -> dict:
+        """One stripe's part of a push, to the stripe's primary; follows the primary when it
+        moves. A retried piece that already arrived is answered "duplicate" (exactly once)."""
+        fid, idx = desc["fid"], desc["idx"]
+        with trio.fail_after(self.cfg.op_timeout * 3):
+            while True:
+                primary = self.cluster.stripe_primary(fid, idx)
+                if primary is None:
+                    await self.cluster.wait_changed(0.5)
+                    await self.cluster.refresh()
+                    continue
+                try:
+                    r = await self._fused(primary, desc, payload)
+                except (NodeDown, AccessError):  # down, or restarted (its staging is new)
+                    self.staging.forget(primary)
+                    continue
+                code = r.get("error")
+                if code is None:
+                    replies.append(r)
+                    return r
+                if code in ("ENOTPRIMARY", "EAGAIN"):
+                    await trio.sleep(0.1)
+                    await self.cluster.refresh()
+                    continue
+                raise RemoteError(code, r.get("message", ""))
+
+    async def _fused(self, node: str, desc: dict, payload: memoryview) -> dict:
+        """Send a push piece to ``node``: at once if fewer transfers to it are under way than
+        the client has staging slots there, otherwise together with every piece of the same
+        rank that queued meanwhile, in one WRITE with immediate (fusion with no added latency
+        when idle; as many transfers in flight as slots, so a whole model's pushes pipeline).
+        One queue per rank: under r2sp a rank's push may wait on the node for another rank's,
+        which must not queue behind it."""
+        q = self._push_queues.setdefault((node, desc["rank"]), {"queue": [], "senders": 0})
+        entry = [desc, payload, trio.Event(), None]
+        q["queue"].append(entry)
+        if q["senders"] < self.staging.slots:
+            q["senders"] += 1
+            try:
+                while q["queue"]:
+                    batch, size = [], 0
+                    while q["queue"] and (not batch or size + len(q["queue"][0][1]) <= PUSH_BATCH):
+                        e = q["queue"].pop(0)
+                        batch.append(e)
+                        size += len(e[1])
+                    try:
+                        await self._send_batch(node, batch)
+                    except BaseException:
+                        for e in batch:  # cancelled mid-send: nobody must wait for an answer
+                            if not e[2].is_set():
+                                e[3] = NodeDown(node, "push sender cancelled")
+                                e[2].set()
+                        raise
+            finally:
+                q["senders"] -= 1
+                if not q["senders"]:
+                    for e in q["queue"]:  # the last sender was cancelled: let the others retry
+                        e[3] = NodeDown(node, "push sender cancelled")
+                        e[2].set()
+                    q["queue"].clear()
+        await entry[2].wait()
+        if isinstance(entry[3], BaseException):
+            raise entry[3]
+        return entry[3]
+
+    async def _send_batch(self, node: str, batch: list) -> None:
+        descs, bufs, at = [], [], 0
+        for desc, payload, _, _ in batch:
+            descs.append(dict(desc, at=at))
+            bufs.append(payload)
+            at += len(payload)
+        head = json.dumps(descs, separators=(",", ":")).encode()
+
+        async def send(slot) -> dict:
+            return await self.cluster.write_imm(node, slot.rkey, slot.offset, [head, *bufs], len(head), slot.inc)
+
+        try:
+            reply = await self.staging.with_slot(node, send)
+            results = reply["results"]
+            if len(results) != len(batch):  # never leave a pusher waiting for a missing answer
+                raise RemoteError("EIO", f"{node} answered {len(results)} of {len(batch)} pushes")
+            for fid, pinfo in reply.get("info", {}).items():
+                for (ino, _), cached in self._train.items():
+                    if ino == int(fid):
+                        # policy changes reach us with the push replies: no refresh call needed
+                        cached.update(pinfo, fetched=trio.current_time())
+        except (NodeDown, RemoteError, AccessError) as exc:
+            results = [exc] * len(batch)
+        for entry, result in zip(batch, results, strict=True):
+            entry[3] = result
+            entry[2].set()
+
+    async def pull_into(self, ino: int, rank: int, out: np.ndarray) -> np.ndarray:
+        """The tensor's parameters into ``out`` once the model's policy allows ``rank`` to see
+        them (bsp: every rank's push of this rank's last step applied; ssp:S: the slowest rank
+        within S steps; asp: at once). ETIMEDOUT after the model's ``user.irdma.timeout``."""
+        from ..server.sync import parse_policy, required_clock
+
+        info = await self.train_info(ino, rank)
+        if rank not in info["active"]:
+            raise RemoteError("EINVAL", f"rank {rank} is not one of the active workers {info['active']}")
+        attr, t = info["attr"], info["tensor"]
+        need = required_clock(parse_policy(info["sync"]), info["pushed"])
+        view = memoryview(out.reshape(-1)).cast("B")
+        # a stripe whose round this rank's push closed (nothing kept open) is there already
+        closed = lambda idx: (ino, idx, rank) not in self._open and self._pushed_to.get((ino, rank)) == need  # noqa: E731
+        await self.io.read(ino, t["offset"] + len(view), attr["unit"], t["offset"], view, 0, need, info["timeout"], closed)
+        self._closed(ino, rank, need)
+        self._pulled_at[(ino, rank)] = trio.current_time()
+        return out
+
+    async def wait_applied(self, ino: int, rank: int) -> None:
+        """Until every push of ``rank`` to ``ino`` so far has been applied (under bsp, its
+        rounds are complete; under r2sp, its turns have come; asp and ssp apply a push when
+        they take it)."""
+        info = await self.train_info(ino, rank)
+        t, attr = info["tensor"], info["attr"]
+        if info["sync"] == "bsp":  # the stripes' clocks say it: one-sided reads
+            out = np.empty(t["shape"], t["dtype"])
+            view = memoryview(out.reshape(-1)).cast("B")
+            await self.io.read(ino, t["offset"] + len(view), attr["unit"], t["offset"], view, 0, info["pushed"], info["timeout"])
+            self._closed(ino, rank, info["pushed"])
+        elif info["sync"] == "r2sp" and info["pushed"]:  # a held push shows in no clock: ask
+            nbytes = int(np.prod(t["shape"], dtype=np.int64)) * np.dtype(t["dtype"]).itemsize
+            async with trio.open_nursery() as n:
+                for p in split(t["offset"], nbytes, attr["unit"]):
+                    n.start_soon(self._train_wait, ino, p.idx, rank, info["pushed"], info["timeout"])
+
+    async def _train_wait(self, ino: int, idx: int, rank: int, pushed: int, timeout: float) -> None:
+        await self._stripe_call(ino, idx, "train_wait", {"fid": ino, "idx": idx, "rank": rank, "pushed": pushed, "timeout": timeout}, timeout=timeout + self.cfg.op_timeout)
+
+    async def _stripe_call(self, fid: int, idx: int, method: str, args: dict, *, timeout: float | None = None) -> dict:
+        """A control call to the stripe's primary, following it when it moves."""
+        return await self._call_following(lambda: self.cluster.stripe_primary(fid, idx), method, args, timeout=timeout)
+
+    def forget_training(self, ino: int | None = None) -> None:
+        """Drop cached policy/push counts (a policy xattr changed, or a rank was removed)."""
+        for key in [k for k in self._train if ino is None or k[0] == ino]:
+            del self._train[key]
