@@ -22,16 +22,6 @@ def single_exception() -> Iterator[None]:
         raise
 
 
-def remote_error_in(group: BaseExceptionGroup):
-    """The error to answer a caller with when concurrent replications failed together: the
-    first leaf, if every leaf is a RemoteError (they all say the same: EAGAIN, this node is
-    cut off), else None (a bug or a mix: the group stands)."""
-    from .transport.base import RemoteError
-
-    inner = list(leaves(group))
-    return inner[0] if inner and all(isinstance(e, RemoteError) for e in inner) else None
-
-
 def leaves(exc: BaseException) -> Iterator[BaseException]:
     """Every exception inside ``exc``, groups flattened."""
     if isinstance(exc, BaseExceptionGroup):

@@ -99,33 +99,6 @@ class Membership:
         if fetched:
             log.warning("hand-over: %d stripes fetched again (their replication here had failed)", fetched)
 
-    async def _vouched_by_majority(self, failed_at: float) -> bool:
-        """Whether, asked after ``failed_at``, a majority of the membership (this node with the
-        peers that answer and do not count it down) still counts this node in. One question
-        at a time: every replication that failed in the same burst waits for the same answer."""
-        asking = self._majority_check
-        if asking is None or asking[0] < failed_at:
-            asking = self._majority_check = (trio.current_time(), trio.Event(), [False])
-            others = [n for n in self.cfg.names if n != self.name]
-            votes = [0]
-
-            async def ask(peer: str) -> None:
-                with trio.move_on_after(min(self.cfg.op_timeout, 2 * self.cfg.down_after)):
-                    try:
-                        hb = await self.cluster.call(peer, "heartbeat", {"from": self.name})
-                    except (NodeDown, RemoteError):
-                        return
-                    if hb.get("state") == READY and self.name not in hb.get("sees_down", ()):
-                        votes[0] += 1
-
-            async with trio.open_nursery() as n:
-                for peer in others:
-                    n.start_soon(ask, peer)
-            asking[2][0] = votes[0] + 1 >= len(self.cfg.names) // 2 + 1
-            asking[1].set()
-        await asking[1].wait()
-        return asking[2][0]
-
     def _check_member(self, name: str) -> None:
         if name == self.name or name not in self.cfg.names:
             raise RemoteError("EINVAL", f"{name!r} is not another member of the cluster")
@@ -191,7 +164,6 @@ class Membership:
         log.warning("node %s fenced: %s; it serves nothing until it has resynced", self.name, why)
         self.suspect_since = suspect_since
         self.state = SYNCING
-        self.must_rejoin = True  # its fence loop resyncs it
 
     def _lost_by_peer(self, lost_at: list | None) -> None:
         """A peer counted this node down while it served generation ``lost_at`` (incarnation,
@@ -202,6 +174,7 @@ class Membership:
         if self.state == READY and lost_at is not None and list(lost_at) == [self.transport.incarnation, self.gen]:
             # it was cut off since some time within the peer's down_after and op timeouts
             self._fence(f"a peer counted it down (generation {self.gen})", trio.current_time() - 2 * (self.cfg.op_timeout + self.cfg.down_after))
+            self.must_rejoin = True
 
     def _check_stall(self) -> None:
         """Fence at once if this process did not run for most of ``down_after`` (SIGSTOP, a
@@ -214,6 +187,7 @@ class Membership:
         if gap > 0.8 * self.cfg.down_after and self.state == READY:
             # suspect: commits begun before the stall
             self._fence(f"it did not run for {gap:.1f} s (stopped or paused)", now - gap - self.cfg.op_timeout)
+            self.must_rejoin = True
 
     async def _fence_loop(self) -> None:
         """A node cut off from the cluster stops serving (syncing) and, once it reaches a peer
@@ -222,7 +196,7 @@ class Membership:
         while True:
             await trio.sleep(min(self.cfg.heartbeat, self.cfg.down_after / 4))
             self._check_stall()
-            if self.must_rejoin:  # fenced elsewhere: a stall, a peer that lost it, a lost majority
+            if self.must_rejoin:  # fenced by a stall or by a peer that lost it (rpc_heartbeat)
                 self.must_rejoin = False
             else:
                 cut = self._cut_off() if self.state == READY else None
@@ -234,7 +208,6 @@ class Membership:
                 if trio.current_time() - cut_since < grace:
                     continue  # a moment without heartbeats: not yet a partition
                 self._fence(why, trio.current_time() - 2 * (self.cfg.op_timeout + self.cfg.down_after) - grace)
-                self.must_rejoin = False  # it rejoins right here
             while not self._may_rejoin():
                 await self.cluster.wait_changed(self.cfg.heartbeat * 5)
             await self._join()

@@ -52,7 +52,7 @@ from ..metrics import Latency, node_samples
 from ..metrics import serve as serve_metrics
 from ..notify import notify
 from ..progress import Progress
-from ..util import keep_freed_memory, remote_error_in
+from ..util import keep_freed_memory
 from ..transport.base import Access, AccessError, RemoteError, Transport, TransportError
 from .membership import Membership
 from .meta import Meta
@@ -150,7 +150,7 @@ class Node(Membership, Training):
         self.work: dict = {}
         self.ready_since = 0.0  # long work under way (resync, rebalance): shown by heartbeats
         self.last_tick = 0.0  # when this process last ran its fence ticker or a heartbeat (trio clock)
-        self.must_rejoin = False  # fenced (see _fence): its fence loop resyncs it
+        self.must_rejoin = False  # fenced by a stall or a peer: its fence loop resyncs it
         self.gen = 0  # serving generation: +1 each time this node becomes ready (after a resync)
         # (fid, idx, snap) -> when this node last gave the stripe a version as its primary. A
         # node fenced by a stall or a peer may have given versions whose replication never
@@ -158,7 +158,6 @@ class Node(Membership, Training):
         # bytes: its resync takes its peers' copy of what it led since ``suspect_since``.
         self.led: dict[tuple[int, int, int], float] = {}
         self.suspect_since = math.inf
-        self._majority_check: tuple[float, trio.Event, list] | None = None  # see _vouched_by_majority
         self.thawed = trio.Event()
         self.thawed.set()
 
@@ -213,8 +212,6 @@ class Node(Membership, Training):
             raise RemoteError("ENOSPC", str(exc)) from None
         except (KeyError, ValueError) as exc:
             raise RemoteError("EINVAL", f"{method}: {exc}") from None
-        except BaseExceptionGroup as group:  # replications failed together (lost_replica)
-            raise remote_error_in(group) or group from None
         finally:
             self.latency.observe(method, time.perf_counter() - t0)
 
@@ -358,26 +355,12 @@ class Node(Membership, Training):
                 await self.cluster.call(peer, "meta_restore", {"snapshot": self.meta.snapshot()})
         except (NodeDown, RemoteError) as exc:
             log.warning("metadata op %d not replicated to %s: %s", seq, peer, exc)
-            await self.lost_replica(peer, exc)
+            self.lost_replica(peer, exc)
 
-    async def lost_replica(self, peer: str, exc: BaseException) -> None:
+    def lost_replica(self, peer: str, exc: BaseException) -> None:
         """A replication to ``peer`` failed for good: it lacks what it was sent, so it must not
-        serve before it resyncs. Counting it down here makes it fence (Cluster.lost).
-
-        But the failure may be this node's own: cut off (a partition) or stopped for a while,
-        it is the one its peers count down, and they go on without it, another node leading
-        what it leads. What it applied here alone would then be acknowledged and lost (the
-        resync takes the peers' copy). So, in a cluster of three or more, nothing is
-        acknowledged until a majority says it still counts this node in; if none does, the
-        node fences and the operation fails with EAGAIN, which clients answer by following
-        the new primary (a push retried there is taken once: the new primary never saw it)."""
-        failed_at = trio.current_time()
+        serve before it resyncs. Counting it down here makes it fence (Cluster.lost)."""
         self.cluster.mark_down(peer, f"replication failed: {exc}")
-        if len(self.cfg.names) < 3 or await self._vouched_by_majority(failed_at):
-            return
-        if self.state == READY:
-            self._fence(f"replication to {peer} failed and no majority counts it in", failed_at - 2 * (self.cfg.op_timeout + self.cfg.down_after))
-        raise RemoteError("EAGAIN", f"{self.name} is cut off from the majority: not replicated to {peer}")
 
     def _check_sender(self, sender: str) -> None:
         """Replication only from a node this one does not count down: one that was (stopped,
@@ -400,14 +383,7 @@ class Node(Membership, Training):
         return {}
 
     async def rpc_meta_restore(self, snapshot: dict) -> dict:
-        self._take_namespace(snapshot, force=False)
-        return {}
-
-    def _take_namespace(self, snapshot: dict, *, force: bool) -> None:
-        """The primary's namespace, if newer than this node's (a forward found it behind);
-        with ``force`` (a resync), whatever this node holds: ops it applied alone while cut
-        off may carry the same numbers as the ones the majority applied meanwhile."""
-        if snapshot["seq"] > self.meta.seq or force and snapshot != self.meta.snapshot():
+        if snapshot["seq"] > self.meta.seq:
             self.meta = Meta.restore(snapshot)
             self._save_meta()
             known = self.meta.files()
@@ -416,6 +392,7 @@ class Node(Membership, Training):
             snaps = set(self.meta.snapshot_ids().values())
             for snap in {snap for _, _, snap in self.store.stripes if snap} - snaps:
                 self.store.drop_snapshot(snap)
+        return {}
 
     async def rpc_meta_snapshot(self) -> dict:
         return self.meta.snapshot()
@@ -583,7 +560,7 @@ class Node(Membership, Training):
                     if attempt == 1:
                         continue
                 log.warning("stripe %d:%d version %d not replicated to %s: %s", fid, idx, version, peer, exc)
-                await self.lost_replica(peer, exc)
+                self.lost_replica(peer, exc)
                 return
 
     async def rpc_apply(self, fid: int, idx: int, offset: int, length: int, rkey: int, soff: int, version: int, unit: int, full: bool, snap: int = 0, clock: int = 0, record: dict | None = None, pending: bool = False, state: int = 0, sender: str = "") -> dict:
@@ -634,7 +611,7 @@ class Node(Membership, Training):
         t0 = time.monotonic()
         primary = self.cluster.meta_primary()
         snap = await self.cluster.call(primary, "meta_snapshot")
-        self._take_namespace(snap, force=True)
+        await self.rpc_meta_restore(snap)
         live = set(peers) | {self.name}
 
         def mine(fid: int, idx: int) -> bool:

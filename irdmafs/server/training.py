@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from functools import partial
 
@@ -25,7 +24,6 @@ import trio
 
 from ..cluster import NodeDown
 from ..transport.base import AccessError, RemoteError
-from ..util import remote_error_in
 from . import optim
 from .sync import Model, PolicyError, StripeTraining, parse_policy
 
@@ -120,11 +118,6 @@ class Training:
                 at = d.pop("at")
                 results[i] = await self._push(data[at:], **d)
             except RemoteError as exc:
-                results[i] = {"error": exc.code, "message": exc.message}
-            except BaseExceptionGroup as group:  # its replications failed together (lost_replica)
-                exc = remote_error_in(group)
-                if exc is None:
-                    raise
                 results[i] = {"error": exc.code, "message": exc.message}
             except (KeyError, TypeError, ValueError) as exc:
                 results[i] = {"error": "EINVAL", "message": f"bad push descriptor: {exc}"}
@@ -221,7 +214,6 @@ class Training:
         # The push bookkeeping goes to the backups with the parameters it produced, in the same
         # apply: a backup that takes over then holds both or neither, so a client's retry of an
         # unanswered push is applied exactly once (duplicate if it was, anew if it was not).
-        self.led[(fid, idx, 0)] = trio.current_time()  # its bookkeeping changed: see resync
         if not updates and stripe.clock == clock:  # a push taken, nothing to apply yet
             if model.policy.kind == "bsp":
                 # It only adds to an open round, whose sum stays here: the backups learn of
@@ -240,6 +232,7 @@ class Training:
             self._apply_updates(fid, idx, np.frombuffer(view, dtype), updates, opt, unit)
 
         self.store.update(fid, idx, offset, count * dtype.itemsize, unit, step if updates else None, clock=clock)
+        self.led[(fid, idx, 0)] = trio.current_time()
         self.apply_seconds += time.perf_counter() - t0
         await self._replicate_training(fid, idx, offset, count * dtype.itemsize, unit, len(opt.state_names) if updates else 0, record)
 
@@ -274,7 +267,7 @@ class Training:
                         self.peer_staging.forget(peer)  # its staging region is gone (it restarted)
                         continue
                     log.warning("training record of stripe %d:%d not replicated to %s: %s", fid, idx, peer, exc)
-                    await self.lost_replica(peer, exc)
+                    self.lost_replica(peer, exc)
                     return
 
         async with trio.open_nursery() as n:
@@ -355,14 +348,7 @@ class Training:
 
     async def _pull_training_records(self, peers: list[str], mine) -> None:
         """The push bookkeeping of the stripes this node holds, from its peers: a node that
-        becomes a stripe's primary again must know how many pushes each rank made.
-
-        A stripe this node led since it became suspect (``suspect_since``: it was fenced) takes
-        the peers' bookkeeping whatever its own says, as its data does (``_pull_stripes``): what
-        it took alone there was answered EAGAIN or kept by the pushing client, and sent again
-        to the next primary, so its own count would take those pushes a second time, or skip
-        a round its resync's data does not hold."""
-        best: dict[tuple[int, int], dict] = {}
+        becomes a stripe's primary again must know how many pushes each rank made."""
         for peer in peers:
             try:
                 records = (await self.cluster.call(peer, "train_records"))["records"]
@@ -371,21 +357,8 @@ class Training:
                 continue
             for key, rec in records.items():
                 fid, idx = (int(x) for x in key.split(":"))
-                if not mine(fid, idx):
-                    continue
-                incoming = StripeTraining()
-                incoming.restore(rec)
-                if (fid, idx) not in best or incoming.progress > best[(fid, idx)][0]:
-                    best[(fid, idx)] = (incoming.progress, rec)
-        for key in [k for k in self.training if self.led.get((*k, 0), -math.inf) >= self.suspect_since]:
-            async with self.stripe_locks(key):
-                if key in best:
-                    self.training[key].restore(best.pop(key)[1])
-                else:  # no peer saw a push there: neither did the cluster
-                    del self.training[key]
-            log.info("resync: push bookkeeping of stripe %d:%d taken from the peers (led here while suspect)", *key)
-        for (fid, idx), (_, rec) in best.items():
-            await self._take_record_if_newer(fid, idx, rec)
+                if mine(fid, idx):
+                    await self._take_record_if_newer(fid, idx, rec)
 
     async def _take_record_if_newer(self, fid: int, idx: int, rec: dict) -> None:
         """A peer's push bookkeeping of a stripe, if it has taken more pushes (never go back)."""

@@ -7,7 +7,7 @@ import pytest
 import trio
 
 from irdmafs.transport import protocol as P
-from irdmafs.transport.base import Access, RemoteError, client_proof, new_nonce
+from irdmafs.transport.base import Access, client_proof, new_nonce
 from irdmafs.transport.tcp import TcpTransport
 
 from .conftest import TOKEN, handler
