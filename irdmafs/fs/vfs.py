@@ -115,6 +115,17 @@ def is_cluster(ino: int) -> bool:
     return ino < VIRT
 
 
+def namespace_ino(ino: int, otherwise: int) -> tuple[int, int]:
+    """(inode, snapshot id) in the namespace of a live or snapshot inode; FsError(otherwise)
+    for the mount's own entries."""
+    if ino & SNAP:
+        sid, i = split_snap(ino)
+        return i, sid
+    if not is_cluster(ino):
+        raise FsError(otherwise)
+    return ino, 0
+
+
 def dir_stat(ino: int, mode: int = 0o555, nlink: int = 2) -> dict:
     now = time.time_ns()
     return {"st_ino": ino, "st_mode": S.S_IFDIR | mode, "st_nlink": nlink, "st_uid": 0, "st_gid": 0, "st_size": 0, "st_atime_ns": now, "st_mtime_ns": now, "st_ctime_ns": now}
@@ -386,12 +397,7 @@ class Vfs:
         return self.stat_of(await self.client.link(ino, new_parent, new_name))
 
     async def readlink(self, ino: int) -> str:
-        if ino & SNAP:
-            sid, i = split_snap(ino)
-            return await self.client.readlink(i, sid)
-        if not is_cluster(ino):
-            raise FsError(errno.EINVAL)
-        return await self.client.readlink(ino)
+        return await self.client.readlink(*namespace_ino(ino, errno.EINVAL))
 
     async def _removed_ranks(self) -> set[int]:
         root = await self.client.getattr(ROOT)
@@ -685,12 +691,7 @@ class Vfs:
             self.client.forget_training()  # a policy may have changed
 
     async def _xattr_target(self, ino: int) -> dict:
-        if ino & SNAP:
-            sid, i = split_snap(ino)
-            return await self.client.getattr(i, sid)
-        if not is_cluster(ino):
-            raise FsError(errno.ENODATA)
-        return await self.client.getattr(ino)
+        return await self.client.getattr(*namespace_ino(ino, errno.ENODATA))
 
     async def statfs(self) -> dict:
         return await self.client.statfs()
