@@ -424,4 +424,3 @@ async def test_reads_ask_a_stripes_ready_homes_before_a_stand_in(cluster):
             assert c.cluster.read_candidates(7, 0)[: cfg.replicas] == sorted(homes, key=lambda n: c.cluster.load[n])
         c.cluster.mark_down(homes[0], "test")
         assert c.cluster.read_candidates(7, 0) == [homes[1], stand_in]
-
