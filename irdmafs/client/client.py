@@ -5,7 +5,8 @@ the FUSE layer uses. Path level (``write_file``, ``read_file``, ``save``, ``load
 resolves paths through it for Python users. ``SyncClient`` wraps it for code without trio.
 
 Namespace operations go to the metadata primary (first ready node); when it is lost the next ready
-node takes over and the call is retried. Data goes through ``StripeIO``.
+node takes over and the call is retried. Data goes through ``StripeIO`` (stripe.py); pushes and
+pulls through ``Training`` (training.py), which the training methods here hand on to.
 
 Errors: namespace errors are ``RemoteError`` with an errno name (ENOENT, EEXIST, ...); a stripe
 with no live replica is ``Unavailable``. ``errno_of`` maps any of them to an errno number.
