@@ -85,7 +85,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     state = Path(args.state or state_home() / "clusters" / reg.stem).resolve()
     cfg_path = state / "cluster.toml"
     if not cfg_path.exists():
-        write_config(state, args.nodes, args.replicas, stripe_unit=C.parse_size(args.stripe_unit, "--stripe-unit"))
+        transport = None if args.transport == "auto" else [args.transport]  # auto: the config's default
+        write_config(state, args.nodes, args.replicas, stripe_unit=C.parse_size(args.stripe_unit, "--stripe-unit"), transport=transport)
     lc = LocalCluster(cfg_path, persist=state / "data" if args.persist else None)
     lc.start_all()
     try:
@@ -262,6 +263,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, default=3)
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--stripe-unit", default="4MiB")
+    p.add_argument("--transport", choices=("auto", "shm", "tcp"), default="auto", help="auto: shared memory between the processes of this host (verbs where a device is); tcp: force TCP on loopback")
     p.add_argument("--state", help="directory for config, token and logs (default under ~/.local/state/irdmafs)")
     p.add_argument("-o", dest="options", help="mount options, comma separated (e.g. allow_other)")
     p.add_argument("--persist", action="store_true", help="nodes keep their data under the state directory: a later 'up' with the same --state brings it back")

@@ -5,7 +5,7 @@ Example::
     replicas = 2
     stripe_unit = "4MiB"
     token_file = "token"          # relative to this file; or token = "..." inline
-    transport = ["verbs", "tcp"]  # first usable wins
+    transport = ["verbs", "shm", "tcp"]  # first usable wins (shm: same host only, tcp otherwise)
     capacity = "8GiB"             # per node
 
     [[nodes]]
@@ -25,7 +25,8 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-TRANSPORTS = ("verbs", "tcp", "memory")
+TRANSPORTS = ("verbs", "shm", "tcp", "memory")
+DEFAULT_TRANSPORT = ["verbs", "shm", "tcp"]  # shm: shared memory with the nodes of this host, tcp to the others
 
 
 class ConfigError(Exception):
@@ -46,7 +47,7 @@ class ClusterConfig:
     replicas: int = 2
     stripe_unit: int = 4 << 20
     capacity: int = 8 << 30
-    transport: list[str] = field(default_factory=lambda: ["verbs", "tcp"])
+    transport: list[str] = field(default_factory=lambda: list(DEFAULT_TRANSPORT))
     heartbeat: float = 0.5  # seconds between heartbeats
     down_after: float = 2.0  # a node silent this long is down
     op_timeout: float = 10.0  # one data operation against one node
@@ -124,7 +125,7 @@ def from_dict(doc: dict, *, base: Path = Path("."), where: str | None = None) ->
     replicas = doc.get("replicas", min(2, len(nodes)))  # default: 2, or 1 for a one-node cluster
     if not isinstance(replicas, int) or not 1 <= replicas <= len(nodes):
         raise ConfigError(f"replicas: {replicas!r} must be between 1 and the number of nodes ({len(nodes)})")
-    transport = doc.get("transport", ["verbs", "tcp"])
+    transport = doc.get("transport", DEFAULT_TRANSPORT)
     if isinstance(transport, str):
         transport = [transport]
     if not transport or any(t not in TRANSPORTS for t in transport):

@@ -49,7 +49,7 @@ def write_config(state: Path, nodes: int, replicas: int, *, stripe_unit: int = 4
         "token_file": "token",
         "replicas": replicas,
         "stripe_unit": stripe_unit,
-        "transport": transport or ["verbs", "tcp"],
+        "transport": transport or list(C.DEFAULT_TRANSPORT),
         **extra,
     }
     cfg = C.from_dict(doc, base=state)

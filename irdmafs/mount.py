@@ -54,6 +54,7 @@ def fuse_options(extra: list[str]) -> set[str]:
 async def run_mount(cfg: ClusterConfig, mountpoint: str, options: list[str] | None = None, *, metrics: str | None = None, task_status=trio.TASK_STATUS_IGNORED) -> None:
     import pyfuse3
 
+    from .fs.door import DoorServer
     from .fs.ops import Operations
     from .fs.vfs import Vfs
 
@@ -62,6 +63,7 @@ async def run_mount(cfg: ClusterConfig, mountpoint: str, options: list[str] | No
     async with Client.connect(cfg, transport) as client:
         status = {"config": os.path.abspath(cfg.path) if cfg.path else None, "mountpoint": os.path.abspath(mountpoint), "mount_pid": os.getpid(), "transport": transport.name, "replicas": cfg.replicas}
         vfs = Vfs(client, status=status)
+        vfs.door = DoorServer(vfs)
         ops = Operations(vfs)
         if metrics:
             from .metrics import mount_samples, serve
@@ -72,6 +74,7 @@ async def run_mount(cfg: ClusterConfig, mountpoint: str, options: list[str] | No
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_terminate_on_signals)
+                await nursery.start(vfs.door.serve)
                 # stat()s the mount, which only answers once pyfuse3.main() below is serving
                 nursery.start_soon(trio.to_thread.run_sync, _widen_readahead, mountpoint)
                 task_status.started()

@@ -3,22 +3,34 @@
     push_arrays(mount, model, rank, {"fc.weight": grad, ...})   # one write of every gradient
     pull_arrays(mount, model, rank, {"fc.weight": out, ...})    # every parameter, into ``out``
 
-They use ``<mount>/.workers/<rank>/<model>.safetensors`` (fs/streams.py): a push is one
-``writev`` of the safetensors header and every array's own memory (no concatenated copy), and
-the ``close`` reports the push's result (EINVAL for a stream that does not fit the model: then
-nothing was pushed). A pull is one ``readv`` straight into the caller's arrays. Only files are
-used, so any mount of the cluster serves, and any other language can do the same.
+Two doors, the same semantics. First choice: the mount's shared-memory door (irdmafs/door.py,
+fs/door.py): the arrays are copied into memory shared with the mount, which moves them to and
+from the nodes itself; no FUSE request carries a byte. The fallback, for a mount that offers no
+door to this process (another user, another mount namespace, an older mount) or with
+``IRDMAFS_DOOR=0``: the stream file ``<mount>/.workers/<rank>/<model>.safetensors``
+(fs/streams.py): a push is one ``writev`` of the safetensors header and every array's own
+memory (no concatenated copy), and the ``close`` reports the push's result (EINVAL for a stream
+that does not fit the model: then nothing was pushed). A pull is one ``readv`` straight into the
+caller's arrays. Which door a (mount, model, rank) uses is said in one log line. The stream
+files need nothing but files, so any other language can do the same.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 from pathlib import Path
 
 import numpy as np
 
+from .door import Door, DoorGone
 from .formats import ST_DTYPES, st_layout
+
+log = logging.getLogger(__name__)
+_doors: dict[tuple[str, str, int], Door | None] = {}  # None: no door here, use the files
+MOUNT_DOWN = (errno.ENOTCONN, errno.ECONNABORTED)  # what a dead or restarting FUSE mount answers
 
 IOV_MAX = 1024  # Linux's limit on buffers per readv/writev
 
@@ -57,10 +69,67 @@ def readv_all(fd: int, bufs: list) -> None:
             bufs[0] = bufs[0][n:]
 
 
+def door(mount: str | os.PathLike, model: str, rank: int, *, fresh: bool = False) -> Door | None:
+    """The shared-memory door of (mount, model, rank), opened once; None where there is none
+    (said once in the log: the stream files serve then)."""
+    key = (os.path.abspath(mount), model, rank)
+    if fresh:
+        old = _doors.pop(key, None)
+        if old is not None:
+            old.close()
+    if key not in _doors:
+        if os.environ.get("IRDMAFS_DOOR", "1") == "0":
+            _doors[key] = None
+            log.info("step streams of %s rank %d: stream files (IRDMAFS_DOOR=0)", model, rank)
+        else:
+            try:
+                _doors[key] = Door.open(mount, model, rank)
+                log.info("step streams of %s rank %d: the shared-memory door of %s", model, rank, mount)
+            except OSError as exc:
+                # the mount is not there now (dead, or gone from the mountpoint), or no such
+                # model: the stream files would fail too; ask again next time
+                if exc.errno in MOUNT_DOWN or (exc.errno == errno.ENOENT and not stream_path(mount, model, rank).exists()):
+                    raise
+                _doors[key] = None  # another user, another network namespace, an older mount
+                log.info("step streams of %s rank %d: stream files (no door: %s)", model, rank, exc)
+            except (ValueError, KeyError) as exc:
+                _doors[key] = None
+                log.info("step streams of %s rank %d: stream files (no door: %s)", model, rank, exc)
+    return _doors[key]
+
+
+def close_doors() -> None:
+    """Close every door this process opened (the next step opens them again)."""
+    for d in _doors.values():
+        if d is not None:
+            d.close()
+    _doors.clear()
+
+
+def through_door(mount, model: str, rank: int, op) -> bool:
+    """Run ``op(door)``; False if there is no door. A door whose model changed (ESTALE) or that
+    its mount closed before the request went (a remount) is opened again once."""
+    d = door(mount, model, rank)
+    if d is None:
+        return False
+    try:
+        op(d)
+    except OSError as exc:
+        if exc.errno != errno.ESTALE and not isinstance(exc, DoorGone):
+            raise
+        d = door(mount, model, rank, fresh=True)
+        if d is None:
+            return False
+        op(d)
+    return True
+
+
 def push_arrays(mount: str | os.PathLike, model: str, rank: int, grads: dict[str, np.ndarray]) -> None:
-    """Push one step's gradients of ``rank`` (C-contiguous arrays of the tensors' dtypes and
-    shapes; others are copied to C order first)."""
+    """Push one step's gradients of ``rank`` (arrays of the tensors' dtypes and shapes; others
+    than C-contiguous are copied to C order first)."""
     arrays = {n: np.require(a, requirements="C") for n, a in grads.items()}
+    if through_door(mount, model, rank, lambda d: d.push(arrays)):
+        return
     header, _ = st_layout([(n, a.dtype.str, a.shape) for n, a in arrays.items()])
     fd = os.open(stream_path(mount, model, rank), os.O_WRONLY)
     try:
@@ -73,6 +142,8 @@ def pull_arrays(mount: str | os.PathLike, model: str, rank: int, out: dict[str, 
     """Fill ``out`` (writable C-contiguous arrays) with the parameters ``rank`` may see now;
     tensors of the model that ``out`` does not name are read past. KeyError if ``out`` names
     a tensor the model lacks, ValueError if one has another dtype or shape."""
+    if through_door(mount, model, rank, lambda d: d.pull(out)):
+        return
     fd = os.open(stream_path(mount, model, rank), os.O_RDONLY)
     try:
         head = bytearray(8)

@@ -11,6 +11,8 @@ compression are the model directory's xattrs (``configure``). A step is one stre
 direction (``/mnt/ps/.workers/<rank>/mlp.safetensors``, see irdmafs/steps.py): the gradients
 are written straight from the ``.grad`` tensors' memory and the parameters read straight into
 the parameters' memory (CPU float tensors; others go through a temporary and ``copy_``).
+Through the mount's shared-memory door (steps.py), the parameters are made views of the door's
+pull area at the first pull, so a pull copies nothing here and a push copies each gradient once.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .steps import pull_arrays, push_arrays
+from .steps import pull_arrays, push_arrays, through_door
+
+_TORCH = {np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64, np.dtype(np.float16): torch.float16}
 
 
 class ParameterServer:
@@ -48,6 +52,8 @@ class ParameterServer:
 
     def pull(self, module: torch.nn.Module) -> None:
         params = dict(module.named_parameters())
+        if through_door(self.mount, self.model, self.rank, lambda d: self._pull_in_place(d, params)):
+            return
         direct = {n: p for n, p in params.items() if p.device.type == "cpu" and p.is_contiguous() and p.dtype in (torch.float32, torch.float64, torch.float16)}
         out = {n: p.data.numpy() for n, p in direct.items()}
         staged = {n: np.empty_like(p.detach().cpu().contiguous().numpy()) for n, p in params.items() if n not in direct}
@@ -55,6 +61,22 @@ class ParameterServer:
         with torch.no_grad():
             for n, arr in staged.items():
                 params[n].copy_(torch.from_numpy(arr))
+
+    @staticmethod
+    def _pull_in_place(door, params: dict) -> None:
+        """Pull through the door; the parameters then live in its pull area (each is made a
+        view of it once), so this and every later pull copies nothing in this process."""
+        door.pull()
+        with torch.no_grad():
+            for name, p in params.items():
+                area = door.params.get(name)
+                if area is None:
+                    raise KeyError(f"the model has no tensor {name!r}")
+                if p.device.type == "cpu" and p.dtype == _TORCH.get(area.dtype) and tuple(p.shape) == area.shape:
+                    if p.data_ptr() != area.__array_interface__["data"][0]:
+                        p.data = torch.from_numpy(area)
+                else:
+                    p.copy_(torch.from_numpy(area))
 
     def push(self, module: torch.nn.Module) -> None:
         grads = {n: p.grad.detach().cpu().numpy() for n, p in module.named_parameters() if p.grad is not None}

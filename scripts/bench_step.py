@@ -3,6 +3,7 @@
 
     .venv/bin/python scripts/bench_step.py [--json FILE] [--plot PNG] [--steps N] [--quick]
         [--models resnet50,transformer] [--workers 2,4] [--mounts per-worker|shared]
+    sudo .venv/bin/python scripts/bench_step.py --link [RATE] [--quick] ...   # cluster-shaped
 
 (``./scripts/bench_step`` installs the ``bench`` extra and runs it.)
 
@@ -26,19 +27,59 @@ Keys: ``step_vs_ddp_<model>_w<W>`` (irdmafs step / DDP communication; target <= 
 ``step_vs_ddp_fp16_<model>_w<W>``; ``irdmafs_<phase>_s_...`` and ``ddp_comm_s_...`` the medians
 behind them. Every figure is from this run; the ratios are between figures of this run only.
 Every worker checks that the parameters it pulled are what SGD over the pushed gradients gives,
-so a fast wrong answer fails the run.
+and every DDP rank that its all-reduced gradients are the ranks' mean, so a fast wrong answer
+fails the run.
+
+**--link RATE** (root): the same comparison shaped like a cluster. Every host is a network
+namespace of its own behind a veth link whose both directions are shaped by tbf to RATE (9000-byte
+frames, as a training fabric; scripts/netns.py), the root namespace routing between them as a
+switch would. For each W: W worker namespaces and W PS namespaces (as many PS nodes as workers,
+R=--replicas, TCP transport only). A node runs in its PS namespace; a worker's mount runs in the
+worker's namespace (entered with ``nsenter --net`` only, so the mount stays in this mount
+namespace) and so does the worker process (``setns`` into it before anything else); DDP's rank i
+runs in worker namespace i, gloo on its veth, MASTER_ADDR rank 0's namespace address. Each side's
+*link bound* is the bytes its busiest link carried per timed step, in its busier direction (each
+direction is a RATE pipe of its own), divided by RATE: the veths' counters (headers included, as
+tbf counts them) read before and after the timed steps, with every rank held at the edges of
+that window. Printed and written: ``link_step_vs_bound_<model>_w<W>`` (irdmafs step / its own link
+bound; target <= 1.15), ``link_step_vs_ddp_<model>_w<W>`` (irdmafs step / DDP's communication;
+target <= 1.0), the bounds and steps behind them (``link_irdmafs_bound_s_...``,
+``link_ddp_bound_s_...``), and ``link_single_stream_vs_rate``: one TCP stream between two of the
+namespaces at the start of the run, over the rate (below ~0.95 the bound is not real: the links
+or the CPU cap below RATE). The CPU busy fraction of each side is printed beside its step.
+
+The default RATE is 500mbit, the fastest at which the cores are not what limits. tbf itself is
+exact: one Python TCP stream over the shaped veths (through two shaped links, 9000-byte frames)
+gets 1.002x the rate at 0.5, 1, 2 and 4 Gbit/s (0.966x with 1500-byte frames: the headers). What
+decides is the processes behind the links, on 2 cores. Measured (CPU from /proc over the timed
+steps; ResNet-50, R=2): irdmafs's nodes, mounts and workers use 2.9-3.1 CPU-s per W=4 step, about
+1.5 s of the two cores; its link bound is 1.42 s at 1 Gbit/s and 2.84 s at 500 Mbit/s. So at
+1 Gbit/s a W=4 step could not reach its bound even with perfect overlap (the cores would be the
+limit), at 500 Mbit/s it could with the cores half idle (W=2: 1.4-1.7 CPU-s per step, a bound of
+2.7 s). DDP's gloo needs 15% of the cores at 500 Mbit/s and runs at 0.99 of its bound. The irdmafs
+step was 1.73x its bound at 1 Gbit/s and 1.70x at 500 Mbit/s (W=4): what it misses by is not CPU.
+
+Everything --link creates (namespaces, veths, tbf qdiscs, mounts, processes) is removed at the
+end, also on ^C, SIGTERM and errors; traffic only goes to the 10.86.x.2 addresses of the
+namespaces it made; every wait is bounded (a rank that dies fails the run at once).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing as mp
 import os
+import queue
+import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -49,10 +90,17 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 import peers  # noqa: E402
+from netns import burst_for, enter, link_bytes, namespaces, rate_bits, setns, single_stream  # noqa: E402
+
+from irdmafs import config as C  # noqa: E402
 from irdmafs.local import LocalCluster, node_status, wait_settled, write_config  # noqa: E402
-from irdmafs.mount import mount_background, unmount  # noqa: E402
+from irdmafs.mount import mount_background, unmount, wait_for_mount  # noqa: E402
 
 LR = 0.01
+TIMEOUT = 900.0  # the longest any one wait of this script may take
+DEFAULT_RATE = "500mbit"  # see the docstring: at 1gbit a W=4 step is CPU-bound here
+LINK_PREFIX, LINK_NET, LINK_MTU = "irdstep", 86, 9000  # namespaces irdstep0.., addresses 10.86.i.2
+NODE_PORT, DDP_PORTS = 7500, itertools.count(29500)  # in namespaces this script made: no one else listens there
 
 
 # -- models -------------------------------------------------------------------------------------
@@ -78,7 +126,12 @@ def transformer_shapes(layers: int = 8, d: int = 384, ffn: int = 1536, vocab: in
     return shapes
 
 
-MODELS = {"resnet50": resnet50_shapes, "transformer": transformer_shapes}
+def tiny_shapes() -> list[tuple[str, tuple[int, ...]]]:
+    """Smoke runs: a two-layer MLP, 4 tensors, 1.3 M parameters (5.3 MB)."""
+    return [("fc1.weight", (1024, 256)), ("fc1.bias", (1024,)), ("fc2.weight", (1024, 1024)), ("fc2.bias", (1024,))]
+
+
+MODELS = {"resnet50": resnet50_shapes, "transformer": transformer_shapes, "tiny": tiny_shapes}
 
 
 def make_module(shapes, seed: int = 0):
@@ -107,14 +160,63 @@ def expected_grad(shape, rank: int, step: int) -> np.ndarray:
     return np.full(shape, 1e-3 * (rank + 1) * (1 + step % 3), np.float32)
 
 
+# -- lining ranks up around the timed steps -----------------------------------------------------
+class Gate:
+    """Holds the ranks at the two edges of the timed steps (0: before the first, 1: after the
+    last) until this process has read the links' counters: a rank calls ``wait(k)``, this
+    process ``open(k, ...)``."""
+
+    def __init__(self, ctx) -> None:
+        self.arrived = ctx.Queue()
+        self.go = [ctx.Event(), ctx.Event()]
+
+    def wait(self, k: int) -> None:
+        self.arrived.put(k)
+        if not self.go[k].wait(TIMEOUT):
+            raise TimeoutError(f"gate {k} not opened within {TIMEOUT}s")
+
+    def open(self, k: int, procs: list, read=None):
+        collect(self.arrived, len(procs), procs, f"ranks at gate {k}")
+        value = read() if read else None
+        self.go[k].set()
+        return value
+
+
+def collect(q, n: int, procs: list, what: str, timeout: float = TIMEOUT) -> list:
+    """``n`` items from ``q``; fails as soon as one of ``procs`` died, or after ``timeout``."""
+    got, deadline = [], time.monotonic() + timeout
+    while len(got) < n:
+        try:
+            got.append(q.get(timeout=1.0))
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"{what}: a rank process exited with {dead[0]}") from None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what}: {len(got)} of {n} after {timeout}s") from None
+    return got
+
+
+def reap(procs: list, grace: float) -> None:
+    for p in procs:
+        p.join(grace)
+        if p.is_alive():
+            p.kill()
+            p.join(10)
+
+
 # -- DDP ----------------------------------------------------------------------------------------
-def _ddp_rank(rank: int, world: int, port: int, model: str, steps: int, fp16: bool, out) -> None:
+def _ddp_rank(rank: int, world: int, init: str, netns: tuple[str, str] | None, model: str, steps: int, fp16: bool, gate: Gate, out) -> None:
+    if netns:  # before anything opens a socket: this rank's host is that namespace
+        setns(netns[0])
+        os.environ["GLOO_SOCKET_IFNAME"] = netns[1]
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # not: "the hostname ... cannot be retrieved"
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     module = make_module(MODELS[model]())
     ddp = DDP(module)
     if fp16:
@@ -122,7 +224,11 @@ def _ddp_rank(rank: int, world: int, port: int, model: str, steps: int, fp16: bo
 
         ddp.register_comm_hook(None, fp16_compress_hook)
     times = {"sync": [], "nosync": []}
+    err = 0.0
     for i in range(steps + 1):
+        if i == 1:
+            gate.wait(0)
+            cpu0 = time.process_time()
         for mode in ("sync", "nosync"):
             x = torch.tensor(1e-3 * (rank + 1) * (1 + i % 3))
             ddp.zero_grad(set_to_none=False)
@@ -136,33 +242,51 @@ def _ddp_rank(rank: int, world: int, port: int, model: str, steps: int, fp16: bo
             dt = time.perf_counter() - t0
             if i:
                 times[mode].append(dt)
-    # the all-reduced gradient is the average over ranks
-    want = np.mean([1e-3 * (r + 1) * (1 + steps % 3) for r in range(world)])
+            if mode == "sync" and i == steps:  # the all-reduced gradient is the ranks' mean
+                want = np.mean([1e-3 * (r + 1) * (1 + i % 3) for r in range(world)])
+                err = max(err, max(float((p.grad - want).abs().max()) for p in module.parameters()))
+    cpu = (time.process_time() - cpu0) / steps
+    gate.wait(1)
     dist.barrier()
     dist.destroy_process_group()
-    if rank == 0:
-        out.put({k: statistics.median(v) for k, v in times.items()} | {"check": float(want)})
+    out.put((rank, {k: statistics.median(v) for k, v in times.items()}, err, cpu))
 
 
-def ddp(model: str, world: int, steps: int, fp16: bool) -> dict:
+def ddp(model: str, world: int, steps: int, fp16: bool, link: LinkBed | None = None) -> dict:
     ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = peers._free_port()
-    procs = [ctx.Process(target=_ddp_rank, args=(r, world, port, model, steps, fp16, q)) for r in range(world)]
+    q, gate = ctx.Queue(), Gate(ctx)
+    if link:
+        init = f"tcp://{link.worker_hosts[0]}:{next(DDP_PORTS)}"
+        nets = [(link.worker_ns(r), link.worker_ifname(r)) for r in range(world)]
+    else:
+        init, nets = f"tcp://127.0.0.1:{peers._free_port()}", [None] * world
+    procs = [ctx.Process(target=_ddp_rank, args=(r, world, init, nets[r], model, steps, fp16, gate, q)) for r in range(world)]
     for p in procs:
         p.start()
+    ok = False
     try:
-        res = q.get(timeout=900)
+        devs = [link.worker_dev(r) for r in range(world)] if link else []
+        before = gate.open(0, procs, lambda: counters(devs))
+        after = gate.open(1, procs, lambda: counters(devs))
+        results = sorted(collect(q, world, procs, "DDP ranks"))
+        ok = True
     finally:
-        for p in procs:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
-    return {"comm": max(res["sync"] - res["nosync"], 1e-9), "sync": res["sync"], "nosync": res["nosync"]}
+        reap(procs, 60 if ok else 1)
+    tol = 1e-5 if fp16 else 1e-6
+    err = max(r[2] for r in results)
+    if not err <= tol:
+        raise RuntimeError(f"DDP {model} W={world}: all-reduced gradients differ from the ranks' mean by {err:g}")
+    times = results[0][1]  # rank 0's medians
+    res = {"comm": max(times["sync"] - times["nosync"], 1e-9), "sync": times["sync"], "nosync": times["nosync"], "cpu": sum(r[3] for r in results), "err": err}
+    if link:
+        res |= busiest(before, after, steps, link)
+    return res
 
 
 # -- irdmafs ------------------------------------------------------------------------------------
-def _irdmafs_rank(rank: int, world: int, mount: str, model: str, tag: str, steps: int, start, out) -> None:
+def _irdmafs_rank(rank: int, world: int, mount: str, netns: str | None, model: str, tag: str, steps: int, gate: Gate, out) -> None:
+    if netns:  # the worker runs where its mount runs
+        setns(netns)
     import torch
 
     from irdmafs.torch import ParameterServer
@@ -171,12 +295,13 @@ def _irdmafs_rank(rank: int, world: int, mount: str, model: str, tag: str, steps
     shapes = MODELS[model]()
     module = make_module(shapes)
     ps = ParameterServer(mount, tag, rank)
-    start.wait()
     ps.pull(module)  # step 0's parameters (as published)
     published = {k: getattr(module, k).detach().numpy().copy() for k, _ in module.names}
     times = {"push": [], "pull": []}
-    cpu0 = time.process_time()
     for i in range(steps + 1):
+        if i == 1:
+            gate.wait(0)
+            cpu0 = time.process_time()
         x = torch.tensor(1e-3 * (rank + 1) * (1 + i % 3))
         module.zero_grad(set_to_none=False)
         module(x).backward()
@@ -188,7 +313,8 @@ def _irdmafs_rank(rank: int, world: int, mount: str, model: str, tag: str, steps
         if i:
             times["push"].append(t1 - t0)
             times["pull"].append(t2 - t1)
-    cpu = (time.process_time() - cpu0) / (steps + 1)
+    cpu = (time.process_time() - cpu0) / steps
+    gate.wait(1)
     # bsp + sgd: p = p0 - lr * sum over steps of the ranks' mean gradient
     total = sum(np.mean([1e-3 * (r + 1) * (1 + i % 3) for r in range(world)]) for i in range(steps + 1))
     worst = max(float(np.max(np.abs(getattr(module, k).detach().numpy() - (published[k] - LR * total)))) for k, _ in module.names)
@@ -221,10 +347,11 @@ def apply_seconds(cfg) -> float:
     return trio.run(total)
 
 
-def irdmafs_step(lc: LocalCluster, mounts: list[Path], model: str, world: int, steps: int, compress: str, mount_pids: list[int]) -> dict:
+def irdmafs_step(bed: Bed, world: int, model: str, steps: int, compress: str, link: LinkBed | None = None) -> dict:
     """Publish the model, run ``steps`` bsp steps with ``world`` worker processes; medians."""
     from irdmafs.torch import ParameterServer
 
+    lc, mounts = bed.lc, bed.mounts[:world] if len(bed.mounts) > 1 else bed.mounts
     tag = f"{model}-w{world}-{compress}"
     shapes = MODELS[model]()
     ps = ParameterServer(mounts[0], tag, 0)
@@ -232,61 +359,145 @@ def irdmafs_step(lc: LocalCluster, mounts: list[Path], model: str, world: int, s
     ps.publish(make_module(shapes))
     ps.close()
     ctx = mp.get_context("spawn")
-    q, start = ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=_irdmafs_rank, args=(r, world, str(mounts[r % len(mounts)]), model, tag, steps, start, q)) for r in range(world)]
+    q, gate = ctx.Queue(), Gate(ctx)
+    nets = [link.worker_ns(r) for r in range(world)] if link else [None] * world
+    procs = [ctx.Process(target=_irdmafs_rank, args=(r, world, str(mounts[r % len(mounts)]), nets[r], model, tag, steps, gate, q)) for r in range(world)]
     for p in procs:
         p.start()
-    applied0 = apply_seconds(lc.cfg)
-    node_pids = [p.pid for p in lc.procs.values()]
-    cpu0 = (cpu_seconds(node_pids), cpu_seconds(mount_pids))
-    start.set()
+    node_pids, mount_pids = [p.pid for p in lc.procs.values()], [p.pid for p in bed.procs]
+    devs = [link.worker_dev(r) for r in range(world)] + [link.ps_dev(j) for j in range(len(lc.cfg.names))] if link else []
+    ok = False
     try:
-        results = [q.get(timeout=900) for _ in procs]
-        cpu1 = (cpu_seconds(node_pids), cpu_seconds(mount_pids))
+
+        def edge():
+            return {"applied": apply_seconds(lc.cfg), "nodes": cpu_seconds(node_pids), "mounts": cpu_seconds(mount_pids), "links": counters(devs)}
+
+        before = gate.open(0, procs, edge)
+        after = gate.open(1, procs, lambda: (time.sleep(0.2 if link else 0), edge())[1])  # a last replication lands
+        results = sorted(collect(q, world, procs, "irdmafs workers"))
+        ok = True
     finally:
-        for p in procs:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
-    applied = (apply_seconds(lc.cfg) - applied0) / (steps + 1)
-    # nodes and mounts: from /proc over the whole run, the first pull (step 0's parameters)
-    # counted as one more step; workers: their own CPU over the steps (backward included)
-    cpu = {"cpu_nodes": (cpu1[0] - cpu0[0]) / (steps + 2), "cpu_mounts": (cpu1[1] - cpu0[1]) / (steps + 2), "cpu_workers": sum(r[3] for r in results)}
+        reap(procs, 60 if ok else 1)
+    # nodes, mounts and workers: CPU per step over the timed steps
+    cpu = {"cpu_nodes": (after["nodes"] - before["nodes"]) / steps, "cpu_mounts": (after["mounts"] - before["mounts"]) / steps, "cpu_workers": sum(r[3] for r in results)}
     tol = 1e-5 if compress == "none" else 1e-3  # fp16 gradients round
     worst = max(r[2] for r in results)
     if worst > tol:
         raise RuntimeError(f"{tag}: pulled parameters differ from SGD's by {worst:g}")
     push = max(r[1]["push"] for r in results)
     pull = max(r[1]["pull"] for r in results)
-    return {"push": push, "pull": pull, "step": statistics.median([r[1]["push"] + r[1]["pull"] for r in results]), "apply": applied} | cpu
+    res = {"push": push, "pull": pull, "step": statistics.median([r[1]["push"] + r[1]["pull"] for r in results]), "apply": (after["applied"] - before["applied"]) / steps, "err": worst} | cpu
+    if link:
+        res |= busiest(before["links"], after["links"], steps, link)
+    return res
+
+
+# -- the links ----------------------------------------------------------------------------------
+def counters(devs: list[str]) -> dict[str, tuple[int, int]]:
+    return {d: link_bytes(d) for d in devs}
+
+
+def busiest(before: dict, after: dict, steps: int, link: LinkBed) -> dict:
+    """The busiest link's bytes per step in its busier direction, and that over the rate."""
+    best = (-1, "")
+    for dev in before:
+        tx, rx = (after[dev][k] - before[dev][k] for k in (0, 1))  # tx: into the namespace
+        best = max(best, (tx, f"{link.label(dev)} in"), (rx, f"{link.label(dev)} out"))
+    per_step = best[0] / steps
+    return {"link_bytes": per_step, "link_bound": per_step * 8 / link.rate_bits, "link_where": best[1]}
+
+
+class LinkBed:
+    """2 x max(W) namespaces behind shaped links: workers' hosts 0..W-1, PS hosts W..2W-1."""
+
+    def __init__(self, wmax: int, rate: str, stack: ExitStack) -> None:
+        self.wmax, self.rate, self.rate_bits = wmax, rate, rate_bits(rate)
+        hosts = stack.enter_context(namespaces(2 * wmax, rate, prefix=LINK_PREFIX, net=LINK_NET, mtu=LINK_MTU, burst=burst_for(rate)))
+        self.worker_hosts, self.ps_hosts = hosts[:wmax], hosts[wmax:]
+
+    def worker_ns(self, r: int) -> str:
+        return f"{LINK_PREFIX}{r}"
+
+    def ps_ns(self, j: int) -> str:
+        return f"{LINK_PREFIX}{self.wmax + j}"
+
+    def worker_ifname(self, r: int) -> str:
+        return f"{LINK_PREFIX}n{r}"  # the namespace's own end
+
+    def worker_dev(self, r: int) -> str:
+        return f"{LINK_PREFIX}h{r}"  # the root namespace's end: its counters
+
+    def ps_dev(self, j: int) -> str:
+        return f"{LINK_PREFIX}h{self.wmax + j}"
+
+    def label(self, dev: str) -> str:
+        i = int(dev.removeprefix(f"{LINK_PREFIX}h"))
+        return f"worker{i}" if i < self.wmax else f"ps{i - self.wmax}"
+
+    def single_stream(self, seconds: float) -> float:
+        """One TCP stream from worker host 0 to PS host 0 (two shaped links), over the rate."""
+        return single_stream(self.worker_ns(0), self.ps_ns(0), self.ps_hosts[0], seconds) * 8 / self.rate_bits
 
 
 class Bed:
-    """A 3-node local cluster with R=2 and its mounts."""
+    """Node processes and mounts: ``lc``, ``mounts``, ``procs`` (the mounts' processes)."""
 
-    def __init__(self, tmp: Path, mounts: int) -> None:
-        self.state = tmp / "cluster"
-        path = write_config(self.state, 3, 2, transport=["tcp"])
-        self.lc = LocalCluster(path)
-        self.path = path
-        self.mounts = [self.state / f"mnt{i}" for i in range(mounts)]
-        self.procs = []
+    def __init__(self, lc: LocalCluster, mounts: list[Path], procs: list) -> None:
+        self.lc, self.mounts, self.procs = lc, mounts, procs
 
-    def __enter__(self) -> "Bed":
-        self.lc.start_all()
-        trio.run(wait_settled, self.lc.cfg)
-        for i, m in enumerate(self.mounts):
+
+@contextmanager
+def bed(tmp: Path, mounts: int, replicas: int, link: LinkBed | None = None, nodes: int = 3, transport: str = "auto"):
+    """A local cluster and its mounts; with ``link``, ``nodes`` nodes in the PS namespaces and
+    mount i in worker namespace i. Everything started is stopped at the end, whatever happens."""
+    state = tmp / (f"cluster-w{mounts}" if link else "cluster")
+    with ExitStack() as stack:
+        if link:
+            state.mkdir()
+            (state / "token").write_text(os.urandom(16).hex())
+            doc = {"nodes": [{"name": f"n{j + 1}", "host": link.ps_hosts[j], "port": NODE_PORT} for j in range(nodes)], "token_file": "token", "replicas": replicas, "stripe_unit": 4 << 20, "transport": ["tcp"]}
+            path = state / "cluster.toml"
+            path.write_text(C.dump(C.from_dict(doc, base=state)))
+        else:
+            # auto: the config's default (shared memory with the nodes of this host); tcp: forced
+            path = write_config(state, nodes, replicas, transport=None if transport == "auto" else [transport])
+        lc = LocalCluster(path)
+        if link:
+            lc.launcher = {name: enter(link.ps_ns(j)) for j, name in enumerate(lc.cfg.names)}
+        stack.callback(lc.stop_all)
+        lc.start_all()
+        trio.run(lambda: wait_settled(lc.cfg, timeout=60))
+        b = Bed(lc, [state / f"mnt{i}" for i in range(mounts)], [])
+        for i, m in enumerate(b.mounts):
             m.mkdir()
-            self.procs.append(mount_background(str(self.path), str(m), [], self.state / f"mount{i}.log"))
-        return self
+            proc = mount_in(link.worker_ns(i), path, m, state / f"mount{i}.log") if link else mount_background(str(path), str(m), [], state / f"mount{i}.log")
+            stack.callback(stop_mount, m, proc)
+            b.procs.append(proc)
+        yield b
 
-    def __exit__(self, *exc) -> None:
-        for m in self.mounts:
-            unmount(str(m), lazy=True)
-        for p in self.procs:
-            p.terminate()
-            p.wait(10)
-        self.lc.stop_all()
+
+def mount_in(ns: str, config: Path, mnt: Path, log: Path) -> subprocess.Popen:
+    """``irdmafs mount -f`` in network namespace ``ns`` (only: the mount is everyone's)."""
+    cmd = [*enter(ns), sys.executable, "-m", "irdmafs.cli", "mount", "--config", str(config), str(mnt), "-f"]
+    with open(log, "ab") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for_mount(str(mnt), proc, log_path=log)
+    except BaseException:
+        stop_mount(mnt, proc)
+        raise
+    return proc
+
+
+def stop_mount(mnt: Path, proc: subprocess.Popen) -> None:
+    unmount(str(mnt), lazy=True)
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
 
 
 # -- report -------------------------------------------------------------------------------------
@@ -299,16 +510,85 @@ def plot(res: dict, path: str, models: list[str], workers: list[int]) -> None:
     fig, ax = plt.subplots(figsize=(8, 4))
     labels = [f"{m}\nW={w}" for m in models for w in workers]
     x = np.arange(len(labels))
+    link = "link_" if "link_rate_bits" in res else ""
     rows = [("DDP (gloo)", "ddp_comm_s_{m}_w{w}"), ("irdmafs", "irdmafs_step_s_{m}_w{w}"), ("DDP fp16 hook", "ddp_fp16_comm_s_{m}_w{w}"), ("irdmafs fp16", "irdmafs_fp16_step_s_{m}_w{w}")]
     width = 0.2
     for k, (name, key) in enumerate(rows):
-        ax.bar(x + (k - 1.5) * width, [res.get(key.format(m=m, w=w), 0) * 1000 for m in models for w in workers], width, label=name)
+        ax.bar(x + (k - 1.5) * width, [res.get(link + key.format(m=m, w=w), 0) * 1000 for m in models for w in workers], width, label=name)
     ax.set_xticks(x, labels)
     ax.set_ylabel("communication per step (ms)")
-    ax.set_title("A training step's communication: irdmafs (bsp, R=2, 3 nodes) vs DDP")
+    where = f"W PS nodes behind {res.get('link_rate', '')} links" if link else "3 nodes"
+    ax.set_title(f"A training step's communication: irdmafs (bsp, {where}) vs DDP")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def report_loopback(res: dict, m: str, w: int, prefix: str, compress: str, d: dict, r: dict) -> None:
+    key = f"{m}_w{w}"
+    res[f"ddp_{prefix}comm_s_{key}"] = d["comm"]
+    res[f"ddp_{prefix}backward_s_{key}"] = d["sync"]
+    res[f"ddp_{prefix}backward_nosync_s_{key}"] = d["nosync"]
+    for phase in ("push", "pull", "step", "apply", "cpu_nodes", "cpu_mounts", "cpu_workers"):
+        res[f"irdmafs_{prefix}{phase}_s_{key}"] = r[phase]
+    res[f"step_vs_ddp_{prefix}{key}"] = r["step"] / d["comm"]
+    print(f"{m:12s} W={w} {compress:5s}: irdmafs step {r['step'] * 1000:7.1f} ms (push {r['push'] * 1000:6.1f}, pull {r['pull'] * 1000:6.1f}, nodes' apply {r['apply'] * 1000:6.1f})"
+          f"  DDP comm {d['comm'] * 1000:7.1f} ms  -> step_vs_ddp_{prefix}{key} = {res[f'step_vs_ddp_{prefix}{key}']:.2f}\n"
+          f"{'':23}CPU per step: nodes {r['cpu_nodes'] * 1000:6.1f} ms, mounts {r['cpu_mounts'] * 1000:6.1f} ms, workers {r['cpu_workers'] * 1000:6.1f} ms", flush=True)  # fmt: skip
+
+
+def report_link(res: dict, m: str, w: int, prefix: str, compress: str, d: dict, r: dict) -> None:
+    key = f"{prefix}{m}_w{w}"
+    ncpu = os.cpu_count() or 1
+    busy_i = (r["cpu_nodes"] + r["cpu_mounts"] + r["cpu_workers"]) / (ncpu * r["step"])
+    busy_d = d["cpu"] / (ncpu * (d["sync"] + d["nosync"]))
+    figures = {
+        "irdmafs_step_s": r["step"], "irdmafs_push_s": r["push"], "irdmafs_pull_s": r["pull"], "irdmafs_apply_s": r["apply"],
+        "irdmafs_bound_s": r["link_bound"], "irdmafs_link_bytes": r["link_bytes"], "irdmafs_cpu_busy": busy_i, "irdmafs_param_err": r["err"],
+        "irdmafs_cpu_nodes_s": r["cpu_nodes"], "irdmafs_cpu_mounts_s": r["cpu_mounts"], "irdmafs_cpu_workers_s": r["cpu_workers"], "ddp_cpu_s": d["cpu"],
+        "ddp_comm_s": d["comm"], "ddp_backward_s": d["sync"], "ddp_backward_nosync_s": d["nosync"],
+        "ddp_bound_s": d["link_bound"], "ddp_link_bytes": d["link_bytes"], "ddp_cpu_busy": busy_d, "ddp_grad_err": d["err"],
+    }  # fmt: skip
+    for k, v in figures.items():
+        res[f"link_{k}_{key}"] = v
+    res[f"link_step_vs_bound_{key}"] = r["step"] / r["link_bound"]
+    res[f"link_ddp_vs_bound_{key}"] = d["comm"] / d["link_bound"]
+    res[f"link_step_vs_ddp_{key}"] = r["step"] / d["comm"]
+    print(f"{m:12s} W={w} {compress:5s} over {res['link_rate']} links:\n"
+          f"  irdmafs step {r['step'] * 1000:8.1f} ms (push {r['push'] * 1000:.1f}, pull {r['pull'] * 1000:.1f}, nodes' apply {r['apply'] * 1000:.1f}); link bound {r['link_bound'] * 1000:8.1f} ms"
+          f" ({r['link_bytes'] / 1e6:.1f} MB/step on {r['link_where']}); CPU busy {busy_i:.0%}  -> link_step_vs_bound_{key} = {res[f'link_step_vs_bound_{key}']:.2f}\n"
+          f"{'':4}CPU per step: nodes {r['cpu_nodes'] * 1000:.0f} ms, mounts {r['cpu_mounts'] * 1000:.0f} ms, workers {r['cpu_workers'] * 1000:.0f} ms\n"
+          f"  DDP comm     {d['comm'] * 1000:8.1f} ms; link bound {d['link_bound'] * 1000:8.1f} ms ({d['link_bytes'] / 1e6:.1f} MB/step on {d['link_where']}); CPU busy {busy_d:.0%}"
+          f"  -> ddp comm / its bound = {res[f'link_ddp_vs_bound_{key}']:.2f}\n"
+          f"  link_step_vs_ddp_{key} = {res[f'link_step_vs_ddp_{key}']:.2f}", flush=True)  # fmt: skip
+
+
+def run_loopback(args, models, workers, rows, res) -> None:
+    with tempfile.TemporaryDirectory(prefix="irdmafs-step-") as tmp, bed(Path(tmp), max(workers) if args.mounts == "per-worker" else 1, args.replicas, transport=args.transport) as b:
+        for m in models:
+            for w in workers:
+                for prefix, compress in rows:
+                    d = {"comm": float("nan"), "sync": float("nan"), "nosync": float("nan")} if args.no_ddp else ddp(m, w, args.steps, fp16=bool(prefix))
+                    r = irdmafs_step(b, w, m, args.steps, compress)
+                    report_loopback(res, m, w, prefix, compress, d, r)
+
+
+def run_link(args, models, workers, rows, res) -> None:
+    with ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="irdmafs-step-link-")))
+        link = LinkBed(max(workers), args.link, stack)
+        res["link_rate_bits"] = float(link.rate_bits)
+        res["link_single_stream_vs_rate"] = link.single_stream(0.5 if args.quick else 2.0)
+        print(f"links: {2 * max(workers)} namespaces behind {args.link} tbf links ({LINK_MTU}-byte frames); one TCP stream gets {res['link_single_stream_vs_rate']:.3f} of the rate", flush=True)
+        if res["link_single_stream_vs_rate"] < 0.95:
+            print(f"warning: one stream gets only {res['link_single_stream_vs_rate']:.2f} of {args.link}: the link bounds below are not real bounds", flush=True)
+        for w in workers:
+            with bed(tmp, w, min(args.replicas, w), link, nodes=w) as b:
+                for m in models:
+                    for prefix, compress in rows:
+                        d = ddp(m, w, args.steps, fp16=bool(prefix), link=link)
+                        r = irdmafs_step(b, w, m, args.steps, compress, link=link)
+                        report_link(res, m, w, prefix, compress, d, r)
 
 
 def main() -> int:
@@ -319,40 +599,52 @@ def main() -> int:
     ap.add_argument("--models", default="resnet50,transformer")
     ap.add_argument("--workers", default="2,4")
     ap.add_argument("--mounts", choices=("per-worker", "shared"), default="per-worker")
+    ap.add_argument("--replicas", type=int, default=2, help="R of the irdmafs cluster (default 2)")
+    ap.add_argument("--transport", choices=("auto", "tcp"), default="auto", help="loopback runs: auto (shared memory with the nodes, the default config) or tcp (forced)")
+    ap.add_argument("--no-door", action="store_true", help="workers use the stream files, not the mount's shared-memory door")
     ap.add_argument("--no-fp16", action="store_true", help="skip the fp16 rows")
     ap.add_argument("--no-ddp", action="store_true", help="irdmafs only (for profiling it; no ratios)")
-    ap.add_argument("--quick", action="store_true", help="a smoke run: resnet50, 2 workers, 2 steps")
+    ap.add_argument("--link", nargs="?", const=DEFAULT_RATE, metavar="RATE", help=f"cluster-shaped: every host in a network namespace behind RATE links (default {DEFAULT_RATE}; root)")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: resnet50 (with --link: tiny), 2 workers, 2 steps")
     args = ap.parse_args()
+    if args.no_door:
+        os.environ["IRDMAFS_DOOR"] = "0"  # the worker processes inherit it (irdmafs/steps.py)
     models = args.models.split(",")
     workers = [int(w) for w in args.workers.split(",")]
     if args.quick:
-        models, workers, args.steps, args.no_fp16 = ["resnet50"], [2], 2, True
+        models, workers, args.steps, args.no_fp16 = ["tiny" if args.link else "resnet50"], [2], 2, True
     for m in models:
         if m not in MODELS:
             ap.error(f"unknown model {m!r} (know {', '.join(MODELS)})")
+    if args.steps < 1 or min(workers) < 1 or args.replicas < 1:
+        ap.error("--steps, --workers and --replicas must be at least 1")
+    if args.link:
+        try:
+            rate_bits(args.link)
+        except ValueError as exc:
+            ap.error(str(exc))
+        if os.geteuid() != 0:
+            print("bench_step --link: needs root (network namespaces, veth links, tc); run it with sudo", file=sys.stderr)
+            return 2
+        missing = [t for t in ("ip", "tc", "nsenter", "fusermount3") if not shutil.which(t)]
+        if missing:
+            print(f"bench_step --link: needs {', '.join(missing)} (apt-get install iproute2 util-linux fuse3)", file=sys.stderr)
+            return 2
+        if args.no_ddp or args.mounts == "shared":
+            ap.error("--link runs DDP and one mount per worker")
+        # SIGTERM (a timeout, a CI runner) unwinds like ^C: processes, mounts, namespaces go
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rows = [("", "none")] + ([] if args.no_fp16 else [("fp16_", "fp16")])
-    res: dict[str, float] = {}
-    with tempfile.TemporaryDirectory(prefix="irdmafs-step-") as tmp:
-        with Bed(Path(tmp), max(workers) if args.mounts == "per-worker" else 1) as bed:
-            for m in models:
-                res[f"tensors_{m}"] = len(MODELS[m]())
-                res[f"bytes_{m}"] = sum(int(np.prod(s)) * 4 for _, s in MODELS[m]())
-                for w in workers:
-                    for prefix, compress in rows:
-                        d = {"comm": float("nan"), "sync": float("nan"), "nosync": float("nan")} if args.no_ddp else ddp(m, w, args.steps, fp16=bool(prefix))
-                        mounts = bed.mounts[:w] if args.mounts == "per-worker" else bed.mounts
-                        r = irdmafs_step(bed.lc, mounts, m, w, args.steps, compress, [p.pid for p in bed.procs])
-                        key = f"{m}_w{w}"
-                        res[f"ddp_{prefix}comm_s_{key}"] = d["comm"]
-                        res[f"ddp_{prefix}backward_s_{key}"] = d["sync"]
-                        res[f"ddp_{prefix}backward_nosync_s_{key}"] = d["nosync"]
-                        for phase in ("push", "pull", "step", "apply", "cpu_nodes", "cpu_mounts", "cpu_workers"):
-                            res[f"irdmafs_{prefix}{phase}_s_{key}"] = r[phase]
-                        res[f"step_vs_ddp_{prefix}{key}"] = r["step"] / d["comm"]
-                        print(f"{m:12s} W={w} {compress:5s}: irdmafs step {r['step'] * 1000:7.1f} ms (push {r['push'] * 1000:6.1f}, pull {r['pull'] * 1000:6.1f}, nodes' apply {r['apply'] * 1000:6.1f})"
-                              f"  DDP comm {d['comm'] * 1000:7.1f} ms  -> step_vs_ddp_{prefix}{key} = {res[f'step_vs_ddp_{prefix}{key}']:.2f}\n"
-                              f"{'':23}CPU per step: nodes {r['cpu_nodes'] * 1000:6.1f} ms, mounts {r['cpu_mounts'] * 1000:6.1f} ms, workers {r['cpu_workers'] * 1000:6.1f} ms", flush=True)  # fmt: skip
-    res["mounts_per_worker"] = float(args.mounts == "per-worker")
+    res: dict = {}
+    for m in models:
+        res[f"tensors_{m}"] = len(MODELS[m]())
+        res[f"bytes_{m}"] = sum(int(np.prod(s)) * 4 for _, s in MODELS[m]())
+    if args.link:
+        res["link_rate"] = args.link
+        run_link(args, models, workers, rows, res)
+    else:
+        run_loopback(args, models, workers, rows, res)
+        res["mounts_per_worker"] = float(args.mounts == "per-worker")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1, sort_keys=True) + "\n")
     if args.plot:
@@ -360,10 +652,20 @@ def main() -> int:
     if args.no_ddp:
         print("targets: not judged (--no-ddp: no DDP figures, no ratios)")
         return 0
-    missed = [k for k, v in res.items() if k.startswith("step_vs_ddp_") and not v <= 1.0]
-    print("targets (step_vs_ddp_* <= 1.0):", "all met" if not missed else "missed: " + ", ".join(missed))
+    if args.link:
+        targets = [("link_step_vs_bound_", 1.15), ("link_step_vs_ddp_", 1.0)]
+    else:
+        # the issue's targets: one host with the door and shared memory <= 1.0; tcp <= 2.0
+        targets = [("step_vs_ddp_", 1.0 if args.transport == "auto" and not args.no_door else 2.0)]
+    for start, bound in targets:
+        missed = [k for k, v in res.items() if k.startswith(start) and not v <= bound]
+        print(f"targets ({start}* <= {bound}):", "all met" if not missed else "missed: " + ", ".join(missed))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("bench_step: interrupted (everything it started is stopped and removed)", file=sys.stderr)
+        sys.exit(130)

@@ -9,7 +9,8 @@ node takes over and the call is retried. Data goes through ``StripeIO`` (stripe.
 pulls through ``Training`` (training.py), which the training methods here hand on to.
 
 Errors: namespace errors are ``RemoteError`` with an errno name (ENOENT, EEXIST, ...); a stripe
-with no live replica is ``Unavailable``. ``errno_of`` maps any of them to an errno number.
+with no live replica is ``Unavailable``. The mount's one errno table
+(fs/errors.py) maps any of them to an errno number.
 
 Resource handling: ``Client.connect(cfg)`` is an async context manager owning a nursery (heartbeat
 task, connection receivers) and a staging region on each node it wrote to; leaving it releases
@@ -19,7 +20,6 @@ both.
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import stat as S
@@ -46,15 +46,6 @@ log = logging.getLogger(__name__)
 NODE_FIGURES = ("pid", "stripes", "bytes", "capacity", "transport", "uptime", "calls", "served_bytes", "replicas_behind")
 
 MAX_SYMLINKS = 40  # links followed in one path, as Linux allows
-
-
-def errno_of(exc: BaseException) -> int:
-    """The errno an exception stands for (EIO for anything unexpected)."""
-    if isinstance(exc, RemoteError):
-        return getattr(errno, exc.code, errno.EIO)
-    if isinstance(exc, (trio.TooSlowError, TimeoutError)):
-        return errno.ETIMEDOUT
-    return errno.EIO
 
 
 class Client:

@@ -1,12 +1,52 @@
-"""The one error the file system layers raise: ``FsError(errno)``; fs/ops.py turns it into a
-FUSEError. Its own module so that every fs module can raise it without importing vfs.py."""
+"""The one error the file system layers raise, ``FsError(errno)``, and the one errno table that
+turns anything else escaping them into an errno (``errno_for``): fs/ops.py answers the kernel with
+it, fs/door.py the workers of the shared-memory door. Its own module so that every fs module can
+use it without importing vfs.py or pyfuse3."""
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
+
+import trio
+
+from ..cluster import NodeDown, TornRead, Unavailable
+from ..transport.base import AccessError, RemoteError, TransportError
+
+log = logging.getLogger(__name__)
 
 
 class FsError(Exception):
     def __init__(self, errno_: int, message: str = ""):
         super().__init__(message or os.strerror(errno_))
         self.errno = errno_
+
+
+# The one errno table: errno names the cluster answers with, and what else may escape the VFS.
+REMOTE_ERRNO = {
+    name: getattr(errno, name)
+    for name in ("ENOENT", "EEXIST", "ENOTDIR", "EISDIR", "ENOTEMPTY", "EINVAL", "ENAMETOOLONG", "EROFS", "ENOSPC", "ENODATA", "EPERM", "EACCES", "EBUSY", "E2BIG", "ETIMEDOUT", "EMLINK")
+}
+
+
+def errno_for(exc: BaseException, what: str) -> int:
+    """The errno for what a file system operation ``what`` raised; logs what is not the caller's
+    fault (a node down, an unexpected exception with its traceback)."""
+    if isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        return errno_for(exc.exceptions[0], what)
+    if isinstance(exc, FsError):
+        return exc.errno
+    if isinstance(exc, RemoteError):
+        if exc.code in REMOTE_ERRNO:
+            return REMOTE_ERRNO[exc.code]
+        log.error("%s: cluster error %s", what, exc)
+        return errno.EIO
+    if isinstance(exc, (Unavailable, NodeDown, TornRead, AccessError, TransportError)):
+        log.error("%s: %s", what, exc)  # names the node and stripe
+        return errno.EIO
+    if isinstance(exc, trio.TooSlowError):
+        log.error("%s: timed out", what)
+        return errno.ETIMEDOUT
+    log.error("%s: unexpected error", what, exc_info=exc)
+    return errno.EIO

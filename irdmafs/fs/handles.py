@@ -135,7 +135,7 @@ class BufferedHandle(Handle):
         end = off + len(data)
         if end > len(self.buf):
             self.buf.extend(bytes(end - len(self.buf)))
-        self.buf[off:end] = data
+        memoryview(self.buf)[off:end] = data  # (a bytearray slice assigned bytes copies them twice)
         self.dirty = True
         return len(data)
 

@@ -2,53 +2,27 @@
 
 It converts between pyfuse3's types (bytes names, EntryAttributes, FileInfo, SetattrFields) and
 the VFS's plain values, and it is the one exception boundary of the mount: every handler raises
-only ``FUSEError``, with the errno from the one table below. Anything unexpected is logged with
+only ``FUSEError``, with the errno from the one table (fs/errors.py). Anything unexpected is logged with
 its context and becomes EIO; no traceback ever reaches the kernel. The only module that imports
 pyfuse3.
 """
 
 from __future__ import annotations
 
-import errno
 import functools
 import logging
 import os
 import time
 
 import pyfuse3
-import trio
 
-from ..cluster import NodeDown, TornRead, Unavailable
-from ..transport.base import AccessError, RemoteError, TransportError
-from .vfs import FsError, Vfs
+from .errors import errno_for
+from .vfs import Vfs
 
 log = logging.getLogger(__name__)
 
-# The one errno table: errno names the cluster answers with, and what else may escape the VFS.
-REMOTE_ERRNO = {
-    name: getattr(errno, name)
-    for name in ("ENOENT", "EEXIST", "ENOTDIR", "EISDIR", "ENOTEMPTY", "EINVAL", "ENAMETOOLONG", "EROFS", "ENOSPC", "ENODATA", "EPERM", "EACCES", "EBUSY", "E2BIG", "ETIMEDOUT", "EMLINK")
-}
 ATTR_TIMEOUT = 0.0  # other mounts change files: attributes are asked for every time (see vfs.py)
 ENTRY_TIMEOUT = 0.0
-
-
-def errno_for(exc: BaseException, what: str) -> int:
-    if isinstance(exc, FsError):
-        return exc.errno
-    if isinstance(exc, RemoteError):
-        if exc.code in REMOTE_ERRNO:
-            return REMOTE_ERRNO[exc.code]
-        log.error("%s: cluster error %s", what, exc)
-        return errno.EIO
-    if isinstance(exc, (Unavailable, NodeDown, TornRead, AccessError, TransportError)):
-        log.error("%s: %s", what, exc)  # names the node and stripe
-        return errno.EIO
-    if isinstance(exc, trio.TooSlowError):
-        log.error("%s: timed out", what)
-        return errno.ETIMEDOUT
-    log.exception("%s: unexpected error", what)
-    return errno.EIO
 
 
 def fuse_errors(fn):
@@ -189,7 +163,7 @@ class Operations(pyfuse3.Operations):
 
     @fuse_errors
     async def open(self, inode, flags, ctx):
-        fh = await self.vfs.open(inode, flags)
+        fh = await self.vfs.open(inode, flags, ctx.uid)
         # keep_cache=False: the kernel drops cached pages at every open (close-to-open consistency)
         # direct_io for status files: their size changes between the stat and the read
         return pyfuse3.FileInfo(fh=fh, keep_cache=False, direct_io=getattr(self.vfs.handles.get(fh), "direct", False))

@@ -93,6 +93,64 @@ class Layouts:
         self._buffers[(kind, rank, model)] = buf
 
 
+async def push_stream(vfs, rank: int, model: int, data: memoryview, *, owner: object, only: set[str] | None = None) -> None:
+    """Push one step's gradients of ``rank``: ``data`` is a safetensors stream of them (what a
+    push stream handle gathered, or a door's push area), or of those named in ``only``. Every
+    entry is checked against the model first, so a bad stream gets EINVAL and pushes nothing;
+    then all go at once. The client may keep views of ``data`` for open rounds until ``owner``
+    is detached."""
+    pushes = await _validate(vfs, rank, model, data)
+    if only is not None:
+        unknown = only - {name for name, _, _ in pushes}
+        if unknown:
+            raise FsError(errno.EINVAL, f"tensor {sorted(unknown)[0]!r} is not in this model")
+        pushes = [p for p in pushes if p[0] in only]
+    with single_exception():
+        async with trio.open_nursery() as n:
+            for _, ino, grad in pushes:
+                n.start_soon(partial(vfs.client.push, ino, rank, grad, owner=owner))
+
+
+async def pull_stream(vfs, rank: int, layout: Layout, buf: memoryview) -> None:
+    """Every parameter of ``layout`` as ``rank`` may see it now, into ``buf`` (at least the
+    stream's size; its header is the caller's), concurrently."""
+    base = len(layout.header)
+    with single_exception():
+        async with trio.open_nursery() as n:
+            for e, attr in layout.parts:
+                count = (e.end - e.begin) // np.dtype(e.dtype).itemsize
+                out = np.frombuffer(buf, e.dtype, count, offset=base + e.begin)
+                n.start_soon(vfs.client.pull_into, attr["ino"], rank, out)
+
+
+async def _validate(vfs, rank: int, model: int, data: memoryview) -> list[tuple[str, int, np.ndarray]]:
+    """(name, tensor inode, gradient view) for every entry, or EINVAL naming what is wrong."""
+    end = len(data)
+    try:
+        if end < 8:
+            raise formats.SafetensorsError("shorter than the 8-byte header length")
+        n = int.from_bytes(data[:8], "little")
+        start, entries, _ = formats.st_parse(bytes(data[: min(end, 8 + n)]), end)
+        layout = await vfs.layouts.get(model)
+        known = layout.by_name()
+        if any(e.name not in known for e in entries):
+            known = (await vfs.layouts.get(model, fresh=True)).by_name()
+        out = []
+        for e in entries:  # (st_parse refuses a name given twice)
+            if e.name not in known:
+                raise formats.SafetensorsError(f"tensor {e.name!r} is not in this model")
+            want, attr = known[e.name]
+            if (np.dtype(e.dtype), e.shape) != (np.dtype(want.dtype), want.shape):
+                raise formats.SafetensorsError(f"tensor {e.name!r}: pushed {np.dtype(e.dtype)}{list(e.shape)}, the model holds {np.dtype(want.dtype)}{list(want.shape)}")
+            count = (e.end - e.begin) // np.dtype(e.dtype).itemsize
+            grad = np.frombuffer(data, e.dtype, count, offset=start + e.begin).reshape(e.shape)
+            out.append((e.name, attr["ino"], grad))
+    except formats.SafetensorsError as exc:
+        log.warning("push stream of rank %d to directory %d refused: %s", rank, model, exc)
+        raise FsError(errno.EINVAL, str(exc)) from None
+    return out
+
+
 @dataclass
 class PushStreamHandle:
     """``.workers/<rank>/<model>.safetensors`` opened for writing: one step's gradients."""
@@ -124,7 +182,7 @@ class PushStreamHandle:
             grown = self.vfs.layouts.take("push", self.rank, self.model, max(end, 2 * len(self.buf)))
             grown[: self.end] = self.buf[: self.end]
             self.buf = grown
-        self.buf[off:end] = data
+        memoryview(self.buf)[off:end] = data  # (a bytearray slice assigned bytes copies them twice)
         self.end = max(self.end, end)
         self.dirty = True
         return len(data)
@@ -132,11 +190,7 @@ class PushStreamHandle:
     async def flush(self) -> None:
         if not self.dirty:
             return
-        pushes = await self._validate()
-        with single_exception():
-            async with trio.open_nursery() as n:
-                for ino, grad in pushes:
-                    n.start_soon(partial(self.vfs.client.push, ino, self.rank, grad, owner=self.buf))
+        await push_stream(self.vfs, self.rank, self.model, memoryview(self.buf)[: self.end], owner=self.buf)
         self.dirty = False  # only once pushed: a failed flush fails again at close
         self.end = 0
 
@@ -144,33 +198,6 @@ class PushStreamHandle:
         await self.flush()
         for ino in self.vfs.client.pushed_tensors(self.rank):
             await self.vfs.client.wait_applied(ino, self.rank)
-
-    async def _validate(self) -> list[tuple[int, np.ndarray]]:
-        """(tensor inode, gradient view) for every entry, or EINVAL naming what is wrong."""
-        data = memoryview(self.buf)[: self.end]
-        try:
-            if self.end < 8:
-                raise formats.SafetensorsError("shorter than the 8-byte header length")
-            n = int.from_bytes(data[:8], "little")
-            start, entries, _ = formats.st_parse(bytes(data[: min(self.end, 8 + n)]), self.end)
-            layout = await self.vfs.layouts.get(self.model)
-            known = layout.by_name()
-            if any(e.name not in known for e in entries):
-                known = (await self.vfs.layouts.get(self.model, fresh=True)).by_name()
-            out = []
-            for e in entries:  # (st_parse refuses a name given twice)
-                if e.name not in known:
-                    raise formats.SafetensorsError(f"tensor {e.name!r} is not in this model")
-                want, attr = known[e.name]
-                if (np.dtype(e.dtype), e.shape) != (np.dtype(want.dtype), want.shape):
-                    raise formats.SafetensorsError(f"tensor {e.name!r}: pushed {np.dtype(e.dtype)}{list(e.shape)}, the model holds {np.dtype(want.dtype)}{list(want.shape)}")
-                count = (e.end - e.begin) // np.dtype(e.dtype).itemsize
-                grad = np.frombuffer(data, e.dtype, count, offset=start + e.begin).reshape(e.shape)
-                out.append((attr["ino"], grad))
-        except formats.SafetensorsError as exc:
-            log.warning("push stream of rank %d to directory %d refused: %s", self.rank, self.model, exc)
-            raise FsError(errno.EINVAL, str(exc)) from None
-        return out
 
     def close(self) -> None:
         self.vfs.layouts.give_back("push", self.rank, self.model, self.buf)
@@ -193,14 +220,8 @@ class PullStreamHandle:
         layout = await self.vfs.layouts.get(self.model)
         self.size = layout.size
         self.buf = self.vfs.layouts.take("pull", self.rank, self.model, self.size)
-        base = len(layout.header)
-        self.buf[:base] = layout.header
-        with single_exception():
-            async with trio.open_nursery() as n:
-                for e, attr in layout.parts:
-                    count = (e.end - e.begin) // np.dtype(e.dtype).itemsize
-                    out = np.frombuffer(self.buf, e.dtype, count, offset=base + e.begin)
-                    n.start_soon(self.vfs.client.pull_into, attr["ino"], self.rank, out)
+        self.buf[: len(layout.header)] = layout.header
+        await pull_stream(self.vfs, self.rank, layout, memoryview(self.buf)[: self.size])
 
     async def read(self, off: int, size: int) -> memoryview:
         return memoryview(self.buf)[off : min(off + size, self.size)]

@@ -57,6 +57,7 @@ VIEW = 1 << 57
 SNAP = 1 << 58
 WORK = 1 << 59  # WORK | rank << 40 | i: inode i as seen by worker ``rank`` (push and pull)
 STREAM = 1 << 60  # STREAM | rank << 40 | d: .workers/<rank>/.../<d's name>.safetensors (streams.py)
+DOOR = 1 << 61  # DOOR | rank << 40 | d: .workers/<rank>/.../<d's name>.door, a ticket to the door (door.py)
 INO_BITS = 40
 INO_MASK = (1 << INO_BITS) - 1
 
@@ -77,6 +78,7 @@ WORK_CACHE_SECONDS = 60.0
 DIR_ATTR_SECONDS = 10.0
 UNLINKED = ".irdmafs-unlinked-"  # the hidden name of a file unlinked while open (not listed)
 SUFFIX = ".safetensors"
+DOOR_SUFFIX = ".door"
 DERIVED_XATTRS = ("user.irdma.dtype", "user.irdma.shape", "user.irdma.version")
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR
 
@@ -157,6 +159,7 @@ class Vfs:
         self.counters: dict[str, int] = {}
         self.latency = Latency()  # per FUSE operation (fs/ops.py observes)
         self.layouts = Layouts(self)  # model layouts and buffers of the step streams
+        self.door = None  # the shared-memory door (door.py), when the mount serves one
 
     async def drain(self, ino: int | None = None) -> None:
         """Until the writes this mount has on their way to ``ino`` (or to any file) have landed."""
@@ -227,6 +230,10 @@ class Vfs:
             d = await self.client.getattr(model)
             size = (await self.layouts.get(model)).size
             return dict(file_stat(ino, size, d["mode"] & 0o666, d["mtime_ns"], d["uid"], d["gid"]), entry_timeout=WORK_CACHE_SECONDS, attr_timeout=WORK_CACHE_SECONDS)
+        if ino & DOOR:
+            # who may read the ticket may use the door: the model directory's owner and mode
+            d = await self.client.getattr(ino & INO_MASK)
+            return dict(file_stat(ino, 0, d["mode"] & 0o666, d["mtime_ns"], d["uid"], d["gid"]), entry_timeout=WORK_CACHE_SECONDS)
         if RANK_DIR <= ino < RANK_DIR + MAX_RANK:
             return dir_stat(ino, 0o755)
         if BATCH_FILE <= ino < BATCH_FILE + MAX_RANK:
@@ -271,12 +278,14 @@ class Vfs:
             try:
                 attr = await self.client.lookup(p, name)
             except RemoteError as exc:
-                if exc.code != "ENOENT" or not name.endswith(SUFFIX) or len(name) == len(SUFFIX):
+                suffix = next((x for x in (SUFFIX, DOOR_SUFFIX) if name.endswith(x) and len(name) > len(x)), None)
+                if exc.code != "ENOENT" or suffix is None or (suffix == DOOR_SUFFIX and self.door is None):
                     raise
-                model = await self.client.lookup(p, name[: -len(SUFFIX)])
+                model = await self.client.lookup(p, name[: -len(suffix)])
                 if not S.S_ISDIR(model["mode"]):
                     raise FsError(errno.ENOENT) from None
-                return await self.getattr(stream_ino(rank, model["ino"]))
+                kind = STREAM if suffix == SUFFIX else DOOR
+                return await self.getattr(kind | (rank << INO_BITS) | model["ino"])
             return self._work_stat(attr, work_ino(rank, attr["ino"]))
         if parent == SNAPSHOTS_DIR:
             sid = (await self._snapshot_ids()).get(name)
@@ -329,6 +338,8 @@ class Vfs:
             # O_TRUNC before a push (np.save): nothing to truncate; answered from the cache
             rank, i = split_work(ino)
             return self._work_stat((await self.client.train_info(i, rank))["attr"], ino)
+        if ino & DOOR:
+            raise FsError(errno.EPERM, "a door ticket is only read")
         if ino & STREAM:
             if set(changes) - {"size", "atime_ns", "mtime_ns"}:
                 raise FsError(errno.EPERM, "a step stream only takes gradients")
@@ -474,7 +485,7 @@ class Vfs:
         self.handles[fh] = handle
         return fh
 
-    async def open(self, ino: int, flags: int) -> int:
+    async def open(self, ino: int, flags: int, uid: int = 0) -> int:
         if ino & WORK:
             rank, i = split_work(ino)
             if writes(flags):
@@ -486,6 +497,11 @@ class Vfs:
             header = await self.client.read(i, 0, t["offset"], info["attr"])
             await self.client.pull_into(i, rank, out)
             return self._register(BytesHandle(i, header + out.tobytes(), direct=True))
+        if ino & DOOR:
+            if writes(flags):
+                raise FsError(errno.EPERM, "a door ticket is only read")
+            rank = (ino & ~DOOR) >> INO_BITS
+            return self._register(BytesHandle(ino, self.door.ticket(rank, ino & INO_MASK, uid), direct=True))
         if ino & STREAM:
             rank, model = split_stream(ino)
             if writes(flags):

@@ -247,6 +247,22 @@ class Transport(abc.ABC):
         """Connect and authenticate; tasks the connection needs run in ``nursery``."""
 
 
+async def serve_imm_call(regions: RegionTable, on_imm: ImmHandler | None, args: dict) -> dict:
+    """The notification of a WRITE_IMM whose data went one-sidedly (verbs, shm): the ``__imm``
+    control call, checked as the TCP responder checks a WRITE_IMM frame."""
+    try:
+        rkey, offset, length, imm = (int(args[k]) for k in ("rkey", "offset", "length", "imm"))
+    except (KeyError, TypeError, ValueError):
+        raise RemoteError("EINVAL", "__imm takes integer rkey, offset, length and imm") from None
+    if on_imm is None:
+        raise RemoteError("EINVAL", "this peer takes no notifications")
+    try:
+        regions.check(rkey, offset, length, Access.WRITE)
+    except AccessError as exc:
+        raise RemoteError("EINVAL", str(exc)) from None
+    return await on_imm(regions.get(rkey), offset, length, imm)
+
+
 @contextlib.contextmanager
 def map_exceptions(mapping: dict[type[BaseException], type[TransportError]], what: str) -> Iterator[None]:
     """Translate low-level exceptions once, at the edge of a transport (httpcore's pattern)."""

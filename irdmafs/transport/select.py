@@ -21,6 +21,15 @@ def choose(preference: list[str], token: bytes, *, op_timeout: float = 30.0) -> 
                 continue
             log.info("transport: verbs (device %s)", verbs.first_active_device())
             return verbs.VerbsTransport(token, op_timeout=op_timeout)
+        if name == "shm":
+            from .shm import ShmTransport, shm_unusable_reason
+
+            why = shm_unusable_reason()
+            if why:
+                reasons.append(f"shm: {why}")
+                continue
+            log.info("transport: shm (shared memory with the nodes on this host, tcp to the others)%s", f" ({'; '.join(reasons)})" if reasons else "")
+            return ShmTransport(token, op_timeout=op_timeout)
         if name == "tcp":
             from .tcp import TcpTransport
 

@@ -148,6 +148,11 @@ class TcpConnection(Connection):
         self._broken: TransportError | None = None
         self._closed = trio.Event()
 
+    @property
+    def lost(self) -> TransportError | None:
+        """Why the connection broke, or None while it serves."""
+        return self._broken
+
     # -- sending -----------------------------------------------------------------------------
     async def _submit(self, frames: list[tuple[P.Header, list, list[memoryview] | None]]) -> list[_Pending]:
         if self._broken:

@@ -46,6 +46,7 @@ from .base import (
     RemoteError,
     TimeoutError,
     as_buffers,
+    serve_imm_call,
 )
 from .tcp import TcpConnection, TcpTransport
 
@@ -355,10 +356,7 @@ class VerbsTransport(TcpTransport):
     async def serve(self, host: str, port: int, handler: Handler, *, on_imm: ImmHandler | None = None, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         async def verbs_handler(method: str, args: dict) -> dict:
             if method == "__imm":
-                region = self.regions.get(args["rkey"])
-                if on_imm is None or region is None:
-                    raise RemoteError("EINVAL", "no notification handler or region")
-                return await on_imm(region, args["offset"], args["length"], args["imm"])
+                return await serve_imm_call(self.regions, on_imm, args)
             if method == "__verbs_qp":
                 qp = self.device.new_qp()
                 psn = random.getrandbits(24)

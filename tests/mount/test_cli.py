@@ -38,7 +38,7 @@ def test_up_status_down(tmp_path, env):
         (mp / "hello.txt").write_text("hi")
         doc = json.loads(irdmafs("status", mp, "--json", env=env, check=True).stdout)
         assert doc["config"] == str(tmp_path / "st" / "cluster.toml")
-        assert doc["replicas"] == 2 and doc["transport"] == "tcp"
+        assert doc["replicas"] == 2 and doc["transport"] == "shm"  # the nodes share this host
         assert [(n["name"], n["alive"]) for n in doc["nodes"]] == [("n1", True), ("n2", True), ("n3", True)]
         assert all(isinstance(n["pid"], int) for n in doc["nodes"])
         table = irdmafs("status", "--config", tmp_path / "st" / "cluster.toml", env=env, check=True).stdout
@@ -52,6 +52,23 @@ def test_up_status_down(tmp_path, env):
     assert down.returncode == 0, down.stderr
     assert not is_mounted(mp) and not pids_alive(pids)
     assert irdmafs("down", mp, env=env).returncode == 2
+
+
+def test_up_with_transport_tcp_forces_tcp(tmp_path, env):
+    reason = fuse_unavailable()
+    if reason:
+        pytest.skip(reason)
+    mp = tmp_path / "ps"
+    irdmafs("up", mp, "--nodes", 2, "--replicas", 1, "--transport", "tcp", "--state", tmp_path / "st", env=env, check=True)
+    try:
+        (mp / "x").write_bytes(b"tcp" * 1000)
+        assert (mp / "x").read_bytes() == b"tcp" * 1000
+        doc = json.loads(irdmafs("status", mp, "--json", env=env, check=True).stdout)
+        assert doc["transport"] == "tcp"
+        assert 'transport = ["tcp"]' in (tmp_path / "st" / "cluster.toml").read_text()
+        assert "shared memory" not in (tmp_path / "st" / "mount.log").read_text()
+    finally:
+        assert irdmafs("down", mp, env=env).returncode == 0
 
 
 def test_down_stops_nodes_restarted_by_hand_and_hung_ones(tmp_path, env):

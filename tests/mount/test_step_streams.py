@@ -1,5 +1,6 @@
 """A training step as one stream per direction (.workers/<rank>/<model>.safetensors) through a
-real mount: the values, the format, bad streams refused whole, and no control calls."""
+real mount: the values, the format, bad streams refused whole, and no control calls; each through
+both doors that push_arrays/pull_arrays use: the mount's shared memory and the stream files."""
 
 import errno
 import json
@@ -18,8 +19,12 @@ pytestmark = pytest.mark.mount
 SHAPES = {"big": (300_000,), "fc.bias": (10,), "fc.weight": (10, 64), "enc/w": (5, 7)}
 
 
-@pytest.fixture
-async def model(local_cluster, mount):
+@pytest.fixture(params=["door", "files"])
+async def model(request, local_cluster, mount, monkeypatch):
+    from irdmafs import steps
+
+    monkeypatch.setenv("IRDMAFS_DOOR", "1" if request.param == "door" else "0")
+    steps.close_doors()
     lc = await local_cluster(nodes=3, replicas=2, stripe_unit=1 << 20)
     m = mount(lc)
     d = m / "net"
@@ -28,7 +33,11 @@ async def model(local_cluster, mount):
         os.setxattr(d, f"user.irdma.{k}", v.encode())
     for name, shape in SHAPES.items():
         np.save(d / f"{name}.npy", np.zeros(shape, np.float32))
-    return m
+    yield m
+    # the door this test used was the one asked for
+    used = [v for k, v in steps._doors.items() if k[0] == str(m) and k[1] == "net"]
+    assert used and all((v is not None) == (request.param == "door") for v in used)
+    steps.close_doors()
 
 
 def grads(value: float) -> dict[str, np.ndarray]:

@@ -7,6 +7,7 @@ import trio
 
 from irdmafs.transport.base import Access, RemoteError
 from irdmafs.transport.memory import MemoryTransport
+from irdmafs.transport.shm import ShmTransport
 from irdmafs.transport.tcp import TcpTransport
 
 TOKEN = b"conformance-token"
@@ -30,6 +31,7 @@ VERBS_REASON = _verbs_reason()
 FACTORIES = {
     "memory": MemoryTransport,
     "tcp": TcpTransport,
+    "shm": ShmTransport,
     "verbs": _verbs_transport,
 }
 
@@ -66,6 +68,7 @@ async def handler(method, args):
     params=[
         "memory",
         "tcp",
+        "shm",
         pytest.param("verbs", marks=pytest.mark.skipif(bool(VERBS_REASON), reason=f"verbs transport not runnable here: {VERBS_REASON}")),
     ]
 )

@@ -132,11 +132,12 @@ async def handlerless(method, args):
 
 
 async def test_write_with_immediate_notifies_after_the_data_landed(nursery):
-    """WRITE_IMM over each transport that serves notifications (memory, tcp)."""
+    """WRITE_IMM over each transport that serves notifications (memory, tcp, shm)."""
     from irdmafs.transport.memory import MemoryTransport
+    from irdmafs.transport.shm import ShmTransport
     from irdmafs.transport.tcp import TcpTransport
 
-    for kind in (MemoryTransport, TcpTransport):
+    for kind in (MemoryTransport, TcpTransport, ShmTransport):
         server = kind(TOKEN)
         region = server.alloc_region(4096, 3)
         seen = []

@@ -1,0 +1,187 @@
+"""A worker's side of the shared-memory door to the step streams (the mount's side: fs/door.py).
+
+    door = Door.open("/mnt/ps", "bert", rank)   # OSError if this mount offers none to us
+    door.push({"w": grad_w, ...})               # copied into the push area, pushed by the mount
+    door.pull({"w": w, ...})                    # pulled into the pull area, copied into ``w``
+    door.params["w"]                            # or use the pull area's arrays themselves
+
+The ticket comes from ``<mount>/.workers/<rank>/<model>.door`` (so the file's permissions say
+who may come in); the region is mapped from the descriptor the mount sends. Pushes and pulls
+have the stream files' semantics and errors: an ``OSError`` with the errno a stream's ``close``
+or ``read`` would raise (EINVAL for a gradient that does not fit, ETIMEDOUT, EIO...). ESTALE
+means the model's tensors changed, ``DoorGone`` (ENOTCONN) that the mount closed the door before
+the request was sent (it was restarted): ``steps.py`` opens a new door for both. A mount that
+dies during a request gives ECONNABORTED, as a FUSE request would.
+
+A pushed array that *is* the push area's array, or a pull target that is the pull area's, is not
+copied at all: training code can keep its parameters in the region (``irdmafs.torch`` does).
+
+Blocking, for plain training code; one request at a time (not thread-safe).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import mmap
+import os
+import select
+import socket
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from .formats import ST_DTYPES
+
+LENGTH = struct.Struct("<I")
+MAX_FRAME = 1 << 20
+
+
+def door_path(mount: str | os.PathLike, model: str, rank: int) -> Path:
+    return Path(mount) / ".workers" / str(rank) / f"{model}.door"
+
+
+def _send(sock: socket.socket, doc: dict) -> None:
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    sock.sendall(LENGTH.pack(len(body)) + body)
+
+
+def _recv(sock: socket.socket) -> tuple[dict, list[int]]:
+    fds: list[int] = []
+
+    def exactly(n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk, fd_list, _flags, _addr = socket.recv_fds(sock, n - len(data), 4)
+            fds.extend(fd_list)
+            if not chunk:
+                raise OSError(errno.ECONNRESET, "the mount closed the door")
+            data += chunk
+        return data
+
+    (n,) = LENGTH.unpack(exactly(LENGTH.size))
+    if n > MAX_FRAME:
+        raise OSError(errno.EPROTO, f"door frame of {n} bytes")
+    return json.loads(exactly(n)), fds
+
+
+def _check(answer: dict) -> dict:
+    if answer.get("ok"):
+        return answer
+    code = int(answer.get("errno", errno.EIO))
+    raise OSError(code, f"{os.strerror(code)}: {answer.get('message', '')}".rstrip(": "))
+
+
+def _layout(area: memoryview) -> dict[str, tuple[np.dtype, tuple[int, ...], int, int]]:
+    """name -> (dtype, shape, begin, end), the offsets absolute in the area (safetensors)."""
+    n = int.from_bytes(area[:8], "little")
+    entries = json.loads(bytes(area[8 : 8 + n]))
+    entries.pop("__metadata__", None)
+    base = 8 + n
+    return {k: (np.dtype(ST_DTYPES[e["dtype"]]), tuple(e["shape"]), base + e["data_offsets"][0], base + e["data_offsets"][1]) for k, e in entries.items()}
+
+
+def _arrays(region: mmap.mmap, at: int, size: int) -> dict[str, np.ndarray]:
+    layout = _layout(memoryview(region)[at : at + size])
+    return {name: np.frombuffer(region, dt, (end - begin) // dt.itemsize, at + begin).reshape(shape) for name, (dt, shape, begin, end) in layout.items()}
+
+
+class DoorGone(OSError):
+    """The door was closed before a request was sent (nothing happened): open a new one."""
+
+
+class Door:
+    """One rank's door to one model, through one mount."""
+
+    def __init__(self, sock: socket.socket, region: mmap.mmap, info: dict):
+        self.sock = sock
+        self.region = region
+        self.grads = _arrays(region, info["push"], info["size"])  # the push area, by tensor
+        self.params = _arrays(region, info["pull"], info["size"])  # the pull area, by tensor
+        self._released = True  # may the push area be written? (see fs/door.py)
+
+    @classmethod
+    def open(cls, mount: str | os.PathLike, model: str, rank: int) -> "Door":
+        with open(door_path(mount, model, rank), "rb") as f:
+            ticket = json.loads(f.read())
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect("\0" + ticket["socket"])
+            _send(sock, {"ticket": ticket["ticket"]})
+            answer, fds = _recv(sock)
+            try:
+                _check(answer)
+                if len(fds) != 1:
+                    raise OSError(errno.EPROTO, "the door came without its region")
+                region = mmap.mmap(fds[0], answer["region"])
+            finally:
+                for fd in fds:
+                    os.close(fd)
+        except BaseException:
+            sock.close()
+            raise
+        return cls(sock, region, answer)
+
+    def _ask(self, doc: dict) -> None:
+        # A mount killed (or remounted) since the last request closed this door: say so before
+        # sending anything, so the caller may open a new door and send the request there.
+        readable, _, _ = select.select([self.sock], [], [], 0)
+        if readable:
+            raise DoorGone(errno.ENOTCONN, "the mount closed this door (it was unmounted or restarted)")
+        try:
+            _send(self.sock, doc)
+            answer, fds = _recv(self.sock)
+        except OSError as exc:
+            # as a FUSE request the mount dies during: whether it took effect is unknown
+            raise OSError(errno.ECONNABORTED, f"the mount went away during a door request: {exc.strerror or exc}") from None
+        for fd in fds:
+            os.close(fd)
+        _check(answer)
+
+    def push(self, grads: dict[str, np.ndarray]) -> None:
+        """Push these gradients (a subset of the model's tensors is a partial step, as with the
+        stream file). EINVAL, naming the tensor, for one the model lacks or that does not fit."""
+        for name, g in grads.items():
+            area = self.grads.get(name)
+            if area is None:
+                self._ask({"op": "check"})  # ESTALE if the model changed since the door opened
+                raise OSError(errno.EINVAL, f"tensor {name!r} is not in this model")
+            if g.dtype != area.dtype or g.shape != area.shape:
+                raise OSError(errno.EINVAL, f"tensor {name!r}: pushed {g.dtype}{list(g.shape)}, the model holds {area.dtype}{list(area.shape)}")
+        if not self._released:
+            self._ask({"op": "release"})
+        for name, g in grads.items():
+            area = self.grads[name]
+            if g.__array_interface__["data"][0] != area.__array_interface__["data"][0]:
+                np.copyto(area, g)
+        only = None if len(grads) == len(self.grads) else sorted(grads)
+        self._released = False
+        self._ask({"op": "push", "only": only})
+
+    def pull(self, out: dict[str, np.ndarray] | None = None) -> None:
+        """Pull every parameter into the pull area, then into ``out``'s arrays (not copied where
+        an array is the area's own). KeyError for a tensor the model lacks, ValueError for one
+        of another dtype or shape."""
+        out = out or {}
+        for name, a in out.items():
+            area = self.params.get(name)
+            if area is None:
+                self._ask({"op": "check"})
+                raise KeyError(f"the model has no tensor {name!r}")
+            if a.dtype != area.dtype or a.shape != area.shape:
+                raise ValueError(f"{name}: the model holds {area.dtype}{list(area.shape)}, the array is {a.dtype}{list(a.shape)}")
+        self._ask({"op": "pull"})
+        self._released = True
+        for name, a in out.items():
+            area = self.params[name]
+            if a.__array_interface__["data"][0] != area.__array_interface__["data"][0]:
+                np.copyto(a, area)
+
+    def fsync(self) -> None:
+        """Until every push of this rank is applied."""
+        self._ask({"op": "fsync"})
+
+    def close(self) -> None:
+        self.sock.close()
+        self.grads = self.params = {}

@@ -1,0 +1,241 @@
+"""The shared-memory door (irdmafs/door.py, fs/door.py) through a real mount: who may come in,
+what bad requests get, a model that changes under an open door, torch parameters living in the
+region, and the mount going on after all of it. (The step values and the stream semantics run
+through both doors in test_step_streams.py.)"""
+
+import errno
+import json
+import os
+import socket
+import sys
+import struct
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from irdmafs import steps
+from irdmafs.door import Door, door_path
+
+from ..conftest import fuse_unavailable
+
+from .test_permissions import NOBODY, as_nobody, public_mount, root_with_setpriv  # noqa: F401
+
+pytestmark = pytest.mark.mount
+
+SHAPES = {"w": (1000, 300), "b": (300,)}
+
+
+def setup_model(m, workers=1, sync="bsp"):
+    d = m / "net"
+    d.mkdir()
+    for k, v in (("sync", sync), ("workers", str(workers)), ("optimizer", "sgd lr=1"), ("timeout", "5")):
+        os.setxattr(d, f"user.irdma.{k}", v.encode())
+    for name, shape in SHAPES.items():
+        np.save(d / f"{name}.npy", np.zeros(shape, np.float32))
+
+
+@pytest.fixture
+async def m(local_cluster, mount):
+    lc = await local_cluster(nodes=3, replicas=2, stripe_unit=1 << 20)
+    mp = mount(lc)
+    setup_model(mp)
+    steps.close_doors()
+    yield mp
+    steps.close_doors()
+
+
+def raw(m, ticket=None):
+    """A socket to the door, the ticket read from the file (or the one given)."""
+    doc = json.loads(door_path(m, "net", 0).read_bytes())
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect("\0" + doc["socket"])
+    return s, ticket if ticket is not None else doc["ticket"]
+
+
+def frame(doc) -> bytes:
+    body = json.dumps(doc).encode()
+    return struct.pack("<I", len(body)) + body
+
+
+def answer(s):
+    data, fds, _, _ = socket.recv_fds(s, 1 << 16, 4)
+    for fd in fds:
+        os.close(fd)
+    n = struct.unpack("<I", data[:4])[0]
+    return json.loads(data[4 : 4 + n]), len(fds)
+
+
+async def test_a_door_step_gives_sgd_and_agrees_with_the_files(m):
+    d = Door.open(m, "net", 0)
+    g = {"w": np.full(SHAPES["w"], 0.5, np.float32), "b": np.arange(300, dtype=np.float32)}
+    d.push(g)
+    out = {n: np.empty(s, np.float32) for n, s in SHAPES.items()}
+    d.pull(out)
+    assert np.array_equal(out["w"], -g["w"]) and np.array_equal(out["b"], -g["b"])
+    assert np.array_equal(d.params["b"], -g["b"])  # the pull area itself
+    assert np.array_equal(np.load(m / "net" / "b.npy"), -g["b"])
+    # a partial push (only "b") is a partial step, as with the stream file
+    os.setxattr(m / "net", "user.irdma.sync", b"asp")
+    d.push({"b": np.ones(300, np.float32)})
+    d.fsync()
+    assert np.array_equal(np.load(m / "net" / "b.npy"), -g["b"] - 1)
+    assert np.array_equal(np.load(m / "net" / "w.npy"), -g["w"])
+    d.close()
+
+
+async def test_bad_pushes_get_einval_and_push_nothing(m):
+    d = Door.open(m, "net", 0)
+    with pytest.raises(OSError) as err:
+        d.push({"w": np.zeros((300, 1000), np.float32)})
+    assert err.value.errno == errno.EINVAL and "'w'" in str(err.value)
+    with pytest.raises(OSError) as err:
+        d.push({"nope": np.zeros(3, np.float32)})
+    assert err.value.errno == errno.EINVAL
+    # a worker that scribbles over the header in its push area: the mount refuses it whole
+    d.region[:8] = (10**9).to_bytes(8, "little")
+    with pytest.raises(OSError) as err:
+        d.push({n: np.ones(s, np.float32) for n, s in SHAPES.items()})
+    assert err.value.errno == errno.EINVAL
+    s, ticket = raw(m)
+    s.sendall(frame({"ticket": ticket}))
+    doc, nfds = answer(s)
+    assert doc["ok"] == 1 and nfds == 1
+    s.sendall(frame({"op": "push", "only": "w"}))  # only must be a list
+    assert answer(s)[0]["errno"] == errno.EINVAL
+    s.sendall(frame({"op": "launch"}))
+    assert answer(s)[0]["errno"] == errno.EINVAL
+    s.close()
+    assert np.array_equal(np.load(m / "net" / "w.npy"), np.zeros(SHAPES["w"], np.float32))
+    d.close()
+
+
+async def test_tickets_are_single_use_and_garbage_closes_only_that_connection(m):
+    s, ticket = raw(m)
+    s.sendall(frame({"ticket": ticket}))
+    assert answer(s)[0]["ok"] == 1
+    s.close()
+    s, _ = raw(m, ticket)  # the same ticket again
+    s.sendall(frame({"ticket": ticket}))
+    doc, nfds = answer(s)
+    assert doc["errno"] == errno.EACCES and nfds == 0
+    s.close()
+    s, _ = raw(m, "f" * 32)  # one never issued
+    s.sendall(frame({"ticket": "f" * 32}))
+    assert answer(s)[0]["errno"] == errno.EACCES
+    s.close()
+    for junk in (b"\xff\xff\xff\xff" + b"x" * 10, b"\x05\x00\x00\x00notjs", struct.pack("<I", 2) + b"[]"):
+        s, _ = raw(m)
+        s.sendall(junk)
+        s.shutdown(socket.SHUT_WR)
+        try:
+            assert s.recv(100) == b""  # closed, nothing handed out
+        except ConnectionResetError:  # closed with our junk unread: the same
+            pass
+        s.close()
+    # the mount goes on: a real door still works
+    d = Door.open(m, "net", 0)
+    d.push({n: np.ones(s, np.float32) for n, s in SHAPES.items()})
+    d.pull()
+    assert np.allclose(d.params["b"], -1)
+    d.close()
+    with pytest.raises(PermissionError):  # a ticket is only read
+        os.open(door_path(m, "net", 0), os.O_WRONLY)
+
+
+async def test_a_model_that_changes_under_an_open_door_is_reopened(m):
+    out = {"b": np.empty(300, np.float32)}
+    steps.push_arrays(m, "net", 0, {n: np.ones(s, np.float32) for n, s in SHAPES.items()})
+    steps.pull_arrays(m, "net", 0, out)
+    first = steps.door(m, "net", 0)
+    np.save(m / "net" / "c.npy", np.zeros(5, np.float32))  # a new tensor: a new layout
+    steps.push_arrays(m, "net", 0, {"b": np.ones(300, np.float32), "w": np.ones(SHAPES["w"], np.float32), "c": np.ones(5, np.float32)})
+    steps.pull_arrays(m, "net", 0, out)
+    assert steps.door(m, "net", 0) is not first
+    assert np.allclose(out["b"], -2) and np.allclose(np.load(m / "net" / "c.npy"), -1)
+
+
+async def test_torch_parameters_live_in_the_door(m):
+    torch = pytest.importorskip("torch")
+    from irdmafs.torch import ParameterServer
+
+    module = torch.nn.Module()
+    module.w = torch.nn.Parameter(torch.zeros(SHAPES["w"]))
+    module.b = torch.nn.Parameter(torch.zeros(SHAPES["b"]))
+    ps = ParameterServer(m, "net", 0)
+    for step in range(3):
+        ps.pull(module)
+        module.w.grad = torch.full(SHAPES["w"], 0.25)
+        module.b.grad = torch.full(SHAPES["b"], 0.5)
+        ps.push(module)
+    ps.pull(module)
+    d = steps.door(m, "net", 0)
+    assert module.b.data_ptr() == d.params["b"].__array_interface__["data"][0]  # no copy at all
+    assert torch.allclose(module.w, torch.full(SHAPES["w"], -0.75)) and torch.allclose(module.b, torch.full(SHAPES["b"], -1.5))
+
+
+async def test_another_user_needs_the_ticket_files_permission(local_cluster, public_mount, root_with_setpriv, tmp_path):
+    lc = await local_cluster(nodes=3, replicas=2)
+    mp = public_mount(lc, "allow_other")
+    setup_model(mp)
+    os.chmod(mp / "net", 0o700)  # root's model: nobody may read its door
+    code, _, err = as_nobody("cat", str(door_path(mp, "net", 0)))
+    assert code != 0 and "Permission denied" in err
+    # a ticket root read is no good to nobody (the mount checks the peer's uid)
+    public = Path(tempfile.mkdtemp(prefix="irdmafs-door-"))  # (tmp_path's parents are 0700)
+    public.chmod(0o755)
+    script = public / "use.py"
+    script.write_text(
+        "import json, socket, struct, sys\n"
+        "doc = json.loads(sys.argv[1])\n"
+        "s = socket.socket(socket.AF_UNIX); s.settimeout(10); s.connect('\\0' + doc['socket'])\n"
+        "b = json.dumps({'ticket': doc['ticket']}).encode(); s.sendall(struct.pack('<I', len(b)) + b)\n"
+        "data, fds, _, _ = socket.recv_fds(s, 65536, 4)\n"
+        "print(json.loads(data[4:]).get('errno'), len(fds))\n"
+    )
+    os.chmod(script, 0o644)
+    ticket = door_path(mp, "net", 0).read_text()
+    code, out, err = as_nobody(sys.executable, str(script), ticket)
+    assert code == 0, err
+    assert out.split() == [str(errno.EACCES), "0"]
+    # with the directory open to others, nobody gets in by the file, and steps use the door
+    os.chmod(mp / "net", 0o777)
+    code, out, err = as_nobody("cat", str(door_path(mp, "net", 0)))
+    assert code == 0 and "ticket" in out
+
+
+async def test_a_remounted_mount_gets_a_new_door_and_a_dead_one_says_enotconn(local_cluster, tmp_path):
+    from irdmafs.mount import mount_background, unmount
+
+    if fuse_unavailable():
+        pytest.skip(fuse_unavailable())
+    lc = await local_cluster(nodes=3, replicas=2)
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    proc = mount_background(str(lc.config_path), str(mp), [], tmp_path / "m1.log")
+    try:
+        setup_model(mp)
+        steps.close_doors()
+        out = {"b": np.empty(300, np.float32)}
+        steps.push_arrays(mp, "net", 0, {n: np.ones(s, np.float32) for n, s in SHAPES.items()})
+        steps.pull_arrays(mp, "net", 0, out)
+        first = steps.door(mp, "net", 0)
+        proc.kill()
+        proc.wait(10)
+        with pytest.raises(OSError) as err:  # as the stream files would answer
+            steps.pull_arrays(mp, "net", 0, out)
+        # a dead mount, or (auto_unmount) the bare mountpoint below it
+        assert err.value.errno in (errno.ENOTCONN, errno.ECONNABORTED, errno.ENOENT)
+        unmount(str(mp), lazy=True)
+        proc = mount_background(str(lc.config_path), str(mp), [], tmp_path / "m2.log")
+        steps.push_arrays(mp, "net", 0, {n: np.ones(s, np.float32) for n, s in SHAPES.items()})
+        steps.pull_arrays(mp, "net", 0, out)
+        assert steps.door(mp, "net", 0) not in (first, None)
+        assert np.allclose(out["b"], -2)
+    finally:
+        steps.close_doors()
+        unmount(str(mp), lazy=True)
+        proc.terminate()
+        proc.wait(10)
