@@ -8,6 +8,7 @@ order of its replicas, whose first live member is the primary.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from typing import Iterable, Sequence
 
@@ -22,7 +23,13 @@ def stripe_key(file_id: int, stripe: int) -> str:
 
 def rank(key: str, nodes: Iterable[str]) -> list[str]:
     """Every node, best home for ``key`` first."""
-    return sorted(nodes, key=lambda n: (score(key, n), n), reverse=True)
+    return list(_ranked(key, tuple(nodes)))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _ranked(key: str, nodes: tuple[str, ...]) -> tuple[str, ...]:
+    # asked for every stripe of every push and pull: a step's hundreds of hashes, once
+    return tuple(sorted(nodes, key=lambda n: (score(key, n), n), reverse=True))
 
 
 def placement(file_id: int, stripe: int, nodes: Sequence[str], replicas: int) -> list[str]:

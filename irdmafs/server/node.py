@@ -134,6 +134,7 @@ class Node(Membership, Training):
         self.peer_staging: StagingPool | None = None
         self.started = time.time()
         self.counters: dict[str, int] = defaultdict(int)
+        self._signatures: dict[str, inspect.Signature] = {}  # rpc method -> its signature
         self.latency = Latency()
         self.apply_seconds = 0.0  # optimizer steps and installs of pushed gradients (training.py)
         self.training: dict[tuple[int, int], StripeTraining] = defaultdict(StripeTraining)
@@ -201,7 +202,7 @@ class Node(Membership, Training):
         if fn is None:
             raise RemoteError("ENOSYS", f"unknown method {method!r}")
         try:
-            inspect.signature(fn).bind(**args)
+            self._signature(method, fn).bind(**args)
         except TypeError as exc:
             raise RemoteError("EINVAL", f"{method}: {exc}") from None
         self.counters[method] += 1
@@ -214,6 +215,12 @@ class Node(Membership, Training):
             raise RemoteError("EINVAL", f"{method}: {exc}") from None
         finally:
             self.latency.observe(method, time.perf_counter() - t0)
+
+    def _signature(self, method: str, fn) -> inspect.Signature:
+        sig = self._signatures.get(method)
+        if sig is None:  # (inspect.signature costs more than many a call it checks)
+            sig = self._signatures[method] = inspect.signature(fn)
+        return sig
 
     def _require_ready(self) -> None:
         if self.state == READY:
