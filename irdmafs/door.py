@@ -3,6 +3,7 @@
     door = Door.open("/mnt/ps", "bert", rank)   # OSError if this mount offers none to us
     door.push({"w": grad_w, ...})               # copied into the push area, pushed by the mount
     door.pull({"w": w, ...})                    # pulled into the pull area, copied into ``w``
+    door.step(grads, {"w": w, ...})             # both, overlapped by the mount
     door.params["w"]                            # or use the pull area's arrays themselves
 
 The ticket comes from ``<mount>/.workers/<rank>/<model>.door`` (so the file's permissions say
@@ -142,6 +143,26 @@ class Door:
     def push(self, grads: dict[str, np.ndarray]) -> None:
         """Push these gradients (a subset of the model's tensors is a partial step, as with the
         stream file). EINVAL, naming the tensor, for one the model lacks or that does not fit."""
+        self._fill(grads)
+        self._ask({"op": "push", "only": self._only(grads)})
+
+    def step(self, grads: dict[str, np.ndarray], out: dict[str, np.ndarray] | None = None) -> None:
+        """``push(grads)`` then ``pull(out)`` as one request: the mount overlaps them (each
+        tensor's pull starts once its own push is taken). Afterwards the push area is released,
+        so the gradients may live there (``grads``'s arrays are the area's own)."""
+        out = out or {}
+        self._check_out(out)
+        self._fill(grads)
+        self._ask({"op": "step", "only": self._only(grads)})
+        self._released = True
+        self._copy_out(out)
+
+    def _only(self, grads: dict) -> list[str] | None:
+        return None if len(grads) == len(self.grads) else sorted(grads)
+
+    def _fill(self, grads: dict[str, np.ndarray]) -> None:
+        """Check the gradients, then copy them into the push area (released first if a push
+        since the last pull may still be kept by the mount)."""
         for name, g in grads.items():
             area = self.grads.get(name)
             if area is None:
@@ -155,15 +176,19 @@ class Door:
             area = self.grads[name]
             if g.__array_interface__["data"][0] != area.__array_interface__["data"][0]:
                 np.copyto(area, g)
-        only = None if len(grads) == len(self.grads) else sorted(grads)
         self._released = False
-        self._ask({"op": "push", "only": only})
 
     def pull(self, out: dict[str, np.ndarray] | None = None) -> None:
         """Pull every parameter into the pull area, then into ``out``'s arrays (not copied where
         an array is the area's own). KeyError for a tensor the model lacks, ValueError for one
         of another dtype or shape."""
         out = out or {}
+        self._check_out(out)
+        self._ask({"op": "pull"})
+        self._released = True
+        self._copy_out(out)
+
+    def _check_out(self, out: dict[str, np.ndarray]) -> None:
         for name, a in out.items():
             area = self.params.get(name)
             if area is None:
@@ -171,8 +196,8 @@ class Door:
                 raise KeyError(f"the model has no tensor {name!r}")
             if a.dtype != area.dtype or a.shape != area.shape:
                 raise ValueError(f"{name}: the model holds {area.dtype}{list(area.shape)}, the array is {a.dtype}{list(a.shape)}")
-        self._ask({"op": "pull"})
-        self._released = True
+
+    def _copy_out(self, out: dict[str, np.ndarray]) -> None:
         for name, a in out.items():
             area = self.params[name]
             if a.__array_interface__["data"][0] != area.__array_interface__["data"][0]:

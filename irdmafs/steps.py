@@ -2,6 +2,7 @@
 
     push_arrays(mount, model, rank, {"fc.weight": grad, ...})   # one write of every gradient
     pull_arrays(mount, model, rank, {"fc.weight": out, ...})    # every parameter, into ``out``
+    step_arrays(mount, model, rank, grads, out)                  # both, overlapped where it can
 
 Two doors, the same semantics. First choice: the mount's shared-memory door (irdmafs/door.py,
 fs/door.py): the arrays are copied into memory shared with the mount, which moves them to and
@@ -136,6 +137,17 @@ def push_arrays(mount: str | os.PathLike, model: str, rank: int, grads: dict[str
         writev_all(fd, [header] + [_bytes_of(a) for a in arrays.values()])
     finally:
         os.close(fd)  # the push happens here; its error (EINVAL, EIO...) is raised here
+
+
+def step_arrays(mount: str | os.PathLike, model: str, rank: int, grads: dict[str, np.ndarray], out: dict[str, np.ndarray]) -> None:
+    """``push_arrays`` then ``pull_arrays``: through the door as one request, which the mount
+    overlaps (each tensor's pull starts once its own push is taken); through the files, the
+    two one after the other."""
+    arrays = {n: np.require(a, requirements="C") for n, a in grads.items()}
+    if through_door(mount, model, rank, lambda d: d.step(arrays, out)):
+        return
+    push_arrays(mount, model, rank, arrays)
+    pull_arrays(mount, model, rank, out)
 
 
 def pull_arrays(mount: str | os.PathLike, model: str, rank: int, out: dict[str, np.ndarray]) -> None:

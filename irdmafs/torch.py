@@ -5,6 +5,7 @@
     ps.pull(model)             # parameters as the model's sync policy lets this rank see them
     loss.backward()
     ps.push(model)             # every .grad, pushed as one stream
+    ps.step(model)             # or both at once: push, then pull, overlapped by the mount
 
 Only files are used, so this works with any mount of the cluster; the policy, optimizer and
 compression are the model directory's xattrs (``configure``). A step is one stream per
@@ -23,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .steps import pull_arrays, push_arrays, through_door
+from .steps import door, pull_arrays, push_arrays, through_door
 
 _TORCH = {np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64, np.dtype(np.float16): torch.float16}
 
@@ -62,11 +63,37 @@ class ParameterServer:
             for n, arr in staged.items():
                 params[n].copy_(torch.from_numpy(arr))
 
-    @staticmethod
-    def _pull_in_place(door, params: dict) -> None:
-        """Pull through the door; the parameters then live in its pull area (each is made a
-        view of it once), so this and every later pull copies nothing in this process."""
+    def step(self, module: torch.nn.Module) -> None:
+        """``push(module)`` then ``pull(module)`` in one request the mount overlaps. Through the
+        door, each ``.grad`` then lives in the door's push area too (made a view of it once):
+        ``zero_grad(set_to_none=False)`` and the next backward write it there, and the next
+        step copies nothing in this process."""
+        params = dict(module.named_parameters())
+        grads = {n: p.grad.detach().cpu().numpy() for n, p in params.items() if p.grad is not None}
+
+        def through(door) -> None:
+            door.step(grads)
+            self._adopt(door, params)
+            with torch.no_grad():
+                for name, p in params.items():
+                    area = door.grads.get(name)
+                    if p.grad is not None and area is not None and p.grad.device.type == "cpu" and p.grad.dtype == _TORCH.get(area.dtype) and tuple(p.grad.shape) == area.shape:
+                        if p.grad.data_ptr() != area.__array_interface__["data"][0]:
+                            p.grad = torch.from_numpy(area)  # holds this step's gradient already
+
+        if not through_door(self.mount, self.model, self.rank, through):
+            self.push(module)
+            self.pull(module)
+
+    def _pull_in_place(self, door, params: dict) -> None:
+        """Pull through the door; the parameters then live in its pull area."""
         door.pull()
+        self._adopt(door, params)
+
+    @staticmethod
+    def _adopt(door, params: dict) -> None:
+        """Make each parameter a view of the door's pull area (once), so this and every later
+        pull copies nothing in this process; a parameter that cannot be one is copied."""
         with torch.no_grad():
             for name, p in params.items():
                 area = door.params.get(name)
@@ -79,8 +106,17 @@ class ParameterServer:
                     p.copy_(torch.from_numpy(area))
 
     def push(self, module: torch.nn.Module) -> None:
-        grads = {n: p.grad.detach().cpu().numpy() for n, p in module.named_parameters() if p.grad is not None}
+        params = dict(module.named_parameters())
+        grads = {n: p.grad.detach().cpu().numpy() for n, p in params.items() if p.grad is not None}
         push_arrays(self.mount, self.model, self.rank, grads)
+        # A gradient living in the door's push area (adopted by step()) must move out: the
+        # mount may keep the push there until a pull, and the next backward would write it.
+        d = door(self.mount, self.model, self.rank)
+        if d is not None:
+            areas = {a.__array_interface__["data"][0] for a in d.grads.values()}
+            for p in params.values():
+                if p.grad is not None and p.grad.data_ptr() in areas:
+                    p.grad = p.grad.clone()
 
     def close(self) -> None:
         pass

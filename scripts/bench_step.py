@@ -15,13 +15,17 @@ Both sides train the same parameter shapes with W worker processes on this machi
   forward is one multiply-add per parameter, so the backward itself is cheap and DDP's overlap
   of communication with it hides almost nothing. Second row: the same with DDP's
   ``fp16_compress_hook``.
-- **irdmafs**: a 3-node local cluster (real node processes, TCP on loopback), R=2, the model
-  directory under ``bsp`` with W workers and SGD. Each worker process pushes every gradient and
-  pulls every parameter with ``irdmafs.torch.ParameterServer`` through a real FUSE mount (one
-  per worker by default, as on a cluster where each worker host mounts; ``--mounts shared`` puts
-  every worker on one). Phases: push (``ps.push``), pull (``ps.pull``, which includes waiting for
-  the slowest rank's push to be applied: that is bsp), and the nodes' apply time (optimizer and
-  install, summed over the nodes, per step). Second row: ``user.irdma.compress = fp16``.
+- **irdmafs**: a 3-node local cluster (real node processes; the default config's transport,
+  shared memory between processes of this host, or TCP on loopback with ``--transport tcp``),
+  R=2, the model directory under ``bsp`` with W workers and SGD. Each worker process pushes
+  every gradient and pulls every parameter with ``irdmafs.torch.ParameterServer`` through a
+  real FUSE mount (one per worker by default, as on a cluster where each worker host mounts;
+  ``--mounts shared`` puts every worker on one), through the mount's shared-memory door
+  (``--no-door``: the stream files). By default a worker calls ``ps.step`` (push and pull in one
+  request the mount overlaps), timed whole as "push" (pull 0); ``--separate`` calls ``ps.push``
+  then ``ps.pull`` (which includes waiting for the slowest rank's push to be applied: that is
+  bsp), timed apart. Also the nodes' apply time (optimizer and install, summed over the nodes,
+  per step). Second row: ``user.irdma.compress = fp16``.
 
 Keys: ``step_vs_ddp_<model>_w<W>`` (irdmafs step / DDP communication; target <= 1.0) and
 ``step_vs_ddp_fp16_<model>_w<W>``; ``irdmafs_<phase>_s_...`` and ``ddp_comm_s_...`` the medians
@@ -97,6 +101,7 @@ from irdmafs.local import LocalCluster, node_status, wait_settled, write_config 
 from irdmafs.mount import mount_background, unmount, wait_for_mount  # noqa: E402
 
 LR = 0.01
+SEPARATE = os.environ.get("IRDMAFS_BENCH_SEPARATE") == "1"  # --separate, inherited by the workers
 TIMEOUT = 900.0  # the longest any one wait of this script may take
 DEFAULT_RATE = "500mbit"  # see the docstring: at 1gbit a W=4 step is CPU-bound here
 LINK_PREFIX, LINK_NET, LINK_MTU = "irdstep", 86, 9000  # namespaces irdstep0.., addresses 10.86.i.2
@@ -306,9 +311,13 @@ def _irdmafs_rank(rank: int, world: int, mount: str, netns: str | None, model: s
         module.zero_grad(set_to_none=False)
         module(x).backward()
         t0 = time.perf_counter()
-        ps.push(module)
-        t1 = time.perf_counter()
-        ps.pull(module)
+        if SEPARATE:
+            ps.push(module)
+            t1 = time.perf_counter()
+            ps.pull(module)
+        else:  # one request the mount overlaps: the whole step is counted as "push"
+            ps.step(module)
+            t1 = time.perf_counter()
         t2 = time.perf_counter()
         if i:
             times["push"].append(t1 - t0)
@@ -602,6 +611,7 @@ def main() -> int:
     ap.add_argument("--replicas", type=int, default=2, help="R of the irdmafs cluster (default 2)")
     ap.add_argument("--transport", choices=("auto", "tcp"), default="auto", help="loopback runs: auto (shared memory with the nodes, the default config) or tcp (forced)")
     ap.add_argument("--no-door", action="store_true", help="workers use the stream files, not the mount's shared-memory door")
+    ap.add_argument("--separate", action="store_true", help="workers call ps.push then ps.pull (timed apart) instead of ps.step (one request the mount overlaps)")
     ap.add_argument("--no-fp16", action="store_true", help="skip the fp16 rows")
     ap.add_argument("--no-ddp", action="store_true", help="irdmafs only (for profiling it; no ratios)")
     ap.add_argument("--link", nargs="?", const=DEFAULT_RATE, metavar="RATE", help=f"cluster-shaped: every host in a network namespace behind RATE links (default {DEFAULT_RATE}; root)")
@@ -609,6 +619,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.no_door:
         os.environ["IRDMAFS_DOOR"] = "0"  # the worker processes inherit it (irdmafs/steps.py)
+    if args.separate:
+        os.environ["IRDMAFS_BENCH_SEPARATE"] = "1"
     models = args.models.split(",")
     workers = [int(w) for w in args.workers.split(",")]
     if args.quick:

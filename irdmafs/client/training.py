@@ -291,11 +291,14 @@ class Training:
             results = reply["results"]
             if len(results) != len(batch):  # never leave a pusher waiting for a missing answer
                 raise RemoteError("EIO", f"{node} answered {len(results)} of {len(batch)} pushes")
-            for fid, pinfo in reply.get("info", {}).items():
+            info = reply.get("info")
+            if info:
+                now = trio.current_time()
                 for (ino, _), cached in self._train.items():
-                    if ino == int(fid):
+                    pinfo = info.get(str(ino))
+                    if pinfo is not None:
                         # policy changes reach us with the push replies: no refresh call needed
-                        cached.update(pinfo, fetched=trio.current_time())
+                        cached.update(pinfo, fetched=now)
         except (NodeDown, RemoteError, AccessError) as exc:
             results = [exc] * len(batch)
         for entry, result in zip(batch, results, strict=True):

@@ -15,6 +15,7 @@ How a worker gets in (the file's permissions decide who may):
 3. then it sends requests, one at a time: ``push`` (the push area holds a safetensors stream of
    the step's gradients: the mount wrote the model's header there; the worker fills the data),
    ``pull`` (the pull area is filled with every parameter as the policy lets the rank see them),
+   ``step`` (both, overlapped: each tensor's pull starts once its own push is taken),
    ``fsync`` (every push applied), ``release`` (see below), ``check`` (ESTALE if the model's
    tensors changed, asked by a worker that met a name its layout lacks). Each is answered ``{"ok": 1}`` or ``{"errno": N, "error":
    NAME, "message": ...}`` with the errno the stream file's ``close``/``read`` would give: the
@@ -49,7 +50,7 @@ import numpy as np
 import trio
 
 from .errors import FsError, errno_for
-from .streams import pull_stream, push_stream
+from .streams import pull_stream, push_stream, step_stream
 
 log = logging.getLogger(__name__)
 
@@ -244,10 +245,12 @@ class _Session:
     async def serve(self, op: str, doc: dict) -> None:
         if op == "push":
             await self._fresh()
-            only = doc.get("only")
-            if only is not None and not (isinstance(only, list) and all(isinstance(x, str) for x in only)):
-                raise FsError(errno.EINVAL, "push: 'only' is a list of tensor names")
-            await push_stream(self.vfs, self.rank, self.model, self.push_area, owner=self.owner, only=None if only is None else set(only))
+            await push_stream(self.vfs, self.rank, self.model, self.push_area, owner=self.owner, only=self._only(doc))
+        elif op == "step":  # a push and the pull after it, overlapped (streams.step_stream)
+            await self._fresh()
+            only = self._only(doc)
+            await step_stream(self.vfs, self.rank, self.model, self.push_area, self.layout, self.pull_area, owner=self.owner, only=only)
+            self.vfs.client.detach(self.owner)
         elif op == "pull":
             await self._fresh()
             await pull_stream(self.vfs, self.rank, self.layout, self.pull_area)
@@ -261,6 +264,13 @@ class _Session:
                 await self.vfs.client.wait_applied(ino, self.rank)
         else:
             raise FsError(errno.EINVAL, f"unknown door request {op!r}")
+
+    @staticmethod
+    def _only(doc: dict) -> set[str] | None:
+        only = doc.get("only")
+        if only is not None and not (isinstance(only, list) and all(isinstance(x, str) for x in only)):
+            raise FsError(errno.EINVAL, "'only' is a list of tensor names")
+        return None if only is None else set(only)
 
     async def _fresh(self, reread: bool = False) -> None:
         now = await self.vfs.layouts.get(self.model, fresh=reread)

@@ -123,6 +123,33 @@ async def pull_stream(vfs, rank: int, layout: Layout, buf: memoryview) -> None:
                 n.start_soon(vfs.client.pull_into, attr["ino"], rank, out)
 
 
+async def step_stream(vfs, rank: int, model: int, data: memoryview, layout: Layout, buf: memoryview, *, owner: object, only: set[str] | None = None) -> None:
+    """A push and the pull after it, overlapped: each tensor's pull starts as soon as its own
+    push is taken, so while later tensors are still being pushed, earlier ones (their rounds
+    closed) are already coming back. Same checks and results as ``push_stream`` then
+    ``pull_stream``; on a network, pushes fill the nodes' inbound links while pulls use their
+    outbound ones (BytePS overlaps a step the same way)."""
+    pushes = {name: (ino, grad) for name, ino, grad in await _validate(vfs, rank, model, data)}
+    if only is not None:
+        unknown = only - set(pushes)
+        if unknown:
+            raise FsError(errno.EINVAL, f"tensor {sorted(unknown)[0]!r} is not in this model")
+        pushes = {name: p for name, p in pushes.items() if name in only}
+    base = len(layout.header)
+
+    async def one(e, attr) -> None:
+        pushed = pushes.get(e.name)
+        if pushed is not None:
+            await vfs.client.push(pushed[0], rank, pushed[1], owner=owner)
+        count = (e.end - e.begin) // np.dtype(e.dtype).itemsize
+        await vfs.client.pull_into(attr["ino"], rank, np.frombuffer(buf, e.dtype, count, offset=base + e.begin))
+
+    with single_exception():
+        async with trio.open_nursery() as n:
+            for e, attr in layout.parts:
+                n.start_soon(one, e, attr)
+
+
 async def _validate(vfs, rank: int, model: int, data: memoryview) -> list[tuple[str, int, np.ndarray]]:
     """(name, tensor inode, gradient view) for every entry, or EINVAL naming what is wrong."""
     end = len(data)

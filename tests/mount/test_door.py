@@ -239,3 +239,56 @@ async def test_a_remounted_mount_gets_a_new_door_and_a_dead_one_says_enotconn(lo
         unmount(str(mp), lazy=True)
         proc.terminate()
         proc.wait(10)
+
+
+async def test_a_fused_step_is_a_push_then_a_pull(m):
+    """Door.step overlaps each tensor's pull with the pushes of the others; the result is
+    exactly push-then-pull's, for two ranks under bsp and for a partial step."""
+    import threading
+
+    os.setxattr(m / "net", "user.irdma.workers", b"2")
+    outs = {r: {n: np.empty(s, np.float32) for n, s in SHAPES.items()} for r in (0, 1)}
+    errors = []
+
+    def rank(r):
+        try:
+            for i in range(3):
+                steps.step_arrays(m, "net", r, {n: np.full(s, r + 1 + i, np.float32) for n, s in SHAPES.items()}, outs[r])
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    ts = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert not errors, errors
+    want = -sum((1 + i + 2 + i) / 2 for i in range(3))  # sgd lr=1 on the mean of the ranks
+    for r in (0, 1):
+        assert all(np.allclose(a, want) for a in outs[r].values()), r
+    d = steps.door(m, "net", 0)
+    with pytest.raises(OSError) as err:  # a bad step pushes nothing and pulls nothing
+        d.step({"w": np.zeros((3, 3), np.float32)})
+    assert err.value.errno == errno.EINVAL
+
+
+async def test_torch_step_keeps_gradients_and_parameters_in_the_door(m):
+    torch = pytest.importorskip("torch")
+    from irdmafs.torch import ParameterServer
+
+    module = torch.nn.Module()
+    module.w = torch.nn.Parameter(torch.zeros(SHAPES["w"]))
+    module.b = torch.nn.Parameter(torch.zeros(SHAPES["b"]))
+    ps = ParameterServer(m, "net", 0)
+    ps.pull(module)
+    for step in range(3):
+        module.zero_grad(set_to_none=False)
+        ((module.w * 0.25).sum() + (module.b * 0.5).sum()).backward()
+        ps.step(module)
+    d = steps.door(m, "net", 0)
+    assert module.b.grad.data_ptr() == d.grads["b"].__array_interface__["data"][0]
+    assert module.b.data_ptr() == d.params["b"].__array_interface__["data"][0]
+    assert torch.allclose(module.w, torch.full(SHAPES["w"], -0.75)) and torch.allclose(module.b, torch.full(SHAPES["b"], -1.5))
+    ps.push(module)  # a push on its own moves an adopted gradient out of the area
+    assert module.b.grad.data_ptr() != d.grads["b"].__array_interface__["data"][0]
+    assert torch.allclose(module.b.grad, torch.full(SHAPES["b"], 0.5))
