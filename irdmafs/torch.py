@@ -72,7 +72,13 @@ class ParameterServer:
         grads = {n: p.grad.detach().cpu().numpy() for n, p in params.items() if p.grad is not None}
 
         def through(door) -> None:
-            door.step(grads)
+            try:
+                door.step(grads)
+            except BaseException:
+                # the mount may still keep this push in the area (for a replay): a gradient
+                # living there must move out before the next backward writes it
+                self._move_grads_out(door, params)
+                raise
             self._adopt(door, params)
             with torch.no_grad():
                 for name, p in params.items():
@@ -108,15 +114,21 @@ class ParameterServer:
     def push(self, module: torch.nn.Module) -> None:
         params = dict(module.named_parameters())
         grads = {n: p.grad.detach().cpu().numpy() for n, p in params.items() if p.grad is not None}
-        push_arrays(self.mount, self.model, self.rank, grads)
-        # A gradient living in the door's push area (adopted by step()) must move out: the
-        # mount may keep the push there until a pull, and the next backward would write it.
-        d = door(self.mount, self.model, self.rank)
-        if d is not None:
-            areas = {a.__array_interface__["data"][0] for a in d.grads.values()}
-            for p in params.values():
-                if p.grad is not None and p.grad.data_ptr() in areas:
-                    p.grad = p.grad.clone()
+        try:
+            push_arrays(self.mount, self.model, self.rank, grads)
+        finally:
+            # A gradient living in the door's push area (adopted by step()) must move out: the
+            # mount may keep the push there until a pull, and the next backward would write it.
+            d = door(self.mount, self.model, self.rank)
+            if d is not None:
+                self._move_grads_out(d, params)
+
+    @staticmethod
+    def _move_grads_out(door, params: dict) -> None:
+        areas = {a.__array_interface__["data"][0] for a in door.grads.values()}
+        for p in params.values():
+            if p.grad is not None and p.grad.data_ptr() in areas:
+                p.grad = p.grad.clone()
 
     def close(self) -> None:
         pass

@@ -3,7 +3,27 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+import logging
+from typing import Any, Awaitable, Callable, Iterator
+
+import trio
+
+log = logging.getLogger(__name__)
+
+
+async def accept_forever(listener: Any, serve: Callable[[Any], Awaitable[None]], what: str) -> None:
+    """Accept connections on a listening trio socket until cancelled, each served by
+    ``serve(sock)`` in a task of its own; a failed accept (EMFILE and friends) backs off and
+    listening goes on."""
+    async with trio.open_nursery() as nursery:
+        while True:
+            try:
+                sock, _ = await listener.accept()
+            except OSError as exc:
+                log.warning("%s: accept failed: %s", what, exc)
+                await trio.sleep(0.1)
+                continue
+            nursery.start_soon(serve, sock)
 
 
 @contextlib.contextmanager

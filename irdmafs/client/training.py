@@ -196,17 +196,29 @@ class Training:
         client pushed to is still open there, ask the stripe's primary whether it has the push
         (a primary lost mid-round takes its open rounds with it) and send it again if not.
         The primary counts each rank's pushes, so a push it has is never taken twice."""
-        for (f, i, rank), (desc, payload, _) in list(self._open.items()):
+        for key in list(self._open):
+            f, i, rank = key
             if (f, i) != (fid, idx):
                 continue
             primary = self.cluster.stripe_primary(fid, idx)
             if primary is None:
                 return
+            entry = self._open.get(key)
+            if entry is None:
+                continue
+            step = entry[0]["step"]
             try:
                 nxt = (await self.cluster.call(primary, "train_next", {"fid": fid, "idx": idx, "rank": rank}))["next"]
+                # read the kept piece again: while we asked, its round may have closed, or its
+                # owner reused the memory (detach then made the kept piece a copy)
+                entry = self._open.get(key)
+                if entry is None or entry[0]["step"] != step:
+                    continue
+                desc, payload, _ = entry
                 if nxt <= desc["step"]:
                     log.warning("stripe %d:%d: %s lacks push %d of rank %d (its round was open on a lost primary); sending it again", fid, idx, primary, desc["step"], rank)
-                    await self._push_piece(desc, payload, [])
+                    # a copy: the owner may reuse its memory while this send waits (rare: failover)
+                    await self._push_piece(desc, memoryview(bytes(payload)), [])
             except (NodeDown, RemoteError, AccessError, trio.TooSlowError) as exc:
                 log.info("stripe %d:%d: open push of rank %d not checked with %s: %s", fid, idx, rank, primary, exc)
 

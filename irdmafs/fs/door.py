@@ -37,6 +37,7 @@ served in order. A worker that goes away takes its region with it (the mount unm
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import logging
 import mmap
@@ -49,6 +50,8 @@ from dataclasses import dataclass
 import numpy as np
 import trio
 
+from ..transport.base import RemoteError, TransportError
+from ..util import accept_forever
 from .errors import FsError, errno_for
 from .streams import pull_stream, push_stream, step_stream
 
@@ -56,8 +59,11 @@ log = logging.getLogger(__name__)
 
 TICKET_SECONDS = 30.0
 MAX_FRAME = 1 << 20
+MAX_TICKET_FRAME = 4096  # what a worker may send before its ticket is checked
+MAX_SESSIONS = 256  # doors open at once on one mount (each maps twice a model)
 LENGTH = struct.Struct("<I")
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
+F_SEAL_SHRINK, F_SEAL_GROW = 0x0002, 0x0004  # linux/fcntl.h
 
 
 @dataclass(frozen=True)
@@ -78,37 +84,50 @@ async def send_frame(sock, doc: dict, fd: int | None = None) -> None:
         sent += await sock.send(data[sent:])
 
 
-async def recv_frame(sock) -> tuple[dict | None, list[int]]:
-    """One JSON frame and the descriptors that came with it; (None, []) at a clean end."""
-    head, fds = b"", []
-    want = LENGTH.size
-    body = None
-    while True:
-        chunk, anc, _flags, _addr = await sock.recvmsg(want - len(head), _stdsocket.CMSG_SPACE(4 * 4))
+async def recv_frame(sock, limit: int = MAX_FRAME) -> tuple[dict | None, list[int]]:
+    """One JSON frame of at most ``limit`` bytes and the descriptors that came with it (the
+    caller closes them); (None, []) at a clean end. ValueError for a malformed frame."""
+    fds: list[int] = []
+    try:
+        head = await _recv_into(sock, LENGTH.size, fds)
+        if head is None:
+            return None, fds
+        (n,) = LENGTH.unpack(head)
+        if n > limit:
+            raise ValueError(f"frame of {n} bytes (at most {limit})")
+        body = await _recv_into(sock, n, fds) if n else bytearray()
+        if body is None:
+            raise ValueError("frame cut short")
+        doc = json.loads(body)
+    except (ValueError, RecursionError) as exc:  # json.loads of "[[[[..." recurses
+        for fd in fds:
+            os.close(fd)
+        raise ValueError(f"malformed frame: {type(exc).__name__}: {str(exc)[:200]}") from None
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    if not isinstance(doc, dict):
+        raise ValueError("malformed frame: not an object")
+    return doc, fds
+
+
+async def _recv_into(sock, n: int, fds: list[int]) -> bytearray | None:
+    """Exactly ``n`` bytes (descriptors that come along into ``fds``); None at EOF first."""
+    buf = bytearray(n)
+    got = 0
+    while got < n:
+        chunk, anc, _flags, _addr = await sock.recvmsg(n - got, _stdsocket.CMSG_SPACE(4 * 4))
         for level, kind, payload in anc:
             if level == _stdsocket.SOL_SOCKET and kind == _stdsocket.SCM_RIGHTS:
                 fds.extend(struct.unpack(f"{len(payload) // 4}i", payload[: len(payload) // 4 * 4]))
         if not chunk:
-            if head or body is not None:
-                raise EOFError("frame cut short")
-            return None, fds
-        head += chunk
-        if body is None and len(head) == LENGTH.size:
-            (n,) = LENGTH.unpack(head)
-            if n > MAX_FRAME:
-                raise ValueError(f"frame of {n} bytes")
-            body, head, want = head, b"", n
-            if n == 0:
-                break
-        elif body is not None and len(head) == want:
-            break
-    try:
-        doc = json.loads(head)
-    except ValueError as exc:
-        raise ValueError(f"malformed frame: {exc}") from None
-    if not isinstance(doc, dict):
-        raise ValueError("malformed frame: not an object")
-    return doc, fds
+            if got:
+                raise ValueError("frame cut short")
+            return None
+        buf[got : got + len(chunk)] = chunk
+        got += len(chunk)
+    return buf
 
 
 def _area(nbytes: int) -> int:
@@ -140,43 +159,46 @@ class DoorServer:
             await listener.bind("\0" + self.name)
             listener.listen(64)
             task_status.started()
-            async with trio.open_nursery() as nursery:
-                while True:
-                    try:
-                        sock, _ = await listener.accept()
-                    except OSError as exc:
-                        log.warning("door: accept failed: %s", exc)
-                        await trio.sleep(0.1)
-                        continue
-                    nursery.start_soon(self._session, sock)
+            await accept_forever(listener, self._session, "door")
 
     async def _session(self, sock) -> None:
+        """One worker's connection, from its ticket to its leaving. Nothing it sends or does
+        (junk, a peer gone mid-answer, a model that cannot be laid out) ends anything but this
+        connection: the door server runs in the mount's own nursery."""
         with sock:
             try:
-                with trio.fail_after(TICKET_SECONDS):
-                    doc, fds = await recv_frame(sock)
-                    for fd in fds:
-                        os.close(fd)
-                    if doc is None:
-                        return
-                    ticket = self._admit(sock, doc)
-                    if ticket is None:
-                        await send_frame(sock, {"errno": errno.EACCES, "error": "EACCES", "message": "no such ticket, expired, or another user's"})
-                        return
-                session = await _Session.open(self.vfs, ticket)
-            except (OSError, ValueError, EOFError, trio.TooSlowError, trio.BrokenResourceError) as exc:
-                log.info("door: a worker could not come in: %s", exc)
+                await self._admit_and_serve(sock)
+            except (OSError, ValueError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                log.info("door: a worker's connection ended: %s", exc)
+            except Exception:  # noqa: BLE001 -- a bug here must not take the mount down
+                log.exception("door: a worker's connection failed")
+
+    async def _admit_and_serve(self, sock) -> None:
+        with trio.fail_after(TICKET_SECONDS):
+            doc, fds = await recv_frame(sock, MAX_TICKET_FRAME)
+            for fd in fds:
+                os.close(fd)
+            if doc is None:
                 return
-            except Exception as exc:  # noqa: BLE001 -- a model that cannot be laid out
+            ticket = self._admit(sock, doc)
+            if ticket is None:
+                await send_frame(sock, {"errno": errno.EACCES, "error": "EACCES", "message": "no such ticket, expired, or another user's"})
+                return
+            if self.sessions >= MAX_SESSIONS:
+                await send_frame(sock, {"errno": errno.EAGAIN, "error": "EAGAIN", "message": f"{MAX_SESSIONS} doors open on this mount"})
+                return
+            try:
+                session = await _Session.open(self.vfs, ticket)
+            except (FsError, RemoteError, TransportError) as exc:  # the model cannot be laid out
                 code = errno_for(exc, "door open")
                 await send_frame(sock, {"errno": code, "error": errno.errorcode.get(code, "EIO"), "message": str(exc)})
                 return
-            self.sessions += 1
-            try:
-                await session.run(sock)
-            finally:
-                self.sessions -= 1
-                session.close()
+        self.sessions += 1
+        try:
+            await session.run(sock)
+        finally:
+            self.sessions -= 1
+            session.close()
 
     def _admit(self, sock, doc: dict) -> Ticket | None:
         ticket = self._tickets.pop(str(doc.get("ticket", "")), None)
@@ -205,9 +227,11 @@ class _Session:
     async def open(cls, vfs, ticket: Ticket) -> "_Session":
         layout = await vfs.layouts.get(ticket.model, fresh=True)
         pull_at = _area(layout.size)
-        fd = os.memfd_create(f"irdmafs-door-{ticket.rank}", os.MFD_CLOEXEC)
+        fd = os.memfd_create(f"irdmafs-door-{ticket.rank}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, 2 * pull_at)
+            # a worker that truncated it would have the mount's next copy fault (SIGBUS)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW)
             region = mmap.mmap(fd, 2 * pull_at)
         except BaseException:
             os.close(fd)
@@ -222,11 +246,7 @@ class _Session:
         os.close(self.fd)
         self.fd = -1
         while True:
-            try:
-                doc, fds = await recv_frame(sock)
-            except (OSError, ValueError, EOFError, trio.BrokenResourceError) as exc:
-                log.info("door of rank %d: %s", self.rank, exc)
-                return
+            doc, fds = await recv_frame(sock)
             for fd in fds:
                 os.close(fd)
             if doc is None:
@@ -237,10 +257,7 @@ class _Session:
             except Exception as exc:  # noqa: BLE001 -- the errno table decides what it is
                 code = errno_for(exc, f"door {doc.get('op')}")
                 answer = {"errno": code, "error": errno.errorcode.get(code, "EIO"), "message": str(exc)}
-            try:
-                await send_frame(sock, answer)
-            except (OSError, trio.BrokenResourceError):
-                return
+            await send_frame(sock, answer)
 
     async def serve(self, op: str, doc: dict) -> None:
         if op == "push":

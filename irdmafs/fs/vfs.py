@@ -231,9 +231,12 @@ class Vfs:
             size = (await self.layouts.get(model)).size
             return dict(file_stat(ino, size, d["mode"] & 0o666, d["mtime_ns"], d["uid"], d["gid"]), entry_timeout=WORK_CACHE_SECONDS, attr_timeout=WORK_CACHE_SECONDS)
         if ino & DOOR:
-            # who may read the ticket may use the door: the model directory's owner and mode
+            # who may read the ticket may push and pull through the door: readable by a class
+            # (owner, group, others) only where the model directory is readable and writable
+            # for it, as the stream file is read (pull) and written (push)
             d = await self.client.getattr(ino & INO_MASK)
-            return dict(file_stat(ino, 0, d["mode"] & 0o666, d["mtime_ns"], d["uid"], d["gid"]), entry_timeout=WORK_CACHE_SECONDS)
+            mode = d["mode"] & 0o444 & ((d["mode"] & 0o222) << 1)
+            return dict(file_stat(ino, 0, mode, d["mtime_ns"], d["uid"], d["gid"]), entry_timeout=WORK_CACHE_SECONDS)
         if RANK_DIR <= ino < RANK_DIR + MAX_RANK:
             return dir_stat(ino, 0o755)
         if BATCH_FILE <= ino < BATCH_FILE + MAX_RANK:

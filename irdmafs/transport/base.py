@@ -247,6 +247,14 @@ class Transport(abc.ABC):
         """Connect and authenticate; tasks the connection needs run in ``nursery``."""
 
 
+async def notify_by_call(control: "Connection", rkey: int, offset: int, data: BufferList, imm: int) -> dict:
+    """The second half of a WRITE_IMM whose data went one-sidedly already (verbs, shm): the
+    notification, as a ``__imm`` control call ordered after the data (``serve_imm_call`` on the
+    serving side). (IBV_WR_RDMA_WRITE_WITH_IMM would need receive work requests posted there.)"""
+    length = sum(map(len, as_buffers(data)))
+    return await control.call("__imm", {"rkey": rkey, "offset": offset, "length": length, "imm": imm})
+
+
 async def serve_imm_call(regions: RegionTable, on_imm: ImmHandler | None, args: dict) -> dict:
     """The notification of a WRITE_IMM whose data went one-sidedly (verbs, shm): the ``__imm``
     control call, checked as the TCP responder checks a WRITE_IMM frame."""

@@ -60,26 +60,52 @@ from .base import (
     as_buffers,
     client_proof,
     new_nonce,
+    notify_by_call,
     serve_imm_call,
     server_proof,
 )
 from .base import NONCE as _NONCE
+from ..util import accept_forever
 from .tcp import HANDSHAKE_TIMEOUT, TcpConnection, TcpTransport
 
 log = logging.getLogger(__name__)
 
 F_SEAL_SHRINK, F_SEAL_GROW, F_SEAL_FUTURE_WRITE = 0x0002, 0x0004, 0x0010  # linux/fcntl.h
 TABLE_SLOTS = 1 << 20  # regions one process can serve at once; slot 0 holds the incarnation
+SWEEP_EVERY = 1024  # operations between two sweeps of a peer's mappings of freed regions
 WELCOME = struct.Struct("<B32sII")  # status, server proof, incarnation, table slots (+ table fd)
 ASK = struct.Struct("<I")  # rkey
-REGION = struct.Struct("<BBxxIQ")  # status, access, slot, length (+ the region's fd if status 0)
+REGION = struct.Struct("<BBxxIIxxxxQ")  # status, access, slot, rkey asked, length (+ its fd if status 0)
 OK, REFUSED = 0, 1
 
 
 def shm_unusable_reason() -> str | None:
     if not hasattr(os, "memfd_create") or not hasattr(_stdsocket, "SCM_RIGHTS"):
         return "no memfd_create or SCM_RIGHTS on this platform"
+    try:  # F_SEAL_FUTURE_WRITE came with Linux 5.1: without it read-only could not be enforced
+        fd, m = _memfd(1, "irdmafs-probe")
+        try:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE)
+        finally:
+            m.close()
+            os.close(fd)
+    except OSError as exc:
+        return f"memfd sealing unavailable: {exc}"
+    _raise_fd_limit()
     return None
+
+
+def _raise_fd_limit() -> None:
+    """A serving process keeps a descriptor per region (a node: one per stripe and staging
+    slot): raise the soft limit on open files to the hard one, as databases do."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as exc:
+            log.info("open-file limit stays %d (%s)", soft, exc)
 
 
 def _memfd(nbytes: int, name: str) -> tuple[int, mmap.mmap]:
@@ -94,28 +120,32 @@ def _memfd(nbytes: int, name: str) -> tuple[int, mmap.mmap]:
 
 
 async def _recv_exact(sock: trio.socket.SocketType, n: int) -> tuple[bytes, list[int]]:
-    """n bytes of a small fixed message and the descriptors that came with it."""
+    """n bytes of a small fixed message and the descriptors that came with it (closed here if
+    the message does not arrive whole)."""
     data, fds = b"", []
-    while len(data) < n:
-        chunk, anc, _flags, _addr = await sock.recvmsg(n - len(data), _stdsocket.CMSG_SPACE(4 * 4))
-        for level, kind, payload in anc:
-            if level == _stdsocket.SOL_SOCKET and kind == _stdsocket.SCM_RIGHTS:
-                got = array.array("i")
-                got.frombytes(payload[: len(payload) - len(payload) % 4])
-                fds.extend(got)
-        if not chunk:
-            for fd in fds:
-                os.close(fd)
-            raise PeerLost("connection closed")
-        data += chunk
+    try:
+        while len(data) < n:
+            chunk, anc, _flags, _addr = await sock.recvmsg(n - len(data), _stdsocket.CMSG_SPACE(4 * 4))
+            for level, kind, payload in anc:
+                if level == _stdsocket.SOL_SOCKET and kind == _stdsocket.SCM_RIGHTS:
+                    got = array.array("i")
+                    got.frombytes(payload[: len(payload) - len(payload) % 4])
+                    fds.extend(got)
+            if not chunk:
+                raise PeerLost("connection closed")
+            data += chunk
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
     return data, fds
 
 
 async def _send(sock: trio.socket.SocketType, data: bytes, fd: int | None = None) -> None:
     anc = [(_stdsocket.SOL_SOCKET, _stdsocket.SCM_RIGHTS, array.array("i", [fd]))] if fd is not None else []
     sent = await sock.sendmsg([data], anc)
-    if sent < len(data):  # the descriptor went with the first byte
-        await sock.sendall(data[sent:])
+    while sent < len(data):  # the descriptor went with the first byte
+        sent += await sock.send(data[sent:])
 
 
 class _Mapped:
@@ -139,14 +169,21 @@ class ShmConnection(Connection):
         self._table = memoryview(table).cast("I")[:slots]
         self._maps: dict[int, _Mapped] = {}
         self._ask_lock = trio.Lock()
+        self._broken: str | None = None  # why the Unix socket is out of step, if it is
+        self._ops = 0
 
     def _alive(self) -> None:
         lost = self.tcp.lost
         if lost is not None:
             raise PeerLost(f"{self.peer}: {lost}")
+        if self._broken is not None:
+            raise PeerLost(f"{self.peer}: {self._broken}")
 
     async def _region(self, rkey: int, access: Access) -> _Mapped:
         self._alive()
+        self._ops += 1
+        if self._ops % SWEEP_EVERY == 0:
+            self._sweep()
         m = self._maps.get(rkey)
         if m is not None and self._table[m.slot] != rkey:
             del self._maps[rkey]  # freed since: the mapping goes, the key is unknown now
@@ -158,16 +195,27 @@ class ShmConnection(Connection):
         return m
 
     async def _ask(self, rkey: int) -> _Mapped:
-        try:
-            async with self._ask_lock:
-                with trio.fail_after(self.tcp.op_timeout):
+        # One question, one answer, never cut in between: a caller cancelled after sending
+        # would leave its answer to the next asker (shielded, bounded by its own deadline; if
+        # that passes, or the answer names another key, the socket is out of step for good).
+        async with self._ask_lock:
+            self._alive()
+            try:
+                with trio.CancelScope(shield=True), trio.fail_after(self.tcp.op_timeout):
                     await _send(self.sock, ASK.pack(rkey))
                     data, fds = await _recv_exact(self.sock, REGION.size)
-        except trio.TooSlowError:
-            raise PeerLost(f"{self.peer}: no answer for region {rkey}") from None
-        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            raise PeerLost(f"{self.peer}: {exc}") from None
-        status, access, slot, length = REGION.unpack(data)
+            except trio.TooSlowError:
+                self._broken = f"no answer for region {rkey} within {self.tcp.op_timeout}s"
+                raise PeerLost(f"{self.peer}: {self._broken}") from None
+            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                self._broken = f"same-host socket: {exc}"
+                raise PeerLost(f"{self.peer}: {self._broken}") from None
+        status, access, slot, asked, length = REGION.unpack(data)
+        if asked != rkey:
+            for fd in fds:
+                os.close(fd)
+            self._broken = f"answer for rkey {asked} when asking for {rkey}"
+            raise PeerLost(f"{self.peer}: {self._broken}")
         if status != OK:
             for fd in fds:
                 os.close(fd)
@@ -233,8 +281,7 @@ class ShmConnection(Connection):
 
     async def write_imm(self, rkey: int, offset: int, data: BufferList, imm: int) -> dict:
         await self.write(rkey, offset, data)
-        length = sum(map(len, as_buffers(data)))
-        return await self.tcp.call("__imm", {"rkey": rkey, "offset": offset, "length": length, "imm": imm})
+        return await notify_by_call(self.tcp, rkey, offset, data, imm)
 
     async def call(self, method: str, args: dict[str, Any] | None = None, *, timeout: float | None = None) -> dict:
         return await self.tcp.call(method, args, timeout=timeout)
@@ -307,22 +354,12 @@ class ShmTransport(TcpTransport):
             self._table[0] = self.incarnation
             try:
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._accept, listener)
+                    nursery.start_soon(accept_forever, listener, self._serve_peer, "shm")
                     address = await nursery.start(lambda task_status: TcpTransport.serve(self, host, port, shm_handler, on_imm=on_imm, task_status=task_status))
                     task_status.started(address)
             finally:
                 self._table[0] = 0
 
-    async def _accept(self, listener: trio.socket.SocketType) -> None:
-        async with trio.open_nursery() as nursery:
-            while True:
-                try:
-                    sock, _ = await listener.accept()
-                except OSError as exc:
-                    log.warning("shm accept failed: %s", exc)
-                    await trio.sleep(0.1)
-                    continue
-                nursery.start_soon(self._serve_peer, sock)
 
     async def _serve_peer(self, sock: trio.socket.SocketType) -> None:
         """One same-host peer: the token, then region descriptors on request, until it leaves."""
@@ -351,13 +388,21 @@ class ShmTransport(TcpTransport):
                 log.warning("same-host handshake timed out")
             except (PeerLost, OSError, trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
+            except Exception:  # noqa: BLE001 -- a bug here must not take the node down
+                log.exception("same-host peer connection failed")
 
     async def _give(self, sock: trio.socket.SocketType, rkey: int) -> None:
         region, fd = self.regions.get(rkey), self._fds.get(rkey)
         if region is None or fd is None:
-            await _send(sock, REGION.pack(REFUSED, 0, 0, 0))
+            await _send(sock, REGION.pack(REFUSED, 0, 0, rkey, 0))
             return
-        await _send(sock, REGION.pack(OK, int(region.access), self._slot_of[rkey], region.length), fd)
+        # our own copy of the descriptor: the region may be freed (and its number reused by
+        # another file) while this send waits
+        mine = os.dup(fd)
+        try:
+            await _send(sock, REGION.pack(OK, int(region.access), self._slot_of[rkey], rkey, region.length), mine)
+        finally:
+            os.close(mine)
 
     # -- calling side ------------------------------------------------------------------------
     async def connect(self, host: str, port: int, *, nursery: trio.Nursery) -> Connection:

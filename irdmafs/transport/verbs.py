@@ -46,6 +46,7 @@ from .base import (
     RemoteError,
     TimeoutError,
     as_buffers,
+    notify_by_call,
     serve_imm_call,
 )
 from .tcp import TcpConnection, TcpTransport
@@ -285,11 +286,9 @@ class VerbsConnection(Connection):
 
     async def write_imm(self, rkey: int, offset: int, data: BufferList, imm: int) -> dict:
         # The data moves as RDMA WRITEs; the notification follows on the control connection
-        # (ordered after the WRITE completions). IBV_WR_RDMA_WRITE_WITH_IMM would need receive
-        # work requests posted on the serving side: that is the next step for this transport.
+        # (ordered after the WRITE completions).
         await self.write(rkey, offset, data)
-        length = sum(map(len, as_buffers(data)))
-        return await self.control.call("__imm", {"rkey": rkey, "offset": offset, "length": length, "imm": imm})
+        return await notify_by_call(self.control, rkey, offset, data, imm)
 
     async def call(self, method: str, args: dict[str, Any] | None = None, *, timeout: float | None = None) -> dict:
         return await self.control.call(method, args, timeout=timeout)

@@ -145,6 +145,33 @@ async def test_tickets_are_single_use_and_garbage_closes_only_that_connection(m)
         os.open(door_path(m, "net", 0), os.O_WRONLY)
 
 
+async def test_nothing_a_worker_sends_or_does_takes_the_mount_down(m):
+    # a frame whose JSON nests past the recursion limit, before any ticket
+    s, _ = raw(m)
+    body = b"[" * 3000
+    s.sendall(struct.pack("<I", len(body)) + body)
+    s.close()
+    # an oversized first frame (only a ticket may come before the ticket is checked)
+    s, _ = raw(m)
+    s.sendall(struct.pack("<I", 1 << 19) + b"x" * 100)
+    s.close()
+    # a worker that would shrink its region under the mount: the region is sealed
+    s, ticket = raw(m)
+    s.sendall(frame({"ticket": ticket}))
+    data, fds, _, _ = socket.recv_fds(s, 1 << 16, 4)
+    assert len(fds) == 1
+    with pytest.raises(PermissionError):
+        os.ftruncate(fds[0], 0)
+    os.close(fds[0])
+    s.sendall(frame({"op": "pull"}))
+    s.close()  # gone before its answer
+    d = Door.open(m, "net", 0)  # the mount still serves doors and files
+    d.push({n: np.ones(s, np.float32) for n, s in SHAPES.items()})
+    d.pull()
+    assert np.allclose(d.params["b"], -1) and np.allclose(np.load(m / "net" / "b.npy"), -1)
+    d.close()
+
+
 async def test_a_model_that_changes_under_an_open_door_is_reopened(m):
     out = {"b": np.empty(300, np.float32)}
     steps.push_arrays(m, "net", 0, {n: np.ones(s, np.float32) for n, s in SHAPES.items()})
@@ -180,9 +207,11 @@ async def test_another_user_needs_the_ticket_files_permission(local_cluster, pub
     lc = await local_cluster(nodes=3, replicas=2)
     mp = public_mount(lc, "allow_other")
     setup_model(mp)
-    os.chmod(mp / "net", 0o700)  # root's model: nobody may read its door
-    code, _, err = as_nobody("cat", str(door_path(mp, "net", 0)))
-    assert code != 0 and "Permission denied" in err
+    for mode in (0o700, 0o755, 0o775):  # nobody may not write root's model: no door either
+        os.chmod(mp / "net", mode)
+        code, _, err = as_nobody("cat", str(door_path(mp, "net", 0)))
+        assert code != 0 and "Permission denied" in err, oct(mode)
+    os.chmod(mp / "net", 0o700)
     # a ticket root read is no good to nobody (the mount checks the peer's uid)
     public = Path(tempfile.mkdtemp(prefix="irdmafs-door-"))  # (tmp_path's parents are 0700)
     public.chmod(0o755)
@@ -266,10 +295,14 @@ async def test_a_fused_step_is_a_push_then_a_pull(m):
     want = -sum((1 + i + 2 + i) / 2 for i in range(3))  # sgd lr=1 on the mean of the ranks
     for r in (0, 1):
         assert all(np.allclose(a, want) for a in outs[r].values()), r
+    # a step the mount refuses (its header overwritten in the push area) pushes nothing
+    before = {n: np.load(m / "net" / f"{n}.npy") for n in SHAPES}
     d = steps.door(m, "net", 0)
-    with pytest.raises(OSError) as err:  # a bad step pushes nothing and pulls nothing
-        d.step({"w": np.zeros((3, 3), np.float32)})
+    d.region[:8] = (10**9).to_bytes(8, "little")
+    with pytest.raises(OSError) as err:
+        d.step({n: np.ones(s, np.float32) for n, s in SHAPES.items()})
     assert err.value.errno == errno.EINVAL
+    assert all(np.array_equal(np.load(m / "net" / f"{n}.npy"), before[n]) for n in SHAPES)
 
 
 async def test_torch_step_keeps_gradients_and_parameters_in_the_door(m):

@@ -109,3 +109,26 @@ async def test_a_node_that_dies_gives_peer_lost_though_its_memory_is_mapped(nurs
             while True:
                 await conn.read(region.rkey, 0, bytearray(8))
                 await trio.sleep(0.01)
+
+
+async def test_a_cancelled_read_leaves_the_next_one_its_own_region(nursery):
+    """A caller cancelled while its region is being asked for must not leave the answer to the
+    next asker (it would get another region's memory)."""
+    server, host, port = await start(nursery)
+    a = server.alloc_region(4096, Access.RW)
+    b = server.alloc_region(4096, Access.RW)
+    a.buf[:4], b.buf[:4] = b"aaaa", b"bbbb"
+    conn = await ShmTransport(TOKEN).connect(host, port, nursery=nursery)
+    for delay in range(5):  # cancel at different points of the first ask
+        async with trio.open_nursery() as n:
+            n.start_soon(conn.read, a.rkey, 0, bytearray(4))
+            for _ in range(delay):
+                await trio.lowlevel.checkpoint()
+            n.cancel_scope.cancel()
+        out = bytearray(4)
+        await conn.read(b.rkey, 0, out)
+        assert out == b"bbbb"
+        await conn.write(b.rkey, 0, b"BBBB")
+        assert bytes(a.buf[:4]) == b"aaaa" and bytes(b.buf[:4]) == b"BBBB"
+        b.buf[:4] = b"bbbb"
+        conn._maps.clear()  # ask again next round
