@@ -360,7 +360,6 @@ class ShmTransport(TcpTransport):
             finally:
                 self._table[0] = 0
 
-
     async def _serve_peer(self, sock: trio.socket.SocketType) -> None:
         """One same-host peer: the token, then region descriptors on request, until it leaves."""
         with sock:

@@ -20,7 +20,7 @@ from irdmafs.door import Door, door_path
 
 from ..conftest import fuse_unavailable
 
-from .test_permissions import NOBODY, as_nobody, public_mount, root_with_setpriv  # noqa: F401
+from .test_permissions import as_nobody, public_mount, root_with_setpriv  # noqa: F401 -- fixtures
 
 pytestmark = pytest.mark.mount
 

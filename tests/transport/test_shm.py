@@ -5,7 +5,6 @@ socket, and falling back to TCP where no shared memory is offered."""
 import mmap
 import os
 import socket
-import struct
 
 import pytest
 import trio
