@@ -107,9 +107,11 @@ class Training:
             raise RemoteError("EINVAL", "notification without a descriptor")
         try:
             descs = json.loads(bytes(region.buf[offset : offset + imm]))
-            assert isinstance(descs, list) and all(isinstance(d, dict) for d in descs)
-        except (ValueError, AssertionError):
+        except (ValueError, RecursionError):
             raise RemoteError("EINVAL", "malformed push descriptor") from None
+        # checked, not asserted: python -O drops asserts, and this is a peer's input
+        if not isinstance(descs, list) or not all(isinstance(d, dict) for d in descs):
+            raise RemoteError("EINVAL", "malformed push descriptor: not a list of objects")
         data = region.buf[offset + imm : offset + length]
         results: list[dict] = [{} for _ in descs]
 

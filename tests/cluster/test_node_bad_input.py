@@ -45,6 +45,12 @@ async def test_bad_requests_get_typed_errors_and_the_node_survives(local_cluster
             await conn.call(method, args)
         assert err.value.code == code, (method, err.value)
 
+    # fused push descriptors that are not a list of objects (checked, not asserted: -O keeps it)
+    for blob in (b'{"fid": 1}', b"[1, 2]", b"[" * 3000, b"\xff\xfe"):
+        with pytest.raises(RemoteError) as err:
+            await conn.write_imm(staging["rkey"], 0, blob, len(blob))
+        assert err.value.code == "EINVAL" and "descriptor" in err.value.message, blob[:10]
+
     # still serving, nothing leaked into the namespace
     assert (await conn.call("readdir", {"ino": 1}))["entries"] == []
     assert (await conn.call("heartbeat", {}))["state"] == "ready"
