@@ -26,7 +26,6 @@ import errno
 import json
 import mmap
 import os
-import select
 import socket
 import struct
 from pathlib import Path
@@ -127,8 +126,15 @@ class Door:
     def _ask(self, doc: dict) -> None:
         # A mount killed (or remounted) since the last request closed this door: say so before
         # sending anything, so the caller may open a new door and send the request there.
-        readable, _, _ = select.select([self.sock], [], [], 0)
-        if readable:
+        # (a peek, not select(): a process with a thousand files open has descriptors past
+        # FD_SETSIZE, which select() refuses)
+        try:
+            early = self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            early = None  # nothing waiting: the door is open
+        except OSError:
+            early = b""
+        if early is not None:  # EOF, a reset, or bytes nobody asked for: out of step
             raise DoorGone(errno.ENOTCONN, "the mount closed this door (it was unmounted or restarted)")
         try:
             _send(self.sock, doc)
@@ -208,5 +214,11 @@ class Door:
         self._ask({"op": "fsync"})
 
     def close(self) -> None:
+        """Leave the door: the mount ends its session (and frees its region). The mapping
+        goes once no array of it is left (parameters a torch module adopted keep it)."""
         self.sock.close()
         self.grads = self.params = {}
+        try:
+            self.region.close()
+        except BufferError:  # arrays of it still live: freed with the last of them
+            pass

@@ -22,6 +22,8 @@ import errno
 import json
 import logging
 import os
+import threading
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +32,12 @@ from .door import Door, DoorGone
 from .formats import ST_DTYPES, st_layout
 
 log = logging.getLogger(__name__)
-_doors: dict[tuple[str, str, int], Door | None] = {}  # None: no door here, use the files
+# (mount, model, rank) -> its door, least recently used first; None: no door, use the files.
+# Bounded: a process that trains many models one after the other (a sweep, a soak) would
+# otherwise keep a socket, a mapping and the mount's region of every one it ever used.
+_doors: OrderedDict[tuple[str, str, int], Door | None] = OrderedDict()
+MAX_DOORS = 16
+_doors_lock = threading.Lock()
 MOUNT_DOWN = (errno.ENOTCONN, errno.ECONNABORTED)  # what a dead or restarting FUSE mount answers
 
 IOV_MAX = 1024  # Linux's limit on buffers per readv/writev
@@ -72,13 +79,25 @@ def readv_all(fd: int, bufs: list) -> None:
 
 def door(mount: str | os.PathLike, model: str, rank: int, *, fresh: bool = False) -> Door | None:
     """The shared-memory door of (mount, model, rank), opened once; None where there is none
-    (said once in the log: the stream files serve then)."""
-    key = (os.path.abspath(mount), model, rank)
+    (said once in the log: the stream files serve then). Threads of one process may ask for
+    doors at once (each rank its own: one door serves one request at a time)."""
+    with _doors_lock:
+        return _door(os.path.abspath(mount), model, rank, fresh)
+
+
+def _door(mount: str, model: str, rank: int, fresh: bool) -> Door | None:
+    key = (mount, model, rank)
     if fresh:
         old = _doors.pop(key, None)
         if old is not None:
             old.close()
-    if key not in _doors:
+    if key in _doors:
+        _doors.move_to_end(key)
+    else:
+        while len(_doors) >= MAX_DOORS:
+            _, old = _doors.popitem(last=False)
+            if old is not None:
+                old.close()
         if os.environ.get("IRDMAFS_DOOR", "1") == "0":
             _doors[key] = None
             log.info("step streams of %s rank %d: stream files (IRDMAFS_DOOR=0)", model, rank)
@@ -101,10 +120,11 @@ def door(mount: str | os.PathLike, model: str, rank: int, *, fresh: bool = False
 
 def close_doors() -> None:
     """Close every door this process opened (the next step opens them again)."""
-    for d in _doors.values():
-        if d is not None:
-            d.close()
-    _doors.clear()
+    with _doors_lock:
+        for d in _doors.values():
+            if d is not None:
+                d.close()
+        _doors.clear()
 
 
 def through_door(mount, model: str, rank: int, op) -> bool:

@@ -325,3 +325,37 @@ async def test_torch_step_keeps_gradients_and_parameters_in_the_door(m):
     ps.push(module)  # a push on its own moves an adopted gradient out of the area
     assert module.b.grad.data_ptr() != d.grads["b"].__array_interface__["data"][0]
     assert torch.allclose(module.b.grad, torch.full(SHAPES["b"], 0.5))
+
+
+async def test_many_models_keep_a_bounded_set_of_doors_and_high_descriptors_work(m):
+    """A process that trains model after model (a sweep, the chaos soak) keeps at most
+    MAX_DOORS doors, so its descriptors and the mount's regions do not pile up; and a door works
+    in a process whose descriptors run past select()'s FD_SETSIZE (the soak found both)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < 2048:
+        pytest.skip(f"open-file limit {hard}: cannot hold 1100 descriptors")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2048), hard))
+    ballast = [os.open("/dev/null", os.O_RDONLY) for _ in range(1100)]
+    try:
+        fds_before = len(os.listdir("/proc/self/fd"))
+        n = steps.MAX_DOORS + 6
+        for k in range(n):
+            d = m / f"model{k}"
+            d.mkdir()
+            os.setxattr(d, "user.irdma.optimizer", b"sgd lr=1")
+            np.save(d / "w.npy", np.zeros(8, np.float32))
+            out = {"w": np.empty(8, np.float32)}
+            steps.step_arrays(m, f"model{k}", 0, {"w": np.ones(8, np.float32)}, out)
+            assert np.allclose(out["w"], -1)
+            assert steps.door(m, f"model{k}", 0) is not None
+        assert len(steps._doors) <= steps.MAX_DOORS
+        assert len(os.listdir("/proc/self/fd")) - fds_before <= 2 * steps.MAX_DOORS + 4
+        # an evicted model opens a new door again, and it still trains
+        steps.step_arrays(m, "model0", 0, {"w": np.ones(8, np.float32)}, out)
+        assert np.allclose(out["w"], -2)
+    finally:
+        for fd in ballast:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
