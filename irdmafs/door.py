@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .formats import ST_DTYPES
+from .formats import st_parse
 
 LENGTH = struct.Struct("<I")
 MAX_FRAME = 1 << 20
@@ -73,18 +73,16 @@ def _check(answer: dict) -> dict:
     raise OSError(code, f"{os.strerror(code)}: {answer.get('message', '')}".rstrip(": "))
 
 
-def _layout(area: memoryview) -> dict[str, tuple[np.dtype, tuple[int, ...], int, int]]:
-    """name -> (dtype, shape, begin, end), the offsets absolute in the area (safetensors)."""
-    n = int.from_bytes(area[:8], "little")
-    entries = json.loads(bytes(area[8 : 8 + n]))
-    entries.pop("__metadata__", None)
-    base = 8 + n
-    return {k: (np.dtype(ST_DTYPES[e["dtype"]]), tuple(e["shape"]), base + e["data_offsets"][0], base + e["data_offsets"][1]) for k, e in entries.items()}
-
-
 def _arrays(region: mmap.mmap, at: int, size: int) -> dict[str, np.ndarray]:
-    layout = _layout(memoryview(region)[at : at + size])
-    return {name: np.frombuffer(region, dt, (end - begin) // dt.itemsize, at + begin).reshape(shape) for name, (dt, shape, begin, end) in layout.items()}
+    """The tensors of the safetensors stream at ``at`` of ``region``, as arrays over it."""
+    n = int.from_bytes(region[at : at + 8], "little")
+    start, entries, _ = st_parse(region[at : at + 8 + n], size)
+    return {e.name: np.frombuffer(region, e.dtype, (e.end - e.begin) // np.dtype(e.dtype).itemsize, at + start + e.begin).reshape(e.shape) for e in entries}
+
+
+def array_address(a: np.ndarray) -> int:
+    """Where an array's data starts (is it an area's own memory?)."""
+    return a.__array_interface__["data"][0]
 
 
 class DoorGone(OSError):
@@ -180,7 +178,7 @@ class Door:
             self._ask({"op": "release"})
         for name, g in grads.items():
             area = self.grads[name]
-            if g.__array_interface__["data"][0] != area.__array_interface__["data"][0]:
+            if array_address(g) != array_address(area):  # not the area itself: copy it in
                 np.copyto(area, g)
         self._released = False
 
@@ -206,7 +204,7 @@ class Door:
     def _copy_out(self, out: dict[str, np.ndarray]) -> None:
         for name, a in out.items():
             area = self.params[name]
-            if a.__array_interface__["data"][0] != area.__array_interface__["data"][0]:
+            if array_address(a) != array_address(area):
                 np.copyto(a, area)
 
     def fsync(self) -> None:

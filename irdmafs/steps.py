@@ -105,15 +105,13 @@ def _door(mount: str, model: str, rank: int, fresh: bool) -> Door | None:
             try:
                 _doors[key] = Door.open(mount, model, rank)
                 log.info("step streams of %s rank %d: the shared-memory door of %s", model, rank, mount)
-            except OSError as exc:
+            except (OSError, ValueError, KeyError) as exc:
                 # the mount is not there now (dead, or gone from the mountpoint), or no such
                 # model: the stream files would fail too; ask again next time
-                if exc.errno in MOUNT_DOWN or (exc.errno == errno.ENOENT and not stream_path(mount, model, rank).exists()):
+                errno_ = getattr(exc, "errno", None)
+                if errno_ in MOUNT_DOWN or (errno_ == errno.ENOENT and not stream_path(mount, model, rank).exists()):
                     raise
                 _doors[key] = None  # another user, another network namespace, an older mount
-                log.info("step streams of %s rank %d: stream files (no door: %s)", model, rank, exc)
-            except (ValueError, KeyError) as exc:
-                _doors[key] = None
                 log.info("step streams of %s rank %d: stream files (no door: %s)", model, rank, exc)
     return _doors[key]
 

@@ -24,9 +24,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .door import array_address
 from .steps import door, pull_arrays, push_arrays, through_door
 
 _TORCH = {np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64, np.dtype(np.float16): torch.float16}
+
+
+def _fits(t: torch.Tensor, area: np.ndarray) -> bool:
+    """May ``t`` become (or already is) a view of the door's ``area``?"""
+    return t.device.type == "cpu" and t.dtype == _TORCH.get(area.dtype) and tuple(t.shape) == area.shape
 
 
 class ParameterServer:
@@ -80,12 +86,10 @@ class ParameterServer:
                 self._move_grads_out(door, params)
                 raise
             self._adopt(door, params)
-            with torch.no_grad():
-                for name, p in params.items():
-                    area = door.grads.get(name)
-                    if p.grad is not None and area is not None and p.grad.device.type == "cpu" and p.grad.dtype == _TORCH.get(area.dtype) and tuple(p.grad.shape) == area.shape:
-                        if p.grad.data_ptr() != area.__array_interface__["data"][0]:
-                            p.grad = torch.from_numpy(area)  # holds this step's gradient already
+            for name, p in params.items():
+                area = door.grads.get(name)
+                if p.grad is not None and area is not None and _fits(p.grad, area):
+                    p.grad = torch.from_numpy(area)  # holds this step's gradient already
 
         if not through_door(self.mount, self.model, self.rank, through):
             self.push(module)
@@ -105,9 +109,8 @@ class ParameterServer:
                 area = door.params.get(name)
                 if area is None:
                     raise KeyError(f"the model has no tensor {name!r}")
-                if p.device.type == "cpu" and p.dtype == _TORCH.get(area.dtype) and tuple(p.shape) == area.shape:
-                    if p.data_ptr() != area.__array_interface__["data"][0]:
-                        p.data = torch.from_numpy(area)
+                if _fits(p, area):
+                    p.data = torch.from_numpy(area)
                 else:
                     p.copy_(torch.from_numpy(area))
 
@@ -125,7 +128,7 @@ class ParameterServer:
 
     @staticmethod
     def _move_grads_out(door, params: dict) -> None:
-        areas = {a.__array_interface__["data"][0] for a in door.grads.values()}
+        areas = {array_address(a) for a in door.grads.values()}
         for p in params.values():
             if p.grad is not None and p.grad.data_ptr() in areas:
                 p.grad = p.grad.clone()

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import array
 import contextlib
 import logging
+import os
+import socket
 from typing import Any, Awaitable, Callable, Iterator
 
 import trio
@@ -24,6 +27,42 @@ async def accept_forever(listener: Any, serve: Callable[[Any], Awaitable[None]],
                 await trio.sleep(0.1)
                 continue
             nursery.start_soon(serve, sock)
+
+
+async def send_with_fd(sock: Any, data: bytes, fd: int | None = None) -> None:
+    """All of ``data`` on a trio Unix socket, ``fd`` (if given) passed along with its first
+    byte (``SCM_RIGHTS``)."""
+    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))] if fd is not None else []
+    sent = await sock.sendmsg([data], anc)
+    while sent < len(data):
+        sent += await sock.send(data[sent:])
+
+
+async def recv_with_fds(sock: Any, n: int) -> tuple[bytes | None, list[int]]:
+    """Exactly ``n`` bytes from a trio Unix socket and the descriptors that came with them;
+    (None, []) if the peer closed before the first byte, EOFError if it closed mid-way. On any
+    failure the descriptors received so far are closed."""
+    data, fds = bytearray(), []
+    try:
+        while len(data) < n:
+            chunk, anc, _flags, _addr = await sock.recvmsg(n - len(data), socket.CMSG_SPACE(4 * 4))
+            for level, kind, payload in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    got = array.array("i")
+                    got.frombytes(payload[: len(payload) - len(payload) % 4])
+                    fds.extend(got)
+            if not chunk:
+                if data:
+                    raise EOFError(f"connection closed after {len(data)} of {n} bytes")
+                for fd in fds:
+                    os.close(fd)
+                return None, []
+            data += chunk
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return bytes(data), fds
 
 
 @contextlib.contextmanager

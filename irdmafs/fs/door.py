@@ -51,7 +51,7 @@ import numpy as np
 import trio
 
 from ..transport.base import RemoteError, TransportError
-from ..util import accept_forever
+from ..util import accept_forever, recv_with_fds, send_with_fd
 from .errors import FsError, errno_for
 from .streams import pull_stream, push_stream, step_stream
 
@@ -77,29 +77,27 @@ class Ticket:
 async def send_frame(sock, doc: dict, fd: int | None = None) -> None:
     """One JSON frame (and a descriptor with its first byte)."""
     body = json.dumps(doc, separators=(",", ":")).encode()
-    data = LENGTH.pack(len(body)) + body
-    anc = [(_stdsocket.SOL_SOCKET, _stdsocket.SCM_RIGHTS, struct.pack("i", fd))] if fd is not None else []
-    sent = await sock.sendmsg([data], anc)
-    while sent < len(data):
-        sent += await sock.send(data[sent:])
+    await send_with_fd(sock, LENGTH.pack(len(body)) + body, fd)
 
 
 async def recv_frame(sock, limit: int = MAX_FRAME) -> tuple[dict | None, list[int]]:
     """One JSON frame of at most ``limit`` bytes and the descriptors that came with it (the
     caller closes them); (None, []) at a clean end. ValueError for a malformed frame."""
-    fds: list[int] = []
+    head, fds = await recv_with_fds(sock, LENGTH.size)
+    if head is None:
+        return None, []
     try:
-        head = await _recv_into(sock, LENGTH.size, fds)
-        if head is None:
-            return None, fds
         (n,) = LENGTH.unpack(head)
         if n > limit:
             raise ValueError(f"frame of {n} bytes (at most {limit})")
-        body = await _recv_into(sock, n, fds) if n else bytearray()
+        body, more = await recv_with_fds(sock, n) if n else (b"", [])
+        fds += more
         if body is None:
             raise ValueError("frame cut short")
         doc = json.loads(body)
-    except (ValueError, RecursionError) as exc:  # json.loads of "[[[[..." recurses
+        if not isinstance(doc, dict):
+            raise ValueError("not an object")
+    except (ValueError, RecursionError, EOFError) as exc:  # json.loads of "[[[[..." recurses
         for fd in fds:
             os.close(fd)
         raise ValueError(f"malformed frame: {type(exc).__name__}: {str(exc)[:200]}") from None
@@ -107,27 +105,7 @@ async def recv_frame(sock, limit: int = MAX_FRAME) -> tuple[dict | None, list[in
         for fd in fds:
             os.close(fd)
         raise
-    if not isinstance(doc, dict):
-        raise ValueError("malformed frame: not an object")
     return doc, fds
-
-
-async def _recv_into(sock, n: int, fds: list[int]) -> bytearray | None:
-    """Exactly ``n`` bytes (descriptors that come along into ``fds``); None at EOF first."""
-    buf = bytearray(n)
-    got = 0
-    while got < n:
-        chunk, anc, _flags, _addr = await sock.recvmsg(n - got, _stdsocket.CMSG_SPACE(4 * 4))
-        for level, kind, payload in anc:
-            if level == _stdsocket.SOL_SOCKET and kind == _stdsocket.SCM_RIGHTS:
-                fds.extend(struct.unpack(f"{len(payload) // 4}i", payload[: len(payload) // 4 * 4]))
-        if not chunk:
-            if got:
-                raise ValueError("frame cut short")
-            return None
-        buf[got : got + len(chunk)] = chunk
-        got += len(chunk)
-    return buf
 
 
 def _area(nbytes: int) -> int:

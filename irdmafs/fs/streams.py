@@ -99,28 +99,20 @@ async def push_stream(vfs, rank: int, model: int, data: memoryview, *, owner: ob
     entry is checked against the model first, so a bad stream gets EINVAL and pushes nothing;
     then all go at once. The client may keep views of ``data`` for open rounds until ``owner``
     is detached."""
-    pushes = await _validate(vfs, rank, model, data)
-    if only is not None:
-        unknown = only - {name for name, _, _ in pushes}
-        if unknown:
-            raise FsError(errno.EINVAL, f"tensor {sorted(unknown)[0]!r} is not in this model")
-        pushes = [p for p in pushes if p[0] in only]
+    pushes = await _validate(vfs, rank, model, data, only)
     with single_exception():
         async with trio.open_nursery() as n:
-            for _, ino, grad in pushes:
+            for ino, grad in pushes.values():
                 n.start_soon(partial(vfs.client.push, ino, rank, grad, owner=owner))
 
 
 async def pull_stream(vfs, rank: int, layout: Layout, buf: memoryview) -> None:
     """Every parameter of ``layout`` as ``rank`` may see it now, into ``buf`` (at least the
     stream's size; its header is the caller's), concurrently."""
-    base = len(layout.header)
     with single_exception():
         async with trio.open_nursery() as n:
             for e, attr in layout.parts:
-                count = (e.end - e.begin) // np.dtype(e.dtype).itemsize
-                out = np.frombuffer(buf, e.dtype, count, offset=base + e.begin)
-                n.start_soon(vfs.client.pull_into, attr["ino"], rank, out)
+                n.start_soon(vfs.client.pull_into, attr["ino"], rank, _param(layout, buf, e))
 
 
 async def step_stream(vfs, rank: int, model: int, data: memoryview, layout: Layout, buf: memoryview, *, owner: object, only: set[str] | None = None) -> None:
@@ -129,20 +121,13 @@ async def step_stream(vfs, rank: int, model: int, data: memoryview, layout: Layo
     closed) are already coming back. Same checks and results as ``push_stream`` then
     ``pull_stream``; on a network, pushes fill the nodes' inbound links while pulls use their
     outbound ones (BytePS overlaps a step the same way)."""
-    pushes = {name: (ino, grad) for name, ino, grad in await _validate(vfs, rank, model, data)}
-    if only is not None:
-        unknown = only - set(pushes)
-        if unknown:
-            raise FsError(errno.EINVAL, f"tensor {sorted(unknown)[0]!r} is not in this model")
-        pushes = {name: p for name, p in pushes.items() if name in only}
-    base = len(layout.header)
+    pushes = await _validate(vfs, rank, model, data, only)
 
     async def one(e, attr) -> None:
         pushed = pushes.get(e.name)
         if pushed is not None:
             await vfs.client.push(pushed[0], rank, pushed[1], owner=owner)
-        count = (e.end - e.begin) // np.dtype(e.dtype).itemsize
-        await vfs.client.pull_into(attr["ino"], rank, np.frombuffer(buf, e.dtype, count, offset=base + e.begin))
+        await vfs.client.pull_into(attr["ino"], rank, _param(layout, buf, e))
 
     with single_exception():
         async with trio.open_nursery() as n:
@@ -150,8 +135,15 @@ async def step_stream(vfs, rank: int, model: int, data: memoryview, layout: Layo
                 n.start_soon(one, e, attr)
 
 
-async def _validate(vfs, rank: int, model: int, data: memoryview) -> list[tuple[str, int, np.ndarray]]:
-    """(name, tensor inode, gradient view) for every entry, or EINVAL naming what is wrong."""
+def _param(layout: Layout, buf: memoryview, e) -> np.ndarray:
+    """Where entry ``e`` of a pull stream laid out as ``layout`` lives in ``buf``."""
+    count = (e.end - e.begin) // np.dtype(e.dtype).itemsize
+    return np.frombuffer(buf, e.dtype, count, offset=len(layout.header) + e.begin)
+
+
+async def _validate(vfs, rank: int, model: int, data: memoryview, only: set[str] | None = None) -> dict[str, tuple[int, np.ndarray]]:
+    """name -> (tensor inode, gradient view) for every entry (those named in ``only``, each of
+    which must be one), or EINVAL naming what is wrong."""
     end = len(data)
     try:
         if end < 8:
@@ -162,7 +154,7 @@ async def _validate(vfs, rank: int, model: int, data: memoryview) -> list[tuple[
         known = layout.by_name()
         if any(e.name not in known for e in entries):
             known = (await vfs.layouts.get(model, fresh=True)).by_name()
-        out = []
+        out = {}
         for e in entries:  # (st_parse refuses a name given twice)
             if e.name not in known:
                 raise formats.SafetensorsError(f"tensor {e.name!r} is not in this model")
@@ -171,11 +163,14 @@ async def _validate(vfs, rank: int, model: int, data: memoryview) -> list[tuple[
                 raise formats.SafetensorsError(f"tensor {e.name!r}: pushed {np.dtype(e.dtype)}{list(e.shape)}, the model holds {np.dtype(want.dtype)}{list(want.shape)}")
             count = (e.end - e.begin) // np.dtype(e.dtype).itemsize
             grad = np.frombuffer(data, e.dtype, count, offset=start + e.begin).reshape(e.shape)
-            out.append((e.name, attr["ino"], grad))
+            out[e.name] = (attr["ino"], grad)
+        unknown = set() if only is None else only - set(out)
+        if unknown:
+            raise formats.SafetensorsError(f"tensor {sorted(unknown)[0]!r} is not in this model")
     except formats.SafetensorsError as exc:
         log.warning("push stream of rank %d to directory %d refused: %s", rank, model, exc)
         raise FsError(errno.EINVAL, str(exc)) from None
-    return out
+    return out if only is None else {name: p for name, p in out.items() if name in only}
 
 
 @dataclass

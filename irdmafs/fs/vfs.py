@@ -107,6 +107,14 @@ def split_stream(ino: int) -> tuple[int, int]:
     return (ino & ~STREAM) >> INO_BITS, ino & INO_MASK
 
 
+def door_ino(rank: int, model: int) -> int:
+    return DOOR | (rank << INO_BITS) | model
+
+
+def split_door(ino: int) -> tuple[int, int]:
+    return (ino & ~DOOR) >> INO_BITS, ino & INO_MASK
+
+
 def rank_of(name: str) -> int:
     if not name.isdigit() or int(name) >= MAX_RANK:
         raise FsError(errno.ENOENT, f"{name!r} is not a worker rank")
@@ -234,7 +242,7 @@ class Vfs:
             # who may read the ticket may push and pull through the door: readable by a class
             # (owner, group, others) only where the model directory is readable and writable
             # for it, as the stream file is read (pull) and written (push)
-            d = await self.client.getattr(ino & INO_MASK)
+            d = await self.client.getattr(split_door(ino)[1])
             mode = d["mode"] & 0o444 & ((d["mode"] & 0o222) << 1)
             return dict(file_stat(ino, 0, mode, d["mtime_ns"], d["uid"], d["gid"]), entry_timeout=WORK_CACHE_SECONDS)
         if RANK_DIR <= ino < RANK_DIR + MAX_RANK:
@@ -287,8 +295,7 @@ class Vfs:
                 model = await self.client.lookup(p, name[: -len(suffix)])
                 if not S.S_ISDIR(model["mode"]):
                     raise FsError(errno.ENOENT) from None
-                kind = STREAM if suffix == SUFFIX else DOOR
-                return await self.getattr(kind | (rank << INO_BITS) | model["ino"])
+                return await self.getattr((stream_ino if suffix == SUFFIX else door_ino)(rank, model["ino"]))
             return self._work_stat(attr, work_ino(rank, attr["ino"]))
         if parent == SNAPSHOTS_DIR:
             sid = (await self._snapshot_ids()).get(name)
@@ -503,8 +510,7 @@ class Vfs:
         if ino & DOOR:
             if writes(flags):
                 raise FsError(errno.EPERM, "a door ticket is only read")
-            rank = (ino & ~DOOR) >> INO_BITS
-            return self._register(BytesHandle(ino, self.door.ticket(rank, ino & INO_MASK, uid), direct=True))
+            return self._register(BytesHandle(ino, self.door.ticket(*split_door(ino), uid), direct=True))
         if ino & STREAM:
             rank, model = split_stream(ino)
             if writes(flags):

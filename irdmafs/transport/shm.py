@@ -31,7 +31,6 @@ Concurrency: one trio thread per process. Copies run in line (they never block o
 
 from __future__ import annotations
 
-import array
 import fcntl
 import logging
 import mmap
@@ -65,7 +64,7 @@ from .base import (
     server_proof,
 )
 from .base import NONCE as _NONCE
-from ..util import accept_forever
+from ..util import accept_forever, recv_with_fds, send_with_fd
 from .tcp import HANDSHAKE_TIMEOUT, TcpConnection, TcpTransport
 
 log = logging.getLogger(__name__)
@@ -120,32 +119,15 @@ def _memfd(nbytes: int, name: str) -> tuple[int, mmap.mmap]:
 
 
 async def _recv_exact(sock: trio.socket.SocketType, n: int) -> tuple[bytes, list[int]]:
-    """n bytes of a small fixed message and the descriptors that came with it (closed here if
-    the message does not arrive whole)."""
-    data, fds = b"", []
+    """n bytes of a small fixed message and the descriptors that came with it; PeerLost if the
+    peer closed."""
     try:
-        while len(data) < n:
-            chunk, anc, _flags, _addr = await sock.recvmsg(n - len(data), _stdsocket.CMSG_SPACE(4 * 4))
-            for level, kind, payload in anc:
-                if level == _stdsocket.SOL_SOCKET and kind == _stdsocket.SCM_RIGHTS:
-                    got = array.array("i")
-                    got.frombytes(payload[: len(payload) - len(payload) % 4])
-                    fds.extend(got)
-            if not chunk:
-                raise PeerLost("connection closed")
-            data += chunk
-    except BaseException:
-        for fd in fds:
-            os.close(fd)
-        raise
+        data, fds = await recv_with_fds(sock, n)
+    except EOFError as exc:
+        raise PeerLost(str(exc)) from None
+    if data is None:
+        raise PeerLost("connection closed")
     return data, fds
-
-
-async def _send(sock: trio.socket.SocketType, data: bytes, fd: int | None = None) -> None:
-    anc = [(_stdsocket.SOL_SOCKET, _stdsocket.SCM_RIGHTS, array.array("i", [fd]))] if fd is not None else []
-    sent = await sock.sendmsg([data], anc)
-    while sent < len(data):  # the descriptor went with the first byte
-        sent += await sock.send(data[sent:])
 
 
 class _Mapped:
@@ -202,7 +184,7 @@ class ShmConnection(Connection):
             self._alive()
             try:
                 with trio.CancelScope(shield=True), trio.fail_after(self.tcp.op_timeout):
-                    await _send(self.sock, ASK.pack(rkey))
+                    await send_with_fd(self.sock, ASK.pack(rkey))
                     data, fds = await _recv_exact(self.sock, REGION.size)
             except trio.TooSlowError:
                 self._broken = f"no answer for region {rkey} within {self.tcp.op_timeout}s"
@@ -366,17 +348,17 @@ class ShmTransport(TcpTransport):
             try:
                 with trio.fail_after(HANDSHAKE_TIMEOUT):
                     nonce = new_nonce()
-                    await _send(sock, nonce)
+                    await send_with_fd(sock, nonce)
                     data, fds = await _recv_exact(sock, 2 * _NONCE)
                     for fd in fds:
                         os.close(fd)
                     cnonce, proof = data[:_NONCE], data[_NONCE:]
                     if not secrets.compare_digest(proof, client_proof(self.token, nonce, cnonce)):
                         log.warning("refused a same-host connection: wrong cluster token")
-                        await _send(sock, WELCOME.pack(REFUSED, b"", 0, 0))
+                        await send_with_fd(sock, WELCOME.pack(REFUSED, b"", 0, 0))
                         return
                     welcome = WELCOME.pack(OK, server_proof(self.token, nonce, cnonce), self.incarnation, TABLE_SLOTS)
-                    await _send(sock, welcome, self._table_fd)
+                    await send_with_fd(sock, welcome, self._table_fd)
                 while True:
                     data, fds = await _recv_exact(sock, ASK.size)
                     for fd in fds:  # a peer has no business sending descriptors
@@ -393,13 +375,13 @@ class ShmTransport(TcpTransport):
     async def _give(self, sock: trio.socket.SocketType, rkey: int) -> None:
         region, fd = self.regions.get(rkey), self._fds.get(rkey)
         if region is None or fd is None:
-            await _send(sock, REGION.pack(REFUSED, 0, 0, rkey, 0))
+            await send_with_fd(sock, REGION.pack(REFUSED, 0, 0, rkey, 0))
             return
         # our own copy of the descriptor: the region may be freed (and its number reused by
         # another file) while this send waits
         mine = os.dup(fd)
         try:
-            await _send(sock, REGION.pack(OK, int(region.access), self._slot_of[rkey], rkey, region.length), mine)
+            await send_with_fd(sock, REGION.pack(OK, int(region.access), self._slot_of[rkey], rkey, region.length), mine)
         finally:
             os.close(mine)
 
@@ -441,7 +423,7 @@ class ShmTransport(TcpTransport):
         for fd in fds:
             os.close(fd)
         cnonce = new_nonce()
-        await _send(sock, cnonce + client_proof(self.token, snonce, cnonce))
+        await send_with_fd(sock, cnonce + client_proof(self.token, snonce, cnonce))
         data, fds = await _recv_exact(sock, WELCOME.size)
         status, proof, incarnation, slots = WELCOME.unpack(data)
         try:
