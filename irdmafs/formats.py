@@ -45,6 +45,13 @@ def encode_header(arr: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
+def npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
+    """The .npy header of a C-ordered array of ``dtype`` and ``shape`` (no array needed)."""
+    buf = io.BytesIO()
+    npf.write_array_header_1_0(buf, {"descr": npf.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": tuple(shape)})
+    return buf.getvalue()
+
+
 def header_length(prefix: bytes) -> int:
     """Total header size (magic included) from the first 12 bytes; NpyError if not .npy."""
     if len(prefix) < 10 or prefix[:6] != MAGIC:
@@ -125,6 +132,13 @@ def st_layout(tensors: list[tuple[str, str, tuple[int, ...]]], metadata: dict[st
     text = json.dumps(doc, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     return len(text).to_bytes(8, "little") + text, entries
+
+
+def st_path_problem(name: str) -> str | None:
+    """Why tensor ``name`` cannot be a path of ``.npy`` files (a ``/`` is a directory), or None."""
+    if any(p in ("", ".", "..") or "\0" in p or len((p + ".npy").encode(errors="surrogateescape")) > 255 for p in name.split("/")):
+        return f"tensor name {name!r} cannot be a path"
+    return None
 
 
 def _unique(pairs: list) -> dict:

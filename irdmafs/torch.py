@@ -14,10 +14,16 @@ are written straight from the ``.grad`` tensors' memory and the parameters read 
 the parameters' memory (CPU float tensors; others go through a temporary and ``copy_``).
 Through the mount's shared-memory door (steps.py), the parameters are made views of the door's
 pull area at the first pull, so a pull copies nothing here and a push copies each gradient once.
+
+A model may also be a safetensors checkpoint where it lies (fs/models.py): ``"bert/model"``
+names ``bert/model.safetensors``, or, for a sharded checkpoint, the shards listed by
+``bert/model.safetensors.index.json``, each a model of its own: every call then goes to each
+shard with the parameters it holds.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -35,12 +41,36 @@ def _fits(t: torch.Tensor, area: np.ndarray) -> bool:
     return t.device.type == "cpu" and t.dtype == _TORCH.get(area.dtype) and tuple(t.shape) == area.shape
 
 
+def shards(mount: Path, model: str) -> list[tuple[str, set[str] | None]]:
+    """(model name, the tensor names it holds, None for all) of each part of ``model``: itself,
+    or the shards of a sharded safetensors checkpoint (``<model>.safetensors.index.json``)."""
+    index = mount / f"{model}.safetensors.index.json"
+    if (mount / model).exists() or not index.exists():
+        return [(model, None)]
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        parts: dict[str, set[str]] = {}
+        for name, shard in weight_map.items():
+            if not shard.endswith(".safetensors") or "/" in shard:
+                raise ValueError(f"shard {shard!r} is not a .safetensors file beside the index")
+            parts.setdefault(shard[: -len(".safetensors")], set()).add(name)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{index}: not a safetensors index: {exc}") from None
+    folder = str(Path(model).parent)
+    return [(f"{folder}/{stem}" if folder != "." else stem, names) for stem, names in sorted(parts.items())]
+
+
 class ParameterServer:
     def __init__(self, mount: str | os.PathLike, model: str, rank: int):
         self.mount = Path(mount)
         self.model = model
         self.rank = rank
         self.root = self.mount / model
+        self.parts = shards(self.mount, model)
+
+    def _each(self, params: dict) -> list[tuple[str, dict]]:
+        """(model name, its share of ``params``) per part of the model."""
+        return [(m, params if names is None else {n: p for n, p in params.items() if n in names}) for m, names in self.parts]
 
     @staticmethod
     def _file(name: str) -> str:
@@ -48,23 +78,30 @@ class ParameterServer:
 
     def configure(self, **policy: str) -> None:
         """Set model xattrs, e.g. sync="bsp", workers="2", optimizer="sgd lr=0.1"."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        for key, value in policy.items():
-            os.setxattr(self.root, f"user.irdma.{key}", str(value).encode())
+        for model, _ in self.parts:
+            root = self.mount / model
+            root.mkdir(parents=True, exist_ok=True)
+            for key, value in policy.items():
+                os.setxattr(root, f"user.irdma.{key}", str(value).encode())
 
     def publish(self, module: torch.nn.Module) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
-        for name, p in module.named_parameters():
-            np.save(self.root / self._file(name), p.detach().cpu().numpy())
+        for model, params in self._each(dict(module.named_parameters())):
+            root = self.mount / model
+            root.mkdir(parents=True, exist_ok=True)
+            for name, p in params.items():
+                np.save(root / self._file(name), p.detach().cpu().numpy())
 
     def pull(self, module: torch.nn.Module) -> None:
-        params = dict(module.named_parameters())
-        if through_door(self.mount, self.model, self.rank, lambda d: self._pull_in_place(d, params)):
+        for model, params in self._each(dict(module.named_parameters())):
+            self._pull(model, params)
+
+    def _pull(self, model: str, params: dict) -> None:
+        if through_door(self.mount, model, self.rank, lambda d: self._pull_in_place(d, params)):
             return
         direct = {n: p for n, p in params.items() if p.device.type == "cpu" and p.is_contiguous() and p.dtype in (torch.float32, torch.float64, torch.float16)}
         out = {n: p.data.numpy() for n, p in direct.items()}
         staged = {n: np.empty_like(p.detach().cpu().contiguous().numpy()) for n, p in params.items() if n not in direct}
-        pull_arrays(self.mount, self.model, self.rank, out | staged)
+        pull_arrays(self.mount, model, self.rank, out | staged)
         with torch.no_grad():
             for n, arr in staged.items():
                 params[n].copy_(torch.from_numpy(arr))
@@ -74,7 +111,10 @@ class ParameterServer:
         door, each ``.grad`` then lives in the door's push area too (made a view of it once):
         ``zero_grad(set_to_none=False)`` and the next backward write it there, and the next
         step copies nothing in this process."""
-        params = dict(module.named_parameters())
+        for model, params in self._each(dict(module.named_parameters())):
+            self._step(model, params)
+
+    def _step(self, model: str, params: dict) -> None:
         grads = {n: p.grad.detach().cpu().numpy() for n, p in params.items() if p.grad is not None}
 
         def through(door) -> None:
@@ -91,9 +131,9 @@ class ParameterServer:
                 if p.grad is not None and area is not None and _fits(p.grad, area):
                     p.grad = torch.from_numpy(area)  # holds this step's gradient already
 
-        if not through_door(self.mount, self.model, self.rank, through):
-            self.push(module)
-            self.pull(module)
+        if not through_door(self.mount, model, self.rank, through):
+            self._push(model, params)
+            self._pull(model, params)
 
     def _pull_in_place(self, door, params: dict) -> None:
         """Pull through the door; the parameters then live in its pull area."""
@@ -115,14 +155,17 @@ class ParameterServer:
                     p.copy_(torch.from_numpy(area))
 
     def push(self, module: torch.nn.Module) -> None:
-        params = dict(module.named_parameters())
+        for model, params in self._each(dict(module.named_parameters())):
+            self._push(model, params)
+
+    def _push(self, model: str, params: dict) -> None:
         grads = {n: p.grad.detach().cpu().numpy() for n, p in params.items() if p.grad is not None}
         try:
-            push_arrays(self.mount, self.model, self.rank, grads)
+            push_arrays(self.mount, model, self.rank, grads)
         finally:
             # A gradient living in the door's push area (adopted by step()) must move out: the
             # mount may keep the push there until a pull, and the next backward would write it.
-            d = door(self.mount, self.model, self.rank)
+            d = door(self.mount, model, self.rank)
             if d is not None:
                 self._move_grads_out(d, params)
 

@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 # A pull waits this long for one replica's clock before asking another (that replica may have
 # missed an update while it restarted); the model's timeout bounds the whole wait.
 CLOCK_SLICE = 1.0
+# A settled read (read_settled) waits this long for stripes whose clock is behind the others'.
+SETTLE = 0.5
 
 
 class _Behind(Exception):
@@ -102,20 +104,21 @@ class StripeIO:
             del self._keys[key]
 
     # -- reads ---------------------------------------------------------------------------------
-    async def read(self, fid: int, size: int, unit: int, offset: int, into: memoryview, snap: int = 0, min_clock: int = 0, wait: float = 0.0, eager=None) -> int:
+    async def read(self, fid: int, size: int, unit: int, offset: int, into: memoryview, snap: int = 0, min_clock: int = 0, wait: float = 0.0, eager=None, clocks: dict | None = None) -> int:
         """Fill ``into`` from ``offset`` (clipped at ``size``) of the live file or of snapshot
         ``snap``; returns the byte count. With ``min_clock``, each stripe is read once its clock
         (training steps applied) has reached it, waiting up to ``wait`` seconds
         (trio.TooSlowError after that). ``eager(idx)`` True says the stripe is likely there
         already (this client's push closed its round): it is read at once, its clock checked
-        in the same burst, instead of its header first (one round trip less per stripe)."""
+        in the same burst, instead of its header first (one round trip less per stripe). With
+        ``clocks``, each stripe read records its clock there by stripe index (a hole none)."""
         n = max(0, min(len(into), size - offset))
         pieces = split(offset, n, unit)
         await self._prefetch(fid, [p.idx for p in pieces], snap)
         try:
             async with trio.open_nursery() as nursery:
                 for p in pieces:
-                    nursery.start_soon(self._read_piece, fid, p, into[p.pos : p.pos + p.length], snap, min_clock, wait, eager)
+                    nursery.start_soon(self._read_piece, fid, p, into[p.pos : p.pos + p.length], snap, min_clock, wait, eager, clocks)
         except BaseExceptionGroup as group:
             # every piece ran out of the same wait (a pull's timeout): that is one timeout
             if all(isinstance(e, trio.TooSlowError) for e in leaves(group)):
@@ -130,6 +133,28 @@ class StripeIO:
                         del self._keys[(node, fid, p.idx, snap)]
         self.bytes_read += n
         return n
+
+    async def read_settled(self, fid: int, size: int, unit: int, offset: int, into: memoryview, snap: int = 0, timeout: float = 30.0) -> int:
+        """``read`` of a range that training updates stripe by stripe (a tensor), all of one
+        version: returned once every stripe read shows the same clock (the same steps applied),
+        or, where the clocks differ, once they differ the same way after waiting SETTLE seconds
+        for the stripes behind (stripes trained apart and at rest: no step half applied). A
+        snapshot is frozen: read once. RemoteError EAGAIN if no such read came within
+        ``timeout`` seconds."""
+        deadline = trio.current_time() + timeout
+        before: dict | None = None
+        while True:
+            clocks: dict[int, int] = {}
+            n = await self.read(fid, size, unit, offset, into, snap, clocks=clocks)
+            if snap or len(set(clocks.values())) <= 1 or clocks == before:
+                return n
+            if trio.current_time() > deadline:
+                raise RemoteError("EAGAIN", f"file {fid}: stripes {clocks} kept moving apart for {timeout:.0f}s")
+            before = clocks
+            try:  # the stripes behind catch up within a round, as a step's pushes land together
+                await self.read(fid, size, unit, offset, into, snap, min_clock=max(clocks.values()), wait=SETTLE)
+            except trio.TooSlowError:
+                pass
 
     async def _wait_clock(self, node: str, rkey: int, inc: int, min_clock: int, deadline: float) -> None:
         """Read the stripe header one-sidedly until its clock reaches ``min_clock``; after
@@ -164,7 +189,7 @@ class StripeIO:
                 del self._watches[node]
                 watch.set()  # the others look at their own headers again
 
-    async def _read_piece(self, fid: int, p: Piece, view: memoryview, snap: int, min_clock: int = 0, wait: float = 0.0, eager=None) -> None:
+    async def _read_piece(self, fid: int, p: Piece, view: memoryview, snap: int, min_clock: int = 0, wait: float = 0.0, eager=None, clocks: dict | None = None) -> None:
         missing: set[str] = set()
         behind: list[str] = []  # replicas whose clock did not move while waited on: asked last
         stale_keys = 0
@@ -213,7 +238,9 @@ class StripeIO:
                     clock = (await self.cluster.read_stripe(node, rkey, p.offset, view[:k], inc))[1]
                     if guess and clock < min_clock:  # guessed wrong: wait, then read again
                         await self._wait_clock(node, rkey, inc, min_clock, clock_deadline)
-                        await self.cluster.read_stripe(node, rkey, p.offset, view[:k], inc)
+                        clock = (await self.cluster.read_stripe(node, rkey, p.offset, view[:k], inc))[1]
+                    if clocks is not None:
+                        clocks[p.idx] = clock
                 view[k:] = bytes(len(view) - k)
                 return
             except _Behind:

@@ -23,6 +23,7 @@ import numpy as np
 
 from .. import formats
 from ..server.meta import ROOT
+from . import models
 from .errors import FsError
 from .readahead import ReadAhead
 from .writeback import WriteBehind
@@ -78,9 +79,14 @@ class FileHandle(Handle):
     name: str = ""
     behind: WriteBehind | None = None  # its writes on their way (see writeback.py)
     reader: ReadAhead | None = None  # what it has read and reads ahead (see readahead.py)
+    model: models.ModelReader | None = None  # a model file's reads (see models.py)
     _read_attr: dict = field(default_factory=dict)
 
     async def read(self, off: int, size: int) -> memoryview:
+        if models.model_of(self.attr) is not None:
+            if self.model is None:
+                self.model = models.ModelReader(self.vfs.client, await models.layout(self.vfs.client, self.attr, self.snap))
+            return memoryview(await self.model.read(off, size))
         # This mount's writes in flight first. A write that comes in while this waits (its
         # data still in the write-behind) would be missing from what the read-ahead fetches
         # next and keeps, after that write dropped the read-ahead: so wait until none came.
@@ -102,6 +108,8 @@ class FileHandle(Handle):
         return await self.vfs.client.read_into(self.ino, off, into, self._read_attr, self.snap)
 
     async def write(self, off: int, data: bytes) -> int:
+        if models.model_of(self.attr) is not None:  # made a model by this handle's last flush
+            self.vfs.model_changed(self.ino, await models.materialize(self.vfs.client, self.attr))
         self.vfs.writes_seen[self.ino] = self.vfs.writes_seen.get(self.ino, 0) + 1
         if self.behind is None:
             self.behind = WriteBehind(self.vfs.client, self.ino, self.attr, self.vfs.write_slots)
@@ -121,7 +129,7 @@ class FileHandle(Handle):
         self.dirty = False
         if self.vfs.pending.get(self.ino, 0) <= self.attr["size"]:
             self.vfs.pending.pop(self.ino, None)
-        await self.vfs.detect_tensor(self.ino, self.attr, self.name)
+        await self.vfs.detect(self)
 
 
 @dataclass

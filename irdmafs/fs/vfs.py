@@ -31,6 +31,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import stat as S
 import time
 from typing import Any
@@ -43,7 +44,7 @@ from ..client.client import Client
 from ..metrics import Latency, as_dict, mount_samples
 from ..server.meta import ROOT
 from ..transport.base import RemoteError
-from . import views, writeback
+from . import models, views, writeback
 from .errors import FsError
 from .handles import BATCH_XATTR, BatchSizeHandle, BytesHandle, FileHandle, Handle, PushHandle
 from .streams import Layouts, PullStreamHandle, PushStreamHandle
@@ -76,8 +77,9 @@ WORK_CACHE_SECONDS = 60.0
 # this long; file attributes and names are not, so sizes and renames by other mounts show at
 # the next open (while a file is open here, its attributes come from the open: see getattr).
 DIR_ATTR_SECONDS = 10.0
-UNLINKED = ".irdmafs-unlinked-"  # the hidden name of a file unlinked while open (not listed)
-SUFFIX = ".safetensors"
+UNLINKED = models.HIDDEN_PREFIX + "unlinked-"  # the hidden name of a file unlinked while open
+RESERVED = re.compile(rf"{re.escape(models.HIDDEN_PREFIX)}(unlinked|model)-[0-9]+")  # the mount's own names
+SUFFIX = models.SUFFIX
 DOOR_SUFFIX = ".door"
 DERIVED_XATTRS = ("user.irdma.dtype", "user.irdma.shape", "user.irdma.version")
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR
@@ -264,6 +266,22 @@ class Vfs:
             return file_stat(ino, len(opened[0].content if opened else await self.virtual_content(ino)))
         raise FsError(errno.ENOENT)
 
+    async def _entry(self, parent: int, name: str, snap: int = 0) -> dict:
+        """The namespace entry ``name`` of ``parent``: a real one, or else, for ``X``, the tensor
+        directory of a model file ``X.safetensors`` (models.py)."""
+        try:
+            return await self.client.lookup(parent, name, snap)
+        except RemoteError as exc:
+            if exc.code != "ENOENT" or name.endswith(SUFFIX):
+                raise
+            try:
+                m = models.model_of(await self.client.lookup(parent, name + SUFFIX, snap))
+            except RemoteError:
+                m = None
+            if m is None:
+                raise exc from None
+            return await self.client.getattr(m["dir"], snap)
+
     async def lookup(self, parent: int, name: str) -> dict:
         if parent == ROOT and name in HIDDEN:
             return await self.getattr(HIDDEN[name])
@@ -287,15 +305,18 @@ class Vfs:
         if parent & WORK:
             rank, p = split_work(parent)
             try:
-                attr = await self.client.lookup(p, name)
+                attr = await self._entry(p, name)
             except RemoteError as exc:
                 suffix = next((x for x in (SUFFIX, DOOR_SUFFIX) if name.endswith(x) and len(name) > len(x)), None)
                 if exc.code != "ENOENT" or suffix is None or (suffix == DOOR_SUFFIX and self.door is None):
                     raise
-                model = await self.client.lookup(p, name[: -len(suffix)])
+                model = await self._entry(p, name[: -len(suffix)])
                 if not S.S_ISDIR(model["mode"]):
                     raise FsError(errno.ENOENT) from None
                 return await self.getattr((stream_ino if suffix == SUFFIX else door_ino)(rank, model["ino"]))
+            m = models.model_of(attr)
+            if m is not None:  # a model file: its step streams are its tensor directory's
+                return await self.getattr(stream_ino(rank, m["dir"]))
             return self._work_stat(attr, work_ino(rank, attr["ino"]))
         if parent == SNAPSHOTS_DIR:
             sid = (await self._snapshot_ids()).get(name)
@@ -304,12 +325,12 @@ class Vfs:
             return await self.getattr(snap_ino(sid, ROOT))
         if parent & SNAP:
             sid, p = split_snap(parent)
-            attr = await self.client.lookup(p, name, sid)
+            attr = await self._entry(p, name, sid)
             return self.stat_of(attr, snap_ino(sid, attr["ino"]), readonly=True)
         if not is_cluster(parent):
             raise FsError(errno.ENOTDIR)
         try:
-            return self.stat_of(await self.client.lookup(parent, name))
+            return self.stat_of(await self._entry(parent, name))
         except RemoteError as exc:
             if exc.code != "ENOENT" or not name.endswith(SUFFIX) or len(name) == len(SUFFIX):
                 raise
@@ -320,13 +341,13 @@ class Vfs:
 
     async def readdir(self, ino: int) -> list[tuple[str, dict]]:
         if is_cluster(ino):
-            return [(name, self.stat_of(attr)) for name, attr in await self.client.readdir(ino) if not name.startswith(UNLINKED)]
+            return [(name, self.stat_of(attr)) for name, attr in await self._listed(ino)]
         if ino & SNAP:
             sid, i = split_snap(ino)
-            return [(n, self.stat_of(a, snap_ino(sid, a["ino"]), readonly=True)) for n, a in await self.client.readdir(i, sid)]
+            return [(n, self.stat_of(a, snap_ino(sid, a["ino"]), readonly=True)) for n, a in await self._listed(i, sid)]
         if ino & WORK:
             rank, i = split_work(ino)
-            return [(n, self._work_stat(a, work_ino(rank, a["ino"]))) for n, a in await self.client.readdir(i)]
+            return [(n, self._work_stat(a, work_ino(rank, a["ino"]))) for n, a in await self._listed(i)]
         if ino == IRDMA_DIR:
             return [(name, await self.getattr(i)) for name, i in IRDMA_FILES.items()]
         if RANK_DIR <= ino < RANK_DIR + MAX_RANK:
@@ -338,6 +359,10 @@ class Vfs:
         if ino == WORKERS_DIR:
             return []
         raise FsError(errno.ENOTDIR)
+
+    async def _listed(self, ino: int, snap: int = 0) -> list[tuple[str, dict]]:
+        """A directory's entries but the mount's own (tensor directories, unlinked open files)."""
+        return [(n, a) for n, a in await self.client.readdir(ino, snap) if not n.startswith(models.HIDDEN_PREFIX)]
 
     async def setattr(self, ino: int, changes: dict[str, Any]) -> dict:
         if ino & SNAP:
@@ -368,6 +393,7 @@ class Vfs:
         """Change a cluster file's attributes; a new size waits for this mount's writes to it
         and zeroes what lies past it. Returns the node's attributes."""
         written = 0
+        attr = await self._plain_if_resized(ino, changes)
         if "size" in changes:
             await self.drain(ino)  # a truncate must not be overtaken by an earlier write
             self.forget_fetched(ino)
@@ -379,7 +405,32 @@ class Vfs:
         attr = await self.client.setattr(ino, written=written, **changes)
         for h in self.open_handles(ino):
             h.attr = attr  # open files answer getattr: keep them current
+        m = models.model_of(attr)
+        if m is not None and {"mode", "uid", "gid"} & set(changes):  # its tensors follow
+            mirrored = {k: v for k, v in changes.items() if k in ("uid", "gid")}
+            if "mode" in changes:
+                mirrored["mode"] = models.dir_mode(changes["mode"])
+            await self.client.setattr(m["dir"], **mirrored)
         return attr
+
+    async def _plain_if_resized(self, ino: int, changes: dict) -> dict | None:
+        """A model file about to be truncated is plain bytes first (models.py)."""
+        if "size" not in changes:
+            return None
+        attr = await self.client.getattr(ino)
+        if models.model_of(attr) is None:
+            return attr
+        attr = await (models.unmodel if changes["size"] == 0 else models.materialize)(self.client, attr)
+        self.model_changed(ino, attr)
+        return attr
+
+    def model_changed(self, ino: int, attr: dict) -> None:
+        """``ino`` became a model file or stopped being one: open files and layouts follow."""
+        self.layouts.forget()
+        for h in self.open_handles(ino):
+            h.attr, h.model = attr, None
+            if h.reader is not None:
+                h.reader.invalidate()
 
     # -- directories -----------------------------------------------------------------------------
     def _check_create(self, parent: int, name: str) -> None:
@@ -387,6 +438,8 @@ class Vfs:
             raise FsError(errno.EROFS)
         if parent == ROOT and name in HIDDEN:
             raise FsError(errno.EEXIST, f"{name} is reserved")
+        if RESERVED.fullmatch(name):
+            raise FsError(errno.EPERM, f"{name} is a name the mount keeps for itself")
         if not is_cluster(parent):
             raise FsError(errno.EPERM)
 
@@ -463,11 +516,13 @@ class Vfs:
                 self.unlinked[ino] = (parent, hidden)
                 return
         try:
-            await self.client.unlink(parent, name)
+            gone = await self.client.unlink(parent, name)
         except RemoteError as exc:
             if exc.code == "ENOENT" and name.endswith(SUFFIX):
                 raise FsError(errno.EPERM, "remove the model directory, not its view") from None
             raise
+        if gone.get("freed"):
+            await models.forget_file(self.client, parent, gone["freed"])
 
     async def rename(self, parent: int, name: str, new_parent: int, new_name: str, flags: int) -> None:
         self.layouts.forget()  # tensors may come or go
@@ -488,6 +543,12 @@ class Vfs:
         r = await self.client.rename(parent, name, new_parent, new_name)
         if r.get("freed"):
             self.pending.pop(r["freed"], None)
+            await models.forget_file(self.client, new_parent, r["freed"])
+        # a model file's tensor directory moves along; a file named *.safetensors (rsync writes
+        # a temporary name) may become a model, unless this mount still writes it
+        if r.get("ino") and (new_parent != parent or new_name.endswith(SUFFIX)) and not self.open_handles(r["ino"]):
+            await models.after_rename(self.client, r["ino"], parent, new_parent, new_name)
+            self.layouts.forget()
 
     # -- files -------------------------------------------------------------------------------------
     def _register(self, handle: Handle) -> int:
@@ -531,6 +592,9 @@ class Vfs:
             attr = await self.client.getattr(i, sid)
             if S.S_ISDIR(attr["mode"]):
                 raise FsError(errno.EISDIR)
+            if writes(flags) and models.model_of(attr):  # to be changed: plain bytes first
+                attr = await (models.unmodel if flags & os.O_TRUNC else models.materialize)(self.client, attr)
+                self.model_changed(i, attr)
             if flags & os.O_TRUNC and writes(flags) and attr["size"]:
                 # libfuse asks for atomic O_TRUNC: the kernel sends no setattr, the open truncates
                 attr = await self.setattr_raw(i, {"size": 0})
@@ -554,20 +618,6 @@ class Vfs:
 
     async def create(self, parent: int, name: str, mode: int, flags: int, uid: int, gid: int) -> tuple[int, dict]:
         self._check_create(parent, name)
-        if name.endswith(SUFFIX) and len(name) > len(SUFFIX):
-            model_name = name[: -len(SUFFIX)]
-            created = None
-            try:
-                model = await self.client.lookup(parent, model_name)
-            except RemoteError as exc:
-                if exc.code != "ENOENT":
-                    raise
-                model = await self.client.mkdir(parent, model_name, 0o755, uid, gid)
-                created = (parent, model_name)
-            if not S.S_ISDIR(model["mode"]):
-                raise FsError(errno.ENOTDIR, f"{model_name} is not a directory")
-            fh = self._register(ViewWriteHandle(VIEW | model["ino"], vfs=self, model=model["ino"], created_dir=created))
-            return fh, await self.getattr(VIEW | model["ino"])
         attr = await self.client.create(parent, name, mode, uid, gid)
         fh = self._register(FileHandle(attr["ino"], self, attr, 0, 0, name=name))
         return fh, self.stat_of(attr)
@@ -619,19 +669,26 @@ class Vfs:
             if isinstance(h, FileHandle) and h.ino in self.unlinked and not self.open_handles(h.ino):
                 parent, hidden = self.unlinked.pop(h.ino)
                 try:  # the last close of a file unlinked while open
-                    await self.client.unlink(parent, hidden)
+                    gone = await self.client.unlink(parent, hidden)
+                    if gone.get("freed"):
+                        await models.forget_file(self.client, parent, gone["freed"])
                 except RemoteError as exc:
                     log.warning("unlinked file %d not removed at its last close: %s", h.ino, exc)
-            if isinstance(h, ViewWriteHandle) and h.created_dir:
-                # the write that was to create this model failed: take the empty directory away
-                try:
-                    await self.client.rmdir(*h.created_dir)
-                except RemoteError:
-                    pass
 
     # -- tensors -----------------------------------------------------------------------------------
-    async def detect_tensor(self, ino: int, attr: dict, name: str) -> None:
-        """Record whether the file now holds a valid .npy (a tensor) or plain bytes."""
+    async def detect(self, handle: FileHandle) -> None:
+        """What a file just written holds: a tensor (.npy), a model (models.py, when no other
+        handle of this mount writes it) or plain bytes."""
+        if not await self.detect_tensor(handle.ino, handle.attr, handle.name):
+            return
+        if any(h is not handle and (h.dirty or h.behind is not None) for h in self.open_handles(handle.ino)):
+            return  # the last writer's flush decides
+        if await models.convert(self.client, handle.attr, handle.name or None):
+            self.model_changed(handle.ino, await self.client.getattr(handle.ino))
+
+    async def detect_tensor(self, ino: int, attr: dict, name: str) -> bool:
+        """Record whether the file now holds a valid .npy (a tensor) or plain bytes; True if
+        its content may be something else (no .npy magic)."""
         size = attr["size"]
         info = None
         prefix = b""
@@ -653,6 +710,7 @@ class Vfs:
         if info != attr.get("tensor"):
             self.layouts.forget()  # a tensor came, went or changed shape
             await self.client.set_tensor(ino, info)
+        return not prefix.startswith(formats.MAGIC)
 
     async def view_layout(self, model: int) -> tuple[bytes, list]:
         return await views.layout(self.client, model)
@@ -691,14 +749,14 @@ class Vfs:
             return tensor["dtype"].encode()
         if name == "user.irdma.shape" and tensor:
             return json.dumps(tensor["shape"]).encode()
-        if name not in attr["xattrs"]:
+        if name not in attr["xattrs"] or not name.startswith("user."):  # the rest is the mount's
             raise FsError(errno.ENODATA)
         return attr["xattrs"][name].encode("utf-8", "surrogateescape")
 
     async def listxattr(self, ino: int) -> list[str]:
         attr = await self._xattr_target(ino)
         derived = list(DERIVED_XATTRS) if attr.get("tensor") else ["user.irdma.version"]
-        return derived + sorted(attr["xattrs"])
+        return derived + sorted(k for k in attr["xattrs"] if k.startswith("user."))
 
     async def setxattr(self, ino: int, name: str, value: bytes | None) -> None:
         if ino & SNAP:
@@ -711,7 +769,15 @@ class Vfs:
             raise FsError(errno.EPERM, f"{name} is derived from the tensor")
         if value is not None and len(value) > 65536:
             raise FsError(errno.E2BIG)
-        await self.client.setxattr(ino, name, None if value is None else value.decode("utf-8", "surrogateescape"))
+        text = None if value is None else value.decode("utf-8", "surrogateescape")
+        await self.client.setxattr(ino, name, text)
+        m = models.model_of(await self.client.getattr(ino)) if name.startswith("user.irdma.") else None
+        if m is not None:  # a model file's policy is its tensors' (mirrored on their directory)
+            try:
+                await self.client.setxattr(m["dir"], name, text)
+            except RemoteError as exc:
+                if exc.code != "ENODATA":
+                    raise
         if name.startswith("user.irdma."):
             self.client.forget_training()  # a policy may have changed
 

@@ -82,8 +82,6 @@ class ViewWriteHandle(BufferedHandle):
 
     vfs: "Vfs" = None  # type: ignore[assignment]
     model: int = 0  # the model directory's inode
-    created_dir: tuple[int, str] | None = None  # (parent, name) if this open made the directory
-
 
     async def read(self, off: int, size: int) -> memoryview:
         return memoryview(self.buf)[off : off + size]
@@ -93,7 +91,6 @@ class ViewWriteHandle(BufferedHandle):
             return
         await self.vfs.apply_safetensors(self.model, bytes(self.buf))
         self.dirty = False  # only once applied: a failed flush fails again at close
-        self.created_dir = None
 
 
 async def layout(client: Client, model: int) -> tuple[bytes, list]:
@@ -124,10 +121,9 @@ async def apply(client: Client, model: int, data: bytes) -> None:
     validates everything before changing anything."""
     try:
         start, entries, metadata = formats.st_parse(data, len(data))
-        for name in (e.name for e in entries):
-            parts = name.split("/")
-            if any(p in ("", ".", "..") or "\0" in p or len((p + ".npy").encode()) > 255 for p in parts):
-                raise formats.SafetensorsError(f"tensor name {name!r} cannot be a path")
+        problem = next(filter(None, (formats.st_path_problem(e.name) for e in entries)), None)
+        if problem:
+            raise formats.SafetensorsError(problem)
     except formats.SafetensorsError as exc:
         log.warning("safetensors write to directory %d refused: %s", model, exc)
         raise FsError(errno.EINVAL, str(exc)) from None

@@ -87,8 +87,10 @@ async def test_safetensors_view_read_and_write(fs):
 
     d = await fs.mkdir(1, "gpt", 0o755, 0, 0)
     tensors = {"a.b": np.ones((2, 3), np.float32), "enc/w": np.arange(5, dtype=np.int64), "z": np.zeros(0, np.float16)}
-    fh, st = await fs.create(1, "gpt.safetensors", 0o644, W, 0, 0)
-    assert st["st_ino"] == V.VIEW | d["st_ino"]
+    # beside a directory of tensors, gpt.safetensors is its view: written, it sets the tensors
+    view = await fs.lookup(1, "gpt.safetensors")
+    assert view["st_ino"] == V.VIEW | d["st_ino"]
+    fh = await fs.open(view["st_ino"], W)
     await fs.write(fh, 0, save(tensors, metadata={"k": "v"}))
     await fs.release(fh)
     assert sorted(n for n, _ in await fs.readdir(d["st_ino"])) == ["a.b.npy", "enc", "z.npy"]
@@ -119,13 +121,88 @@ async def test_safetensors_view_read_and_write(fs):
     assert sorted(n for n, _ in await fs.readdir(d["st_ino"])) == ["a.b.npy", "enc", "z.npy"]
 
 
-async def test_new_model_dir_is_removed_when_its_first_write_fails(fs):
-    fh, _ = await fs.create(1, "fresh.safetensors", 0o644, W, 0, 0)
-    await fs.write(fh, 0, b"garbage")
+async def test_a_safetensors_file_is_a_model_read_back_byte_for_byte(fs):
+    from safetensors.numpy import load, save
+
+    tensors = {"b": np.arange(6, dtype=np.float32).reshape(2, 3), "enc/w": np.ones(700_000, np.float16), "a.x": np.zeros(0, np.int64)}
+    data = save(tensors, metadata={"format": "np"})
+    sub = await fs.mkdir(1, "ckpt", 0o755, 0, 0)
+    ino = await write_file(fs, sub["st_ino"], "m.safetensors", data)
+    # listed as written, nothing else; the tensors are m/<name>.npy, reachable by name
+    assert [n for n, _ in await fs.readdir(sub["st_ino"])] == ["m.safetensors"]
+    st = await fs.lookup(sub["st_ino"], "m.safetensors")
+    assert st["st_ino"] == ino and st["st_size"] == len(data) and S.S_ISREG(st["st_mode"])
+    assert await read_all(fs, ino) == data
+    m = await fs.lookup(sub["st_ino"], "m")
+    assert S.S_ISDIR(m["st_mode"]) and sorted(n for n, _ in await fs.readdir(m["st_ino"])) == ["a.x.npy", "b.npy", "enc"]
+    b = await fs.lookup(m["st_ino"], "b.npy")
+    assert await read_all(fs, b["st_ino"]) == npy(tensors["b"])
+    # the file's own stripes keep its header only: the tensors' bytes live once
+    attr = await fs.client.getattr(ino)
+    model = json.loads(attr["xattrs"]["irdmafs.model"])
+    assert model["dir"] == m["st_ino"]
+    raw = await fs.client.read(ino, 0, len(data), attr)
+    assert raw[: model["start"]] == data[: model["start"]] and not any(raw[model["start"] :])
+    assert "irdmafs.model" not in await fs.listxattr(ino)
     with pytest.raises(V.FsError):
-        await fs.flush(fh)
+        await fs.getxattr(ino, "irdmafs.model")
+    # a write through the tensor's .npy shows in the file; a partial read at odd offsets too
+    fh = await fs.open(b["st_ino"], W | os.O_TRUNC)
+    await fs.write(fh, 0, npy(tensors["b"] + 1))
     await fs.release(fh)
-    assert [n for n, _ in await fs.readdir(1)] == []
+    back = load(await read_all(fs, ino))
+    assert np.array_equal(back["b"], tensors["b"] + 1) and np.array_equal(back["enc/w"], tensors["enc/w"])
+    whole = await read_all(fs, ino)
+    fh = await fs.open(ino, os.O_RDONLY)
+    assert bytes(await fs.read(fh, 77, 1000)) == whole[77:1077]
+    await fs.release(fh)
+    # chmod and times as on any file; the tensor directory follows the mode
+    await fs.setattr(ino, {"mode": 0o600, "mtime_ns": 123})
+    st = await fs.getattr(ino)
+    assert S.S_IMODE(st["st_mode"]) == 0o600 and st["st_mtime_ns"] == 123
+    assert S.S_IMODE((await fs.getattr(m["st_ino"]))["st_mode"]) == 0o700
+    # a policy set on the file is its tensors'
+    await fs.setxattr(ino, "user.irdma.sync", b"asp")
+    assert (await fs.client.getattr(m["st_ino"]))["xattrs"]["user.irdma.sync"] == "asp"
+    # a rename into another directory takes the tensors along
+    other = await fs.mkdir(1, "other", 0o755, 0, 0)
+    await fs.rename(sub["st_ino"], "m.safetensors", other["st_ino"], "n.safetensors", 0)
+    await fs.rmdir(1, "ckpt")  # nothing of the model was left behind
+    n = await fs.lookup(other["st_ino"], "n")
+    assert n["st_ino"] == m["st_ino"] and load(await read_all(fs, ino))["b"].sum() == (tensors["b"] + 1).sum()
+    # written in place (no O_TRUNC): the bytes come back into the file, which is a model again at its flush
+    start, entries, _ = formats.st_parse(data, len(data))
+    at = start + next(e.begin for e in entries if e.name == "b")
+    fh = await fs.open(ino, W)
+    await fs.write(fh, at, np.float32(42).tobytes())  # b[0, 0], in place
+    await fs.release(fh)
+    changed = load(await read_all(fs, ino))
+    assert changed["b"][0, 0] == 42 and changed["b"][1, 2] == tensors["b"][1, 2] + 1
+    assert (await fs.client.getattr(ino))["xattrs"].get("irdmafs.model")  # a model again
+    # removed: the tensor directory goes too
+    await fs.unlink(other["st_ino"], "n.safetensors")
+    assert await fs.client.readdir(other["st_ino"]) == []
+
+
+async def test_a_safetensors_file_that_does_not_map_stays_plain_bytes(fs, caplog):
+    from safetensors.numpy import save
+
+    cases = {
+        "garbage.safetensors": b"garbage that is no safetensors stream at all",
+        "json.safetensors": b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}",
+        "escape.safetensors": save({"../x": np.ones(1, np.float32)}),
+        "tail.safetensors": save({"x": np.ones(3, np.float32)}) + b"tail",
+    }
+    for name, data in cases.items():
+        ino = await write_file(fs, 1, name, data)
+        assert await read_all(fs, ino) == data
+        assert "irdmafs.model" not in (await fs.client.getattr(ino))["xattrs"]
+    assert sorted(n for n, _ in await fs.readdir(1)) == sorted(cases)
+    assert "kept as plain bytes, not a model" in caplog.text
+    # a name the mount keeps for itself cannot be made
+    with pytest.raises(V.FsError) as err:
+        await fs.create(1, ".irdmafs-model-12", 0o644, W, 0, 0)
+    assert err.value.errno == errno.EPERM
 
 
 async def test_snapshots_via_mkdir_and_rmdir(fs):
