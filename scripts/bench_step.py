@@ -356,16 +356,23 @@ def apply_seconds(cfg) -> float:
     return trio.run(total)
 
 
-def irdmafs_step(bed: Bed, world: int, model: str, steps: int, compress: str, link: LinkBed | None = None) -> dict:
-    """Publish the model, run ``steps`` bsp steps with ``world`` worker processes; medians."""
+def irdmafs_step(bed: Bed, world: int, model: str, steps: int, compress: str, link: LinkBed | None = None, fmt: str = "npy", run: int = 0) -> dict:
+    """Publish the model (a directory of .npy tensors, or with ``fmt`` "safetensors" one
+    safetensors file written by safetensors itself: fs/models.py), run ``steps`` bsp steps
+    with ``world`` worker processes; medians."""
     from irdmafs.torch import ParameterServer
 
     lc, mounts = bed.lc, bed.mounts[:world] if len(bed.mounts) > 1 else bed.mounts
-    tag = f"{model}-w{world}-{compress}"
+    tag = f"{model}-w{world}-{compress}" + (f"-{fmt}-{run}" if fmt != "npy" or run else "")
     shapes = MODELS[model]()
+    if fmt == "safetensors":  # the file first: the model is then its tensor directory
+        from safetensors.torch import save_file
+
+        save_file({k: v.detach().contiguous() for k, v in make_module(shapes).named_parameters()}, str(mounts[0] / f"{tag}.safetensors"))
     ps = ParameterServer(mounts[0], tag, 0)
     ps.configure(sync="bsp", workers=str(world), optimizer=f"sgd lr={LR}", compress=compress)
-    ps.publish(make_module(shapes))
+    if fmt == "npy":
+        ps.publish(make_module(shapes))
     ps.close()
     ctx = mp.get_context("spawn")
     q, gate = ctx.Queue(), Gate(ctx)
@@ -582,6 +589,23 @@ def run_loopback(args, models, workers, rows, res) -> None:
                     report_loopback(res, m, w, prefix, compress, d, r)
 
 
+def run_safetensors(args, models, workers, res) -> None:
+    """The same step for a model published as one safetensors file and as .npy tensors, in
+    the same bed, alternating (npy, st, st, npy) so that drift on a shared machine hits both."""
+    with tempfile.TemporaryDirectory(prefix="irdmafs-step-st-") as tmp, bed(Path(tmp), max(workers) if args.mounts == "per-worker" else 1, args.replicas, transport=args.transport) as b:
+        for m in models:
+            for w in workers:
+                steps: dict[str, list[float]] = {"npy": [], "safetensors": []}
+                for run, fmt in enumerate(("npy", "safetensors", "safetensors", "npy")):
+                    steps[fmt].append(irdmafs_step(b, w, m, args.steps, "none", fmt=fmt, run=run)["step"])
+                key = f"{m}_w{w}"
+                res[f"irdmafs_npy_step_s_{key}"] = statistics.mean(steps["npy"])
+                res[f"irdmafs_safetensors_step_s_{key}"] = statistics.mean(steps["safetensors"])
+                res[f"safetensors_vs_npy_{key}"] = res[f"irdmafs_safetensors_step_s_{key}"] / res[f"irdmafs_npy_step_s_{key}"]
+                print(f"{m:12s} W={w}: step {res[f'irdmafs_safetensors_step_s_{key}'] * 1000:7.1f} ms as one safetensors file, {res[f'irdmafs_npy_step_s_{key}'] * 1000:7.1f} ms as .npy tensors"
+                      f"  -> safetensors_vs_npy_{key} = {res[f'safetensors_vs_npy_{key}']:.2f}", flush=True)  # fmt: skip
+
+
 def run_link(args, models, workers, rows, res) -> None:
     with ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="irdmafs-step-link-")))
@@ -616,6 +640,7 @@ def main() -> int:
     ap.add_argument("--no-ddp", action="store_true", help="irdmafs only (for profiling it; no ratios)")
     ap.add_argument("--link", nargs="?", const=DEFAULT_RATE, metavar="RATE", help=f"cluster-shaped: every host in a network namespace behind RATE links (default {DEFAULT_RATE}; root)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: resnet50 (with --link: tiny), 2 workers, 2 steps")
+    ap.add_argument("--safetensors", action="store_true", help="irdmafs only: the model published as one safetensors file against .npy tensors (safetensors_vs_npy_*, target <= 1.0 within noise)")
     args = ap.parse_args()
     if args.no_door:
         os.environ["IRDMAFS_DOOR"] = "0"  # the worker processes inherit it (irdmafs/steps.py)
@@ -651,6 +676,15 @@ def main() -> int:
     for m in models:
         res[f"tensors_{m}"] = len(MODELS[m]())
         res[f"bytes_{m}"] = sum(int(np.prod(s)) * 4 for _, s in MODELS[m]())
+    if args.safetensors:
+        if args.link:
+            ap.error("--safetensors runs on one host")
+        run_safetensors(args, models, workers, res)
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=1, sort_keys=True) + "\n")
+        worst = max(v for k, v in res.items() if k.startswith("safetensors_vs_npy_"))
+        print(f"target (safetensors_vs_npy_* <= 1.10, no slower within this machine's noise): {'met' if worst <= 1.10 else 'missed'} (worst {worst:.2f})")
+        return 0
     if args.link:
         res["link_rate"] = args.link
         run_link(args, models, workers, rows, res)

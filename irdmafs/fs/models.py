@@ -233,9 +233,10 @@ async def materialize(client: Client, attr: dict) -> dict:
     return await unmodel(client, attr)
 
 
-async def after_rename(client: Client, ino: int, parent: int, new_parent: int, new_name: str) -> None:
+async def after_rename(client: Client, ino: int, parent: int, new_parent: int, new_name: str, *, may_convert: bool = True) -> None:
     """``ino`` now has the name ``new_name`` in ``new_parent``: a model file's tensor directory
-    moves along; a file newly named ``*.safetensors`` may become a model."""
+    moves along; a file newly named ``*.safetensors`` may become a model (if ``may_convert``:
+    not while a writer of this mount has it open)."""
     attr = await client.getattr(ino)
     m = model_of(attr)
     if m is not None:
@@ -245,7 +246,7 @@ async def after_rename(client: Client, ino: int, parent: int, new_parent: int, n
             except RemoteError as exc:
                 log.warning("tensor directory of model file %d not moved along: %s", ino, exc)
         return
-    if new_name.endswith(SUFFIX) and S.S_ISREG(attr["mode"]):
+    if may_convert and new_name.endswith(SUFFIX) and S.S_ISREG(attr["mode"]):
         await convert(client, attr, new_name)
 
 

@@ -544,10 +544,13 @@ class Vfs:
         if r.get("freed"):
             self.pending.pop(r["freed"], None)
             await models.forget_file(self.client, new_parent, r["freed"])
-        # a model file's tensor directory moves along; a file named *.safetensors (rsync writes
-        # a temporary name) may become a model, unless this mount still writes it
-        if r.get("ino") and (new_parent != parent or new_name.endswith(SUFFIX)) and not self.open_handles(r["ino"]):
-            await models.after_rename(self.client, r["ino"], parent, new_parent, new_name)
+        for h in self.open_handles(r.get("ino")):
+            h.name = new_name  # its flush looks at what the file is under the name it has then
+        # a model file's tensor directory moves along; a file named *.safetensors (rsync and
+        # safetensors write a temporary name) may become a model, unless open here: then the
+        # last writer's flush decides (safetensors renames before it closes)
+        if r.get("ino") and (new_parent != parent or new_name.endswith(SUFFIX)):
+            await models.after_rename(self.client, r["ino"], parent, new_parent, new_name, may_convert=not self.open_handles(r["ino"]))
             self.layouts.forget()
 
     # -- files -------------------------------------------------------------------------------------

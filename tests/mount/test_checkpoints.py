@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -19,12 +20,13 @@ torch = pytest.importorskip("torch", reason="torch==2.13.0 (CPU) not installed")
 transformers = pytest.importorskip("transformers", reason="transformers not installed")
 
 LR = 0.1
-STEPS = 3
+STEPS = 6
+VOCAB = 300  # the word embeddings span three 16 KiB stripes
 
 
 def tiny_bert():
     torch.manual_seed(0)
-    config = transformers.BertConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=40, max_position_embeddings=48)
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=40, max_position_embeddings=48)
     return transformers.BertModel(config).eval()  # eval: no dropout, so gradients are exact
 
 
@@ -59,7 +61,7 @@ def run(cmd, **kw):
 
 @pytest.fixture
 async def ps(local_cluster, mount):
-    lc = await local_cluster(nodes=3, replicas=2, stripe_unit=64 << 10)
+    lc = await local_cluster(nodes=3, replicas=2, stripe_unit=16 << 10)
     return mount(lc)
 
 
@@ -122,11 +124,12 @@ async def test_two_workers_train_a_checkpoint_in_place(ps, tmp_path, sharded):
     m = ps
     src = checkpoint(tmp_path / "src", sharded)
     run(["cp", "-a", str(src), str(m / "hf")])
-    batches = [torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    batches = [torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(r)) for r in range(2)]
     ParameterServer(m, "hf/model", 0).configure(sync="bsp", workers="2", optimizer=f"sgd lr={LR}", timeout="20")
 
     # what SGD gives: the mean of both ranks' gradients, step after step, on one copy
     ref = transformers.BertModel.from_pretrained(src).eval()
+    versions = [{k: v.detach().clone() for k, v in ref.state_dict().items()}]
     for _ in range(STEPS):
         total = None
         for b in batches:
@@ -136,6 +139,7 @@ async def test_two_workers_train_a_checkpoint_in_place(ps, tmp_path, sharded):
         with torch.no_grad():
             for p, g in zip(ref.parameters(), total):
                 p -= LR * g / 2
+        versions.append({k: v.detach().clone() for k, v in ref.state_dict().items()})
 
     errors = []
 
@@ -150,13 +154,33 @@ async def test_two_workers_train_a_checkpoint_in_place(ps, tmp_path, sharded):
         except BaseException as exc:  # noqa: BLE001 - reported by the test thread
             errors.append(exc)
 
+    weights = sorted(p.name for p in src.glob("*.safetensors"))
+    mixed: list[str] = []
+    reads = [0]
+
+    def reader():
+        """Reads every weights file while the workers train: each tensor must be one version."""
+        from safetensors.torch import load
+
+        deadline = time.monotonic() + 120
+        while any(t.is_alive() for t in threads) and reads[0] < 200 and time.monotonic() < deadline:
+            for w in weights:
+                for k, v in load((m / "hf" / w).read_bytes()).items():
+                    if not any(torch.allclose(v, ver[k], rtol=1e-5, atol=1e-6) for ver in versions):
+                        mixed.append(f"{w}:{k} after {reads[0]} reads")
+            reads[0] += 1
+
     threads = [threading.Thread(target=worker, args=(r,)) for r in range(2)]
     for t in threads:
         t.start()
+    watcher = threading.Thread(target=reader)
+    watcher.start()
     for t in threads:
         t.join(120)
+    watcher.join(130)
     close_doors()
     assert not errors, errors
+    assert reads[0] >= 1 and not mixed, mixed
     assert not any(t.is_alive() for t in threads)
     os.mkdir(m / ".snapshots" / "trained")
     want = {k: v.detach() for k, v in ref.state_dict().items()}
@@ -176,3 +200,21 @@ async def test_two_workers_train_a_checkpoint_in_place(ps, tmp_path, sharded):
     shard = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"][name] if sharded else "model.safetensors"
     emb = np.load(m / "hf" / shard[: -len(".safetensors")] / f"{name}.npy")
     assert np.allclose(emb, want[name].numpy(), rtol=1e-5, atol=1e-6)
+
+
+async def test_safetensors_and_save_pretrained_write_straight_into_the_mount(ps, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    m = ps
+    tensors = {"conv1__weight": torch.randn(64, 3, 7, 7), "fc.bias": torch.zeros(10)}
+    save_file(tensors, str(m / "net.safetensors"))
+    save_file(tensors, str(tmp_path / "net.safetensors"))
+    assert (m / "net.safetensors").read_bytes() == (tmp_path / "net.safetensors").read_bytes()
+    assert sorted(os.listdir(m / "net")) == ["conv1__weight.npy", "fc.bias.npy"]
+    assert sorted(os.listdir(m)) == ["net.safetensors"]
+    back = load_file(str(m / "net.safetensors"))
+    assert all(torch.equal(back[k], v) for k, v in tensors.items())
+    tiny_bert().save_pretrained(m / "direct")
+    tiny_bert().save_pretrained(tmp_path / "direct")
+    same_tree(tmp_path / "direct", m / "direct")
+    assert (m / "direct" / "model").is_dir()

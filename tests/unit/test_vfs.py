@@ -179,6 +179,22 @@ async def test_a_safetensors_file_is_a_model_read_back_byte_for_byte(fs):
     changed = load(await read_all(fs, ino))
     assert changed["b"][0, 0] == 42 and changed["b"][1, 2] == tensors["b"][1, 2] + 1
     assert (await fs.client.getattr(ino))["xattrs"].get("irdmafs.model")  # a model again
+    # a tensor rewritten with another shape through its .npy makes the header untrue: EIO
+    # (nothing lost: the tensor file holds its data), until the file is written again
+    n = await fs.lookup(other["st_ino"], "n")  # made anew when the file became a model again
+    b = await fs.lookup(n["st_ino"], "b.npy")
+    fh = await fs.open(b["st_ino"], W | os.O_TRUNC)
+    await fs.write(fh, 0, npy(np.ones(4, np.float32)))
+    await fs.release(fh)
+    fh = await fs.open(ino, os.O_RDONLY)
+    with pytest.raises(V.FsError) as err:
+        await fs.read(fh, 0, 100)
+    assert err.value.errno == errno.EIO
+    await fs.release(fh)
+    fh = await fs.open(ino, W | os.O_TRUNC)
+    await fs.write(fh, 0, data)
+    await fs.release(fh)
+    assert await read_all(fs, ino) == data
     # removed: the tensor directory goes too
     await fs.unlink(other["st_ino"], "n.safetensors")
     assert await fs.client.readdir(other["st_ino"]) == []

@@ -1,0 +1,92 @@
+"""A settled read (StripeIO.read_settled) gives a tensor all of one version: never the stripes of
+a step half applied, whatever the order its stripes move in. The stripes' clocks are set on the
+nodes' stores directly here, so each case is the exact state it names."""
+
+import numpy as np
+import trio
+
+from irdmafs.client.client import Client
+from irdmafs.client import stripe as stripe_io
+from irdmafs.transport.memory import MemoryTransport
+
+from .test_cluster_inprocess import config, start_cluster
+
+UNIT = 4096
+N = 3 * UNIT // 4  # float32 elements: three stripes
+
+
+def set_stripe(nodes, fid: int, idx: int, value: float, clock: int) -> None:
+    """Every replica of stripe ``idx`` holds ``value`` everywhere and has applied ``clock``."""
+    data = memoryview(np.full(UNIT // 4, value, np.float32)).cast("B")
+    for node in nodes:
+        if node.store.get(fid, idx) is not None:
+            node.store.install(fid, idx, 0, data, UNIT, clock=clock)
+
+
+async def tensor(nursery):
+    cfg = config(unit=UNIT)
+    nodes = await start_cluster(nursery, cfg)
+    client = await nursery.start(_client, cfg)
+    attr = await client.write_file("/t", np.zeros(N, np.float32).tobytes())
+    for idx in range(3):
+        set_stripe(nodes, attr["ino"], idx, 1.0, clock=1)
+    return nodes, client, attr
+
+
+async def _client(cfg, task_status=trio.TASK_STATUS_IGNORED):
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
+        task_status.started(c)
+        await trio.sleep_forever()
+
+
+async def settled(client, attr, out, timeout=5.0):
+    return await client.io.read_settled(attr["ino"], attr["size"], attr["unit"], 0, memoryview(out).cast("B"), timeout=timeout)
+
+
+async def test_a_step_half_applied_is_waited_out(nursery):
+    nodes, client, attr = await tensor(nursery)
+    fid = attr["ino"]
+    set_stripe(nodes, fid, 0, 2.0, clock=2)  # step 2 landed on stripe 0 only, so far
+    out = np.empty(N, np.float32)
+    async with trio.open_nursery() as n:
+        n.start_soon(settled, client, attr, out)
+        await trio.sleep(stripe_io.SETTLE / 4)  # the read waits for stripes 1 and 2
+        set_stripe(nodes, fid, 1, 2.0, clock=2)
+        set_stripe(nodes, fid, 2, 2.0, clock=2)
+    assert (out == 2.0).all()
+    # a plain read at the half-applied moment is the mix the settled read never returns
+    set_stripe(nodes, fid, 0, 3.0, clock=3)
+    mixed = np.frombuffer(await client.read(fid, 0, attr["size"], attr), np.float32)
+    assert (mixed[: N // 3] == 3.0).all() and (mixed[N // 3 :] == 2.0).all()
+
+
+async def test_stripes_at_rest_with_different_clocks_are_read_as_they_are(nursery):
+    """Stripes trained apart (a file grown after training): nothing in flight, no wait for ever."""
+    nodes, client, attr = await tensor(nursery)
+    set_stripe(nodes, attr["ino"], 2, 5.0, clock=0)
+    out = np.empty(N, np.float32)
+    with trio.fail_after(4 * stripe_io.SETTLE + 2):
+        await settled(client, attr, out)
+    assert (out[: 2 * N // 3] == 1.0).all() and (out[2 * N // 3 :] == 5.0).all()
+
+
+async def test_stripes_that_never_settle_answer_eagain(nursery):
+    nodes, client, attr = await tensor(nursery)
+    fid = attr["ino"]
+
+    async def churn():
+        for k in range(2, 10_000):  # stripe 0 always one step ahead of the others
+            set_stripe(nodes, fid, 0, float(k), clock=k)
+            await trio.sleep(stripe_io.SETTLE / 2)
+            for idx in (1, 2):
+                set_stripe(nodes, fid, idx, float(k), clock=k)
+
+    out = np.empty(N, np.float32)
+    async with trio.open_nursery() as n:
+        n.start_soon(churn)
+        try:
+            await settled(client, attr, out, timeout=2 * stripe_io.SETTLE)
+            raise AssertionError("a read that never settled returned")
+        except Exception as exc:  # RemoteError EAGAIN
+            assert getattr(exc, "code", None) == "EAGAIN", exc
+        n.cancel_scope.cancel()
