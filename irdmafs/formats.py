@@ -136,9 +136,12 @@ def st_layout(tensors: list[tuple[str, str, tuple[int, ...]]], metadata: dict[st
 
 def st_path_problem(name: str) -> str | None:
     """Why tensor ``name`` cannot be a path of ``.npy`` files (a ``/`` is a directory), or None."""
-    if any(p in ("", ".", "..") or "\0" in p or len((p + ".npy").encode(errors="surrogateescape")) > 255 for p in name.split("/")):
-        return f"tensor name {name!r} cannot be a path"
-    return None
+    try:
+        if not any(p in ("", ".", "..") or "\0" in p or len((p + ".npy").encode(errors="surrogateescape")) > 255 for p in name.split("/")):
+            return None
+    except UnicodeEncodeError:  # a lone surrogate from the JSON: no file name holds it
+        pass
+    return f"tensor name {name!r} cannot be a path"
 
 
 def _unique(pairs: list) -> dict:
@@ -165,7 +168,7 @@ def st_parse(head: bytes, total: int) -> tuple[int, list[StEntry], dict[str, str
         doc = json.loads(head[8 : 8 + n], object_pairs_hook=_unique)
     except SafetensorsError:
         raise
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise SafetensorsError(f"header is not JSON: {exc}") from None
     if not isinstance(doc, dict):
         raise SafetensorsError("header is not a JSON object")

@@ -43,9 +43,11 @@ def _fits(t: torch.Tensor, area: np.ndarray) -> bool:
 
 def shards(mount: Path, model: str) -> list[tuple[str, set[str] | None]]:
     """(model name, the tensor names it holds, None for all) of each part of ``model``: itself,
-    or the shards of a sharded safetensors checkpoint (``<model>.safetensors.index.json``)."""
+    or the shards of a sharded safetensors checkpoint (``<model>.safetensors.index.json``).
+    ValueError for a safetensors file that is not a model (the mount's log says why)."""
     index = mount / f"{model}.safetensors.index.json"
     if (mount / model).exists() or not index.exists():
+        _check_model_file(mount, model)
         return [(model, None)]
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
@@ -57,7 +59,27 @@ def shards(mount: Path, model: str) -> list[tuple[str, set[str] | None]]:
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"{index}: not a safetensors index: {exc}") from None
     folder = str(Path(model).parent)
-    return [(f"{folder}/{stem}" if folder != "." else stem, names) for stem, names in sorted(parts.items())]
+    out = [(f"{folder}/{stem}" if folder != "." else stem, names) for stem, names in sorted(parts.items())]
+    for m, _ in out:
+        _check_model_file(mount, m)
+    return out
+
+
+def _check_model_file(mount: Path, model: str) -> None:
+    """A ``<model>.safetensors`` that the mount kept as plain bytes has no tensors to train."""
+    f = mount / f"{model}.safetensors"
+    if f.is_file() and not (mount / model).is_dir():
+        raise ValueError(f"{f} is not a model: the mount kept it as plain bytes (its log says why; bf16 and other dtypes numpy lacks are not trainable)")
+
+
+def _policy_target(mount: Path, model: str) -> Path:
+    """Where a model's policy xattrs go: its safetensors file if it is one (the mount mirrors
+    them on its tensors), else its directory (made if missing)."""
+    f = mount / f"{model}.safetensors"
+    if f.is_file():
+        return f
+    (mount / model).mkdir(parents=True, exist_ok=True)
+    return mount / model
 
 
 class ParameterServer:
@@ -69,7 +91,12 @@ class ParameterServer:
         self.parts = shards(self.mount, model)
 
     def _each(self, params: dict) -> list[tuple[str, dict]]:
-        """(model name, its share of ``params``) per part of the model."""
+        """(model name, its share of ``params``) per part of the model; KeyError for a
+        parameter no shard holds."""
+        covered = set().union(*(names for _, names in self.parts if names is not None)) if self.parts[0][1] is not None else set(params)
+        missing = sorted(set(params) - covered)
+        if missing:
+            raise KeyError(f"the model has no tensor {missing[0]!r} (no shard of {self.model} holds it)")
         return [(m, params if names is None else {n: p for n, p in params.items() if n in names}) for m, names in self.parts]
 
     @staticmethod
@@ -79,10 +106,9 @@ class ParameterServer:
     def configure(self, **policy: str) -> None:
         """Set model xattrs, e.g. sync="bsp", workers="2", optimizer="sgd lr=0.1"."""
         for model, _ in self.parts:
-            root = self.mount / model
-            root.mkdir(parents=True, exist_ok=True)
+            target = _policy_target(self.mount, model)
             for key, value in policy.items():
-                os.setxattr(root, f"user.irdma.{key}", str(value).encode())
+                os.setxattr(target, f"user.irdma.{key}", str(value).encode())
 
     def publish(self, module: torch.nn.Module) -> None:
         for model, params in self._each(dict(module.named_parameters())):

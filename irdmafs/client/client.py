@@ -118,8 +118,11 @@ class Client:
         self._rids += 1
         return await self._primary_call("meta", {"op": dict(op, rid=f"{self.owner}:{self._rids}")})
 
-    async def lookup(self, parent: int, name: str, snap: int = 0) -> dict:
-        return await self._primary_call("lookup", {"parent": parent, "name": name, "snap": snap})
+    async def lookup(self, parent: int, name: str, snap: int = 0, *, alias: bool = False) -> dict:
+        """The entry ``name`` of ``parent``; with ``alias``, where it is missing, the tensor
+        directory of a model file ``name.safetensors`` (its attributes carry ``alias_of``)."""
+        args = {"parent": parent, "name": name, "snap": snap} | ({"alias": True} if alias else {})
+        return await self._primary_call("lookup", args)
 
     async def getattr(self, ino: int, snap: int = 0) -> dict:
         return await self._primary_call("getattr", {"ino": ino, "snap": snap})
@@ -140,6 +143,11 @@ class Client:
 
     async def set_tensor(self, ino: int, tensor: dict | None) -> dict:
         return await self._op(op="settensor", ino=ino, tensor=tensor)
+
+    async def set_model(self, ino: int, model: dict | None) -> dict:
+        """Make a file a model file (``{"dir", "start"}``: its stripes past ``start`` go) or,
+        with None, plain bytes again (fs/models.py)."""
+        return await self._op(op="setmodel", ino=ino, model=model)
 
     async def extend(self, ino: int, size: int) -> dict:
         """Content changed up to ``size``: grow the file if needed, move mtime and version."""

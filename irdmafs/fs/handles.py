@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
+import trio
 
 from .. import formats
 from ..server.meta import ROOT
@@ -81,11 +82,15 @@ class FileHandle(Handle):
     reader: ReadAhead | None = None  # what it has read and reads ahead (see readahead.py)
     model: models.ModelReader | None = None  # a model file's reads (see models.py)
     _read_attr: dict = field(default_factory=dict)
+    _model_lock: trio.Lock = field(default_factory=trio.Lock)
 
     async def read(self, off: int, size: int) -> memoryview:
+        if not self.snap:
+            await self.vfs.models.settled(self.ino)  # a conversion under way here ends first
         if models.model_of(self.attr) is not None:
-            if self.model is None:
-                self.model = models.ModelReader(self.vfs.client, await models.layout(self.vfs.client, self.attr, self.snap))
+            async with self._model_lock:  # reads come concurrently: one layout
+                if self.model is None:
+                    self.model = models.ModelReader(self.vfs.client, await models.layout(self.vfs.client, self.attr, self.snap))
             return memoryview(await self.model.read(off, size))
         # This mount's writes in flight first. A write that comes in while this waits (its
         # data still in the write-behind) would be missing from what the read-ahead fetches
@@ -108,8 +113,13 @@ class FileHandle(Handle):
         return await self.vfs.client.read_into(self.ino, off, into, self._read_attr, self.snap)
 
     async def write(self, off: int, data: bytes) -> int:
-        if models.model_of(self.attr) is not None:  # made a model by this handle's last flush
-            self.vfs.model_changed(self.ino, await models.materialize(self.vfs.client, self.attr))
+        await self.vfs.models.settled(self.ino)  # a conversion under way here ends first
+        if models.model_of(self.attr) is not None:  # a model file written in place
+            async with self.vfs.models.locked(self.ino):
+                attr = await self.vfs.models.materialize(await self.vfs.client.getattr(self.ino))
+                self.vfs.model_changed(self.ino, attr)
+        # dirty before anything awaits: a conversion starting now sees this handle writing
+        self.dirty = True
         self.vfs.writes_seen[self.ino] = self.vfs.writes_seen.get(self.ino, 0) + 1
         if self.behind is None:
             self.behind = WriteBehind(self.vfs.client, self.ino, self.attr, self.vfs.write_slots)

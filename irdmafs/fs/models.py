@@ -9,29 +9,37 @@ Then:
 - each tensor's bytes move into the tensor file ``<name>.npy`` of a hidden directory beside the
   file, ``.irdmafs-model-<ino>`` (its *tensor directory*; a ``/`` in a name is a subdirectory),
   where the nodes store and train it as any other tensor;
-- the file keeps its header (its first ``start`` bytes, verbatim) and its size, and drops its
-  other stripes; its internal attribute ``irdmafs.model`` = ``{"dir": <ino>, "start": <n>}``
-  (never listed, never settable by a user) says so;
+- the file keeps its header (its first ``start`` bytes, verbatim), its size and times; one
+  namespace op (``setmodel``) both records ``irdmafs.model`` = ``{"dir": <ino>, "start": <n>}``
+  (never listed, never settable by a user) and drops its stripes past the header on every node,
+  so no reader sees the one without the other;
 - reading the file gives the header, then each tensor's current data in the file's order. Each
   tensor is read whole, all of one version (``StripeIO.read_settled``: the seqlock rule of a
   stripe, applied to the stripes of a tensor), and served from memory (``ModelReader``);
 - ``X/`` (when no real ``X`` exists) is the tensor directory: ``X/<t>.npy`` as any tensor, and
-  the step streams and door of model ``X`` under ``.workers/<rank>/``;
+  the step streams and door of model ``X`` under ``.workers/<rank>/``. It holds the tensors of
+  the file's header and nothing else: making, removing or renaming anything in it gets EPERM;
+  a tensor's data may be rewritten in place (np.save of the same dtype and shape);
 - its user.irdma.* attributes (policy, optimizer, workers, ...) are mirrored on the tensor
   directory, which sits in the file's directory: a model's policy is set on the file, or on any
   directory above it, as for a directory of tensors; chmod and chown are mirrored too;
-- opened for writing with O_TRUNC it drops its tensor directory and is plain bytes again;
-  opened for writing without, or truncated, its bytes come back into it first
-  (``materialize``); the next flush makes it a model again;
+- opened for writing with O_TRUNC it drops its tensor directory and is plain bytes again; its
+  first write without O_TRUNC, or a truncate to another size, brings its bytes back into it
+  first (``materialize``); the next flush of that writer makes it a model again;
 - removing its last name removes the tensor directory; a rename moves the directory along.
 
 Invariants: a model file reads back the bytes that were written, except the data of tensors
 that training (or a write through ``X/<t>.npy``) changed since; its tensor directory is complete
-before the file says ``irdmafs.model``, and the file's own copy of the tensor bytes is dropped
-only after; a file that does not map stays plain bytes, byte for byte, with a log line saying
-why. A tensor rewritten through ``X/<t>.npy`` with another dtype or shape makes the file's
-header untrue: reading the file then answers EIO naming the tensor (nothing is lost: the tensor
-file holds the data).
+before the file says ``irdmafs.model``, and the file's own copy of the tensor bytes goes in the
+same op; a conversion, the bytes coming back and this mount's writes to the file never overlap
+(``ModelFiles.lock``: a write waits for a conversion, a conversion skips a file another handle
+of this mount is writing); a file that does not map, or whose conversion fails (ENOSPC, a node
+lost), stays plain bytes, byte for byte, with a log line saying why. A tensor rewritten through
+``X/<t>.npy`` with another dtype or shape makes the file's header untrue: reading the file then
+answers EIO naming the tensor (nothing is lost: the tensor file holds the data). Across mounts
+it is close-to-open: a reader in another mount that opened the file before its writer closed it
+may read zeros past the header.
+
 """
 
 from __future__ import annotations
@@ -41,26 +49,30 @@ import json
 import logging
 import stat as S
 from bisect import bisect_right
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import AsyncIterator
 
 import numpy as np
 import trio
 
 from .. import formats
 from ..client.client import Client
+from ..cluster import NodeDown, Unavailable
+from ..server.meta import MODEL_SUFFIX, MODEL_XATTR
 from ..transport.base import RemoteError
 from .errors import FsError
 
 log = logging.getLogger(__name__)
 
-MODEL_XATTR = "irdmafs.model"  # internal: on a model file, where its tensors are
-HIDDEN_PREFIX = ".irdmafs-"  # names the mount keeps for itself: never listed
+HIDDEN_PREFIX = ".irdmafs-"  # names the mount keeps for itself (see vfs.RESERVED)
 TENSOR_DIR = HIDDEN_PREFIX + "model-"  # + the file's inode: its tensor directory
-SUFFIX = ".safetensors"
-PROBE = 4096  # first bytes read to tell whether a file may be a safetensors stream
-CACHE_BYTES = 64 << 20  # whole tensors a reader keeps (at least the last two)
-COPY_CHUNK = 16 << 20  # bytes per read and write when a model file's bytes come back
+SUFFIX = MODEL_SUFFIX
+PROBE = 4096  # first bytes looked at to tell whether a file may be a safetensors stream
+CACHE_BYTES = 64 << 20  # whole tensors a reader keeps (at least the ones it is serving)
+COPY_CHUNK = 16 << 20  # bytes per read and write when tensor bytes are copied
+FAILED = (RemoteError, NodeDown, Unavailable, trio.TooSlowError)  # what a conversion may meet
 
 
 def model_of(attr: dict) -> dict | None:
@@ -110,8 +122,10 @@ def plan(head: bytes, size: int) -> tuple[int, list[formats.StEntry]]:
 
 
 def may_be_safetensors(prefix: bytes, size: int) -> bool:
-    """A cheap first look: a header length that fits and a JSON object after it."""
-    return len(prefix) >= 9 and 8 + int.from_bytes(prefix[:8], "little") <= size and prefix[8:9] == b"{"
+    """A cheap first look: a header length that fits (and is one safetensors allows) and a JSON
+    object after it."""
+    n = int.from_bytes(prefix[:8], "little") if len(prefix) >= 9 else -1
+    return 0 < n <= formats.MAX_ST_HEADER and 8 + n <= size and prefix[8:9] == b"{"
 
 
 async def name_of(client: Client, attr: dict) -> str | None:
@@ -122,132 +136,175 @@ async def name_of(client: Client, attr: dict) -> str | None:
         return None
 
 
-async def convert(client: Client, attr: dict, name: str | None = None) -> bool:
-    """Make file ``attr`` a model file if it is a ``*.safetensors`` that maps (see the module
-    docstring); True if it became one."""
-    ino, size = attr["ino"], attr["size"]
-    if not S.S_ISREG(attr["mode"]) or model_of(attr) or size < 10:
-        return False
-    prefix = await client.read(ino, 0, min(size, PROBE), attr)
-    if not may_be_safetensors(prefix, size):
-        return False
-    name = name or await name_of(client, attr)
-    if not name or not name.endswith(SUFFIX):
-        return False
-    need = 8 + int.from_bytes(prefix[:8], "little")
-    head = prefix if need <= len(prefix) else await client.read(ino, 0, need, attr)
-    try:
-        start, entries = plan(head, size)
-    except formats.SafetensorsError as exc:
-        log.warning("%s (inode %d): kept as plain bytes, not a model: %s", name, ino, exc)
-        return False
-    parent = attr["parent"]
-    try:  # a directory left by a conversion cut short (the file never said model): anew
-        await remove_tensor_dir(client, ino, (await client.lookup(parent, tensor_dir_name(ino)))["ino"])
-    except RemoteError as exc:
-        if exc.code != "ENOENT":
+class ModelFiles:
+    """The mount's side of model files: one lock per file that a conversion, the bytes coming
+    back and this mount's writes take turns under, and the tensor directories this mount has
+    seen (the file system refuses changes in them, vfs.py)."""
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self._locks: dict[int, trio.Lock] = {}
+        self.tensor_dirs: set[int] = set()
+
+    @asynccontextmanager
+    async def locked(self, ino: int) -> AsyncIterator[None]:
+        lock = self._locks.setdefault(ino, trio.Lock())
+        try:
+            async with lock:
+                yield
+        finally:
+            if not lock.locked() and not lock.statistics().tasks_waiting and self._locks.get(ino) is lock:
+                del self._locks[ino]
+
+    async def settled(self, ino: int) -> None:
+        """Until no conversion of ``ino`` is under way here."""
+        if ino in self._locks:
+            async with self.locked(ino):
+                pass
+
+    async def convert(self, attr: dict, name: str | None, prefix: bytes | None = None) -> dict | None:
+        """Make file ``attr`` a model file if it is a ``*.safetensors`` that maps; its new
+        attributes if it became one. Called with the file's lock held."""
+        ino, size = attr["ino"], attr["size"]
+        if not S.S_ISREG(attr["mode"]) or model_of(attr) or size < 10 or (name and not name.endswith(SUFFIX)):
+            return None
+        prefix = prefix if prefix is not None and len(prefix) >= min(size, PROBE) else await self.client.read(ino, 0, min(size, PROBE), attr)
+        if not may_be_safetensors(prefix, size):
+            return None
+        name = name or await name_of(self.client, attr)
+        if not name or not name.endswith(SUFFIX):
+            return None
+        need = 8 + int.from_bytes(prefix[:8], "little")
+        head = prefix if need <= len(prefix) else await self.client.read(ino, 0, need, attr)
+        try:
+            start, entries = plan(head, size)
+        except formats.SafetensorsError as exc:
+            log.warning("%s (inode %d): kept as plain bytes, not a model: %s", name, ino, exc)
+            return None
+        try:
+            d = await self._tensor_dir(attr, start, entries)
+            new = await self.client.set_model(ino, {"dir": d, "start": start})
+        except FAILED as exc:
+            log.warning("%s (inode %d): kept as plain bytes, its conversion to a model failed: %s", name, ino, exc)
+            await self._remove_quietly(attr["parent"], ino)
+            return None
+        self.tensor_dirs.add(d)
+        log.info("%s (inode %d): a model of %d tensors (tensor directory %d)", name, ino, len(entries), d)
+        return new
+
+    async def _tensor_dir(self, attr: dict, start: int, entries: list[formats.StEntry]) -> int:
+        """Make the file's tensor directory and copy each tensor's bytes into its tensor file."""
+        client, ino = self.client, attr["ino"]
+        await self._remove_quietly(attr["parent"], ino, strict=True)  # left by a conversion cut short
+        d = (await client.mkdir(attr["parent"], tensor_dir_name(ino), dir_mode(attr["mode"]), attr["uid"], attr["gid"]))["ino"]
+        limit = trio.CapacityLimiter(4)
+
+        async def move(e: formats.StEntry) -> None:
+            async with limit:
+                where = d
+                *dirs, leaf = e.name.split("/")
+                for sub in dirs:
+                    where = (await client.makedirs_under(where, sub))["ino"]
+                header = formats.npy_header(np.dtype(e.dtype), e.shape)
+                t = await client.create(where, leaf + ".npy", S.S_IMODE(attr["mode"]), attr["uid"], attr["gid"])
+                await client.io.write(t["ino"], t["unit"], 0, memoryview(header))
+                for off in range(0, e.end - e.begin, COPY_CHUNK):
+                    data = await client.read(ino, start + e.begin + off, min(COPY_CHUNK, e.end - e.begin - off), attr)
+                    await client.io.write(t["ino"], t["unit"], len(header) + off, memoryview(data))
+                await client.extend(t["ino"], len(header) + e.end - e.begin)
+                await client.set_tensor(t["ino"], {"dtype": np.dtype(e.dtype).str, "shape": list(e.shape), "offset": len(header), "fortran": False})
+
+        async with trio.open_nursery() as n:
+            for e in entries:
+                n.start_soon(move, e)
+        for k, v in attr["xattrs"].items():
+            if k.startswith("user.irdma."):
+                await client.setxattr(d, k, v)
+        return d
+
+    async def _remove_quietly(self, parent: int, ino: int, strict: bool = False) -> None:
+        """Remove ``ino``'s tensor directory in ``parent`` if one is there (``strict``: errors
+        raise, else they are logged)."""
+        try:
+            d = await self.client.lookup(parent, tensor_dir_name(ino))
+            await self.remove_dir(d["ino"], ino)
+        except FAILED as exc:
+            if strict and not (isinstance(exc, RemoteError) and exc.code == "ENOENT"):
+                raise
+            if not (isinstance(exc, RemoteError) and exc.code == "ENOENT"):
+                log.warning("tensor directory of inode %d not removed: %s", ino, exc)
+
+    async def remove_dir(self, dir_ino: int, file_ino: int) -> None:
+        """Remove a model file's tensor directory (wherever it is) and everything in it."""
+        client = self.client
+        try:
+            d = await client.getattr(dir_ino)
+        except RemoteError as exc:
+            if exc.code == "ENOENT":
+                return
             raise
-    d = await client.mkdir(parent, tensor_dir_name(ino), dir_mode(attr["mode"]), attr["uid"], attr["gid"])
-    limit = trio.CapacityLimiter(4)
 
-    async def move(e: formats.StEntry) -> None:
-        async with limit:
-            where = d["ino"]
-            *dirs, leaf = e.name.split("/")
-            for sub in dirs:
-                where = (await client.makedirs_under(where, sub))["ino"]
-            header = formats.npy_header(np.dtype(e.dtype), e.shape)
-            t = await client.create(where, leaf + ".npy", S.S_IMODE(attr["mode"]), attr["uid"], attr["gid"])
-            data = await client.read(ino, start + e.begin, e.end - e.begin, attr) if e.end > e.begin else b""
-            await client.io.write(t["ino"], t["unit"], 0, memoryview(header + data))
-            await client.extend(t["ino"], len(header) + len(data))
-            await client.set_tensor(t["ino"], {"dtype": np.dtype(e.dtype).str, "shape": list(e.shape), "offset": len(header), "fortran": False})
+        async def empty(ino: int) -> None:
+            for name, a in await client.readdir(ino):
+                if S.S_ISDIR(a["mode"]):
+                    await empty(a["ino"])
+                    await client.rmdir(ino, name)
+                else:
+                    await client.unlink(ino, name)
 
-    async with trio.open_nursery() as n:
-        for e in entries:
-            n.start_soon(move, e)
-    for k, v in attr["xattrs"].items():
-        if k.startswith("user.irdma."):
-            await client.setxattr(d["ino"], k, v)
-    await client.setxattr(ino, MODEL_XATTR, json.dumps({"dir": d["ino"], "start": start}))
-    # the tensors' bytes now live in their files: the file keeps its header only
-    await client.truncate(ino, start)
-    await client.setattr(ino, size=size, atime_ns=attr["atime_ns"], mtime_ns=attr["mtime_ns"])
-    log.info("%s (inode %d): a model of %d tensors (tensor directory %d)", name, ino, len(entries), d["ino"])
-    return True
+        await empty(dir_ino)
+        await client.rmdir(d["parent"], tensor_dir_name(file_ino))
+        self.tensor_dirs.discard(dir_ino)
 
-
-async def remove_tensor_dir(client: Client, file_ino: int, dir_ino: int) -> None:
-    """Remove a model file's tensor directory and everything in it."""
-    try:
-        d = await client.getattr(dir_ino)
-    except RemoteError as exc:
-        if exc.code == "ENOENT":
+    async def forget(self, dir_ino: int | None, file_ino: int) -> None:
+        """Model file ``file_ino`` is gone (its last name): so is its tensor directory."""
+        if dir_ino is None:
             return
-        raise
+        try:
+            await self.remove_dir(dir_ino, file_ino)
+        except FAILED as exc:
+            log.warning("tensor directory %d of removed model file %d not removed: %s", dir_ino, file_ino, exc)
 
-    async def empty(ino: int) -> None:
-        for name, a in await client.readdir(ino):
-            if S.S_ISDIR(a["mode"]):
-                await empty(a["ino"])
-                await client.rmdir(ino, name)
-            else:
-                await client.unlink(ino, name)
+    async def unmodel(self, attr: dict) -> dict:
+        """The file is plain bytes from now on; its tensor data is not wanted (O_TRUNC). Returns
+        its attributes. Called with the file's lock held."""
+        m = model_of(attr)
+        if m is None:
+            return attr
+        new = await self.client.set_model(attr["ino"], None)
+        await self.forget(m["dir"], attr["ino"])
+        return new
 
-    await empty(dir_ino)
-    await client.rmdir(d["parent"], tensor_dir_name(file_ino))
+    async def materialize(self, attr: dict) -> dict:
+        """The model file's bytes back into its own stripes, then plain bytes from now on (it is
+        about to be changed in place). Returns its attributes. Called with the file's lock held."""
+        m = model_of(attr)
+        if m is None:
+            return attr
+        reader = ModelReader(self.client, await layout(self.client, attr))
+        for off in range(m["start"], attr["size"], COPY_CHUNK):
+            data = await reader.read(off, COPY_CHUNK)
+            await self.client.io.write(attr["ino"], attr["unit"], off, memoryview(data))
+        log.info("model file %d written in place: its bytes are back in it, a plain file until its writer closes it", attr["ino"])
+        return await self.unmodel(attr)
 
-
-async def forget_file(client: Client, parent: int, ino: int) -> None:
-    """File ``ino`` of directory ``parent`` is gone: so is its tensor directory, if it had one."""
-    try:
-        d = await client.lookup(parent, tensor_dir_name(ino))
-    except RemoteError as exc:
-        if exc.code == "ENOENT":
-            return
-        raise
-    await remove_tensor_dir(client, ino, d["ino"])
-
-
-async def unmodel(client: Client, attr: dict) -> dict:
-    """The file is plain bytes from now on (its tensor data is not wanted: O_TRUNC). Returns
-    its attributes."""
-    m = model_of(attr)
-    if m is None:
-        return attr
-    await client.setxattr(attr["ino"], MODEL_XATTR, None)
-    await remove_tensor_dir(client, attr["ino"], m["dir"])
-    return await client.getattr(attr["ino"])
-
-
-async def materialize(client: Client, attr: dict) -> dict:
-    """The model file's bytes back into its own stripes, then plain bytes from now on (it is
-    about to be changed in place). Returns its attributes."""
-    if model_of(attr) is None:
-        return attr
-    reader = ModelReader(client, await layout(client, attr))
-    for off in range(0, attr["size"], COPY_CHUNK):
-        data = await reader.read(off, COPY_CHUNK)
-        await client.io.write(attr["ino"], attr["unit"], off, memoryview(data))
-    log.info("model file %d written in place: its bytes are back in it, no longer a model", attr["ino"])
-    return await unmodel(client, attr)
-
-
-async def after_rename(client: Client, ino: int, parent: int, new_parent: int, new_name: str, *, may_convert: bool = True) -> None:
-    """``ino`` now has the name ``new_name`` in ``new_parent``: a model file's tensor directory
-    moves along; a file newly named ``*.safetensors`` may become a model (if ``may_convert``:
-    not while a writer of this mount has it open)."""
-    attr = await client.getattr(ino)
-    m = model_of(attr)
-    if m is not None:
-        if new_parent != parent:
-            try:
-                await client.rename(parent, tensor_dir_name(ino), new_parent, tensor_dir_name(ino))
-            except RemoteError as exc:
-                log.warning("tensor directory of model file %d not moved along: %s", ino, exc)
-        return
-    if may_convert and new_name.endswith(SUFFIX) and S.S_ISREG(attr["mode"]):
-        await convert(client, attr, new_name)
+    async def after_rename(self, ino: int, new_parent: int, new_name: str, *, may_convert: bool) -> None:
+        """``ino`` now has the name ``new_name`` in ``new_parent``: a model file's tensor
+        directory moves along; a file newly named ``*.safetensors`` may become a model (if
+        ``may_convert``: not while a writer of this mount has it open). Failures are logged:
+        the rename itself happened."""
+        try:
+            async with self.locked(ino):
+                attr = await self.client.getattr(ino)
+                m = model_of(attr)
+                if m is not None:
+                    d = await self.client.getattr(m["dir"])
+                    if d["parent"] != new_parent:
+                        await self.client.rename(d["parent"], tensor_dir_name(ino), new_parent, tensor_dir_name(ino))
+                elif may_convert and new_name.endswith(SUFFIX) and S.S_ISREG(attr["mode"]):
+                    await self.convert(attr, new_name)
+        except FAILED as exc:
+            log.warning("inode %d renamed to %s: its model bookkeeping failed: %s", ino, new_name, exc)
 
 
 # -- reading ---------------------------------------------------------------------------------------
@@ -285,9 +342,10 @@ async def layout(client: Client, attr: dict, snap: int = 0) -> Layout:
     head = await client.read(attr["ino"], 0, m["start"], attr, snap)
     try:
         start, entries = plan(head, attr["size"])
-    except formats.SafetensorsError as exc:  # it mapped when converted: not this mount's doing
-        raise FsError(errno.EIO, f"model file {attr['ino']}: header no longer valid: {exc}") from None
-    files = await _tensors(client, m["dir"], snap)
+        files = await _tensors(client, m["dir"], snap)
+    except (formats.SafetensorsError, RemoteError) as exc:  # it mapped when converted: not this mount's doing
+        log.error("model file %d: its header or tensor directory is gone bad: %s", attr["ino"], exc)
+        raise FsError(errno.EIO, f"model file {attr['ino']}: {exc}") from None
     parts = []
     for e in entries:
         a = files.get(e.name)
@@ -302,12 +360,18 @@ async def layout(client: Client, attr: dict, snap: int = 0) -> Layout:
 
 @dataclass
 class ModelReader:
-    """Reads of a model file: header bytes, and whole tensors read settled and kept (LRU)."""
+    """Reads of a model file: header bytes, and whole tensors read settled and kept. Reads that
+    arrive together (the kernel's read-ahead) share one read of a tensor, and a tensor is kept
+    while any read is serving it, so every byte a reader gets of a tensor is of one version; one
+    read again after it left the cache (CACHE_BYTES, least recently used) may be a newer one,
+    whole."""
 
     client: Client
     layout: Layout
     timeout: float = 30.0
     cache: OrderedDict = field(default_factory=OrderedDict)  # part index -> its bytes
+    reading: dict = field(default_factory=dict)  # part index -> Event set when its read ended
+    serving: Counter = field(default_factory=Counter)  # part index -> reads using it now
 
     async def read(self, off: int, size: int) -> bytes:
         lay = self.layout
@@ -316,25 +380,41 @@ class ModelReader:
         if off < len(lay.header):
             n = min(end, len(lay.header)) - off
             out[:n] = lay.header[off : off + n]
-        i = max(0, bisect_right([p.begin for p in lay.parts], off) - 1)
-        while i < len(lay.parts) and lay.parts[i].begin < end:
-            p = lay.parts[i]
-            a, b = max(off, p.begin), min(end, p.end)
-            if a < b:
+        first = max(0, bisect_right([p.begin for p in lay.parts], off) - 1)
+        wanted = [i for i in range(first, len(lay.parts)) if lay.parts[i].begin < end and lay.parts[i].end > off]
+        self.serving.update(wanted)
+        try:
+            for i in wanted:
+                p = lay.parts[i]
+                a, b = max(off, p.begin), min(end, p.end)
                 data = await self._tensor(i)
                 memoryview(out)[a - off : b - off] = memoryview(data)[a - p.begin : b - p.begin]
-            i += 1
+        finally:
+            self.serving.subtract(wanted)
         return bytes(out)
 
-    async def _tensor(self, i: int) -> bytes:
-        if i in self.cache:
-            self.cache.move_to_end(i)
-            return self.cache[i]
-        p = self.layout.parts[i]
-        buf = bytearray(p.end - p.begin)
-        t = p.attr["tensor"]
-        await self.client.io.read_settled(p.ino, t["offset"] + len(buf), p.attr["unit"], t["offset"], memoryview(buf), self.layout.snap, self.timeout)
-        self.cache[i] = buf
-        while len(self.cache) > 2 and sum(map(len, self.cache.values())) > CACHE_BYTES:
-            self.cache.popitem(last=False)
-        return buf
+    async def _tensor(self, i: int) -> bytearray:
+        while i not in self.cache:
+            busy = self.reading.get(i)
+            if busy is None:
+                await self._fetch(i)
+            else:
+                await busy.wait()
+        self.cache.move_to_end(i)
+        return self.cache[i]
+
+    async def _fetch(self, i: int) -> None:
+        done = self.reading[i] = trio.Event()
+        try:
+            p = self.layout.parts[i]
+            buf = bytearray(p.end - p.begin)
+            t = p.attr["tensor"]
+            await self.client.io.read_settled(p.ino, t["offset"] + len(buf), p.attr["unit"], t["offset"], memoryview(buf), self.layout.snap, self.timeout)
+            self.cache[i] = buf
+            for k in [k for k in self.cache if self.serving[k] <= 0 and k != i]:
+                if sum(map(len, self.cache.values())) <= CACHE_BYTES:
+                    break
+                del self.cache[k]
+        finally:
+            del self.reading[i]
+            done.set()

@@ -169,6 +169,7 @@ class Vfs:
         self.counters: dict[str, int] = {}
         self.latency = Latency()  # per FUSE operation (fs/ops.py observes)
         self.layouts = Layouts(self)  # model layouts and buffers of the step streams
+        self.models = models.ModelFiles(client)  # safetensors files as models (models.py)
         self.door = None  # the shared-memory door (door.py), when the mount serves one
 
     async def drain(self, ino: int | None = None) -> None:
@@ -268,19 +269,11 @@ class Vfs:
 
     async def _entry(self, parent: int, name: str, snap: int = 0) -> dict:
         """The namespace entry ``name`` of ``parent``: a real one, or else, for ``X``, the tensor
-        directory of a model file ``X.safetensors`` (models.py)."""
-        try:
-            return await self.client.lookup(parent, name, snap)
-        except RemoteError as exc:
-            if exc.code != "ENOENT" or name.endswith(SUFFIX):
-                raise
-            try:
-                m = models.model_of(await self.client.lookup(parent, name + SUFFIX, snap))
-            except RemoteError:
-                m = None
-            if m is None:
-                raise exc from None
-            return await self.client.getattr(m["dir"], snap)
+        directory of a model file ``X.safetensors`` (models.py; one call either way)."""
+        attr = await self.client.lookup(parent, name, snap, alias=True)
+        if "alias_of" in attr:
+            self.models.tensor_dirs.add(attr["ino"])
+        return attr
 
     async def lookup(self, parent: int, name: str) -> dict:
         if parent == ROOT and name in HIDDEN:
@@ -337,7 +330,10 @@ class Vfs:
         model = await self.client.lookup(parent, name[: -len(SUFFIX)])
         if not S.S_ISDIR(model["mode"]):
             raise FsError(errno.ENOENT)
-        return await self.getattr(VIEW | model["ino"])
+        header, parts = await self.view_layout(model["ino"])
+        if not parts:  # a directory of no tensors has no model view
+            raise FsError(errno.ENOENT)
+        return await self._view_stat(VIEW | model["ino"], header, parts)
 
     async def readdir(self, ino: int) -> list[tuple[str, dict]]:
         if is_cluster(ino):
@@ -362,7 +358,7 @@ class Vfs:
 
     async def _listed(self, ino: int, snap: int = 0) -> list[tuple[str, dict]]:
         """A directory's entries but the mount's own (tensor directories, unlinked open files)."""
-        return [(n, a) for n, a in await self.client.readdir(ino, snap) if not n.startswith(models.HIDDEN_PREFIX)]
+        return [(n, a) for n, a in await self.client.readdir(ino, snap) if not RESERVED.fullmatch(n)]
 
     async def setattr(self, ino: int, changes: dict[str, Any]) -> dict:
         if ino & SNAP:
@@ -393,7 +389,7 @@ class Vfs:
         """Change a cluster file's attributes; a new size waits for this mount's writes to it
         and zeroes what lies past it. Returns the node's attributes."""
         written = 0
-        attr = await self._plain_if_resized(ino, changes)
+        await self._plain_if_resized(ino, changes)
         if "size" in changes:
             await self.drain(ino)  # a truncate must not be overtaken by an earlier write
             self.forget_fetched(ino)
@@ -413,16 +409,16 @@ class Vfs:
             await self.client.setattr(m["dir"], **mirrored)
         return attr
 
-    async def _plain_if_resized(self, ino: int, changes: dict) -> dict | None:
-        """A model file about to be truncated is plain bytes first (models.py)."""
-        if "size" not in changes:
-            return None
-        attr = await self.client.getattr(ino)
-        if models.model_of(attr) is None:
-            return attr
-        attr = await (models.unmodel if changes["size"] == 0 else models.materialize)(self.client, attr)
-        self.model_changed(ino, attr)
-        return attr
+    async def _plain_if_resized(self, ino: int, changes: dict) -> None:
+        """A model file about to be truncated to another size is plain bytes first (models.py)."""
+        opened = self.open_handles(ino)
+        attr = opened[0].attr if opened else await self.client.getattr(ino) if "size" in changes else {}
+        if "size" not in changes or models.model_of(attr) is None or changes["size"] == attr["size"]:
+            return
+        async with self.models.locked(ino):
+            attr = await self.client.getattr(ino)
+            attr = await (self.models.unmodel if changes["size"] == 0 else self.models.materialize)(attr)
+            self.model_changed(ino, attr)
 
     def model_changed(self, ino: int, attr: dict) -> None:
         """``ino`` became a model file or stopped being one: open files and layouts follow."""
@@ -440,8 +436,13 @@ class Vfs:
             raise FsError(errno.EEXIST, f"{name} is reserved")
         if RESERVED.fullmatch(name):
             raise FsError(errno.EPERM, f"{name} is a name the mount keeps for itself")
+        self._check_not_tensor_dir(parent)
         if not is_cluster(parent):
             raise FsError(errno.EPERM)
+
+    def _check_not_tensor_dir(self, parent: int) -> None:
+        if parent in self.models.tensor_dirs:
+            raise FsError(errno.EPERM, "a model file's tensor directory holds its tensors only: change the file")
 
     async def mkdir(self, parent: int, name: str, mode: int, uid: int, gid: int) -> dict:
         self.layouts.forget()  # tensors may come or go
@@ -493,6 +494,7 @@ class Vfs:
             raise FsError(errno.EROFS)
         if parent == ROOT and name in HIDDEN or not is_cluster(parent):
             raise FsError(errno.EPERM)
+        self._check_not_tensor_dir(parent)
         await self.client.rmdir(parent, name)
 
     async def unlink(self, parent: int, name: str) -> None:
@@ -501,6 +503,7 @@ class Vfs:
             raise FsError(errno.EROFS)
         if parent == ROOT and name in HIDDEN or not is_cluster(parent):
             raise FsError(errno.EPERM)
+        self._check_not_tensor_dir(parent)
         if any(isinstance(h, FileHandle) and not h.snap for h in self.handles.values()):
             # POSIX: a file unlinked while open stays usable until its last close. As NFS does,
             # the mount renames it out of sight instead and unlinks it at that last close.
@@ -522,7 +525,7 @@ class Vfs:
                 raise FsError(errno.EPERM, "remove the model directory, not its view") from None
             raise
         if gone.get("freed"):
-            await models.forget_file(self.client, parent, gone["freed"])
+            await self.models.forget(gone.get("model"), gone["freed"])
 
     async def rename(self, parent: int, name: str, new_parent: int, new_name: str, flags: int) -> None:
         self.layouts.forget()  # tensors may come or go
@@ -531,6 +534,9 @@ class Vfs:
                 raise FsError(errno.EROFS)
             if p == ROOT and n in HIDDEN or not is_cluster(p):
                 raise FsError(errno.EPERM)
+            self._check_not_tensor_dir(p)
+        if RESERVED.fullmatch(new_name):
+            raise FsError(errno.EPERM, f"{new_name} is a name the mount keeps for itself")
         if flags & 2:  # RENAME_EXCHANGE
             raise FsError(errno.EINVAL, "RENAME_EXCHANGE is not supported")
         if flags & 1:  # RENAME_NOREPLACE
@@ -543,14 +549,14 @@ class Vfs:
         r = await self.client.rename(parent, name, new_parent, new_name)
         if r.get("freed"):
             self.pending.pop(r["freed"], None)
-            await models.forget_file(self.client, new_parent, r["freed"])
+            await self.models.forget(r.get("model"), r["freed"])
         for h in self.open_handles(r.get("ino")):
             h.name = new_name  # its flush looks at what the file is under the name it has then
         # a model file's tensor directory moves along; a file named *.safetensors (rsync and
         # safetensors write a temporary name) may become a model, unless open here: then the
         # last writer's flush decides (safetensors renames before it closes)
         if r.get("ino") and (new_parent != parent or new_name.endswith(SUFFIX)):
-            await models.after_rename(self.client, r["ino"], parent, new_parent, new_name, may_convert=not self.open_handles(r["ino"]))
+            await self.models.after_rename(r["ino"], new_parent, new_name, may_convert=not self.open_handles(r["ino"]))
             self.layouts.forget()
 
     # -- files -------------------------------------------------------------------------------------
@@ -595,9 +601,10 @@ class Vfs:
             attr = await self.client.getattr(i, sid)
             if S.S_ISDIR(attr["mode"]):
                 raise FsError(errno.EISDIR)
-            if writes(flags) and models.model_of(attr):  # to be changed: plain bytes first
-                attr = await (models.unmodel if flags & os.O_TRUNC else models.materialize)(self.client, attr)
-                self.model_changed(i, attr)
+            if writes(flags) and flags & os.O_TRUNC and models.model_of(attr):  # rewritten whole
+                async with self.models.locked(i):
+                    attr = await self.models.unmodel(await self.client.getattr(i))
+                    self.model_changed(i, attr)
             if flags & os.O_TRUNC and writes(flags) and attr["size"]:
                 # libfuse asks for atomic O_TRUNC: the kernel sends no setattr, the open truncates
                 attr = await self.setattr_raw(i, {"size": 0})
@@ -674,24 +681,29 @@ class Vfs:
                 try:  # the last close of a file unlinked while open
                     gone = await self.client.unlink(parent, hidden)
                     if gone.get("freed"):
-                        await models.forget_file(self.client, parent, gone["freed"])
+                        await self.models.forget(gone.get("model"), gone["freed"])
                 except RemoteError as exc:
                     log.warning("unlinked file %d not removed at its last close: %s", h.ino, exc)
 
     # -- tensors -----------------------------------------------------------------------------------
     async def detect(self, handle: FileHandle) -> None:
-        """What a file just written holds: a tensor (.npy), a model (models.py, when no other
-        handle of this mount writes it) or plain bytes."""
-        if not await self.detect_tensor(handle.ino, handle.attr, handle.name):
+        """What a file just written holds: a tensor (.npy), a model (models.py, unless another
+        handle of this mount writes it: the last writer's flush decides) or plain bytes."""
+        prefix = await self.detect_tensor(handle.ino, handle.attr, handle.name)
+        if prefix is None or (handle.name and not handle.name.endswith(SUFFIX)):
             return
-        if any(h is not handle and (h.dirty or h.behind is not None) for h in self.open_handles(handle.ino)):
-            return  # the last writer's flush decides
-        if await models.convert(self.client, handle.attr, handle.name or None):
-            self.model_changed(handle.ino, await self.client.getattr(handle.ino))
+        async with self.models.locked(handle.ino):
+            if any(h is not handle and (h.dirty or h.behind is not None) for h in self.open_handles(handle.ino)):
+                return
+            attr = await self.client.getattr(handle.ino)  # as it is now (another flush may have converted it)
+            if attr["version"] == handle.attr["version"]:
+                new = await self.models.convert(attr, handle.name or None, prefix)
+                if new is not None:
+                    self.model_changed(handle.ino, new)
 
-    async def detect_tensor(self, ino: int, attr: dict, name: str) -> bool:
-        """Record whether the file now holds a valid .npy (a tensor) or plain bytes; True if
-        its content may be something else (no .npy magic)."""
+    async def detect_tensor(self, ino: int, attr: dict, name: str) -> bytes | None:
+        """Record whether the file now holds a valid .npy (a tensor) or plain bytes; returns
+        the first bytes read if it may be something else (no .npy magic), else None."""
         size = attr["size"]
         info = None
         prefix = b""
@@ -713,7 +725,7 @@ class Vfs:
         if info != attr.get("tensor"):
             self.layouts.forget()  # a tensor came, went or changed shape
             await self.client.set_tensor(ino, info)
-        return not prefix.startswith(formats.MAGIC)
+        return None if prefix.startswith(formats.MAGIC) else prefix
 
     async def view_layout(self, model: int) -> tuple[bytes, list]:
         return await views.layout(self.client, model)

@@ -13,12 +13,16 @@ Pure: no I/O, no trio.
 from __future__ import annotations
 
 import copy
+import json
 import stat as S
 from typing import Any
 
 from ..transport.base import RemoteError
 
 ROOT = 1
+# internal xattr of a safetensors file that is a model (fs/models.py): {"dir": ino, "start": n}
+MODEL_XATTR = "irdmafs.model"
+MODEL_SUFFIX = ".safetensors"
 NAME_MAX = 255
 PATH_MAX = 4096
 LINK_MAX = 65000  # names one inode may have (ext4's limit)
@@ -80,6 +84,29 @@ class Meta:
 
     def attr(self, ino: int) -> dict:
         return dict(self.inode(ino), ino=ino)
+
+    def model_dir(self, node: dict) -> int | None:
+        """The tensor directory of a model file's inode record (fs/models.py), or None."""
+        try:
+            d = json.loads(node["xattrs"].get(MODEL_XATTR) or "null")
+        except ValueError:
+            return None
+        return d["dir"] if isinstance(d, dict) and d.get("dir") in self.inodes else None
+
+    def lookup_or_model(self, parent: int, name: str) -> dict:
+        """``lookup``, and where ``name`` is missing, the tensor directory of a model file
+        ``name.safetensors`` of the same directory (the name ``X`` of ``X.safetensors``'s
+        tensors: one call for what the mount would otherwise ask twice)."""
+        try:
+            return self.lookup(parent, name)
+        except RemoteError as exc:
+            if exc.code != "ENOENT" or name.endswith(MODEL_SUFFIX):
+                raise
+            ino = self.directory(parent).get(name + MODEL_SUFFIX)
+            d = self.model_dir(self.inodes[ino]) if ino is not None else None
+            if d is None:
+                raise
+            return dict(self.attr(d), alias_of=ino)
 
     def readdir(self, ino: int) -> list[list]:
         return [[name, self.attr(child)] for name, child in sorted(self.directory(ino).items())]
@@ -266,7 +293,7 @@ class Meta:
             del self.inodes[ino]
             freed = ino
         self._touch_dir(parent, op["now"])
-        return {"ino": ino, "freed": freed, "nlink": node["nlink"]}
+        return {"ino": ino, "freed": freed, "nlink": node["nlink"], "model": self._freed_model(node, freed)}
 
     def _op_rmdir(self, op: dict) -> dict:
         parent, name = op["parent"], op["name"]
@@ -301,7 +328,7 @@ class Meta:
         if moving_dir and self._is_ancestor(ino, op["new_parent"]):
             raise _err("EINVAL", "cannot move a directory into itself")
         replaced = dst_dir.get(new_name)
-        freed = None
+        freed = freed_model = None
         if replaced is not None and replaced != ino:
             target = self.inodes[replaced]
             if S.S_ISDIR(target["mode"]):
@@ -323,6 +350,7 @@ class Meta:
                 if target["nlink"] <= 0:
                     del self.inodes[replaced]
                     freed = replaced
+                    freed_model = self._freed_model(target, freed)
         del src_dir[name]
         dst_dir[new_name] = ino
         self.inodes[ino]["parent"] = op["new_parent"]
@@ -332,7 +360,7 @@ class Meta:
         self.inodes[ino]["ctime_ns"] = op["now"]
         self._touch_dir(op["parent"], op["now"])
         self._touch_dir(op["new_parent"], op["now"])
-        return {"ino": ino, "freed": freed}
+        return {"ino": ino, "freed": freed, "model": freed_model}
 
     _SETTABLE = {"mode", "uid", "gid", "atime_ns", "mtime_ns", "size"}
 
@@ -362,6 +390,28 @@ class Meta:
         node["size"] = max(node["size"], op["size"])
         node["mtime_ns"] = node["ctime_ns"] = op["now"]
         node["version"] += 1
+        return self.attr(op["ino"])
+
+    def _freed_model(self, node: dict, freed: int | None) -> int | None:
+        """The tensor directory a freed model file leaves behind (the mount removes it)."""
+        return self.model_dir(node) if freed else None
+
+    def _op_setmodel(self, op: dict) -> dict:
+        """A file becomes a model file (``model`` = {"dir", "start"}: its tensors' bytes now
+        live in directory ``dir``, it keeps its first ``start`` bytes: the node drops its
+        stripes past them, node.py) or stops being one (``model`` None), in one op, so no reader
+        sees the one without the other."""
+        node = self.inode(op["ino"])
+        if not S.S_ISREG(node["mode"]):
+            raise _err("EINVAL", "only a regular file is a model file")
+        model = op["model"]
+        if model is None:
+            node["xattrs"].pop(MODEL_XATTR, None)
+        else:
+            if not (isinstance(model, dict) and model.get("dir") in self.entries and isinstance(model.get("start"), int) and 0 < model["start"] <= node["size"]):
+                raise _err("EINVAL", f"bad model record {model!r}")
+            node["xattrs"][MODEL_XATTR] = json.dumps(model)
+        node["ctime_ns"] = op["now"]
         return self.attr(op["ino"])
 
     def _op_settensor(self, op: dict) -> dict:

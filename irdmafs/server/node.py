@@ -353,6 +353,10 @@ class Node(Membership, Training):
             node = self.meta.inode(op["ino"])
             if node["unit"]:
                 self.store.drop(op["ino"], math.ceil(op["attrs"]["size"] / node["unit"]))
+        if op["op"] == "setmodel" and op["model"]:  # the tensors' bytes live elsewhere now
+            node = self.meta.inode(op["ino"])
+            if node["unit"]:
+                self.store.drop(op["ino"], math.ceil(op["model"]["start"] / node["unit"]))
         return result
 
     async def _forward_meta(self, peer: str, seq: int, op: dict) -> None:
@@ -404,8 +408,9 @@ class Node(Membership, Training):
     async def rpc_meta_snapshot(self) -> dict:
         return self.meta.snapshot()
 
-    async def rpc_lookup(self, parent: int, name: str, snap: int = 0) -> dict:
-        return self.meta.view(snap).lookup(parent, name)
+    async def rpc_lookup(self, parent: int, name: str, snap: int = 0, alias: bool = False) -> dict:
+        view = self.meta.view(snap)
+        return view.lookup_or_model(parent, name) if alias else view.lookup(parent, name)
 
     async def rpc_getattr(self, ino: int, snap: int = 0) -> dict:
         return self.meta.view(snap).attr(ino)
