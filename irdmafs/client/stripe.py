@@ -136,25 +136,34 @@ class StripeIO:
 
     async def read_settled(self, fid: int, size: int, unit: int, offset: int, into: memoryview, snap: int = 0, timeout: float = 30.0) -> int:
         """``read`` of a range that training updates stripe by stripe (a tensor), all of one
-        version: returned once every stripe read shows the same clock (the same steps applied),
-        or, where the clocks differ, once they differ the same way after waiting SETTLE seconds
-        for the stripes behind (stripes trained apart and at rest: no step half applied). A
-        snapshot is frozen: read once. RemoteError EAGAIN if no such read came within
-        ``timeout`` seconds."""
+        version: returned once every stripe read shows the same clock (the same steps applied).
+        Stripes behind the newest clock read are read again once they reach it (waiting up to
+        SETTLE seconds each time); stripes that stay behind without moving for that long are at
+        rest (trained apart, a file grown after training: no step half applied) and taken as
+        they are. A snapshot is frozen: read once. RemoteError EAGAIN if no such read came
+        within ``timeout`` seconds."""
         deadline = trio.current_time() + timeout
-        before: dict | None = None
-        while True:
-            clocks: dict[int, int] = {}
-            n = await self.read(fid, size, unit, offset, into, snap, clocks=clocks)
-            if snap or len(set(clocks.values())) <= 1 or clocks == before:
-                return n
+        clocks: dict[int, int] = {}
+        n = await self.read(fid, size, unit, offset, into, snap, clocks=clocks)
+        pieces = {p.idx: p for p in split(offset, n, unit)}
+        while not snap and len(set(clocks.values())) > 1:
             if trio.current_time() > deadline:
                 raise RemoteError("EAGAIN", f"file {fid}: stripes {clocks} kept moving apart for {timeout:.0f}s")
-            before = clocks
-            try:  # the stripes behind catch up within a round, as a step's pushes land together
-                await self.read(fid, size, unit, offset, into, snap, min_clock=max(clocks.values()), wait=SETTLE)
-            except trio.TooSlowError:
-                pass
+            target = max(clocks.values())
+            behind = {i: c for i, c in clocks.items() if c < target}
+
+            async def catch_up(p: Piece) -> None:
+                try:
+                    await self.read(fid, size, unit, offset + p.pos, into[p.pos : p.pos + p.length], snap, min_clock=target, wait=SETTLE, clocks=clocks)
+                except trio.TooSlowError:
+                    pass
+
+            async with trio.open_nursery() as nursery:
+                for i in behind:
+                    nursery.start_soon(catch_up, pieces[i])
+            if all(clocks[i] == c for i, c in behind.items()):
+                return n  # none of them moved for SETTLE seconds: at rest
+        return n
 
     async def _wait_clock(self, node: str, rkey: int, inc: int, min_clock: int, deadline: float) -> None:
         """Read the stripe header one-sidedly until its clock reaches ``min_clock``; after
