@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,6 +99,7 @@ def main() -> int:
     ap.add_argument("--mount", help="run inside this mounted directory instead of a fresh cluster")
     ap.add_argument("--json", help="write the counts here too")
     ap.add_argument("--failures", type=int, default=20, help="failure lines shown per directory")
+    ap.add_argument("--jobs", type=int, default=2, help="test directories run at once (default 2)")
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("pjdfstest: run as root (its tests switch users and create device nodes)")
@@ -119,13 +121,17 @@ def main() -> int:
             base = mnt
         work = Path(tempfile.mkdtemp(prefix="pjdfstest-", dir=base))
         os.chmod(work, 0o755)
-        results = {}
-        for d in dirs:
-            r = results[d] = run_dir(src, d, work / d)
-            todo = f", {r['todo']} of them TODO" if r["todo"] else ""
-            print(f"pjdfstest {d:<15} {r['passed']:>5} of {r['passed'] + r['failed']:>5} passed ({r['seconds']} s{todo})", flush=True)
-            for f in r["failures"][: args.failures]:
-                print(f"    {f}")
+        # each directory from a directory of its own, --jobs at a time (the tests wait on the
+        # mount's round trips much more than they compute: two at once take the cores)
+        with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+            runs = {d: pool.submit(run_dir, src, d, work / d) for d in dirs}
+            results = {}
+            for d, run in runs.items():
+                r = results[d] = run.result()
+                todo = f", {r['todo']} of them TODO" if r["todo"] else ""
+                print(f"pjdfstest {d:<15} {r['passed']:>5} of {r['passed'] + r['failed']:>5} passed ({r['seconds']} s{todo})", flush=True)
+                for f in r["failures"][: args.failures]:
+                    print(f"    {f}")
         passed = sum(r["passed"] for r in results.values())
         total = sum(r["passed"] + r["failed"] for r in results.values())
         todo = sum(r["todo"] for r in results.values())
