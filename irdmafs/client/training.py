@@ -109,8 +109,11 @@ class Training:
         ``grad`` when the caller names an ``owner`` that lets it know before it reuses the
         memory (``detach``), else as a copy."""
         info = await self.train_info(ino, rank)
-        attr, t = info["attr"], info["tensor"]
         grad = np.asarray(grad)
+        if grad.dtype != np.dtype(info["tensor"]["dtype"]) or grad.shape != tuple(info["tensor"]["shape"]):
+            self.forget_training(ino)  # the tensor may have been written anew since it was cached
+            info = await self.train_info(ino, rank)
+        attr, t = info["attr"], info["tensor"]
         if grad.dtype != np.dtype(t["dtype"]) or grad.shape != tuple(t["shape"]):
             raise RemoteError("EINVAL", f"gradient {grad.dtype}{list(grad.shape)} does not match tensor {t['dtype']}{t['shape']}")
         if grad.dtype.kind != "f":
@@ -308,8 +311,11 @@ class Training:
                 now = trio.current_time()
                 for (ino, _), cached in self._train.items():
                     pinfo = info.get(str(ino))
-                    if pinfo is not None:
-                        # policy changes reach us with the push replies: no refresh call needed
+                    if pinfo is None:
+                        continue
+                    if pinfo.get("version", cached["attr"]["version"]) != cached["attr"]["version"]:
+                        cached["fetched"] = -float("inf")  # written anew: shape and counts refetched
+                    else:  # policy changes reach us with the push replies: no refresh call needed
                         cached.update(pinfo, fetched=now)
         except (NodeDown, RemoteError, AccessError) as exc:
             results = [exc] * len(batch)

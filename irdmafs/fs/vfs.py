@@ -725,6 +725,7 @@ class Vfs:
         if info != attr.get("tensor"):
             self.layouts.forget()  # a tensor came, went or changed shape
             await self.client.set_tensor(ino, info)
+        self.client.forget_training(ino)  # written anew: its shape and push counts are refetched
         return None if prefix.startswith(formats.MAGIC) else prefix
 
     async def view_layout(self, model: int) -> tuple[bytes, list]:

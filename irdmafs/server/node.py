@@ -345,6 +345,7 @@ class Node(Membership, Training):
         # Side effects on data are local and deterministic, so every replica does the same.
         if result.get("freed"):
             self.store.drop(result["freed"])
+            self._forget_training(result["freed"])
         if op["op"] == "unsnapshot":
             self.store.drop_snapshot(result["id"])
         if op["op"] == "setxattr" and op["name"] in ("user.irdma.removed", "user.irdma.workers") and self.cluster:
@@ -352,12 +353,21 @@ class Node(Membership, Training):
         if op["op"] == "setattr" and "size" in op["attrs"]:
             node = self.meta.inode(op["ino"])
             if node["unit"]:
-                self.store.drop(op["ino"], math.ceil(op["attrs"]["size"] / node["unit"]))
+                cut = math.ceil(op["attrs"]["size"] / node["unit"])
+                self.store.drop(op["ino"], cut)
+                self._forget_training(op["ino"], cut)  # a truncated tensor trains from its new start
         if op["op"] == "setmodel" and op["model"]:  # the tensors' bytes live elsewhere now
             node = self.meta.inode(op["ino"])
             if node["unit"]:
                 self.store.drop(op["ino"], math.ceil(op["model"]["start"] / node["unit"]))
         return result
+
+    def _forget_training(self, fid: int, from_idx: int = 0) -> None:
+        """The push bookkeeping of stripes that are gone (their clocks went with them): a tensor
+        written anew (np.save truncates first, a publish with other shapes) starts its training
+        from nothing, on every replica alike."""
+        for key in [k for k in self.training if k[0] == fid and k[1] >= from_idx]:
+            del self.training[key]
 
     async def _forward_meta(self, peer: str, seq: int, op: dict) -> None:
         try:

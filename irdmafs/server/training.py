@@ -96,7 +96,8 @@ class Training:
         """What a pushing client caches about a tensor's model; sent back with every push."""
         model, _, _ = self.model_of(fid)
         x = self.meta.inherited_xattrs(fid)
-        return {"sync": str(model.policy), "workers": model.workers, "active": model.active, "timeout": float(x.get("user.irdma.timeout", "60")), "compress": x.get("user.irdma.compress", "none")}
+        version = self.meta.inode(fid)["version"]  # changed: the client's cached tensor is stale
+        return {"sync": str(model.policy), "workers": model.workers, "active": model.active, "timeout": float(x.get("user.irdma.timeout", "60")), "compress": x.get("user.irdma.compress", "none"), "version": version}
 
     async def on_imm(self, region, offset: int, length: int, imm: int) -> dict:
         """A client's fused pushes, delivered by one WRITE with immediate into its staging slot:

@@ -210,3 +210,47 @@ async def test_r2sp_batch_size_suggestions_for_heterogeneous_workers(model):
     s0, s1 = int(batch[0].read_text()), int(batch[1].read_text())
     assert s0 + s1 in (63, 64, 65) and s0 > 3 * s1
     assert sorted(os.listdir(m / ".irdma" / "workers" / "0")) == ["batch_size"]
+
+
+async def test_a_model_published_again_with_other_shapes_trains_as_it_is_now(local_cluster, mount):
+    """Publish, train a step, publish the same model with other tensor shapes, train again (from
+    the same process and from a new ParameterServer): training follows the tensors as they are
+    now; a gradient that really does not fit is EINVAL naming the tensor."""
+    torch = pytest.importorskip("torch", reason="torch==2.13.0 (CPU) not installed")
+    from irdmafs.steps import close_doors, push_arrays
+    from irdmafs.torch import ParameterServer
+
+    lc = await local_cluster(nodes=3, replicas=2, stripe_unit=1 << 16)
+    m = mount(lc)
+
+    def net(n_in, n_out):
+        torch.manual_seed(n_in)
+        module = torch.nn.Sequential(torch.nn.Linear(n_in, n_out))
+        torch.nn.init.zeros_(module[0].bias)  # as most models start
+        return module
+
+    def train(ps, module, steps=2):
+        ps.pull(module)
+        for _ in range(steps):
+            before = {k: v.detach().clone() for k, v in module.named_parameters()}
+            module.zero_grad(set_to_none=False)
+            module(torch.ones(3, module[0].in_features)).pow(2).sum().backward()
+            grads = {k: v.grad.detach().clone() for k, v in module.named_parameters()}
+            ps.step(module)
+            for k, p in module.named_parameters():
+                assert torch.allclose(p, before[k] - 0.5 * grads[k], atol=1e-6), k
+
+    ps = ParameterServer(m, "mlp", 0)
+    ps.configure(sync="bsp", workers="1", optimizer="sgd lr=0.5", timeout="10")
+    first = net(4, 4)
+    ps.publish(first)
+    train(ps, first)
+    second = net(2, 6)  # "0.weight" is [6, 2] now, "0.bias" [6]
+    ps.publish(second)
+    train(ps, second)
+    close_doors()
+    train(ParameterServer(m, "mlp", 0), net(2, 6))  # a new worker, from what is there now
+    with pytest.raises(OSError) as err:
+        push_arrays(m, "mlp", 0, {"0.weight": np.ones((4, 4), np.float32), "0.bias": np.ones(6, np.float32)})
+    assert err.value.errno == errno.EINVAL and "0.weight" in str(err.value) + (m.parent / "mnt.log").read_text()
+    close_doors()
