@@ -17,7 +17,7 @@ from __future__ import annotations
 import errno
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 import numpy as np
 import trio
@@ -26,18 +26,19 @@ from .. import formats
 from ..server.meta import ROOT
 from . import models
 from .errors import FsError
+from .openfiles import OpenFile
 from .readahead import ReadAhead
 from .writeback import WriteBehind
 
 if TYPE_CHECKING:
-    from .vfs import Vfs
+    from ..client.client import Client
 
 log = logging.getLogger(__name__)
 
 BATCH_XATTR = "user.irdma.batch."  # + rank, on the root: the batch size each rank reported
 
 
-@dataclass
+@dataclass(eq=False)
 class Handle:
     ino: int
 
@@ -68,12 +69,18 @@ class BytesHandle(Handle):
         return memoryview(self.content)[off : off + size]
 
 
-@dataclass
+@dataclass(eq=False)
 class FileHandle(Handle):
-    """A cluster file (live or in a snapshot)."""
+    """A cluster file (live or in a snapshot), through the ``OpenFile`` it refers to (what the
+    mount knows of the file: openfiles.py). What a file holds once written (a tensor, a model)
+    is decided by ``on_flushed``; a model file's conversions are reported by ``on_changed``."""
 
-    vfs: "Vfs" = None  # type: ignore[assignment]
-    attr: dict = field(default_factory=dict)
+    file: OpenFile = None  # type: ignore[assignment]
+    client: "Client" = None  # type: ignore[assignment]
+    models: models.ModelFiles = None  # type: ignore[assignment]
+    slots: trio.Semaphore = None  # type: ignore[assignment]  # stripes on their way, mount-wide
+    on_flushed: Callable[["FileHandle"], Awaitable[None]] | None = None
+    on_changed: Callable[[int, dict], None] | None = None
     snap: int = 0
     size: int = 0  # what this handle knows the size to be, its own unflushed writes included
     dirty: bool = False
@@ -84,24 +91,33 @@ class FileHandle(Handle):
     _read_attr: dict = field(default_factory=dict)
     _model_lock: trio.Lock = field(default_factory=trio.Lock)
 
+    @property
+    def attr(self) -> dict:
+        return self.file.attr
+
+    @attr.setter
+    def attr(self, value: dict) -> None:
+        self.file.attr = value
+
     async def read(self, off: int, size: int) -> memoryview:
         if not self.snap:
-            await self.vfs.models.settled(self.ino)  # a conversion under way here ends first
+            await self.models.settled(self.ino)  # a conversion under way here ends first
         if models.model_of(self.attr) is not None:
             async with self._model_lock:  # reads come concurrently: one layout
                 if self.model is None:
-                    self.model = models.ModelReader(self.vfs.client, await models.layout(self.vfs.client, self.attr, self.snap))
+                    self.model = models.ModelReader(self.client, await models.layout(self.client, self.attr, self.snap))
             return memoryview(await self.model.read(off, size))
         # This mount's writes in flight first. A write that comes in while this waits (its
         # data still in the write-behind) would be missing from what the read-ahead fetches
         # next and keeps, after that write dropped the read-ahead: so wait until none came.
+        f = self.file
         while True:
-            seen = self.vfs.writes_seen.get(self.ino, 0)
-            await self.vfs.drain(self.ino)
+            seen = f.writes_seen
+            await f.drain()
             if off + size > self.attr["size"] and not self.dirty:
                 # another mount may have grown the file since we opened it
-                self.attr = await self.vfs.client.getattr(self.ino, self.snap)
-            if self.vfs.writes_seen.get(self.ino, 0) == seen:
+                self.attr = await self.client.getattr(self.ino, self.snap)
+            if f.writes_seen == seen:
                 break  # and no await from here until the read-ahead has started its fetches
         attr = dict(self.attr, size=max(self.attr["size"], self.size))
         if self.reader is None:
@@ -110,36 +126,37 @@ class FileHandle(Handle):
         return await self.reader.read(off, size, attr["size"], attr["unit"])
 
     async def _fetch(self, off: int, into: memoryview) -> int:
-        return await self.vfs.client.read_into(self.ino, off, into, self._read_attr, self.snap)
+        return await self.client.read_into(self.ino, off, into, self._read_attr, self.snap)
 
     async def write(self, off: int, data: bytes) -> int:
-        await self.vfs.models.settled(self.ino)  # a conversion under way here ends first
+        await self.models.settled(self.ino)  # a conversion under way here ends first
         if models.model_of(self.attr) is not None:  # a model file written in place
-            async with self.vfs.models.locked(self.ino):
-                attr = await self.vfs.models.materialize(await self.vfs.client.getattr(self.ino))
-                self.vfs.model_changed(self.ino, attr)
+            async with self.models.locked(self.ino):
+                attr = await self.models.materialize(await self.client.getattr(self.ino))
+                self.on_changed(self.ino, attr)
         # dirty before anything awaits: a conversion starting now sees this handle writing
         self.dirty = True
-        self.vfs.writes_seen[self.ino] = self.vfs.writes_seen.get(self.ino, 0) + 1
+        f = self.file
+        f.writes_seen += 1
         if self.behind is None:
-            self.behind = WriteBehind(self.vfs.client, self.ino, self.attr, self.vfs.write_slots)
-            self.vfs.writers.setdefault(self.ino, set()).add(self.behind)
+            self.behind = WriteBehind(self.client, self.ino, self.attr, self.slots)
+            f.writers.add(self.behind)
         await self.behind.write(off, data)
-        self.vfs.forget_fetched(self.ino)
+        f.forget_fetched()
         self.size = max(self.size, off + len(data))
         self.dirty = True
-        self.vfs.pending[self.ino] = max(self.vfs.pending.get(self.ino, 0), self.size)
+        f.pending = max(f.pending, self.size)
         return len(data)
 
     async def flush(self) -> None:
         if not self.dirty:
             return
         await self.behind.drain()
-        self.attr = await self.vfs.client.extend(self.ino, self.size)
+        self.attr = await self.client.extend(self.ino, self.size)
         self.dirty = False
-        if self.vfs.pending.get(self.ino, 0) <= self.attr["size"]:
-            self.vfs.pending.pop(self.ino, None)
-        await self.vfs.detect(self)
+        if self.file.pending <= self.attr["size"]:
+            self.file.pending = 0
+        await self.on_flushed(self)
 
 
 @dataclass
@@ -163,7 +180,7 @@ class PushHandle(BufferedHandle):
     """``.workers/<rank>/.../t.npy`` opened for writing: the bytes written are one gradient
     (an .npy, or the raw data bytes), pushed at flush."""
 
-    vfs: "Vfs" = None  # type: ignore[assignment]
+    client: "Client" = None  # type: ignore[assignment]
     rank: int = 0
     direct: bool = True  # written once and pushed: no page cache
 
@@ -172,7 +189,7 @@ class PushHandle(BufferedHandle):
         # numpy's tofile ignores) must fail again at the final close.
         if not self.dirty:
             return
-        client = self.vfs.client
+        client = self.client
         t = (await client.train_info(self.ino, self.rank))["tensor"]
         dtype, shape = np.dtype(t["dtype"]), tuple(t["shape"])
         data = bytes(self.buf)
@@ -194,14 +211,14 @@ class PushHandle(BufferedHandle):
 
     async def fsync(self) -> None:
         await self.flush()
-        await self.vfs.client.wait_applied(self.ino, self.rank)
+        await self.client.wait_applied(self.ino, self.rank)
 
 
 @dataclass
 class BatchSizeHandle(BufferedHandle):
     """``.irdma/workers/<r>/batch_size`` opened for writing: the rank reports its batch size."""
 
-    vfs: "Vfs" = None  # type: ignore[assignment]
+    client: "Client" = None  # type: ignore[assignment]
     rank: int = 0
 
     async def flush(self) -> None:
@@ -210,5 +227,5 @@ class BatchSizeHandle(BufferedHandle):
         text = self.buf.decode(errors="replace").strip()
         if not text.isdigit() or int(text) < 1:
             raise FsError(errno.EINVAL, f"a batch size is a positive integer, not {text!r}")
-        await self.vfs.client.setxattr(ROOT, f"{BATCH_XATTR}{self.rank}", text)
+        await self.client.setxattr(ROOT, f"{BATCH_XATTR}{self.rank}", text)
         self.dirty = False

@@ -104,7 +104,7 @@ class Operations(pyfuse3.Operations):
             # futimens after writes (cp -a, tar, rsync): this mount's unflushed writes to the
             # file move its mtime when flushed, so they go first. The kernel names no handle
             # for futimens (only ftruncate carries one): every open handle of the file flushes.
-            for h in self.vfs.open_handles(inode):
+            for h in self.vfs.files.handles(inode):
                 await h.flush()
         return entry(await self.vfs.setattr(inode, changes) if changes else await self.vfs.getattr(inode))
 

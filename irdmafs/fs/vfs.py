@@ -44,12 +44,12 @@ from ..client.client import Client
 from ..metrics import Latency, as_dict, mount_samples
 from ..server.meta import ROOT
 from ..transport.base import RemoteError
-from . import models, views, writeback
+from . import models, views
 from .errors import FsError
 from .handles import BATCH_XATTR, BatchSizeHandle, BytesHandle, FileHandle, Handle, PushHandle
+from .openfiles import OpenFiles
 from .streams import Layouts, PullStreamHandle, PushStreamHandle
 from .views import ViewReadHandle, ViewWriteHandle
-from .writeback import WriteBehind
 
 log = logging.getLogger(__name__)
 
@@ -160,11 +160,7 @@ class Vfs:
         self.client = client
         self.status = status or {}
         self.handles: dict[int, Handle] = {}
-        self.pending: dict[int, int] = {}  # ino -> size written through this mount, not yet flushed
-        self.writes_seen: dict[int, int] = {}  # ino -> writes this mount took for it (reads wait them out)
-        self.writers: dict[int, set[WriteBehind]] = {}
-        self.unlinked: dict[int, tuple[int, str]] = {}  # ino -> (parent, hidden name) until last close  # ino -> open files' writes on their way
-        self.write_slots = trio.Semaphore(writeback.SLOTS)
+        self.files = OpenFiles()  # what the mount knows of each file it has open (openfiles.py)
         self._fh = itertools.count(1)
         self.counters: dict[str, int] = {}
         self.latency = Latency()  # per FUSE operation (fs/ops.py observes)
@@ -172,34 +168,22 @@ class Vfs:
         self.models = models.ModelFiles(client)  # safetensors files as models (models.py)
         self.door = None  # the shared-memory door (door.py), when the mount serves one
 
-    async def drain(self, ino: int | None = None) -> None:
-        """Until the writes this mount has on their way to ``ino`` (or to any file) have landed."""
-        for i in [ino] if ino is not None else list(self.writers):
-            for w in list(self.writers.get(i, ())):
-                await w.drain()
-
-    def open_handles(self, ino: int, kind: type = None) -> list:
-        """This mount's open handles of ``ino`` (FileHandles by default; of the live file, not a
-        snapshot's)."""
-        kind = kind or FileHandle
-        return [h for h in self.handles.values() if isinstance(h, kind) and h.ino == ino and not getattr(h, "snap", 0)]
-
-    def forget_fetched(self, ino: int) -> None:
-        """Open files of ``ino`` drop the stripes they read ahead: this mount changed them."""
-        for h in self.open_handles(ino):
-            if h.reader is not None:
-                h.reader.invalidate()
+    def open_handles(self, ino: int, kind: type) -> list:
+        """This mount's open handles of ``ino`` of a kind made whole at open (views, status
+        files); a cluster file's are its ``OpenFile``'s."""
+        return [h for h in self.handles.values() if isinstance(h, kind) and h.ino == ino]
 
     # -- attributes ------------------------------------------------------------------------------
     def stat_of(self, attr: dict, ino: int | None = None, readonly: bool = False) -> dict:
         mode = attr["mode"] & ~0o222 if readonly else attr["mode"]
-        size = max(attr["size"], self.pending.get(attr["ino"], 0)) if not readonly else attr["size"]
+        f = None if readonly else self.files.get(attr["ino"])
+        size = max(attr["size"], f.pending) if f else attr["size"]
         cache = {"attr_timeout": DIR_ATTR_SECONDS} if S.S_ISDIR(mode) else {}
         return cache | {
             "st_ino": ino or attr["ino"],
             "st_mode": mode,
             # a file unlinked while open keeps a hidden name until its last close: not counted
-            "st_nlink": attr["nlink"] - (not readonly and attr["ino"] in self.unlinked),
+            "st_nlink": attr["nlink"] - bool(f and f.unlinked),
             "st_uid": attr["uid"],
             "st_gid": attr["gid"],
             "st_size": size,
@@ -224,8 +208,8 @@ class Vfs:
         if is_cluster(ino):
             # The kernel asks before every read (libfuse turns auto_inval_data on); while this
             # mount has the file open, what the open fetched answers (close-to-open, as NFS does)
-            opened = self.open_handles(ino)
-            return self.stat_of(opened[0].attr if opened else await self.client.getattr(ino))
+            f = self.files.get(ino)
+            return self.stat_of(f.attr if f else await self.client.getattr(ino))
         if ino & SNAP:
             sid, i = split_snap(ino)
             return self.stat_of(await self.client.getattr(i, sid), ino, readonly=True)
@@ -390,17 +374,19 @@ class Vfs:
         and zeroes what lies past it. Returns the node's attributes."""
         written = 0
         await self._plain_if_resized(ino, changes)
-        if "size" in changes:
-            await self.drain(ino)  # a truncate must not be overtaken by an earlier write
-            self.forget_fetched(ino)
+        f = self.files.get(ino)
+        if "size" in changes and f:
+            await f.drain()  # a truncate must not be overtaken by an earlier write
+            f.forget_fetched()
             # data this mount wrote past the size the nodes know (not yet extended) is in the
             # stripes too: the truncate must zero it as well, or a later grow shows it again
-            written = max([self.pending.pop(ino, 0)] + [h.size for h in self.open_handles(ino)])
-            for h in self.open_handles(ino):
+            written = max([f.pending] + [h.size for h in f.handles])
+            f.pending = 0
+            for h in f.handles:
                 h.size = min(h.size, changes["size"])
         attr = await self.client.setattr(ino, written=written, **changes)
-        for h in self.open_handles(ino):
-            h.attr = attr  # open files answer getattr: keep them current
+        if f:
+            f.attr = attr  # open files answer getattr: keep them current
         m = models.model_of(attr)
         if m is not None and {"mode", "uid", "gid"} & set(changes):  # its tensors follow
             mirrored = {k: v for k, v in changes.items() if k in ("uid", "gid")}
@@ -411,8 +397,8 @@ class Vfs:
 
     async def _plain_if_resized(self, ino: int, changes: dict) -> None:
         """A model file about to be truncated to another size is plain bytes first (models.py)."""
-        opened = self.open_handles(ino)
-        attr = opened[0].attr if opened else await self.client.getattr(ino) if "size" in changes else {}
+        f = self.files.get(ino)
+        attr = f.attr if f else await self.client.getattr(ino) if "size" in changes else {}
         if "size" not in changes or models.model_of(attr) is None or changes["size"] == attr["size"]:
             return
         async with self.models.locked(ino):
@@ -423,10 +409,9 @@ class Vfs:
     def model_changed(self, ino: int, attr: dict) -> None:
         """``ino`` became a model file or stopped being one: open files and layouts follow."""
         self.layouts.forget()
-        for h in self.open_handles(ino):
-            h.attr, h.model = attr, None
-            if h.reader is not None:
-                h.reader.invalidate()
+        f = self.files.get(ino)
+        if f:
+            f.changed(attr)
 
     # -- directories -----------------------------------------------------------------------------
     def _check_create(self, parent: int, name: str) -> None:
@@ -447,7 +432,7 @@ class Vfs:
     async def mkdir(self, parent: int, name: str, mode: int, uid: int, gid: int) -> dict:
         self.layouts.forget()  # tensors may come or go
         if parent == SNAPSHOTS_DIR:
-            await self.drain()  # what this mount wrote before the mkdir is in the snapshot
+            await self.files.drain()  # what this mount wrote before the mkdir is in the snapshot
             snap = await self.client.take_snapshot(name)
             log.info("snapshot %r taken (id %d)", name, snap["id"])
             return await self.getattr(snap_ino(snap["id"], ROOT))
@@ -504,7 +489,7 @@ class Vfs:
         if parent == ROOT and name in HIDDEN or not is_cluster(parent):
             raise FsError(errno.EPERM)
         self._check_not_tensor_dir(parent)
-        if any(isinstance(h, FileHandle) and not h.snap for h in self.handles.values()):
+        if self.files.files:
             # POSIX: a file unlinked while open stays usable until its last close. As NFS does,
             # the mount renames it out of sight instead and unlinks it at that last close.
             try:
@@ -513,10 +498,11 @@ class Vfs:
                 found = {"ino": None}
             ino = found["ino"]
             # the last name of an open file (with others left, the file lives on anyway)
-            if ino is not None and self.open_handles(ino) and found["nlink"] <= 1:
+            f = self.files.get(ino)
+            if f and found["nlink"] <= 1:
                 hidden = f"{UNLINKED}{ino}"
                 await self.client.rename(parent, name, parent, hidden)
-                self.unlinked[ino] = (parent, hidden)
+                f.unlinked = (parent, hidden)
                 return
         try:
             gone = await self.client.unlink(parent, name)
@@ -548,15 +534,14 @@ class Vfs:
                     raise
         r = await self.client.rename(parent, name, new_parent, new_name)
         if r.get("freed"):
-            self.pending.pop(r["freed"], None)
             await self.models.forget(r.get("model"), r["freed"])
-        for h in self.open_handles(r.get("ino")):
+        for h in self.files.handles(r.get("ino")):
             h.name = new_name  # its flush looks at what the file is under the name it has then
         # a model file's tensor directory moves along; a file named *.safetensors (rsync and
         # safetensors write a temporary name) may become a model, unless open here: then the
         # last writer's flush decides (safetensors renames before it closes)
         if r.get("ino") and (new_parent != parent or new_name.endswith(SUFFIX)):
-            await self.models.after_rename(r["ino"], new_parent, new_name, may_convert=not self.open_handles(r["ino"]))
+            await self.models.after_rename(r["ino"], new_parent, new_name, may_convert=not self.files.handles(r["ino"]))
             self.layouts.forget()
 
     # -- files -------------------------------------------------------------------------------------
@@ -570,7 +555,7 @@ class Vfs:
             rank, i = split_work(ino)
             if writes(flags):
                 await self.client.train_info(i, rank)  # EINVAL now if it cannot take pushes
-                return self._register(PushHandle(i, vfs=self, rank=rank))
+                return self._register(PushHandle(i, client=self.client, rank=rank))
             info = await self.client.train_info(i, rank)
             t = info["tensor"]
             out = np.empty(t["shape"], t["dtype"])
@@ -608,13 +593,13 @@ class Vfs:
             if flags & os.O_TRUNC and writes(flags) and attr["size"]:
                 # libfuse asks for atomic O_TRUNC: the kernel sends no setattr, the open truncates
                 attr = await self.setattr_raw(i, {"size": 0})
-            return self._register(FileHandle(i, self, attr, sid, attr["size"]))
+            return self._file_handle(i, attr, sid)
         if ino & VIEW:
             model = ino & ~VIEW
             if writes(flags):
-                return self._register(ViewWriteHandle(ino, vfs=self, model=model))
+                return self._register(ViewWriteHandle(ino, client=self.client, model=model))
             header, parts = await self.view_layout(model)
-            return self._register(ViewReadHandle(ino, self, header, parts, await self._view_stat(ino, header, parts)))
+            return self._register(ViewReadHandle(ino, self.client, header, parts, await self._view_stat(ino, header, parts)))
         if ino in (CLUSTER_FILE, STATS_FILE):
             if writes(flags):
                 raise FsError(errno.EACCES)
@@ -622,15 +607,25 @@ class Vfs:
         if BATCH_FILE <= ino < BATCH_FILE + MAX_RANK:
             rank = ino - BATCH_FILE
             if writes(flags):
-                return self._register(BatchSizeHandle(ino, vfs=self, rank=rank))
+                return self._register(BatchSizeHandle(ino, client=self.client, rank=rank))
             return self._register(BytesHandle(ino, await self.batch_content(rank)))
         raise FsError(errno.EISDIR if ino in (IRDMA_DIR, SNAPSHOTS_DIR, WORKERS_DIR) else errno.ENOENT)
 
     async def create(self, parent: int, name: str, mode: int, flags: int, uid: int, gid: int) -> tuple[int, dict]:
         self._check_create(parent, name)
         attr = await self.client.create(parent, name, mode, uid, gid)
-        fh = self._register(FileHandle(attr["ino"], self, attr, 0, 0, name=name))
+        fh = self._file_handle(attr["ino"], attr, 0, name)
         return fh, self.stat_of(attr)
+
+    def _file_handle(self, ino: int, attr: dict, snap: int, name: str = "") -> int:
+        """A handle of a cluster file, referring to what the mount knows of it (openfiles.py);
+        the attributes fetched by this open are the file's from now on (close-to-open)."""
+        f = self.files.open(ino, attr, snap)
+        f.attr = attr
+        h = FileHandle(ino, file=f, client=self.client, models=self.models, slots=self.files.write_slots, on_flushed=self.detect, on_changed=self.model_changed, snap=snap, size=attr["size"], name=name)
+        if not snap:
+            f.handles.add(h)
+        return self._register(h)
 
     def handle(self, fh: int) -> Handle:
         h = self.handles.get(fh)
@@ -670,14 +665,9 @@ class Vfs:
         finally:
             if isinstance(h, (PushStreamHandle, PullStreamHandle)):
                 h.close()  # its buffer serves the next step
-            if isinstance(h, FileHandle) and h.behind is not None:
-                self.writers.get(h.ino, set()).discard(h.behind)
-                if not self.writers.get(h.ino):
-                    self.writers.pop(h.ino, None)
-            if isinstance(h, FileHandle) and not self.open_handles(h.ino):
-                self.writes_seen.pop(h.ino, None)  # no open handle left to read against the count
-            if isinstance(h, FileHandle) and h.ino in self.unlinked and not self.open_handles(h.ino):
-                parent, hidden = self.unlinked.pop(h.ino)
+            last = self.files.close(h) if isinstance(h, FileHandle) and not h.snap else None
+            if last is not None and last.unlinked:
+                parent, hidden = last.unlinked
                 try:  # the last close of a file unlinked while open
                     gone = await self.client.unlink(parent, hidden)
                     if gone.get("freed"):
@@ -693,7 +683,7 @@ class Vfs:
         if prefix is None or (handle.name and not handle.name.endswith(SUFFIX)):
             return
         async with self.models.locked(handle.ino):
-            if any(h is not handle and (h.dirty or h.behind is not None) for h in self.open_handles(handle.ino)):
+            if any(h is not handle and (h.dirty or h.behind is not None) for h in self.files.handles(handle.ino)):
                 return
             attr = await self.client.getattr(handle.ino)  # as it is now (another flush may have converted it)
             if attr["version"] == handle.attr["version"]:
@@ -730,9 +720,6 @@ class Vfs:
 
     async def view_layout(self, model: int) -> tuple[bytes, list]:
         return await views.layout(self.client, model)
-
-    async def apply_safetensors(self, model: int, data: bytes) -> None:
-        await views.apply(self.client, model, data)
 
     async def batch_content(self, rank: int) -> bytes:
         """The batch size suggested to ``rank`` (r2sp, heterogeneous workers): proportional to

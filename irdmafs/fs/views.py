@@ -28,7 +28,6 @@ from .readahead import ReadAhead
 
 if TYPE_CHECKING:
     from ..client.client import Client
-    from .vfs import Vfs
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +39,7 @@ META_XATTR = "user.irdma.safetensors_metadata"
 class ViewReadHandle(Handle):
     """The safetensors stream of a directory, laid out at open."""
 
-    vfs: "Vfs" = None  # type: ignore[assignment]
+    client: "Client" = None  # type: ignore[assignment]
     header: bytes = b""
     parts: list = field(default_factory=list)  # (entry, file attr) in data order
     stat: dict = field(default_factory=dict)  # its attributes as of the open
@@ -72,7 +71,7 @@ class ViewReadHandle(Handle):
                     if a < b:
                         dst = view[a - lo : b - lo]
                         src = attr["tensor"]["offset"] + a - entry.begin
-                        n.start_soon(self.vfs.client.read_into, attr["ino"], src, dst, attr)
+                        n.start_soon(self.client.read_into, attr["ino"], src, dst, attr)
         return size
 
 
@@ -80,7 +79,7 @@ class ViewReadHandle(Handle):
 class ViewWriteHandle(BufferedHandle):
     """A safetensors stream being written; applied as a whole at flush."""
 
-    vfs: "Vfs" = None  # type: ignore[assignment]
+    client: "Client" = None  # type: ignore[assignment]
     model: int = 0  # the model directory's inode
 
     async def read(self, off: int, size: int) -> memoryview:
@@ -89,7 +88,7 @@ class ViewWriteHandle(BufferedHandle):
     async def flush(self) -> None:
         if not self.dirty:
             return
-        await self.vfs.apply_safetensors(self.model, bytes(self.buf))
+        await apply(self.client, self.model, bytes(self.buf))
         self.dirty = False  # only once applied: a failed flush fails again at close
 
 
