@@ -51,7 +51,9 @@ def fuse_options(extra: list[str]) -> set[str]:
     return opts
 
 
-async def run_mount(cfg: ClusterConfig, mountpoint: str, options: list[str] | None = None, *, metrics: str | None = None, task_status=trio.TASK_STATUS_IGNORED) -> None:
+async def run_mount(
+    cfg: ClusterConfig, mountpoint: str, options: list[str] | None = None, *, metrics: str | None = None, task_status=trio.TASK_STATUS_IGNORED
+) -> None:
     import pyfuse3
 
     from .fs.door import DoorServer
@@ -61,9 +63,15 @@ async def run_mount(cfg: ClusterConfig, mountpoint: str, options: list[str] | No
     keep_freed_memory()  # request-sized buffers come and go by the hundred per step: reuse them
     transport = choose(cfg.transport, cfg.token, op_timeout=cfg.op_timeout)
     async with Client.connect(cfg, transport) as client:
-        status = {"config": os.path.abspath(cfg.path) if cfg.path else None, "mountpoint": os.path.abspath(mountpoint), "mount_pid": os.getpid(), "transport": transport.name, "replicas": cfg.replicas}
+        status = {
+            "config": os.path.abspath(cfg.path) if cfg.path else None,
+            "mountpoint": os.path.abspath(mountpoint),
+            "mount_pid": os.getpid(),
+            "transport": transport.name,
+            "replicas": cfg.replicas,
+        }
         vfs = Vfs(client, status=status)
-        vfs.door = DoorServer(vfs)
+        vfs.door = DoorServer(vfs.streams)
         ops = Operations(vfs)
         if metrics:
             from .metrics import mount_samples, serve

@@ -116,8 +116,8 @@ class DoorServer:
     """The mount's side of the door: tickets for the ``.door`` files, and one session per
     worker that came in with one."""
 
-    def __init__(self, vfs) -> None:
-        self.vfs = vfs
+    def __init__(self, streams) -> None:
+        self.streams = streams
         self.name = f"irdmafs-door-{secrets.token_hex(12)}"
         self._tickets: dict[str, Ticket] = {}
         self.sessions = 0
@@ -166,7 +166,7 @@ class DoorServer:
                 await send_frame(sock, {"errno": errno.EAGAIN, "error": "EAGAIN", "message": f"{MAX_SESSIONS} doors open on this mount"})
                 return
             try:
-                session = await _Session.open(self.vfs, ticket)
+                session = await _Session.open(self.streams, ticket)
             except (FsError, RemoteError, TransportError) as exc:  # the model cannot be laid out
                 code = errno_for(exc, "door open")
                 await send_frame(sock, {"errno": code, "error": errno.errorcode.get(code, "EIO"), "message": str(exc)})
@@ -192,8 +192,8 @@ class DoorServer:
 class _Session:
     """One worker's door: its region and the model layout it was made for."""
 
-    def __init__(self, vfs, ticket: Ticket, layout, fd: int, region: mmap.mmap, pull_at: int):
-        self.vfs, self.rank, self.model = vfs, ticket.rank, ticket.model
+    def __init__(self, streams, ticket: Ticket, layout, fd: int, region: mmap.mmap, pull_at: int):
+        self.streams, self.rank, self.model = streams, ticket.rank, ticket.model
         self.layout, self.fd, self.region, self.pull_at = layout, fd, region, pull_at
         view = memoryview(region)
         self.push_area = view[: layout.size]
@@ -202,8 +202,8 @@ class _Session:
         self.owner = np.frombuffer(region, np.uint8, layout.size)
 
     @classmethod
-    async def open(cls, vfs, ticket: Ticket) -> "_Session":
-        layout = await vfs.layouts.get(ticket.model, fresh=True)
+    async def open(cls, streams, ticket: Ticket) -> "_Session":
+        layout = await streams.layouts.get(ticket.model, fresh=True)
         pull_at = _area(layout.size)
         fd = os.memfd_create(f"irdmafs-door-{ticket.rank}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
@@ -217,7 +217,7 @@ class _Session:
         head = len(layout.header)
         region[:head] = layout.header
         region[pull_at : pull_at + head] = layout.header
-        return cls(vfs, ticket, layout, fd, region, pull_at)
+        return cls(streams, ticket, layout, fd, region, pull_at)
 
     async def run(self, sock) -> None:
         await send_frame(sock, {"ok": 1, "size": self.layout.size, "push": 0, "pull": self.pull_at, "header": len(self.layout.header), "region": 2 * self.pull_at}, self.fd)
@@ -240,23 +240,23 @@ class _Session:
     async def serve(self, op: str, doc: dict) -> None:
         if op == "push":
             await self._fresh()
-            await push_stream(self.vfs, self.rank, self.model, self.push_area, owner=self.owner, only=self._only(doc))
+            await push_stream(self.streams, self.rank, self.model, self.push_area, owner=self.owner, only=self._only(doc))
         elif op == "step":  # a push and the pull after it, overlapped (streams.step_stream)
             await self._fresh()
             only = self._only(doc)
-            await step_stream(self.vfs, self.rank, self.model, self.push_area, self.layout, self.pull_area, owner=self.owner, only=only)
-            self.vfs.client.detach(self.owner)
+            await step_stream(self.streams, self.rank, self.model, self.push_area, self.layout, self.pull_area, owner=self.owner, only=only)
+            self.streams.client.detach(self.owner)
         elif op == "pull":
             await self._fresh()
-            await pull_stream(self.vfs, self.rank, self.layout, self.pull_area)
-            self.vfs.client.detach(self.owner)  # released: the worker may write it again
+            await pull_stream(self.streams, self.rank, self.layout, self.pull_area)
+            self.streams.client.detach(self.owner)  # released: the worker may write it again
         elif op == "check":  # the worker met a tensor name its layout lacks: still current?
             await self._fresh(reread=True)
         elif op == "release":
-            self.vfs.client.detach(self.owner)
+            self.streams.client.detach(self.owner)
         elif op == "fsync":
-            for ino in self.vfs.client.pushed_tensors(self.rank):
-                await self.vfs.client.wait_applied(ino, self.rank)
+            for ino in self.streams.client.pushed_tensors(self.rank):
+                await self.streams.client.wait_applied(ino, self.rank)
         else:
             raise FsError(errno.EINVAL, f"unknown door request {op!r}")
 
@@ -268,13 +268,13 @@ class _Session:
         return None if only is None else set(only)
 
     async def _fresh(self, reread: bool = False) -> None:
-        now = await self.vfs.layouts.get(self.model, fresh=reread)
+        now = await self.streams.layouts.get(self.model, fresh=reread)
         if now.header != self.layout.header:
             raise FsError(errno.ESTALE, "the model's tensors changed since the door opened: open it again")
 
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
-        self.vfs.client.detach(self.owner)
+        self.streams.client.detach(self.owner)
         self.owner = None
         del self.push_area, self.pull_area

@@ -60,15 +60,13 @@ import trio
 from .. import formats
 from ..client.client import Client
 from ..cluster import NodeDown, Unavailable
-from ..server.meta import MODEL_SUFFIX, MODEL_XATTR
+from ..server.meta import MODEL_XATTR
 from ..transport.base import RemoteError
 from .errors import FsError
+from .inodes import RESERVED, SUFFIX, TENSOR_DIR
 
 log = logging.getLogger(__name__)
 
-HIDDEN_PREFIX = ".irdmafs-"  # names the mount keeps for itself (see vfs.RESERVED)
-TENSOR_DIR = HIDDEN_PREFIX + "model-"  # + the file's inode: its tensor directory
-SUFFIX = MODEL_SUFFIX
 PROBE = 4096  # first bytes looked at to tell whether a file may be a safetensors stream
 CACHE_BYTES = 64 << 20  # whole tensors a reader keeps (at least the ones it is serving)
 COPY_CHUNK = 16 << 20  # bytes per read and write when tensor bytes are copied
@@ -155,6 +153,18 @@ class ModelFiles:
         finally:
             if not lock.locked() and not lock.statistics().tasks_waiting and self._locks.get(ino) is lock:
                 del self._locks[ino]
+
+    async def entry(self, parent: int, name: str, snap: int = 0) -> dict:
+        """The namespace entry ``name`` of ``parent``: a real one, or else, for ``X``, the tensor
+        directory of a model file ``X.safetensors`` (one call either way)."""
+        attr = await self.client.lookup(parent, name, snap, alias=True)
+        if "alias_of" in attr:
+            self.tensor_dirs.add(attr["ino"])
+        return attr
+
+    async def listed(self, ino: int, snap: int = 0) -> list[tuple[str, dict]]:
+        """A directory's entries but the mount's own (tensor directories, unlinked open files)."""
+        return [(n, a) for n, a in await self.client.readdir(ino, snap) if not RESERVED.fullmatch(n)]
 
     async def settled(self, ino: int) -> None:
         """Until no conversion of ``ino`` is under way here."""

@@ -34,13 +34,19 @@ from functools import partial
 import numpy as np
 import trio
 
+from typing import TYPE_CHECKING
+
 from .. import formats
 from ..util import single_exception
+from . import views
 from .errors import FsError
+
+if TYPE_CHECKING:
+    from ..client.client import Client
 
 log = logging.getLogger(__name__)
 
-LAYOUT_SECONDS = 60.0  # as long as the kernel caches .workers entries (vfs.WORK_CACHE_SECONDS)
+LAYOUT_SECONDS = 60.0  # as long as the kernel caches .workers entries (inodes.WORK_CACHE_SECONDS)
 
 
 @dataclass
@@ -59,18 +65,27 @@ class Layout:
         return {e.name: (e, a) for e, a in self.parts}
 
 
+@dataclass
+class Streams:
+    """What a step stream works with, through the files or the door: the mount's client and
+    its layouts of models."""
+
+    client: "Client"
+    layouts: "Layouts"
+
+
 class Layouts:
     """Per-mount cache of model layouts, and the reusable stream buffers."""
 
-    def __init__(self, vfs) -> None:
-        self.vfs = vfs
+    def __init__(self, client) -> None:
+        self.client = client
         self._cache: dict[int, Layout] = {}
         self._buffers: dict[tuple[str, int, int], bytearray] = {}
 
     async def get(self, model: int, *, fresh: bool = False) -> Layout:
         cached = self._cache.get(model)
         if fresh or cached is None or trio.current_time() - cached.at > LAYOUT_SECONDS:
-            header, parts = await self.vfs.view_layout(model)
+            header, parts = await views.layout(self.client, model)
             cached = self._cache[model] = Layout(header, parts, trio.current_time())
         return cached
 
@@ -86,48 +101,48 @@ class Layouts:
         if buf is None or len(buf) < size or len(buf) > 2 * size + (1 << 20):
             buf = bytearray(size)
         else:
-            self.vfs.client.detach(buf)
+            self.client.detach(buf)
         return buf
 
     def give_back(self, kind: str, rank: int, model: int, buf: bytearray) -> None:
         self._buffers[(kind, rank, model)] = buf
 
 
-async def push_stream(vfs, rank: int, model: int, data: memoryview, *, owner: object, only: set[str] | None = None) -> None:
+async def push_stream(streams: Streams, rank: int, model: int, data: memoryview, *, owner: object, only: set[str] | None = None) -> None:
     """Push one step's gradients of ``rank``: ``data`` is a safetensors stream of them (what a
     push stream handle gathered, or a door's push area), or of those named in ``only``. Every
     entry is checked against the model first, so a bad stream gets EINVAL and pushes nothing;
     then all go at once. The client may keep views of ``data`` for open rounds until ``owner``
     is detached."""
-    pushes = await _validate(vfs, rank, model, data, only)
+    pushes = await _validate(streams, rank, model, data, only)
     with single_exception():
         async with trio.open_nursery() as n:
             for ino, grad in pushes.values():
-                n.start_soon(partial(vfs.client.push, ino, rank, grad, owner=owner))
+                n.start_soon(partial(streams.client.push, ino, rank, grad, owner=owner))
 
 
-async def pull_stream(vfs, rank: int, layout: Layout, buf: memoryview) -> None:
+async def pull_stream(streams: Streams, rank: int, layout: Layout, buf: memoryview) -> None:
     """Every parameter of ``layout`` as ``rank`` may see it now, into ``buf`` (at least the
     stream's size; its header is the caller's), concurrently."""
     with single_exception():
         async with trio.open_nursery() as n:
             for e, attr in layout.parts:
-                n.start_soon(vfs.client.pull_into, attr["ino"], rank, _param(layout, buf, e))
+                n.start_soon(streams.client.pull_into, attr["ino"], rank, _param(layout, buf, e))
 
 
-async def step_stream(vfs, rank: int, model: int, data: memoryview, layout: Layout, buf: memoryview, *, owner: object, only: set[str] | None = None) -> None:
+async def step_stream(streams: Streams, rank: int, model: int, data: memoryview, layout: Layout, buf: memoryview, *, owner: object, only: set[str] | None = None) -> None:
     """A push and the pull after it, overlapped: each tensor's pull starts as soon as its own
     push is taken, so while later tensors are still being pushed, earlier ones (their rounds
     closed) are already coming back. Same checks and results as ``push_stream`` then
     ``pull_stream``; on a network, pushes fill the nodes' inbound links while pulls use their
     outbound ones (BytePS overlaps a step the same way)."""
-    pushes = await _validate(vfs, rank, model, data, only)
+    pushes = await _validate(streams, rank, model, data, only)
 
     async def one(e, attr) -> None:
         pushed = pushes.get(e.name)
         if pushed is not None:
-            await vfs.client.push(pushed[0], rank, pushed[1], owner=owner)
-        await vfs.client.pull_into(attr["ino"], rank, _param(layout, buf, e))
+            await streams.client.push(pushed[0], rank, pushed[1], owner=owner)
+        await streams.client.pull_into(attr["ino"], rank, _param(layout, buf, e))
 
     with single_exception():
         async with trio.open_nursery() as n:
@@ -141,7 +156,7 @@ def _param(layout: Layout, buf: memoryview, e) -> np.ndarray:
     return np.frombuffer(buf, e.dtype, count, offset=len(layout.header) + e.begin)
 
 
-async def _validate(vfs, rank: int, model: int, data: memoryview, only: set[str] | None = None) -> dict[str, tuple[int, np.ndarray]]:
+async def _validate(streams: Streams, rank: int, model: int, data: memoryview, only: set[str] | None = None) -> dict[str, tuple[int, np.ndarray]]:
     """name -> (tensor inode, gradient view) for every entry (those named in ``only``, each of
     which must be one), or EINVAL naming what is wrong."""
     end = len(data)
@@ -150,10 +165,10 @@ async def _validate(vfs, rank: int, model: int, data: memoryview, only: set[str]
             raise formats.SafetensorsError("shorter than the 8-byte header length")
         n = int.from_bytes(data[:8], "little")
         start, entries, _ = formats.st_parse(bytes(data[: min(end, 8 + n)]), end)
-        layout = await vfs.layouts.get(model)
+        layout = await streams.layouts.get(model)
         known = layout.by_name()
         if any(e.name not in known for e in entries):
-            known = (await vfs.layouts.get(model, fresh=True)).by_name()
+            known = (await streams.layouts.get(model, fresh=True)).by_name()
         out = {}
         for e in entries:  # (st_parse refuses a name given twice)
             if e.name not in known:
@@ -178,7 +193,7 @@ class PushStreamHandle:
     """``.workers/<rank>/<model>.safetensors`` opened for writing: one step's gradients."""
 
     ino: int
-    vfs: object
+    streams: Streams
     rank: int
     model: int
     buf: bytearray = field(default_factory=bytearray)
@@ -192,16 +207,16 @@ class PushStreamHandle:
     async def prepare(self) -> None:
         """Start from the buffer of the last step (a stream is usually the model's size)."""
         try:
-            size = (await self.vfs.layouts.get(self.model)).size
+            size = (await self.streams.layouts.get(self.model)).size
         except Exception:  # noqa: BLE001 -- a model that cannot be laid out is refused at flush
             size = 0
-        self.buf = self.vfs.layouts.take("push", self.rank, self.model, size)
+        self.buf = self.streams.layouts.take("push", self.rank, self.model, size)
 
     async def write(self, off: int, data: bytes) -> int:
         end = off + len(data)
         if end > len(self.buf):
             # grow geometrically; a stream is usually one model's size, known from the last step
-            grown = self.vfs.layouts.take("push", self.rank, self.model, max(end, 2 * len(self.buf)))
+            grown = self.streams.layouts.take("push", self.rank, self.model, max(end, 2 * len(self.buf)))
             grown[: self.end] = self.buf[: self.end]
             self.buf = grown
         memoryview(self.buf)[off:end] = data  # (a bytearray slice assigned bytes copies them twice)
@@ -212,17 +227,17 @@ class PushStreamHandle:
     async def flush(self) -> None:
         if not self.dirty:
             return
-        await push_stream(self.vfs, self.rank, self.model, memoryview(self.buf)[: self.end], owner=self.buf)
+        await push_stream(self.streams, self.rank, self.model, memoryview(self.buf)[: self.end], owner=self.buf)
         self.dirty = False  # only once pushed: a failed flush fails again at close
         self.end = 0
 
     async def fsync(self) -> None:
         await self.flush()
-        for ino in self.vfs.client.pushed_tensors(self.rank):
-            await self.vfs.client.wait_applied(ino, self.rank)
+        for ino in self.streams.client.pushed_tensors(self.rank):
+            await self.streams.client.wait_applied(ino, self.rank)
 
     def close(self) -> None:
-        self.vfs.layouts.give_back("push", self.rank, self.model, self.buf)
+        self.streams.layouts.give_back("push", self.rank, self.model, self.buf)
 
 
 @dataclass
@@ -231,7 +246,7 @@ class PullStreamHandle:
     open as the model's policy lets ``rank`` see them."""
 
     ino: int
-    vfs: object
+    streams: Streams
     rank: int
     model: int
     buf: bytearray = field(default_factory=bytearray)
@@ -239,11 +254,11 @@ class PullStreamHandle:
     direct: bool = True
 
     async def pull(self) -> None:
-        layout = await self.vfs.layouts.get(self.model)
+        layout = await self.streams.layouts.get(self.model)
         self.size = layout.size
-        self.buf = self.vfs.layouts.take("pull", self.rank, self.model, self.size)
+        self.buf = self.streams.layouts.take("pull", self.rank, self.model, self.size)
         self.buf[: len(layout.header)] = layout.header
-        await pull_stream(self.vfs, self.rank, layout, memoryview(self.buf)[: self.size])
+        await pull_stream(self.streams, self.rank, layout, memoryview(self.buf)[: self.size])
 
     async def read(self, off: int, size: int) -> memoryview:
         return memoryview(self.buf)[off : min(off + size, self.size)]
@@ -258,4 +273,4 @@ class PullStreamHandle:
         pass
 
     def close(self) -> None:
-        self.vfs.layouts.give_back("pull", self.rank, self.model, self.buf)
+        self.streams.layouts.give_back("pull", self.rank, self.model, self.buf)

@@ -24,6 +24,7 @@ from .. import formats
 from ..util import single_exception
 from .errors import FsError
 from .handles import BufferedHandle, Handle
+from .inodes import SUFFIX, VIEW, Family, file_stat, writes
 from .readahead import ReadAhead
 
 if TYPE_CHECKING:
@@ -138,3 +139,49 @@ async def apply(client: Client, model: int, data: bytes) -> None:
     elif META_XATTR in (await client.getattr(model))["xattrs"]:
         await client.setxattr(model, META_XATTR, None)  # the new stream has none
     log.info("safetensors stream applied to directory %d: %d tensors", model, len(entries))
+
+
+class Views(Family):
+    """``VIEW | d``: ``<name>.safetensors`` beside a directory ``d`` of at least one tensor
+    (when no real entry has that name): read, the model as one stream; written, applied whole."""
+
+    def __init__(self, client: "Client", opened) -> None:
+        self.client = client
+        self.opened = opened  # open handles of an inode, by kind
+
+    def owns(self, ino: int) -> bool:
+        return bool(ino & VIEW)
+
+    async def stat(self, ino: int, header: bytes, parts: list) -> dict:
+        d = await self.client.getattr(ino & ~VIEW)
+        size = len(header) + (parts[-1][0].end if parts else 0)
+        return file_stat(ino, size, d["mode"] & 0o666, d["mtime_ns"], d["uid"], d["gid"])
+
+    async def getattr(self, ino: int) -> dict:
+        # open for reading here: the layout made at open answers (the kernel asks per read)
+        opened = self.opened(ino, ViewReadHandle)
+        if opened:
+            return opened[0].stat
+        return await self.stat(ino, *await layout(self.client, ino & ~VIEW))
+
+    async def beside(self, parent: int, name: str) -> dict:
+        """``name`` (``X.safetensors``, missing in ``parent``) as the view of directory ``X``."""
+        model = await self.client.lookup(parent, name[: -len(SUFFIX)])
+        if not S.S_ISDIR(model["mode"]):
+            raise FsError(errno.ENOENT)
+        header, parts = await layout(self.client, model["ino"])
+        if not parts:  # a directory of no tensors has no model view
+            raise FsError(errno.ENOENT)
+        return await self.stat(VIEW | model["ino"], header, parts)
+
+    async def open(self, ino: int, flags: int, uid: int):
+        model = ino & ~VIEW
+        if writes(flags):
+            return ViewWriteHandle(ino, client=self.client, model=model)
+        header, parts = await layout(self.client, model)
+        return ViewReadHandle(ino, self.client, header, parts, await self.stat(ino, header, parts))
+
+    async def setattr(self, ino: int, changes: dict) -> dict:
+        if set(changes) - {"size", "atime_ns", "mtime_ns"} or changes.get("size", 0) != 0:
+            raise FsError(errno.EPERM, "a model view can only be replaced as a whole")
+        return await self.getattr(ino)  # O_TRUNC before a rewrite: the write replaces it

@@ -11,6 +11,7 @@ import pyfuse3
 
 from irdmafs import formats
 from irdmafs.client.client import Client
+from irdmafs.fs import inodes as I
 from irdmafs.fs import vfs as V
 from irdmafs.fs.ops import Operations
 from irdmafs.transport.base import RemoteError
@@ -52,8 +53,8 @@ async def test_hidden_entries_are_reachable_but_never_listed(fs):
     assert [n for n, _ in await fs.readdir(1)] == ["bert"]
     for name in (".irdma", ".snapshots", ".workers"):
         assert S.S_ISDIR((await fs.lookup(1, name))["st_mode"])
-    assert sorted(n for n, _ in await fs.readdir(V.IRDMA_DIR)) == ["cluster", "stats"]
-    status = json.loads(await read_all(fs, V.CLUSTER_FILE))
+    assert sorted(n for n, _ in await fs.readdir(I.IRDMA_DIR)) == ["cluster", "stats"]
+    status = json.loads(await read_all(fs, I.CLUSTER_FILE))
     assert status["config"] == "test" and [n["state"] for n in status["nodes"]] == ["ready"] * 3
 
 
@@ -94,7 +95,7 @@ async def test_safetensors_view_read_and_write(fs):
     assert err.value.errno == errno.ENOENT
     await write_file(fs, d["st_ino"], "a.b.npy", npy(np.zeros((2, 3), np.float32)))
     view = await fs.lookup(1, "gpt.safetensors")
-    assert view["st_ino"] == V.VIEW | d["st_ino"]
+    assert view["st_ino"] == I.VIEW | d["st_ino"]
     fh = await fs.open(view["st_ino"], W)
     await fs.write(fh, 0, save(tensors, metadata={"k": "v"}))
     await fs.release(fh)
@@ -229,7 +230,7 @@ async def test_a_safetensors_file_that_does_not_map_stays_plain_bytes(fs, caplog
 
 async def test_snapshots_via_mkdir_and_rmdir(fs):
     ino = await write_file(fs, 1, "f", b"old")
-    snap = await fs.mkdir(V.SNAPSHOTS_DIR, "s1", 0o755, 0, 0)
+    snap = await fs.mkdir(I.SNAPSHOTS_DIR, "s1", 0o755, 0, 0)
     await write_file(fs, 1, "g", b"new file")
     fh = await fs.open(ino, W)
     await fs.write(fh, 0, b"NEW")
@@ -242,8 +243,8 @@ async def test_snapshots_via_mkdir_and_rmdir(fs):
         with pytest.raises(V.FsError) as err:
             await call
         assert err.value.errno == errno.EROFS
-    await fs.rmdir(V.SNAPSHOTS_DIR, "s1")
-    assert await fs.readdir(V.SNAPSHOTS_DIR) == []
+    await fs.rmdir(I.SNAPSHOTS_DIR, "s1")
+    assert await fs.readdir(I.SNAPSHOTS_DIR) == []
 
 
 @pytest.mark.parametrize(
@@ -251,12 +252,12 @@ async def test_snapshots_via_mkdir_and_rmdir(fs):
     [
         (lambda fs: fs.mkdir(1, ".irdma", 0o755, 0, 0), errno.EEXIST),
         (lambda fs: fs.create(1, ".snapshots", 0o644, W, 0, 0), errno.EEXIST),
-        (lambda fs: fs.create(V.IRDMA_DIR, "x", 0o644, W, 0, 0), errno.EPERM),
-        (lambda fs: fs.mkdir(V.WORKERS_DIR, "0", 0o755, 0, 0), errno.EPERM),
-        (lambda fs: fs.open(V.CLUSTER_FILE, W), errno.EACCES),
+        (lambda fs: fs.create(I.IRDMA_DIR, "x", 0o644, W, 0, 0), errno.EPERM),
+        (lambda fs: fs.mkdir(I.WORKERS_DIR, "0", 0o755, 0, 0), errno.EPERM),
+        (lambda fs: fs.open(I.CLUSTER_FILE, W), errno.EACCES),
         (lambda fs: fs.rmdir(1, ".snapshots"), errno.EPERM),
         (lambda fs: fs.rename(1, ".irdma", 1, "x", 0), errno.EPERM),
-        (lambda fs: fs.lookup(V.IRDMA_DIR, "nope"), errno.ENOENT),
+        (lambda fs: fs.lookup(I.IRDMA_DIR, "nope"), errno.ENOENT),
     ],
 )
 async def test_hidden_entries_refuse_what_they_must(fs, call, code):
@@ -324,13 +325,13 @@ async def test_links_and_special_files_through_the_vfs_and_the_client(fs):
             await c.resolve(path)
         assert e.value.code == code
     # a snapshot keeps links; names cannot point from it into the live tree
-    s = await fs.mkdir(V.SNAPSHOTS_DIR, "s1", 0o755, 0, 0)
+    s = await fs.mkdir(I.SNAPSHOTS_DIR, "s1", 0o755, 0, 0)
     frozen = await fs.lookup((await fs.lookup(s["st_ino"], "snap"))["st_ino"], "w")
     assert await fs.readlink(frozen["st_ino"]) == "../blobs/x"
     with pytest.raises(V.FsError) as err:
-        await fs.link(V.snap_ino(split_sid(s["st_ino"]), ino), 1, "from-snapshot")
+        await fs.link(I.snap_ino(split_sid(s["st_ino"]), ino), 1, "from-snapshot")
     assert err.value.errno == errno.EXDEV
 
 
 def split_sid(ino):
-    return V.split_snap(ino)[0]
+    return I.split_snap(ino)[0]

@@ -1,0 +1,351 @@
+"""The live tree: the namespace's files and directories as they are now.
+
+- a file is striped bytes; a file whose content is a valid ``.npy`` is a tensor (recorded when a
+  handle that wrote it is flushed: dtype, shape, data offset; a malformed one stays plain bytes
+  with a log line); a ``*.safetensors`` that maps is a model file (models.py);
+- ``X/`` (no real ``X``) is a model file's tensor directory, and ``X.safetensors`` (no real
+  file) the view of a directory ``X`` of tensors (views.py); neither is listed, nor are the
+  names the mount keeps for itself (inodes.RESERVED);
+- POSIX: a file unlinked while open stays usable until its last close (as NFS does, the mount
+  renames it out of sight and unlinks it then); user xattrs, with the derived ones of a tensor.
+
+Also the xattrs and links of a snapshot's inodes (read-only: EROFS to changes).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import stat as S
+from typing import TYPE_CHECKING, Any
+
+from .. import formats
+from ..server.meta import ROOT
+from ..transport.base import RemoteError
+from . import models
+from .errors import FsError
+from .handles import FileHandle
+from .inodes import DERIVED_XATTRS, HIDDEN, RESERVED, SNAP, SUFFIX, UNLINKED, Family, is_cluster, namespace_ino, stat_of, writes
+from .openfiles import OpenFiles
+
+if TYPE_CHECKING:
+    from ..client.client import Client
+    from .streams import Layouts
+    from .views import Views
+
+log = logging.getLogger(__name__)
+
+
+class LiveFiles(Family):
+    def __init__(self, client: "Client", files: OpenFiles, models_: models.ModelFiles, layouts: "Layouts", views: "Views") -> None:
+        self.client = client
+        self.files = files  # what the mount knows of each file it has open
+        self.models = models_  # model files: conversions, tensor directories, kept names
+        self.layouts = layouts  # the step streams' model layouts (forgotten when tensors change)
+        self.views = views  # X.safetensors beside a directory X of tensors
+
+    def owns(self, ino: int) -> bool:
+        return is_cluster(ino)
+
+    def stat(self, attr: dict) -> dict:
+        return stat_of(attr, self.files.get(attr["ino"]))
+
+    async def getattr(self, ino: int) -> dict:
+        # The kernel asks before every read (libfuse turns auto_inval_data on); while this
+        # mount has the file open, what the open fetched answers (close-to-open, as NFS does)
+        f = self.files.get(ino)
+        return self.stat(f.attr if f else await self.client.getattr(ino))
+
+    async def lookup(self, parent: int, name: str) -> dict:
+        try:
+            return self.stat(await self.models.entry(parent, name))
+        except RemoteError as exc:
+            if exc.code != "ENOENT" or not name.endswith(SUFFIX) or len(name) == len(SUFFIX):
+                raise
+        return await self.views.beside(parent, name)
+
+    async def readdir(self, ino: int) -> list[tuple[str, dict]]:
+        return [(name, self.stat(attr)) for name, attr in await self.models.listed(ino)]
+
+    # -- files ---------------------------------------------------------------------------------
+    async def open(self, ino: int, flags: int, uid: int) -> FileHandle:
+        attr = await self.client.getattr(ino)
+        if S.S_ISDIR(attr["mode"]):
+            raise FsError(errno.EISDIR)
+        if writes(flags) and flags & os.O_TRUNC and models.model_of(attr):  # rewritten whole
+            async with self.models.locked(ino):
+                attr = await self.models.unmodel(await self.client.getattr(ino))
+                self.changed(ino, attr)
+        if flags & os.O_TRUNC and writes(flags) and attr["size"]:
+            # libfuse asks for atomic O_TRUNC: the kernel sends no setattr, the open truncates
+            attr = await self.resize(ino, {"size": 0})
+        return self.file_handle(ino, attr, 0)
+
+    async def create(self, parent: int, name: str, mode: int, uid: int, gid: int) -> tuple[FileHandle, dict]:
+        self.check_create(parent, name)
+        attr = await self.client.create(parent, name, mode, uid, gid)
+        return self.file_handle(attr["ino"], attr, 0, name), self.stat(attr)
+
+    def file_handle(self, ino: int, attr: dict, snap: int, name: str = "") -> FileHandle:
+        """A handle of a cluster file, referring to what the mount knows of it (openfiles.py);
+        the attributes fetched by this open are the file's from now on (close-to-open)."""
+        f = self.files.open(ino, attr, snap)
+        f.attr = attr
+        h = FileHandle(ino, file=f, client=self.client, models=self.models, slots=self.files.write_slots, on_flushed=self.detect, on_changed=self.changed, snap=snap, size=attr["size"], name=name)
+        if not snap:
+            f.handles.add(h)
+        return h
+
+    async def closed(self, h: FileHandle) -> None:
+        """``h`` was released: at the last close of a file unlinked while open, it goes."""
+        last = self.files.close(h) if not h.snap else None
+        if last is None or not last.unlinked:
+            return
+        parent, hidden = last.unlinked
+        try:
+            gone = await self.client.unlink(parent, hidden)
+            if gone.get("freed"):
+                await self.models.forget(gone.get("model"), gone["freed"])
+        except RemoteError as exc:
+            log.warning("unlinked file %d not removed at its last close: %s", h.ino, exc)
+
+    async def setattr(self, ino: int, changes: dict[str, Any]) -> dict:
+        return self.stat(await self.resize(ino, changes))
+
+    async def resize(self, ino: int, changes: dict[str, Any]) -> dict:
+        """Change a cluster file's attributes; a new size waits for this mount's writes to it
+        and zeroes what lies past it. Returns the node's attributes."""
+        written = 0
+        await self._plain_if_resized(ino, changes)
+        f = self.files.get(ino)
+        if "size" in changes and f:
+            await f.drain()  # a truncate must not be overtaken by an earlier write
+            f.forget_fetched()
+            # data this mount wrote past the size the nodes know (not yet extended) is in the
+            # stripes too: the truncate must zero it as well, or a later grow shows it again
+            written = max([f.pending] + [h.size for h in f.handles])
+            f.pending = 0
+            for h in f.handles:
+                h.size = min(h.size, changes["size"])
+        attr = await self.client.setattr(ino, written=written, **changes)
+        if f:
+            f.attr = attr  # open files answer getattr: keep them current
+        m = models.model_of(attr)
+        if m is not None and {"mode", "uid", "gid"} & set(changes):  # its tensors follow
+            mirrored = {k: v for k, v in changes.items() if k in ("uid", "gid")}
+            if "mode" in changes:
+                mirrored["mode"] = models.dir_mode(changes["mode"])
+            await self.client.setattr(m["dir"], **mirrored)
+        return attr
+
+    async def _plain_if_resized(self, ino: int, changes: dict) -> None:
+        """A model file about to be truncated to another size is plain bytes first (models.py)."""
+        if "size" not in changes:
+            return
+        f = self.files.get(ino)
+        attr = f.attr if f else await self.client.getattr(ino)
+        if models.model_of(attr) is None or changes["size"] == attr["size"]:
+            return
+        async with self.models.locked(ino):
+            attr = await self.client.getattr(ino)
+            attr = await (self.models.unmodel if changes["size"] == 0 else self.models.materialize)(attr)
+            self.changed(ino, attr)
+
+    def changed(self, ino: int, attr: dict) -> None:
+        """``ino`` became a model file or stopped being one: open files and layouts follow."""
+        self.layouts.forget()
+        f = self.files.get(ino)
+        if f:
+            f.changed(attr)
+
+    # -- what a written file holds -------------------------------------------------------------
+    async def detect(self, handle: FileHandle) -> None:
+        """What a file just written holds: a tensor (.npy), a model (models.py, unless another
+        handle of this mount writes it: the last writer's flush decides) or plain bytes."""
+        prefix = await self.detect_tensor(handle.ino, handle.attr, handle.name)
+        if prefix is None or (handle.name and not handle.name.endswith(SUFFIX)):
+            return
+        async with self.models.locked(handle.ino):
+            if any(h is not handle and (h.dirty or h.behind is not None) for h in self.files.handles(handle.ino)):
+                return
+            attr = await self.client.getattr(handle.ino)  # as it is now (another flush may have converted it)
+            if attr["version"] == handle.attr["version"]:
+                new = await self.models.convert(attr, handle.name or None, prefix)
+                if new is not None:
+                    self.changed(handle.ino, new)
+
+    async def detect_tensor(self, ino: int, attr: dict, name: str) -> bytes | None:
+        """Record whether the file now holds a valid .npy (a tensor) or plain bytes; returns
+        the first bytes read if it may be something else (no .npy magic), else None."""
+        size = attr["size"]
+        info = None
+        prefix = await self.client.read(ino, 0, min(size, formats.PREFIX), attr) if size >= 10 else b""
+        if prefix.startswith(formats.MAGIC):
+            try:
+                need = formats.header_length(prefix[:12])
+                if need > len(prefix):
+                    prefix = await self.client.read(ino, 0, need, attr)
+                h = formats.parse_header(prefix)
+                if h.data_offset + h.nbytes != size:
+                    raise formats.NpyError(f"data is {size - h.data_offset} bytes, header says {h.nbytes}")
+                info = formats.tensor_info(h)
+            except formats.NpyError as exc:
+                log.warning("%s (inode %d): not a tensor, kept as plain bytes: %s", name or "file", ino, exc)
+        elif name.endswith(".npy"):
+            log.warning("%s (inode %d): no .npy magic; kept as plain bytes, not a tensor", name, ino)
+        if info != attr.get("tensor"):
+            self.layouts.forget()  # a tensor came, went or changed shape
+            await self.client.set_tensor(ino, info)
+        self.client.forget_training(ino)  # written anew: its shape and push counts are refetched
+        return None if prefix.startswith(formats.MAGIC) else prefix
+
+    # -- directories -----------------------------------------------------------------------------
+    def check_create(self, parent: int, name: str) -> None:
+        if parent & SNAP:
+            raise FsError(errno.EROFS)
+        if parent == ROOT and name in HIDDEN:
+            raise FsError(errno.EEXIST, f"{name} is reserved")
+        if RESERVED.fullmatch(name):
+            raise FsError(errno.EPERM, f"{name} is a name the mount keeps for itself")
+        self.check_changeable(parent, name)
+
+    def check_changeable(self, parent: int, name: str) -> None:
+        """Names in ``parent`` may be made, removed or renamed here (EROFS, EPERM if not)."""
+        if parent & SNAP:
+            raise FsError(errno.EROFS)
+        if parent == ROOT and name in HIDDEN or not is_cluster(parent):
+            raise FsError(errno.EPERM)
+        if parent in self.models.tensor_dirs:
+            raise FsError(errno.EPERM, "a model file's tensor directory holds its tensors only: change the file")
+
+    async def mkdir(self, parent: int, name: str, mode: int, uid: int, gid: int) -> dict:
+        self.check_create(parent, name)
+        return self.stat(await self.client.mkdir(parent, name, mode, uid, gid))
+
+    async def symlink(self, parent: int, name: str, target: str, uid: int, gid: int) -> dict:
+        self.check_create(parent, name)
+        return self.stat(await self.client.symlink(parent, name, target, uid, gid))
+
+    async def mknod(self, parent: int, name: str, mode: int, rdev: int, uid: int, gid: int) -> dict:
+        """A FIFO, socket or device node: only a name here; the kernel does its I/O."""
+        self.check_create(parent, name)
+        return self.stat(await self.client.mknod(parent, name, mode, rdev, uid, gid))
+
+    async def link(self, ino: int, new_parent: int, new_name: str) -> dict:
+        self.check_create(new_parent, new_name)
+        if ino & SNAP:
+            raise FsError(errno.EXDEV, "a snapshot's file cannot have a name in the live tree")
+        if not is_cluster(ino):
+            raise FsError(errno.EPERM)
+        return self.stat(await self.client.link(ino, new_parent, new_name))
+
+    async def readlink(self, ino: int) -> str:
+        return await self.client.readlink(*namespace_ino(ino, errno.EINVAL))
+
+    async def rmdir(self, parent: int, name: str) -> None:
+        self.check_changeable(parent, name)
+        await self.client.rmdir(parent, name)
+
+    async def unlink(self, parent: int, name: str) -> None:
+        self.check_changeable(parent, name)
+        if self.files.files and await self._hidden_while_open(parent, name):
+            return
+        try:
+            gone = await self.client.unlink(parent, name)
+        except RemoteError as exc:
+            if exc.code == "ENOENT" and name.endswith(SUFFIX):
+                raise FsError(errno.EPERM, "remove the model directory, not its view") from None
+            raise
+        if gone.get("freed"):
+            await self.models.forget(gone.get("model"), gone["freed"])
+
+    async def _hidden_while_open(self, parent: int, name: str) -> bool:
+        """POSIX: a file unlinked while open stays usable until its last close. As NFS does,
+        the last name of a file open here is renamed out of sight instead (and unlinked at
+        that last close); True if it was."""
+        try:
+            found = await self.client.lookup(parent, name)
+        except RemoteError:
+            return False
+        f = self.files.get(found["ino"])
+        if not f or found["nlink"] > 1:  # with other names left, the file lives on anyway
+            return False
+        hidden = f"{UNLINKED}{found['ino']}"
+        await self.client.rename(parent, name, parent, hidden)
+        f.unlinked = (parent, hidden)
+        return True
+
+    async def rename(self, parent: int, name: str, new_parent: int, new_name: str, flags: int) -> None:
+        for p, n in ((parent, name), (new_parent, new_name)):
+            self.check_changeable(p, n)
+        if RESERVED.fullmatch(new_name):
+            raise FsError(errno.EPERM, f"{new_name} is a name the mount keeps for itself")
+        if flags & 2:  # RENAME_EXCHANGE
+            raise FsError(errno.EINVAL, "RENAME_EXCHANGE is not supported")
+        if flags & 1:  # RENAME_NOREPLACE
+            try:
+                await self.client.lookup(new_parent, new_name)
+                raise FsError(errno.EEXIST)
+            except RemoteError as exc:
+                if exc.code != "ENOENT":
+                    raise
+        r = await self.client.rename(parent, name, new_parent, new_name)
+        if r.get("freed"):
+            await self.models.forget(r.get("model"), r["freed"])
+        for h in self.files.handles(r.get("ino")):
+            h.name = new_name  # its flush looks at what the file is under the name it has then
+        # a model file's tensor directory moves along; a file named *.safetensors (rsync and
+        # safetensors write a temporary name) may become a model, unless open here: then the
+        # last writer's flush decides (safetensors renames before it closes)
+        if r.get("ino") and (new_parent != parent or new_name.endswith(SUFFIX)):
+            await self.models.after_rename(r["ino"], new_parent, new_name, may_convert=not self.files.handles(r["ino"]))
+            self.layouts.forget()
+
+    # -- extended attributes ---------------------------------------------------------------------
+    async def getxattr(self, ino: int, name: str) -> bytes:
+        attr = await self.client.getattr(*namespace_ino(ino, errno.ENODATA))
+        tensor = attr.get("tensor")
+        if name == "user.irdma.version":
+            return str(attr["version"]).encode()
+        if name == "user.irdma.dtype" and tensor:
+            return tensor["dtype"].encode()
+        if name == "user.irdma.shape" and tensor:
+            return json.dumps(tensor["shape"]).encode()
+        if name not in attr["xattrs"] or not name.startswith("user."):  # the rest is the mount's
+            raise FsError(errno.ENODATA)
+        return attr["xattrs"][name].encode("utf-8", "surrogateescape")
+
+    async def listxattr(self, ino: int) -> list[str]:
+        attr = await self.client.getattr(*namespace_ino(ino, errno.ENODATA))
+        derived = list(DERIVED_XATTRS) if attr.get("tensor") else ["user.irdma.version"]
+        return derived + sorted(k for k in attr["xattrs"] if k.startswith("user."))
+
+    async def setxattr(self, ino: int, name: str, value: bytes | None) -> None:
+        if ino & SNAP:
+            raise FsError(errno.EROFS)
+        if not is_cluster(ino):
+            raise FsError(errno.EPERM)
+        if not name.startswith("user."):
+            raise FsError(errno.ENOTSUP, "only user.* attributes are kept")
+        if name in DERIVED_XATTRS:
+            raise FsError(errno.EPERM, f"{name} is derived from the tensor")
+        if value is not None and len(value) > 65536:
+            raise FsError(errno.E2BIG)
+        text = None if value is None else value.decode("utf-8", "surrogateescape")
+        await self.client.setxattr(ino, name, text)
+        if name.startswith("user.irdma."):
+            await self._mirror_policy(ino, name, text)
+            self.client.forget_training()  # a policy may have changed
+
+    async def _mirror_policy(self, ino: int, name: str, text: str | None) -> None:
+        """A model file's policy is its tensors': mirrored on their directory."""
+        m = models.model_of(await self.client.getattr(ino))
+        if m is None:
+            return
+        try:
+            await self.client.setxattr(m["dir"], name, text)
+        except RemoteError as exc:
+            if exc.code != "ENODATA":
+                raise

@@ -1,0 +1,80 @@
+"""``/.snapshots``: ``mkdir NAME`` takes a snapshot of the whole namespace and its data, ``rmdir
+NAME`` drops it; ``.snapshots/NAME/...`` is the tree as it was, read-only (EROFS to writes).
+A model file's tensors are there as in the live tree (``X/`` by name, models.py)."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import stat as S
+from typing import TYPE_CHECKING, Awaitable, Callable
+
+from ..server.meta import ROOT
+from .errors import FsError
+from .inodes import SNAP, SNAPSHOTS_DIR, Family, dir_stat, snap_ino, split_snap, stat_of, writes
+
+if TYPE_CHECKING:
+    from ..client.client import Client
+    from .models import ModelFiles
+
+log = logging.getLogger(__name__)
+
+
+class Snapshots(Family):
+    def __init__(self, client: "Client", models: "ModelFiles", file_handle: Callable, drain: Callable[[], Awaitable[None]]) -> None:
+        self.client = client
+        self.models = models  # the names the mount keeps, and X/ of a model file
+        self.file_handle = file_handle  # (ino, attr, snap) -> a read-only FileHandle
+        self.drain = drain  # until this mount's writes in flight have landed
+
+    def owns(self, ino: int) -> bool:
+        return ino == SNAPSHOTS_DIR or bool(ino & SNAP)
+
+    async def ids(self) -> dict[str, int]:
+        return {name: s["id"] for name, s in (await self.client.snapshots()).items()}
+
+    async def getattr(self, ino: int) -> dict:
+        if ino == SNAPSHOTS_DIR:
+            return dir_stat(ino, 0o755)
+        sid, i = split_snap(ino)
+        return stat_of(await self.client.getattr(i, sid), None, ino, readonly=True)
+
+    async def lookup(self, parent: int, name: str) -> dict:
+        if parent == SNAPSHOTS_DIR:
+            sid = (await self.ids()).get(name)
+            if sid is None:
+                raise FsError(errno.ENOENT)
+            return await self.getattr(snap_ino(sid, ROOT))
+        sid, p = split_snap(parent)
+        attr = await self.models.entry(p, name, sid)
+        return stat_of(attr, None, snap_ino(sid, attr["ino"]), readonly=True)
+
+    async def readdir(self, ino: int) -> list[tuple[str, dict]]:
+        if ino == SNAPSHOTS_DIR:
+            return [(name, await self.getattr(snap_ino(sid, ROOT))) for name, sid in sorted((await self.ids()).items())]
+        sid, i = split_snap(ino)
+        return [(n, stat_of(a, None, snap_ino(sid, a["ino"]), readonly=True)) for n, a in await self.models.listed(i, sid)]
+
+    async def open(self, ino: int, flags: int, uid: int):
+        if ino == SNAPSHOTS_DIR:
+            raise FsError(errno.EISDIR)
+        if writes(flags):
+            raise FsError(errno.EROFS)
+        sid, i = split_snap(ino)
+        attr = await self.client.getattr(i, sid)
+        if S.S_ISDIR(attr["mode"]):
+            raise FsError(errno.EISDIR)
+        return self.file_handle(i, attr, sid)
+
+    async def setattr(self, ino: int, changes: dict) -> dict:
+        raise FsError(errno.EROFS)
+
+    async def take(self, name: str) -> dict:
+        """``mkdir .snapshots/NAME``: what this mount wrote before it is in the snapshot."""
+        await self.drain()
+        snap = await self.client.take_snapshot(name)
+        log.info("snapshot %r taken (id %d)", name, snap["id"])
+        return await self.getattr(snap_ino(snap["id"], ROOT))
+
+    async def drop(self, name: str) -> None:
+        await self.client.drop_snapshot(name)
