@@ -21,7 +21,7 @@ from pathlib import Path
 import trio
 
 from . import config as C
-from .client.client import NODE_FIGURES
+from .client.nodes import NODE_FIGURES
 from .local import LocalCluster, node_status, pids_alive, wait_settled, write_config
 from .server.node import setup_logging
 
@@ -59,7 +59,11 @@ def check_mountpoint(mountpoint: str, options: list[str] | tuple = ()) -> str:
     from .mount import clear_dead_mount, is_mounted, require_fuse
 
     if not require_fuse():
-        raise QuietError("mounting needs pyfuse3, which does not import: pip install 'irdmafs[fuse]'; it builds against libfuse3 (Debian: apt-get install fuse3 libfuse3-dev pkg-config gcc)", 2)
+        raise QuietError(
+            "mounting needs pyfuse3, which does not import: pip install 'irdmafs[fuse]'; "
+            "it builds against libfuse3 (Debian: apt-get install fuse3 libfuse3-dev pkg-config gcc)",
+            2,
+        )
     mp = os.path.abspath(mountpoint)
     if not os.path.isdir(mp):
         raise QuietError(f"{mountpoint}: not a directory", 2)
@@ -96,7 +100,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         lc.stop_all()
         raise QuietError(f"could not bring the cluster up: {exc} (logs in {state})") from None
     reg.parent.mkdir(parents=True, exist_ok=True)
-    reg.write_text(json.dumps({"mountpoint": mp, "state": str(state), "config": str(cfg_path), "mount_pid": mount.pid, "node_pids": {n: p.pid for n, p in lc.procs.items()}}, indent=1))
+    record = {"mountpoint": mp, "state": str(state), "config": str(cfg_path), "mount_pid": mount.pid, "node_pids": {n: p.pid for n, p in lc.procs.items()}}
+    reg.write_text(json.dumps(record, indent=1))
     print(f"irdmafs: {len(lc.cfg.nodes)} nodes (R={lc.cfg.replicas}) mounted on {mp}; config {cfg_path}; logs in {state}")
     return 0
 
@@ -230,11 +235,13 @@ def cmd_status(args: argparse.Namespace) -> int:
             out = []
             for spec in cfg.nodes:
                 info = await node_status(cfg, spec.name) or {}
-                out.append({"name": spec.name, "address": f"{spec.host}:{spec.port}", "state": info.get("state", "down"), "alive": bool(info), **{k: info[k] for k in NODE_FIGURES if k in info}})
+                figures = {k: info[k] for k in NODE_FIGURES if k in info}
+                out.append({"name": spec.name, "address": f"{spec.host}:{spec.port}", "state": info.get("state", "down"), "alive": bool(info), **figures})
             return out
 
         nodes = trio.run(gather)
-        doc = {"config": os.path.abspath(args.config), "replicas": cfg.replicas, "transport": next((n["transport"] for n in nodes if "transport" in n), None), "nodes": nodes}
+        transport = next((n["transport"] for n in nodes if "transport" in n), None)
+        doc = {"config": os.path.abspath(args.config), "replicas": cfg.replicas, "transport": transport, "nodes": nodes}
     else:
         mp = os.path.abspath(args.mountpoint or ".")
         try:
@@ -263,7 +270,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, default=3)
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--stripe-unit", default="4MiB")
-    p.add_argument("--transport", choices=("auto", "shm", "tcp"), default="auto", help="auto: shared memory between the processes of this host (verbs where a device is); tcp: force TCP on loopback")
+    p.add_argument(
+        "--transport",
+        choices=("auto", "shm", "tcp"),
+        default="auto",
+        help="auto: shared memory between the processes of this host (verbs where a device is); tcp: force TCP on loopback",
+    )
     p.add_argument("--state", help="directory for config, token and logs (default under ~/.local/state/irdmafs)")
     p.add_argument("-o", dest="options", help="mount options, comma separated (e.g. allow_other)")
     p.add_argument("--persist", action="store_true", help="nodes keep their data under the state directory: a later 'up' with the same --state brings it back")

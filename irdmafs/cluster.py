@@ -17,7 +17,7 @@ least-loaded first, then stand-ins).
 
 It also holds two mechanisms every data mover needs: ``StagingPool`` (slots in a peer's write
 staging region, so concurrent writes never share one) and ``read_verified`` (the seqlock read that
-never returns a torn stripe; see server/store.py).
+never returns a torn stripe; the region's layout is regions.py's).
 
 Concurrency: one trio thread; the heartbeat task runs in the nursery given to the constructor.
 """
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import math
-import struct
 import time
 from collections import defaultdict
 from typing import Callable, NamedTuple
@@ -35,6 +34,7 @@ import trio
 
 from .config import ClusterConfig, NodeSpec
 from .placement import rank, stripe_key
+from .regions import HEADER, read_header
 from .transport.base import (
     ConnectError,
     Connection,
@@ -49,8 +49,6 @@ from .transport.base import (
 log = logging.getLogger(__name__)
 
 READY, SYNCING, DOWN = "ready", "syncing", "down"
-HEADER = 16  # the stripe header: version and clock words (server/store.py)
-_WORD = struct.Struct("<Q")
 
 
 class NodeDown(TransportError):
@@ -338,7 +336,7 @@ class Cluster:
         except (PeerLost, TimeoutError, trio.TooSlowError) as exc:
             self._failed(name, exc, begun)
             raise NodeDown(name, str(exc) or "read timed out") from None
-        return _WORD.unpack_from(buf, 0)[0] // 2, _WORD.unpack_from(buf, 8)[0]
+        return read_header(buf)
 
     # -- heartbeats ----------------------------------------------------------------------------
     async def _probe(self, name: str) -> None:
@@ -488,7 +486,7 @@ async def read_verified(conn: Connection, rkey: int, offset: int, into: memoryvi
     for attempt in range(retries):
         await conn.read_many([(rkey, 0, before), (rkey, HEADER + offset, into), (rkey, 0, after)])
         if before == after and not before[0] & 1:
-            return _WORD.unpack_from(before, 0)[0] // 2, _WORD.unpack_from(before, 8)[0]
+            return read_header(before)
         await trio.sleep(0 if attempt < 10 else 0.001 * attempt)
     raise TornRead(f"stripe region {rkey} kept changing over {retries} reads")
 

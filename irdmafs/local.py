@@ -37,7 +37,9 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     return ports
 
 
-def write_config(state: Path, nodes: int, replicas: int, *, stripe_unit: int = 4 << 20, host: str = "127.0.0.1", transport: list[str] | None = None, **extra: object) -> Path:
+def write_config(
+    state: Path, nodes: int, replicas: int, *, stripe_unit: int = 4 << 20, host: str = "127.0.0.1", transport: list[str] | None = None, **extra: object
+) -> Path:
     """A fresh config (and a 0600 token file) for ``nodes`` nodes on ``host``."""
     state.mkdir(parents=True, exist_ok=True)
     token = state / "token"

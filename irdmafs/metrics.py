@@ -13,6 +13,8 @@ import bisect
 import logging
 from typing import Callable
 
+from .client import nodes
+
 log = logging.getLogger(__name__)
 
 BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -90,7 +92,7 @@ def training_samples(node) -> list[Sample]:
 
 def mount_samples(vfs) -> list[Sample]:
     """A mount's figures: bytes, FUSE operations and their latency, calls it made, nodes."""
-    stats = vfs.client.stats()
+    stats = nodes.figures(vfs.client)
     s: list[Sample] = [
         ("irdmafs_mount_bytes_total", "counter", "bytes moved by this mount", {"dir": "read"}, stats["bytes_read"]),
         ("irdmafs_mount_bytes_total", "counter", "bytes moved by this mount", {"dir": "written"}, stats["bytes_written"]),
@@ -101,7 +103,7 @@ def mount_samples(vfs) -> list[Sample]:
         s.append(("irdmafs_mount_control_calls_total", "counter", "control calls made, by method", {"method": method}, n))
     for op, n in list(vfs.counters.items()):
         s.append(("irdmafs_mount_ops_total", "counter", "FUSE operations served, by operation", {"op": op}, n))
-    states = [n["state"] for n in vfs.client.cluster_status()]
+    states = [n["state"] for n in nodes.table(vfs.client)]
     for st in ("ready", "syncing", "down"):
         s.append(("irdmafs_mount_nodes", "gauge", "nodes by state, as this mount sees them", {"state": st}, states.count(st)))
     s += _latency_samples("irdmafs_mount_op_seconds", "FUSE operation latency", vfs.latency, "op")

@@ -1,4 +1,4 @@
-"""Progress of long work for a person: a bar on a terminal, plain lines in a log otherwise.
+"""Progress of long work for a person: a bar on a terminal (tqdm), plain lines in a log otherwise.
 
     p = Progress("rebalance", total_bytes, unit="B")
     p.update(done)      # as often as you like: the terminal is redrawn at most 10 times a second,
@@ -10,6 +10,8 @@ from __future__ import annotations
 import sys
 import time
 from typing import TextIO
+
+from tqdm import tqdm
 
 
 def _human(n: float, unit: str) -> str:
@@ -33,8 +35,21 @@ class Progress:
         self.done = 0.0
         self.t0 = time.monotonic()
         self._last = 0.0
+        self._bar: tqdm | None = None
+        if self.tty:  # a total of 0 is not known yet (a rebalance learns it from the nodes)
+            self._bar = tqdm(
+                total=total or None,
+                desc=what,
+                unit=unit or "it",
+                unit_scale=unit == "B",
+                unit_divisor=1024,
+                file=self.stream,
+                mininterval=0.1,
+                bar_format=f"{{l_bar}}{{bar:{width}}}{{r_bar}}",
+            )
 
     def line(self) -> str:
+        """The log line: what, how far of how much, and (for bytes) the rate so far."""
         frac = min(1.0, self.done / self.total) if self.total else 1.0
         rate = self.done / max(1e-9, time.monotonic() - self.t0)
         text = f"{self.what}: {_human(self.done, self.unit)}/{_human(self.total, self.unit)} ({frac:.0%}"
@@ -46,23 +61,23 @@ class Progress:
         self.done = done
         if total is not None:
             self.total = total
+        if self._bar is not None:
+            if total is not None and (total or None) != self._bar.total:
+                self._bar.total = total or None
+            self._bar.update(done - self._bar.n)  # tqdm redraws at most every mininterval
+            return
         now = time.monotonic()
-        if now - self._last < (0.1 if self.tty else 2.0):
+        if now - self._last < 2.0:
             return
         self._last = now
-        self._draw()
+        self._log()
 
-    def _draw(self) -> None:
-        if self.tty:
-            frac = min(1.0, self.done / self.total) if self.total else 1.0
-            filled = int(frac * self.width)
-            self.stream.write(f"\r[{'#' * filled}{'.' * (self.width - filled)}] {self.line()}\033[K")
-        else:
-            self.stream.write(self.line() + "\n")
+    def _log(self) -> None:
+        self.stream.write(self.line() + "\n")
         self.stream.flush()
 
     def close(self) -> None:
-        self._draw()
-        if self.tty:
-            self.stream.write("\n")
-        self.stream.flush()
+        if self._bar is not None:
+            self._bar.close()  # the bar as it ends, left on the terminal
+        else:
+            self._log()

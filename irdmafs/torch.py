@@ -33,6 +33,7 @@ import torch
 from .door import array_address
 from .steps import door, pull_arrays, push_arrays, through_door
 
+VIRT = 1 << 56  # inode numbers from here on are the mount's own (fs/inodes.py): views, status files
 _TORCH = {np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64, np.dtype(np.float16): torch.float16}
 
 
@@ -65,18 +66,24 @@ def shards(mount: Path, model: str) -> list[tuple[str, set[str] | None]]:
     return out
 
 
+def _model_file(mount: Path, model: str) -> Path | None:
+    """``<model>.safetensors`` if it is a real file (not the view of a directory ``<model>``)."""
+    f = mount / f"{model}.safetensors"
+    return f if f.is_file() and f.stat().st_ino < VIRT else None
+
+
 def _check_model_file(mount: Path, model: str) -> None:
     """A ``<model>.safetensors`` that the mount kept as plain bytes has no tensors to train."""
-    f = mount / f"{model}.safetensors"
-    if f.is_file() and not (mount / model).is_dir():
+    f = _model_file(mount, model)
+    if f is not None and not (mount / model).is_dir():
         raise ValueError(f"{f} is not a model: the mount kept it as plain bytes (its log says why; bf16 and other dtypes numpy lacks are not trainable)")
 
 
 def _policy_target(mount: Path, model: str) -> Path:
     """Where a model's policy xattrs go: its safetensors file if it is one (the mount mirrors
     them on its tensors), else its directory (made if missing)."""
-    f = mount / f"{model}.safetensors"
-    if f.is_file():
+    f = _model_file(mount, model)
+    if f is not None:
         return f
     (mount / model).mkdir(parents=True, exist_ok=True)
     return mount / model
@@ -111,11 +118,18 @@ class ParameterServer:
                 os.setxattr(target, f"user.irdma.{key}", str(value).encode())
 
     def publish(self, module: torch.nn.Module) -> None:
+        """Every parameter as ``<model>/<name>.npy``; into a safetensors model file's tensors,
+        in the dtype the file holds (a float32 module loaded from a float16 checkpoint)."""
         for model, params in self._each(dict(module.named_parameters())):
             root = self.mount / model
             root.mkdir(parents=True, exist_ok=True)
+            in_file = _model_file(self.mount, model) is not None
             for name, p in params.items():
-                np.save(root / self._file(name), p.detach().cpu().numpy())
+                path = root / self._file(name)
+                arr = p.detach().cpu().numpy()
+                if in_file:
+                    arr = arr.astype(np.dtype(os.getxattr(path, "user.irdma.dtype").decode()), copy=False)
+                np.save(path, arr)
 
     def pull(self, module: torch.nn.Module) -> None:
         for model, params in self._each(dict(module.named_parameters())):

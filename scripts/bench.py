@@ -80,7 +80,11 @@ def resnet50_shapes() -> list[tuple[str, tuple[int, ...]]]:
                 (f"{p}.conv3.weight", (4 * width, width, 1, 1)), (f"{p}.bn3.weight", (4 * width,)), (f"{p}.bn3.bias", (4 * width,)),
             ]  # fmt: skip
             if b == 0:
-                shapes += [(f"{p}.downsample.0.weight", (4 * width, inplanes, 1, 1)), (f"{p}.downsample.1.weight", (4 * width,)), (f"{p}.downsample.1.bias", (4 * width,))]
+                shapes += [
+                    (f"{p}.downsample.0.weight", (4 * width, inplanes, 1, 1)),
+                    (f"{p}.downsample.1.weight", (4 * width,)),
+                    (f"{p}.downsample.1.bias", (4 * width,)),
+                ]
             inplanes = 4 * width
     shapes += [("fc.weight", (1000, 2048)), ("fc.bias", (1000,))]
     assert len(shapes) == 161 and sum(int(np.prod(s)) for _, s in shapes) == 25_557_032
@@ -153,7 +157,7 @@ async def client_figures(cfg: C.ClusterConfig, sizes: list[int], reps: int, tag:
         for nbytes in sizes:
             data = np.random.default_rng(nbytes).integers(0, 255, nbytes, dtype=np.uint8)
             out = np.empty_like(data)
-            attr = await c.write_file(f"/client-{nbytes}", data)
+            attr = await c.paths.write_file(f"/client-{nbytes}", data)
             times = {"push": [], "pull": []}
             for i in range(reps + 1):
                 t0 = time.perf_counter()
@@ -309,7 +313,18 @@ def plot(res: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = ["raw_socket_gbps", "fuse_ceiling_read_1mib_gbps", "gloo_broadcast_256mib_gbps", "grpc_get_256mib_gbps", "client_pull_256mib_r1_gbps", "pull_256mib_1m_r1_gbps", "pull_256mib_1m_r2_gbps", "push_256mib_1m_r1_gbps", "push_256mib_1m_r2_gbps", "model_pull_view_gbps"]
+    keys = [
+        "raw_socket_gbps",
+        "fuse_ceiling_read_1mib_gbps",
+        "gloo_broadcast_256mib_gbps",
+        "grpc_get_256mib_gbps",
+        "client_pull_256mib_r1_gbps",
+        "pull_256mib_1m_r1_gbps",
+        "pull_256mib_1m_r2_gbps",
+        "push_256mib_1m_r1_gbps",
+        "push_256mib_1m_r2_gbps",
+        "model_pull_view_gbps",
+    ]
     keys = [k for k in keys if k in res]
     fig, ax = plt.subplots(figsize=(9, 4.5))
     colors = ["#888" if k.startswith(("raw", "fuse")) else "#c84" if k.startswith(("gloo", "grpc")) else "#37a" for k in keys]

@@ -93,14 +93,27 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="irdmafs-r2sp-") as tmp, namespaces(args.nodes, args.rate, prefix=PREFIX, net=77) as hosts:
         state = Path(tmp)
         (state / "token").write_text(os.urandom(16).hex())
-        doc = {"nodes": [{"name": f"n{i}", "host": h, "port": 7100} for i, h in enumerate(hosts)], "token_file": "token", "replicas": 1, "transport": ["tcp"], "op_timeout": 60.0, "down_after": 5.0}
+        doc = {
+            "nodes": [{"name": f"n{i}", "host": h, "port": 7100} for i, h in enumerate(hosts)],
+            "token_file": "token",
+            "replicas": 1,
+            "transport": ["tcp"],
+            "op_timeout": 60.0,
+            "down_after": 5.0,
+        }
         cfg_path = state / "cluster.toml"
         cfg_path.write_text(C.dump(C.from_dict(doc, base=state)))
         cfg = C.load(cfg_path)
         nodes = []
         for i in range(args.nodes):
             log = open(state / f"n{i}.log", "wb")
-            nodes.append(subprocess.Popen(["ip", "netns", "exec", f"{PREFIX}{i}", sys.executable, "-m", "irdmafs.server.node", "--config", str(cfg_path), "--node", f"n{i}"], stdout=log, stderr=subprocess.STDOUT))
+            nodes.append(
+                subprocess.Popen(
+                    ["ip", "netns", "exec", f"{PREFIX}{i}", sys.executable, "-m", "irdmafs.server.node", "--config", str(cfg_path), "--node", f"n{i}"],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
         mnt = state / "ps"
         mnt.mkdir()
         mount = None

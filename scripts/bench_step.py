@@ -118,7 +118,13 @@ def resnet50_shapes() -> list[tuple[str, tuple[int, ...]]]:
 def transformer_shapes(layers: int = 8, d: int = 384, ffn: int = 1536, vocab: int = 30522, seq: int = 512) -> list[tuple[str, tuple[int, ...]]]:
     """A BERT-shaped encoder (names and shapes as Hugging Face's BertModel): embeddings, then per
     layer q/k/v/output projections, two layer norms and the feed-forward pair (16 tensors)."""
-    shapes = [("embeddings.word_embeddings.weight", (vocab, d)), ("embeddings.position_embeddings.weight", (seq, d)), ("embeddings.token_type_embeddings.weight", (2, d)), ("embeddings.LayerNorm.weight", (d,)), ("embeddings.LayerNorm.bias", (d,))]
+    shapes = [
+        ("embeddings.word_embeddings.weight", (vocab, d)),
+        ("embeddings.position_embeddings.weight", (seq, d)),
+        ("embeddings.token_type_embeddings.weight", (2, d)),
+        ("embeddings.LayerNorm.weight", (d,)),
+        ("embeddings.LayerNorm.bias", (d,)),
+    ]
     for i in range(layers):
         p = f"encoder.layer.{i}"
         for name in ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense"):
@@ -395,14 +401,24 @@ def irdmafs_step(bed: Bed, world: int, model: str, steps: int, compress: str, li
     finally:
         reap(procs, 60 if ok else 1)
     # nodes, mounts and workers: CPU per step over the timed steps
-    cpu = {"cpu_nodes": (after["nodes"] - before["nodes"]) / steps, "cpu_mounts": (after["mounts"] - before["mounts"]) / steps, "cpu_workers": sum(r[3] for r in results)}
+    cpu = {
+        "cpu_nodes": (after["nodes"] - before["nodes"]) / steps,
+        "cpu_mounts": (after["mounts"] - before["mounts"]) / steps,
+        "cpu_workers": sum(r[3] for r in results),
+    }
     tol = 1e-5 if compress == "none" else 1e-3  # fp16 gradients round
     worst = max(r[2] for r in results)
     if worst > tol:
         raise RuntimeError(f"{tag}: pulled parameters differ from SGD's by {worst:g}")
     push = max(r[1]["push"] for r in results)
     pull = max(r[1]["pull"] for r in results)
-    res = {"push": push, "pull": pull, "step": statistics.median([r[1]["push"] + r[1]["pull"] for r in results]), "apply": (after["applied"] - before["applied"]) / steps, "err": worst} | cpu
+    res = {
+        "push": push,
+        "pull": pull,
+        "step": statistics.median([r[1]["push"] + r[1]["pull"] for r in results]),
+        "apply": (after["applied"] - before["applied"]) / steps,
+        "err": worst,
+    } | cpu
     if link:
         res |= busiest(before["links"], after["links"], steps, link)
     return res
@@ -471,7 +487,13 @@ def bed(tmp: Path, mounts: int, replicas: int, link: LinkBed | None = None, node
         if link:
             state.mkdir()
             (state / "token").write_text(os.urandom(16).hex())
-            doc = {"nodes": [{"name": f"n{j + 1}", "host": link.ps_hosts[j], "port": NODE_PORT} for j in range(nodes)], "token_file": "token", "replicas": replicas, "stripe_unit": 4 << 20, "transport": ["tcp"]}
+            doc = {
+                "nodes": [{"name": f"n{j + 1}", "host": link.ps_hosts[j], "port": NODE_PORT} for j in range(nodes)],
+                "token_file": "token",
+                "replicas": replicas,
+                "stripe_unit": 4 << 20,
+                "transport": ["tcp"],
+            }
             path = state / "cluster.toml"
             path.write_text(C.dump(C.from_dict(doc, base=state)))
         else:
@@ -527,7 +549,12 @@ def plot(res: dict, path: str, models: list[str], workers: list[int]) -> None:
     labels = [f"{m}\nW={w}" for m in models for w in workers]
     x = np.arange(len(labels))
     link = "link_" if "link_rate_bits" in res else ""
-    rows = [("DDP (gloo)", "ddp_comm_s_{m}_w{w}"), ("irdmafs", "irdmafs_step_s_{m}_w{w}"), ("DDP fp16 hook", "ddp_fp16_comm_s_{m}_w{w}"), ("irdmafs fp16", "irdmafs_fp16_step_s_{m}_w{w}")]
+    rows = [
+        ("DDP (gloo)", "ddp_comm_s_{m}_w{w}"),
+        ("irdmafs", "irdmafs_step_s_{m}_w{w}"),
+        ("DDP fp16 hook", "ddp_fp16_comm_s_{m}_w{w}"),
+        ("irdmafs fp16", "irdmafs_fp16_step_s_{m}_w{w}"),
+    ]
     width = 0.2
     for k, (name, key) in enumerate(rows):
         ax.bar(x + (k - 1.5) * width, [res.get(link + key.format(m=m, w=w), 0) * 1000 for m in models for w in workers], width, label=name)
@@ -548,9 +575,11 @@ def report_loopback(res: dict, m: str, w: int, prefix: str, compress: str, d: di
     for phase in ("push", "pull", "step", "apply", "cpu_nodes", "cpu_mounts", "cpu_workers"):
         res[f"irdmafs_{prefix}{phase}_s_{key}"] = r[phase]
     res[f"step_vs_ddp_{prefix}{key}"] = r["step"] / d["comm"]
-    print(f"{m:12s} W={w} {compress:5s}: irdmafs step {r['step'] * 1000:7.1f} ms (push {r['push'] * 1000:6.1f}, pull {r['pull'] * 1000:6.1f}, nodes' apply {r['apply'] * 1000:6.1f})"
+    print(f"{m:12s} W={w} {compress:5s}: irdmafs step {r['step'] * 1000:7.1f} ms "
+          f"(push {r['push'] * 1000:6.1f}, pull {r['pull'] * 1000:6.1f}, nodes' apply {r['apply'] * 1000:6.1f})"
           f"  DDP comm {d['comm'] * 1000:7.1f} ms  -> step_vs_ddp_{prefix}{key} = {res[f'step_vs_ddp_{prefix}{key}']:.2f}\n"
-          f"{'':23}CPU per step: nodes {r['cpu_nodes'] * 1000:6.1f} ms, mounts {r['cpu_mounts'] * 1000:6.1f} ms, workers {r['cpu_workers'] * 1000:6.1f} ms", flush=True)  # fmt: skip
+          f"{'':23}CPU per step: nodes {r['cpu_nodes'] * 1000:6.1f} ms, mounts {r['cpu_mounts'] * 1000:6.1f} ms, "
+          f"workers {r['cpu_workers'] * 1000:6.1f} ms", flush=True)  # fmt: skip
 
 
 def report_link(res: dict, m: str, w: int, prefix: str, compress: str, d: dict, r: dict) -> None:
@@ -571,16 +600,20 @@ def report_link(res: dict, m: str, w: int, prefix: str, compress: str, d: dict, 
     res[f"link_ddp_vs_bound_{key}"] = d["comm"] / d["link_bound"]
     res[f"link_step_vs_ddp_{key}"] = r["step"] / d["comm"]
     print(f"{m:12s} W={w} {compress:5s} over {res['link_rate']} links:\n"
-          f"  irdmafs step {r['step'] * 1000:8.1f} ms (push {r['push'] * 1000:.1f}, pull {r['pull'] * 1000:.1f}, nodes' apply {r['apply'] * 1000:.1f}); link bound {r['link_bound'] * 1000:8.1f} ms"
-          f" ({r['link_bytes'] / 1e6:.1f} MB/step on {r['link_where']}); CPU busy {busy_i:.0%}  -> link_step_vs_bound_{key} = {res[f'link_step_vs_bound_{key}']:.2f}\n"
+          f"  irdmafs step {r['step'] * 1000:8.1f} ms (push {r['push'] * 1000:.1f}, pull {r['pull'] * 1000:.1f}, nodes' apply {r['apply'] * 1000:.1f}); "
+          f"link bound {r['link_bound'] * 1000:8.1f} ms"
+          f" ({r['link_bytes'] / 1e6:.1f} MB/step on {r['link_where']}); CPU busy {busy_i:.0%}"
+          f"  -> link_step_vs_bound_{key} = {res[f'link_step_vs_bound_{key}']:.2f}\n"
           f"{'':4}CPU per step: nodes {r['cpu_nodes'] * 1000:.0f} ms, mounts {r['cpu_mounts'] * 1000:.0f} ms, workers {r['cpu_workers'] * 1000:.0f} ms\n"
-          f"  DDP comm     {d['comm'] * 1000:8.1f} ms; link bound {d['link_bound'] * 1000:8.1f} ms ({d['link_bytes'] / 1e6:.1f} MB/step on {d['link_where']}); CPU busy {busy_d:.0%}"
+          f"  DDP comm     {d['comm'] * 1000:8.1f} ms; link bound {d['link_bound'] * 1000:8.1f} ms "
+          f"({d['link_bytes'] / 1e6:.1f} MB/step on {d['link_where']}); CPU busy {busy_d:.0%}"
           f"  -> ddp comm / its bound = {res[f'link_ddp_vs_bound_{key}']:.2f}\n"
           f"  link_step_vs_ddp_{key} = {res[f'link_step_vs_ddp_{key}']:.2f}", flush=True)  # fmt: skip
 
 
 def run_loopback(args, models, workers, rows, res) -> None:
-    with tempfile.TemporaryDirectory(prefix="irdmafs-step-") as tmp, bed(Path(tmp), max(workers) if args.mounts == "per-worker" else 1, args.replicas, transport=args.transport) as b:
+    mounts = max(workers) if args.mounts == "per-worker" else 1
+    with tempfile.TemporaryDirectory(prefix="irdmafs-step-") as tmp, bed(Path(tmp), mounts, args.replicas, transport=args.transport) as b:
         for m in models:
             for w in workers:
                 for prefix, compress in rows:
@@ -592,7 +625,8 @@ def run_loopback(args, models, workers, rows, res) -> None:
 def run_safetensors(args, models, workers, res) -> None:
     """The same step for a model published as one safetensors file and as .npy tensors, in
     the same bed, alternating (npy, st, st, npy) so that drift on a shared machine hits both."""
-    with tempfile.TemporaryDirectory(prefix="irdmafs-step-st-") as tmp, bed(Path(tmp), max(workers) if args.mounts == "per-worker" else 1, args.replicas, transport=args.transport) as b:
+    mounts = max(workers) if args.mounts == "per-worker" else 1
+    with tempfile.TemporaryDirectory(prefix="irdmafs-step-st-") as tmp, bed(Path(tmp), mounts, args.replicas, transport=args.transport) as b:
         for m in models:
             for w in workers:
                 steps: dict[str, list[float]] = {"npy": [], "safetensors": []}
@@ -602,7 +636,8 @@ def run_safetensors(args, models, workers, res) -> None:
                 res[f"irdmafs_npy_step_s_{key}"] = statistics.mean(steps["npy"])
                 res[f"irdmafs_safetensors_step_s_{key}"] = statistics.mean(steps["safetensors"])
                 res[f"safetensors_vs_npy_{key}"] = res[f"irdmafs_safetensors_step_s_{key}"] / res[f"irdmafs_npy_step_s_{key}"]
-                print(f"{m:12s} W={w}: step {res[f'irdmafs_safetensors_step_s_{key}'] * 1000:7.1f} ms as one safetensors file, {res[f'irdmafs_npy_step_s_{key}'] * 1000:7.1f} ms as .npy tensors"
+                print(f"{m:12s} W={w}: step {res[f'irdmafs_safetensors_step_s_{key}'] * 1000:7.1f} ms as one safetensors file, "
+                      f"{res[f'irdmafs_npy_step_s_{key}'] * 1000:7.1f} ms as .npy tensors"
                       f"  -> safetensors_vs_npy_{key} = {res[f'safetensors_vs_npy_{key}']:.2f}", flush=True)  # fmt: skip
 
 
@@ -612,9 +647,15 @@ def run_link(args, models, workers, rows, res) -> None:
         link = LinkBed(max(workers), args.link, stack)
         res["link_rate_bits"] = float(link.rate_bits)
         res["link_single_stream_vs_rate"] = link.single_stream(0.5 if args.quick else 2.0)
-        print(f"links: {2 * max(workers)} namespaces behind {args.link} tbf links ({LINK_MTU}-byte frames); one TCP stream gets {res['link_single_stream_vs_rate']:.3f} of the rate", flush=True)
+        print(
+            f"links: {2 * max(workers)} namespaces behind {args.link} tbf links ({LINK_MTU}-byte frames); "
+            f"one TCP stream gets {res['link_single_stream_vs_rate']:.3f} of the rate",
+            flush=True,
+        )
         if res["link_single_stream_vs_rate"] < 0.95:
-            print(f"warning: one stream gets only {res['link_single_stream_vs_rate']:.2f} of {args.link}: the link bounds below are not real bounds", flush=True)
+            print(
+                f"warning: one stream gets only {res['link_single_stream_vs_rate']:.2f} of {args.link}: the link bounds below are not real bounds", flush=True
+            )
         for w in workers:
             with bed(tmp, w, min(args.replicas, w), link, nodes=w) as b:
                 for m in models:
@@ -633,14 +674,28 @@ def main() -> int:
     ap.add_argument("--workers", default="2,4")
     ap.add_argument("--mounts", choices=("per-worker", "shared"), default="per-worker")
     ap.add_argument("--replicas", type=int, default=2, help="R of the irdmafs cluster (default 2)")
-    ap.add_argument("--transport", choices=("auto", "tcp"), default="auto", help="loopback runs: auto (shared memory with the nodes, the default config) or tcp (forced)")
+    ap.add_argument(
+        "--transport", choices=("auto", "tcp"), default="auto", help="loopback runs: auto (shared memory with the nodes, the default config) or tcp (forced)"
+    )
     ap.add_argument("--no-door", action="store_true", help="workers use the stream files, not the mount's shared-memory door")
-    ap.add_argument("--separate", action="store_true", help="workers call ps.push then ps.pull (timed apart) instead of ps.step (one request the mount overlaps)")
+    ap.add_argument(
+        "--separate", action="store_true", help="workers call ps.push then ps.pull (timed apart) instead of ps.step (one request the mount overlaps)"
+    )
     ap.add_argument("--no-fp16", action="store_true", help="skip the fp16 rows")
     ap.add_argument("--no-ddp", action="store_true", help="irdmafs only (for profiling it; no ratios)")
-    ap.add_argument("--link", nargs="?", const=DEFAULT_RATE, metavar="RATE", help=f"cluster-shaped: every host in a network namespace behind RATE links (default {DEFAULT_RATE}; root)")
+    ap.add_argument(
+        "--link",
+        nargs="?",
+        const=DEFAULT_RATE,
+        metavar="RATE",
+        help=f"cluster-shaped: every host in a network namespace behind RATE links (default {DEFAULT_RATE}; root)",
+    )
     ap.add_argument("--quick", action="store_true", help="a smoke run: resnet50 (with --link: tiny), 2 workers, 2 steps")
-    ap.add_argument("--safetensors", action="store_true", help="irdmafs only: the model published as one safetensors file against .npy tensors (safetensors_vs_npy_*, target <= 1.0 within noise)")
+    ap.add_argument(
+        "--safetensors",
+        action="store_true",
+        help="irdmafs only: the model published as one safetensors file against .npy tensors (safetensors_vs_npy_*, target <= 1.0 within noise)",
+    )
     args = ap.parse_args()
     if args.no_door:
         os.environ["IRDMAFS_DOOR"] = "0"  # the worker processes inherit it (irdmafs/steps.py)

@@ -98,7 +98,9 @@ def iperf3_gbps(seconds: float = 2.0) -> float:
 
     def run(*opts: str) -> float:
         for _ in range(50):  # until the server listens: a client refused at once tries again
-            out = subprocess.run(["iperf3", "-c", "127.0.0.1", "-p", str(port), "-t", str(seconds), "-J", *opts], capture_output=True, text=True, timeout=seconds + 30)
+            out = subprocess.run(
+                ["iperf3", "-c", "127.0.0.1", "-p", str(port), "-t", str(seconds), "-J", *opts], capture_output=True, text=True, timeout=seconds + 30
+            )
             doc = json.loads(out.stdout or "{}")
             if "sum_received" in doc.get("end", {}):
                 return doc["end"]["sum_received"]["bits_per_second"] / 8 / 1e9
@@ -169,7 +171,7 @@ async def client_striped(state: Path, replicas: int, nbytes: int, reps: int, raw
         out = np.empty_like(data)
         times: dict[str, list[float]] = {"write": [], "read": [], "raw": []}
         async with Client.connect(lc.cfg) as c:
-            attr = await c.write_file("/bench", data)  # warm-up: allocates every stripe
+            attr = await c.paths.write_file("/bench", data)  # warm-up: allocates every stripe
             for _ in range(reps):
                 times["raw"].append(raw.once())
                 t0 = time.perf_counter()

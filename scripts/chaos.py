@@ -157,7 +157,11 @@ class FileWorker:
     def step(self) -> None:
         r = self.rng
         names = sorted(self.files)
-        choice = "create" if len(names) < 3 else r.choice(["create", "write", "write", "truncate", "rename", "check", "check", "delete"], p=[0.1, 0.25, 0.15, 0.1, 0.1, 0.15, 0.1, 0.05])
+        choice = (
+            "create"
+            if len(names) < 3
+            else r.choice(["create", "write", "write", "truncate", "rename", "check", "check", "delete"], p=[0.1, 0.25, 0.15, 0.1, 0.1, 0.15, 0.1, 0.05])
+        )
         if choice == "create" or not names:
             if len(names) >= 8:
                 choice = "check"
@@ -363,7 +367,9 @@ class TrainingJob:
                 if halt[0]:
                     return
                 grads = {k: self.grad(a.shape, r, i) for k, a in p0.items()}
-                if not self.t.attempt("train_push", lambda: push_arrays(self.mnt, model_path, r, grads)) or not self.t.attempt("train_pull", lambda: pull_arrays(self.mnt, model_path, r, out)):
+                if not self.t.attempt("train_push", lambda: push_arrays(self.mnt, model_path, r, grads)) or not self.t.attempt(
+                    "train_pull", lambda: pull_arrays(self.mnt, model_path, r, out)
+                ):
                     abandon()
                     return
                 total += np.mean([1e-3 * (q + 1) * (1 + i % 3) for q in range(2)])
@@ -371,7 +377,10 @@ class TrainingJob:
                     want = p0[k] - np.float32(self.LR * total)
                     bad = ~np.isclose(a, want, rtol=0, atol=2e-5)
                     if bad.any():
-                        self.t.error(f"training {model} rank {r} step {i}", f"{k}: {int(bad.sum())} parameters differ from SGD's by up to {float(np.abs(a - want).max()):g}")
+                        self.t.error(
+                            f"training {model} rank {r} step {i}",
+                            f"{k}: {int(bad.sum())} parameters differ from SGD's by up to {float(np.abs(a - want).max()):g}",
+                        )
                         with self.t.lock:
                             self.t.lost += int(bad.sum()) * 4
                         abandon()
@@ -421,7 +430,16 @@ class Bed:
             specs = [{"name": f"n{i + 1}", "host": h, "port": 7400} for i, h in enumerate(hosts)]
         else:
             specs = [{"name": f"n{i + 1}", "host": "127.0.0.1", "port": p} for i, p in enumerate(free_ports(nodes))]
-        doc = {"nodes": specs, "token_file": "token", "replicas": replicas, "stripe_unit": MiB, "transport": ["tcp"], "heartbeat": 0.2, "down_after": 1.0, "op_timeout": 3.0}
+        doc = {
+            "nodes": specs,
+            "token_file": "token",
+            "replicas": replicas,
+            "stripe_unit": MiB,
+            "transport": ["tcp"],
+            "heartbeat": 0.2,
+            "down_after": 1.0,
+            "op_timeout": 3.0,
+        }
         self.config = tmp / "cluster.toml"
         self.config.write_text(C.dump(C.from_dict(doc, base=tmp)))
         self.lc = LocalCluster(self.config, log_dir=tmp)
@@ -530,7 +548,11 @@ def run(args: argparse.Namespace) -> dict:
                 applied.append(fault)
                 break
             applied.append(fault)
-            print(f"chaos: {fault['t']:8.1f}s {fault['kind']:9s} {fault['target']:5s} out {fault['down']:.1f}s, settled in {fault.get('settle', 0):.1f}s; {sum(tally.ops.values())} operations, {len(tally.errors)} errors, {tally.lost} bytes lost", flush=True)
+            print(
+                f"chaos: {fault['t']:8.1f}s {fault['kind']:9s} {fault['target']:5s} out {fault['down']:.1f}s, settled in {fault.get('settle', 0):.1f}s; "
+                f"{sum(tally.ops.values())} operations, {len(tally.errors)} errors, {tally.lost} bytes lost",
+                flush=True,
+            )
         time.sleep(max(0.0, end - time.monotonic()))
         tally.stop.set()
         for th, w in zip(threads, workers):

@@ -46,7 +46,10 @@ class Fsx:
         want = bytes(self.model[offset : offset + len(got)])
         if got != want:
             at = next(i for i in range(min(len(got), len(want))) if got[i] != want[i]) if len(got) == len(want) else min(len(got), len(want))
-            raise Mismatch(f"{what}: byte {offset + at} is {got[at:at + 1].hex() or 'missing'}, should be {want[at:at + 1].hex() or 'missing'} ({len(got)} bytes read, {len(want)} expected)")
+            raise Mismatch(
+                f"{what}: byte {offset + at} is {got[at:at + 1].hex() or 'missing'}, should be {want[at:at + 1].hex() or 'missing'} "
+                f"({len(got)} bytes read, {len(want)} expected)"
+            )
 
     def _check_size(self) -> None:
         size = os.fstat(self.fd).st_size

@@ -41,7 +41,7 @@ async def main(path, nbytes, reps):
     data = np.random.default_rng(7).integers(0, 255, nbytes, dtype=np.uint8)
     out = np.empty_like(data)
     async with Client.connect(cfg) as c:
-        attr = await c.write_file("/striped", data)
+        attr = await c.paths.write_file("/striped", data)
         times = []
         for i in range(reps + 1):
             t0 = time.perf_counter()
@@ -64,7 +64,11 @@ def run(tmp: Path, reps: int, nbytes: int = GiB, replicas: int = 2) -> dict[str,
         for i in range(NODES):
             for ns_cmd in ([], ["ip", "netns", "exec", f"{PREFIX}{i}"]):
                 dev = f"{PREFIX}h{i}" if not ns_cmd else f"{PREFIX}n{i}"
-                subprocess.run([*ns_cmd, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", "1gbit", "burst", "1mb", "latency", "100ms"], check=True, capture_output=True)
+                subprocess.run(
+                    [*ns_cmd, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", "1gbit", "burst", "1mb", "latency", "100ms"],
+                    check=True,
+                    capture_output=True,
+                )
         doc = {
             "nodes": [{"name": f"n{i}", "host": hosts[i], "port": 7200} for i in range(NODES)],
             "token_file": "token",
@@ -81,9 +85,22 @@ def run(tmp: Path, reps: int, nbytes: int = GiB, replicas: int = 2) -> dict[str,
         try:
             for i in range(NODES):
                 with open(state / f"n{i}.log", "wb") as log:
-                    procs.append(subprocess.Popen(["ip", "netns", "exec", f"{PREFIX}{i}", sys.executable, "-m", "irdmafs.server.node", "--config", str(cfg_path), "--node", f"n{i}"], stdout=log, stderr=subprocess.STDOUT, env=env))
+                    procs.append(
+                        subprocess.Popen(
+                            ["ip", "netns", "exec", f"{PREFIX}{i}", sys.executable, "-m", "irdmafs.server.node", "--config", str(cfg_path), "--node", f"n{i}"],
+                            stdout=log,
+                            stderr=subprocess.STDOUT,
+                            env=env,
+                        )
+                    )
             trio.run(wait_settled, C.load(cfg_path))
-            r = subprocess.run(["ip", "netns", "exec", f"{PREFIX}{NODES}", sys.executable, "-c", CLIENT, str(cfg_path), str(nbytes), str(reps)], capture_output=True, text=True, env=env, timeout=600)
+            r = subprocess.run(
+                ["ip", "netns", "exec", f"{PREFIX}{NODES}", sys.executable, "-c", CLIENT, str(cfg_path), str(nbytes), str(reps)],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=600,
+            )
             if r.returncode:
                 raise RuntimeError(f"link client failed: {r.stderr[-2000:]}")
             times = json.loads(r.stdout.strip().splitlines()[-1])

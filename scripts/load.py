@@ -44,13 +44,13 @@ def client(cfg_path: str, me: int, seconds: float, nbytes: int, out: mp.Queue) -
         stats = {"ops": 0, "bytes": 0, "errors": 0, "first_error": None}
         deadline = time.monotonic() + seconds
         async with Client.connect(cfg) as c:
-            await c.makedirs(f"/load/{me}")
+            await c.paths.makedirs(f"/load/{me}")
             n = 0
             while time.monotonic() < deadline and n < 1_000_000:
                 path = f"/load/{me}/f{n % 8}"
                 data = rng.integers(0, 255, nbytes, dtype=np.uint8)
                 try:
-                    attr = await c.write_file(path, data)
+                    attr = await c.paths.write_file(path, data)
                     back = np.frombuffer(await c.read(attr["ino"], 0, nbytes), np.uint8)
                     if not np.array_equal(back, data):
                         raise AssertionError(f"{path}: read back different bytes")
@@ -106,7 +106,10 @@ def main() -> int:
         "errors": total["errors"],
         "first_error": next((r["first_error"] for r in results.values() if r["first_error"]), None),
         "throughput_mb_s": round(total["bytes"] / elapsed / 1e6, 1),
-        "client_rss_kib_start_end": [sum(rss_start[k] for k in rss_start if k.startswith("client")), sum(rss_end[k] for k in rss_end if k.startswith("client"))],
+        "client_rss_kib_start_end": [
+            sum(rss_start[k] for k in rss_start if k.startswith("client")),
+            sum(rss_end[k] for k in rss_end if k.startswith("client")),
+        ],
         "node_rss_kib": {k: [rss_start[k], rss_end[k]] for k in rss_start if k.startswith("node")},
         "max_client_rss_growth_kib": max(rss_end[k] - rss_start[k] for k in rss_start if k.startswith("client")),
     }

@@ -63,7 +63,12 @@ def namespaces(n: int, rate: str | None, *, prefix: str, net: int, mtu: int = 15
             sh("ip", "link", "set", there, "netns", ns)
             sh("ip", "addr", "add", f"10.{net}.{i}.1/24", "dev", here)
             sh("ip", "link", "set", here, "up")
-            for cmd in (["ip", "link", "set", "lo", "up"], ["ip", "addr", "add", f"10.{net}.{i}.2/24", "dev", there], ["ip", "link", "set", there, "up"], ["ip", "route", "add", "default", "via", f"10.{net}.{i}.1"]):
+            for cmd in (
+                ["ip", "link", "set", "lo", "up"],
+                ["ip", "addr", "add", f"10.{net}.{i}.2/24", "dev", there],
+                ["ip", "link", "set", there, "up"],
+                ["ip", "route", "add", "default", "via", f"10.{net}.{i}.1"],
+            ):
                 sh("ip", "netns", "exec", ns, *cmd)
             if rate:
                 # burst must cover rate / HZ, or tbf itself caps below the rate

@@ -33,7 +33,10 @@ BUILD = Path(os.environ.get("IRDMAFS_PJDFSTEST_BUILD", Path(tempfile.gettempdir(
 DEBIAN = {"autoreconf": "autoconf", "aclocal": "automake", "gcc": "gcc", "make": "make", "prove": "perl"}
 # chflags, granular and posix_fallocate test BSD/Solaris features: on Linux each is one test
 # that passes at once; they are run so that the count is the suite's whole (8,798)
-ALL_DIRS = ("chflags", "chmod", "chown", "ftruncate", "granular", "link", "mkdir", "mkfifo", "mknod", "open", "posix_fallocate", "rename", "rmdir", "symlink", "truncate", "unlink", "utimensat")
+ALL_DIRS = (
+    "chflags", "chmod", "chown", "ftruncate", "granular", "link", "mkdir", "mkfifo", "mknod",
+    "open", "posix_fallocate", "rename", "rmdir", "symlink", "truncate", "unlink", "utimensat",
+)
 PER_DIR_TIMEOUT = 1800
 
 
@@ -116,8 +119,15 @@ def main() -> int:
             state = Path(tempfile.mkdtemp(prefix="irdmafs-pjd-state-"))
             mnt = Path(tempfile.mkdtemp(prefix="irdmafs-pjd-mnt-"))
             cli = [sys.executable, "-m", "irdmafs.cli"]
-            subprocess.run([*cli, "up", str(mnt), "--nodes", "3", "--replicas", "2", "--state", str(state), "-o", "allow_other"], check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
-            cleanup.append(lambda: (subprocess.run([*cli, "down", str(mnt)], stdout=subprocess.DEVNULL, cwd=ROOT), shutil.rmtree(state, ignore_errors=True), mnt.rmdir()))
+            subprocess.run(
+                [*cli, "up", str(mnt), "--nodes", "3", "--replicas", "2", "--state", str(state), "-o", "allow_other"],
+                check=True,
+                stdout=subprocess.DEVNULL,
+                cwd=ROOT,
+            )
+            cleanup.append(
+                lambda: (subprocess.run([*cli, "down", str(mnt)], stdout=subprocess.DEVNULL, cwd=ROOT), shutil.rmtree(state, ignore_errors=True), mnt.rmdir())
+            )
             base = mnt
         work = Path(tempfile.mkdtemp(prefix="pjdfstest-", dir=base))
         os.chmod(work, 0o755)

@@ -213,7 +213,11 @@ def compare(mount: str, args, png: str) -> dict:
     print(f"{'compress':28} {'bytes/step':>10} {'vs none':>8} {'accuracy':>9}")
     for row in table:
         print(f"{row['compress']:28} {row['bytes_per_step']:10.0f} {row['bytes_per_step'] / base:8.2f} {row['test_accuracy']:9.4f}")
-    return {"policies": {p: {k: r[k] for k in ("test_accuracy", "seconds", "mean_step_seconds", "bytes_pushed")} for p, r in runs.items()}, "compression": table, "plot": png}
+    return {
+        "policies": {p: {k: r[k] for k in ("test_accuracy", "seconds", "mean_step_seconds", "bytes_pushed")} for p, r in runs.items()},
+        "compression": table,
+        "plot": png,
+    }
 
 
 def main() -> int:

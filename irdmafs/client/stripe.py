@@ -63,7 +63,7 @@ class StripeIO:
         self.bytes_read = 0
         self.bytes_written = 0
         self.bytes_pushed = 0  # gradient bytes put on the wire
-        # called when a stripe's clock has not moved for CLOCK_SLICE (client/training.py, Training._repush_open)
+        # called when a stripe's clock has not moved for CLOCK_SLICE (client/training.py, PushPull._repush_open)
         self.on_behind = None
         self._watches: dict[str, trio.Event] = {}  # node -> set when its clock poller moves on
         cluster.on_restart.append(self.forget_node)
@@ -104,7 +104,19 @@ class StripeIO:
             del self._keys[key]
 
     # -- reads ---------------------------------------------------------------------------------
-    async def read(self, fid: int, size: int, unit: int, offset: int, into: memoryview, snap: int = 0, min_clock: int = 0, wait: float = 0.0, eager=None, clocks: dict | None = None) -> int:
+    async def read(
+        self,
+        fid: int,
+        size: int,
+        unit: int,
+        offset: int,
+        into: memoryview,
+        snap: int = 0,
+        min_clock: int = 0,
+        wait: float = 0.0,
+        eager=None,
+        clocks: dict | None = None,
+    ) -> int:
         """Fill ``into`` from ``offset`` (clipped at ``size``) of the live file or of snapshot
         ``snap``; returns the byte count. With ``min_clock``, each stripe is read once its clock
         (training steps applied) has reached it, waiting up to ``wait`` seconds
@@ -155,8 +167,8 @@ class StripeIO:
             async def catch_up(p: Piece) -> None:
                 try:
                     await self.read(fid, size, unit, offset + p.pos, into[p.pos : p.pos + p.length], snap, min_clock=target, wait=SETTLE, clocks=clocks)
-                except trio.TooSlowError:
-                    pass
+                except trio.TooSlowError:  # not there yet: where is it now (moved, or at rest)?
+                    await self.read(fid, size, unit, offset + p.pos, into[p.pos : p.pos + p.length], snap, clocks=clocks)
 
             async with trio.open_nursery() as nursery:
                 for i in behind:
@@ -198,7 +210,9 @@ class StripeIO:
                 del self._watches[node]
                 watch.set()  # the others look at their own headers again
 
-    async def _read_piece(self, fid: int, p: Piece, view: memoryview, snap: int, min_clock: int = 0, wait: float = 0.0, eager=None, clocks: dict | None = None) -> None:
+    async def _read_piece(
+        self, fid: int, p: Piece, view: memoryview, snap: int, min_clock: int = 0, wait: float = 0.0, eager=None, clocks: dict | None = None
+    ) -> None:
         missing: set[str] = set()
         behind: list[str] = []  # replicas whose clock did not move while waited on: asked last
         stale_keys = 0
@@ -287,9 +301,11 @@ class StripeIO:
         self.bytes_written += len(data)
 
     async def to_primary(self, fid: int, idx: int, view: memoryview, method: str, args: dict) -> dict:
-        """Stage ``view`` on the stripe's primary with a one-sided WRITE and send ``method``
-        naming the staged bytes; follows the primary when it moves. ``commit`` installs them,
-        ``push`` accumulates them as a gradient."""
+        """Stage ``view`` on the stripe's primary with a one-sided WRITE into one of this
+        client's staging slots there, then call ``method`` naming the staged range (``commit``:
+        the primary installs the bytes under the stripe's seqlock and replicates them before it
+        answers); follows the primary when it moves. Gradient pushes do not come this way: they
+        travel fused, as one WRITE with immediate per batch (client/training.py, ``_fused``)."""
         with trio.fail_after(self.write_deadline):
             while True:
                 primary = self.cluster.stripe_primary(fid, idx)

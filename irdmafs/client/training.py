@@ -48,8 +48,18 @@ def _runs_in(chosen: np.ndarray, chunk: int, e0: int, count: int) -> list[list[i
     return runs
 
 
-class Training:
-    def __init__(self, cfg: ClusterConfig, cluster: Cluster, staging: StagingPool, io: StripeIO, getattr: Callable[[int], Awaitable[dict]], call_following: Callable[..., Awaitable[dict]]):
+class PushPull:
+    """A client's pushes and pulls of tensors (``Client.training``)."""
+
+    def __init__(
+        self,
+        cfg: ClusterConfig,
+        cluster: Cluster,
+        staging: StagingPool,
+        io: StripeIO,
+        getattr: Callable[[int], Awaitable[dict]],
+        call_following: Callable[..., Awaitable[dict]],
+    ):
         self.cfg, self.cluster, self.staging, self.io = cfg, cluster, staging, io
         self.getattr, self._call_following = getattr, call_following
         self._train: dict[tuple[int, int], dict] = {}
@@ -141,7 +151,10 @@ class Training:
         async with trio.open_nursery() as n:
             for p in split(t["offset"], flat.size * isz, attr["unit"]):
                 e0, count = p.pos // isz, p.length // isz
-                desc = {"fid": ino, "idx": p.idx, "offset": p.offset, "count": count, "rank": rank, "step": step, "wire": wire.str, "unit": attr["unit"], "busy": busy, "paced": paced}
+                desc = {
+                    "fid": ino, "idx": p.idx, "offset": p.offset, "count": count, "rank": rank, "step": step,
+                    "wire": wire.str, "unit": attr["unit"], "busy": busy, "paced": paced,
+                }
                 if chosen is None:
                     values = flat[e0 : e0 + count]
                 else:
@@ -219,7 +232,14 @@ class Training:
                     continue
                 desc, payload, _ = entry
                 if nxt <= desc["step"]:
-                    log.warning("stripe %d:%d: %s lacks push %d of rank %d (its round was open on a lost primary); sending it again", fid, idx, primary, desc["step"], rank)
+                    log.warning(
+                        "stripe %d:%d: %s lacks push %d of rank %d (its round was open on a lost primary); sending it again",
+                        fid,
+                        idx,
+                        primary,
+                        desc["step"],
+                        rank,
+                    )
                     # a copy: the owner may reuse its memory while this send waits (rare: failover)
                     await self._push_piece(desc, memoryview(bytes(payload)), [])
             except (NodeDown, RemoteError, AccessError, trio.TooSlowError) as exc:
@@ -327,7 +347,7 @@ class Training:
         """The tensor's parameters into ``out`` once the model's policy allows ``rank`` to see
         them (bsp: every rank's push of this rank's last step applied; ssp:S: the slowest rank
         within S steps; asp: at once). ETIMEDOUT after the model's ``user.irdma.timeout``."""
-        from ..server.sync import parse_policy, required_clock
+        from ..server.policies import parse_policy, required_clock
 
         info = await self.train_info(ino, rank)
         if rank not in info["active"]:
@@ -360,7 +380,8 @@ class Training:
                     n.start_soon(self._train_wait, ino, p.idx, rank, info["pushed"], info["timeout"])
 
     async def _train_wait(self, ino: int, idx: int, rank: int, pushed: int, timeout: float) -> None:
-        await self._stripe_call(ino, idx, "train_wait", {"fid": ino, "idx": idx, "rank": rank, "pushed": pushed, "timeout": timeout}, timeout=timeout + self.cfg.op_timeout)
+        args = {"fid": ino, "idx": idx, "rank": rank, "pushed": pushed, "timeout": timeout}
+        await self._stripe_call(ino, idx, "train_wait", args, timeout=timeout + self.cfg.op_timeout)
 
     async def _stripe_call(self, fid: int, idx: int, method: str, args: dict, *, timeout: float | None = None) -> dict:
         """A control call to the stripe's primary, following it when it moves."""

@@ -27,7 +27,8 @@ client keeps pushes of a round still open as views of the push area (to replay t
 stripe's primary is lost), so the worker writes the push area only once it has been *released*
 since its last push: a ``pull`` answer releases it (after ``Client.detach``, which copies out
 what is still kept: under bsp the pull saw the round closed, so nothing), and so does a
-``release`` request, which a worker that pushes twice without pulling sends first. A model whose tensors changed since the door opened answers ``ESTALE``: open it
+``release`` request, which a worker that pushes twice without pulling sends first. A model
+whose tensors changed since the door opened answers ``ESTALE``: open it
 again. Frames on the socket: a 4-byte little-endian length, then a JSON document.
 
 Concurrency: one task per worker connection, in the mount's nursery; requests of one worker are
@@ -220,7 +221,8 @@ class _Session:
         return cls(streams, ticket, layout, fd, region, pull_at)
 
     async def run(self, sock) -> None:
-        await send_frame(sock, {"ok": 1, "size": self.layout.size, "push": 0, "pull": self.pull_at, "header": len(self.layout.header), "region": 2 * self.pull_at}, self.fd)
+        layout = {"size": self.layout.size, "push": 0, "pull": self.pull_at, "header": len(self.layout.header), "region": 2 * self.pull_at}
+        await send_frame(sock, {"ok": 1} | layout, self.fd)
         os.close(self.fd)
         self.fd = -1
         while True:
@@ -245,18 +247,18 @@ class _Session:
             await self._fresh()
             only = self._only(doc)
             await step_stream(self.streams, self.rank, self.model, self.push_area, self.layout, self.pull_area, owner=self.owner, only=only)
-            self.streams.client.detach(self.owner)
+            self.streams.client.training.detach(self.owner)
         elif op == "pull":
             await self._fresh()
             await pull_stream(self.streams, self.rank, self.layout, self.pull_area)
-            self.streams.client.detach(self.owner)  # released: the worker may write it again
+            self.streams.client.training.detach(self.owner)  # released: the worker may write it again
         elif op == "check":  # the worker met a tensor name its layout lacks: still current?
             await self._fresh(reread=True)
         elif op == "release":
-            self.streams.client.detach(self.owner)
+            self.streams.client.training.detach(self.owner)
         elif op == "fsync":
-            for ino in self.streams.client.pushed_tensors(self.rank):
-                await self.streams.client.wait_applied(ino, self.rank)
+            for ino in self.streams.client.training.pushed_tensors(self.rank):
+                await self.streams.client.training.wait_applied(ino, self.rank)
         else:
             raise FsError(errno.EINVAL, f"unknown door request {op!r}")
 
@@ -275,6 +277,6 @@ class _Session:
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
-        self.streams.client.detach(self.owner)
+        self.streams.client.training.detach(self.owner)
         self.owner = None
         del self.push_area, self.pull_area

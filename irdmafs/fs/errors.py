@@ -26,7 +26,10 @@ class FsError(Exception):
 # The one errno table: errno names the cluster answers with, and what else may escape the VFS.
 REMOTE_ERRNO = {
     name: getattr(errno, name)
-    for name in ("ENOENT", "EEXIST", "ENOTDIR", "EISDIR", "ENOTEMPTY", "EINVAL", "ENAMETOOLONG", "EROFS", "ENOSPC", "ENODATA", "EPERM", "EACCES", "EBUSY", "E2BIG", "ETIMEDOUT", "EMLINK")
+    for name in (
+        "ENOENT", "EEXIST", "ENOTDIR", "EISDIR", "ENOTEMPTY", "EINVAL", "ENAMETOOLONG", "EROFS",
+        "ENOSPC", "ENODATA", "EPERM", "EACCES", "EBUSY", "E2BIG", "ETIMEDOUT", "EMLINK",
+    )
 }
 
 

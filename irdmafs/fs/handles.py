@@ -23,7 +23,7 @@ import numpy as np
 import trio
 
 from .. import formats
-from ..server.meta import ROOT
+from ..namespace import ROOT
 from . import models
 from .errors import FsError
 from .openfiles import OpenFile
@@ -116,7 +116,7 @@ class FileHandle(Handle):
             await f.drain()
             if off + size > self.attr["size"] and not self.dirty:
                 # another mount may have grown the file since we opened it
-                self.attr = await self.client.getattr(self.ino, self.snap)
+                self.file.update(await self.client.getattr(self.ino, self.snap))
             if f.writes_seen == seen:
                 break  # and no await from here until the read-ahead has started its fetches
         attr = dict(self.attr, size=max(self.attr["size"], self.size))
@@ -152,7 +152,7 @@ class FileHandle(Handle):
         if not self.dirty:
             return
         await self.behind.drain()
-        self.attr = await self.client.extend(self.ino, self.size)
+        self.file.update(await self.client.extend(self.ino, self.size))
         self.dirty = False
         if self.file.pending <= self.attr["size"]:
             self.file.pending = 0
@@ -190,7 +190,7 @@ class PushHandle(BufferedHandle):
         if not self.dirty:
             return
         client = self.client
-        t = (await client.train_info(self.ino, self.rank))["tensor"]
+        t = (await client.training.train_info(self.ino, self.rank))["tensor"]
         dtype, shape = np.dtype(t["dtype"]), tuple(t["shape"])
         data = bytes(self.buf)
         try:
@@ -206,12 +206,12 @@ class PushHandle(BufferedHandle):
         except formats.NpyError as exc:
             log.warning("push by rank %d to inode %d refused: %s", self.rank, self.ino, exc)
             raise FsError(errno.EINVAL, str(exc)) from None
-        await client.push(self.ino, self.rank, np.ascontiguousarray(grad))
+        await client.training.push(self.ino, self.rank, np.ascontiguousarray(grad))
         self.dirty = False
 
     async def fsync(self) -> None:
         await self.flush()
-        await self.client.wait_applied(self.ino, self.rank)
+        await self.client.training.wait_applied(self.ino, self.rank)
 
 
 @dataclass

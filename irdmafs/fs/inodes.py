@@ -18,7 +18,7 @@ import re
 import stat as S
 import time
 
-from ..server.meta import MODEL_SUFFIX
+from ..namespace import MODEL_SUFFIX
 from .errors import FsError
 
 VIRT = 1 << 56
@@ -110,12 +110,14 @@ def namespace_ino(ino: int, otherwise: int) -> tuple[int, int]:
 
 def dir_stat(ino: int, mode: int = 0o555, nlink: int = 2) -> dict:
     now = time.time_ns()
-    return {"st_ino": ino, "st_mode": S.S_IFDIR | mode, "st_nlink": nlink, "st_uid": 0, "st_gid": 0, "st_size": 0, "st_atime_ns": now, "st_mtime_ns": now, "st_ctime_ns": now}
+    times = {"st_atime_ns": now, "st_mtime_ns": now, "st_ctime_ns": now}
+    return {"st_ino": ino, "st_mode": S.S_IFDIR | mode, "st_nlink": nlink, "st_uid": 0, "st_gid": 0, "st_size": 0} | times
 
 
 def file_stat(ino: int, size: int, mode: int = 0o444, mtime_ns: int | None = None, uid: int = 0, gid: int = 0) -> dict:
     t = mtime_ns or time.time_ns()
-    return {"st_ino": ino, "st_mode": S.S_IFREG | mode, "st_nlink": 1, "st_uid": uid, "st_gid": gid, "st_size": size, "st_atime_ns": t, "st_mtime_ns": t, "st_ctime_ns": t}
+    times = {"st_atime_ns": t, "st_mtime_ns": t, "st_ctime_ns": t}
+    return {"st_ino": ino, "st_mode": S.S_IFREG | mode, "st_nlink": 1, "st_uid": uid, "st_gid": gid, "st_size": size} | times
 
 
 def writes(flags: int) -> bool:

@@ -22,7 +22,7 @@ import stat as S
 from typing import TYPE_CHECKING, Any
 
 from .. import formats
-from ..server.meta import ROOT
+from ..namespace import ROOT
 from ..transport.base import RemoteError
 from . import models
 from .errors import FsError
@@ -74,10 +74,6 @@ class LiveFiles(Family):
         attr = await self.client.getattr(ino)
         if S.S_ISDIR(attr["mode"]):
             raise FsError(errno.EISDIR)
-        if writes(flags) and flags & os.O_TRUNC and models.model_of(attr):  # rewritten whole
-            async with self.models.locked(ino):
-                attr = await self.models.unmodel(await self.client.getattr(ino))
-                self.changed(ino, attr)
         if flags & os.O_TRUNC and writes(flags) and attr["size"]:
             # libfuse asks for atomic O_TRUNC: the kernel sends no setattr, the open truncates
             attr = await self.resize(ino, {"size": 0})
@@ -92,8 +88,9 @@ class LiveFiles(Family):
         """A handle of a cluster file, referring to what the mount knows of it (openfiles.py);
         the attributes fetched by this open are the file's from now on (close-to-open)."""
         f = self.files.open(ino, attr, snap)
-        f.attr = attr
-        h = FileHandle(ino, file=f, client=self.client, models=self.models, slots=self.files.write_slots, on_flushed=self.detect, on_changed=self.changed, snap=snap, size=attr["size"], name=name)
+        f.update(attr)
+        h = FileHandle(ino, file=f, client=self.client, models=self.models, slots=self.files.write_slots, snap=snap, size=attr["size"], name=name)
+        h.on_flushed, h.on_changed = self.detect, self.changed
         if not snap:
             f.handles.add(h)
         return h
@@ -116,9 +113,16 @@ class LiveFiles(Family):
 
     async def resize(self, ino: int, changes: dict[str, Any]) -> dict:
         """Change a cluster file's attributes; a new size waits for this mount's writes to it
-        and zeroes what lies past it. Returns the node's attributes."""
+        and zeroes what lies past it (under the file's model lock: no conversion meanwhile).
+        Returns the node's attributes."""
+        if "size" not in changes:
+            return await self._set(ino, changes)
+        async with self.models.locked(ino):
+            await self._plain_if_resized(ino, changes)
+            return await self._set(ino, changes)
+
+    async def _set(self, ino: int, changes: dict[str, Any]) -> dict:
         written = 0
-        await self._plain_if_resized(ino, changes)
         f = self.files.get(ino)
         if "size" in changes and f:
             await f.drain()  # a truncate must not be overtaken by an earlier write
@@ -131,7 +135,7 @@ class LiveFiles(Family):
                 h.size = min(h.size, changes["size"])
         attr = await self.client.setattr(ino, written=written, **changes)
         if f:
-            f.attr = attr  # open files answer getattr: keep them current
+            f.update(attr)  # open files answer getattr: keep them current
         m = models.model_of(attr)
         if m is not None and {"mode", "uid", "gid"} & set(changes):  # its tensors follow
             mirrored = {k: v for k, v in changes.items() if k in ("uid", "gid")}
@@ -141,17 +145,13 @@ class LiveFiles(Family):
         return attr
 
     async def _plain_if_resized(self, ino: int, changes: dict) -> None:
-        """A model file about to be truncated to another size is plain bytes first (models.py)."""
-        if "size" not in changes:
-            return
-        f = self.files.get(ino)
-        attr = f.attr if f else await self.client.getattr(ino)
+        """A model file about to be truncated to another size is plain bytes first (models.py).
+        Called with the file's model lock held."""
+        attr = await self.client.getattr(ino)
         if models.model_of(attr) is None or changes["size"] == attr["size"]:
             return
-        async with self.models.locked(ino):
-            attr = await self.client.getattr(ino)
-            attr = await (self.models.unmodel if changes["size"] == 0 else self.models.materialize)(attr)
-            self.changed(ino, attr)
+        attr = await (self.models.unmodel if changes["size"] == 0 else self.models.materialize)(attr)
+        self.changed(ino, attr)
 
     def changed(self, ino: int, attr: dict) -> None:
         """``ino`` became a model file or stopped being one: open files and layouts follow."""
@@ -168,8 +168,11 @@ class LiveFiles(Family):
         if prefix is None or (handle.name and not handle.name.endswith(SUFFIX)):
             return
         async with self.models.locked(handle.ino):
-            if any(h is not handle and (h.dirty or h.behind is not None) for h in self.files.handles(handle.ino)):
+            # a handle writing now converts at its own flush (a later write to a model file
+            # brings its bytes back first, under this lock)
+            if handle.dirty or any(h.dirty for h in self.files.handles(handle.ino)):
                 return
+            await handle.file.drain()
             attr = await self.client.getattr(handle.ino)  # as it is now (another flush may have converted it)
             if attr["version"] == handle.attr["version"]:
                 new = await self.models.convert(attr, handle.name or None, prefix)
@@ -198,7 +201,7 @@ class LiveFiles(Family):
         if info != attr.get("tensor"):
             self.layouts.forget()  # a tensor came, went or changed shape
             await self.client.set_tensor(ino, info)
-        self.client.forget_training(ino)  # written anew: its shape and push counts are refetched
+        self.client.training.forget_training(ino)  # written anew: its shape and push counts are refetched
         return None if prefix.startswith(formats.MAGIC) else prefix
 
     # -- directories -----------------------------------------------------------------------------
@@ -219,6 +222,8 @@ class LiveFiles(Family):
             raise FsError(errno.EPERM)
         if parent in self.models.tensor_dirs:
             raise FsError(errno.EPERM, "a model file's tensor directory holds its tensors only: change the file")
+        if RESERVED.fullmatch(name):
+            raise FsError(errno.EPERM, f"{name} is the mount's own: change the file it belongs to")
 
     async def mkdir(self, parent: int, name: str, mode: int, uid: int, gid: int) -> dict:
         self.check_create(parent, name)
@@ -273,8 +278,12 @@ class LiveFiles(Family):
         if not f or found["nlink"] > 1:  # with other names left, the file lives on anyway
             return False
         hidden = f"{UNLINKED}{found['ino']}"
+        f.unlinked = (parent, hidden)  # before the rename: a last close meanwhile removes it
         await self.client.rename(parent, name, parent, hidden)
-        f.unlinked = (parent, hidden)
+        if self.files.get(found["ino"]) is not f:  # closed while renamed: nobody else will
+            gone = await self.client.unlink(parent, hidden)
+            if gone.get("freed"):
+                await self.models.forget(gone.get("model"), gone["freed"])
         return True
 
     async def rename(self, parent: int, name: str, new_parent: int, new_name: str, flags: int) -> None:
@@ -337,7 +346,7 @@ class LiveFiles(Family):
         await self.client.setxattr(ino, name, text)
         if name.startswith("user.irdma."):
             await self._mirror_policy(ino, name, text)
-            self.client.forget_training()  # a policy may have changed
+            self.client.training.forget_training()  # a policy may have changed
 
     async def _mirror_policy(self, ino: int, name: str, text: str | None) -> None:
         """A model file's policy is its tensors': mirrored on their directory."""

@@ -60,7 +60,7 @@ import trio
 from .. import formats
 from ..client.client import Client
 from ..cluster import NodeDown, Unavailable
-from ..server.meta import MODEL_XATTR
+from ..namespace import MODEL_XATTR
 from ..transport.base import RemoteError
 from .errors import FsError
 from .inodes import RESERVED, SUFFIX, TENSOR_DIR
@@ -68,7 +68,8 @@ from .inodes import RESERVED, SUFFIX, TENSOR_DIR
 log = logging.getLogger(__name__)
 
 PROBE = 4096  # first bytes looked at to tell whether a file may be a safetensors stream
-CACHE_BYTES = 64 << 20  # whole tensors a reader keeps (at least the ones it is serving)
+CACHE_BYTES = 64 << 20  # whole tensors a reader keeps once it has served all of their bytes
+CACHE_LIMIT = 512 << 20  # ... and, past this, even those it has not (a random reader of a big model)
 COPY_CHUNK = 16 << 20  # bytes per read and write when tensor bytes are copied
 FAILED = (RemoteError, NodeDown, Unavailable, trio.TooSlowError)  # what a conversion may meet
 
@@ -158,7 +159,9 @@ class ModelFiles:
         """The namespace entry ``name`` of ``parent``: a real one, or else, for ``X``, the tensor
         directory of a model file ``X.safetensors`` (one call either way)."""
         attr = await self.client.lookup(parent, name, snap, alias=True)
-        if "alias_of" in attr:
+        # a tensor directory (by X, by its own name, or a subdirectory of one: a "/" in a
+        # tensor name) holds the file's tensors only (vfs refuses changes in it)
+        if "alias_of" in attr or S.S_ISDIR(attr["mode"]) and (parent in self.tensor_dirs or name.startswith(TENSOR_DIR)):
             self.tensor_dirs.add(attr["ino"])
         return attr
 
@@ -193,7 +196,8 @@ class ModelFiles:
             return None
         try:
             d = await self._tensor_dir(attr, start, entries)
-            new = await self.client.set_model(ino, {"dir": d, "start": start})
+            # only if the file is still what was copied (no write, truncate or other conversion since)
+            new = await self.client.set_model(ino, {"dir": d, "start": start}, version=attr["version"], size=size)
         except FAILED as exc:
             log.warning("%s (inode %d): kept as plain bytes, its conversion to a model failed: %s", name, ino, exc)
             await self._remove_quietly(attr["parent"], ino)
@@ -214,7 +218,7 @@ class ModelFiles:
                 where = d
                 *dirs, leaf = e.name.split("/")
                 for sub in dirs:
-                    where = (await client.makedirs_under(where, sub))["ino"]
+                    where = (await client.paths.makedirs_under(where, sub))["ino"]
                 header = formats.npy_header(np.dtype(e.dtype), e.shape)
                 t = await client.create(where, leaf + ".npy", S.S_IMODE(attr["mode"]), attr["uid"], attr["gid"])
                 await client.io.write(t["ino"], t["unit"], 0, memoryview(header))
@@ -233,10 +237,15 @@ class ModelFiles:
         return d
 
     async def _remove_quietly(self, parent: int, ino: int, strict: bool = False) -> None:
-        """Remove ``ino``'s tensor directory in ``parent`` if one is there (``strict``: errors
-        raise, else they are logged)."""
+        """Remove ``ino``'s tensor directory in ``parent`` if one is there and the file's model
+        record does not name it (a conversion that failed, or whose answer was lost after it was
+        applied, or another mount's: never the tensors of a model); ``strict``: errors raise,
+        else they are logged."""
         try:
             d = await self.client.lookup(parent, tensor_dir_name(ino))
+            m = model_of(await self.client.getattr(ino))
+            if m is not None and m["dir"] == d["ino"]:
+                return
             await self.remove_dir(d["ino"], ino)
         except FAILED as exc:
             if strict and not (isinstance(exc, RemoteError) and exc.code == "ENOENT"):
@@ -362,7 +371,8 @@ async def layout(client: Client, attr: dict, snap: int = 0) -> Layout:
         t = a and a.get("tensor")
         if not t or np.dtype(t["dtype"]) != np.dtype(e.dtype) or tuple(t["shape"]) != e.shape or t["fortran"]:
             now = f"{t['dtype']}{t['shape']}" if t else "missing or not a tensor"
-            log.error("model file %d: tensor %r is %s, the file says %s%s; rewrite the file or restore the tensor", attr["ino"], e.name, now, e.dtype, list(e.shape))
+            said = f"{e.dtype}{list(e.shape)}"
+            log.error("model file %d: tensor %r is %s, the file says %s; rewrite the file or restore the tensor", attr["ino"], e.name, now, said)
             raise FsError(errno.EIO, f"tensor {e.name!r} no longer fits the file's header")
         parts.append(Part(start + e.begin, start + e.end, a["ino"], a))
     return Layout(head, attr["size"], parts, snap)
@@ -372,9 +382,9 @@ async def layout(client: Client, attr: dict, snap: int = 0) -> Layout:
 class ModelReader:
     """Reads of a model file: header bytes, and whole tensors read settled and kept. Reads that
     arrive together (the kernel's read-ahead) share one read of a tensor, and a tensor is kept
-    while any read is serving it, so every byte a reader gets of a tensor is of one version; one
-    read again after it left the cache (CACHE_BYTES, least recently used) may be a newer one,
-    whole."""
+    while any read is serving it and until all of its bytes have been served (up to
+    CACHE_LIMIT), so every byte a reader gets of a tensor is of one version; a tensor read again
+    after it left the cache may be a newer version, whole."""
 
     client: Client
     layout: Layout
@@ -382,6 +392,7 @@ class ModelReader:
     cache: OrderedDict = field(default_factory=OrderedDict)  # part index -> its bytes
     reading: dict = field(default_factory=dict)  # part index -> Event set when its read ended
     serving: Counter = field(default_factory=Counter)  # part index -> reads using it now
+    served: Counter = field(default_factory=Counter)  # part index -> its bytes served so far
 
     async def read(self, off: int, size: int) -> bytes:
         lay = self.layout
@@ -399,6 +410,7 @@ class ModelReader:
                 a, b = max(off, p.begin), min(end, p.end)
                 data = await self._tensor(i)
                 memoryview(out)[a - off : b - off] = memoryview(data)[a - p.begin : b - p.begin]
+                self.served[i] += b - a
         finally:
             self.serving.subtract(wanted)
         return bytes(out)
@@ -421,10 +433,18 @@ class ModelReader:
             t = p.attr["tensor"]
             await self.client.io.read_settled(p.ino, t["offset"] + len(buf), p.attr["unit"], t["offset"], memoryview(buf), self.layout.snap, self.timeout)
             self.cache[i] = buf
-            for k in [k for k in self.cache if self.serving[k] <= 0 and k != i]:
-                if sum(map(len, self.cache.values())) <= CACHE_BYTES:
-                    break
-                del self.cache[k]
+            self._evict(keep=i)
         finally:
             del self.reading[i]
             done.set()
+
+    def _evict(self, keep: int) -> None:
+        """Least recently used first: tensors served whole past CACHE_BYTES, then any not being
+        served past CACHE_LIMIT."""
+        for limit, whole in ((CACHE_BYTES, True), (CACHE_LIMIT, False)):
+            for k in list(self.cache):
+                if sum(map(len, self.cache.values())) <= limit:
+                    break
+                if k != keep and self.serving[k] <= 0 and (not whole or self.served[k] >= len(self.cache[k])):
+                    del self.cache[k]
+                    self.served[k] = 0

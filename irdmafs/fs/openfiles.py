@@ -46,10 +46,18 @@ class OpenFile:
             if h.reader is not None:
                 h.reader.invalidate()
 
+    def update(self, attr: dict) -> None:
+        """Attributes fetched or returned by a change: kept unless older than those held (an
+        answer that arrives late must not undo a change made meanwhile, such as a conversion
+        to a model file: every handle of the file reads by these). ctime moves with every
+        change of the inode."""
+        if attr.get("ctime_ns", 0) >= self.attr.get("ctime_ns", 0):
+            self.attr = attr
+
     def changed(self, attr: dict) -> None:
         """New attributes from this mount's own change (a truncate, a chmod, a conversion to a
         model file or back): every handle reads by them from now on."""
-        self.attr = attr
+        self.update(attr)
         for h in self.handles:
             h.model = None  # a model file's layout is made again at the next read
         self.forget_fetched()

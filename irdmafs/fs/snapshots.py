@@ -9,7 +9,7 @@ import logging
 import stat as S
 from typing import TYPE_CHECKING, Awaitable, Callable
 
-from ..server.meta import ROOT
+from ..namespace import ROOT
 from .errors import FsError
 from .inodes import SNAP, SNAPSHOTS_DIR, Family, dir_stat, snap_ino, split_snap, stat_of, writes
 

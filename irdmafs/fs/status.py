@@ -15,7 +15,8 @@ import json
 import logging
 from typing import TYPE_CHECKING, Callable
 
-from ..server.meta import ROOT
+from ..client import nodes
+from ..namespace import ROOT
 from .errors import FsError
 from .handles import BATCH_XATTR, BatchSizeHandle, BytesHandle
 from .inodes import (
@@ -117,7 +118,7 @@ class StatusFiles(Family):
         """``rmdir .irdma/workers/<r>``: a worker left; every model stops waiting for it."""
         removed = await removed_ranks(self.client) | {rank_of(name)}
         await self.client.setxattr(ROOT, REMOVED_XATTR, ",".join(map(str, sorted(removed))))
-        self.client.forget_training()
+        self.client.training.forget_training()
         log.info("worker rank %s removed; the others go on without it", name)
 
     async def batch_content(self, rank: int) -> bytes:
@@ -129,12 +130,12 @@ class StatusFiles(Family):
         batches = {r: b for r, b in batches.items() if r not in await removed_ranks(self.client)}
         if rank not in batches:
             return b""
-        suggestion = self.client.suggest_batch(rank, batches) or batches[rank]
+        suggestion = self.client.training.suggest_batch(rank, batches) or batches[rank]
         return f"{suggestion}\n".encode()
 
     async def content(self, ino: int) -> bytes:
         if ino == CLUSTER_FILE:
-            doc = dict(self.status, nodes=self.client.cluster_status())
+            doc = dict(self.status, nodes=nodes.table(self.client))
         else:
             doc = self.figures()  # the same figures the Prometheus endpoint serves (mount --metrics)
         return (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()

@@ -101,7 +101,7 @@ class Layouts:
         if buf is None or len(buf) < size or len(buf) > 2 * size + (1 << 20):
             buf = bytearray(size)
         else:
-            self.client.detach(buf)
+            self.client.training.detach(buf)
         return buf
 
     def give_back(self, kind: str, rank: int, model: int, buf: bytearray) -> None:
@@ -118,7 +118,7 @@ async def push_stream(streams: Streams, rank: int, model: int, data: memoryview,
     with single_exception():
         async with trio.open_nursery() as n:
             for ino, grad in pushes.values():
-                n.start_soon(partial(streams.client.push, ino, rank, grad, owner=owner))
+                n.start_soon(partial(streams.client.training.push, ino, rank, grad, owner=owner))
 
 
 async def pull_stream(streams: Streams, rank: int, layout: Layout, buf: memoryview) -> None:
@@ -127,10 +127,12 @@ async def pull_stream(streams: Streams, rank: int, layout: Layout, buf: memoryvi
     with single_exception():
         async with trio.open_nursery() as n:
             for e, attr in layout.parts:
-                n.start_soon(streams.client.pull_into, attr["ino"], rank, _param(layout, buf, e))
+                n.start_soon(streams.client.training.pull_into, attr["ino"], rank, _param(layout, buf, e))
 
 
-async def step_stream(streams: Streams, rank: int, model: int, data: memoryview, layout: Layout, buf: memoryview, *, owner: object, only: set[str] | None = None) -> None:
+async def step_stream(
+    streams: Streams, rank: int, model: int, data: memoryview, layout: Layout, buf: memoryview, *, owner: object, only: set[str] | None = None
+) -> None:
     """A push and the pull after it, overlapped: each tensor's pull starts as soon as its own
     push is taken, so while later tensors are still being pushed, earlier ones (their rounds
     closed) are already coming back. Same checks and results as ``push_stream`` then
@@ -141,8 +143,8 @@ async def step_stream(streams: Streams, rank: int, model: int, data: memoryview,
     async def one(e, attr) -> None:
         pushed = pushes.get(e.name)
         if pushed is not None:
-            await streams.client.push(pushed[0], rank, pushed[1], owner=owner)
-        await streams.client.pull_into(attr["ino"], rank, _param(layout, buf, e))
+            await streams.client.training.push(pushed[0], rank, pushed[1], owner=owner)
+        await streams.client.training.pull_into(attr["ino"], rank, _param(layout, buf, e))
 
     with single_exception():
         async with trio.open_nursery() as n:
@@ -175,7 +177,8 @@ async def _validate(streams: Streams, rank: int, model: int, data: memoryview, o
                 raise formats.SafetensorsError(f"tensor {e.name!r} is not in this model")
             want, attr = known[e.name]
             if (np.dtype(e.dtype), e.shape) != (np.dtype(want.dtype), want.shape):
-                raise formats.SafetensorsError(f"tensor {e.name!r}: pushed {np.dtype(e.dtype)}{list(e.shape)}, the model holds {np.dtype(want.dtype)}{list(want.shape)}")
+                holds = f"{np.dtype(want.dtype)}{list(want.shape)}"
+                raise formats.SafetensorsError(f"tensor {e.name!r}: pushed {np.dtype(e.dtype)}{list(e.shape)}, the model holds {holds}")
             count = (e.end - e.begin) // np.dtype(e.dtype).itemsize
             grad = np.frombuffer(data, e.dtype, count, offset=start + e.begin).reshape(e.shape)
             out[e.name] = (attr["ino"], grad)
@@ -233,8 +236,8 @@ class PushStreamHandle:
 
     async def fsync(self) -> None:
         await self.flush()
-        for ino in self.streams.client.pushed_tensors(self.rank):
-            await self.streams.client.wait_applied(ino, self.rank)
+        for ino in self.streams.client.training.pushed_tensors(self.rank):
+            await self.streams.client.training.wait_applied(ino, self.rank)
 
     def close(self) -> None:
         self.streams.layouts.give_back("push", self.rank, self.model, self.buf)

@@ -28,9 +28,10 @@ import errno
 import itertools
 import logging
 
+from ..client import nodes
 from ..client.client import Client
 from ..metrics import Latency, as_dict, mount_samples
-from ..server.meta import ROOT
+from ..namespace import ROOT
 from . import models
 from .errors import FsError
 from .handles import FileHandle, Handle
@@ -63,7 +64,7 @@ class Vfs:
         self.live = LiveFiles(client, self.files, self.models, self.layouts, self.views)
         self.snapshots = Snapshots(client, self.models, self.live.file_handle, self.files.drain)
         self.workers = WorkerFiles(self.streams, self.models, lambda: self.door)
-        figures = lambda: self.client.stats() | {"fuse": self.counters, "metrics": as_dict(mount_samples(self))}  # noqa: E731
+        figures = lambda: nodes.figures(self.client) | {"fuse": self.counters, "metrics": as_dict(mount_samples(self))}  # noqa: E731
         self.status_files = StatusFiles(client, self.status, figures, self.open_handles)
         self.families: list[Family] = [self.live, self.snapshots, self.workers, self.views, self.status_files]
 
@@ -193,4 +194,4 @@ class Vfs:
         await self.live.setxattr(ino, name, value)
 
     async def statfs(self) -> dict:
-        return await self.client.statfs()
+        return await nodes.statfs(self.client)

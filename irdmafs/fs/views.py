@@ -131,9 +131,9 @@ async def apply(client: Client, model: int, data: bytes) -> None:
         *dirs, leaf = e.name.split("/")
         parent = model
         for d in dirs:
-            parent = (await client.makedirs_under(parent, d))["ino"]
+            parent = (await client.paths.makedirs_under(parent, d))["ino"]
         arr = np.frombuffer(data, dtype=e.dtype, count=(e.end - e.begin) // np.dtype(e.dtype).itemsize, offset=start + e.begin).reshape(e.shape)
-        await client.save_under(parent, leaf + ".npy", arr)
+        await client.paths.save_under(parent, leaf + ".npy", arr)
     if metadata:
         await client.setxattr(model, META_XATTR, json.dumps(metadata))
     elif META_XATTR in (await client.getattr(model))["xattrs"]:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..server.meta import ROOT
+from ..namespace import ROOT
 from ..transport.base import RemoteError
 from . import models
 from .errors import FsError
@@ -68,14 +68,15 @@ class WorkerFiles(Family):
             # the kernel asks after every write to a file; for a tensor being trained, what the
             # push and pull paths cache answers without a call
             rank, i = split_work(ino)
-            cached = self.client.cached_train_info(i, rank)
+            cached = self.client.training.cached_train_info(i, rank)
             return work_stat(cached["attr"] if cached else await self.client.getattr(i), ino)
         if ino & STREAM:
             # a step stream: the size of the model's pull stream (the layout is cached)
             _, model = split_stream(ino)
             d = await self.client.getattr(model)
             size = (await self.streams.layouts.get(model)).size
-            return dict(file_stat(ino, size, d["mode"] & 0o666, d["mtime_ns"], d["uid"], d["gid"]), entry_timeout=WORK_CACHE_SECONDS, attr_timeout=WORK_CACHE_SECONDS)
+            st = file_stat(ino, size, d["mode"] & 0o666, d["mtime_ns"], d["uid"], d["gid"])
+            return dict(st, entry_timeout=WORK_CACHE_SECONDS, attr_timeout=WORK_CACHE_SECONDS)
         # who may read the ticket may push and pull through the door: readable by a class
         # (owner, group, others) only where the model directory is readable and writable
         # for it, as the stream file is read (pull) and written (push)
@@ -138,13 +139,13 @@ class WorkerFiles(Family):
         """A tensor's push file (written) or its parameters as the rank may see them (read)."""
         rank, i = split_work(ino)
         if writes(flags):
-            await self.client.train_info(i, rank)  # EINVAL now if it cannot take pushes
+            await self.client.training.train_info(i, rank)  # EINVAL now if it cannot take pushes
             return PushHandle(i, client=self.client, rank=rank)
-        info = await self.client.train_info(i, rank)
+        info = await self.client.training.train_info(i, rank)
         t = info["tensor"]
         out = np.empty(t["shape"], t["dtype"])
         header = await self.client.read(i, 0, t["offset"], info["attr"])
-        await self.client.pull_into(i, rank, out)
+        await self.client.training.pull_into(i, rank, out)
         return BytesHandle(i, header + out.tobytes(), direct=True)
 
     async def setattr(self, ino: int, changes: dict) -> dict:
@@ -158,10 +159,10 @@ class WorkerFiles(Family):
             return await self.getattr(ino)  # O_TRUNC before a push: nothing to truncate
         # O_TRUNC before a push (np.save): nothing to truncate; answered from the cache
         rank, i = split_work(ino)
-        return work_stat((await self.client.train_info(i, rank))["attr"], ino)
+        return work_stat((await self.client.training.train_info(i, rank))["attr"], ino)
 
     async def fsyncdir(self, ino: int) -> None:
         """Until every push this mount made for the rank is applied."""
         rank, _ = split_work(ino)
-        for tensor in self.client.pushed_tensors(rank):
-            await self.client.wait_applied(tensor, rank)
+        for tensor in self.client.training.pushed_tensors(rank):
+            await self.client.training.wait_applied(tensor, rank)

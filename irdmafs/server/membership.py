@@ -37,6 +37,18 @@ log = logging.getLogger(__name__)
 GRACE_HEARTBEATS = 20
 
 
+def _node_specs(nodes: list) -> list[NodeSpec]:
+    """The members a rebalance names (``rpc_members``' form); EINVAL if they are not that."""
+    if not isinstance(nodes, list):
+        raise RemoteError("EINVAL", f"the members are a list, not {nodes!r}")
+    specs = []
+    for n in nodes:
+        if not (isinstance(n, dict) and isinstance(n.get("name"), str) and isinstance(n.get("host"), str) and isinstance(n.get("port"), int)):
+            raise RemoteError("EINVAL", f"a member is {{name, host, port}}, not {n!r}")
+        specs.append(NodeSpec(n["name"], n["host"], n["port"]))
+    return specs
+
+
 class Membership:
     """Joining, the hand-over, fencing and membership changes of a ``Node``."""
 
@@ -150,7 +162,8 @@ class Membership:
         settle = 3 * self.cfg.heartbeat + self.cfg.down_after  # peers see a new ready node by then
         for n in peers:
             info = self.cluster.info.get(n, {})
-            if self.cluster.node_state(n) == READY and self.name not in info.get("sees_ready", [self.name]) and self.cluster.info_at.get(n, 0) - self.ready_since > settle:
+            counts_it_down = self.name not in info.get("sees_ready", [self.name])
+            if self.cluster.node_state(n) == READY and counts_it_down and self.cluster.info_at.get(n, 0) - self.ready_since > settle:
                 return f"{n} counts this node down", 0.0
         return None
 
@@ -222,7 +235,7 @@ class Membership:
     async def rpc_rebalance_pull(self, nodes: list[dict], replicas: int) -> dict:
         """Rebalance, step 1 (the cluster frozen): fetch every stripe this node holds under the
         new membership ``nodes`` and lacks, from any node of the old or the new membership."""
-        specs = [NodeSpec(str(n["name"]), str(n["host"]), int(n["port"])) for n in nodes]
+        specs = _node_specs(nodes)
         self.cluster.know(specs)
         names = [s.name for s in specs]
         peers = sorted((set(names) | set(self.cfg.names)) - {self.name})
@@ -237,7 +250,7 @@ class Membership:
         it from heartbeats meanwhile) drop the stripes this node no longer holds."""
         if epoch <= self.cluster.epoch:
             return {"epoch": self.cluster.epoch}
-        specs = [NodeSpec(str(n["name"]), str(n["host"]), int(n["port"])) for n in nodes]
+        specs = _node_specs(nodes)
         self.cluster.adopt(specs, replicas, epoch)
         self._adopted(epoch)
         return {"epoch": epoch}

@@ -17,14 +17,10 @@ import json
 import stat as S
 from typing import Any
 
+# (the client and the file system import these from irdmafs.namespace, not from here)
+from ..namespace import MODEL_SUFFIX, MODEL_XATTR, NAME_MAX, PATH_MAX, ROOT
 from ..transport.base import RemoteError
 
-ROOT = 1
-# internal xattr of a safetensors file that is a model (fs/models.py): {"dir": ino, "start": n}
-MODEL_XATTR = "irdmafs.model"
-MODEL_SUFFIX = ".safetensors"
-NAME_MAX = 255
-PATH_MAX = 4096
 LINK_MAX = 65000  # names one inode may have (ext4's limit)
 # what an inode may be: files hold data, directories names, symbolic links a target; FIFOs,
 # sockets and device nodes are only names (the kernel does their I/O)
@@ -43,6 +39,31 @@ def check_name(name: str) -> None:
 
 
 DONE_KEPT = 4096  # results of this many recent ops are kept for retries (see Meta.done)
+
+_NAMING = {"uid": int, "gid": int}
+# What a client's namespace op carries, by kind: field -> its type (``Meta.check``); then the
+# fields it may leave out. What the primary adds (``now``, a new ``ino``, a snapshot's ``id``)
+# is not the client's to send, and is not checked here.
+OP_FIELDS: dict[str, dict[str, Any]] = {
+    "create": {"parent": int, "name": str, "mode": int},
+    "mkdir": {"parent": int, "name": str, "mode": int},
+    "link": {"ino": int, "new_parent": int, "new_name": str},
+    "unlink": {"parent": int, "name": str},
+    "rmdir": {"parent": int, "name": str},
+    "rename": {"parent": int, "name": str, "new_parent": int, "new_name": str},
+    "setattr": {"ino": int, "attrs": dict},
+    "extend": {"ino": int, "size": int},
+    "setmodel": {"ino": int, "model": (dict, type(None))},
+    "settensor": {"ino": int, "tensor": (dict, type(None))},
+    "snapshot": {"name": str},
+    "unsnapshot": {"name": str},
+    "setxattr": {"ino": int, "name": str},
+}
+OP_OPTIONAL: dict[str, dict[str, Any]] = {
+    "create": {"target": str, "unit": int, "rdev": int, **_NAMING},
+    "mkdir": dict(_NAMING),
+    "setxattr": {"value": (str, type(None))},
+}
 
 
 class Meta:
@@ -173,8 +194,30 @@ class Meta:
         return m
 
     # -- the primary's side: turn a request into a deterministic op -----------------------------
+    @staticmethod
+    def check(op: Any) -> None:
+        """EINVAL unless ``op`` is an op a client may send: a known kind, with the fields that
+        kind needs (``OP_FIELDS``), each of its type. What the op then means for the namespace
+        (a name that exists, a directory that is not empty) is ``apply``'s to judge."""
+        if not isinstance(op, dict) or not isinstance(op.get("op"), str):
+            raise _err("EINVAL", 'a namespace op is an object with a string "op"')
+        kind = op["op"]
+        fields = OP_FIELDS.get(kind)
+        if fields is None:
+            raise _err("EINVAL", f"unknown metadata op {kind!r}")
+        for key, want in {**fields, **OP_OPTIONAL.get(kind, {}), "rid": str}.items():
+            if key not in op:
+                if key in fields:
+                    raise _err("EINVAL", f"{kind}: no {key!r}")
+            elif not isinstance(op[key], want):
+                raise _err("EINVAL", f"{kind}: {key!r} is a {type(op[key]).__name__}")
+        if kind == "setattr" and not all(isinstance(v, int) for v in op["attrs"].values()):
+            raise _err("EINVAL", "setattr: attributes are integers")
+
     def prepare(self, op: dict, now_ns: int) -> dict:
-        """Fill in what only the primary may decide; validation happens in ``apply``."""
+        """Fill in what only the primary may decide; the op is checked here (``check``), what it
+        does to the namespace is validated in ``apply``."""
+        self.check(op)
         op = dict(op, now=now_ns)
         if op["op"] in ("create", "mkdir"):
             op["ino"] = self.next_ino
@@ -186,11 +229,8 @@ class Meta:
     def apply(self, op: dict) -> dict:
         """Apply one op; returns its result. Raises RemoteError and changes nothing if invalid.
         Every op is validated before any state changes, so a refused op leaves no trace."""
-        kind = op["op"]
-        fn = getattr(self, f"_op_{kind}", None)
-        if fn is None:
-            raise _err("EINVAL", f"unknown metadata op {kind!r}")
-        result = fn(op)
+        self.check(op)
+        result = getattr(self, f"_op_{op['op']}")(op)
         self.seq += 1
         if op.get("rid"):
             self.done[op["rid"]] = result
@@ -408,7 +448,11 @@ class Meta:
         if model is None:
             node["xattrs"].pop(MODEL_XATTR, None)
         else:
-            if not (isinstance(model, dict) and model.get("dir") in self.entries and isinstance(model.get("start"), int) and 0 < model["start"] <= node["size"]):
+            stale = op.get("version") not in (None, node["version"]) or op.get("size") not in (None, node["size"])
+            if stale or MODEL_XATTR in node["xattrs"]:
+                raise _err("EAGAIN", f"inode {op['ino']} changed while it was made a model")
+            d, start = model.get("dir"), model.get("start")  # (a dict: ``check`` saw to it)
+            if not (isinstance(d, int) and d in self.entries and isinstance(start, int) and 0 < start <= node["size"]):
                 raise _err("EINVAL", f"bad model record {model!r}")
             node["xattrs"][MODEL_XATTR] = json.dumps(model)
         node["ctime_ns"] = op["now"]
@@ -446,6 +490,8 @@ class Meta:
         return {"id": snap["id"]}
 
     def _op_setxattr(self, op: dict) -> dict:
+        if op["name"] == MODEL_XATTR:  # only setmodel records it, with the drop of the stripes
+            raise _err("EPERM", f"{MODEL_XATTR} is kept by the file system")
         node = self.inode(op["ino"])
         if op.get("value") is None:
             if op["name"] not in node["xattrs"]:

@@ -57,9 +57,9 @@ from ..transport.base import Access, AccessError, RemoteError, Transport, Transp
 from .membership import Membership
 from .meta import Meta
 from .persist import Persist
+from .policies import RecordError, StripeTraining
 from .store import NoSpace, Store
-from .training import Training
-from .sync import StripeTraining
+from .training import TrainingCalls
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,8 @@ MAX_STAGING_PER_OWNER = 512 << 20
 STAGING_LEASE = 60.0
 VERSION_SHIFT = 32  # a stripe takes 2**32 writes before its versions reach the next base
 FREEZE_SECONDS = 30.0  # a frozen node thaws by itself after this
+# what meta_restore checks of a snapshot (``Meta.snapshot``'s form) before it reads one
+SNAPSHOT_FIELDS = {"seq": int, "next_ino": int, "inodes": dict, "entries": dict}
 
 
 class KeyedLocks:
@@ -110,7 +112,7 @@ class _KeyedLock:
             del self.owner._locks[self.key]
 
 
-class Node(Membership, Training):
+class Node(Membership, TrainingCalls):
     """A PS node's state and its control calls (``rpc_<method>``, dispatched by ``handle``)."""
 
     def __init__(self, cfg: ClusterConfig, name: str, transport: Transport, persist: str | None = None):
@@ -128,10 +130,14 @@ class Node(Membership, Training):
         self.store = Store(transport, cfg.capacity, self.persist, version_base=lambda: self.meta.seq << VERSION_SHIFT)
         self.meta_lock = trio.Lock()
         self.stripe_locks = KeyedLocks()
+        # the staging regions this node serves: owner (a client, a mount, a peer) -> the regions
+        # its WRITEs land in before the commit, apply or push that names them (``_staged``)
         self.staging: dict[str, list] = defaultdict(list)
         self.owner_seen: dict[str, float] = {}  # staging owner -> when last heard (trio clock)
         self.cluster: Cluster | None = None
-        self.peer_staging: StagingPool | None = None
+        # this node's own slots in its peers' staging regions, as a writer: replicated stripe
+        # ranges, optimizer state and push bookkeeping go through them to the backups
+        self.replication_slots: StagingPool | None = None
         self.started = time.time()
         self.counters: dict[str, int] = defaultdict(int)
         self._signatures: dict[str, inspect.Signature] = {}  # rpc method -> its signature
@@ -140,9 +146,9 @@ class Node(Membership, Training):
         self.training: dict[tuple[int, int], StripeTraining] = defaultdict(StripeTraining)
         # optimizer state a primary sent ahead of the parameters it goes with: installed by the
         # parameters' apply, never alone (a primary that dies between leaves both as they were)
-        self.pending_state: dict[tuple[int, int, int], tuple[bytes, int, int, int]] = {}
+        self.state_ahead: dict[tuple[int, int, int], tuple[bytes, int, int, int]] = {}
         self.taken_over = trio.Event()  # set once peers have handed this node its stripes back
-        self.progress = trio.Event()  # set (and replaced) whenever pushes may have been applied
+        self.pushes_applied = trio.Event()  # set (and replaced) whenever pushes may have been applied
         # The commit barrier: a snapshot freezes commits on every node at once.
         self.commits_in_flight = 0
         self.commits_drained = trio.Event()
@@ -169,7 +175,8 @@ class Node(Membership, Training):
             self.meta = Meta.restore(meta)
         for key, raw in stripes:
             self.store.load(key, raw)
-        log.info("node %s: loaded %d stripes (%d bytes) and %s from %s", self.name, len(stripes), self.store.bytes_held, "the namespace" if meta else "no namespace", self.persist.root)
+        what = "the namespace" if meta else "no namespace"
+        log.info("node %s: loaded %d stripes (%d bytes) and %s from %s", self.name, len(stripes), self.store.bytes_held, what, self.persist.root)
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         if self.persist is not None:
@@ -178,11 +185,11 @@ class Node(Membership, Training):
             self.cluster = Cluster(self.cfg, self.transport, nursery, me=self.name, my_state=lambda: self.state)
             self.cluster.on_adopt = self._adopted  # a membership learnt from a peer's heartbeat
             # slots of two units: optimizer state of a float16 stripe is twice its size
-            self.peer_staging = StagingPool(self.cluster, f"node:{self.name}:{time.time_ns()}", 2 * self.cfg.stripe_unit)
+            self.replication_slots = StagingPool(self.cluster, f"node:{self.name}:{time.time_ns()}", 2 * self.cfg.stripe_unit)
             address = await nursery.start(partial(self.transport.serve, self.spec.host, self.spec.port, self.handle, on_imm=self.on_imm))
             log.info("node %s listening on %s:%s (transport %s)", self.name, *address, self.transport.name)
             await self.cluster.refresh()
-            self.cluster.heartbeat_args["owner"] = self.peer_staging.owner
+            self.cluster.heartbeat_args["owner"] = self.replication_slots.owner
             nursery.start_soon(self.cluster.heartbeat_loop)
             nursery.start_soon(self._expire_staging)
             task_status.started(address)
@@ -198,6 +205,10 @@ class Node(Membership, Training):
 
     # -- dispatch ----------------------------------------------------------------------------
     async def handle(self, method: str, args: dict) -> dict:
+        """Run control call ``method`` (``rpc_<method>``). Bad input is EINVAL: arguments the
+        method lacks or does not take (checked against its signature before it runs), and what
+        each rpc refuses itself (``RemoteError``). Anything else raised is a fault here, not the
+        caller's: logged with its traceback and answered EIO."""
         fn = getattr(self, f"rpc_{method}", None)
         if fn is None:
             raise RemoteError("ENOSYS", f"unknown method {method!r}")
@@ -209,10 +220,13 @@ class Node(Membership, Training):
         t0 = time.perf_counter()
         try:
             return await fn(**args)
+        except RemoteError:
+            raise
         except NoSpace as exc:
             raise RemoteError("ENOSPC", str(exc)) from None
-        except (KeyError, ValueError) as exc:
-            raise RemoteError("EINVAL", f"{method}: {exc}") from None
+        except Exception as exc:
+            log.exception("node %s: control call %s failed", self.name, method)
+            raise RemoteError("EIO", f"{method}: {type(exc).__name__}: {exc}") from None
         finally:
             self.latency.observe(method, time.perf_counter() - t0)
 
@@ -267,6 +281,7 @@ class Node(Membership, Training):
     # -- metadata ----------------------------------------------------------------------------
     async def rpc_meta(self, op: dict) -> dict:
         """Apply a namespace op as the metadata primary and replicate it to every live node."""
+        Meta.check(op)  # EINVAL for an op no client sends (unknown kind, missing fields)
         if op.get("rid") in self.meta.done:
             # a retry of an op applied already (its answer was lost with the old primary): a
             # hit is a fact on any node, as ops reach every node in one order
@@ -404,6 +419,8 @@ class Node(Membership, Training):
         return {}
 
     async def rpc_meta_restore(self, snapshot: dict) -> dict:
+        if not isinstance(snapshot, dict) or not all(isinstance(snapshot.get(k), t) for k, t in SNAPSHOT_FIELDS.items()):
+            raise RemoteError("EINVAL", "meta_restore: not a namespace snapshot (meta_snapshot's answer)")
         if snapshot["seq"] > self.meta.seq:
             self.meta = Meta.restore(snapshot)
             self._save_meta()
@@ -552,50 +569,84 @@ class Node(Membership, Training):
                             n.start_soon(self._replicate, peer, fid, idx, offset, length, version, unit, stripe)
         return {"version": version}
 
-    async def _replicate(self, peer: str, fid: int, idx: int, offset: int, length: int, version: int, unit: int, stripe, snap: int = 0, record: dict | None = None, *, pending: bool = False, state: int = 0) -> None:
+    async def _replicate(
+        self,
+        peer: str,
+        fid: int,
+        idx: int,
+        offset: int,
+        length: int,
+        version: int,
+        unit: int,
+        stripe,
+        snap: int = 0,
+        record: dict | None = None,
+        *,
+        pending: bool = False,
+        state: int = 0,
+    ) -> None:
         """Send a range of a stripe to a backup (WRITE into its staging + ``apply``); with
         ``pending``, the whole stripe, held there until the apply that names it in ``state``."""
         extra = ({"record": record} if record is not None else {}) | ({"pending": True} if pending else {}) | ({"state": state} if state else {})
 
         async def push(slot: Slot, off: int, view: memoryview, full: bool) -> dict:
             await self.cluster.write(peer, slot.rkey, slot.offset, view, slot.inc)
-            return await self.cluster.call(
-                peer,
-                "apply",
-                {"fid": fid, "idx": idx, "offset": off, "length": len(view), "rkey": slot.rkey, "soff": slot.offset, "version": version, "unit": unit, "full": full, "snap": snap, "clock": stripe.clock, "sender": self.name} | extra,
-            )
+            where = {"fid": fid, "idx": idx, "offset": off, "length": len(view), "rkey": slot.rkey, "soff": slot.offset}
+            what = {"version": version, "unit": unit, "full": full, "snap": snap, "clock": stripe.clock, "sender": self.name}
+            return await self.cluster.call(peer, "apply", where | what | extra)
 
         for attempt in (1, 2):
             try:
                 if pending:
-                    await self.peer_staging.with_slot(peer, lambda slot: push(slot, 0, stripe.data[: stripe.capacity], True))
+                    await self.replication_slots.with_slot(peer, lambda slot: push(slot, 0, stripe.data[: stripe.capacity], True))
                     return
-                r = await self.peer_staging.with_slot(peer, lambda slot: push(slot, offset, stripe.data[offset : offset + length], False))
+                r = await self.replication_slots.with_slot(peer, lambda slot: push(slot, offset, stripe.data[offset : offset + length], False))
                 if r.get("stale"):
                     log.info("replica %s of stripe %d:%d is behind; sending the whole stripe", peer, fid, idx)
-                    await self.peer_staging.with_slot(peer, lambda slot: push(slot, 0, stripe.data[: stripe.capacity], True))
+                    await self.replication_slots.with_slot(peer, lambda slot: push(slot, 0, stripe.data[: stripe.capacity], True))
                 return
             except (TransportError, RemoteError) as exc:
                 if isinstance(exc, AccessError) or isinstance(exc, RemoteError) and exc.code == "EINVAL":
                     # its staging region is gone (it restarted): ask for a new one, once
-                    self.peer_staging.forget(peer)
+                    self.replication_slots.forget(peer)
                     if attempt == 1:
                         continue
                 log.warning("stripe %d:%d version %d not replicated to %s: %s", fid, idx, version, peer, exc)
                 self.lost_replica(peer, exc)
                 return
 
-    async def rpc_apply(self, fid: int, idx: int, offset: int, length: int, rkey: int, soff: int, version: int, unit: int, full: bool, snap: int = 0, clock: int = 0, record: dict | None = None, pending: bool = False, state: int = 0, sender: str = "") -> dict:
+    async def rpc_apply(
+        self,
+        fid: int,
+        idx: int,
+        offset: int,
+        length: int,
+        rkey: int,
+        soff: int,
+        version: int,
+        unit: int,
+        full: bool,
+        snap: int = 0,
+        clock: int = 0,
+        record: dict | None = None,
+        pending: bool = False,
+        state: int = 0,
+        sender: str = "",
+    ) -> dict:
         """Install a range (or the whole stripe) a primary sent, in version order, with the
         push bookkeeping and the ``state`` optimizer-state stripes (sent ahead, ``pending``)
         that go with it (training) in the same step."""
         self._check_sender(sender)
         self._check_range(offset, length, unit)
         data = self._staged(rkey, soff, length)
+        try:  # read before anything is installed: a malformed record changes nothing
+            incoming = StripeTraining.from_record(record) if record is not None else None
+        except RecordError as exc:
+            raise RemoteError("EINVAL", str(exc)) from None
         if pending:  # optimizer state: kept aside until the parameters it belongs to arrive
             if snap >= 0 or not full:
                 raise RemoteError("EINVAL", "only whole optimizer-state stripes are sent ahead")
-            self.pending_state[(fid, idx, snap)] = (bytes(data), version, clock, unit)
+            self.state_ahead[(fid, idx, snap)] = (bytes(data), version, clock, unit)
             return {}
         if not 0 <= state <= 2:
             raise RemoteError("EINVAL", f"{state} optimizer-state stripes (at most 2)")
@@ -612,7 +663,7 @@ class Node(Membership, Training):
             elif current < version:
                 return {"stale": True}
             for k in range(1, state + 1):  # with the parameters, not before: never one without the other
-                held = self.pending_state.pop((fid, idx, -k), None)
+                held = self.state_ahead.pop((fid, idx, -k), None)
                 if held is None:
                     log.warning("stripe %d:%d: optimizer state %d did not arrive with its parameters", fid, idx, -k)
                     continue
@@ -620,8 +671,8 @@ class Node(Membership, Training):
                 mine = self.store.get(fid, idx, -k)
                 if mine is None or mine.version < sversion:
                     self.store.replace(fid, idx, memoryview(raw), sunit, sversion, -k, sclock)
-            if record is not None:
-                self.training[(fid, idx)].restore(record)
+            if incoming is not None:
+                self.training[(fid, idx)].restore(incoming)
         return {}
 
     # -- resync and rebalance ---------------------------------------------------------------------
@@ -682,8 +733,22 @@ class Node(Membership, Training):
             held = self.store.get(fid, idx, snap)
             if fid in files.get(snap, ()) and mine(fid, idx) and (held is None or held.version < version):
                 todo.append((fid, idx, snap, holders, cap))
-            elif converge and held is not None and held.version >= version and before.get((fid, idx, snap)) == held.version and (held.version > version or self.led.get((fid, idx, snap), -math.inf) >= self.suspect_since):
-                log.info("%s: stripe %d:%d (snapshot %d) is at version %d here (led here before the fence), %d on its peers: taking theirs", what, fid, idx, snap, held.version, version)
+            elif (
+                converge
+                and held is not None
+                and held.version >= version
+                and before.get((fid, idx, snap)) == held.version
+                and (held.version > version or self.led.get((fid, idx, snap), -math.inf) >= self.suspect_since)
+            ):
+                log.info(
+                    "%s: stripe %d:%d (snapshot %d) is at version %d here (led here before the fence), %d on its peers: taking theirs",
+                    what,
+                    fid,
+                    idx,
+                    snap,
+                    held.version,
+                    version,
+                )
                 self.store.drop_keys([(fid, idx, snap)])
                 todo.append((fid, idx, snap, holders, cap))
         if converge:

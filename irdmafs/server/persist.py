@@ -16,6 +16,8 @@ import logging
 import os
 from pathlib import Path
 
+from ..regions import HEADER
+
 log = logging.getLogger(__name__)
 
 
@@ -29,7 +31,7 @@ class Persist:
         fid, idx, snap = key
         return self.dir / f"{fid}.{idx}.{snap}"
 
-    def write(self, key: tuple[int, int, int], buf: memoryview, start: int = 0, end: int | None = None, header: int = 16) -> None:
+    def write(self, key: tuple[int, int, int], buf: memoryview, start: int = 0, end: int | None = None, header: int = HEADER) -> None:
         """Bytes [start, end) of the stripe's region (and its header) to its file."""
         end = len(buf) if end is None else end
         fd = os.open(self._path(key), os.O_WRONLY | os.O_CREAT, 0o600)

@@ -1,12 +1,13 @@
 """Stripes held in registered regions, each guarded by a version word (a seqlock).
 
-A stripe's region is ``[version: u64][clock: u64][data: capacity bytes]`` (little-endian). Peers
-read the data one-sidedly; to never return a torn stripe they read the header before and after
-the data (one pipelined burst on one connection, served in order) and retry unless both are the
-same with an even version. The clock counts the training steps applied to the stripe (server/
-sync.py): a pull waits for it by reading the header alone. Installing new data here is: word := odd, copy, word := next even. The copy does not yield
-to trio, so over TCP it is atomic with respect to the responder; over verbs the NIC may read
-concurrently, and the odd/changed word makes the reader retry.
+A stripe's region is ``[version: u64][clock: u64][data: capacity bytes]`` (little-endian; the
+layout is regions.py's, which readers share). Peers read the data one-sidedly; to never return a
+torn stripe they read the header before and after the data (one pipelined burst on one
+connection, served in order) and retry unless both are the same with an even version. The clock
+counts the training steps applied to the stripe (server/policies.py): a pull waits for it by
+reading the header alone. Installing new data here is: word := odd, copy, word := next even. The
+copy does not yield to trio, so over TCP it is atomic with respect to the responder; over verbs
+the NIC may read concurrently, and the odd/changed word makes the reader retry.
 
 ``version`` as the API speaks of it counts commits: word == 2 * version when stable.
 
@@ -22,16 +23,13 @@ Concurrency: called from the node's trio thread only; nothing here awaits.
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 from typing import Callable
 
+from ..regions import CLOCK_AT, HEADER, VERSION_AT, WORD
 from ..transport.base import Access, Region, Transport
 
-HEADER = 16
 GROW = 64 << 10
-_WORD = struct.Struct("<Q")
-_CLOCK = 8  # offset of the clock word
 
 
 class NoSpace(Exception):
@@ -52,11 +50,11 @@ class Stripe:
 
     @property
     def version(self) -> int:
-        return _WORD.unpack_from(self.region.buf, 0)[0] // 2
+        return WORD.unpack_from(self.region.buf, VERSION_AT)[0] // 2
 
     @property
     def clock(self) -> int:
-        return _WORD.unpack_from(self.region.buf, _CLOCK)[0]
+        return WORD.unpack_from(self.region.buf, CLOCK_AT)[0]
 
     def describe(self) -> dict:
         return {"rkey": self.region.rkey, "capacity": self.capacity, "version": self.version, "clock": self.clock}
@@ -122,13 +120,13 @@ class Store:
         fresh = (fid, idx, snap) not in self.stripes
         stripe = self.ensure(fid, idx, offset + len(data), unit, snap)
         buf = stripe.region.buf
-        word = _WORD.unpack_from(buf, 0)[0]
+        word = WORD.unpack_from(buf, VERSION_AT)[0]
         new = (self.version_base() + 1 if fresh else word // 2 + 1) if version is None else version
-        _WORD.pack_into(buf, 0, word | 1)
+        WORD.pack_into(buf, VERSION_AT, word | 1)
         buf[HEADER + offset : HEADER + offset + len(data)] = data
         if clock is not None:
-            _WORD.pack_into(buf, _CLOCK, clock)
-        _WORD.pack_into(buf, 0, 2 * new)
+            WORD.pack_into(buf, CLOCK_AT, clock)
+        WORD.pack_into(buf, VERSION_AT, 2 * new)
         self._saved((fid, idx, snap), HEADER + offset, HEADER + offset + len(data))
         return new
 
@@ -140,16 +138,16 @@ class Store:
         fresh = (fid, idx, 0) not in self.stripes
         stripe = self.ensure(fid, idx, offset + length, unit)
         buf = stripe.region.buf
-        word = _WORD.unpack_from(buf, 0)[0]
+        word = WORD.unpack_from(buf, VERSION_AT)[0]
         new = self.version_base() + 1 if fresh else word // 2 + 1
-        _WORD.pack_into(buf, 0, word | 1)
+        WORD.pack_into(buf, VERSION_AT, word | 1)
         try:
             if fn is not None:
                 fn(memoryview(buf)[HEADER + offset : HEADER + offset + length])
             if clock is not None:
-                _WORD.pack_into(buf, _CLOCK, clock)
+                WORD.pack_into(buf, CLOCK_AT, clock)
         finally:
-            _WORD.pack_into(buf, 0, 2 * new)  # never left odd: readers would wait forever
+            WORD.pack_into(buf, VERSION_AT, 2 * new)  # never left odd: readers would wait forever
         self._saved((fid, idx, 0), HEADER + offset, HEADER + offset + length)
         return new
 
@@ -157,11 +155,11 @@ class Store:
         """Set the whole stripe content (resync, or a backup found behind)."""
         stripe = self.ensure(fid, idx, len(data), unit, snap)
         buf = stripe.region.buf
-        _WORD.pack_into(buf, 0, _WORD.unpack_from(buf, 0)[0] | 1)
+        WORD.pack_into(buf, VERSION_AT, WORD.unpack_from(buf, VERSION_AT)[0] | 1)
         buf[HEADER : HEADER + len(data)] = data
         buf[HEADER + len(data) :] = bytes(len(buf) - HEADER - len(data))
-        _WORD.pack_into(buf, _CLOCK, clock)
-        _WORD.pack_into(buf, 0, 2 * version)
+        WORD.pack_into(buf, CLOCK_AT, clock)
+        WORD.pack_into(buf, VERSION_AT, 2 * version)
         self._saved((fid, idx, snap))
 
     def drop(self, fid: int, from_idx: int = 0) -> int:

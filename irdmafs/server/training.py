@@ -2,7 +2,7 @@
 bookkeeping that lets a backup take over: mixed into ``Node`` (server/node.py).
 
 A client's pushes arrive fused in one WRITE with immediate (``on_imm``). The primary of each
-stripe takes a push under the model's policy (sync.py: bsp, asp, ssp, r2sp), runs the optimizer
+stripe takes a push under the model's policy (policies.py: bsp, asp, ssp, r2sp), runs the optimizer
 (optim.py; state in stripes -1/-2 of the stripe) and sends the parameters, the optimizer state
 (held aside by the backup until then) and the push bookkeeping to every backup in one ``apply``:
 a backup that takes over holds all of one step or none of it, so a client's retry of an
@@ -25,13 +25,30 @@ import trio
 from ..cluster import NodeDown
 from ..transport.base import AccessError, RemoteError
 from . import optim
-from .sync import Model, PolicyError, StripeTraining, parse_policy
+from .policies import Model, PolicyError, RecordError, StripeTraining, parse_policy
+from .store import NoSpace
 
 log = logging.getLogger(__name__)
 
+_NUMBER = (int, float)
+# the types of a push descriptor's fields (``_push_args``); ``spans`` and ``busy`` may be null
+PUSH_TYPES = {
+    "fid": int, "idx": int, "offset": int, "count": int, "rank": int, "step": int, "unit": int,
+    "wire": str, "spans": list, "busy": _NUMBER, "paced": _NUMBER,
+}
 
-class Training:
-    """The training calls of a ``Node``."""
+
+def pull_timeout(x: dict[str, str]) -> float:
+    """Seconds a pull waits for its step (user.irdma.timeout); EINVAL if not a number."""
+    text = x.get("user.irdma.timeout", "60")
+    try:
+        return float(text)
+    except ValueError:
+        raise RemoteError("EINVAL", f"user.irdma.timeout {text!r} is not a number of seconds") from None
+
+
+class TrainingCalls:
+    """The training calls of a ``Node`` (mixed into it): pushes, ``train_*`` calls, policies."""
 
     def model_of(self, fid: int) -> tuple[Model, optim.Optimizer, dict]:
         """The sync policy, worker count and optimizer in force for tensor ``fid``, from the
@@ -50,6 +67,10 @@ class Training:
             raise RemoteError("EINVAL", str(exc)) from None
         if workers < 1:
             raise RemoteError("EINVAL", "user.irdma.workers must be at least 1")
+        try:
+            np.dtype(tensor.get("dtype"))
+        except TypeError:
+            raise RemoteError("EINVAL", f"inode {fid}: tensor of unknown dtype {tensor.get('dtype')!r}") from None
         return Model(policy, workers, removed), opt, tensor
 
     @staticmethod
@@ -67,7 +88,7 @@ class Training:
             dense = np.frombuffer(take(count * wire.itemsize), wire)
             # A view of the staging slot when it is in the working dtype, or float16 for
             # float32 work (the round sum takes it in one pass: native.acc_f16): whatever keeps
-            # it past the push copies it (sync.StripeTraining.take/accept). Else converted now.
+            # it past the push copies it (policies.StripeTraining.take/accept). Else converted now.
             return dense if wire == work or (wire, work) == (np.float16, np.float32) else dense.astype(work)
         total, end = 0, 0
         for start, length in spans:
@@ -89,15 +110,17 @@ class Training:
         model, opt, tensor = self.model_of(fid)
         pushed = max((st.next_step(rank) for (f, _), st in self.training.items() if f == fid), default=0)
         x = self.meta.inherited_xattrs(fid)
-        timeout = float(x.get("user.irdma.timeout", "60"))
-        return {"sync": str(model.policy), "workers": model.workers, "active": model.active, "pushed": pushed, "timeout": timeout, "tensor": tensor, "compress": x.get("user.irdma.compress", "none")}
+        timeout = pull_timeout(x)
+        policy = {"sync": str(model.policy), "workers": model.workers, "active": model.active}
+        return policy | {"pushed": pushed, "timeout": timeout, "tensor": tensor, "compress": x.get("user.irdma.compress", "none")}
 
     def policy_info(self, fid: int) -> dict:
         """What a pushing client caches about a tensor's model; sent back with every push."""
         model, _, _ = self.model_of(fid)
         x = self.meta.inherited_xattrs(fid)
         version = self.meta.inode(fid)["version"]  # changed: the client's cached tensor is stale
-        return {"sync": str(model.policy), "workers": model.workers, "active": model.active, "timeout": float(x.get("user.irdma.timeout", "60")), "compress": x.get("user.irdma.compress", "none"), "version": version}
+        policy = {"sync": str(model.policy), "workers": model.workers, "active": model.active}
+        return policy | {"timeout": pull_timeout(x), "compress": x.get("user.irdma.compress", "none"), "version": version}
 
     async def on_imm(self, region, offset: int, length: int, imm: int) -> dict:
         """A client's fused pushes, delivered by one WRITE with immediate into its staging slot:
@@ -118,12 +141,15 @@ class Training:
 
         async def one(i: int, d: dict) -> None:
             try:
-                at = d.pop("at")
-                results[i] = await self._push(data[at:], **d)
+                staged, args = self._push_args(data, d)
+                results[i] = await self._push(staged, **args)
             except RemoteError as exc:
                 results[i] = {"error": exc.code, "message": exc.message}
-            except (KeyError, TypeError, ValueError) as exc:
-                results[i] = {"error": "EINVAL", "message": f"bad push descriptor: {exc}"}
+            except NoSpace as exc:
+                results[i] = {"error": "ENOSPC", "message": str(exc)}
+            except Exception as exc:  # a fault here, not in the descriptor (checked above)
+                log.exception("node %s: push to stripe %s:%s failed", self.name, d.get("fid"), d.get("idx"))
+                results[i] = {"error": "EIO", "message": f"{type(exc).__name__}: {exc}"}
 
         t0 = time.perf_counter()
         async with trio.open_nursery() as n:
@@ -131,14 +157,43 @@ class Training:
                 n.start_soon(one, i, dict(d))
         self.latency.observe("push", time.perf_counter() - t0)
         info = {}
-        for fid in {d.get("fid") for d in descs}:
+        for fid in {d.get("fid") for d in descs if isinstance(d.get("fid"), int)}:
             try:
                 info[str(fid)] = self.policy_info(fid)
-            except (RemoteError, TypeError):
+            except RemoteError:  # not a tensor (its push said so)
                 pass
         return {"results": results, "info": info}
 
-    async def _push(self, staged: memoryview, fid: int, idx: int, offset: int, count: int, rank: int, step: int, wire: str, unit: int, spans: list | None = None, busy: float | None = None, paced: float = 0.0) -> dict:
+    def _push_args(self, data: memoryview, d: dict) -> tuple[memoryview, dict]:
+        """A push descriptor, checked: ``at``, where its gradient starts in the pushed bytes, and
+        the arguments ``_push`` takes, of their types; EINVAL saying what is wrong."""
+        at = d.pop("at", None)
+        if not isinstance(at, int) or not 0 <= at <= len(data):
+            raise RemoteError("EINVAL", f"bad push descriptor: gradient at {at!r} of {len(data)} bytes pushed")
+        try:
+            self._signature("_push", self._push).bind(data, **d)
+        except TypeError as exc:
+            raise RemoteError("EINVAL", f"bad push descriptor: {exc}") from None
+        wrong = [k for k, v in d.items() if not isinstance(v, PUSH_TYPES[k]) and not (v is None and k in ("spans", "busy"))]
+        if wrong:
+            raise RemoteError("EINVAL", f"bad push descriptor: {', '.join(wrong)} of the wrong type")
+        return data[at:], d
+
+    async def _push(
+        self,
+        staged: memoryview,
+        fid: int,
+        idx: int,
+        offset: int,
+        count: int,
+        rank: int,
+        step: int,
+        wire: str,
+        unit: int,
+        spans: list | None = None,
+        busy: float | None = None,
+        paced: float = 0.0,
+    ) -> dict:
         """Gradient push ``step`` of ``rank`` for the ``count`` elements of this stripe starting
         at byte ``offset``, read from ``staged`` in dtype ``wire``: all of them, or with
         ``spans`` only the [start, length] element runs listed (chunk sparsification; the rest
@@ -148,7 +203,21 @@ class Training:
         async with self._commit_barrier():
             return await self._push_now(staged, fid, idx, offset, count, rank, step, wire, unit, spans, busy, paced)
 
-    async def _push_now(self, staged: memoryview, fid: int, idx: int, offset: int, count: int, rank: int, step: int, wire: str, unit: int, spans: list | None, busy: float | None, paced: float) -> dict:
+    async def _push_now(
+        self,
+        staged: memoryview,
+        fid: int,
+        idx: int,
+        offset: int,
+        count: int,
+        rank: int,
+        step: int,
+        wire: str,
+        unit: int,
+        spans: list | None,
+        busy: float | None,
+        paced: float,
+    ) -> dict:
         self._check_primary(fid, idx)
         model, opt, tensor = self.model_of(fid)
         if rank not in model.active:
@@ -174,7 +243,7 @@ class Training:
             st.arrive(rank, step, now, paced)
             await self._settle(fid, idx, st, model, opt, dtype, st.take(model, rank, step, grad))
             clock, held = st.clock(model), step >= st.pushed.get(rank, 0)
-        self._progressed()
+        self._signal_applied()
         return {
             "clock": clock,
             "pushed": step + 1,
@@ -191,18 +260,20 @@ class Training:
         self._check_primary(fid, idx)
         return {"next": self.training[(fid, idx)].next_step(rank)}
 
-    def _progressed(self) -> None:
-        """Wake whoever waits for pushes to be applied."""
-        self.progress.set()
-        self.progress = trio.Event()
+    def _signal_applied(self) -> None:
+        """Wake whoever waits for pushes to be applied (``train_wait``)."""
+        self.pushes_applied.set()
+        self.pushes_applied = trio.Event()
 
     async def rpc_train_wait(self, fid: int, idx: int, rank: int, pushed: int, timeout: float) -> dict:
         """Until ``pushed`` pushes of ``rank`` to this stripe have been applied (an r2sp push is
         held until its turn); ETIMEDOUT after ``timeout`` seconds."""
+        if not isinstance(timeout, _NUMBER) or not timeout >= 0:
+            raise RemoteError("EINVAL", f"train_wait: timeout {timeout!r} is not a number of seconds")
         st = self.training[(fid, idx)]
         with trio.move_on_after(timeout):
             while st.pushed.get(rank, 0) < pushed:
-                await self.progress.wait()
+                await self.pushes_applied.wait()
             return {"pushed": st.pushed.get(rank, 0)}
         raise RemoteError("ETIMEDOUT", f"rank {rank}'s push {pushed - 1} not applied within {timeout}s")
 
@@ -222,7 +293,7 @@ class Training:
                 # It only adds to an open round, whose sum stays here: the backups learn of
                 # the round when it is applied (the record goes with the parameters). Until
                 # then each pushing client keeps its push and sends it again to whoever is
-                # primary if the round does not close (client/training.py, Training._repush_open): the sum of a
+                # primary if the round does not close (client/training.py, PushPull._repush_open): the sum of a
                 # round is never copied to the backups, which would cost as many bytes as
                 # the gradients themselves, W-1 times per step.
                 return
@@ -260,14 +331,14 @@ class Training:
                 try:
                     if not views:
                         await self.cluster.call(peer, "train_record", args)
-                    elif sum(args["lengths"]) <= self.peer_staging.slot_size:
-                        await self.peer_staging.with_slot(peer, partial(staged, peer))
+                    elif sum(args["lengths"]) <= self.replication_slots.slot_size:
+                        await self.replication_slots.with_slot(peer, partial(staged, peer))
                     else:  # larger than a staging slot (many held pushes): inline, as base64
                         await self.cluster.call(peer, "train_record", {"fid": fid, "idx": idx, "record": st.record(), "sender": self.name})
                     return
                 except (NodeDown, RemoteError, AccessError) as exc:
                     if attempt == 1 and not isinstance(exc, NodeDown) and (isinstance(exc, AccessError) or exc.code == "EINVAL"):
-                        self.peer_staging.forget(peer)  # its staging region is gone (it restarted)
+                        self.replication_slots.forget(peer)  # its staging region is gone (it restarted)
                         continue
                     log.warning("training record of stripe %d:%d not replicated to %s: %s", fid, idx, peer, exc)
                     self.lost_replica(peer, exc)
@@ -291,11 +362,12 @@ class Training:
             for n in lengths:
                 blobs.append(data[at : at + n])
                 at += n
+        try:
+            incoming = StripeTraining.from_record(record, blobs)
+        except RecordError as exc:
+            raise RemoteError("EINVAL", str(exc)) from None
         async with self.stripe_locks((fid, idx)):
-            try:
-                self.training[(fid, idx)].restore(record, blobs)
-            except (ValueError, KeyError, TypeError) as exc:
-                raise RemoteError("EINVAL", f"malformed training record: {exc}") from None
+            self.training[(fid, idx)].restore(incoming)
         return {}
 
     async def _recheck_training(self) -> None:
@@ -313,7 +385,7 @@ class Training:
                     continue  # handed over meanwhile
                 updates = st.release(model) + st.complete_rounds(model)
                 await self._settle(fid, idx, st, model, opt, np.dtype(tensor["dtype"]), updates)
-        self._progressed()
+        self._signal_applied()
 
     def _apply_updates(self, fid: int, idx: int, param: np.ndarray, grads: list[np.ndarray], opt: optim.Optimizer, unit: int) -> None:
         """Optimizer steps on ``param`` (in place); the state lives in stripes -1, -2 of the
@@ -365,11 +437,10 @@ class Training:
 
     async def _take_record_if_newer(self, fid: int, idx: int, rec: dict) -> None:
         """A peer's push bookkeeping of a stripe, if it has taken more pushes (never go back)."""
-        incoming = StripeTraining()
-        incoming.restore(rec)
+        incoming = StripeTraining.from_record(rec)
         async with self.stripe_locks((fid, idx)):
             if incoming.progress > self.training[(fid, idx)].progress:
-                self.training[(fid, idx)].restore(rec)
+                self.training[(fid, idx)].restore(incoming)
 
     async def rpc_train_records(self) -> dict:
         return {"records": {f"{fid}:{idx}": st.record() for (fid, idx), st in list(self.training.items()) if st.span[2]}}

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import abc
 import builtins
-import contextlib
 import enum
 import hashlib
 import hmac
 import secrets
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Iterator, Sequence, Union
+from typing import Any, Awaitable, Callable, Sequence, Union
+
+import trio
 
 Buffer = Union[bytes, bytearray, memoryview]
 # A scatter-gather list: one remote range <-> several local buffers, in order.
@@ -72,6 +73,11 @@ class RemoteError(TransportError):
         super().__init__(f"{code}: {message}" if message else code)
         self.code = code
         self.message = message
+
+
+# What a socket-based transport (tcp, shm) catches from the socket and trio's streams, to turn it
+# into ConnectError or PeerLost (or, on the serving side, the end of one connection) at its edge.
+SOCKET_ERRORS = (OSError, trio.ClosedResourceError, trio.BrokenResourceError)
 
 
 class Access(enum.IntFlag):
@@ -269,17 +275,3 @@ async def serve_imm_call(regions: RegionTable, on_imm: ImmHandler | None, args: 
     except AccessError as exc:
         raise RemoteError("EINVAL", str(exc)) from None
     return await on_imm(regions.get(rkey), offset, length, imm)
-
-
-@contextlib.contextmanager
-def map_exceptions(mapping: dict[type[BaseException], type[TransportError]], what: str) -> Iterator[None]:
-    """Translate low-level exceptions once, at the edge of a transport (httpcore's pattern)."""
-    try:
-        yield
-    except TransportError:
-        raise
-    except tuple(mapping) as exc:  # type: ignore[misc]
-        for src, dst in mapping.items():
-            if isinstance(exc, src):
-                raise dst(f"{what}: {exc}") from exc
-        raise

@@ -43,6 +43,7 @@ from typing import Any
 import trio
 
 from .base import (
+    SOCKET_ERRORS,
     Access,
     AccessError,
     AuthError,
@@ -189,7 +190,7 @@ class ShmConnection(Connection):
             except trio.TooSlowError:
                 self._broken = f"no answer for region {rkey} within {self.tcp.op_timeout}s"
                 raise PeerLost(f"{self.peer}: {self._broken}") from None
-            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            except SOCKET_ERRORS as exc:
                 self._broken = f"same-host socket: {exc}"
                 raise PeerLost(f"{self.peer}: {self._broken}") from None
         status, access, slot, asked, length = REGION.unpack(data)
@@ -367,7 +368,7 @@ class ShmTransport(TcpTransport):
                     await self._give(sock, rkey)
             except trio.TooSlowError:
                 log.warning("same-host handshake timed out")
-            except (PeerLost, OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+            except (PeerLost, *SOCKET_ERRORS):
                 pass
             except Exception:  # noqa: BLE001 -- a bug here must not take the node down
                 log.exception("same-host peer connection failed")
@@ -412,7 +413,7 @@ class ShmTransport(TcpTransport):
             await tcp.aclose()
             if isinstance(exc, trio.TooSlowError):
                 raise ConnectError(f"{tcp.peer}: same-host handshake timed out") from None
-            if isinstance(exc, (OSError, trio.BrokenResourceError, PeerLost)):
+            if isinstance(exc, (*SOCKET_ERRORS, PeerLost)):
                 raise ConnectError(f"{tcp.peer}: same-host handshake failed: {exc}") from None
             raise
         log.info("%s: shared memory (same host)", tcp.peer)

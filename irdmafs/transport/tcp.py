@@ -13,9 +13,10 @@ caller's buffers. That gives many operations in flight per peer, served in order
 Resource handling: a ``TcpConnection`` owns a socket and a receiver task in the nursery given to
 ``connect``; ``aclose()`` ends both. The serving side's tasks live in ``serve``'s own nursery.
 
-Error handling: ``OSError`` and trio's closed-resource errors become ``ConnectError`` (before the
-handshake is done) or ``PeerLost`` (after), exactly once, here. A serving connection that breaks
-the protocol is logged and closed; the listener and every other connection go on.
+Error handling: ``OSError`` and trio's closed-resource errors (``base.SOCKET_ERRORS``) become
+``ConnectError`` (before the handshake is done) or ``PeerLost`` (after), exactly once, here. A
+serving connection that breaks the protocol is logged and closed; the listener and every other
+connection go on.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import trio
 
 from . import protocol as P
 from .base import (
+    SOCKET_ERRORS,
     Access,
     AccessError,
     AuthError,
@@ -168,7 +170,7 @@ class TcpConnection(Connection):
         try:
             async with self._send_lock:
                 await _sendv(self.sock, wire)
-        except (OSError, trio.ClosedResourceError, trio.BrokenResourceError) as exc:
+        except SOCKET_ERRORS as exc:
             for req_id, _ in pendings:
                 self._pending.pop(req_id, None)
             raise PeerLost(f"{self.peer}: send failed: {exc}") from None
@@ -263,7 +265,7 @@ class TcpConnection(Connection):
                     p.event.set()
         except _EOF:
             self._fail_all(PeerLost("peer closed the connection"))
-        except (OSError, trio.ClosedResourceError, trio.BrokenResourceError) as exc:
+        except SOCKET_ERRORS as exc:
             self._fail_all(PeerLost(f"connection lost: {exc}"))
         except TransportError as exc:
             log.warning("%s: %s; closing the connection", self.peer, exc)
@@ -304,7 +306,7 @@ class _Responder:
                 log.warning("%s: protocol error, closing the connection: %s", self.peer, exc)
             except PeerLost as exc:
                 log.info("%s: %s", self.peer, exc)
-            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            except SOCKET_ERRORS as exc:
                 log.info("%s: connection lost: %s", self.peer, exc)
             finally:
                 calls.cancel_scope.cancel()
@@ -402,7 +404,7 @@ class _Responder:
         a peer gone by then ends nothing but this answer (never the node)."""
         try:
             await self.respond(h, payload, status)
-        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+        except SOCKET_ERRORS:
             pass
 
 
@@ -465,7 +467,7 @@ class TcpTransport(Transport):
         except trio.TooSlowError:
             sock.close()
             raise ConnectError(f"{peer}: handshake timed out") from None
-        except (OSError, trio.BrokenResourceError) as exc:
+        except SOCKET_ERRORS as exc:
             sock.close()
             raise ConnectError(f"{peer}: {exc}") from None
         except BaseException:

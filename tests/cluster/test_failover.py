@@ -20,7 +20,7 @@ def file_sizes(n=100, seed=3):
 
 async def read_all_and_check(client, digests):
     for path, digest in digests.items():
-        data = await client.read_file(path)
+        data = await client.paths.read_file(path)
         assert hashlib.sha256(data).hexdigest() == digest, path
 
 
@@ -29,10 +29,10 @@ async def test_kill_restart_resync_kill_another(local_cluster):
     rng = np.random.default_rng(7)
     digests = {}
     async with Client.connect(lc.cfg) as c:
-        await c.makedirs("/data")
+        await c.paths.makedirs("/data")
         for i, size in enumerate(file_sizes()):
             blob = rng.integers(0, 256, size, dtype=np.uint8)
-            await c.write_file(f"/data/f{i:03d}", blob)
+            await c.paths.write_file(f"/data/f{i:03d}", blob)
             digests[f"/data/f{i:03d}"] = hashlib.sha256(blob).hexdigest()
         total = sum(file_sizes())
 

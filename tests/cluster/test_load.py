@@ -15,7 +15,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_six_clients_for_six_seconds_see_no_error(tmp_path):
     out = tmp_path / "load.json"
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "load.py"), "--clients", "6", "--seconds", "6", "--mib", "0.5", "--json", str(out)], capture_output=True, text=True, timeout=180)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "load.py"), "--clients", "6", "--seconds", "6", "--mib", "0.5", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     res = json.loads(out.read_text())
     assert res["errors"] == 0 and res["ops"] > 6 * 2  # every client wrote and read back

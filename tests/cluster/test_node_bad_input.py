@@ -1,9 +1,14 @@
 """A live node process fed bad requests: each gets a typed error, the node logs it and goes on."""
 
+import json
+
 import pytest
 import trio
 
+from irdmafs.config import from_dict
+from irdmafs.server.node import Node
 from irdmafs.transport.base import AccessError, AuthError, RemoteError
+from irdmafs.transport.memory import MemoryTransport
 from irdmafs.transport.tcp import TcpTransport
 
 pytestmark = pytest.mark.cluster
@@ -39,6 +44,16 @@ async def test_bad_requests_get_typed_errors_and_the_node_survives(local_cluster
         ("meta", {"op": {"op": "mkdir", "parent": 1, "name": "a\0b", "mode": 0o755}}, "EINVAL"),
         ("meta", {"op": {"op": "mkdir", "parent": 1, "name": "x" * 256, "mode": 0o755}}, "ENAMETOOLONG"),
         ("meta", {"op": {"op": "mkdir", "parent": 1, "name": "é" * 128, "mode": 0o755}}, "ENAMETOOLONG"),  # 256 bytes
+        # ops that are not what a client sends: checked, not found out by a KeyError
+        ("meta", {"op": "mkdir"}, "EINVAL"),
+        ("meta", {"op": {"op": "mkdir", "parent": 1, "mode": 0o755}}, "EINVAL"),  # no name
+        ("meta", {"op": {"op": "mkdir", "parent": "1", "name": "x", "mode": 0o755}}, "EINVAL"),
+        ("meta", {"op": {"op": "create", "parent": 1, "name": "x", "mode": 0o644, "rdev": "zero"}}, "EINVAL"),
+        ("meta", {"op": {"op": "setattr", "ino": 1, "attrs": {"size": "big"}}}, "EINVAL"),
+        ("meta_restore", {"snapshot": {"seq": 10**6}}, "EINVAL"),
+        ("train_record", {"fid": 9, "idx": 0, "record": {"pushed": {"0": 1}}}, "EINVAL"),
+        ("train_wait", {"fid": 9, "idx": 0, "rank": 0, "pushed": 1, "timeout": -1}, "EINVAL"),
+        ("rebalance_pull", {"nodes": [{"name": "n9"}], "replicas": 1}, "EINVAL"),
     ]
     for method, args, code in expected:
         with pytest.raises(RemoteError) as err:
@@ -50,6 +65,12 @@ async def test_bad_requests_get_typed_errors_and_the_node_survives(local_cluster
         with pytest.raises(RemoteError) as err:
             await conn.write_imm(staging["rkey"], 0, blob, len(blob))
         assert err.value.code == "EINVAL" and "descriptor" in err.value.message, blob[:10]
+    # a list of objects whose pushes are malformed: each refused on its own, EINVAL
+    push = {"at": 0, "fid": 9, "idx": 0, "offset": 0, "count": 1, "rank": 0, "step": 0, "wire": "<f4", "unit": 4 << 20}
+    for bad in ({"at": 0}, dict(push, at=-1), dict(push, fid="nine"), dict(push, color="red"), dict(push, spans=3)):
+        blob = json.dumps([bad]).encode()
+        [result] = (await conn.write_imm(staging["rkey"], 0, blob, len(blob)))["results"]
+        assert result["error"] == "EINVAL" and "descriptor" in result["message"], (bad, result)
 
     # still serving, nothing leaked into the namespace
     assert (await conn.call("readdir", {"ino": 1}))["entries"] == []
@@ -58,6 +79,27 @@ async def test_bad_requests_get_typed_errors_and_the_node_survives(local_cluster
     await trio.sleep(0.2)
     log = lc.log_of("n1")
     assert "wrong cluster token" in log and "READ refused" in log and "WRITE refused" in log
+    assert "Traceback" not in log  # bad input is refused, not taken for a fault of the node
+
+
+async def test_a_fault_in_a_call_is_eio_with_its_traceback_not_einval(caplog):
+    """What the caller sent wrong is EINVAL; anything else raised (here a KeyError no input
+    caused) is a fault of the node: EIO, and logged with its traceback."""
+    cfg = from_dict({"nodes": [{"name": "n1", "host": "mem", "port": 9000}], "token": "test-token-123", "replicas": 1, "transport": ["memory"]})
+    node = Node(cfg, "n1", MemoryTransport(cfg.token))
+
+    async def broken() -> dict:
+        return {}["a key nobody sent"]
+
+    node.rpc_stripes = broken
+    with pytest.raises(RemoteError) as err:
+        await node.handle("stripes", {})
+    assert err.value.code == "EIO" and "KeyError" in err.value.message
+    [logged] = [r for r in caplog.records if r.exc_info]
+    assert logged.exc_info[0] is KeyError and "stripes" in logged.getMessage()
+    with pytest.raises(RemoteError) as err:
+        await node.handle("stripes", {"unexpected": 1})
+    assert err.value.code == "EINVAL"
 
 
 async def test_a_node_process_survives_thousands_of_random_frames(local_cluster):
@@ -76,7 +118,7 @@ async def test_a_node_process_survives_thousands_of_random_frames(local_cluster)
     lc = await local_cluster(nodes=1, replicas=1)
     data = np.random.default_rng(0).integers(0, 255, 3 << 20, dtype=np.uint8)
     async with Client.connect(lc.cfg) as c:
-        await c.write_file("/keep", data)
+        await c.paths.write_file("/keep", data)
     spec = lc.cfg.nodes[0]
     rng = random.Random(6)
 
@@ -89,7 +131,8 @@ async def test_a_node_process_survives_thousands_of_random_frames(local_cluster)
             op = rng.choice([P.Op.READ, P.Op.WRITE, P.Op.WRITE_IMM, P.Op.CALL, 0x55])
             length = rng.choice([0, 1, 16, 4096, rng.randint(0, 5000)])
             # rkeys no region has (an authenticated peer may legitimately write the ones it knows)
-            h = P.Header(op, rng.getrandbits(64), rng.choice([0, rng.randint(1 << 24, 2**32 - 1)]), rng.choice([0, 8, 1 << 20, 2**63, rng.getrandbits(64)]), length, 0, rng.getrandbits(32))
+            rkey = rng.choice([0, rng.randint(1 << 24, 2**32 - 1)])
+            h = P.Header(op, rng.getrandbits(64), rkey, rng.choice([0, 8, 1 << 20, 2**63, rng.getrandbits(64)]), length, 0, rng.getrandbits(32))
             out += P.pack(h) + rng.randbytes(P.payload_size(h) if op != P.Op.READ else 0)
         return bytes(out)
 
@@ -117,5 +160,5 @@ async def test_a_node_process_survives_thousands_of_random_frames(local_cluster)
     assert (await node_status(lc.cfg, spec.name))["state"] == "ready"
     lc.check_alive()
     async with Client.connect(lc.cfg) as c:
-        ino = (await c.resolve("/keep"))["ino"]
+        ino = (await c.paths.resolve("/keep"))["ino"]
         assert np.array_equal(np.frombuffer(await c.read(ino, 0, len(data)), np.uint8), data)

@@ -38,14 +38,29 @@ def netns_nodes(tmp_path):
         pytest.skip("network namespaces need root and iproute2")
     with namespaces(3, None, prefix=PREFIX, net=79) as hosts:
         (tmp_path / "token").write_text(os.urandom(16).hex())
-        doc = {"nodes": [{"name": f"n{i}", "host": h, "port": 7300} for i, h in enumerate(hosts)], "token_file": "token", "replicas": 2, "stripe_unit": MiB, "transport": ["tcp"], "heartbeat": 0.2, "down_after": 1.0, "op_timeout": 3.0}
+        doc = {
+            "nodes": [{"name": f"n{i}", "host": h, "port": 7300} for i, h in enumerate(hosts)],
+            "token_file": "token",
+            "replicas": 2,
+            "stripe_unit": MiB,
+            "transport": ["tcp"],
+            "heartbeat": 0.2,
+            "down_after": 1.0,
+            "op_timeout": 3.0,
+        }
         path = tmp_path / "cluster.toml"
         path.write_text(C.dump(C.from_dict(doc, base=tmp_path)))
         procs = []
         try:
             for i in range(3):
                 with open(tmp_path / f"n{i}.log", "wb") as log:
-                    procs.append(subprocess.Popen(["ip", "netns", "exec", f"{PREFIX}{i}", sys.executable, "-m", "irdmafs.server.node", "--config", str(path), "--node", f"n{i}"], stdout=log, stderr=subprocess.STDOUT))
+                    procs.append(
+                        subprocess.Popen(
+                            ["ip", "netns", "exec", f"{PREFIX}{i}", sys.executable, "-m", "irdmafs.server.node", "--config", str(path), "--node", f"n{i}"],
+                            stdout=log,
+                            stderr=subprocess.STDOUT,
+                        )
+                    )
             yield C.load(path), tmp_path
         finally:
             for p in procs:
@@ -71,7 +86,7 @@ async def test_a_partitioned_node_fences_itself_and_resyncs_before_it_serves(net
     v1 = np.full(4 * MiB, 1, np.uint8)
     v2 = np.full(4 * MiB, 2, np.uint8)
     async with Client.connect(cfg) as c:
-        attr = await c.write_file("/w", v1)
+        attr = await c.paths.write_file("/w", v1)
         ino = attr["ino"]
         # stripes for which n1 is a home: those it must not serve stale
         homed = [i for i in range(4) if "n1" in c.cluster.stripe_rank(ino, i)[: cfg.replicas]]

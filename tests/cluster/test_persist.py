@@ -47,20 +47,20 @@ async def test_whole_cluster_restart_brings_everything_back(tmp_path, stop):
         await wait_settled(lc.cfg)
         rng = np.random.default_rng(3)
         async with Client.connect(lc.cfg) as c:
-            await c.makedirs("/model/layer1")
-            d = await c.resolve("/model")
+            await c.paths.makedirs("/model/layer1")
+            d = await c.paths.resolve("/model")
             await c.setxattr(d["ino"], "user.irdma.sync", "bsp")
-            await c.save("/model/layer1/w.npy", rng.standard_normal((300, 700)).astype(np.float32))
-            await c.save("/model/b.npy", np.arange(10, dtype=np.float64))
-            await c.write_file("/blob", rng.integers(0, 255, 5 * MiB + 3, dtype=np.uint8))
-            blob = await c.resolve("/blob")
+            await c.paths.save("/model/layer1/w.npy", rng.standard_normal((300, 700)).astype(np.float32))
+            await c.paths.save("/model/b.npy", np.arange(10, dtype=np.float64))
+            await c.paths.write_file("/blob", rng.integers(0, 255, 5 * MiB + 3, dtype=np.uint8))
+            blob = await c.paths.resolve("/blob")
             await c.link(blob["ino"], 1, "blob-again")
             await c.symlink(1, "latest", "model/b.npy")
             await c.mknod(1, "fifo", S.S_IFIFO | 0o600)
             await c.mknod(1, "dev", S.S_IFCHR | 0o600, rdev=(1 << 8) | 3)
             await c.take_snapshot("before")
-            await c.write_file("/blob", rng.integers(0, 255, 2 * MiB, dtype=np.uint8))  # after the snapshot
-            await c.write_file("/small", np.frombuffer(b"tiny", np.uint8))
+            await c.paths.write_file("/blob", rng.integers(0, 255, 2 * MiB, dtype=np.uint8))  # after the snapshot
+            await c.paths.write_file("/small", np.frombuffer(b"tiny", np.uint8))
             before = await snapshot_of(c)
         for name in list(lc.procs):
             lc.kill(name, stop)
@@ -68,7 +68,7 @@ async def test_whole_cluster_restart_brings_everything_back(tmp_path, stop):
         await wait_settled(lc.cfg)
         async with Client.connect(lc.cfg) as c:
             after = await snapshot_of(c)
-            w = await c.load("/model/layer1/w.npy")
+            w = await c.paths.load("/model/layer1/w.npy")
         assert after == before and w.shape == (300, 700)
         assert after["/latest"][3] == "model/b.npy" and after["/dev"][4] == (1 << 8) | 3 and after["/blob-again"][3] == 2
         assert "@before/blob" in after and after["@before/blob"][2] == 5 * MiB + 3 and after["/blob"][2] == 2 * MiB

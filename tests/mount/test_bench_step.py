@@ -17,7 +17,9 @@ ROOT = Path(__file__).resolve().parents[2]
 async def test_bench_step_quick(tmp_path, mount):  # ``mount``: skips where FUSE is unavailable
     pytest.importorskip("torch")
     out = tmp_path / "step.json"
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_step.py"), "--quick", "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_step.py"), "--quick", "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=tmp_path
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     res = json.loads(out.read_text())
     for key in ("step_vs_ddp_resnet50_w2", "irdmafs_push_s_resnet50_w2", "irdmafs_pull_s_resnet50_w2", "irdmafs_apply_s_resnet50_w2", "ddp_comm_s_resnet50_w2"):
@@ -46,11 +48,25 @@ def test_bench_step_link_quick(tmp_path):
     if subprocess.run(["ip", "netns", "list"], capture_output=True).returncode:
         pytest.skip("ip netns is not available here")
     out = tmp_path / "link.json"
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_step.py"), "--link", "--quick", "--json", str(out)], capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_step.py"), "--link", "--quick", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["link_irdmafs_param_err_tiny_w2"] <= 1e-5  # the workers' check (the run fails otherwise)
-    for key in ("link_irdmafs_bound_s_tiny_w2", "link_ddp_bound_s_tiny_w2", "link_step_vs_bound_tiny_w2", "link_step_vs_ddp_tiny_w2", "link_irdmafs_step_s_tiny_w2", "link_ddp_comm_s_tiny_w2", "link_single_stream_vs_rate"):
+    for key in (
+        "link_irdmafs_bound_s_tiny_w2",
+        "link_ddp_bound_s_tiny_w2",
+        "link_step_vs_bound_tiny_w2",
+        "link_step_vs_ddp_tiny_w2",
+        "link_irdmafs_step_s_tiny_w2",
+        "link_ddp_comm_s_tiny_w2",
+        "link_single_stream_vs_rate",
+    ):
         assert res[key] > 0, key
     for key in ("link_step_vs_bound_tiny_w2", "link_step_vs_ddp_tiny_w2"):
         assert key in r.stdout, key

@@ -36,7 +36,12 @@ def test_a_100_second_soak_of_kills_and_remounts_sees_no_error_and_loses_nothing
     if reason:
         pytest.skip(reason)
     out = tmp_path / "chaos.json"
-    r = subprocess.run([sys.executable, str(SCRIPT), "--minutes", str(100 / 60), "--seed", "3", "--faults", "kill,mount", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, str(SCRIPT), "--minutes", str(100 / 60), "--seed", "3", "--faults", "kill,mount", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     result = json.loads(out.read_text())
     assert r.returncode == 0 and result["errors"] == 0 and result["lost"] == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert result["faults"].get("kill", 0) >= 3 and result["faults"].get("mount", 0) >= 3

@@ -26,7 +26,9 @@ VOCAB = 300  # the word embeddings span three 16 KiB stripes
 
 def tiny_bert():
     torch.manual_seed(0)
-    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=40, max_position_embeddings=48)
+    config = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=40, max_position_embeddings=48
+    )
     return transformers.BertModel(config).eval()  # eval: no dropout, so gradients are exact
 
 

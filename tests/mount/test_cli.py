@@ -143,7 +143,9 @@ def test_serve_with_its_own_mount(tmp_path, env):
     cfg = write_config(tmp_path / "c", 1, 1, transport=["tcp"])
     mp = tmp_path / "m"
     mp.mkdir()
-    proc = subprocess.Popen([sys.executable, "-m", "irdmafs.cli", "serve", "--config", str(cfg), "--node", "n1", "--mount", str(mp)], env=env, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "irdmafs.cli", "serve", "--config", str(cfg), "--node", "n1", "--mount", str(mp)], env=env, stderr=subprocess.PIPE
+    )
     try:
         deadline = time.monotonic() + 60
         while not is_mounted(mp):

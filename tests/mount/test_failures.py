@@ -67,7 +67,9 @@ async def test_mount_process_killed_with_kill_9_leaves_no_hung_mountpoint_and_lo
     mp.mkdir()
 
     def start():
-        proc = subprocess.Popen([sys.executable, "-m", "irdmafs.cli", "mount", "--config", str(lc.config_path), str(mp), "-f"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "irdmafs.cli", "mount", "--config", str(lc.config_path), str(mp), "-f"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         wait_for_mount(str(mp), proc)
         return proc
 

@@ -25,7 +25,8 @@ async def test_fsx_reads_writes_truncates_mmaps_and_reopens(ps, seed):
     lc, mount = ps
     m = mount(lc)
     r = subprocess.run(
-        [sys.executable, str(FSX), str(m / "fsx.dat"), "--ops", "1200", "--seed", str(seed), "--maxlen", "1500000", "--maxop", "150000", "--closeopen", "0.2", "--seconds", "240"],
+        [sys.executable, str(FSX), str(m / "fsx.dat"), "--ops", "1200", "--seed", str(seed)]
+        + ["--maxlen", "1500000", "--maxop", "150000", "--closeopen", "0.2", "--seconds", "240"],
         capture_output=True,
         text=True,
         timeout=300,

@@ -53,7 +53,11 @@ async def metered(tmp_path):
     mp = tmp_path / "mnt"
     mp.mkdir()
     log = open(tmp_path / "mnt.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "irdmafs.cli", "mount", "--config", str(lc.config_path), str(mp), "-f", "--metrics", f"127.0.0.1:{mount_port}"], stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "irdmafs.cli", "mount", "--config", str(lc.config_path), str(mp), "-f", "--metrics", f"127.0.0.1:{mount_port}"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         await wait_settled(lc.cfg)
         wait_for_mount(str(mp), proc, log_path=tmp_path / "mnt.log")

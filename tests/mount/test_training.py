@@ -142,7 +142,12 @@ async def test_pull_times_out_and_a_removed_rank_lets_the_others_go_on(model):
 
 async def test_digits_short_run(model):
     m = model
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "train_digits.py"), "--workers", "2", "--sync", "bsp", "--steps", "40", "--mount", str(m)], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "train_digits.py"), "--workers", "2", "--sync", "bsp", "--steps", "40", "--mount", str(m)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["test_accuracy"] > 0.85 and result["bytes_pushed"] == 2 * 40 * (64 * 10 + 10) * 4
@@ -151,7 +156,13 @@ async def test_digits_short_run(model):
 async def test_torch_helper_short_run(model):
     pytest.importorskip("torch", reason="torch==2.13.0 (CPU) not installed")
     m = model
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "train_digits.py"), "--workers", "2", "--sync", "bsp", "--steps", "30", "--framework", "torch", "--mount", str(m)], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "train_digits.py"), "--workers", "2", "--sync", "bsp", "--steps", "30"]
+        + ["--framework", "torch", "--mount", str(m)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["framework"] == "torch" and result["test_accuracy"] > 0.8

@@ -248,7 +248,7 @@ async def test_reads_never_mix_within_a_stripe(ps):
 
     stop = threading.Event()
     async with Client.connect(lc.cfg) as c:
-        attr = await c.resolve("/race")
+        attr = await c.paths.resolve("/race")
         t = threading.Thread(target=reader, args=(stop,))
         t.start()
         try:

@@ -70,7 +70,8 @@ async def test_random_and_mutated_frames_never_crash_the_node_or_touch_memory_th
         clean = True  # while every frame so far was sent intact, the stream is in step
         for h, payload, _, intact in fs:
             clean = clean and intact
-            if clean and h.op in (P.Op.WRITE, P.Op.WRITE_IMM) and not h.is_response and h.rkey == rw.rkey and h.offset + h.length <= SIZE and h.length <= len(payload):
+            lands = h.rkey == rw.rkey and h.offset + h.length <= SIZE and h.length <= len(payload)
+            if clean and h.op in (P.Op.WRITE, P.Op.WRITE_IMM) and not h.is_response and lands:
                 expected[h.offset : h.offset + h.length] = payload[: h.length]
         if any(P.pack(h)[16:20] == guard.rkey.to_bytes(4, "little") for h, *_ in fs):
             return  # a header naming the guard region by chance: not what this checks

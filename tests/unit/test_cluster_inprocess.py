@@ -50,14 +50,14 @@ async def cluster(nursery):
 async def test_files_round_trip_across_stripes(cluster):
     cfg, nodes = cluster
     async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
-        await c.makedirs("/model")
+        await c.paths.makedirs("/model")
         blobs = {f"/model/f{n}": os.urandom(n) for n in (0, 1, 4095, 65536, 65537, 300_000)}
         for path, blob in blobs.items():
-            await c.write_file(path, blob)
+            await c.paths.write_file(path, blob)
         for path, blob in blobs.items():
-            assert await c.read_file(path) == blob
-            assert (await c.stat(path))["size"] == len(blob)
-        assert sorted(await c.listdir("/model")) == sorted(p.split("/")[-1] for p in blobs)
+            assert await c.paths.read_file(path) == blob
+            assert (await c.paths.stat(path))["size"] == len(blob)
+        assert sorted(await c.paths.listdir("/model")) == sorted(p.split("/")[-1] for p in blobs)
         # each stripe sits on exactly R nodes
         held = sum(len(n.store.stripes) for n in nodes)
         stripes = sum(-(-len(b) // cfg.stripe_unit) for b in blobs.values())
@@ -68,7 +68,7 @@ async def test_partial_overwrite_and_read_at_offsets(cluster):
     cfg, _ = cluster
     async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
         ref = bytearray(os.urandom(200_000))
-        attr = await c.write_file("/f", ref)
+        attr = await c.paths.write_file("/f", ref)
         patch = os.urandom(70_000)
         await c.write(attr["ino"], 60_000, patch)
         ref[60_000:130_000] = patch
@@ -77,79 +77,79 @@ async def test_partial_overwrite_and_read_at_offsets(cluster):
         assert await c.read(attr["ino"], 500_000, 10) == b""
         # write past the end leaves a hole of zeros
         await c.write(attr["ino"], 400_000, b"end")
-        data = await c.read_file("/f")
+        data = await c.paths.read_file("/f")
         assert len(data) == 400_003 and data[200_000:400_000] == bytes(200_000) and data[-3:] == b"end"
 
 
 async def test_truncate_then_grow_reads_zeros(cluster):
     cfg, nodes = cluster
     async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
-        attr = await c.write_file("/t", os.urandom(300_000))
+        attr = await c.paths.write_file("/t", os.urandom(300_000))
         await c.truncate(attr["ino"], 70_000)
         await c.write(attr["ino"], 299_999, b"x")
-        data = await c.read_file("/t")
+        data = await c.paths.read_file("/t")
         assert data[70_000:299_999] == bytes(229_999)
 
 
 async def test_arrays_save_and_load(cluster):
     cfg, _ = cluster
     async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
-        await c.makedirs("/m")
+        await c.paths.makedirs("/m")
         for arr in (np.arange(100_000, dtype=np.float32).reshape(100, 1000), np.zeros((0, 3)), np.array(3.5)):
-            await c.save("/m/a.npy", arr)
-            back = await c.load("/m/a.npy")
+            await c.paths.save("/m/a.npy", arr)
+            back = await c.paths.load("/m/a.npy")
             assert back.dtype == arr.dtype and back.shape == arr.shape and np.array_equal(back, arr)
-        await c.write_file("/m/bad.npy", b"\x93NUMPY\x01\x00garbage")
+        await c.paths.write_file("/m/bad.npy", b"\x93NUMPY\x01\x00garbage")
         with pytest.raises(RemoteError) as err:
-            await c.load("/m/bad.npy")
+            await c.paths.load("/m/bad.npy")
         assert err.value.code == "EINVAL"
 
 
 async def test_namespace_errors(cluster):
     cfg, _ = cluster
     async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
-        await c.makedirs("/d/e")
-        await c.write_file("/d/f", b"1")
+        await c.paths.makedirs("/d/e")
+        await c.paths.write_file("/d/f", b"1")
         cases = [
             (c.mkdir(1, "d"), "EEXIST"),
-            (c.resolve("/nope"), "ENOENT"),
-            (c.resolve("/d/f/x"), "ENOTDIR"),
-            (c.rmdir_path("/d"), "ENOTEMPTY"),
-            (c.remove("/d/e"), "EISDIR"),
+            (c.paths.resolve("/nope"), "ENOENT"),
+            (c.paths.resolve("/d/f/x"), "ENOTDIR"),
+            (c.paths.rmdir_path("/d"), "ENOTEMPTY"),
+            (c.paths.remove("/d/e"), "EISDIR"),
             (c.mkdir(1, "x" * 256), "ENAMETOOLONG"),
             (c.mkdir(1, "a\0b"), "EINVAL"),
-            (c.move("/d", "/d/e/inside"), "EINVAL"),
+            (c.paths.move("/d", "/d/e/inside"), "EINVAL"),
         ]
         for coro, code in cases:
             with pytest.raises(RemoteError) as err:
                 await coro
             assert err.value.code == code
         # rename over an existing file replaces it, as rsync does
-        await c.write_file("/d/g", b"new")
-        await c.move("/d/g", "/d/f")
-        assert await c.read_file("/d/f") == b"new"
-        assert sorted(await c.listdir("/d")) == ["e", "f"]
+        await c.paths.write_file("/d/g", b"new")
+        await c.paths.move("/d/g", "/d/f")
+        assert await c.paths.read_file("/d/f") == b"new"
+        assert sorted(await c.paths.listdir("/d")) == ["e", "f"]
 
 
 async def test_unlink_frees_stripes_everywhere(cluster):
     cfg, nodes = cluster
     async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
-        await c.write_file("/big", os.urandom(500_000))
+        await c.paths.write_file("/big", os.urandom(500_000))
         assert sum(len(n.store.stripes) for n in nodes) > 0
-        await c.remove("/big")
+        await c.paths.remove("/big")
         assert sum(len(n.store.stripes) for n in nodes) == 0
 
 
 async def test_snapshot_is_point_in_time_and_survives_changes(cluster):
     cfg, nodes = cluster
     async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
-        await c.makedirs("/m")
+        await c.paths.makedirs("/m")
         old = np.arange(50_000, dtype=np.float32)
-        await c.save("/m/w.npy", old)
+        await c.paths.save("/m/w.npy", old)
         snap = await c.take_snapshot("s1")
         assert sorted(snap["nodes"]) == cfg.names
-        await c.save("/m/w.npy", old * 2)
-        await c.remove("/m/w.npy")
+        await c.paths.save("/m/w.npy", old * 2)
+        await c.paths.remove("/m/w.npy")
         # the snapshot's namespace and data are as they were
         sid = snap["id"]
         root = await c.getattr(1, sid)
@@ -171,7 +171,7 @@ async def test_snapshot_waits_for_commits_in_flight(cluster):
     cfg, nodes = cluster
     async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
         unit = cfg.stripe_unit
-        attr = await c.write_file("/f", bytes([1]) * (8 * unit))
+        attr = await c.paths.write_file("/f", bytes([1]) * (8 * unit))
         async with trio.open_nursery() as n:
             for i in range(8):
                 n.start_soon(c.write, attr["ino"], i * unit, bytes([2]) * unit)
@@ -188,7 +188,7 @@ async def test_handover_stops_the_stand_in_and_waits_for_its_commits(cluster):
     a heartbeat failure from before the node's own word does not count it down again."""
     cfg, nodes = cluster
     async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
-        attr = await c.write_file("/f", os.urandom(16 * cfg.stripe_unit))
+        attr = await c.paths.write_file("/f", os.urandom(16 * cfg.stripe_unit))
     back, stand_in = nodes[0], nodes[1]
     idx = next(i for i in range(16) if stand_in.cluster.stripe_rank(attr["ino"], i)[:2] == ["n0", "n1"])
     before = trio.current_time()
@@ -247,7 +247,9 @@ async def test_optimizer_state_waits_for_its_parameters(cluster):
         staged.buf[:n] = bytes([value]) * n
 
     stage(7, 2 * unit)
-    await backup.rpc_apply(fid=fid, idx=idx, offset=0, length=2 * unit, rkey=staged.rkey, soff=0, version=1, unit=2 * unit, full=True, snap=-1, clock=1, pending=True)
+    await backup.rpc_apply(
+        fid=fid, idx=idx, offset=0, length=2 * unit, rkey=staged.rkey, soff=0, version=1, unit=2 * unit, full=True, snap=-1, clock=1, pending=True
+    )
     assert backup.store.get(fid, idx, -1) is None  # not without its parameters
     stage(3, unit)
     await backup.rpc_apply(fid=fid, idx=idx, offset=0, length=unit, rkey=staged.rkey, soff=0, version=1, unit=unit, full=True, state=1)
@@ -265,7 +267,7 @@ async def test_a_stripe_grown_since_its_key_was_cached_reads_its_new_end(nursery
     cfg = config(unit=1 << 20)  # stripes grow in 64 KiB steps up to 1 MiB
     await start_cluster(nursery, cfg)
     async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
-        attr = await c.write_file("/f", b"a" * 10)
+        attr = await c.paths.write_file("/f", b"a" * 10)
         assert await c.read(attr["ino"], 0, 10) == b"a" * 10  # the key is cached: 64 KiB long
         await c.write(attr["ino"], 300_000, b"b" * 10)  # the stripe moves to a larger region
         assert await c.read(attr["ino"], 300_000, 10) == b"b" * 10
@@ -277,7 +279,7 @@ async def test_a_strict_pull_skips_a_stripe_freed_between_listing_and_copy(clust
     not an error. Found by the rebalance test once O_TRUNC truncated."""
     cfg, nodes = cluster
     async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
-        attr = await c.write_file("/f", os.urandom(3 * cfg.stripe_unit))
+        attr = await c.paths.write_file("/f", os.urandom(3 * cfg.stripe_unit))
     fid = attr["ino"]
     puller = next(n for n in nodes if n.store.get(fid, 0) is not None)
     puller.store.drop(fid)  # it lacks the file's stripes: it will fetch them
@@ -304,21 +306,21 @@ async def test_staging_of_an_owner_whose_heartbeats_stopped_is_freed(nursery, mo
     cfg = config()
     nodes = await start_cluster(nursery, cfg)
     async with Client.connect(cfg, MemoryTransport(cfg.token)) as live:
-        await live.write_file("/f", os.urandom(3 * cfg.stripe_unit))  # staging on the primaries
+        await live.paths.write_file("/f", os.urandom(3 * cfg.stripe_unit))  # staging on the primaries
         held = {n.name for n in nodes if live.owner in n.staging}
         assert held
         async with Client.connect(cfg, MemoryTransport(cfg.token)) as dead:
             g = os.urandom(3 * cfg.stripe_unit)
-            await dead.write_file("/g", g)
+            await dead.paths.write_file("/g", g)
             owner = dead.owner
-            dead.release = lambda: trio.lowlevel.checkpoint()  # as if killed: no release call
+            dead.cluster.ready = lambda: []  # as if killed: its exit releases nothing on any node
         assert any(owner in n.staging for n in nodes)
         await trio.sleep(1.0)
         assert not any(owner in n.staging for n in nodes)  # freed: its heartbeats stopped
         assert {n.name for n in nodes if live.owner in n.staging} == held  # still leased
-        assert await live.read_file("/g") == g  # what the dead client closed stays
-        await live.write_file("/h", b"x" * 10)  # the live client's staging still works
-        assert await live.read_file("/h") == b"x" * 10
+        assert await live.paths.read_file("/g") == g  # what the dead client closed stays
+        await live.paths.write_file("/h", b"x" * 10)  # the live client's staging still works
+        assert await live.paths.read_file("/h") == b"x" * 10
 
 
 async def test_a_metadata_op_retried_after_its_answer_was_lost_is_applied_once(cluster):
@@ -354,7 +356,7 @@ async def test_a_resync_drops_stripes_freed_meanwhile_and_takes_its_peers_lower_
     unit = cfg.stripe_unit
     async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
         old = os.urandom(8 * unit)
-        attr = await c.write_file("/f", old)
+        attr = await c.paths.write_file("/f", old)
         fid = attr["ino"]
         away = max(nodes, key=lambda n: (n.store.get(fid, 1) is not None, sum(n.store.get(fid, i) is not None for i in range(2, 8))))
         freed = [i for i in range(2, 8) if away.store.get(fid, i) is not None]
@@ -364,7 +366,7 @@ async def test_a_resync_drops_stripes_freed_meanwhile_and_takes_its_peers_lower_
         await c.truncate(fid, unit)
         new = os.urandom(unit)
         await c.write(fid, unit, new)
-        assert (await c.read_file("/f"))[unit:] == new
+        assert (await c.paths.read_file("/f"))[unit:] == new
     # put the missed state back on the away node, as if it had been stopped meanwhile
     for i, data in stale.items():
         away.store.replace(fid, i, memoryview(data), unit, 9)

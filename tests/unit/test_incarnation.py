@@ -16,7 +16,16 @@ from irdmafs.transport.memory import MemoryTransport
 
 
 def config():
-    return from_dict({"nodes": [{"name": "a", "host": "mem", "port": 9501}], "token": "test-token-123", "replicas": 1, "transport": ["memory"], "heartbeat": 0.05, "down_after": 0.3})
+    return from_dict(
+        {
+            "nodes": [{"name": "a", "host": "mem", "port": 9501}],
+            "token": "test-token-123",
+            "replicas": 1,
+            "transport": ["memory"],
+            "heartbeat": 0.05,
+            "down_after": 0.3,
+        }
+    )
 
 
 async def handler(method, args):

@@ -4,7 +4,8 @@ import stat as S
 
 import pytest
 
-from irdmafs.server.meta import LINK_MAX, NAME_MAX, ROOT, Meta
+from irdmafs.namespace import NAME_MAX, ROOT
+from irdmafs.server.meta import LINK_MAX, Meta
 from irdmafs.transport.base import RemoteError
 
 NOW = 1_700_000_000_000_000_000

@@ -73,7 +73,28 @@ async def test_the_tensor_directory_holds_the_tensors_only(fs):
         with pytest.raises(V.FsError) as err:
             await op()
         assert err.value.errno == errno.EPERM
+    # nor through its own name, nor in a subdirectory of tensors
+    hidden = next(n for n, _ in await fs.client.readdir(1) if n.startswith(".irdmafs-model-"))
+    for op in (lambda: fs.rmdir(1, hidden), lambda: fs.rename(1, hidden, 1, "mine", 0)):
+        with pytest.raises(V.FsError) as err:
+            await op()
+        assert err.value.errno == errno.EPERM
     assert await read_all(fs, (await fs.lookup(1, "m.safetensors"))["st_ino"]) == data
+
+
+async def test_a_model_file_in_a_subdirectory_of_tensors_is_kept_whole(fs):
+    from safetensors.numpy import save
+
+    data = save({"enc/w": np.ones(3, np.float32), "b": np.zeros(2, np.float32)})
+    await write_file(fs, 1, "n.safetensors", data)
+    enc = await fs.lookup((await fs.lookup(1, "n"))["st_ino"], "enc")
+    with pytest.raises(V.FsError) as err:
+        await fs.unlink(enc["st_ino"], "w.npy")
+    assert err.value.errno == errno.EPERM
+    # the model record is the file system's: no client sets it by hand
+    with pytest.raises(RemoteError) as bad:
+        await fs.client.setxattr(1, "irdmafs.model", '{"dir": 1, "start": 8}')
+    assert bad.value.code == "EPERM"
 
 
 async def test_an_open_for_writing_without_a_write_leaves_a_model_alone(fs):

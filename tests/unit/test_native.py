@@ -28,7 +28,14 @@ def test_acc_f16_matches_numpy_bit_for_bit_including_specials():
 
 @pytest.mark.parametrize(
     "text",
-    ["sgd lr=0.1", "sgd lr=0.05 weight_decay=1e-3", "sgd lr=0.1 momentum=0.9", "sgd lr=0.1 momentum=0.9 nesterov=1 weight_decay=1e-4", "adam lr=1e-3", "adam lr=1e-2 betas=0.8,0.99 eps=1e-6 weight_decay=1e-2"],
+    [
+        "sgd lr=0.1",
+        "sgd lr=0.05 weight_decay=1e-3",
+        "sgd lr=0.1 momentum=0.9",
+        "sgd lr=0.1 momentum=0.9 nesterov=1 weight_decay=1e-4",
+        "adam lr=1e-3",
+        "adam lr=1e-2 betas=0.8,0.99 eps=1e-6 weight_decay=1e-2",
+    ],
 )
 def test_optimizers_match_numpy_bit_for_bit_over_several_steps(text):
     opt = optim.parse(text)

@@ -66,7 +66,9 @@ def test_learning_rate_can_change_while_training():
     assert np.allclose(p, p0 - 0.1 * g1 - 0.01 * buf, rtol=1e-12)
 
 
-@pytest.mark.parametrize("text", ["", "rmsprop lr=1", "sgd lr=x", "sgd lr=0.1 betas=1,2", "sgd lr=-1", "adam lr=1e-3 betas=0.9", "sgd lr=0.1 nesterov=1", "sgd momentum"])
+@pytest.mark.parametrize(
+    "text", ["", "rmsprop lr=1", "sgd lr=x", "sgd lr=0.1 betas=1,2", "sgd lr=-1", "adam lr=1e-3 betas=0.9", "sgd lr=0.1 nesterov=1", "sgd momentum"]
+)
 def test_bad_optimizer_strings_name_the_accepted_forms(text):
     with pytest.raises(optim.OptimError) as err:
         optim.parse(text)

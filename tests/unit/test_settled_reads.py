@@ -27,7 +27,7 @@ async def tensor(nursery):
     cfg = config(unit=UNIT)
     nodes = await start_cluster(nursery, cfg)
     client = await nursery.start(_client, cfg)
-    attr = await client.write_file("/t", np.zeros(N, np.float32).tobytes())
+    attr = await client.paths.write_file("/t", np.zeros(N, np.float32).tobytes())
     for idx in range(3):
         set_stripe(nodes, attr["ino"], idx, 1.0, clock=1)
     return nodes, client, attr

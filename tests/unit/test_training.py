@@ -5,7 +5,7 @@ import pytest
 import trio
 
 from irdmafs.client.client import Client
-from irdmafs.server.sync import Model, Policy, StripeTraining, parse_policy, PolicyError
+from irdmafs.server.policies import Model, Policy, StripeTraining, parse_policy, PolicyError
 from irdmafs.transport.base import RemoteError
 from irdmafs.transport.memory import MemoryTransport
 
@@ -54,7 +54,7 @@ def test_r2sp_holds_an_early_push_until_its_turn():
 
 
 def test_r2sp_pulls_wait_for_the_previous_round_only():
-    from irdmafs.server.sync import required_clock
+    from irdmafs.server.policies import required_clock
 
     assert required_clock(Policy("r2sp"), 0) == 0 and required_clock(Policy("r2sp"), 5) == 4
     assert required_clock(Policy("bsp"), 5) == 5 and required_clock(Policy("ssp", 2), 5) == 3
@@ -85,12 +85,12 @@ async def trained(nursery):
     cfg = config(unit=64 << 10)
     await start_cluster(nursery, cfg)
     async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
-        await c.makedirs("/m")
+        await c.paths.makedirs("/m")
         yield c
 
 
 async def set_policy(c, **xattrs):
-    d = await c.resolve("/m")
+    d = await c.paths.resolve("/m")
     for k, v in xattrs.items():
         await c.setxattr(d["ino"], f"user.irdma.{k}", v)
 
@@ -99,30 +99,30 @@ async def test_bsp_two_workers_sgd_matches_numpy(trained):
     c = trained
     await set_policy(c, sync="bsp", workers="2", optimizer="sgd lr=0.5")
     w0 = np.linspace(-1, 1, 50_000).astype(np.float32)  # several stripes
-    attr = await c.save("/m/w.npy", w0)
+    attr = await c.paths.save("/m/w.npy", w0)
     g0, g1 = np.full_like(w0, 1.0), np.full_like(w0, 3.0)
     out = np.empty_like(w0)
-    await c.push(attr["ino"], 0, g0)
+    await c.training.push(attr["ino"], 0, g0)
     with pytest.raises(trio.TooSlowError):
         with trio.fail_after(0.3):  # bsp: rank 0's pull waits for rank 1's push
-            await c.pull_into(attr["ino"], 0, out)
-    await c.push(attr["ino"], 1, g1)
-    await c.pull_into(attr["ino"], 0, out)
+            await c.training.pull_into(attr["ino"], 0, out)
+    await c.training.push(attr["ino"], 1, g1)
+    await c.training.pull_into(attr["ino"], 0, out)
     assert np.allclose(out, w0 - 0.5 * (g0 + g1) / 2)
-    assert np.array_equal(await c.load("/m/w.npy"), out)
+    assert np.array_equal(await c.paths.load("/m/w.npy"), out)
 
 
 async def test_asp_applies_each_push_and_adam_state_survives(trained):
     c = trained
     await set_policy(c, sync="asp", workers="2", optimizer="adam lr=0.1")
     w0 = np.ones(1000, np.float32)
-    attr = await c.save("/m/a.npy", w0)
+    attr = await c.paths.save("/m/a.npy", w0)
     out = np.empty_like(w0)
-    await c.push(attr["ino"], 0, np.ones_like(w0))
-    await c.pull_into(attr["ino"], 0, out)  # asp: no waiting
+    await c.training.push(attr["ino"], 0, np.ones_like(w0))
+    await c.training.pull_into(attr["ino"], 0, out)  # asp: no waiting
     assert np.allclose(out, 1 - 0.1)  # adam's first step moves by lr whatever the scale
-    await c.push(attr["ino"], 0, np.ones_like(w0))
-    await c.pull_into(attr["ino"], 0, out)
+    await c.training.push(attr["ino"], 0, np.ones_like(w0))
+    await c.training.pull_into(attr["ino"], 0, out)
     assert np.allclose(out, 1 - 0.2, atol=1e-5)  # second step with state carried over
 
 
@@ -130,23 +130,23 @@ async def test_bad_pushes_and_pulls_change_nothing(trained):
     c = trained
     await set_policy(c, sync="bsp", workers="2")
     w0 = np.zeros((10, 10), np.float32)
-    attr = await c.save("/m/b.npy", w0)
+    attr = await c.paths.save("/m/b.npy", w0)
     cases = [
-        (c.push(attr["ino"], 0, np.zeros((10, 9), np.float32)), "EINVAL"),  # shape
-        (c.push(attr["ino"], 0, np.zeros((10, 10), np.float64)), "EINVAL"),  # dtype
-        (c.push(attr["ino"], 5, np.zeros((10, 10), np.float32)), "EINVAL"),  # rank beyond workers
-        (c.pull_into(attr["ino"], 2, np.empty_like(w0)), "EINVAL"),
+        (c.training.push(attr["ino"], 0, np.zeros((10, 9), np.float32)), "EINVAL"),  # shape
+        (c.training.push(attr["ino"], 0, np.zeros((10, 10), np.float64)), "EINVAL"),  # dtype
+        (c.training.push(attr["ino"], 5, np.zeros((10, 10), np.float32)), "EINVAL"),  # rank beyond workers
+        (c.training.pull_into(attr["ino"], 2, np.empty_like(w0)), "EINVAL"),
     ]
     for coro, code in cases:
         with pytest.raises(RemoteError) as err:
             await coro
         assert err.value.code == code
     await set_policy(c, sync="lockstep")
-    c.forget_training()
+    c.training.forget_training()
     with pytest.raises(RemoteError) as err:
-        await c.push(attr["ino"], 0, w0)
+        await c.training.push(attr["ino"], 0, w0)
     assert err.value.code == "EINVAL" and "accepted" in err.value.message
-    assert np.array_equal(await c.load("/m/b.npy"), w0)
+    assert np.array_equal(await c.paths.load("/m/b.npy"), w0)
 
 
 def test_compress_forms_and_sparsifier_keeps_what_it_does_not_send():
@@ -170,26 +170,26 @@ async def test_compressed_pushes(trained, mode):
     c = trained
     await set_policy(c, sync="bsp", workers="1", optimizer="sgd lr=1", compress=mode)
     w0 = np.zeros(40_000, np.float32)  # spans stripes of 64 KiB
-    attr = await c.save("/m/c.npy", w0)
+    attr = await c.paths.save("/m/c.npy", w0)
     g = np.linspace(-1, 1, 40_000).astype(np.float32)
     before = c.io.bytes_pushed
-    await c.push(attr["ino"], 0, g)
+    await c.training.push(attr["ino"], 0, g)
     sent = c.io.bytes_pushed - before
     out = np.empty_like(w0)
-    await c.pull_into(attr["ino"], 0, out)
+    await c.training.pull_into(attr["ino"], 0, out)
     if "chunks" in mode:
         # half the chunks (the largest) went; after a second push of zeros the rest follows
         assert np.count_nonzero(out) <= 20_000 + 1000
-        await c.push(attr["ino"], 0, np.zeros_like(g))
-        await c.pull_into(attr["ino"], 0, out)
+        await c.training.push(attr["ino"], 0, np.zeros_like(g))
+        await c.training.pull_into(attr["ino"], 0, out)
     assert np.allclose(out, -g, atol=1e-3)  # everything arrives, fp16 to its precision
     assert sent < g.nbytes * (0.55 if "chunks" in mode else 1) * (0.5 if "fp16" in mode else 1) + 1000
 
 
 def test_batch_suggestions_follow_throughput():
-    from irdmafs.client.training import Training
+    from irdmafs.client.training import PushPull
 
-    c = Training.__new__(Training)
+    c = PushPull.__new__(PushPull)
     c.busy = {"0": 0.1, "1": 0.2}  # rank 1 computes twice as long for the same batch
     assert c.suggest_batch(0, {0: 32, 1: 32}) == 43 and c.suggest_batch(1, {0: 32, 1: 32}) == 21
     c.busy = {"0": 0.1}

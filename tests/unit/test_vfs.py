@@ -316,13 +316,13 @@ async def test_links_and_special_files_through_the_vfs_and_the_client(fs):
     assert S.S_ISFIFO(fifo.st_mode) and S.S_ISBLK(dev.st_mode) and dev.st_rdev == (8 << 8) | 1
     # the client's own paths follow links as the kernel does
     c = fs.client
-    assert (await c.resolve("snap/w"))["ino"] == ino and (await c.resolve("snap/w", follow=False))["ino"] == link.st_ino
-    assert await c.read_file("snap/./w") == b"payload"
+    assert (await c.paths.resolve("snap/w"))["ino"] == ino and (await c.paths.resolve("snap/w", follow=False))["ino"] == link.st_ino
+    assert await c.paths.read_file("snap/./w") == b"payload"
     await c.symlink(1, "loop", "loop")
     await c.symlink(1, "abs", "/mnt/elsewhere")
     for path, code in (("loop", "ELOOP"), ("abs", "ENOENT"), ("blobs/x/y", "ENOTDIR")):
         with pytest.raises(RemoteError) as e:
-            await c.resolve(path)
+            await c.paths.resolve(path)
         assert e.value.code == code
     # a snapshot keeps links; names cannot point from it into the live tree
     s = await fs.mkdir(I.SNAPSHOTS_DIR, "s1", 0o755, 0, 0)

@@ -38,6 +38,10 @@ class PolicyError(ValueError):
     """A sync string that is not one of the accepted forms."""
 
 
+class RecordError(ValueError):
+    """Push bookkeeping that is not a record ``StripeTraining.record`` made."""
+
+
 @dataclass(frozen=True)
 class Policy:
     kind: str
@@ -124,21 +128,40 @@ class StripeTraining:
         """How many pushes this bookkeeping has taken (to tell an older record from a newer)."""
         return sum(self.pushed.values()) + sum(len(s) for s in self.held.values())
 
-    def restore(self, rec: dict, blobs: list | None = None) -> None:
-        """Take a record made by ``record`` (its raw arrays in ``blobs``, if it was made so)."""
+    @classmethod
+    def from_record(cls, rec: dict, blobs: list | None = None) -> "StripeTraining":
+        """The bookkeeping a record made by ``record`` holds (its raw arrays in ``blobs``, if it
+        was made so); ``RecordError`` if ``rec`` is not such a record."""
 
         def arr(a: list) -> np.ndarray:
             if isinstance(a[1], int):
                 if blobs is None or not 0 <= a[1] < len(blobs):
-                    raise ValueError(f"record names array {a[1]} of {len(blobs or ())}")
+                    raise RecordError(f"record names array {a[1]} of {len(blobs or ())}")
                 return np.frombuffer(blobs[a[1]], np.dtype(a[0])).copy()
             return np.frombuffer(base64.b64decode(a[1]), np.dtype(a[0])).copy()
 
-        self.pushed = {int(r): int(n) for r, n in rec["pushed"].items()}
-        self.applied = int(rec["applied"])
-        self.span = tuple(rec["span"])
-        self.rounds = {int(k): [arr(v[0]), set(v[1])] for k, v in rec["rounds"].items()}
-        self.held = {int(r): {int(k): arr(g) for k, g in steps.items()} for r, steps in rec["held"].items()}
+        # a peer's input, read field by field: any way it does not fit is a RecordError
+        try:
+            span = tuple(int(x) for x in rec["span"])
+            if len(span) != 3:
+                raise RecordError(f"span {rec['span']!r} is not (offset, count, unit)")
+            return cls(
+                pushed={int(r): int(n) for r, n in rec["pushed"].items()},
+                applied=int(rec["applied"]),
+                span=span,
+                rounds={int(k): [arr(v[0]), set(v[1])] for k, v in rec["rounds"].items()},
+                held={int(r): {int(k): arr(g) for k, g in steps.items()} for r, steps in rec["held"].items()},
+            )
+        except RecordError:
+            raise
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+            raise RecordError(f"malformed training record: {type(exc).__name__}: {exc}") from None
+
+    def restore(self, rec: "dict | StripeTraining", blobs: list | None = None) -> None:
+        """Take the bookkeeping of a record made by ``record`` (see ``from_record``), or of a
+        ``StripeTraining`` read from one; a malformed record changes nothing."""
+        src = rec if isinstance(rec, StripeTraining) else StripeTraining.from_record(rec, blobs)
+        self.pushed, self.applied, self.span, self.rounds, self.held = src.pushed, src.applied, src.span, src.rounds, src.held
 
     def observe(self, rank: int, busy: float | None) -> None:
         """The compute time a rank reported with its push (for batch-size suggestions)."""

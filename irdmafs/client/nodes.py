@@ -1,0 +1,63 @@
+"""What a client knows of the nodes, for status tables and ``statfs``: each node's state and
+figures from its last heartbeat, the cluster's capacity, and the client's own counters."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING
+
+from ..cluster import NodeDown
+from ..transport.base import RemoteError
+
+if TYPE_CHECKING:
+    from .client import Client
+
+# what a node's heartbeat reports that status tables show
+NODE_FIGURES = ("pid", "stripes", "bytes", "capacity", "transport", "uptime", "calls", "served_bytes", "replicas_behind")
+
+
+def table(client: "Client") -> list[dict]:
+    """Every node as this client sees it (state from its last heartbeat)."""
+    cluster, out = client.cluster, []
+    for spec in client.cfg.nodes:
+        alive = cluster.node_state(spec.name) != "down"
+        info = cluster.info.get(spec.name, {}) if alive else {}  # no stale figures
+        out.append(
+            {
+                "name": spec.name,
+                "address": f"{spec.host}:{spec.port}",
+                "state": cluster.node_state(spec.name),
+                "alive": alive,
+                **{k: info[k] for k in NODE_FIGURES if k in info},
+                # the process last heard from, even when down now: what 'irdmafs down' stops
+                # (a node restarted by hand or by the soak is not the one 'up' started)
+                "last_pid": cluster.info.get(spec.name, {}).get("pid"),
+            }
+        )
+    return out
+
+
+async def statfs(client: "Client") -> dict:
+    """The cluster's capacity and use, divided by R (what a file system can hold)."""
+    total = used = 0
+    for node in client.cluster.ready():
+        with contextlib.suppress(NodeDown, RemoteError):
+            r = await client.cluster.call(node, "statfs")
+            total += r["capacity"]
+            used += r["used"]
+    return {"capacity": total // client.cfg.replicas, "used": used // client.cfg.replicas}
+
+
+def figures(client: "Client") -> dict:
+    """The client's counters: bytes moved, calls made, and what it runs with."""
+    return {
+        "bytes_read": client.io.bytes_read,
+        "bytes_written": client.io.bytes_written,
+        "bytes_pushed": client.io.bytes_pushed,
+        "metadata_calls": client.meta_calls,
+        "control_calls": client.cluster.calls,
+        "control_calls_by_method": dict(client.cluster.calls_by_method),
+        "replicas": client.cfg.replicas,
+        "stripe_unit": client.cfg.stripe_unit,
+        "transport": client.cluster.transport.name,
+    }

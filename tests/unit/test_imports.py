@@ -1,0 +1,179 @@
+"""The package's imports: no module imports itself round a cycle, and each imports on its own.
+
+The cycle check is static: every module under irdmafs/ is parsed with ``ast`` and every import
+in it counts, wherever it stands (under ``if TYPE_CHECKING:``, in a function: a cycle put off
+until run time or hidden from it is still a cycle of the design). ``from X import Y`` is an edge
+to module ``X.Y`` when that is a module, else to ``X`` (a package: its ``__init__``).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = "irdmafs"
+# what some modules need that is optional, and is not installed on every machine
+OPTIONAL = ("pyverbs", "torch")
+
+
+def modules() -> dict[str, Path]:
+    """Dotted name -> file of every module of the package (a package by its ``__init__``)."""
+    out = {}
+    for path in sorted((ROOT / PACKAGE).rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """The package's modules that module ``name`` imports, anywhere in it."""
+    is_package = path.name == "__init__.py"
+    package = name if is_package else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                found.add(sub if sub in known else target)
+    out = set()
+    for target in found:
+        # ``import irdmafs.a.b`` names a module; an unknown tail is an attribute of one
+        while target and target not in known:
+            target = target.rpartition(".")[0]
+        if target.split(".")[0] == PACKAGE and target != name:
+            out.add(target)
+    return out
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected set of two or more modules (Tarjan), each as a cycle through
+    them found by a walk that stays inside the set."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return [_a_cycle(graph, set(c)) for c in components]
+
+
+def _a_cycle(graph: dict[str, set[str]], members: set[str]) -> list[str]:
+    """One cycle through the first member of a strongly connected set (a shortest one)."""
+    start = min(members)
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph[v] & members):
+                if w == start:
+                    return paths[v] + [start]
+                if w not in paths:
+                    paths[w] = paths[v] + [w]
+                    nxt.append(w)
+        frontier = nxt
+    return sorted(members)
+
+
+def test_the_cycle_finder_finds_cycles():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert cycles(graph) == [["a", "b", "c", "a"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_relative_imports_resolve_to_modules_and_packages(tmp_path):
+    known = {"irdmafs", "irdmafs.server", "irdmafs.server.node", "irdmafs.server.meta", "irdmafs.cluster", "irdmafs.transport"}
+    src = tmp_path / "node.py"
+    src.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "from . import meta\n"
+        "from ..cluster import NodeDown\n"
+        "import irdmafs.transport.base\n"
+        "if TYPE_CHECKING:\n"
+        "    from .. import server\n"
+    )
+    assert imports_of("irdmafs.server.node", src, known) == {"irdmafs.server.meta", "irdmafs.cluster", "irdmafs.transport", "irdmafs.server"}
+
+
+def test_no_module_imports_itself_round_a_cycle():
+    mods = modules()
+    graph = {name: imports_of(name, path, set(mods)) for name, path in mods.items()}
+    found = cycles(graph)
+    assert not found, "import cycles:\n" + "\n".join(" -> ".join(c) for c in found)
+
+
+# Run in one fresh interpreter: each module imported alone, with every irdmafs module (and
+# nothing else) dropped from sys.modules before the next, so each finds what it needs itself.
+_IMPORT_EACH = """
+import importlib, json, sys, traceback
+out = {}
+for name in json.loads(sys.argv[1]):
+    for loaded in [m for m in sys.modules if m == "irdmafs" or m.startswith("irdmafs.")]:
+        del sys.modules[loaded]
+    try:
+        importlib.import_module(name)
+        out[name] = None
+    except ImportError as exc:
+        out[name] = [getattr(exc, "name", None) or "", traceback.format_exc()]
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def imported_alone() -> dict:
+    """Module -> None if it imported on its own, else [the module missing, the traceback]."""
+    names = sorted(modules())
+    r = subprocess.run([sys.executable, "-c", _IMPORT_EACH, json.dumps(names)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", sorted(modules()))
+def test_every_module_imports_on_its_own(name, imported_alone):
+    failure = imported_alone[name]
+    if failure is None:
+        return
+    missing, tb = failure
+    if missing.split(".")[0] in OPTIONAL:
+        pytest.skip(f"{name} needs {missing}, an optional package not installed here")
+    pytest.fail(f"{name} does not import on its own:\n{tb}")
