@@ -102,7 +102,7 @@ def main() -> int:
     ap.add_argument("--mount", help="run inside this mounted directory instead of a fresh cluster")
     ap.add_argument("--json", help="write the counts here too")
     ap.add_argument("--failures", type=int, default=20, help="failure lines shown per directory")
-    ap.add_argument("--jobs", type=int, default=2, help="test directories run at once (default 2)")
+    ap.add_argument("--jobs", type=int, default=3, help="test directories run at once (default 3)")
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("pjdfstest: run as root (its tests switch users and create device nodes)")

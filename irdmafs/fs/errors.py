@@ -28,7 +28,7 @@ REMOTE_ERRNO = {
     name: getattr(errno, name)
     for name in (
         "ENOENT", "EEXIST", "ENOTDIR", "EISDIR", "ENOTEMPTY", "EINVAL", "ENAMETOOLONG", "EROFS",
-        "ENOSPC", "ENODATA", "EPERM", "EACCES", "EBUSY", "E2BIG", "ETIMEDOUT", "EMLINK",
+        "ENOSPC", "ENODATA", "EPERM", "EACCES", "EBUSY", "E2BIG", "ETIMEDOUT", "EMLINK", "EAGAIN",
     )
 }
 
