@@ -55,36 +55,44 @@ DERIVED_XATTRS = ("user.irdma.dtype", "user.irdma.shape", "user.irdma.version")
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR
 
 
+def _pack(family: int, hi: int, ino: int) -> int:
+    return family | (hi << INO_BITS) | ino
+
+
+def _unpack(family: int, ino: int) -> tuple[int, int]:
+    return (ino & ~family) >> INO_BITS, ino & INO_MASK
+
+
 def snap_ino(sid: int, ino: int) -> int:
-    return SNAP | (sid << INO_BITS) | ino
+    return _pack(SNAP, sid, ino)
 
 
 def split_snap(ino: int) -> tuple[int, int]:
-    return (ino & ~SNAP) >> INO_BITS, ino & INO_MASK
+    return _unpack(SNAP, ino)
 
 
 def work_ino(rank: int, ino: int) -> int:
-    return WORK | (rank << INO_BITS) | ino
+    return _pack(WORK, rank, ino)
 
 
 def split_work(ino: int) -> tuple[int, int]:
-    return (ino & ~WORK) >> INO_BITS, ino & INO_MASK
+    return _unpack(WORK, ino)
 
 
 def stream_ino(rank: int, model: int) -> int:
-    return STREAM | (rank << INO_BITS) | model
+    return _pack(STREAM, rank, model)
 
 
 def split_stream(ino: int) -> tuple[int, int]:
-    return (ino & ~STREAM) >> INO_BITS, ino & INO_MASK
+    return _unpack(STREAM, ino)
 
 
 def door_ino(rank: int, model: int) -> int:
-    return DOOR | (rank << INO_BITS) | model
+    return _pack(DOOR, rank, model)
 
 
 def split_door(ino: int) -> tuple[int, int]:
-    return (ino & ~DOOR) >> INO_BITS, ino & INO_MASK
+    return _unpack(DOOR, ino)
 
 
 def rank_of(name: str) -> int:

@@ -103,8 +103,7 @@ class LiveFiles(Family):
         parent, hidden = last.unlinked
         try:
             gone = await self.client.unlink(parent, hidden)
-            if gone.get("freed"):
-                await self.models.forget(gone.get("model"), gone["freed"])
+            await self.models.forget(gone.get("model"), gone.get("freed"))  # the tensors of a model file it freed
         except RemoteError as exc:
             log.warning("unlinked file %d not removed at its last close: %s", h.ino, exc)
 
@@ -263,8 +262,7 @@ class LiveFiles(Family):
             if exc.code == "ENOENT" and name.endswith(SUFFIX):
                 raise FsError(errno.EPERM, "remove the model directory, not its view") from None
             raise
-        if gone.get("freed"):
-            await self.models.forget(gone.get("model"), gone["freed"])
+        await self.models.forget(gone.get("model"), gone.get("freed"))  # the tensors of a model file it freed
 
     async def _hidden_while_open(self, parent: int, name: str) -> bool:
         """POSIX: a file unlinked while open stays usable until its last close. As NFS does,
@@ -282,8 +280,7 @@ class LiveFiles(Family):
         await self.client.rename(parent, name, parent, hidden)
         if self.files.get(found["ino"]) is not f:  # closed while renamed: nobody else will
             gone = await self.client.unlink(parent, hidden)
-            if gone.get("freed"):
-                await self.models.forget(gone.get("model"), gone["freed"])
+            await self.models.forget(gone.get("model"), gone.get("freed"))  # the tensors of a model file it freed
         return True
 
     async def rename(self, parent: int, name: str, new_parent: int, new_name: str, flags: int) -> None:
@@ -301,8 +298,7 @@ class LiveFiles(Family):
                 if exc.code != "ENOENT":
                     raise
         r = await self.client.rename(parent, name, new_parent, new_name)
-        if r.get("freed"):
-            await self.models.forget(r.get("model"), r["freed"])
+        await self.models.forget(r.get("model"), r.get("freed"))  # the tensors of a model file it freed
         for h in self.files.handles(r.get("ino")):
             h.name = new_name  # its flush looks at what the file is under the name it has then
         # a model file's tensor directory moves along; a file named *.safetensors (rsync and

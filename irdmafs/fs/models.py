@@ -275,9 +275,10 @@ class ModelFiles:
         await client.rmdir(d["parent"], tensor_dir_name(file_ino))
         self.tensor_dirs.discard(dir_ino)
 
-    async def forget(self, dir_ino: int | None, file_ino: int) -> None:
-        """Model file ``file_ino`` is gone (its last name): so is its tensor directory."""
-        if dir_ino is None:
+    async def forget(self, dir_ino: int | None, file_ino: int | None) -> None:
+        """Model file ``file_ino`` is gone (its last name): so is its tensor directory. An
+        unlink's or rename's answer names both only when it freed a model file (else None)."""
+        if dir_ino is None or file_ino is None:
             return
         try:
             await self.remove_dir(dir_ino, file_ino)

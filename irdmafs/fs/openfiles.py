@@ -30,11 +30,6 @@ class OpenFile:
     writers: set = field(default_factory=set)  # its handles' write-behinds
     unlinked: tuple[int, str] | None = None  # (parent, hidden name) after an unlink while open
 
-    @property
-    def size(self) -> int:
-        """The size as this mount sees it: its own unflushed writes included."""
-        return max(self.attr["size"], self.pending)
-
     async def drain(self) -> None:
         """Until the writes this mount has on their way to the file have landed."""
         for w in list(self.writers):
@@ -61,11 +56,6 @@ class OpenFile:
         for h in self.handles:
             h.model = None  # a model file's layout is made again at the next read
         self.forget_fetched()
-
-    def written(self, ino_size: int) -> None:
-        """A write up to ``ino_size`` taken: reads wait it out, ``stat`` shows it."""
-        self.writes_seen += 1
-        self.pending = max(self.pending, ino_size)
 
 
 class OpenFiles:
