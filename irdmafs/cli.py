@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ import trio
 
 from . import config as C
 from .client.nodes import NODE_FIGURES
+from .coord.etcd_process import LocalEtcd, health_error, is_local_etcd
 from .local import LocalCluster, node_status, pids_alive, wait_settled, write_config
 from .server.node import setup_logging
 
@@ -76,6 +78,40 @@ def check_mountpoint(mountpoint: str, options: list[str] | tuple = ()) -> str:
 
 
 # -- up / down -------------------------------------------------------------------------------------
+COORDINATOR_RECORD = "coordinator.json"  # in the state dir: the etcd 'up' started for its config
+
+
+def start_coordinator(state: Path, *, fresh: bool, ports: tuple[int, int] | None = None) -> LocalEtcd:
+    """A single-member etcd for the local cluster of ``state`` (data in state/etcd, log in
+    state/etcd.log), recorded there so a later 'up' of the same state starts it again on the
+    ports its config names. ``fresh``: its data go first (a new cluster, or nodes that come back
+    empty: views of the data they held would be wrong)."""
+    data = state / "etcd"
+    if fresh:
+        shutil.rmtree(data, ignore_errors=True)
+    client_port, peer_port = ports or (None, None)
+    etcd = LocalEtcd(data, client_port=client_port, peer_port=peer_port, log_path=state / "etcd.log")
+    try:
+        etcd.start()
+    except RuntimeError as exc:
+        raise QuietError(f"could not start the coordination service (etcd): {exc} (or run 'irdmafs up --no-coordinator')") from None
+    record = {"endpoint": etcd.endpoint, "client_port": etcd.client_port, "peer_port": etcd.peer_port}
+    (state / COORDINATOR_RECORD).write_text(json.dumps(record, indent=1))
+    return etcd
+
+
+def restart_coordinator(state: Path, cfg: C.ClusterConfig, *, fresh: bool) -> LocalEtcd | None:
+    """The etcd an earlier 'up' started for this state's config, started again; None when the
+    config names another coordinator (one run elsewhere) or none."""
+    try:
+        record = json.loads((state / COORDINATOR_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    if cfg.coordinator != [record.get("endpoint")]:
+        return None
+    return start_coordinator(state, fresh=fresh, ports=(record["client_port"], record["peer_port"]))
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from .mount import mount_background
 
@@ -88,21 +124,40 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise QuietError(f"--replicas must be between 1 and --nodes ({args.nodes})", 2)
     state = Path(args.state or state_home() / "clusters" / reg.stem).resolve()
     cfg_path = state / "cluster.toml"
-    if not cfg_path.exists():
+    etcd = None  # the coordination service, started before the nodes (they keep their views in it)
+    if cfg_path.exists():  # the config as it is: restart the etcd it names if an earlier 'up' ran it here
+        if not args.no_coordinator:
+            etcd = restart_coordinator(state, load_config(str(cfg_path)), fresh=not args.persist)
+    else:
+        try:
+            stripe_unit = C.parse_size(args.stripe_unit, "--stripe-unit")
+        except C.ConfigError as exc:
+            raise QuietError(str(exc), 2) from None
+        state.mkdir(parents=True, exist_ok=True)
+        if not args.no_coordinator:
+            etcd = start_coordinator(state, fresh=True)
         transport = None if args.transport == "auto" else [args.transport]  # auto: the config's default
-        write_config(state, args.nodes, args.replicas, stripe_unit=C.parse_size(args.stripe_unit, "--stripe-unit"), transport=transport)
-    lc = LocalCluster(cfg_path, persist=state / "data" if args.persist else None)
-    lc.start_all()
+        coordinator = [etcd.endpoint] if etcd else None
+        write_config(state, args.nodes, args.replicas, stripe_unit=stripe_unit, transport=transport, coordinator=coordinator)
+    lc = None
     try:
+        lc = LocalCluster(cfg_path, persist=state / "data" if args.persist else None)
+        lc.start_all()
         trio.run(wait_settled, lc.cfg)
         mount = mount_background(str(cfg_path), mp, args.options.split(",") if args.options else [], state / "mount.log")
     except BaseException as exc:
-        lc.stop_all()
+        if lc:
+            lc.stop_all()
+        if etcd:
+            etcd.stop()
         raise QuietError(f"could not bring the cluster up: {exc} (logs in {state})") from None
     reg.parent.mkdir(parents=True, exist_ok=True)
     record = {"mountpoint": mp, "state": str(state), "config": str(cfg_path), "mount_pid": mount.pid, "node_pids": {n: p.pid for n, p in lc.procs.items()}}
+    if etcd:
+        record["coordinator"] = {"endpoint": etcd.endpoint, "pid": etcd.pid, "data_dir": str(etcd.data_dir)}
     reg.write_text(json.dumps(record, indent=1))
-    print(f"irdmafs: {len(lc.cfg.nodes)} nodes (R={lc.cfg.replicas}) mounted on {mp}; config {cfg_path}; logs in {state}")
+    coordinator = f"coordinator {etcd.endpoint}" if etcd else "coordinator " + (", ".join(lc.cfg.coordinator) or "none")
+    print(f"irdmafs: {len(lc.cfg.nodes)} nodes (R={lc.cfg.replicas}) mounted on {mp}; {coordinator}; config {cfg_path}; logs in {state}")
     return 0
 
 
@@ -164,8 +219,12 @@ def cmd_down(args: argparse.Namespace) -> int:
         unmount(mp, lazy=True)
     _stop([info["mount_pid"]])
     _stop(sorted(set().union(*nodes.values())))
+    coordinator = info.get("coordinator")  # after the nodes: they may still talk to it as they end
+    if coordinator and is_local_etcd(coordinator["pid"], coordinator["data_dir"]):
+        _stop([coordinator["pid"]])
     reg.unlink()
-    print(f"irdmafs: {mp} unmounted; {len(nodes)} nodes stopped (state kept in {info['state']})")
+    also = " and the coordinator (etcd)" if coordinator else ""
+    print(f"irdmafs: {mp} unmounted; {len(nodes)} nodes{also} stopped (state kept in {info['state']})")
     return 0
 
 
@@ -227,6 +286,22 @@ def cmd_rebalance(args: argparse.Namespace) -> int:
 
 
 # -- status ----------------------------------------------------------------------------------------
+def coordinator_status(config_path: str | None) -> list[dict] | str:
+    """Each etcd endpoint of the config, reachable or not (GET /health, 1 s each); or a line
+    saying why that is not known."""
+    if not config_path:
+        return "unknown (no config path)"
+    try:
+        cfg = C.load(config_path)
+    except C.ConfigError as exc:
+        return f"unknown ({exc})"
+    out = []
+    for endpoint in cfg.coordinator:
+        why = health_error(endpoint, timeout=1.0)
+        out.append({"endpoint": endpoint, "reachable": why is None, **({"error": why} if why else {})})
+    return out
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     if args.config:
         cfg = load_config(args.config)
@@ -248,11 +323,18 @@ def cmd_status(args: argparse.Namespace) -> int:
             doc = json.loads(Path(mp, ".irdma", "cluster").read_text())
         except OSError as exc:
             raise QuietError(f"{mp}: not an irdmafs mount ({exc.strerror})", 2) from None
+    doc["coordinator"] = coordinator_status(doc.get("config"))
     if args.json:
         print(json.dumps(doc, indent=1))
         return 0
     print(f"config:    {doc.get('config')}")
     print(f"transport: {doc.get('transport')}    replicas: {doc.get('replicas')}")
+    coordinator = doc["coordinator"]
+    if isinstance(coordinator, str) or not coordinator:
+        print(f"coordinator: {coordinator or 'none (no coordination service configured)'}")
+    else:
+        for c in coordinator:
+            print(f"coordinator {c['endpoint']}: " + ("reachable" if c["reachable"] else f"UNREACHABLE ({c['error']})"))
     print(f"{'node':10} {'address':22} {'pid':>8} {'state':8} {'stripes':>8} {'bytes':>14} {'calls':>9} {'served':>14} {'behind':>6}")
     for n in doc["nodes"]:
         cols = [str(n.get(k, "-")) for k in ("pid", "stripes", "bytes", "calls", "served_bytes", "replicas_behind")]
@@ -279,6 +361,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--state", help="directory for config, token and logs (default under ~/.local/state/irdmafs)")
     p.add_argument("-o", dest="options", help="mount options, comma separated (e.g. allow_other)")
     p.add_argument("--persist", action="store_true", help="nodes keep their data under the state directory: a later 'up' with the same --state brings it back")
+    p.add_argument("--no-coordinator", action="store_true", help="start no local etcd (the coordination service) and name none in a new config")
     p.set_defaults(fn=cmd_up)
 
     p = sub.add_parser("down", help="unmount and stop every process that 'up' started")

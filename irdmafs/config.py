@@ -1,4 +1,5 @@
-"""The cluster config (TOML): nodes, replicas, stripe unit, token, transport preference.
+"""The cluster config (TOML): nodes, replicas, stripe unit, token, transport preference, and the
+coordination service (etcd) the nodes keep views and leases in.
 
 Example::
 
@@ -7,6 +8,9 @@ Example::
     token_file = "token"          # relative to this file; or token = "..." inline
     transport = ["verbs", "shm", "tcp"]  # first usable wins (shm: same host only, tcp otherwise)
     capacity = "8GiB"             # per node
+    coordinator = ["http://10.0.0.1:2379", "http://10.0.0.2:2379", "http://10.0.0.3:2379"]
+                                  # etcd client endpoints; one string is one endpoint; none: no
+                                  # coordination service (irdmafs up starts a local etcd)
 
     [[nodes]]
     name = "n1"
@@ -24,6 +28,7 @@ import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 TRANSPORTS = ("verbs", "shm", "tcp", "memory")
 DEFAULT_TRANSPORT = ["verbs", "shm", "tcp"]  # shm: shared memory with the nodes of this host, tcp to the others
@@ -48,6 +53,7 @@ class ClusterConfig:
     stripe_unit: int = 4 << 20
     capacity: int = 8 << 30
     transport: list[str] = field(default_factory=lambda: list(DEFAULT_TRANSPORT))
+    coordinator: list[str] = field(default_factory=list)  # etcd client endpoints; empty: no coordination service
     heartbeat: float = 0.5  # seconds between heartbeats
     down_after: float = 2.0  # a node silent this long is down
     op_timeout: float = 10.0  # one data operation against one node
@@ -76,6 +82,31 @@ def parse_size(value: object, key: str) -> int:
     return int(m.group(1)) * _UNITS[m.group(2).lower()]
 
 
+def parse_endpoints(value: object, key: str) -> list[str]:
+    """etcd client endpoints (``http://host:port``; a list, or one string for one endpoint) as a
+    list, without trailing slashes."""
+    urls = [value] if isinstance(value, str) else value
+    if not isinstance(urls, list):
+        raise ConfigError(f"{key}: {value!r} is not a list of etcd endpoints (e.g. [\"http://10.0.0.1:2379\"])")
+    out = []
+    for i, url in enumerate(urls):
+        name = key if isinstance(value, str) else f"{key}[{i}]"
+        if not isinstance(url, str):
+            raise ConfigError(f"{name}: {url!r} is not a string (an etcd endpoint is \"http://host:port\")")
+        try:
+            parts = urlsplit(url)
+            ok = parts.scheme == "http" and bool(parts.hostname) and bool(parts.port) and parts.path in ("", "/")
+            ok = ok and not (parts.query or parts.fragment or parts.username)
+        except ValueError:  # a port that is no number or out of range, a bad IPv6 literal
+            ok = False
+        if not ok:
+            raise ConfigError(f"{name}: {url!r} is not an etcd endpoint http://host:port (only http: no TLS yet)")
+        out.append(url.rstrip("/"))
+    if len(set(out)) < len(out):
+        raise ConfigError(f"{key}: an endpoint is named twice in {value!r}")
+    return out
+
+
 def load(path: str | os.PathLike) -> ClusterConfig:
     path = Path(path)
     try:
@@ -93,7 +124,7 @@ def load(path: str | os.PathLike) -> ClusterConfig:
 
 
 def from_dict(doc: dict, *, base: Path = Path("."), where: str | None = None) -> ClusterConfig:
-    known = {"nodes", "token", "token_file", "replicas", "stripe_unit", "capacity", "transport", "heartbeat", "down_after", "op_timeout"}
+    known = {"nodes", "token", "token_file", "replicas", "stripe_unit", "capacity", "transport", "coordinator", "heartbeat", "down_after", "op_timeout"}
     unknown = set(doc) - known
     if unknown:
         raise ConfigError(f"unknown key(s) {sorted(unknown)}")
@@ -140,6 +171,7 @@ def from_dict(doc: dict, *, base: Path = Path("."), where: str | None = None) ->
         stripe_unit=unit,
         capacity=parse_size(doc.get("capacity", 8 << 30), "capacity"),
         transport=list(transport),
+        coordinator=parse_endpoints(doc.get("coordinator", []), "coordinator"),
         path=where,
     )
     for key in ("heartbeat", "down_after", "op_timeout"):
@@ -159,6 +191,7 @@ def dump(cfg: ClusterConfig, token_file: str = "token") -> str:
         f"capacity = {cfg.capacity}",
         f"token_file = {token_file!r}",
         "transport = [" + ", ".join(repr(t) for t in cfg.transport) + "]",
+        *(["coordinator = [" + ", ".join(repr(e) for e in cfg.coordinator) + "]"] if cfg.coordinator else []),
         f"heartbeat = {cfg.heartbeat}",
         f"down_after = {cfg.down_after}",
         f"op_timeout = {cfg.op_timeout}",

@@ -38,9 +38,18 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
 
 
 def write_config(
-    state: Path, nodes: int, replicas: int, *, stripe_unit: int = 4 << 20, host: str = "127.0.0.1", transport: list[str] | None = None, **extra: object
+    state: Path,
+    nodes: int,
+    replicas: int,
+    *,
+    stripe_unit: int = 4 << 20,
+    host: str = "127.0.0.1",
+    transport: list[str] | None = None,
+    coordinator: list[str] | None = None,
+    **extra: object,
 ) -> Path:
-    """A fresh config (and a 0600 token file) for ``nodes`` nodes on ``host``."""
+    """A fresh config (and a 0600 token file) for ``nodes`` nodes on ``host``; ``coordinator``:
+    the etcd endpoints it names (none: no coordination service)."""
     state.mkdir(parents=True, exist_ok=True)
     token = state / "token"
     if not token.exists():
@@ -52,6 +61,7 @@ def write_config(
         "replicas": replicas,
         "stripe_unit": stripe_unit,
         "transport": transport or list(C.DEFAULT_TRANSPORT),
+        "coordinator": coordinator or [],
         **extra,
     }
     cfg = C.from_dict(doc, base=state)

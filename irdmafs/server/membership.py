@@ -70,6 +70,7 @@ class Membership:
         self.taken_over = trio.Event()
         await self._tell_peers("joining")
         await self.resync()
+        await self.lease.announce()  # with a coordinator: until a view names it (server/leases.py)
         self.state = READY
         self.suspect_since = math.inf
         self.led.clear()  # what it led before is settled by this resync
@@ -168,7 +169,10 @@ class Membership:
         return None
 
     def _may_rejoin(self) -> bool:
-        """A ready peer to resync from, or (everyone fenced) a majority to decide with."""
+        """A ready peer to resync from, or (everyone fenced) a majority to decide with; and its
+        lease, with a coordinator."""
+        if not self.lease.may_rejoin():
+            return False
         return any(self.cluster.node_state(n) == READY for n in self.cfg.names if n != self.name) or self.cluster.reaches_majority()
 
     def _fence(self, why: str, suspect_since: float) -> None:
@@ -202,6 +206,13 @@ class Membership:
             self._fence(f"it did not run for {gap:.1f} s (stopped or paused)", now - gap - self.cfg.op_timeout)
             self.must_rejoin = True
 
+    def _check_lease(self) -> None:
+        """With a coordinator: fence at once when this node no longer holds its lease, or the
+        newest view no longer names it (server/leases.py). Checked where ``_check_stall`` is."""
+        if self.state == READY and not self.lease.holds():
+            self._fence(self.lease.why_not(), trio.current_time() - 2 * (self.cfg.op_timeout + self.cfg.down_after))
+            self.must_rejoin = True
+
     async def _fence_loop(self) -> None:
         """A node cut off from the cluster stops serving (syncing) and, once it reaches a peer
         again, resyncs before it serves: a stale node never serves an old version."""
@@ -209,6 +220,7 @@ class Membership:
         while True:
             await trio.sleep(min(self.cfg.heartbeat, self.cfg.down_after / 4))
             self._check_stall()
+            self._check_lease()
             if self.must_rejoin:  # fenced by a stall or by a peer that lost it (rpc_heartbeat)
                 self.must_rejoin = False
             else:

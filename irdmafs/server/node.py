@@ -54,6 +54,7 @@ from ..notify import notify
 from ..progress import Progress
 from ..util import keep_freed_memory
 from ..transport.base import Access, AccessError, RemoteError, Transport, TransportError
+from .leases import ServingLease
 from .membership import Membership
 from .meta import Meta
 from .persist import Persist
@@ -167,6 +168,7 @@ class Node(Membership, TrainingCalls):
         self.suspect_since = math.inf
         self.thawed = trio.Event()
         self.thawed.set()
+        self.lease = ServingLease(cfg, name)  # its lease and view, if the config names a coordinator
 
     # -- lifetime ----------------------------------------------------------------------------
     def _load_persisted(self) -> None:
@@ -192,6 +194,7 @@ class Node(Membership, TrainingCalls):
             self.cluster.heartbeat_args["owner"] = self.replication_slots.owner
             nursery.start_soon(self.cluster.heartbeat_loop)
             nursery.start_soon(self._expire_staging)
+            nursery.start_soon(self.lease.run)
             task_status.started(address)
             await self._join()
             log.info("node %s ready", self.name)
@@ -239,6 +242,7 @@ class Node(Membership, TrainingCalls):
     def _require_ready(self) -> None:
         if self.state == READY:
             self._check_stall()  # calls queued while this process was stopped find it fenced
+            self._check_lease()
         if self.state != READY:
             raise RemoteError("EAGAIN", f"node {self.name} is {self.state}")
 
@@ -250,6 +254,7 @@ class Node(Membership, TrainingCalls):
     async def rpc_heartbeat(self, owner: str | None = None, lost_at: list | None = None, **_: Any) -> dict:
         if self.state == READY:
             self._check_stall()  # before saying "ready": this process may have been stopped
+            self._check_lease()
             self._lost_by_peer(lost_at)
         if owner is not None:
             self.owner_seen[owner] = trio.current_time()
@@ -272,6 +277,7 @@ class Node(Membership, TrainingCalls):
             "calls": sum(self.counters.values()),
             "served_bytes": sum(b for _, b in self.transport.served.values()),
             "apply_seconds": round(self.apply_seconds, 6),
+            **self.lease.status(),
             "replicas_behind": sum(self.cluster.node_state(n) != READY for n in self.cfg.names if n != self.name) if self.cluster else 0,
         }
 

@@ -2,11 +2,14 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
 import pytest
 
+from irdmafs import config as C
+from irdmafs.coord.etcd_process import LocalEtcd, health_error, is_local_etcd
 from irdmafs.local import pids_alive
 from irdmafs.mount import is_mounted
 
@@ -35,23 +38,73 @@ def test_up_status_down(tmp_path, env):
     r = irdmafs("up", mp, "--nodes", 3, "--replicas", 2, "--state", tmp_path / "st", env=env, check=True)
     try:
         assert is_mounted(mp) and "3 nodes (R=2)" in r.stdout
+        # the coordination service: a local etcd, started by 'up', named in the config it wrote
+        etcd = json.loads(next((tmp_path / "state-home" / "irdmafs" / "mounts").glob("*.json")).read_text())["coordinator"]
+        assert pids_alive([etcd["pid"]]) and is_local_etcd(etcd["pid"], tmp_path / "st" / "etcd")
+        assert C.load(tmp_path / "st" / "cluster.toml").coordinator == [etcd["endpoint"]]
+        assert health_error(etcd["endpoint"]) is None and f"coordinator {etcd['endpoint']}" in r.stdout
         (mp / "hello.txt").write_text("hi")
         doc = json.loads(irdmafs("status", mp, "--json", env=env, check=True).stdout)
         assert doc["config"] == str(tmp_path / "st" / "cluster.toml")
         assert doc["replicas"] == 2 and doc["transport"] == "shm"  # the nodes share this host
         assert [(n["name"], n["alive"]) for n in doc["nodes"]] == [("n1", True), ("n2", True), ("n3", True)]
         assert all(isinstance(n["pid"], int) for n in doc["nodes"])
+        assert doc["coordinator"] == [{"endpoint": etcd["endpoint"], "reachable": True}]
         table = irdmafs("status", "--config", tmp_path / "st" / "cluster.toml", env=env, check=True).stdout
         assert "n1" in table and "ready" in table
+        assert f"coordinator {etcd['endpoint']}: reachable\n" in table
         again = irdmafs("up", mp, env=env)
         assert again.returncode == 2 and "already" in again.stderr
+        os.kill(etcd["pid"], signal.SIGSTOP)  # a hung coordinator: status says so, within its 1 s
+        try:
+            table = irdmafs("status", mp, env=env).stdout
+        finally:
+            os.kill(etcd["pid"], signal.SIGCONT)
+        assert f"coordinator {etcd['endpoint']}: UNREACHABLE (" in table
     finally:
         reg = next((tmp_path / "state-home" / "irdmafs" / "mounts").glob("*.json"))
         pids = [p for p in json.loads(reg.read_text())["node_pids"].values()]
+        etcd_pid = json.loads(reg.read_text())["coordinator"]["pid"]
         down = irdmafs("down", mp, env=env)
     assert down.returncode == 0, down.stderr
-    assert not is_mounted(mp) and not pids_alive(pids)
+    assert not is_mounted(mp) and not pids_alive(pids) and not pids_alive([etcd_pid])
+    assert "coordinator (etcd) stopped" in down.stdout
     assert irdmafs("down", mp, env=env).returncode == 2
+
+
+def test_up_again_restarts_its_coordinator_and_leaves_another_alone(tmp_path, env):
+    """A second 'up' of the same state starts the etcd its config names again (same endpoint);
+    a config naming a coordinator run elsewhere gets none started; --no-coordinator starts none."""
+    reason = fuse_unavailable()
+    if reason:
+        pytest.skip(reason)
+    mp, st = tmp_path / "ps", tmp_path / "st"
+    irdmafs("up", mp, "--nodes", 1, "--replicas", 1, "--state", st, env=env, check=True)
+    [endpoint] = C.load(st / "cluster.toml").coordinator
+    irdmafs("down", mp, env=env, check=True)
+    assert health_error(endpoint, timeout=0.5) is not None
+    r = irdmafs("up", mp, "--state", st, env=env, check=True)
+    try:
+        assert f"coordinator {endpoint}" in r.stdout and health_error(endpoint) is None
+    finally:
+        irdmafs("down", mp, env=env, check=True)
+    with LocalEtcd(tmp_path / "elsewhere") as elsewhere:  # a coordinator 'up' did not start
+        (st / "cluster.toml").write_text((st / "cluster.toml").read_text().replace(endpoint, elsewhere.endpoint))
+        irdmafs("up", mp, "--state", st, env=env, check=True)
+        try:
+            assert "coordinator" not in json.loads(next((tmp_path / "state-home" / "irdmafs" / "mounts").glob("*.json")).read_text())
+            assert health_error(endpoint, timeout=0.5) is not None
+            assert f"coordinator {elsewhere.endpoint}: reachable" in irdmafs("status", mp, env=env).stdout
+        finally:
+            down = irdmafs("down", mp, env=env, check=True)
+        assert "coordinator" not in down.stdout and elsewhere.running  # not 'up's to stop
+    irdmafs("up", mp, "--nodes", 1, "--replicas", 1, "--state", tmp_path / "st2", "--no-coordinator", env=env, check=True)
+    try:
+        assert C.load(tmp_path / "st2" / "cluster.toml").coordinator == []
+        assert "coordinator: none" in irdmafs("status", mp, env=env).stdout
+        assert not (tmp_path / "st2" / "etcd").exists()
+    finally:
+        irdmafs("down", mp, env=env, check=True)
 
 
 def test_up_with_transport_tcp_forces_tcp(tmp_path, env):
@@ -74,7 +127,6 @@ def test_up_with_transport_tcp_forces_tcp(tmp_path, env):
 def test_down_stops_nodes_restarted_by_hand_and_hung_ones(tmp_path, env):
     """A node killed and started again from its own command line is not the process 'up'
     started; one stopped with SIGSTOP answers no heartbeat. 'down' stops both."""
-    import signal
     import time
 
     reason = fuse_unavailable()
@@ -170,6 +222,7 @@ def test_serve_with_its_own_mount(tmp_path, env):
         ('[[nodes]]\nname = "a"\nhost = "127.0.0.1"\nport = 7000\n', "token"),
         ('token = "longenoughtoken"\nstripe_unit = "3MiB"\n[[nodes]]\nname = "a"\nhost = "h"\nport = 1\n', "power of two"),
         ('token = "longenoughtoken"\nbogus = 1\n[[nodes]]\nname = "a"\nhost = "h"\nport = 1\n', "unknown key"),
+        ('token = "longenoughtoken"\ncoordinator = "https://e:2379"\n[[nodes]]\nname = "a"\nhost = "h"\nport = 1\n', "coordinator: 'https://e:2379'"),
     ],
 )
 def test_bad_config_is_one_clear_line_and_exit_2(tmp_path, env, text, message):

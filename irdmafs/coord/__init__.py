@@ -1,0 +1,1 @@
+"""The coordination service: views and leases kept in etcd (see contract.py)."""

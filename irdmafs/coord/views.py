@@ -1,0 +1,267 @@
+"""Views: which nodes serve, each view with an epoch, kept in the coordination service.
+
+Keys, under ``/irdmafs/<cluster>/``:
+
+- ``alive/<node>``: put by a node ready to serve (it has resynced), with its lease. It is gone
+  once that lease ends: the node stopped keeping it alive (dead, stopped, cut off from etcd) or
+  it was revoked (the node left, or a peer expelled it).
+- ``view``: ``{"serving": {node: lease}}``. Its ``mod_revision`` is the view's *epoch*.
+
+The rules, each with a test in tests/unit/test_views.py:
+
+V1. A new view is a compare-and-set of the view key against the epoch it replaces. Views form one
+    chain, epochs only grow, and two processes that hold the same epoch hold the same view.
+V2. A view adds a member as soon as its alive key exists, under the lease that key lives by. It
+    drops a member (or its old lease) only after the proposer has seen that member's alive key
+    gone, or under another lease, for ``ttl`` seconds. So the lease the old view named has
+    ended by etcd's count, and by the node's own count too (V3): a view never drops a node that
+    may still serve.
+V3. A node serves only while it holds its lease, by its own clock: until ``sent + ttl`` of the
+    last keepalive etcd answered, ``sent`` being when that keepalive was sent. etcd ends the lease
+    no earlier than ``ttl`` after it received it, so the node stops first (clock rates agreeing,
+    as every lease assumes). A stalled process (SIGSTOP, a paused VM) finds its time run out the
+    moment it runs again, before it answers anything.
+V4. A node serves only in a view that names it with the lease it holds now (``serving``). A node
+    that lost its lease takes a new one and must be dropped and added again (V2): a new epoch.
+V5. While etcd is unreachable there is no new view; nodes serve until their leases end (V3), then
+    stop; ``unreachable_since`` says since when, for the status line.
+V6. To expel a peer that is alive to etcd but not to it, a node revokes the peer's lease; the
+    view drops the peer ``ttl`` later (V2), when the peer has stopped by its own count.
+
+Only nodes holding their lease propose views; clients read them (``ViewReader``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import trio
+
+from .contract import Coordinator, CoordError, LeaseGone, Unavailable
+
+log = logging.getLogger(__name__)
+
+
+def prefix_of(cluster: str) -> str:
+    return f"/irdmafs/{cluster}/"
+
+
+@dataclass(frozen=True)
+class View:
+    """One view: its epoch and the serving nodes, each with the lease it serves under."""
+
+    epoch: int = 0
+    serving: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.serving)
+
+    def lease_of(self, name: str) -> int:
+        return dict(self.serving).get(name, 0)
+
+    @staticmethod
+    def decode(value: bytes, epoch: int) -> "View":
+        """The view key's value as read at ``epoch``; CoordError if it is not a view."""
+        try:
+            doc = json.loads(value)
+            serving = tuple(sorted((str(n), int(lease)) for n, lease in doc["serving"].items()))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CoordError(f"the view key does not hold a view ({exc}): {value[:200]!r}") from None
+        return View(epoch, serving)
+
+    def encode(self) -> bytes:
+        return json.dumps({"serving": dict(self.serving)}, sort_keys=True).encode()
+
+
+class ViewReader:
+    """The newest view a process has read, for clients and nodes alike."""
+
+    def __init__(self, coord: Coordinator, cluster: str):
+        self.coord = coord
+        self.prefix = prefix_of(cluster)
+        self.view = View()
+        self.changed = trio.Event()
+        self.unreachable_since = math.inf
+
+    async def read(self) -> tuple[View, dict[str, int]]:
+        """Read the view and the alive keys (node -> lease) at one revision; keep the view if newer."""
+        try:
+            entries, _ = await self.coord.range(self.prefix)
+        except Unavailable:
+            self.unreachable_since = min(self.unreachable_since, trio.current_time())
+            raise
+        self.unreachable_since = math.inf
+        alive = {e.key[len(self.prefix) + len("alive/") :]: e.lease for e in entries if e.key.startswith(self.prefix + "alive/")}
+        view = next((View.decode(e.value, e.mod_revision) for e in entries if e.key == self.prefix + "view"), View())
+        self._learn(view)
+        return self.view, alive
+
+    def _learn(self, view: View) -> None:
+        if view.epoch > self.view.epoch:
+            log.info("view %d: serving %s", view.epoch, ", ".join(view.names) or "nothing")
+            self.view = view
+            self.changed.set()
+            self.changed = trio.Event()
+
+
+@dataclass
+class _Lease:
+    """The lease a node holds, and until when it holds it by its own clock (V3)."""
+
+    id: int = 0
+    until: float = -math.inf
+
+    def held(self) -> bool:
+        return self.id != 0 and trio.current_time() < self.until
+
+
+@dataclass
+class ViewKeeper:
+    """A node's side: keeps its lease, says when it is alive, proposes views (V1-V6).
+
+    ``members()``: the nodes views may name (the config's, as it is now: a rebalance changes it).
+    ``run`` keeps it all going; the node
+    calls ``announce`` once it is ready to serve and asks ``serving()`` before anything it serves.
+    """
+
+    coord: Coordinator
+    cluster: str
+    name: str
+    members: Callable[[], Iterable[str]]
+    ttl: int = 2
+    reader: ViewReader = field(init=False)
+    lease: _Lease = field(default_factory=_Lease)
+    announced: bool = False
+    lease_changed: trio.Event = field(default_factory=trio.Event)
+    _missing_since: dict[tuple[str, int], float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.reader = ViewReader(self.coord, self.cluster)
+
+    @property
+    def view(self) -> View:
+        return self.reader.view
+
+    @property
+    def interval(self) -> float:
+        return self.ttl / 4
+
+    def serving(self) -> bool:
+        """V3 and V4: this node holds its lease and the newest view it knows names it with it."""
+        return self.lease.held() and self.view.lease_of(self.name) == self.lease.id
+
+    # -- the lease ---------------------------------------------------------------------------
+    async def keep_lease(self) -> None:
+        """Take a lease and keep it alive; when it ends, take a new one (the node must then be
+        announced again, after it resynced: ``lease_changed`` fires)."""
+        while True:
+            sent = trio.current_time()
+            try:
+                if not self.lease.id:
+                    lease = await self.coord.grant(self.ttl)
+                    self.lease = _Lease(lease, sent + self.ttl)
+                    log.info("node %s: lease %x taken", self.name, lease)
+                elif await self.coord.keepalive(self.lease.id) > 0:
+                    self.lease.until = sent + self.ttl
+                else:
+                    self._lost_lease("it ended")
+                    continue
+            except Unavailable as exc:
+                log.debug("keepalive not sent: %s", exc)
+            except CoordError as exc:
+                log.warning("node %s: lease: %s", self.name, exc)
+            await trio.sleep(self.interval)
+
+    def _lost_lease(self, why: str) -> None:
+        log.warning("node %s: lease %x lost (%s): it serves nothing until it is announced again", self.name, self.lease.id, why)
+        self.lease = _Lease()
+        self.announced = False
+        self.lease_changed.set()
+        self.lease_changed = trio.Event()
+
+    async def announce(self) -> None:
+        """This node is ready to serve: its alive key, under its lease (LeaseGone: take a new
+        lease first; Unavailable: try again later)."""
+        if not self.lease.held():
+            raise LeaseGone(f"node {self.name} holds no lease")
+        try:
+            await self.coord.put(self.prefix + "alive/" + self.name, b"{}", lease=self.lease.id)
+        except LeaseGone:
+            self._lost_lease("gone when announced")
+            raise
+        self.announced = True
+
+    async def leave(self) -> None:
+        """Stop serving for good: revoke the lease (the view drops this node ``ttl`` later)."""
+        lease, self.lease = self.lease.id, _Lease()
+        self.announced = False
+        if lease:
+            await self.coord.revoke(lease)
+
+    async def expel(self, peer: str) -> None:
+        """V6: end ``peer``'s lease; the view drops it ``ttl`` later, once it stopped by its count."""
+        lease = self.view.lease_of(peer)
+        if lease:
+            log.warning("node %s expels %s (lease %x)", self.name, peer, lease)
+            await self.coord.revoke(lease)
+
+    @property
+    def prefix(self) -> str:
+        return self.reader.prefix
+
+    # -- views -------------------------------------------------------------------------------
+    async def keep_views(self) -> None:
+        """Read the view every ``interval``; propose the next one when it is due (V1, V2)."""
+        while True:
+            try:
+                view, alive = await self.reader.read()
+                if self.lease.held():
+                    await self.propose(view, alive)
+            except Unavailable as exc:
+                log.debug("view not read: %s", exc)
+            except CoordError as exc:
+                log.warning("view: %s", exc)
+            await trio.sleep(self.interval)
+
+    def next_serving(self, view: View, alive: dict[str, int]) -> dict[str, int]:
+        """V2: who the next view names, from the view and the alive keys read at one revision."""
+        now = trio.current_time()
+        members = set(self.members())
+        serving = {n: lease for n, lease in alive.items() if n in members}
+        for name, lease in view.serving:
+            if alive.get(name) == lease:
+                self._missing_since.pop((name, lease), None)
+                continue
+            since = self._missing_since.setdefault((name, lease), now)
+            if now - since < self.ttl:
+                # its key gone, or under another lease, for less than ttl: the lease the view
+                # names may not have ended by the node's count yet; it stays until it has
+                serving[name] = lease
+        return serving
+
+    async def propose(self, view: View, alive: dict[str, int]) -> View:
+        """Commit the next view if it differs from ``view``; the newest view known after."""
+        serving = self.next_serving(view, alive)
+        if serving == dict(view.serving):
+            return view
+        proposal = View(0, tuple(sorted(serving.items())))
+        done, revision = await self.coord.cas(self.prefix + "view", view.epoch, proposal.encode())
+        if done:
+            self.reader._learn(View(revision, proposal.serving))
+            for key in [k for k in self._missing_since if k not in proposal.serving]:
+                del self._missing_since[key]
+        return self.view
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Keep the lease and the views until cancelled; started once the first lease is held."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.keep_lease)
+            while not self.lease.id:
+                await trio.sleep(self.interval / 4)
+            task_status.started()
+            nursery.start_soon(self.keep_views)

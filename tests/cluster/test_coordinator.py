@@ -1,0 +1,105 @@
+"""Node processes with a real etcd as their coordination service (server/leases.py): a node serves
+only while it holds its lease and a view names it; etcd stopped: nodes serve until their leases
+end, then stop, and no view is made; a stopped node is dropped from the view only after its lease
+ended, and serves again only under a new lease, named by a newer view. Nothing written is lost."""
+
+import os
+import signal
+
+import numpy as np
+import pytest
+import trio
+
+from irdmafs.client.client import Client
+from irdmafs.coord.etcd import EtcdCoord
+from irdmafs.coord.etcd_process import LocalEtcd
+from irdmafs.coord.views import View, prefix_of
+from irdmafs.local import node_status, wait_settled
+from irdmafs.server.leases import cluster_id, lease_ttl
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture
+def etcd(tmp_path):
+    with LocalEtcd(tmp_path / "etcd") as server:
+        yield server
+
+
+async def committed_view(etcd, cfg) -> View:
+    e = await EtcdCoord([etcd.endpoint]).get(prefix_of(cluster_id(cfg)) + "view")
+    return View.decode(e.value, e.mod_revision) if e else View()
+
+
+async def statuses(cfg) -> dict:
+    return {n: await node_status(cfg, n) for n in cfg.names}
+
+
+async def until(predicate, timeout, every=0.1):
+    with trio.fail_after(timeout):
+        while not await predicate():
+            await trio.sleep(every)
+
+
+async def test_nodes_serve_in_views_and_stop_while_etcd_is_unreachable(local_cluster, etcd):
+    lc = await local_cluster(nodes=3, replicas=2, coordinator=[etcd.endpoint])
+    cfg = lc.cfg
+    ttl = lease_ttl(cfg)
+    view = await committed_view(etcd, cfg)
+    assert view.names == tuple(cfg.names) and view.epoch > 0
+    infos = await statuses(cfg)
+    for name, info in infos.items():
+        assert info["state"] == "ready" and info["coordinator"] == "reachable" and info["in_view"], info
+        assert info["view"] <= view.epoch
+    blob = np.random.default_rng(1).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()
+    async with Client.connect(cfg) as c:
+        await c.paths.write_file("/kept", blob)
+
+    etcd.pause()  # SIGSTOP: etcd answers nothing
+    try:
+        async def all_stopped():
+            infos = await statuses(cfg)
+            return all(i is not None and i["state"] != "ready" for i in infos.values())
+
+        await until(all_stopped, ttl + 10)
+        infos = await statuses(cfg)
+        assert all(i["coordinator"].startswith("UNREACHABLE") and not i["lease_held"] for i in infos.values()), infos
+        for name in cfg.names:
+            assert "its coordination lease ended" in lc.log_of(name)
+    finally:
+        etcd.resume()
+    await wait_settled(cfg, timeout=60)
+    after = await committed_view(etcd, cfg)
+    assert after.epoch > view.epoch and after.names == tuple(cfg.names)
+    assert all(after.lease_of(n) != view.lease_of(n) for n in cfg.names)  # every node under a new lease
+    async with Client.connect(cfg) as c:
+        assert await c.paths.read_file("/kept") == blob
+
+
+async def test_a_stopped_node_leaves_the_view_after_its_lease_and_returns_under_a_new_one(local_cluster, etcd):
+    lc = await local_cluster(nodes=3, replicas=2, coordinator=[etcd.endpoint])
+    cfg = lc.cfg
+    ttl = lease_ttl(cfg)
+    before = await committed_view(etcd, cfg)
+    victim = cfg.names[1]
+    blob = np.random.default_rng(2).integers(0, 256, 5 << 20, dtype=np.uint8).tobytes()
+    async with Client.connect(cfg) as c:
+        await c.paths.write_file("/a", blob)
+        pid = lc.procs[victim].pid
+        os.kill(pid, signal.SIGSTOP)
+        stopped = trio.current_time()
+        try:
+            async def dropped():
+                return victim not in (await committed_view(etcd, cfg)).names
+
+            await until(dropped, 20)
+            assert trio.current_time() - stopped >= ttl  # not before its lease ended
+            await c.paths.write_file("/b", blob[::-1])  # the others go on
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        await wait_settled(cfg, timeout=60)
+        after = await committed_view(etcd, cfg)
+        assert victim in after.names and after.lease_of(victim) != before.lease_of(victim)
+        assert "lease" in lc.log_of(victim) and "resync" in lc.log_of(victim)
+        assert await c.paths.read_file("/a") == blob
+        assert await c.paths.read_file("/b") == blob[::-1]

@@ -1,0 +1,70 @@
+"""The config's ``coordinator`` key: the etcd endpoints nodes keep views and leases in."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from irdmafs import config as C
+from irdmafs.local import write_config
+
+NODES = [{"name": "n1", "host": "127.0.0.1", "port": 7101}]
+
+
+def cfg(**keys) -> C.ClusterConfig:
+    return C.from_dict({"nodes": NODES, "token": "longenoughtoken", **keys})
+
+
+def test_no_coordinator_is_none():
+    assert cfg().coordinator == []
+    assert cfg(coordinator=[]).coordinator == []
+
+
+@pytest.mark.parametrize(
+    "value, endpoints",
+    [
+        ("http://127.0.0.1:2379", ["http://127.0.0.1:2379"]),  # one string is one endpoint
+        (["http://etcd-0.etcd.ps.svc.cluster.local:2379", "http://10.0.0.2:2379/"], ["http://etcd-0.etcd.ps.svc.cluster.local:2379", "http://10.0.0.2:2379"]),
+        (["http://[::1]:2379"], ["http://[::1]:2379"]),
+    ],
+)
+def test_good_endpoints(value, endpoints):
+    assert cfg(coordinator=value).coordinator == endpoints
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("https://127.0.0.1:2379", "coordinator: 'https://127.0.0.1:2379' is not an etcd endpoint http://host:port"),
+        (["http://a:2379", "etcd:2379"], "coordinator[1]: 'etcd:2379' is not an etcd endpoint"),
+        (["http://a:2379", 2379], "coordinator[1]: 2379 is not a string"),
+        (2379, "coordinator: 2379 is not a list of etcd endpoints"),
+        ({"a": 1}, "coordinator: {'a': 1} is not a list"),
+        ("http://a", "coordinator: {!r} is not an etcd endpoint"),  # no port
+        ("http://a:0", "coordinator: {!r} is not an etcd endpoint"),
+        ("http://a:70000", "coordinator: {!r} is not an etcd endpoint"),
+        ("http://a:2379/v3", "coordinator: {!r} is not an etcd endpoint"),
+        ("http://:2379", "coordinator: {!r} is not an etcd endpoint"),
+        ("", "coordinator: {!r} is not an etcd endpoint"),
+        (["http://a:2379", "http://a:2379/"], "coordinator: an endpoint is named twice"),
+    ],
+)
+def test_bad_endpoints_name_the_key(value, message):
+    with pytest.raises(C.ConfigError, match="^" + re.escape(message.replace("{!r}", repr(value)))):
+        cfg(coordinator=value)
+
+
+def test_a_bad_coordinator_in_a_file_names_the_file(tmp_path):
+    path = tmp_path / "cluster.toml"
+    path.write_text('token = "longenoughtoken"\ncoordinator = ["ftp://x:1"]\n[[nodes]]\nname = "a"\nhost = "h"\nport = 1\n')
+    with pytest.raises(C.ConfigError, match=f"^{path}: coordinator\\[0\\]: 'ftp://x:1'"):
+        C.load(path)
+
+
+def test_dump_and_write_config_keep_the_coordinator(tmp_path):
+    path = write_config(tmp_path / "a", 2, 1, coordinator=["http://127.0.0.1:2379"])
+    assert 'coordinator = ["http://127.0.0.1:2379"]' in path.read_text()
+    assert C.load(path).coordinator == ["http://127.0.0.1:2379"]
+    path = write_config(tmp_path / "b", 2, 1)
+    assert "coordinator" not in path.read_text() and C.load(path).coordinator == []

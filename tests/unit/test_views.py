@@ -1,0 +1,227 @@
+"""Views and leases (irdmafs/coord/views.py): rules V1-V6, on the in-memory model with trio's
+MockClock, then under seeded fault schedules with one invariant checked at every tick: a node
+that serves is named, with the lease it holds, by the view committed in the store."""
+
+import random
+
+import pytest
+import trio
+
+from irdmafs.coord.contract import LeaseGone
+from irdmafs.coord.memory import MemoryCoord
+from irdmafs.coord.views import View, ViewKeeper, ViewReader
+
+NAMES = ["n1", "n2", "n3"]
+TTL = 2
+
+
+class Fleet:
+    """Keepers of one cluster in one process; each can be paused (SIGSTOP) and resumed."""
+
+    def __init__(self, coord, nursery, names=NAMES):
+        self.coord = coord
+        self.nursery = nursery
+        self.keepers = {n: ViewKeeper(coord, "c", n, lambda: names, ttl=TTL) for n in names}
+        self.scopes: dict[str, trio.CancelScope] = {}
+        self.violations: list[str] = []
+        self._committed = View()
+
+    async def start(self, name):
+        scope = trio.CancelScope()
+        self.scopes[name] = scope
+
+        async def run(task_status=trio.TASK_STATUS_IGNORED):
+            with scope:
+                async with trio.open_nursery() as n:
+                    k = self.keepers[name]
+                    n.start_soon(k.keep_lease)
+                    n.start_soon(k.keep_views)
+                    n.start_soon(self._announcer, k)
+                    task_status.started()
+
+        await self.nursery.start(run)
+
+    async def _announcer(self, k):
+        """A node announces itself whenever it holds a lease and is not announced (as a node
+        does after its resync)."""
+        while True:
+            if k.lease.held() and not k.announced:
+                try:
+                    await k.announce()
+                except Exception:
+                    pass
+            await trio.sleep(k.interval)
+
+    def pause(self, name):
+        self.scopes.pop(name).cancel()
+
+    def committed(self) -> View:
+        e = self.coord.keys.get("/irdmafs/c/view")
+        if e is None:
+            return View()
+        if self._committed.epoch != e.mod_revision:
+            self._committed = View.decode(e.value, e.mod_revision)
+        return self._committed
+
+    async def watch(self):
+        """The safety invariant, checked every 10 ms of (mock) time."""
+        while True:
+            committed = self.committed()
+            for name, k in self.keepers.items():
+                if name in self.scopes and k.serving() and committed.lease_of(name) != k.lease.id:
+                    self.violations.append(f"t={trio.current_time():.2f}: {name} serves under lease {k.lease.id:x}, view {committed}")
+            await trio.sleep(0.01)
+
+    async def all_serving(self, timeout=30):
+        with trio.fail_after(timeout):
+            while not all(k.serving() for n, k in self.keepers.items() if n in self.scopes):
+                await trio.sleep(0.05)
+
+
+@pytest.fixture
+async def fleet(nursery):
+    f = Fleet(MemoryCoord(), nursery)
+    nursery.start_soon(f.watch)
+    for n in NAMES:
+        await f.start(n)
+    yield f
+    assert f.violations == []
+
+
+async def test_views_form_one_chain_and_name_every_alive_node(autojump_clock, fleet):
+    """V1: every node serving, one view naming all three; epochs only grow."""
+    await fleet.all_serving()
+    view = fleet.committed()
+    assert view.names == tuple(NAMES)
+    assert view.epoch == fleet.coord.keys["/irdmafs/c/view"].mod_revision
+    await trio.sleep(TTL / 2)  # every keeper reads the view once more
+    assert all(k.view == view for k in fleet.keepers.values())
+    for name, k in fleet.keepers.items():
+        assert view.lease_of(name) == k.lease.id
+
+
+async def test_a_stopped_node_is_dropped_only_after_its_lease_ended(autojump_clock, fleet):
+    """V2, V3: n3 stops (SIGSTOP): the view keeps it until its lease has run out and ttl more;
+    when it runs again it does not serve before it has been named again with a new lease."""
+    await fleet.all_serving()
+    k3 = fleet.keepers["n3"]
+    old_lease, stopped_at = k3.lease.id, trio.current_time()
+    fleet.pause("n3")
+    with trio.fail_after(20):
+        while "n3" in fleet.committed().names:
+            await trio.sleep(0.05)
+    dropped_at = trio.current_time()
+    assert dropped_at - stopped_at >= TTL  # its own count ended by stopped_at + TTL at the latest
+    assert not k3.serving()  # the moment it runs again, by its own clock
+    await fleet.start("n3")
+    await fleet.all_serving()
+    assert k3.lease.id != old_lease and fleet.committed().lease_of("n3") == k3.lease.id
+    assert fleet.committed().epoch > 0
+
+
+async def test_while_the_coordinator_is_unreachable_nodes_serve_until_their_leases_end(autojump_clock, fleet):
+    """V5: no new view while etcd is down; nodes stop when their leases end; afterwards they
+    take new leases and a new view names them."""
+    await fleet.all_serving()
+    before = fleet.committed()
+    fleet.coord.down = True
+    down_at = trio.current_time()
+    await trio.sleep(TTL / 2)
+    assert all(k.serving() for k in fleet.keepers.values())
+    await trio.sleep(TTL)
+    assert not any(k.serving() for k in fleet.keepers.values())
+    assert fleet.committed() == before
+    assert all(k.reader.unreachable_since <= down_at + TTL / 4 for k in fleet.keepers.values())
+    fleet.coord.down = False
+    await fleet.all_serving()
+    after = fleet.committed()
+    assert after.epoch > before.epoch
+    assert all(after.lease_of(n) != before.lease_of(n) for n in NAMES)
+
+
+async def test_an_expelled_node_stops_before_the_view_drops_it(autojump_clock, fleet):
+    """V6: n1 revokes n2's lease; n2 is dropped ttl later; it comes back under a new lease."""
+    await fleet.all_serving()
+    k2 = fleet.keepers["n2"]
+    old_lease = k2.lease.id
+    expelled_at = trio.current_time()
+    await fleet.keepers["n1"].expel("n2")
+    with trio.fail_after(20):
+        while fleet.committed().lease_of("n2") == old_lease:
+            await trio.sleep(0.01)
+    assert trio.current_time() - expelled_at >= TTL
+    assert k2.lease.id != old_lease or not k2.serving()
+    await fleet.all_serving()
+    assert fleet.committed().lease_of("n2") == k2.lease.id != old_lease
+
+
+async def test_a_lost_lease_must_be_announced_again(autojump_clock, fleet):
+    """V4: a node whose lease ended serves nothing until a view names its new lease."""
+    await fleet.all_serving()
+    k1 = fleet.keepers["n1"]
+    await fleet.coord.revoke(k1.lease.id)
+    await trio.sleep(TTL / 2)  # its next keepalive finds the lease gone
+    assert not k1.serving()
+    await fleet.all_serving()
+    assert fleet.committed().lease_of("n1") == k1.lease.id
+    with pytest.raises(LeaseGone):  # a keeper that holds no lease cannot say it is alive
+        await ViewKeeper(fleet.coord, "c", "n4", lambda: NAMES, ttl=TTL).announce()
+
+
+async def test_racing_proposers_make_one_chain(autojump_clock):
+    """V1: two proposals from one epoch: one commits, the other fails and changes nothing."""
+    coord = MemoryCoord()
+    a = ViewKeeper(coord, "c", "n1", lambda: NAMES, ttl=TTL)
+    b = ViewKeeper(coord, "c", "n2", lambda: NAMES, ttl=TTL)
+    for k in (a, b):
+        k.lease.id, k.lease.until = await coord.grant(TTL), trio.current_time() + TTL
+        await k.announce()
+    view, alive = await ViewReader(coord, "c").read()
+    first = await a.propose(view, alive)
+    revision = coord.revision
+    second = await b.propose(view, alive)  # from the same (now old) epoch
+    assert first.epoch > 0 and first.names == ("n1", "n2")
+    assert coord.revision == revision and second.epoch != first.epoch  # b's CAS failed and wrote nothing
+    committed = await coord.get("/irdmafs/c/view")
+    assert committed.mod_revision == first.epoch
+    assert View.decode(committed.value, committed.mod_revision) == first
+
+
+@pytest.mark.parametrize("seed", range(12))
+async def test_fault_schedules_never_let_a_dropped_node_serve(autojump_clock, nursery, seed):
+    """Seeded schedules of pauses, resumes and coordinator outages; the invariant is checked
+    every tick (the fixture's watch), and after healing every node serves again."""
+    rnd = random.Random(seed)
+    f = Fleet(MemoryCoord(), nursery)
+    nursery.start_soon(f.watch)
+    for n in NAMES:
+        await f.start(n)
+    paused: set[str] = set()
+    for _ in range(40):
+        await trio.sleep(rnd.uniform(0.05, 2.5 * TTL))
+        kind = rnd.choice(["pause", "resume", "coord", "expel"])
+        if kind == "pause" and len(paused) < 2:
+            name = rnd.choice([n for n in NAMES if n not in paused])
+            f.pause(name)
+            paused.add(name)
+        elif kind == "resume" and paused:
+            name = rnd.choice(sorted(paused))
+            await f.start(name)
+            paused.discard(name)
+        elif kind == "coord":
+            f.coord.down = not f.coord.down
+        elif kind == "expel":
+            a, b = rnd.sample(NAMES, 2)
+            if a not in paused and not f.coord.down:
+                await f.keepers[a].expel(b)
+    f.coord.down = False
+    for name in sorted(paused):
+        await f.start(name)
+    await f.all_serving(timeout=60)
+    assert f.violations == []
+    assert fleet_names_all(f)
+
+
+def fleet_names_all(f: Fleet) -> bool:
+    view = f.committed()
+    return all(view.lease_of(n) == k.lease.id for n, k in f.keepers.items())
