@@ -243,10 +243,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         async with trio.open_nursery() as n:
             await n.start(Node(cfg, args.node, choose_transport(cfg), persist=args.persist).run)
             if mp:
-                from .mount import run_mount
-
                 await wait_settled(cfg, [args.node], timeout=120)
-                await n.start(run_mount, cfg, mp, [])
+                await n.start(mount_then_stop, n.cancel_scope)
+
+    async def mount_then_stop(node_scope: trio.CancelScope, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """The mount, until it ends (unmounted, or SIGTERM/SIGINT, which only the mount catches):
+        then the node stops too, instead of running on without a way to be told to end."""
+        from .mount import run_mount
+
+        await run_mount(cfg, mp, [], task_status=task_status)
+        node_scope.cancel()
 
     trio.run(main)
     return 0

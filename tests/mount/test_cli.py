@@ -206,10 +206,16 @@ def test_serve_with_its_own_mount(tmp_path, env):
             time.sleep(0.05)
         (mp / "f").write_bytes(b"served")
         assert (mp / "f").read_bytes() == b"served"
+        # SIGTERM while mounted: the mount catches it and ends; the node must end with it (it
+        # once ran on, its SIGTERM spent)
+        proc.terminate()
+        assert proc.wait(20) == 0
+        assert not is_mounted(mp)
     finally:
         unmount(str(mp), lazy=True)
-        proc.terminate()
-        proc.wait(20)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(20)
     assert "Traceback" not in proc.stderr.read().decode()
 
 
