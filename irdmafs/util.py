@@ -66,17 +66,18 @@ async def recv_with_fds(sock: Any, n: int) -> tuple[bytes | None, list[int]]:
 
 
 @contextlib.contextmanager
-def single_exception() -> Iterator[None]:
+def single_exception(alike: type[BaseException] | None = None) -> Iterator[None]:
     """Re-raise the one exception of an exception group as itself.
 
     Trio wraps everything leaving a nursery in an ExceptionGroup; at an API edge whose callers
     expect ``except RemoteError`` to work, a group holding exactly one exception is unwrapped.
-    Groups of several errors stay groups: those are real concurrent failures."""
+    Groups of several errors stay groups: those are real concurrent failures, unless every one
+    is an ``alike`` (the pieces of one request refused alike): then the first is raised."""
     try:
         yield
     except BaseExceptionGroup as group:
         inner = list(leaves(group))
-        if len(inner) == 1:
+        if len(inner) == 1 or (alike is not None and all(isinstance(e, alike) for e in inner)):
             raise inner[0] from None
         raise
 

@@ -3,6 +3,10 @@
 A push sends each stripe's part of a gradient to that stripe's primary, fused with the rank's
 other pieces in one WRITE with immediate when transfers queue (``_fused``), and follows the
 primary when it moves; the primary counts each rank's pushes, so a retried push is taken once.
+A push is identified by (tensor, rank, step), the step from this client's own count
+(``next_step``), never renumbered from a server's: a server that has taken fewer refuses it as out
+of order (EINVAL), and a piece answered "duplicate" on its first send was pushed by another
+process as this rank (EINVAL too), so no gradient ever silently takes another's place.
 Under bsp a piece that joined a round still open is kept (``_open``) until the round closes, and
 sent again if the primary is lost first (``_repush_open``, called by StripeIO when a pull's
 stripe clock stops moving). A pull reads the parameters one-sidedly once the stripes' clocks
@@ -26,6 +30,7 @@ import trio
 from ..cluster import Cluster, NodeDown, StagingPool
 from ..config import ClusterConfig
 from ..transport.base import AccessError, RemoteError
+from ..util import single_exception
 from . import compress
 from .stripe import StripeIO, split
 
@@ -71,6 +76,11 @@ class PushPull:
         # bsp pushes in rounds still open: (fid, idx, rank) -> [descriptor, payload, owner]
         self._open: dict[tuple[int, int, int], list] = {}
         self._pushed_to: dict[tuple[int, int], int] = {}  # (tensor, rank) -> clock its last bsp push needs
+        # (tensor, rank) -> (the tensor's version, the step of the rank's next push): this
+        # client's own count. A push is identified by (tensor, rank, step) and never renumbered
+        # from a server's count, which a failover can set back or forward (``next_step``).
+        self._steps: dict[tuple[int, int], tuple[int, int]] = {}
+        self._repushing: set[tuple[int, int, int, int]] = set()  # (fid, idx, rank, step) being sent again
         self.io.on_behind = self._repush_open
         # a restarted node lost its push bookkeeping: fetch policies and counts afresh
         self.cluster.on_restart.append(lambda node: self._train.clear())
@@ -103,7 +113,20 @@ class PushPull:
 
     def pushed_tensors(self, rank: int) -> list[int]:
         """The tensors ``rank`` has pushed to through this client."""
-        return [ino for (ino, r), info in self._train.items() if r == rank and info["pushed"]]
+        return [ino for (ino, r), (_, step) in self._steps.items() if r == rank and step]
+
+    def next_step(self, ino: int, rank: int, info: dict) -> int:
+        """The step of ``rank``'s next push to tensor ``ino``: this client's own count. The
+        server's count (``info``, from ``train_info``) is taken only for the rank's first push
+        through this client, or when the tensor was written anew since (its version moved: a
+        truncate reset the nodes' counts). Refreshes of ``info`` never change it: a server
+        whose count went back or jumped after a failover then refuses the push loudly (EINVAL,
+        out of order) or answers it as a duplicate, instead of a gradient silently taking the
+        place of another."""
+        mine = self._steps.get((ino, rank))
+        if mine is None or mine[0] != info["attr"]["version"]:
+            return info["pushed"]
+        return mine[1]
 
     def cached_train_info(self, ino: int, rank: int) -> dict | None:
         """``train_info`` if this client has it at hand (no call)."""
@@ -134,7 +157,7 @@ class PushPull:
             mode = compress.parse(info["compress"])
         except compress.CompressError as exc:
             raise RemoteError("EINVAL", str(exc)) from None
-        step = info["pushed"]
+        step = self.next_step(ino, rank, info)
         # compute time since this rank's last pull: what batch-size suggestions are based on
         pulled = self._pulled_at.pop((ino, rank), None)
         busy = round(trio.current_time() - pulled, 6) if pulled is not None else None
@@ -148,26 +171,27 @@ class PushPull:
         isz = grad.dtype.itemsize
         sent = 0
         replies: list[dict] = []
-        async with trio.open_nursery() as n:
-            for p in split(t["offset"], flat.size * isz, attr["unit"]):
-                e0, count = p.pos // isz, p.length // isz
-                desc = {
-                    "fid": ino, "idx": p.idx, "offset": p.offset, "count": count, "rank": rank, "step": step,
-                    "wire": wire.str, "unit": attr["unit"], "busy": busy, "paced": paced,
-                }
-                if chosen is None:
-                    values = flat[e0 : e0 + count]
-                else:
-                    runs = _runs_in(chosen, mode.chunk, e0, count)
-                    desc["spans"] = runs
-                    values = np.concatenate([flat[e0 + a : e0 + a + k] for a, k in runs]) if runs else flat[:0]
-                    sent += 8 * len(runs)  # the span list travels too
-                payload = np.ascontiguousarray(values.astype(wire, copy=False))
-                sent += payload.nbytes
-                # a payload made here (fp16, sparse) is ours to keep; a view of ``grad`` is the owner's
-                keeper = payload if payload.base is None else owner
-                n.start_soon(self._push_kept, desc, memoryview(payload).cast("B"), replies, keeper, info["sync"] == "bsp")
-        info["pushed"] = step + 1
+        with single_exception(RemoteError):  # a push refused (by every stripe alike): one error
+            async with trio.open_nursery() as n:
+                for p in split(t["offset"], flat.size * isz, attr["unit"]):
+                    e0, count = p.pos // isz, p.length // isz
+                    desc = {
+                        "fid": ino, "idx": p.idx, "offset": p.offset, "count": count, "rank": rank, "step": step,
+                        "wire": wire.str, "unit": attr["unit"], "busy": busy, "paced": paced,
+                    }
+                    if chosen is None:
+                        values = flat[e0 : e0 + count]
+                    else:
+                        runs = _runs_in(chosen, mode.chunk, e0, count)
+                        desc["spans"] = runs
+                        values = np.concatenate([flat[e0 + a : e0 + a + k] for a, k in runs]) if runs else flat[:0]
+                        sent += 8 * len(runs)  # the span list travels too
+                    payload = np.ascontiguousarray(values.astype(wire, copy=False))
+                    sent += payload.nbytes
+                    # a payload made here (fp16, sparse) is ours to keep; a view of ``grad`` is the owner's
+                    keeper = payload if payload.base is None else owner
+                    n.start_soon(self._push_kept, desc, memoryview(payload).cast("B"), replies, keeper, info["sync"] == "bsp")
+        self._steps[(ino, rank)] = (attr["version"], step + 1)
         if info["sync"] == "bsp":
             self._pushed_to[(ino, rank)] = step + 1  # pieces kept in _open are the rounds left open
         for r in replies:
@@ -220,9 +244,10 @@ class PushPull:
             if primary is None:
                 return
             entry = self._open.get(key)
-            if entry is None:
-                continue
+            if entry is None or (fid, idx, rank, entry[0]["step"]) in self._repushing:
+                continue  # gone, or being checked and sent again already (once per push id)
             step = entry[0]["step"]
+            self._repushing.add((fid, idx, rank, step))
             try:
                 nxt = (await self.cluster.call(primary, "train_next", {"fid": fid, "idx": idx, "rank": rank}))["next"]
                 # read the kept piece again: while we asked, its round may have closed, or its
@@ -241,14 +266,20 @@ class PushPull:
                         rank,
                     )
                     # a copy: the owner may reuse its memory while this send waits (rare: failover)
-                    await self._push_piece(desc, memoryview(bytes(payload)), [])
+                    await self._push_piece(desc, memoryview(bytes(payload)), [], resent=True)
             except (NodeDown, RemoteError, AccessError, trio.TooSlowError) as exc:
                 log.info("stripe %d:%d: open push of rank %d not checked with %s: %s", fid, idx, rank, primary, exc)
+            finally:
+                self._repushing.discard((fid, idx, rank, step))
 
-    async def _push_piece(self, desc: dict, payload: memoryview, replies: list) -> dict:
+    async def _push_piece(self, desc: dict, payload: memoryview, replies: list, *, resent: bool = False) -> dict:
         """One stripe's part of a push, to the stripe's primary; follows the primary when it
-        moves. A retried piece that already arrived is answered "duplicate" (exactly once)."""
+        moves. A retried piece that already arrived is answered "duplicate" (exactly once).
+        A piece answered "duplicate" the first time this client sends it was taken from
+        someone else: another process pushes as this rank. That is EINVAL, not a silent drop
+        of this gradient."""
         fid, idx = desc["fid"], desc["idx"]
+        first = not resent
         with trio.fail_after(self.cfg.op_timeout * 3):
             while True:
                 primary = self.cluster.stripe_primary(fid, idx)
@@ -260,8 +291,15 @@ class PushPull:
                     r = await self._fused(primary, desc, payload)
                 except (NodeDown, AccessError):  # down, or restarted (its staging is new)
                     self.staging.forget(primary)
+                    first = False  # it may have arrived: a duplicate now is this push's own
                     continue
                 code = r.get("error")
+                if code is None and r.get("duplicate") and first:
+                    raise RemoteError(
+                        "EINVAL",
+                        f"push {desc['step']} of rank {desc['rank']} to stripe {fid}:{idx} was taken before this client sent it"
+                        " (another process pushes as this rank)",
+                    )
                 if code is None:
                     replies.append(r)
                     return r
@@ -353,7 +391,7 @@ class PushPull:
         if rank not in info["active"]:
             raise RemoteError("EINVAL", f"rank {rank} is not one of the active workers {info['active']}")
         attr, t = info["attr"], info["tensor"]
-        need = required_clock(parse_policy(info["sync"]), info["pushed"])
+        need = required_clock(parse_policy(info["sync"]), self.next_step(ino, rank, info))
         view = memoryview(out.reshape(-1)).cast("B")
         # a stripe whose round this rank's push closed (nothing kept open) is there already
         closed = lambda idx: (ino, idx, rank) not in self._open and self._pushed_to.get((ino, rank)) == need  # noqa: E731
@@ -368,16 +406,17 @@ class PushPull:
         they take it)."""
         info = await self.train_info(ino, rank)
         t, attr = info["tensor"], info["attr"]
+        pushed = self.next_step(ino, rank, info)
         if info["sync"] == "bsp":  # the stripes' clocks say it: one-sided reads
             out = np.empty(t["shape"], t["dtype"])
             view = memoryview(out.reshape(-1)).cast("B")
-            await self.io.read(ino, t["offset"] + len(view), attr["unit"], t["offset"], view, 0, info["pushed"], info["timeout"])
-            self._closed(ino, rank, info["pushed"])
-        elif info["sync"] == "r2sp" and info["pushed"]:  # a held push shows in no clock: ask
+            await self.io.read(ino, t["offset"] + len(view), attr["unit"], t["offset"], view, 0, pushed, info["timeout"])
+            self._closed(ino, rank, pushed)
+        elif info["sync"] == "r2sp" and pushed:  # a held push shows in no clock: ask
             nbytes = int(np.prod(t["shape"], dtype=np.int64)) * np.dtype(t["dtype"]).itemsize
             async with trio.open_nursery() as n:
                 for p in split(t["offset"], nbytes, attr["unit"]):
-                    n.start_soon(self._train_wait, ino, p.idx, rank, info["pushed"], info["timeout"])
+                    n.start_soon(self._train_wait, ino, p.idx, rank, pushed, info["timeout"])
 
     async def _train_wait(self, ino: int, idx: int, rank: int, pushed: int, timeout: float) -> None:
         args = {"fid": ino, "idx": idx, "rank": rank, "pushed": pushed, "timeout": timeout}

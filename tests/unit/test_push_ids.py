@@ -1,0 +1,132 @@
+"""Pushes with ids (issue 20, item 4): a push is (tensor, rank, step) with the step from the
+client's own count, never renumbered from a server's; a duplicate is answered as one; a step
+ahead of the server, and a step someone else pushed, are loud errors; an open push is sent again
+once per id. Over an in-process cluster."""
+
+import numpy as np
+import pytest
+import trio
+
+from irdmafs.client.client import Client
+from irdmafs.transport.base import RemoteError
+from irdmafs.transport.memory import MemoryTransport
+
+from .test_cluster_inprocess import config, start_cluster
+
+
+@pytest.fixture
+async def bed(nursery):
+    cfg = config(unit=64 << 10)
+    nodes = await start_cluster(nursery, cfg)
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
+        await c.paths.makedirs("/m")
+        d = await c.paths.resolve("/m")
+        await c.setxattr(d["ino"], "user.irdma.sync", "asp")
+        await c.setxattr(d["ino"], "user.irdma.workers", "1")
+        await c.setxattr(d["ino"], "user.irdma.optimizer", "sgd lr=1")
+        yield c, nodes, cfg
+
+
+def records(nodes, ino):
+    return [(n.name, idx, st) for n in nodes for (f, idx), st in n.training.items() if f == ino]
+
+
+async def test_a_server_count_set_back_is_a_loud_error_not_a_renumbering(bed):
+    """A stale record restored on the primary sets rank 0's count back from 3 to 1: the client
+    pushes step 3 anyway and is told EINVAL (out of order); it never sends the gradient as step 1,
+    which would take the place of the push the server lost without anyone noticing."""
+    c, nodes, _ = bed
+    w = np.zeros(1000, np.float32)
+    ino = (await c.paths.save("/m/w.npy", w))["ino"]
+    for _ in range(3):
+        await c.training.push(ino, 0, np.ones_like(w))
+    for _, _, st in records(nodes, ino):
+        st.pushed[0] = 1  # what a resync that kept an old record leaves
+    c.training._train[(ino, 0)]["fetched"] = -float("inf")  # a refresh of the server's count is due
+    with pytest.raises(RemoteError) as err:
+        await c.training.push(ino, 0, np.full_like(w, 5.0))
+    assert err.value.code == "EINVAL" and "out of order" in err.value.message
+    assert np.array_equal(await c.paths.load("/m/w.npy"), w - 3)  # the 5s were applied nowhere
+    assert c.training.next_step(ino, 0, await c.training.train_info(ino, 0)) == 3
+
+
+async def test_a_step_someone_else_pushed_is_an_error_not_a_silent_drop(bed):
+    """Two clients push as rank 0: the second one's first push carries a step the first one
+    already pushed. The server answers it as a duplicate; the client says EINVAL rather than
+    dropping its gradient."""
+    c, _, cfg = bed
+    w = np.zeros(100, np.float32)
+    ino = (await c.paths.save("/m/v.npy", w))["ino"]
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as other:
+        await other.training.train_info(ino, 0)  # it learns rank 0's count (0) now
+        await c.training.push(ino, 0, np.ones_like(w))  # step 0, from the first client
+        with pytest.raises(RemoteError) as err:
+            await other.training.push(ino, 0, np.full_like(w, 7.0))  # its own count says step 0
+        assert err.value.code == "EINVAL" and "taken before this client sent it" in err.value.message
+    assert np.array_equal(await c.paths.load("/m/v.npy"), w - 1)
+
+
+async def test_a_retried_push_is_taken_once(bed):
+    """The same piece sent twice (a retry after a lost answer) is applied once."""
+    c, _, _ = bed
+    w = np.zeros(10, np.float32)
+    ino = (await c.paths.save("/m/r.npy", w))["ino"]
+    sent = []
+    real = c.training._fused
+
+    async def twice(node, desc, payload):
+        sent.append(desc["step"])
+        r = await real(node, desc, payload)
+        if len(sent) == 1:  # the answer is lost: the client retries the same piece
+            from irdmafs.cluster import NodeDown
+
+            raise NodeDown(node, "answer lost (test)")
+        return r
+
+    c.training._fused = twice
+    await c.training.push(ino, 0, np.ones_like(w))
+    assert sent == [0, 0]
+    assert np.array_equal(await c.paths.load("/m/r.npy"), w - 1)
+    await c.training.push(ino, 0, np.ones_like(w))
+    assert np.array_equal(await c.paths.load("/m/r.npy"), w - 2)
+
+
+async def test_a_tensor_written_anew_restarts_at_the_servers_count(bed):
+    """Rewriting a tensor (a new version, its counts reset on the nodes) restarts the client's
+    count at the server's, so training goes on after a publish."""
+    c, _, _ = bed
+    w = np.zeros(10, np.float32)
+    ino = (await c.paths.save("/m/p.npy", w))["ino"]
+    await c.training.push(ino, 0, np.ones_like(w))
+    await c.training.push(ino, 0, np.ones_like(w))
+    ino2 = (await c.paths.save("/m/p.npy", w))["ino"]  # the same shape: the nodes keep their counts
+    c.training.forget_training(ino2)
+    info = await c.training.train_info(ino2, 0)
+    assert info["attr"]["version"] != c.training._steps[(ino, 0)][0]
+    assert await c.training.push(ino2, 0, np.ones_like(w)) == info["pushed"]
+    assert np.array_equal(await c.paths.load("/m/p.npy"), w - 1)
+
+
+async def test_an_open_push_is_sent_again_once_per_id(bed):
+    """Two checks of the same stalled stripe at once (pulls of two tensors sharing it, a timer
+    and a pull) send the kept piece once."""
+    c, _, _ = bed
+    t = c.training
+    payload = memoryview(bytes(40))
+    t._open[(99, 0, 1)] = [{"fid": 99, "idx": 0, "step": 4, "rank": 1}, payload, None]
+    sends = []
+
+    async def call(node, method, args, **_):
+        await trio.sleep(0.05)  # the primary answers after a while: both checks are under way
+        return {"next": 4}
+
+    async def push_piece(desc, payload, replies, *, resent=False):
+        sends.append((desc["step"], resent))
+        return {}
+
+    t.cluster.call = call
+    t._push_piece = push_piece
+    async with trio.open_nursery() as n:
+        n.start_soon(t._repush_open, 99, 0)
+        n.start_soon(t._repush_open, 99, 0)
+    assert sends == [(4, True)]
