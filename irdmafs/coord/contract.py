@@ -68,6 +68,11 @@ class Coordinator(ABC):
         store's revision after: the key's new mod_revision when it did)."""
 
     @abstractmethod
+    async def create_all(self, entries: dict[str, bytes]) -> tuple[bool, int]:
+        """Put every key, in one step, only if none of them exists: (whether it did, the store's
+        revision after). What a namespace kept here would need for a create."""
+
+    @abstractmethod
     async def delete(self, key: str) -> int:
         """Remove the key if it exists; the store's revision after."""
 

@@ -151,6 +151,12 @@ class EtcdCoord(Coordinator):
         answer = await self._post("/v3/kv/txn", {"compare": [compare], "success": [{"request_put": put}]})
         return bool(answer.get("succeeded", False)), self._revision(answer)
 
+    async def create_all(self, entries: dict[str, bytes]) -> tuple[bool, int]:
+        compare = [{"key": _b64(k), "target": "CREATE", "result": "EQUAL", "create_revision": "0"} for k in entries]
+        puts = [{"request_put": {"key": _b64(k), "value": _b64(v)}} for k, v in entries.items()]
+        answer = await self._post("/v3/kv/txn", {"compare": compare, "success": puts})
+        return bool(answer.get("succeeded", False)), self._revision(answer)
+
     async def delete(self, key: str) -> int:
         return self._revision(await self._post("/v3/kv/deleterange", {"key": _b64(key)}))
 

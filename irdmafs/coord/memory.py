@@ -73,6 +73,15 @@ class MemoryCoord(Coordinator):
             return False, self.revision
         return True, self._set(key, value, lease)
 
+    async def create_all(self, entries: dict[str, bytes]) -> tuple[bool, int]:
+        self._enter()
+        if any(k in self.keys for k in entries):
+            return False, self.revision
+        self.revision += 1  # one transaction, one revision
+        for k, v in entries.items():
+            self.keys[k] = Entry(k, bytes(v), self.revision, 0)
+        return True, self.revision
+
     async def delete(self, key: str) -> int:
         self._enter()
         if self.keys.pop(key, None) is not None:

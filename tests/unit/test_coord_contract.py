@@ -54,6 +54,18 @@ async def test_compare_and_set(coord):
     await coord.delete("/t/view")
 
 
+async def test_create_all_is_one_step_and_all_or_nothing(coord):
+    ok, revision = await coord.create_all({"/t/ns/e/a": b"entry", "/t/ns/i/a": b"inode"})
+    assert ok
+    e, i = await coord.get("/t/ns/e/a"), await coord.get("/t/ns/i/a")
+    assert e.mod_revision == i.mod_revision == revision and (e.value, i.value) == (b"entry", b"inode")
+    ok, after = await coord.create_all({"/t/ns/e/b": b"x", "/t/ns/i/a": b"again"})  # one exists
+    assert not ok and after == revision
+    assert await coord.get("/t/ns/e/b") is None and (await coord.get("/t/ns/i/a")).value == b"inode"
+    for k in ("/t/ns/e/a", "/t/ns/i/a"):
+        await coord.delete(k)
+
+
 async def test_lease_keys_go_with_the_lease(coord):
     lease = await coord.grant(2)
     assert await coord.keepalive(lease) >= 2
