@@ -1,4 +1,5 @@
-"""The chaos soak in CI: scripts/chaos.py for 100 seconds on a real cluster and mount.
+"""The chaos soak in CI: scripts/chaos.py for 100 seconds on a real cluster and mount (a long run:
+``scripts/test --long``, which CI runs).
 
 It applies node kills with restarts from the node's own command line and mount kills with
 remounts, drawn from a fixed seed, while its workers check every byte they read back; it must
@@ -31,6 +32,7 @@ def test_the_same_seed_replays_the_same_faults():
     assert all(f["target"] == "mount" if f["kind"] == "mount" else f["target"].startswith("n") for f in first)
 
 
+@pytest.mark.long
 def test_a_100_second_soak_of_kills_and_remounts_sees_no_error_and_loses_nothing(tmp_path):
     reason = fuse_unavailable()
     if reason:

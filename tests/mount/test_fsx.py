@@ -20,7 +20,7 @@ async def ps(local_cluster, mount):
     return lc, mount
 
 
-@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("seed", [1, 2, 3] if os.environ.get("IRDMAFS_LONG") == "1" else [1])  # more with scripts/test --long
 async def test_fsx_reads_writes_truncates_mmaps_and_reopens(ps, seed):
     lc, mount = ps
     m = mount(lc)

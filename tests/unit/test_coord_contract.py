@@ -79,7 +79,7 @@ async def test_lease_keys_go_with_the_lease(coord):
     await coord.revoke(lease)  # ended already: nothing
 
 
-async def test_a_lease_not_kept_alive_ends_with_its_keys(coord):
+async def lease_ends_unless_kept_alive(coord):
     lease = await coord.grant(2)
     await coord.put("/t/alive/y", b"", lease=lease)
     await trio.sleep(1.2)
@@ -89,6 +89,14 @@ async def test_a_lease_not_kept_alive_ends_with_its_keys(coord):
     await trio.sleep(2.5)
     assert await coord.get("/t/alive/y") is None
     assert await coord.keepalive(lease) == 0
+
+
+async def test_a_lease_not_kept_alive_ends_with_its_keys(etcd):
+    await lease_ends_unless_kept_alive(EtcdCoord([etcd.endpoint]))
+
+
+async def test_a_lease_not_kept_alive_ends_with_its_keys_in_the_model(autojump_clock):
+    await lease_ends_unless_kept_alive(MemoryCoord())
 
 
 async def test_an_unreachable_etcd_is_unavailable():

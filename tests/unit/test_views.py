@@ -2,6 +2,7 @@
 MockClock, then under seeded fault schedules with one invariant checked at every tick: a node
 that serves is named, with the lease it holds, by the view committed in the store."""
 
+import os
 import random
 
 import pytest
@@ -187,7 +188,11 @@ async def test_racing_proposers_make_one_chain(autojump_clock):
     assert View.decode(committed.value, committed.mod_revision) == first
 
 
-@pytest.mark.parametrize("seed", range(12))
+# six seeds in the quick suite, thirty in the long one (scripts/test --long, CI)
+SEEDS = range(30 if os.environ.get("IRDMAFS_LONG") == "1" else 6)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
 async def test_fault_schedules_never_let_a_dropped_node_serve(autojump_clock, nursery, seed):
     """Seeded schedules of pauses, resumes and coordinator outages; the invariant is checked
     every tick (the fixture's watch), and after healing every node serves again."""
