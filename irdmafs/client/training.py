@@ -5,8 +5,9 @@ other pieces in one WRITE with immediate when transfers queue (``_fused``), and 
 primary when it moves; the primary counts each rank's pushes, so a retried push is taken once.
 A push is identified by (tensor, rank, step), the step from this client's own count
 (``next_step``), never renumbered from a server's: a server that has taken fewer refuses it as out
-of order (EINVAL), and a piece answered "duplicate" on its first send was pushed by another
-process as this rank (EINVAL too), so no gradient ever silently takes another's place.
+of order (EINVAL), and a piece of a new step answered "duplicate" on its first send was pushed by
+another process as this rank (EINVAL too), so no gradient ever silently takes another's place. A
+push that failed is sent again with the same id by calling ``push`` again with the same gradient.
 Under bsp a piece that joined a round still open is kept (``_open``) until the round closes, and
 sent again if the primary is lost first (``_repush_open``, called by StripeIO when a pull's
 stripe clock stops moving). A pull reads the parameters one-sidedly once the stripes' clocks
@@ -80,6 +81,7 @@ class PushPull:
         # client's own count. A push is identified by (tensor, rank, step) and never renumbered
         # from a server's count, which a failover can set back or forward (``next_step``).
         self._steps: dict[tuple[int, int], tuple[int, int]] = {}
+        self._sent: dict[tuple[int, int], tuple[int, int]] = {}  # (tensor, rank) -> (version, step) of its last push sent
         self._repushing: set[tuple[int, int, int, int]] = set()  # (fid, idx, rank, step) being sent again
         self.io.on_behind = self._repush_open
         # a restarted node lost its push bookkeeping: fetch policies and counts afresh
@@ -158,6 +160,10 @@ class PushPull:
         except compress.CompressError as exc:
             raise RemoteError("EINVAL", str(exc)) from None
         step = self.next_step(ino, rank, info)
+        # the same push again (the last one with this id failed): its pieces that arrived then
+        # are answered "duplicate", which is this push's own, not another process's
+        again = self._sent.get((ino, rank)) == (attr["version"], step)
+        self._sent[(ino, rank)] = (attr["version"], step)
         # compute time since this rank's last pull: what batch-size suggestions are based on
         pulled = self._pulled_at.pop((ino, rank), None)
         busy = round(trio.current_time() - pulled, 6) if pulled is not None else None
@@ -190,7 +196,7 @@ class PushPull:
                     sent += payload.nbytes
                     # a payload made here (fp16, sparse) is ours to keep; a view of ``grad`` is the owner's
                     keeper = payload if payload.base is None else owner
-                    n.start_soon(self._push_kept, desc, memoryview(payload).cast("B"), replies, keeper, info["sync"] == "bsp")
+                    n.start_soon(self._push_kept, desc, memoryview(payload).cast("B"), replies, keeper, info["sync"] == "bsp", again)
         self._steps[(ino, rank)] = (attr["version"], step + 1)
         if info["sync"] == "bsp":
             self._pushed_to[(ino, rank)] = step + 1  # pieces kept in _open are the rounds left open
@@ -211,9 +217,9 @@ class PushPull:
             await trio.sleep(entry[1])
         return round(entry[1], 6)
 
-    async def _push_kept(self, desc: dict, payload: memoryview, replies: list, owner: object, bsp: bool) -> None:
+    async def _push_kept(self, desc: dict, payload: memoryview, replies: list, owner: object, bsp: bool, again: bool) -> None:
         """``_push_piece``, then, under bsp, keep the piece while its round is open."""
-        r = await self._push_piece(desc, payload, replies)
+        r = await self._push_piece(desc, payload, replies, resent=again)
         if bsp and r.get("clock", 0) <= desc["step"]:
             if owner is None:
                 payload = memoryview(bytes(payload))  # the caller may reuse its array at once
@@ -304,6 +310,9 @@ class PushPull:
                     replies.append(r)
                     return r
                 if code in ("ENOTPRIMARY", "EAGAIN"):
+                    # EAGAIN: the primary may have taken it and not got it to every replica (then a
+                    # duplicate on the retry is this push's own)
+                    first = first and code == "ENOTPRIMARY"
                     await trio.sleep(0.1)
                     await self.cluster.refresh()
                     continue

@@ -411,15 +411,15 @@ class TrainingCalls:
         and push bookkeeping, whose apply installs the state too: a backup that takes over holds
         all of one step or none of it."""
         stripe = self.store.get(fid, idx)
-        peers = [p for p in self.cluster.targets(fid, idx) if p != self.name]
-        async with trio.open_nursery() as n:
-            for peer in peers:
-                for k in range(1, nstate + 1):
-                    s = self.store.get(fid, idx, -k)
-                    n.start_soon(partial(self._replicate, peer, fid, idx, 0, s.capacity, s.version, 2 * unit, s, -k, pending=True))
-        async with trio.open_nursery() as n:
-            for peer in peers:
-                n.start_soon(partial(self._replicate, peer, fid, idx, offset, length, stripe.version, unit, stripe, record=record, state=nstate))
+
+        async def one(peer: str) -> bool:
+            for k in range(1, nstate + 1):
+                s = self.store.get(fid, idx, -k)
+                if not await self._replicate(peer, fid, idx, 0, s.capacity, s.version, 2 * unit, s, -k, pending=True):
+                    return False
+            return await self._replicate(peer, fid, idx, offset, length, stripe.version, unit, stripe, record=record, state=nstate)
+
+        await self.to_every_target(fid, idx, one)
 
     async def _pull_training_records(self, peers: list[str], mine) -> None:
         """The push bookkeeping of the stripes this node holds, from its peers: a node that

@@ -4,6 +4,11 @@ A serving ``MemoryTransport`` registers itself under a (host, port) address in a
 table; connections copy between buffers directly. It enforces the same rules as the network
 transports (token, rkey, bounds, access, JSON-serialisable control documents) so code tested on it
 behaves the same over TCP and verbs, which the shared conformance suite checks.
+
+Links can fail: a transport made with an ``endpoint`` name consults ``LINKS`` (when set: the
+fault simulator's, tests/sim) before every operation from it to another named endpoint, which
+may delay it, hold it, or fail it as a network would (``PeerLost``, ``TimeoutError``,
+``ConnectError``), on each side of the served call alike.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import hmac
 import itertools
 import json
 import logging
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
@@ -38,9 +43,19 @@ _listeners: dict[tuple[str, int], tuple["MemoryTransport", Handler, ImmHandler |
 _ports = itertools.count(40000)
 
 
+class Links(Protocol):
+    """What decides the fate of one operation between two named endpoints (tests/sim)."""
+
+    async def cross(self, src: str, dst: str, what: str) -> None: ...
+
+
+LINKS: Links | None = None
+
+
 class MemoryConnection(Connection):
-    def __init__(self, server: "MemoryTransport", handler: Handler, address: tuple[str, int], on_imm: ImmHandler | None = None):
+    def __init__(self, server: "MemoryTransport", handler: Handler, address: tuple[str, int], on_imm: ImmHandler | None = None, src: str = ""):
         self.server = server
+        self.src = src  # the connecting endpoint's name ("": links never fail)
         self.handler = handler
         self.on_imm = on_imm
         self.address = address
@@ -52,9 +67,15 @@ class MemoryConnection(Connection):
         if self._closed or _listeners.get(self.address, (None,))[0] is not self.server:
             raise PeerLost(f"{self.peer}: peer is gone")
 
+    async def _cross(self, what: str) -> None:
+        """The link's say (LINKS), then whether the peer is still there."""
+        if LINKS is not None and self.src and self.server.endpoint:
+            await LINKS.cross(self.src, self.server.endpoint, what)
+        self._check_alive()
+
     async def read(self, rkey: int, offset: int, into: BufferList) -> None:
         await trio.lowlevel.checkpoint()
-        self._check_alive()
+        await self._cross("read")
         bufs = as_buffers(into)
         view = self.server.regions.check(rkey, offset, sum(map(len, bufs)), Access.READ)
         pos = 0
@@ -64,7 +85,7 @@ class MemoryConnection(Connection):
 
     async def write(self, rkey: int, offset: int, data: BufferList) -> None:
         await trio.lowlevel.checkpoint()
-        self._check_alive()
+        await self._cross("write")
         bufs = as_buffers(data)
         view = self.server.regions.check(rkey, offset, sum(map(len, bufs)), Access.WRITE)
         pos = 0
@@ -77,13 +98,23 @@ class MemoryConnection(Connection):
         if self.on_imm is None:
             raise ProtocolError(f"{self.peer}: this peer takes no notifications")
         length = sum(map(len, as_buffers(data)))
-        return await self._guarded(self.on_imm(self.server.regions.get(rkey), offset, length, imm), None)
+        result = await self._guarded(self.on_imm(self.server.regions.get(rkey), offset, length, imm), None)
+        if LINKS is not None and self.src and self.server.endpoint:
+            await LINKS.cross(self.server.endpoint, self.src, "imm answer")
+        return result
 
     async def call(self, method: str, args: dict[str, Any] | None = None, *, timeout: float | None = None) -> dict:
-        self._check_alive()
+        with trio.fail_after(timeout if timeout is not None else 30.0):
+            try:
+                await self._cross(method)
+            except trio.TooSlowError:
+                raise TimeoutError(f"{self.peer}: no answer") from None
         # The JSON round trip keeps the in-process path honest about what can cross a wire.
         args = json.loads(json.dumps(args or {}))
-        return await self._guarded(self.handler(method, args), timeout)
+        result = await self._guarded(self.handler(method, args), timeout)
+        if LINKS is not None and self.src and self.server.endpoint:
+            await LINKS.cross(self.server.endpoint, self.src, f"{method} answer")  # the answer crosses back
+        return result
 
     async def _guarded(self, coro, timeout: float | None) -> dict:
         """Run a serving-side coroutine as the network transports would: its errors become
@@ -108,6 +139,10 @@ class MemoryConnection(Connection):
 class MemoryTransport(Transport):
     name = "memory"
 
+    def __init__(self, token: bytes, endpoint: str = ""):
+        super().__init__(token)
+        self.endpoint = endpoint  # its name on the simulator's links ("": links never fail)
+
     async def serve(self, host: str, port: int, handler: Handler, *, on_imm: ImmHandler | None = None, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         address = (host, port or next(_ports))
         if address in _listeners:
@@ -122,10 +157,16 @@ class MemoryTransport(Transport):
     async def connect(self, host: str, port: int, *, nursery: Any = None) -> MemoryConnection:
         await trio.lowlevel.checkpoint()
         entry = _listeners.get((host, port))
+        if entry is not None and LINKS is not None and self.endpoint and entry[0].endpoint:
+            try:
+                await LINKS.cross(self.endpoint, entry[0].endpoint, "connect")
+            except (PeerLost, TimeoutError) as exc:
+                raise ConnectError(f"cannot connect to {host}:{port}: {exc}") from None
+            entry = _listeners.get((host, port))
         if entry is None:
             raise ConnectError(f"cannot connect to {host}:{port}: nothing listens there")
         server, handler, on_imm = entry
         if not hmac.compare_digest(server.token, self.token):
             log.warning("memory transport %s:%s refused a connection: wrong cluster token", host, port)
             raise AuthError(f"{host}:{port} refused our cluster token: wrong cluster token")
-        return MemoryConnection(server, handler, (host, port), on_imm)
+        return MemoryConnection(server, handler, (host, port), on_imm, src=self.endpoint)

@@ -1,0 +1,264 @@
+"""A deterministic fault simulator: PS nodes and a client in one process, over the in-memory
+transport, on trio's MockClock, under a seeded schedule of faults; then the invariants.
+
+One ``simulate(seed, kinds)`` is one trio run, on a fresh MockClock, with trio's scheduler and
+every random draw seeded from ``seed``: the same seed (and the same PYTHONHASHSEED, which
+scripts/test fixes) replays exactly. ``python -m tests.sim.replay --kinds drop --seed N`` replays one
+and prints what happened; ``--seeds K`` runs K of them and counts the failing ones.
+
+The world: 3 nodes (R=2) and one client, every operation between them crossing a link of
+``Links`` (irdmafs/transport/memory.py consults it), which can drop (the operation fails as a
+lost connection or a timeout would), delay, or hold (delivered late, when the fault ends) the
+operations of one link or of every link of a node. Nodes crash (their listener and tasks end;
+the store is lost, as with ``kill -9`` and no ``--persist``) and restart as new processes.
+
+The workload, at the same time: a writer saving files of 1 byte to 3 stripes, and a trainer
+pushing gradients of a tensor under asp with SGD (lr 1, gradients of small integers, so float32
+sums are exact). Faults come one at a time, each healed and followed by the cluster settling
+(as the chaos soak does: never two nodes out).
+
+Checked after every schedule:
+- every file whose last write was acknowledged reads back as that write (a write that failed
+  leaves no expectation: the file may hold the old or new bytes, and is not checked until its
+  next acknowledged write);
+- every gradient was applied exactly once: a failed push is retried with the same gradient
+  (the client keeps its step, so a duplicate is answered as one), and the parameters equal a
+  numpy replay of the ledger;
+- every node's namespace is identical after healing.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass, field
+
+import numpy as np
+import trio
+import trio.testing
+
+import irdmafs.transport.memory as memory
+from irdmafs.client.client import Client
+from irdmafs.config import from_dict
+from irdmafs.server.node import Node
+from irdmafs.transport.base import PeerLost, RemoteError, TimeoutError, TransportError
+
+log = logging.getLogger("sim")
+
+NODES = ["n0", "n1", "n2"]
+KINDS = ("crash", "drop", "delay", "hold", "isolate")
+UNIT = 64 << 10
+
+
+class Links:
+    """The fate of every operation between two endpoints: per link, a fault with an end time."""
+
+    def __init__(self, rnd: random.Random):
+        self.rnd = rnd
+        self.faults: dict[tuple[str, str], tuple[str, float]] = {}  # (src, dst) -> (kind, until)
+        self.healed = trio.Event()
+        self.crossings = 0
+
+    def set(self, a: str, b: str, kind: str, seconds: float) -> None:
+        """Both directions of link a-b get ``kind`` for ``seconds``."""
+        until = trio.current_time() + seconds
+        self.faults[(a, b)] = self.faults[(b, a)] = (kind, until)
+
+    def heal(self) -> None:
+        self.faults.clear()
+        self.healed.set()
+        self.healed = trio.Event()
+
+    async def cross(self, src: str, dst: str, what: str) -> None:
+        self.crossings += 1
+        fault = self.faults.get((src, dst))
+        if fault is None:
+            return
+        kind, until = fault
+        if trio.current_time() >= until:
+            self.faults.pop((src, dst), None)
+            return
+        if kind == "drop":
+            await trio.sleep(self.rnd.uniform(0, 0.05))
+            raise (PeerLost if self.rnd.random() < 0.5 else TimeoutError)(f"{src}->{dst}: {what} lost (simulated)")
+        if kind == "delay":
+            await trio.sleep(self.rnd.uniform(0, 0.4))
+        elif kind == "hold":  # delivered when the fault ends, late
+            await self.healed.wait()
+
+
+@dataclass
+class World:
+    seed: int
+    kinds: tuple[str, ...]
+    rnd: random.Random
+    links: Links
+    cfg: object
+    nursery: trio.Nursery
+    scopes: dict[str, trio.CancelScope] = field(default_factory=dict)
+    nodes: dict[str, Node] = field(default_factory=dict)
+    files: dict[str, bytes | None] = field(default_factory=dict)  # path -> last acknowledged bytes (None: unknown)
+    grads: list[np.ndarray] = field(default_factory=list)  # every gradient pushed, in order
+    events: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    async def start(self, name: str) -> None:
+        node = Node(self.cfg, name, memory.MemoryTransport(self.cfg.token, endpoint=name))
+
+        async def run(task_status=trio.TASK_STATUS_IGNORED):
+            with trio.CancelScope() as scope:
+                self.scopes[name] = scope
+                await node.run(task_status=task_status)
+                await trio.sleep_forever()
+
+        await self.nursery.start(run)
+        self.nodes[name] = node
+
+    def crash(self, name: str) -> None:
+        self.scopes.pop(name).cancel()
+        del self.nodes[name]
+
+    async def settled(self, timeout: float = 120) -> None:
+        with trio.fail_after(timeout):
+            while not (len(self.nodes) == len(NODES) and all(n.sees_all_ready for n in self.nodes.values())):
+                await trio.sleep(0.05)
+
+    def note(self, what: str) -> None:
+        self.events.append(f"{trio.current_time() - self.t0:8.2f} {what}")
+        log.info("%s", self.events[-1])
+
+    async def faults(self, count: int) -> None:
+        for _ in range(count):
+            await trio.sleep(self.rnd.uniform(0.2, 3.0))
+            kind = self.rnd.choice(self.kinds)
+            target = self.rnd.choice(NODES)
+            seconds = round(self.rnd.uniform(0.2, 3.0), 2)
+            self.note(f"fault {kind} {target} {seconds}s")
+            if kind == "crash":
+                self.crash(target)
+                await trio.sleep(seconds)
+                await self.start(target)
+            elif kind == "isolate":
+                for other in NODES + ["client"]:
+                    if other != target:
+                        self.links.set(target, other, "drop", seconds)
+                await trio.sleep(seconds)
+            else:
+                other = self.rnd.choice([n for n in NODES + ["client"] if n != target])
+                self.links.set(target, other, kind, seconds)
+                await trio.sleep(seconds)
+            self.links.heal()
+            await self.settled()
+            self.note("settled")
+
+
+async def writer(w: World, client: Client, stop: trio.Event) -> None:
+    i = 0
+    while not stop.is_set():
+        path = f"/files/f{w.rnd.randrange(8)}"
+        size = w.rnd.choice([1, 100, UNIT - 1, UNIT, UNIT + 1, 3 * UNIT])
+        data = w.rnd.randbytes(size)
+        try:
+            with trio.fail_after(60):
+                await client.paths.write_file(path, data)
+            w.files[path] = data
+        except (TransportError, OSError, trio.TooSlowError, ExceptionGroup) as exc:  # a group: several stripes failed at once
+            w.files[path] = None  # unknown until its next acknowledged write
+            w.note(f"write {path} failed: {exc!r}")
+        i += 1
+        await trio.sleep(w.rnd.uniform(0, 0.3))
+
+
+async def trainer(w: World, client: Client, ino: int, shape: tuple, stop: trio.Event) -> None:
+    while not stop.is_set():
+        grad = np.full(shape, float(w.rnd.randrange(1, 4)), np.float32)
+        w.grads.append(grad)
+        while True:  # the same gradient until it is acknowledged: its step stays the client's
+            try:
+                with trio.fail_after(60):
+                    await client.training.push(ino, 0, grad)
+                break
+            except RemoteError as exc:
+                if exc.code == "EINVAL":  # refused for good: the ledger can no longer be met
+                    w.errors.append(f"push {len(w.grads) - 1} refused: {exc}")
+                    stop.set()
+                    return
+                w.note(f"push {len(w.grads) - 1} failed, sent again: {exc!r}")
+                await trio.sleep(0.2)
+            except (TransportError, OSError, trio.TooSlowError, ExceptionGroup) as exc:
+                w.note(f"push {len(w.grads) - 1} failed, sent again: {exc!r}")
+                await trio.sleep(0.2)
+        await trio.sleep(w.rnd.uniform(0, 0.3))
+
+
+async def check(w: World, client: Client, ino: int, w0: np.ndarray) -> None:
+    for path, want in sorted(w.files.items()):
+        if want is not None:
+            got = await client.paths.read_file(path)
+            if got != want:
+                w.errors.append(f"{path}: read {len(got)} bytes, the last acknowledged write was {len(want)} (first difference at "
+                                f"{next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))})")
+    params = await client.paths.load("/model/w.npy")
+    want = w0 - sum(w.grads) if w.grads else w0
+    if not np.array_equal(params, want):
+        w.errors.append(f"parameters differ from the replay of {len(w.grads)} pushes: max error {float(np.max(np.abs(params - want)))}")
+    snaps = {n: node.meta.snapshot() for n, node in w.nodes.items()}
+    first = snaps[NODES[0]]
+    for n, snap in snaps.items():
+        if snap["inodes"] != first["inodes"] or snap["entries"] != first["entries"]:
+            w.errors.append(f"namespace of {n} differs from {NODES[0]}'s after healing")
+
+
+async def _simulate(seed: int, kinds: tuple[str, ...], faults: int) -> World:
+    rnd = random.Random(seed)
+    cfg = from_dict(
+        {
+            "nodes": [{"name": n, "host": "sim", "port": 9000 + i} for i, n in enumerate(NODES)],
+            "token": "sim-token-0123456789",
+            "replicas": 2,
+            "stripe_unit": UNIT,
+            "transport": ["memory"],
+            "heartbeat": 0.1,
+            "down_after": 0.5,
+            "op_timeout": 2.0,
+        }
+    )
+    links = Links(rnd)
+    memory.LINKS = links
+    try:
+        async with trio.open_nursery() as nursery:
+            w = World(seed, kinds, rnd, links, cfg, nursery)
+            w.t0 = trio.current_time()
+            for n in NODES:
+                await w.start(n)
+            await w.settled()
+            async with Client.connect(cfg, memory.MemoryTransport(cfg.token, endpoint="client")) as client:
+                await client.paths.makedirs("/files")
+                await client.paths.makedirs("/model")
+                d = await client.paths.resolve("/model")
+                for k, v in (("sync", "asp"), ("workers", "1"), ("optimizer", "sgd lr=1")):
+                    await client.setxattr(d["ino"], f"user.irdma.{k}", v)
+                w0 = np.zeros((3 * UNIT) // 4, np.float32)  # three stripes
+                ino = (await client.paths.save("/model/w.npy", w0))["ino"]
+                stop = trio.Event()
+                async with trio.open_nursery() as work:
+                    work.start_soon(writer, w, client, stop)
+                    work.start_soon(trainer, w, client, ino, w0.shape, stop)
+                    await w.faults(faults)
+                    stop.set()
+                links.heal()
+                await w.settled()
+                try:
+                    await check(w, client, ino, w0)
+                except (TransportError, ExceptionGroup) as exc:
+                    w.errors.append(f"a read after healing failed: {exc!r}")
+            nursery.cancel_scope.cancel()
+    finally:
+        memory.LINKS = None
+    return w
+
+
+def simulate(seed: int, kinds: tuple[str, ...] = KINDS, faults: int = 6) -> World:
+    """One schedule, deterministic in ``seed``: a fresh trio run on a MockClock."""
+    trio._core._run._r.seed(seed)  # trio's scheduler shuffles with this (deterministic under Hypothesis's plugin)
+    return trio.run(_simulate, seed, tuple(kinds), faults, clock=trio.testing.MockClock(autojump_threshold=0))
