@@ -13,7 +13,20 @@ from .harness import simulate
 LONG = os.environ.get("IRDMAFS_LONG") == "1"
 
 
-@pytest.mark.parametrize("seed", range(200 if LONG else 6))
+# Crash schedules the heartbeat design still loses a push in (issue 20), found by the long run:
+# a restarted node refused a replication with a key of its previous incarnation twice, was
+# counted down though healthy, and the ESTALE refusals that followed left the next primary of a
+# stripe without the last pushes it had acknowledged. Kept as strict xfails: the redesign that
+# fixes them must say so.
+KNOWN_LOSSES = {22, 119}
+
+
+def _seeds(n: int) -> list:
+    loss = pytest.mark.xfail(strict=True, reason="issue 20: an acknowledged push lost after a restart (see KNOWN_LOSSES)")
+    return [pytest.param(s, marks=loss) if s in KNOWN_LOSSES else s for s in range(n)]
+
+
+@pytest.mark.parametrize("seed", _seeds(200 if LONG else 6))
 def test_crash_schedules_keep_every_acknowledged_write_and_push(seed):
     w = simulate(seed, ("crash",), faults=6)
     assert w.errors == [], "\n".join(w.events + w.errors)
