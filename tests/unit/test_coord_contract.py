@@ -141,7 +141,9 @@ async def test_views_on_a_real_etcd_through_its_outage(etcd, nursery):
 
     for k in keepers.values():
         await nursery.start(node, k)
-    await until(lambda: all(k.serving() for k in keepers.values()), 15)
+    # every keeper serving, and every one's newest view naming all three (a keeper may still
+    # hold an older view that names only itself and one other)
+    await until(lambda: all(k.serving() and set(k.view.names) == set(names) for k in keepers.values()), 15)
     first = keepers["a"].view
     scopes["c"].cancel()
     stopped = trio.current_time()
