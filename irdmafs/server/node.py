@@ -9,7 +9,9 @@ code running. What runs here is the control path:
   commits, so every backup sees them in version order; a backup that is behind (it was down)
   answers ``stale`` and gets the whole stripe. A backup refuses replication from a node it
   counts down (``ESTALE``: it may be a stopped primary sending what it began before), and a
-  replication that fails for good counts the backup down, so it fences and resyncs. A new
+  replication that fails for good counts the backup down, so it fences and resyncs; the answer
+  waits until every node the stripe then targets, the backup's stand-in included, holds the
+  update (``to_every_target``, the one place of that rule). A new
   stripe's versions start above any earlier stripe's of the same index (``version_base``).
 - ``meta`` (on the metadata primary): validate and apply a namespace op, then forward it with its
   sequence number to every other live node (``meta_apply``); a node that missed ops gets a
