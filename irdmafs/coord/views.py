@@ -85,7 +85,6 @@ class ViewReader:
         self.coord = coord
         self.prefix = prefix_of(cluster)
         self.view = View()
-        self.changed = trio.Event()
         self.unreachable_since = math.inf
 
     async def read(self) -> tuple[View, dict[str, int]]:
@@ -98,15 +97,14 @@ class ViewReader:
         self.unreachable_since = math.inf
         alive = {e.key[len(self.prefix) + len("alive/") :]: e.lease for e in entries if e.key.startswith(self.prefix + "alive/")}
         view = next((View.decode(e.value, e.mod_revision) for e in entries if e.key == self.prefix + "view"), View())
-        self._learn(view)
+        self.learn(view)
         return self.view, alive
 
-    def _learn(self, view: View) -> None:
+    def learn(self, view: View) -> None:
+        """Keep ``view`` if it is newer than the one held (one read, or a CAS that committed it)."""
         if view.epoch > self.view.epoch:
             log.info("view %d: serving %s", view.epoch, ", ".join(view.names) or "nothing")
             self.view = view
-            self.changed.set()
-            self.changed = trio.Event()
 
 
 @dataclass
@@ -137,7 +135,6 @@ class ViewKeeper:
     reader: ViewReader = field(init=False)
     lease: _Lease = field(default_factory=_Lease)
     announced: bool = False
-    lease_changed: trio.Event = field(default_factory=trio.Event)
     _missing_since: dict[tuple[str, int], float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -158,7 +155,7 @@ class ViewKeeper:
     # -- the lease ---------------------------------------------------------------------------
     async def keep_lease(self) -> None:
         """Take a lease and keep it alive; when it ends, take a new one (the node must then be
-        announced again, after it resynced: ``lease_changed`` fires)."""
+        announced again, after it resynced: ``announced`` turns False)."""
         while True:
             sent = trio.current_time()
             try:
@@ -181,8 +178,6 @@ class ViewKeeper:
         log.warning("node %s: lease %x lost (%s): it serves nothing until it is announced again", self.name, self.lease.id, why)
         self.lease = _Lease()
         self.announced = False
-        self.lease_changed.set()
-        self.lease_changed = trio.Event()
 
     async def announce(self) -> None:
         """This node is ready to serve: its alive key, under its lease (LeaseGone: take a new
@@ -252,7 +247,7 @@ class ViewKeeper:
         proposal = View(0, tuple(sorted(serving.items())))
         done, revision = await self.coord.cas(self.prefix + "view", view.epoch, proposal.encode())
         if done:
-            self.reader._learn(View(revision, proposal.serving))
+            self.reader.learn(View(revision, proposal.serving))
             for key in [k for k in self._missing_since if k not in proposal.serving]:
                 del self._missing_since[key]
         return self.view

@@ -54,7 +54,7 @@ from ..metrics import Latency, node_samples
 from ..metrics import serve as serve_metrics
 from ..notify import notify
 from ..progress import Progress
-from ..util import keep_freed_memory, single_exception
+from ..util import keep_freed_memory
 from ..transport.base import Access, AccessError, RemoteError, Transport, TransportError
 from .leases import ServingLease
 from .membership import Membership
@@ -643,10 +643,9 @@ class Node(Membership, TrainingCalls):
             async def send(peer: str) -> None:
                 done[peer] = await one(peer)
 
-            with single_exception(RemoteError):
-                async with trio.open_nursery() as n:
-                    for peer in todo:
-                        n.start_soon(send, peer)
+            async with trio.open_nursery() as n:
+                for peer in todo:
+                    n.start_soon(send, peer)
             have |= {p for p, ok in done.items() if ok}
         raise RemoteError("EAGAIN", f"stripe {fid}:{idx}: its replicas kept changing; not acknowledged, send it again")
 

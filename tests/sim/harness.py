@@ -101,6 +101,7 @@ class World:
     grads: list[np.ndarray] = field(default_factory=list)  # every gradient pushed, in order
     events: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    t0: float = 0.0  # when the run began (events are stamped from it)
 
     async def start(self, name: str) -> None:
         node = Node(self.cfg, name, memory.MemoryTransport(self.cfg.token, endpoint=name))
@@ -153,7 +154,6 @@ class World:
 
 
 async def writer(w: World, client: Client, stop: trio.Event) -> None:
-    i = 0
     while not stop.is_set():
         path = f"/files/f{w.rnd.randrange(8)}"
         size = w.rnd.choice([1, 100, UNIT - 1, UNIT, UNIT + 1, 3 * UNIT])
@@ -165,7 +165,6 @@ async def writer(w: World, client: Client, stop: trio.Event) -> None:
         except (TransportError, OSError, trio.TooSlowError, ExceptionGroup) as exc:  # a group: several stripes failed at once
             w.files[path] = None  # unknown until its next acknowledged write
             w.note(f"write {path} failed: {exc!r}")
-        i += 1
         await trio.sleep(w.rnd.uniform(0, 0.3))
 
 
