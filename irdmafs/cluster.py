@@ -95,7 +95,7 @@ class Cluster:
         self,
         cfg: ClusterConfig,
         transport: Transport,
-        nursery: trio.Nursery,
+        nursery: trio.Nursery | None,
         *,
         me: str | None = None,
         my_state: Callable[[], str] | None = None,
@@ -132,7 +132,7 @@ class Cluster:
         # (_confirmed): a node cut off for a moment may say "ready" before it learns that its
         # peers wrote without it. A node that counts a peer down remembers the (incarnation,
         # serving generation) it lost and says so in its probes: that peer then fences and
-        # resyncs unless it has done so since (server/membership.py, _lost_by_peer).
+        # resyncs unless it has done so since (server/serving.py, Serving.lost_by_peer).
         self.claimed: dict[str, str] = {}
         self.lost: dict[str, list[int]] = {}
         self._inflight: dict[str, set[trio.CancelScope]] = defaultdict(set)  # see _AbortOnDown

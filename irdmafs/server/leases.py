@@ -4,10 +4,10 @@ With ``coordinator`` in the config (``irdmafs up`` starts a local etcd and names
 only while it holds its etcd lease and the newest view it has read names it with that lease:
 
 - at start and after every fence it resyncs, then announces itself and waits until a view names
-  it, and only then turns ready (``Membership._join``);
+  it, and only then turns ready (``Membership.join``);
 - it fences at once when that stops being true: its lease ran out (etcd unreachable for the
   lease's TTL, the process stopped, the lease revoked). Checked before every heartbeat answer,
-  before every call that needs it ready, and by its fence ticker (``Membership._check_lease``);
+  before every call that needs it ready, and by its fence ticker (``Serving.check_lease``);
 - it rejoins only while it holds a lease: while etcd is unreachable, nodes serve until their
   leases end and then wait, and no new view is made; heartbeats and ``irdmafs status`` say so.
 

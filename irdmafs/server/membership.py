@@ -1,34 +1,41 @@
-"""How a PS node joins, rejoins and leaves the membership: mixed into ``Node`` (server/node.py).
+"""How a PS node joins, rejoins and leaves the membership: one service of a node (server/node.py
+builds it), moving its ``Serving`` state.
 
-- Joining (``_join``): a node tells its peers it is ``joining`` (they replicate to it from then
+- Joining (``join``): a node tells its peers it is ``joining`` (they replicate to it from then
   on), resyncs, turns ready and asks each peer to ``handover`` the stripes it led while the node
   was away: the peer counts it ready, drains what it has under way on them and answers with what
   it holds, which the node fetches if newer. So a stripe never has two primaries, and a node never
   leads with an old copy.
-- Fencing (``_fence_loop``): a ready node that reaches less than a majority, or that a ready peer
+- Fencing (``fence_loop``): a ready node that reaches less than a majority, or that a ready peer
   counts down, stops serving and joins again before it serves. Two cases a node cannot see from
   its own view are fenced at once: a stall (it did not run for most of ``down_after``: SIGSTOP,
-  a paused VM; ``_check_stall``, before any heartbeat answers "ready"), and a peer that kept
-  its majority saying it lost this node's serving generation (``_lost_by_peer``). Its resync
+  a paused VM; ``Serving.check_stall``, before any heartbeat answers "ready"), and a peer that kept
+  its majority saying it lost this node's serving generation (``Serving.lost_by_peer``). Its resync
   then takes its peers' copy of what it led just before.
 - Membership changes (rebalance.py drives them): ``members``, ``rebalance_pull``, ``reconfigure``,
   and dropping what a node no longer holds after a grace period.
 
-Everything here runs on the node's trio thread and uses its cluster view, store and locks.
+Everything here runs on the node's trio thread; the cluster view, store, locks, resync and
+training are handed in.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import asdict
 
 import trio
 
-from ..cluster import READY, SYNCING, NodeDown
-from ..config import NodeSpec
+from ..cluster import READY, SYNCING, Cluster, NodeDown
+from ..config import ClusterConfig, NodeSpec
 from ..placement import placement
-from ..transport.base import RemoteError
+from ..transport.base import RemoteError, TransportError
+from .leases import ServingLease
+from .locks import KeyedLocks
+from .resync import Resync
+from .serving import Serving
+from .store import Store
+from .training import Training
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +57,26 @@ def _node_specs(nodes: list) -> list[NodeSpec]:
 
 
 class Membership:
-    """Joining, the hand-over, fencing and membership changes of a ``Node``."""
+    """Joining, the hand-over, fencing and membership changes of a node."""
+
+    def __init__(
+        self,
+        name: str,
+        cfg: ClusterConfig,
+        cluster: Cluster,
+        store: Store,
+        locks: KeyedLocks,
+        meta_lock: trio.Lock,
+        serving: Serving,
+        training: Training,
+        resync: Resync,
+        lease: ServingLease,
+    ):
+        self.name, self.cfg, self.cluster, self.store, self.stripe_locks, self.meta_lock = name, cfg, cluster, store, locks, meta_lock
+        self.serving, self.training, self.resync, self.lease = serving, training, resync, lease
 
     # -- joining: resync, then the hand-over -----------------------------------------------------
-    async def _join(self) -> None:
+    async def join(self) -> None:
         """(Re)join the cluster without ever having two primaries for a stripe.
 
         While this node was away, stand-ins were primaries of its stripes. It tells every peer
@@ -63,22 +86,30 @@ class Membership:
         (which replicate here before they finish), and answers with the versions and push
         bookkeeping it holds of them; this node fetches any newer than its own (``_catch_up``).
         Commits, pushes, namespace ops and stripe lookups sent here meanwhile wait for the
-        hand-over (``_await_takeover``). Peers' heartbeat probes begun before a node's own word
-        are ignored (Cluster.vouch)."""
-        self.state = SYNCING
+        hand-over (``Serving.await_takeover``). Peers' heartbeat probes begun before a node's own
+        word are ignored (Cluster.vouch).
+
+        A resync that fails (the peer it fetches the namespace from is lost meanwhile) is begun
+        again once a peer is there to resync from; the node stays syncing until then. (It ended
+        the node's tasks, and the node with them; found by the fault simulator, tests/sim.)"""
+        self.serving.state = SYNCING
         self.cluster.lost.clear()  # what it lost while serving before, its resync takes care of
-        self.taken_over = trio.Event()
-        await self._tell_peers("joining")
-        await self.resync()
+        self.serving.taken_over = trio.Event()
+        while True:
+            await self._tell_peers("joining")
+            try:
+                await self.resync.resync()
+                break
+            except TransportError as exc:
+                log.warning("node %s: resync failed (%s); it begins again", self.name, exc)
+            await self.cluster.wait_changed(self.cfg.heartbeat * 5)
+            while not self._may_rejoin():
+                await self.cluster.wait_changed(self.cfg.heartbeat * 5)
         await self.lease.announce()  # with a coordinator: until a view names it (server/leases.py)
-        self.state = READY
-        self.suspect_since = math.inf
-        self.led.clear()  # what it led before is settled by this resync
-        self.gen += 1  # a new serving generation: peers that lost the old one trust this one
-        self.ready_since = self.last_tick = trio.current_time()
+        self.serving.became_ready()
         handed = await self._tell_peers("handover")
         await self._catch_up(handed)
-        self.taken_over.set()
+        self.serving.taken_over.set()
 
     async def _tell_peers(self, method: str) -> dict[str, dict]:
         """Call ``method`` on every peer that answers; returns their answers by name."""
@@ -104,11 +135,9 @@ class Membership:
         for peer, answer in handed.items():
             for fid, idx, snap, version in answer.get("stripes", []):
                 mine = self.store.get(fid, idx, snap)
-                if (mine is None or mine.version < version) and await self._fetch_stripe(fid, idx, snap, peer):
+                if (mine is None or mine.version < version) and await self.resync.fetch_stripe(fid, idx, snap, peer):
                     fetched += 1
-            for key, rec in answer.get("records", {}).items():
-                fid, idx = (int(x) for x in key.split(":"))
-                await self._take_record_if_newer(fid, idx, rec)
+            await self.training.take_records(answer.get("records", []))
         if fetched:
             log.warning("hand-over: %d stripes fetched again (their replication here had failed)", fetched)
 
@@ -139,16 +168,8 @@ class Membership:
         led = {(fid, idx) for fid, idx, _ in self.store.stripes if self.cluster.stripe_primary(fid, idx) == name}
         return {
             "stripes": [[fid, idx, snap, s.version] for (fid, idx, snap), s in list(self.store.stripes.items()) if (fid, idx) in led],
-            "records": {f"{fid}:{idx}": st.record() for (fid, idx), st in list(self.training.items()) if (fid, idx) in led and st.span[2]},
+            "records": self.training.wire_records(led),
         }
-
-    async def _await_takeover(self) -> None:
-        """Primary work waits (briefly) while this node takes its stripes back."""
-        if not self.taken_over.is_set():
-            with trio.move_on_after(self.cfg.op_timeout):
-                await self.taken_over.wait()
-            if not self.taken_over.is_set():
-                raise RemoteError("EAGAIN", f"node {self.name} is taking over from its stand-ins")
 
     # -- fencing ---------------------------------------------------------------------------------
     def _cut_off(self) -> tuple[str, float] | None:
@@ -164,7 +185,7 @@ class Membership:
         for n in peers:
             info = self.cluster.info.get(n, {})
             counts_it_down = self.name not in info.get("sees_ready", [self.name])
-            if self.cluster.node_state(n) == READY and counts_it_down and self.cluster.info_at.get(n, 0) - self.ready_since > settle:
+            if self.cluster.node_state(n) == READY and counts_it_down and self.cluster.info_at.get(n, 0) - self.serving.ready_since > settle:
                 return f"{n} counts this node down", 0.0
         return None
 
@@ -175,56 +196,18 @@ class Membership:
             return False
         return any(self.cluster.node_state(n) == READY for n in self.cfg.names if n != self.name) or self.cluster.reaches_majority()
 
-    def _fence(self, why: str, suspect_since: float) -> None:
-        """Stop serving until a resync; what this node led since ``suspect_since`` may not have
-        reached its peers, so that resync takes their copy of it."""
-        log.warning("node %s fenced: %s; it serves nothing until it has resynced", self.name, why)
-        self.suspect_since = suspect_since
-        self.state = SYNCING
-
-    def _lost_by_peer(self, lost_at: list | None) -> None:
-        """A peer counted this node down while it served generation ``lost_at`` (incarnation,
-        generation), and may have written without it since: if that is still the generation
-        it serves, it fences and resyncs before it serves again. A node cut off for a moment
-        (a partition shorter than its own fencing grace) would otherwise come back ready and
-        serve what it missed."""
-        if self.state == READY and lost_at is not None and list(lost_at) == [self.transport.incarnation, self.gen]:
-            # it was cut off since some time within the peer's down_after and op timeouts
-            self._fence(f"a peer counted it down (generation {self.gen})", trio.current_time() - 2 * (self.cfg.op_timeout + self.cfg.down_after))
-            self.must_rejoin = True
-
-    def _check_stall(self) -> None:
-        """Fence at once if this process did not run for most of ``down_after`` (SIGSTOP, a
-        paused VM, swapping): its peers may have counted it down and gone on writing without
-        it, and it cannot know. Called first thing by every heartbeat it answers and by its
-        own ticker, whichever runs first after the stall, so no heartbeat answers "ready" in
-        between (clients trust a node's state only from its heartbeats)."""
-        now = trio.current_time()
-        gap, self.last_tick = now - self.last_tick, now
-        if gap > 0.8 * self.cfg.down_after and self.state == READY:
-            # suspect: commits begun before the stall
-            self._fence(f"it did not run for {gap:.1f} s (stopped or paused)", now - gap - self.cfg.op_timeout)
-            self.must_rejoin = True
-
-    def _check_lease(self) -> None:
-        """With a coordinator: fence at once when this node no longer holds its lease, or the
-        newest view no longer names it (server/leases.py). Checked where ``_check_stall`` is."""
-        if self.state == READY and not self.lease.holds():
-            self._fence(self.lease.why_not(), trio.current_time() - 2 * (self.cfg.op_timeout + self.cfg.down_after))
-            self.must_rejoin = True
-
-    async def _fence_loop(self) -> None:
+    async def fence_loop(self) -> None:
         """A node cut off from the cluster stops serving (syncing) and, once it reaches a peer
         again, resyncs before it serves: a stale node never serves an old version."""
         cut_since = None
         while True:
             await trio.sleep(min(self.cfg.heartbeat, self.cfg.down_after / 4))
-            self._check_stall()
-            self._check_lease()
-            if self.must_rejoin:  # fenced by a stall or by a peer that lost it (rpc_heartbeat)
-                self.must_rejoin = False
+            self.serving.check_stall()
+            self.serving.check_lease()
+            if self.serving.must_rejoin:  # fenced by a stall or by a peer that lost it (rpc_heartbeat)
+                self.serving.must_rejoin = False
             else:
-                cut = self._cut_off() if self.state == READY else None
+                cut = self._cut_off() if self.serving.state == READY else None
                 if cut is None:
                     cut_since = None
                     continue
@@ -232,10 +215,10 @@ class Membership:
                 cut_since = cut_since if cut_since is not None else trio.current_time()
                 if trio.current_time() - cut_since < grace:
                     continue  # a moment without heartbeats: not yet a partition
-                self._fence(why, trio.current_time() - 2 * (self.cfg.op_timeout + self.cfg.down_after) - grace)
+                self.serving.fence(why, trio.current_time() - 2 * (self.cfg.op_timeout + self.cfg.down_after) - grace)
             while not self._may_rejoin():
                 await self.cluster.wait_changed(self.cfg.heartbeat * 5)
-            await self._join()
+            await self.join()
             cut_since = None
             log.info("node %s ready again after resync", self.name)
 
@@ -255,7 +238,7 @@ class Membership:
         def mine(fid: int, idx: int) -> bool:
             return self.name in placement(fid, idx, names, replicas)
 
-        return await self._pull_stripes("rebalance", peers, mine, strict=True)
+        return await self.resync.pull_stripes("rebalance", peers, mine, strict=True)
 
     async def rpc_reconfigure(self, nodes: list[dict], replicas: int, epoch: int) -> dict:
         """Rebalance, step 2: switch to the new membership; after a grace period (clients learn
@@ -264,10 +247,10 @@ class Membership:
             return {"epoch": self.cluster.epoch}
         specs = _node_specs(nodes)
         self.cluster.adopt(specs, replicas, epoch)
-        self._adopted(epoch)
+        self.adopted(epoch)
         return {"epoch": epoch}
 
-    def _adopted(self, epoch: int) -> None:
+    def adopted(self, epoch: int) -> None:
         if self.name in self.cfg.names:
             self.cluster.nursery.start_soon(self._drop_unhomed, epoch)
         else:

@@ -1,5 +1,7 @@
 """Training on a PS node: gradient pushes, sync policies, optimizer steps, and the push
-bookkeeping that lets a backup take over: mixed into ``Node`` (server/node.py).
+bookkeeping that lets a backup take over. ``Training`` is one service of a node (server/node.py
+builds it and hands it its collaborators: the store, the stripe locks, the serving checks, the
+commit barrier, the replicator).
 
 A client's pushes arrive fused in one WRITE with immediate (``on_imm``). The primary of each
 stripe takes a push under the model's policy (policies.py: bsp, asp, ssp, r2sp), runs the optimizer
@@ -14,28 +16,61 @@ says whether it has them), so a primary lost mid-round loses nothing either. ``t
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import time
-from functools import partial
+from collections import defaultdict
+from typing import Callable, NamedTuple
 
 import numpy as np
 import trio
 
-from ..cluster import NodeDown
-from ..transport.base import AccessError, RemoteError
+from ..cluster import Cluster, NodeDown
+from ..config import ClusterConfig
+from ..metrics import Latency
+from ..transport.base import RemoteError
 from . import optim
+from .barrier import CommitBarrier
+from .locks import KeyedLocks
+from .meta import Meta
 from .policies import Model, PolicyError, RecordError, StripeTraining, parse_policy
-from .store import NoSpace
+from .replicator import Replicator
+from .serving import Serving
+from .staging import Staged, StagingRegions
+from .store import NoSpace, Store
+from .updates import StripeKey, StripeRange, Update, check_range
 
 log = logging.getLogger(__name__)
 
 _NUMBER = (int, float)
+
+
+class Push(NamedTuple):
+    """Gradient push ``step`` of ``rank`` for the ``count`` elements of stripe (fid, idx)
+    starting at byte ``offset``, in dtype ``wire``: all of them, or with ``spans`` only the
+    [start, length] element runs listed (chunk sparsification; the rest is zero). ``busy``:
+    the pusher's compute time per step; ``paced``: how long it waited for its r2sp slot."""
+
+    fid: int
+    idx: int
+    offset: int
+    count: int
+    rank: int
+    step: int
+    wire: str
+    unit: int
+    spans: list | None = None
+    busy: float | None = None
+    paced: float = 0.0
+
+
 # the types of a push descriptor's fields (``_push_args``); ``spans`` and ``busy`` may be null
 PUSH_TYPES = {
     "fid": int, "idx": int, "offset": int, "count": int, "rank": int, "step": int, "unit": int,
     "wire": str, "spans": list, "busy": _NUMBER, "paced": _NUMBER,
 }
+PUSH_SIGNATURE = inspect.signature(Push)
 
 
 def pull_timeout(x: dict[str, str]) -> float:
@@ -47,8 +82,40 @@ def pull_timeout(x: dict[str, str]) -> float:
         raise RemoteError("EINVAL", f"user.irdma.timeout {text!r} is not a number of seconds") from None
 
 
-class TrainingCalls:
-    """The training calls of a ``Node`` (mixed into it): pushes, ``train_*`` calls, policies."""
+class Training:
+    """Pushes, the ``train_*`` calls and the push bookkeeping (``records``, by (fid, idx)) of a
+    node. ``meta()`` is the node's namespace as it is now (a resync replaces it)."""
+
+    def __init__(
+        self,
+        name: str,
+        cfg: ClusterConfig,
+        meta: Callable[[], Meta],
+        store: Store,
+        locks: KeyedLocks,
+        serving: Serving,
+        barrier: CommitBarrier,
+        replicator: Replicator,
+        staging: StagingRegions,
+        latency: Latency,
+    ):
+        self.name, self.cfg, self._meta, self.store, self.stripe_locks = name, cfg, meta, store, locks
+        self.serving, self.barrier, self.replicator, self.staging, self.latency = serving, barrier, replicator, staging, latency
+        self.cluster: Cluster = replicator.cluster
+        self.records: dict[tuple[int, int], StripeTraining] = defaultdict(StripeTraining)
+        self.apply_seconds = 0.0  # optimizer steps and installs of pushed gradients
+        self.pushes_applied = trio.Event()  # set (and replaced) whenever pushes may have been applied
+
+    @property
+    def meta(self) -> Meta:
+        return self._meta()
+
+    def forget(self, fid: int, from_idx: int = 0) -> None:
+        """The push bookkeeping of stripes that are gone (their clocks went with them): a tensor
+        written anew (np.save truncates first, a publish with other shapes) starts its training
+        from nothing, on every replica alike."""
+        for key in [k for k in self.records if k[0] == fid and k[1] >= from_idx]:
+            del self.records[key]
 
     def model_of(self, fid: int) -> tuple[Model, optim.Optimizer, dict]:
         """The sync policy, worker count and optimizer in force for tensor ``fid``, from the
@@ -108,7 +175,7 @@ class TrainingCalls:
         """The model's policy as this tensor sees it, and how many pushes of ``rank`` this node
         (a stripe primary) has taken for it."""
         model, opt, tensor = self.model_of(fid)
-        pushed = max((st.next_step(rank) for (f, _), st in self.training.items() if f == fid), default=0)
+        pushed = max((st.next_step(rank) for (f, _), st in self.records.items() if f == fid), default=0)
         x = self.meta.inherited_xattrs(fid)
         timeout = pull_timeout(x)
         policy = {"sync": str(model.policy), "workers": model.workers, "active": model.active}
@@ -141,8 +208,7 @@ class TrainingCalls:
 
         async def one(i: int, d: dict) -> None:
             try:
-                staged, args = self._push_args(data, d)
-                results[i] = await self._push(staged, **args)
+                results[i] = await self._push(*self._push_args(data, d))
             except RemoteError as exc:
                 results[i] = {"error": exc.code, "message": exc.message}
             except NoSpace as exc:
@@ -164,73 +230,43 @@ class TrainingCalls:
                 pass
         return {"results": results, "info": info}
 
-    def _push_args(self, data: memoryview, d: dict) -> tuple[memoryview, dict]:
-        """A push descriptor, checked: ``at``, where its gradient starts in the pushed bytes, and
-        the arguments ``_push`` takes, of their types; EINVAL saying what is wrong."""
+    def _push_args(self, data: memoryview, d: dict) -> tuple[memoryview, Push]:
+        """A push descriptor, checked: where its gradient starts in the pushed bytes (``at``)
+        and the ``Push`` it describes, every field of its type; EINVAL saying what is wrong."""
         at = d.pop("at", None)
         if not isinstance(at, int) or not 0 <= at <= len(data):
             raise RemoteError("EINVAL", f"bad push descriptor: gradient at {at!r} of {len(data)} bytes pushed")
         try:
-            self._signature("_push", self._push).bind(data, **d)
+            PUSH_SIGNATURE.bind(**d)
         except TypeError as exc:
             raise RemoteError("EINVAL", f"bad push descriptor: {exc}") from None
         wrong = [k for k, v in d.items() if not isinstance(v, PUSH_TYPES[k]) and not (v is None and k in ("spans", "busy"))]
         if wrong:
             raise RemoteError("EINVAL", f"bad push descriptor: {', '.join(wrong)} of the wrong type")
-        return data[at:], d
+        return data[at:], Push(**d)
 
-    async def _push(
-        self,
-        staged: memoryview,
-        fid: int,
-        idx: int,
-        offset: int,
-        count: int,
-        rank: int,
-        step: int,
-        wire: str,
-        unit: int,
-        spans: list | None = None,
-        busy: float | None = None,
-        paced: float = 0.0,
-    ) -> dict:
-        """Gradient push ``step`` of ``rank`` for the ``count`` elements of this stripe starting
-        at byte ``offset``, read from ``staged`` in dtype ``wire``: all of them, or with
-        ``spans`` only the [start, length] element runs listed (chunk sparsification; the rest
-        is zero); applied as the policy says."""
-        self._require_ready()
-        await self._await_takeover()
-        async with self._commit_barrier():
-            return await self._push_now(staged, fid, idx, offset, count, rank, step, wire, unit, spans, busy, paced)
+    async def _push(self, staged: memoryview, p: Push) -> dict:
+        """Push ``p``, its gradient read from ``staged``, applied as the policy says."""
+        self.serving.require_ready()
+        await self.serving.await_takeover()
+        async with self.barrier.changing():
+            return await self._push_now(staged, p)
 
-    async def _push_now(
-        self,
-        staged: memoryview,
-        fid: int,
-        idx: int,
-        offset: int,
-        count: int,
-        rank: int,
-        step: int,
-        wire: str,
-        unit: int,
-        spans: list | None,
-        busy: float | None,
-        paced: float,
-    ) -> dict:
-        self._check_primary(fid, idx)
+    async def _push_now(self, staged: memoryview, p: Push) -> dict:
+        fid, idx, offset, count, rank, step, unit = p.fid, p.idx, p.offset, p.count, p.rank, p.step, p.unit
+        self.serving.check_primary(fid, idx)
         model, opt, tensor = self.model_of(fid)
         if rank not in model.active:
             raise RemoteError("EINVAL", f"rank {rank} is not one of the active workers {model.active}")
         dtype = np.dtype(tensor["dtype"])
-        self._check_range(offset, count * dtype.itemsize, unit)
-        if wire not in ("<f2", "<f4", "<f8"):
-            raise RemoteError("EINVAL", f"gradients travel as float16/32/64, not {wire}")
-        grad = self._gradient(staged, count, np.dtype(wire), spans, optim.work_dtype(dtype))
+        check_range(offset, count * dtype.itemsize, unit, self.cfg.stripe_unit)
+        if p.wire not in ("<f2", "<f4", "<f8"):
+            raise RemoteError("EINVAL", f"gradients travel as float16/32/64, not {p.wire}")
+        grad = self._gradient(staged, count, np.dtype(p.wire), p.spans, optim.work_dtype(dtype))
         key = (fid, idx)
-        st = self.training[key]
+        st = self.records[key]
         async with self.stripe_locks(key):
-            self._check_primary(fid, idx)  # again, under the lock: a hand-over may have moved it
+            self.serving.check_primary(fid, idx)  # again, under the lock: a hand-over may have moved it
             done = st.next_step(rank)
             if step < done:  # a retry of a push already taken: exactly once
                 return {"clock": st.clock(model), "pushed": done, "duplicate": True}
@@ -238,9 +274,9 @@ class TrainingCalls:
                 log.warning("push %d of rank %d to stripe %d:%d refused: %d taken so far", step, rank, fid, idx, done)
                 raise RemoteError("EINVAL", f"rank {rank} pushed {done} times; push {step} is out of order")
             st.span = (offset, count, unit)
-            st.observe(rank, busy)
+            st.observe(rank, p.busy)
             now = trio.current_time()
-            st.arrive(rank, step, now, paced)
+            st.arrive(rank, step, now, p.paced)
             await self._settle(fid, idx, st, model, opt, dtype, st.take(model, rank, step, grad))
             clock, held = st.clock(model), step >= st.pushed.get(rank, 0)
         self._signal_applied()
@@ -255,10 +291,10 @@ class TrainingCalls:
     async def rpc_train_next(self, fid: int, idx: int, rank: int) -> dict:
         """The step of ``rank``'s next push to this stripe, as its primary counts: a client
         whose push sat in a round that did not close asks before sending it again."""
-        self._require_ready()
-        await self._await_takeover()
-        self._check_primary(fid, idx)
-        return {"next": self.training[(fid, idx)].next_step(rank)}
+        self.serving.require_ready()
+        await self.serving.await_takeover()
+        self.serving.check_primary(fid, idx)
+        return {"next": self.records[(fid, idx)].next_step(rank)}
 
     def _signal_applied(self) -> None:
         """Wake whoever waits for pushes to be applied (``train_wait``)."""
@@ -270,7 +306,7 @@ class TrainingCalls:
         held until its turn); ETIMEDOUT after ``timeout`` seconds."""
         if not isinstance(timeout, _NUMBER) or not timeout >= 0:
             raise RemoteError("EINVAL", f"train_wait: timeout {timeout!r} is not a number of seconds")
-        st = self.training[(fid, idx)]
+        st = self.records[(fid, idx)]
         with trio.move_on_after(timeout):
             while st.pushed.get(rank, 0) < pushed:
                 await self.pushes_applied.wait()
@@ -306,7 +342,7 @@ class TrainingCalls:
             self._apply_updates(fid, idx, np.frombuffer(view, dtype), updates, opt, unit)
 
         self.store.update(fid, idx, offset, count * dtype.itemsize, unit, step if updates else None, clock=clock)
-        self.led[(fid, idx, 0)] = trio.current_time()
+        self.serving.led_now((fid, idx, 0))
         self.apply_seconds += time.perf_counter() - t0
         await self._replicate_training(fid, idx, offset, count * dtype.itemsize, unit, len(opt.state_names) if updates else 0, record)
 
@@ -320,44 +356,21 @@ class TrainingCalls:
         blobs: list[np.ndarray] = []
         record = st.record(blobs)
         views = [memoryview(b).cast("B") for b in blobs]
-        args = {"fid": fid, "idx": idx, "record": record, "lengths": [len(v) for v in views], "sender": self.name}
-
-        async def staged(peer: str, slot) -> dict:
-            await self.cluster.write(peer, slot.rkey, slot.offset, views, slot.inc)
-            return await self.cluster.call(peer, "train_record", dict(args, rkey=slot.rkey, soff=slot.offset))
-
-        async def one(peer: str) -> None:
-            for attempt in (1, 2):
-                try:
-                    if not views:
-                        await self.cluster.call(peer, "train_record", args)
-                    elif sum(args["lengths"]) <= self.replication_slots.slot_size:
-                        await self.replication_slots.with_slot(peer, partial(staged, peer))
-                    else:  # larger than a staging slot (many held pushes): inline, as base64
-                        await self.cluster.call(peer, "train_record", {"fid": fid, "idx": idx, "record": st.record(), "sender": self.name})
-                    return
-                except (NodeDown, RemoteError, AccessError) as exc:
-                    if attempt == 1 and not isinstance(exc, NodeDown) and (isinstance(exc, AccessError) or exc.code == "EINVAL"):
-                        self.replication_slots.forget(peer)  # its staging region is gone (it restarted)
-                        continue
-                    log.warning("training record of stripe %d:%d not replicated to %s: %s", fid, idx, peer, exc)
-                    self.lost_replica(peer, exc)
-                    return
-
+        key = StripeKey(fid, idx)
         async with trio.open_nursery() as n:
             for peer in self.cluster.targets(fid, idx):
                 if peer != self.name:
-                    n.start_soon(one, peer)
+                    n.start_soon(self.replicator.record, peer, key, record, views, st.record)
 
     async def rpc_train_record(self, fid: int, idx: int, record: dict, lengths: list | None = None, rkey: int = 0, soff: int = 0, sender: str = "") -> dict:
         """A backup keeps the primary's push bookkeeping for a stripe (to take over with it);
         its arrays, if ``lengths`` are given, were staged at ``rkey``/``soff`` in that order."""
-        self._check_sender(sender)
+        self.serving.check_sender(sender)
         blobs = None
         if lengths:
             if not all(isinstance(n, int) and n >= 0 for n in lengths):
                 raise RemoteError("EINVAL", "bad record array lengths")
-            data = self._staged(rkey, soff, sum(lengths))
+            data = self.staging.view(Staged(rkey, soff, sum(lengths)))
             blobs, at = [], 0
             for n in lengths:
                 blobs.append(data[at : at + n])
@@ -367,13 +380,13 @@ class TrainingCalls:
         except RecordError as exc:
             raise RemoteError("EINVAL", str(exc)) from None
         async with self.stripe_locks((fid, idx)):
-            self.training[(fid, idx)].restore(incoming)
+            self.records[(fid, idx)].restore(incoming)
         return {}
 
-    async def _recheck_training(self) -> None:
+    async def recheck(self) -> None:
         """The set of active ranks changed: rounds waiting for a removed rank complete, clocks
         move on, and r2sp turns skip it."""
-        for (fid, idx), st in list(self.training.items()):
+        for (fid, idx), st in list(self.records.items()):
             if self.cluster.stripe_primary(fid, idx) != self.name or not st.span[2]:
                 continue
             try:
@@ -411,17 +424,19 @@ class TrainingCalls:
         and push bookkeeping, whose apply installs the state too: a backup that takes over holds
         all of one step or none of it."""
         stripe = self.store.get(fid, idx)
+        params = Update(StripeRange(StripeKey(fid, idx), offset, length, unit), stripe.version, stripe, record=record, state=nstate)
 
         async def one(peer: str) -> bool:
             for k in range(1, nstate + 1):
                 s = self.store.get(fid, idx, -k)
-                if not await self._replicate(peer, fid, idx, 0, s.capacity, s.version, 2 * unit, s, -k, pending=True):
+                state = Update(StripeRange(StripeKey(fid, idx, -k), 0, s.capacity, 2 * unit), s.version, s, pending=True, full=True)
+                if not await self.replicator.update(peer, state):
                     return False
-            return await self._replicate(peer, fid, idx, offset, length, stripe.version, unit, stripe, record=record, state=nstate)
+            return await self.replicator.update(peer, params)
 
-        await self.to_every_target(fid, idx, one)
+        await self.replicator.to_every_target(StripeKey(fid, idx), one)
 
-    async def _pull_training_records(self, peers: list[str], mine) -> None:
+    async def pull_records(self, peers: list[str], mine: Callable[[int, int], bool]) -> None:
         """The push bookkeeping of the stripes this node holds, from its peers: a node that
         becomes a stripe's primary again must know how many pushes each rank made."""
         for peer in peers:
@@ -430,17 +445,22 @@ class TrainingCalls:
             except (NodeDown, RemoteError) as exc:
                 log.warning("resync: no training records from %s: %s", peer, exc)
                 continue
-            for key, rec in records.items():
-                fid, idx = (int(x) for x in key.split(":"))
-                if mine(fid, idx):
-                    await self._take_record_if_newer(fid, idx, rec)
+            await self.take_records(records, mine)
 
-    async def _take_record_if_newer(self, fid: int, idx: int, rec: dict) -> None:
-        """A peer's push bookkeeping of a stripe, if it has taken more pushes (never go back)."""
-        incoming = StripeTraining.from_record(rec)
-        async with self.stripe_locks((fid, idx)):
-            if incoming.progress > self.training[(fid, idx)].progress:
-                self.training[(fid, idx)].restore(incoming)
+    def wire_records(self, keys: set[tuple[int, int]] | None = None) -> list:
+        """The push bookkeeping of every stripe that took pushes (of ``keys`` only, if given)
+        as it travels: ``[fid, idx, record]`` each."""
+        return [[fid, idx, st.record()] for (fid, idx), st in list(self.records.items()) if st.span[2] and (keys is None or (fid, idx) in keys)]
+
+    async def take_records(self, records: list, mine: Callable[[int, int], bool] = lambda fid, idx: True) -> None:
+        """A peer's ``wire_records``: each stripe's bookkeeping for which ``mine`` holds, if
+        that peer has taken more pushes of it (never go back)."""
+        for fid, idx, rec in records:
+            if mine(fid, idx):
+                incoming = StripeTraining.from_record(rec)
+                async with self.stripe_locks((fid, idx)):
+                    if incoming.progress > self.records[(fid, idx)].progress:
+                        self.records[(fid, idx)].restore(incoming)
 
     async def rpc_train_records(self) -> dict:
-        return {"records": {f"{fid}:{idx}": st.record() for (fid, idx), st in list(self.training.items()) if st.span[2]}}
+        return {"records": self.wire_records()}

@@ -91,7 +91,7 @@ async def test_a_fault_in_a_call_is_eio_with_its_traceback_not_einval(caplog):
     async def broken() -> dict:
         return {}["a key nobody sent"]
 
-    node.rpc_stripes = broken
+    node.calls["stripes"] = broken
     with pytest.raises(RemoteError) as err:
         await node.handle("stripes", {})
     assert err.value.code == "EIO" and "KeyError" in err.value.message

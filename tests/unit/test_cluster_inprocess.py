@@ -8,7 +8,7 @@ import trio
 
 from irdmafs.client.client import Client
 from irdmafs.config import from_dict
-from irdmafs.server import node as node_mod
+from irdmafs.server import staging as staging_mod
 from irdmafs.server.node import Node
 from irdmafs.transport.base import RemoteError
 from irdmafs.transport.memory import MemoryTransport
@@ -205,7 +205,7 @@ async def test_handover_stops_the_stand_in_and_waits_for_its_commits(cluster):
     answer = {}
 
     async def handover():
-        answer.update(await stand_in.rpc_handover(name="n0"))
+        answer.update(await stand_in.membership.rpc_handover(name="n0"))
         handed.set()
 
     async with trio.open_nursery() as n:
@@ -221,15 +221,15 @@ async def test_handover_stops_the_stand_in_and_waits_for_its_commits(cluster):
     held = stand_in.store.get(attr["ino"], idx)
     assert [attr["ino"], idx, 0, held.version] in answer["stripes"]
     back.store.replace(attr["ino"], idx, memoryview(bytes(10)), cfg.stripe_unit, 0)  # as if a replication failed
-    await back._catch_up({"n1": answer})
+    await back.membership._catch_up({"n1": answer})
     assert back.store.get(attr["ino"], idx).version == held.version
     assert bytes(back.store.get(attr["ino"], idx).data[: cfg.stripe_unit]) == bytes(held.data[: cfg.stripe_unit])
     stand_in.cluster.mark_down("n0", "a probe sent before the hand-over", since=before)
     assert stand_in.cluster.node_state("n0") == "ready"
     with pytest.raises(RemoteError) as err:
-        await stand_in.rpc_handover(name="n9")
+        await stand_in.membership.rpc_handover(name="n9")
     assert err.value.code == "EINVAL"
-    assert back.taken_over.is_set()
+    assert back.serving.taken_over.is_set()
 
 
 async def test_optimizer_state_waits_for_its_parameters(cluster):
@@ -247,17 +247,15 @@ async def test_optimizer_state_waits_for_its_parameters(cluster):
         staged.buf[:n] = bytes([value]) * n
 
     stage(7, 2 * unit)
-    await backup.rpc_apply(
-        fid=fid, idx=idx, offset=0, length=2 * unit, rkey=staged.rkey, soff=0, version=1, unit=2 * unit, full=True, snap=-1, clock=1, pending=True
-    )
+    await backup.rpc_apply(where=[fid, idx, -1, 0, 2 * unit, 2 * unit], staged=[staged.rkey, 0], version=1, clock=1, full=True, pending=True)
     assert backup.store.get(fid, idx, -1) is None  # not without its parameters
     stage(3, unit)
-    await backup.rpc_apply(fid=fid, idx=idx, offset=0, length=unit, rkey=staged.rkey, soff=0, version=1, unit=unit, full=True, state=1)
+    await backup.rpc_apply(where=[fid, idx, 0, 0, unit, unit], staged=[staged.rkey, 0], version=1, clock=0, full=True, state=1)
     state = backup.store.get(fid, idx, -1)
     assert state is not None and bytes(state.data[: 2 * unit]) == bytes([7]) * (2 * unit) and state.clock == 1
     assert bytes(backup.store.get(fid, idx).data[:unit]) == bytes([3]) * unit
     with pytest.raises(RemoteError) as err:  # parameters are never sent ahead
-        await backup.rpc_apply(fid=fid, idx=idx, offset=0, length=unit, rkey=staged.rkey, soff=0, version=2, unit=unit, full=True, pending=True)
+        await backup.rpc_apply(where=[fid, idx, 0, 0, unit, unit], staged=[staged.rkey, 0], version=2, clock=0, full=True, pending=True)
     assert err.value.code == "EINVAL"
 
 
@@ -293,31 +291,30 @@ async def test_a_strict_pull_skips_a_stripe_freed_between_listing_and_copy(clust
         return await listed(node, method, args, **kw)
 
     puller.cluster.call_on = call_on
-    result = await puller._pull_stripes("test", [p.name for p in peers], lambda f, i: True, strict=True)
+    result = await puller.resync.pull_stripes("test", [p.name for p in peers], lambda f, i: True, strict=True)
     assert result["stripes"] >= 1 and puller.store.get(fid, 0) is None
 
 
 async def test_staging_of_an_owner_whose_heartbeats_stopped_is_freed(nursery, monkeypatch):
     """A killed mount never releases its staging: the node frees it once the owner's
     heartbeats stop for STAGING_LEASE; a live client's heartbeats keep its own."""
-    import irdmafs.server.node as node_mod
 
-    monkeypatch.setattr(node_mod, "STAGING_LEASE", 0.4)
+    monkeypatch.setattr(staging_mod, "STAGING_LEASE", 0.4)
     cfg = config()
     nodes = await start_cluster(nursery, cfg)
     async with Client.connect(cfg, MemoryTransport(cfg.token)) as live:
         await live.paths.write_file("/f", os.urandom(3 * cfg.stripe_unit))  # staging on the primaries
-        held = {n.name for n in nodes if live.owner in n.staging}
+        held = {n.name for n in nodes if live.owner in n.staging.by_owner}
         assert held
         async with Client.connect(cfg, MemoryTransport(cfg.token)) as dead:
             g = os.urandom(3 * cfg.stripe_unit)
             await dead.paths.write_file("/g", g)
             owner = dead.owner
             dead.cluster.ready = lambda: []  # as if killed: its exit releases nothing on any node
-        assert any(owner in n.staging for n in nodes)
+        assert any(owner in n.staging.by_owner for n in nodes)
         await trio.sleep(1.0)
-        assert not any(owner in n.staging for n in nodes)  # freed: its heartbeats stopped
-        assert {n.name for n in nodes if live.owner in n.staging} == held  # still leased
+        assert not any(owner in n.staging.by_owner for n in nodes)  # freed: its heartbeats stopped
+        assert {n.name for n in nodes if live.owner in n.staging.by_owner} == held  # still leased
         assert await live.paths.read_file("/g") == g  # what the dead client closed stays
         await live.paths.write_file("/h", b"x" * 10)  # the live client's staging still works
         assert await live.paths.read_file("/h") == b"x" * 10
@@ -330,7 +327,7 @@ async def test_a_metadata_op_retried_after_its_answer_was_lost_is_applied_once(c
     cfg, nodes = cluster
     primary, other = nodes[0], nodes[1]
     op = {"op": "mkdir", "parent": 1, "name": "d", "mode": 0o755, "rid": "client:x:1"}
-    first = await primary.rpc_meta(op=dict(op))
+    first = await primary.namespace.rpc_meta(op=dict(op))
     with trio.fail_after(5):
         while other.meta.seq < primary.meta.seq:  # forwarded
             await trio.sleep(0.01)
@@ -341,10 +338,10 @@ async def test_a_metadata_op_retried_after_its_answer_was_lost_is_applied_once(c
             continue
         node.cluster.mark_down(primary.name, "test")
     assert other.cluster.meta_primary() == other.name
-    again = await other.rpc_meta(op=dict(op))
+    again = await other.namespace.rpc_meta(op=dict(op))
     assert again == first and other.meta.seq == seq  # not applied a second time
     with pytest.raises(RemoteError) as err:  # a new request for the same name still fails
-        await other.rpc_meta(op=dict(op, rid="client:x:2"))
+        await other.namespace.rpc_meta(op=dict(op, rid="client:x:2"))
     assert err.value.code == "EEXIST"
 
 
@@ -370,7 +367,7 @@ async def test_a_resync_drops_stripes_freed_meanwhile_and_takes_its_peers_lower_
     # put the missed state back on the away node, as if it had been stopped meanwhile
     for i, data in stale.items():
         away.store.replace(fid, i, memoryview(data), unit, 9)
-    await away.resync()
+    await away.resync.resync()
     assert all(away.store.get(fid, i) is None for i in freed)  # freed on every peer: dropped
     held = away.store.get(fid, 1)
     assert held is not None and bytes(held.data[:unit]) == new  # the peers' (lower) version won
@@ -383,11 +380,11 @@ async def test_a_staging_region_asked_for_again_replaces_the_owners_old_one(clus
     cfg, nodes = cluster
     node = nodes[0]
     size = 1 << 20
-    for _ in range(3 * node_mod.MAX_STAGING_PER_OWNER // size):
+    for _ in range(3 * staging_mod.MAX_STAGING_PER_OWNER // size):
         await node.rpc_staging(owner="c", size=size, replace=True)
-    assert len(node.staging["c"]) == 1
+    assert len(node.staging.by_owner["c"]) == 1
     with pytest.raises(RemoteError) as err:  # without replace the cap still holds
-        for _ in range(node_mod.MAX_STAGING_PER_OWNER // size + 1):
+        for _ in range(staging_mod.MAX_STAGING_PER_OWNER // size + 1):
             await node.rpc_staging(owner="d", size=size)
     assert err.value.code == "ENOSPC"
 
@@ -400,7 +397,7 @@ async def test_a_node_that_did_not_run_or_that_a_peer_lost_fences_before_it_answ
     cfg, nodes = cluster
     node = nodes[2]
     gen = node.gen
-    node.last_tick -= 10 * cfg.down_after  # as if the process had been stopped
+    node.serving.last_tick -= 10 * cfg.down_after  # as if the process had been stopped
     assert (await node.rpc_heartbeat())["state"] == "syncing"
     with trio.fail_after(5):
         while node.state != "ready":
@@ -426,3 +423,32 @@ async def test_reads_ask_a_stripes_ready_homes_before_a_stand_in(cluster):
             assert c.cluster.read_candidates(7, 0)[: cfg.replicas] == sorted(homes, key=lambda n: c.cluster.load[n])
         c.cluster.mark_down(homes[0], "test")
         assert c.cluster.read_candidates(7, 0) == [homes[1], stand_in]
+
+
+async def test_a_rejoin_whose_resync_loses_its_peer_begins_again_and_the_node_lives_on(cluster):
+    """Found by the fault simulator: a fenced node whose resync lost the peer it fetched the
+    namespace from (NodeDown) ended its tasks, and its process with them. It must stay syncing,
+    resync again once a peer is there, and serve."""
+    from irdmafs.cluster import NodeDown
+
+    cfg, nodes = cluster
+    node = nodes[2]
+    gen = node.gen
+    real_call, failed = node.cluster.call, []
+
+    async def call(name, method, args=None, **kw):
+        if method == "meta_snapshot" and not failed:
+            failed.append(name)
+            raise NodeDown(name, "lost during the resync (test)")
+        return await real_call(name, method, args, **kw)
+
+    node.cluster.call = call
+    node.serving.last_tick -= 10 * cfg.down_after  # as if the process had been stopped: it fences
+    assert (await node.rpc_heartbeat())["state"] == "syncing"
+    with trio.fail_after(10):
+        while node.state != "ready":
+            await trio.sleep(0.01)
+    assert failed and node.gen == gen + 1  # one failed resync, then one that served
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
+        await c.paths.write_file("/after", b"x" * 100)
+        assert await c.paths.read_file("/after") == b"x" * 100

@@ -28,7 +28,7 @@ async def bed(nursery):
 
 
 def records(nodes, ino):
-    return [(n.name, idx, st) for n in nodes for (f, idx), st in n.training.items() if f == ino]
+    return [(n.name, idx, st) for n in nodes for (f, idx), st in n.training.records.items() if f == ino]
 
 
 async def test_a_server_count_set_back_is_a_loud_error_not_a_renumbering(bed):

@@ -1,0 +1,204 @@
+"""The namespace service of a PS node: namespace ops, their replication, and snapshots.
+
+- ``meta`` (on the metadata primary, the first ready node): validate and apply a namespace op,
+  then forward it with its sequence number to every other live node (``meta_apply``, through the
+  replicator); a node that missed ops gets the whole namespace (``meta_restore``). A retry of an
+  op applied already (its request id) gets the first answer again.
+- Side effects on data are local and deterministic, so every replica does the same: freed or
+  truncated stripes are dropped with their push bookkeeping (``forget``), a change of a model's
+  workers rechecks its training rounds (``recheck``).
+- A snapshot freezes commits on every live node (the commit barrier), records the namespace,
+  copies every live stripe under the snapshot id on every node, and thaws.
+- Reads of the namespace: ``lookup``, ``getattr``, ``readdir``, ``snapshots``.
+
+The namespace itself is ``meta.Meta``, a deterministic state machine; with ``--persist`` it is
+written through to disk after every op.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Awaitable, Callable
+
+import trio
+
+from ..cluster import Cluster, NodeDown, now_ns
+from ..transport.base import RemoteError
+from .barrier import FREEZE_SECONDS
+from .meta import Meta
+from .persist import Persist
+from .replicator import Replicator
+from .serving import Serving
+from .store import Store
+
+log = logging.getLogger(__name__)
+
+# what meta_restore checks of a snapshot (``Meta.snapshot``'s form) before it reads one
+SNAPSHOT_FIELDS = {"seq": int, "next_ino": int, "inodes": dict, "entries": dict}
+
+
+class Namespace:
+    def __init__(
+        self,
+        name: str,
+        cluster: Cluster,
+        store: Store,
+        persist: Persist | None,
+        serving: Serving,
+        replicator: Replicator,
+        call_node: Callable[[str, str, dict], Awaitable[dict]],
+        forget: Callable[..., None],
+        recheck: Callable[[], Awaitable[None]],
+    ):
+        self.name, self.cluster, self.store, self.persist = name, cluster, store, persist
+        self.serving, self.replicator, self.call_node = serving, replicator, call_node
+        self.forget, self.recheck = forget, recheck  # the training service's (training.py)
+        self.meta = Meta()
+        self.lock = trio.Lock()  # namespace ops, one at a time; a hand-over waits for it
+
+    def current(self) -> Meta:
+        """The namespace as it is now (a restore replaces it)."""
+        return self.meta
+
+    async def rpc_meta(self, op: dict) -> dict:
+        """Apply a namespace op as the metadata primary and replicate it to every live node."""
+        Meta.check(op)  # EINVAL for an op no client sends (unknown kind, missing fields)
+        if op.get("rid") in self.meta.done:
+            # a retry of an op applied already (its answer was lost with the old primary): a
+            # hit is a fact on any node, as ops reach every node in one order
+            return self.meta.done[op["rid"]]
+        self.serving.require_ready()
+        await self.serving.await_takeover()
+        async with self.lock:
+            primary = self.cluster.meta_primary()  # under the lock: a hand-over waits for it
+            if primary != self.name:
+                raise RemoteError("ENOTPRIMARY", primary or "")
+            op = self.meta.prepare(op, now_ns())
+            if op["op"] == "snapshot":
+                return await self._take_snapshot(op)
+            return await self._apply_and_forward(op)
+
+    async def _apply_and_forward(self, op: dict) -> dict:
+        result = self.apply(op)
+        seq = self.meta.seq
+        async with trio.open_nursery() as n:
+            for peer in self.cluster.live():
+                if peer != self.name:
+                    n.start_soon(self.replicator.meta, peer, seq, op)
+        return result
+
+    async def _take_snapshot(self, op: dict) -> dict:
+        """Freeze commits on every live node, record the namespace, copy every live stripe on
+        every node under the snapshot id, thaw. Every commit is either wholly in or out."""
+        self.meta.check_snapshot_name(op["name"])
+        nodes = self.cluster.live()
+        token = f"{self.name}:{op['id']}"
+        frozen: list[str] = []
+        try:
+            async with trio.open_nursery() as n:
+                for node in nodes:
+                    n.start_soon(self._freeze_one, node, token, frozen)
+            result = await self._apply_and_forward(op)
+            copied = {}
+            async with trio.open_nursery() as n:
+                for node in nodes:
+                    n.start_soon(self._copy_one, node, op["id"], copied)
+            log.info("snapshot %r (id %d) taken on %s: %d bytes", op["name"], op["id"], ", ".join(sorted(copied)), sum(copied.values()))
+            return dict(result, nodes=sorted(copied))
+        finally:
+            with trio.CancelScope(shield=True):
+                for node in frozen:
+                    try:
+                        await self.call_node(node, "thaw", {"token": token})
+                    except (NodeDown, RemoteError) as exc:  # it auto-thaws after its deadline
+                        log.warning("thaw of %s failed: %s", node, exc)
+
+    async def _freeze_one(self, node: str, token: str, frozen: list[str]) -> None:
+        try:
+            await self.call_node(node, "freeze", {"token": token, "seconds": FREEZE_SECONDS})
+            frozen.append(node)
+        except NodeDown as exc:
+            log.warning("snapshot: %s is down, it gets the snapshot at resync: %s", node, exc)
+
+    async def _copy_one(self, node: str, snap: int, copied: dict) -> None:
+        try:
+            copied[node] = (await self.call_node(node, "snap_copy", {"snap": snap}))["bytes"]
+        except (NodeDown, RemoteError) as exc:
+            log.warning("snapshot %d not copied on %s: %s", snap, node, exc)
+
+    def _save(self) -> None:
+        if self.persist is not None:
+            self.persist.save_meta(self.meta.snapshot())
+
+    def apply(self, op: dict) -> dict:
+        """Apply ``op`` here, with its side effects on this node's stripes and training."""
+        result = self.meta.apply(op)
+        self._save()
+        # Side effects on data are local and deterministic, so every replica does the same.
+        if result.get("freed"):
+            self.store.drop(result["freed"])
+            self.forget(result["freed"])
+        if op["op"] == "unsnapshot":
+            self.store.drop_snapshot(result["id"])
+        if op["op"] == "setxattr" and op["name"] in ("user.irdma.removed", "user.irdma.workers") and self.cluster.nursery:
+            self.cluster.nursery.start_soon(self.recheck)
+        if op["op"] == "setattr" and "size" in op["attrs"]:
+            node = self.meta.inode(op["ino"])
+            if node["unit"]:
+                cut = math.ceil(op["attrs"]["size"] / node["unit"])
+                self.store.drop(op["ino"], cut)
+                self.forget(op["ino"], cut)  # a truncated tensor trains from its new start
+        if op["op"] == "setmodel" and op["model"]:  # the tensors' bytes live elsewhere now
+            node = self.meta.inode(op["ino"])
+            if node["unit"]:
+                self.store.drop(op["ino"], math.ceil(op["model"]["start"] / node["unit"]))
+        return result
+
+    async def rpc_meta_apply(self, seq: int, op: dict, sender: str = "") -> dict:
+        self.serving.check_sender(sender)
+        if seq <= self.meta.seq:
+            return {}
+        if seq != self.meta.seq + 1:
+            return {"stale": True}
+        try:
+            self.apply(op)
+        except RemoteError as exc:  # diverged somehow: ask for the whole namespace
+            log.warning("metadata op %d failed here (%s); asking for a snapshot", seq, exc)
+            return {"stale": True}
+        return {}
+
+    async def rpc_meta_restore(self, snapshot: dict) -> dict:
+        self.restore(snapshot)
+        return {}
+
+    def restore(self, snapshot: dict) -> None:
+        """Take a peer's whole namespace if it is newer, dropping the stripes and snapshots it
+        no longer has; EINVAL if ``snapshot`` is not one (``meta_snapshot``'s answer)."""
+        if not isinstance(snapshot, dict) or not all(isinstance(snapshot.get(k), t) for k, t in SNAPSHOT_FIELDS.items()):
+            raise RemoteError("EINVAL", "meta_restore: not a namespace snapshot (meta_snapshot's answer)")
+        if snapshot["seq"] > self.meta.seq:
+            self.meta = Meta.restore(snapshot)
+            self._save()
+            known = self.meta.files()
+            for fid in {fid for fid, _, snap in self.store.stripes if snap == 0} - known:
+                self.store.drop(fid)
+            snaps = set(self.meta.snapshot_ids().values())
+            for snap in {snap for _, _, snap in self.store.stripes if snap} - snaps:
+                self.store.drop_snapshot(snap)
+
+    async def rpc_meta_snapshot(self) -> dict:
+        return self.meta.snapshot()
+
+    async def rpc_lookup(self, parent: int, name: str, snap: int = 0, alias: bool = False) -> dict:
+        view = self.meta.view(snap)
+        return view.lookup_or_model(parent, name) if alias else view.lookup(parent, name)
+
+    async def rpc_getattr(self, ino: int, snap: int = 0) -> dict:
+        return self.meta.view(snap).attr(ino)
+
+    async def rpc_readdir(self, ino: int, snap: int = 0) -> dict:
+        return {"entries": self.meta.view(snap).readdir(ino)}
+
+    async def rpc_snapshots(self) -> dict:
+        return {"snapshots": {n: {"id": s["id"], "time_ns": s["time_ns"]} for n, s in self.meta.snapshots.items()}}

@@ -1,0 +1,187 @@
+"""Resync: how a PS node that was away (started, restarted, fenced) catches up before it serves.
+
+It fetches the namespace from the metadata primary, then every stripe it should hold (live,
+snapshot, optimizer state) from its ready peers, the newest version winning (what they freed
+meanwhile is dropped), then the push bookkeeping of those stripes; it logs its progress and shows
+it in heartbeats (``work``). A rebalance pulls the stripes a new membership gives a node the same
+way (``pull_stripes`` with ``strict``), and the hand-over fetches single stripes
+(``fetch_stripe``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import time
+from typing import Callable
+
+from ..cluster import Cluster, NodeDown
+from ..config import ClusterConfig
+from ..notify import notify
+from ..progress import Progress
+from ..transport.base import RemoteError, TransportError
+from .locks import KeyedLocks
+from .meta import Meta
+from .serving import Serving
+from .store import Store
+from .training import Training
+
+log = logging.getLogger(__name__)
+
+
+class Resync:
+    def __init__(
+        self,
+        name: str,
+        cfg: ClusterConfig,
+        cluster: Cluster,
+        store: Store,
+        locks: KeyedLocks,
+        serving: Serving,
+        training: Training,
+        meta: Callable[[], Meta],
+        restore_meta: Callable[[dict], None],
+    ):
+        self.name, self.cfg, self.cluster, self.store, self.stripe_locks = name, cfg, cluster, store, locks
+        self.serving, self.training, self.meta, self.restore_meta = serving, training, meta, restore_meta
+        self.work: dict = {}  # long work under way (resync, rebalance): shown by heartbeats
+
+    async def resync(self) -> None:
+        """Take the namespace and every stripe this node should hold from its ready peers."""
+        peers = [n for n in self.cluster.ready() if n != self.name]
+        if not peers:
+            log.info("node %s: no ready peer; starting with what it holds", self.name)
+            return
+        t0 = time.monotonic()
+        primary = self.cluster.meta_primary()
+        snap = await self.cluster.call(primary, "meta_snapshot")
+        self.restore_meta(snap)
+        live = set(peers) | {self.name}
+
+        def mine(fid: int, idx: int) -> bool:
+            return self.name in [n for n in self.cluster.stripe_rank(fid, idx) if n in live][: self.cfg.replicas]
+
+        await self.pull_stripes("resync", peers, mine, converge=True)
+        await self.training.pull_records(peers, mine)
+        log.info("resync of node %s done in %.2fs", self.name, time.monotonic() - t0)
+
+    async def pull_stripes(self, what: str, peers: list[str], mine, *, strict: bool = False, converge: bool = False) -> dict:
+        """Fetch, from ``peers``, the newest copy of every stripe (live, snapshot, optimizer
+        state) for which ``mine(fid, idx)`` holds and that this node lacks or holds older. With
+        ``strict``, a peer that cannot be listed or a stripe that cannot be fetched is an error
+        (a rebalance must not switch over without every copy); otherwise it is logged. A stripe
+        that every peer holding its newest copy has freed meanwhile (a namespace op: unlink,
+        truncate) has nothing to copy.
+
+        With ``converge`` (a resync: this node was away, its ready peers hold the truth), a
+        stripe of this node that its peers hold at a *lower* version is replaced by theirs,
+        and one that no home peer holds any more is dropped, unless it changed since the
+        listing (a write replicated here meanwhile). A stripe freed by a truncate this node
+        missed and then written again starts over at version 1 on its peers: keeping the old
+        copy because its version is higher would serve old bytes (found by scripts/chaos.py)."""
+        before = {key: s.version for key, s in self.store.stripes.items()} if converge else {}
+        listed: set[str] = set()
+        newest: dict[tuple[int, int, int], tuple[int, list[str], int]] = {}
+        for peer in peers:
+            try:
+                listing = (await self.cluster.call(peer, "stripes"))["stripes"]
+            except (NodeDown, RemoteError) as exc:
+                if strict:
+                    raise RemoteError("EAGAIN", f"{what}: cannot list {peer}: {exc}") from None
+                log.warning("%s: cannot list %s: %s", what, peer, exc)
+                continue
+            listed.add(peer)
+            for fid, idx, snap, version, cap in listing:
+                best = newest.get((fid, idx, snap))
+                if best is None or version > best[0]:
+                    newest[(fid, idx, snap)] = (version, [peer], cap)
+                elif version == best[0]:
+                    best[1].append(peer)  # as new: asked if the first has freed it
+        live_files = self.meta().files()
+        files = {0: live_files, -1: live_files, -2: live_files} | {sid: self.meta().view(sid).files() for sid in self.meta().snapshot_ids().values()}
+        todo = []
+        for (fid, idx, snap), (version, holders, cap) in newest.items():
+            held = self.store.get(fid, idx, snap)
+            if fid in files.get(snap, ()) and mine(fid, idx) and (held is None or held.version < version):
+                todo.append((fid, idx, snap, holders, cap))
+            elif (
+                converge
+                and held is not None
+                and held.version >= version
+                and before.get((fid, idx, snap)) == held.version
+                and (held.version > version or self.serving.led.get((fid, idx, snap), -math.inf) >= self.serving.suspect_since)
+            ):
+                log.info(
+                    "%s: stripe %d:%d (snapshot %d) is at version %d here (led here before the fence), %d on its peers: taking theirs",
+                    what,
+                    fid,
+                    idx,
+                    snap,
+                    held.version,
+                    version,
+                )
+                self.store.drop_keys([(fid, idx, snap)])
+                if snap == 0:  # its push bookkeeping goes with the bytes: the peers' record comes with theirs
+                    self.training.records.pop((fid, idx), None)
+                todo.append((fid, idx, snap, holders, cap))
+        if converge:
+            gone = []
+            for key, version in before.items():
+                homes = self.cluster.stripe_rank(key[0], key[1])[: self.cfg.replicas]
+                others = [n for n in homes if n != self.name]
+                held = self.store.get(*key)
+                # every other home answered and none holds it: freed while this node was away
+                # (a home that did not answer may hold the last copy: then it stays)
+                if key not in newest and self.name in homes and others and set(others) <= listed and held is not None and held.version == version:
+                    gone.append(key)
+            if gone:
+                log.info("%s: %d stripes freed on every peer while this node was away: dropped here", what, len(gone))
+                self.store.drop_keys(gone)
+        total_bytes = sum(t[4] for t in todo)
+        log.info("%s: %d stripes (%d bytes) to fetch from %d peers", what, len(todo), total_bytes, len(peers))
+        done_bytes, last_log = 0, time.monotonic()
+        self.work = {"what": what, "done": 0, "total": len(todo), "bytes": 0, "total_bytes": total_bytes}
+        bar = Progress(what, total_bytes, unit="B") if sys.stderr.isatty() and todo else None  # in a terminal
+        try:
+            for i, (fid, idx, snap, holders, cap) in enumerate(todo, 1):
+                outcomes = []
+                for peer in holders:
+                    outcomes.append(await self.fetch_stripe(fid, idx, snap, peer))
+                    if outcomes[-1] is True:
+                        break
+                if False in outcomes and True not in outcomes and strict:
+                    raise RemoteError("EAGAIN", f"{what}: stripe {fid}:{idx} (snapshot {snap}) not fetched from {', '.join(holders)}")
+                done_bytes += cap
+                self.work.update(done=i, bytes=done_bytes)
+                if bar is not None:
+                    bar.update(done_bytes)
+                elif time.monotonic() - last_log > 1.0 or i == len(todo):
+                    last_log = time.monotonic()
+                    log.info("%s: %d/%d stripes, %d/%d bytes", what, i, len(todo), done_bytes, total_bytes)
+                    notify(f"STATUS={what} {i}/{len(todo)} stripes")
+        finally:
+            self.work = {}
+            if bar is not None:
+                bar.close()
+        return {"stripes": len(todo), "bytes": done_bytes}
+
+    async def fetch_stripe(self, fid: int, idx: int, snap: int, peer: str) -> bool | None:
+        """Copy one stripe from ``peer`` unless this node holds it as new: True once done, None
+        if ``peer`` no longer holds it (freed), False if the copy failed."""
+        try:
+            reply, inc = await self.cluster.call_on(peer, "stripe_info", {"fid": fid, "idxs": [idx], "snap": snap})
+            info = reply[str(idx)]
+            if info is None:
+                log.info("stripe %d:%d (snapshot %d) is gone from %s (freed meanwhile)", fid, idx, snap, peer)
+                return None
+            buf = bytearray(info["capacity"])
+            version, clock = await self.cluster.read_stripe(peer, info["rkey"], 0, memoryview(buf), inc)
+        except (TransportError, RemoteError) as exc:
+            log.warning("stripe %d:%d from %s failed: %s", fid, idx, peer, exc)
+            return False
+        async with self.stripe_locks((fid, idx)):
+            mine = self.store.get(fid, idx, snap)
+            if mine is None or mine.version < version:  # replication may have brought newer
+                self.store.replace(fid, idx, memoryview(buf), 2 * self.cfg.stripe_unit, version, snap, clock)
+        return True

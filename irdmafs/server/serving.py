@@ -1,0 +1,132 @@
+"""Whether a PS node serves now, and the checks every call makes of that.
+
+A node is ``syncing`` (it takes replication, serves no reads and leads nothing) until it has
+resynced, then ``ready``. ``Serving`` holds that state and what goes with it: the serving
+generation (+1 at each turn to ready), the hand-over (``taken_over``: set once the stand-ins
+have handed its stripes back), and, for a node fenced while it led, which stripes it gave
+versions to and since when that is suspect (its resync then takes its peers' copies of them).
+
+The checks, each answered with the error the caller acts on:
+
+- ``require_ready``: EAGAIN unless ready; a stall (``check_stall``: the process did not run for
+  most of ``down_after``: SIGSTOP, a paused VM) or a lost coordination lease (``check_lease``)
+  fences it first, so a call queued while the process was stopped finds it fenced;
+- ``check_primary``: ENOTPRIMARY naming the primary, unless this node leads the stripe;
+- ``check_sender``: ESTALE for replication from a node this one counts down (it may be a stopped
+  primary sending what it began before);
+- ``await_takeover``: primary work waits while the node takes its stripes back (EAGAIN after
+  ``op_timeout``).
+
+membership.py moves a node between the states (joining, fencing); everything else only asks.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import trio
+
+from ..cluster import DOWN, READY, SYNCING, Cluster
+from ..config import ClusterConfig
+from ..transport.base import RemoteError
+from .leases import ServingLease
+
+log = logging.getLogger(__name__)
+
+
+class Serving:
+    def __init__(self, cfg: ClusterConfig, name: str, cluster: Cluster, lease: ServingLease, incarnation: int):
+        self.cfg, self.name, self.cluster, self.lease = cfg, name, cluster, lease
+        self.incarnation = incarnation
+        self.state = SYNCING
+        self.gen = 0  # serving generation: +1 each time this node becomes ready (after a resync)
+        self.ready_since = 0.0
+        self.last_tick = 0.0  # when this process last ran its fence ticker or a heartbeat (trio clock)
+        self.must_rejoin = False  # fenced by a stall or a peer: its fence loop resyncs it
+        self.taken_over = trio.Event()  # set once peers have handed this node its stripes back
+        # (fid, idx, snap) -> when this node last gave the stripe a version as its primary. A
+        # node fenced by a stall or a peer may have given versions whose replication never
+        # finished (nor was acknowledged) while the next primary gave the same numbers to other
+        # bytes: its resync takes its peers' copy of what it led since ``suspect_since``.
+        self.led: dict[tuple[int, int, int], float] = {}
+        self.suspect_since = math.inf
+
+    # -- the checks --------------------------------------------------------------------------
+    def require_ready(self) -> None:
+        if self.state == READY:
+            self.check_stall()  # calls queued while this process was stopped find it fenced
+            self.check_lease()
+        if self.state != READY:
+            raise RemoteError("EAGAIN", f"node {self.name} is {self.state}")
+
+    def check_primary(self, fid: int, idx: int) -> None:
+        primary = self.cluster.stripe_primary(fid, idx)
+        if primary != self.name:
+            raise RemoteError("ENOTPRIMARY", primary or "")
+
+    def check_sender(self, sender: str) -> None:
+        """Replication only from a node this one does not count down: one that was (stopped,
+        cut off) may send what it began before, numbered as the next primary numbers other
+        bytes. It is refused; it fences (stall, or a peer's lost_at) and resyncs."""
+        if sender and self.cluster.node_state(sender) == DOWN:
+            raise RemoteError("ESTALE", f"{sender} is counted down here: it must resync before it leads")
+
+    async def await_takeover(self) -> None:
+        """Primary work waits (briefly) while this node takes its stripes back."""
+        if not self.taken_over.is_set():
+            with trio.move_on_after(self.cfg.op_timeout):
+                await self.taken_over.wait()
+            if not self.taken_over.is_set():
+                raise RemoteError("EAGAIN", f"node {self.name} is taking over from its stand-ins")
+
+    def led_now(self, key: tuple[int, int, int]) -> None:
+        """This node gave stripe ``key`` a version as its primary, now."""
+        self.led[key] = trio.current_time()
+
+    # -- fencing -----------------------------------------------------------------------------
+    def fence(self, why: str, suspect_since: float) -> None:
+        """Stop serving until a resync; what this node led since ``suspect_since`` may not have
+        reached its peers, so that resync takes their copy of it."""
+        log.warning("node %s fenced: %s; it serves nothing until it has resynced", self.name, why)
+        self.suspect_since = suspect_since
+        self.state = SYNCING
+
+    def lost_by_peer(self, lost_at: list | None) -> None:
+        """A peer counted this node down while it served generation ``lost_at`` (incarnation,
+        generation), and may have written without it since: if that is still the generation
+        it serves, it fences and resyncs before it serves again. A node cut off for a moment
+        (a partition shorter than its own fencing grace) would otherwise come back ready and
+        serve what it missed."""
+        if self.state == READY and lost_at is not None and list(lost_at) == [self.incarnation, self.gen]:
+            # it was cut off since some time within the peer's down_after and op timeouts
+            self.fence(f"a peer counted it down (generation {self.gen})", trio.current_time() - 2 * (self.cfg.op_timeout + self.cfg.down_after))
+            self.must_rejoin = True
+
+    def check_stall(self) -> None:
+        """Fence at once if this process did not run for most of ``down_after`` (SIGSTOP, a
+        paused VM, swapping): its peers may have counted it down and gone on writing without
+        it, and it cannot know. Called first thing by every heartbeat it answers and by its
+        own ticker, whichever runs first after the stall, so no heartbeat answers "ready" in
+        between (clients trust a node's state only from its heartbeats)."""
+        now = trio.current_time()
+        gap, self.last_tick = now - self.last_tick, now
+        if gap > 0.8 * self.cfg.down_after and self.state == READY:
+            # suspect: commits begun before the stall
+            self.fence(f"it did not run for {gap:.1f} s (stopped or paused)", now - gap - self.cfg.op_timeout)
+            self.must_rejoin = True
+
+    def check_lease(self) -> None:
+        """With a coordinator: fence at once when this node no longer holds its lease, or the
+        newest view no longer names it (server/leases.py). Checked where ``check_stall`` is."""
+        if self.state == READY and not self.lease.holds():
+            self.fence(self.lease.why_not(), trio.current_time() - 2 * (self.cfg.op_timeout + self.cfg.down_after))
+            self.must_rejoin = True
+
+    def became_ready(self) -> None:
+        """Resynced: serve, as a new generation, with nothing suspect."""
+        self.state = READY
+        self.suspect_since = math.inf
+        self.led.clear()  # what it led before is settled by this resync
+        self.gen += 1  # a new serving generation: peers that lost the old one trust this one
+        self.ready_since = self.last_tick = trio.current_time()

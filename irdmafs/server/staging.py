@@ -1,0 +1,85 @@
+"""Staging regions a node serves: where peers' one-sided WRITEs land before the call that names
+them (a commit, an apply, a push, a training record).
+
+Each owner (a client, a mount, a peer node) asks for regions (``alloc``), up to
+``MAX_STAGING_PER_OWNER`` bytes, and keeps them leased by its heartbeats (``seen``): a killed mount
+never says ``release``, so the regions of an owner not heard from for ``STAGING_LEASE`` seconds
+are freed (``expire_loop``). A call names a staged range by (rkey, offset, length); ``view`` checks
+it against the registered regions and answers EINVAL for one that is not there (freed, or never
+handed out).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from typing import NamedTuple
+
+import trio
+
+from ..transport.base import Access, AccessError, RemoteError, Transport
+
+log = logging.getLogger(__name__)
+
+MAX_STAGING_PER_OWNER = 512 << 20
+# Staging of an owner not heard from in heartbeats for this long is freed. A live owner cut off
+# longer than this finds its region gone (AccessError) and asks for a new one.
+STAGING_LEASE = 60.0
+
+
+class Staged(NamedTuple):
+    """Where a peer's WRITE landed: a range of one of this node's staging regions."""
+
+    rkey: int
+    offset: int
+    length: int
+
+
+class StagingRegions:
+    def __init__(self, transport: Transport):
+        self.transport = transport
+        self.by_owner: dict[str, list] = defaultdict(list)
+        self.owner_seen: dict[str, float] = {}  # owner -> when last heard (trio clock)
+
+    def alloc(self, owner: str, size: int, replace: bool = False) -> dict:
+        """A staging region for ``owner``; with ``replace``, the owner's earlier ones are freed
+        first (a client that dropped its region after a failed transfer asks for a new one: the
+        old one would otherwise stay allocated until the owner's 512 MiB were used up, then
+        every write got ENOSPC; found by scripts/chaos.py)."""
+        if not 0 < size <= MAX_STAGING_PER_OWNER:
+            raise RemoteError("EINVAL", f"staging size {size} out of range")
+        if replace:
+            for old in self.by_owner.pop(owner, []):
+                self.transport.free_region(old)
+        held = sum(r.length for r in self.by_owner[owner])
+        if held + size > MAX_STAGING_PER_OWNER:
+            raise RemoteError("ENOSPC", f"owner {owner} holds {held} bytes of staging already")
+        region = self.transport.alloc_region(size, Access.WRITE)
+        self.by_owner[owner].append(region)
+        self.seen(owner)
+        return {"rkey": region.rkey, "size": size}
+
+    def release(self, owner: str) -> None:
+        for region in self.by_owner.pop(owner, []):
+            self.transport.free_region(region)
+        self.owner_seen.pop(owner, None)
+
+    def seen(self, owner: str) -> None:
+        """``owner`` was heard from: its regions stay leased."""
+        self.owner_seen[owner] = trio.current_time()
+
+    async def expire_loop(self) -> None:
+        """Free the regions of owners whose heartbeats stopped (``STAGING_LEASE``)."""
+        while True:
+            await trio.sleep(min(STAGING_LEASE / 4, 5.0))
+            now = trio.current_time()
+            for owner in [o for o in self.by_owner if now - self.owner_seen.get(o, now) > STAGING_LEASE]:
+                log.info("staging of %s freed: not heard from in %.0f s", owner, STAGING_LEASE)
+                self.release(owner)
+
+    def view(self, where: Staged) -> memoryview:
+        """The staged bytes; EINVAL if that range is not in a staging region here."""
+        try:
+            return self.transport.regions.check(where.rkey, where.offset, where.length, Access.WRITE)
+        except AccessError as exc:
+            raise RemoteError("EINVAL", f"staging: {exc}") from None
