@@ -26,15 +26,13 @@ from dataclasses import asdict
 
 import trio
 
-from ..cluster import READY, SYNCING, Cluster, NodeDown
-from ..config import ClusterConfig, NodeSpec
+from ..cluster import READY, SYNCING, NodeDown
+from ..config import NodeSpec
 from ..placement import placement
 from ..transport.base import RemoteError, TransportError
+from .core import NodeCore
 from .leases import ServingLease
-from .locks import KeyedLocks
 from .resync import Resync
-from .serving import Serving
-from .store import Store
 from .training import Training
 
 log = logging.getLogger(__name__)
@@ -59,21 +57,9 @@ def _node_specs(nodes: list) -> list[NodeSpec]:
 class Membership:
     """Joining, the hand-over, fencing and membership changes of a node."""
 
-    def __init__(
-        self,
-        name: str,
-        cfg: ClusterConfig,
-        cluster: Cluster,
-        store: Store,
-        locks: KeyedLocks,
-        meta_lock: trio.Lock,
-        serving: Serving,
-        training: Training,
-        resync: Resync,
-        lease: ServingLease,
-    ):
-        self.name, self.cfg, self.cluster, self.store, self.stripe_locks, self.meta_lock = name, cfg, cluster, store, locks, meta_lock
-        self.serving, self.training, self.resync, self.lease = serving, training, resync, lease
+    def __init__(self, core: NodeCore, meta_lock: trio.Lock, training: Training, resync: Resync, lease: ServingLease):
+        self.name, self.cfg, self.cluster, self.store, self.stripe_locks, self.serving = core
+        self.meta_lock, self.training, self.resync, self.lease = meta_lock, training, resync, lease
 
     # -- joining: resync, then the hand-over -----------------------------------------------------
     async def join(self) -> None:

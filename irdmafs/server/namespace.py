@@ -23,14 +23,13 @@ from typing import Awaitable, Callable
 
 import trio
 
-from ..cluster import Cluster, NodeDown, now_ns
+from ..cluster import NodeDown, now_ns
 from ..transport.base import RemoteError
 from .barrier import FREEZE_SECONDS
+from .core import NodeCore
 from .meta import Meta
 from .persist import Persist
 from .replicator import Replicator
-from .serving import Serving
-from .store import Store
 
 log = logging.getLogger(__name__)
 
@@ -41,18 +40,15 @@ SNAPSHOT_FIELDS = {"seq": int, "next_ino": int, "inodes": dict, "entries": dict}
 class Namespace:
     def __init__(
         self,
-        name: str,
-        cluster: Cluster,
-        store: Store,
+        core: NodeCore,
         persist: Persist | None,
-        serving: Serving,
         replicator: Replicator,
         call_node: Callable[[str, str, dict], Awaitable[dict]],
         forget: Callable[..., None],
         recheck: Callable[[], Awaitable[None]],
     ):
-        self.name, self.cluster, self.store, self.persist = name, cluster, store, persist
-        self.serving, self.replicator, self.call_node = serving, replicator, call_node
+        self.name, _, self.cluster, self.store, _, self.serving = core
+        self.persist, self.replicator, self.call_node = persist, replicator, call_node
         self.forget, self.recheck = forget, recheck  # the training service's (training.py)
         self.meta = Meta()
         self.lock = trio.Lock()  # namespace ops, one at a time; a hand-over waits for it

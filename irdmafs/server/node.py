@@ -1,37 +1,27 @@
-"""One PS node: it builds its services, holds the table of control calls, and serves the data path.
+"""One PS node: it builds its services and holds the table of their control calls.
 
 Data moves one-sidedly: peers READ stripe regions and WRITE into staging regions without this
 code running. What runs here is the control path, in services each of its own module, built
-here with their collaborators handed in; their imports run one way (membership -> resync ->
-training -> replicator -> cluster; the namespace gets training's two hooks as functions):
+here with their collaborators handed in (``NodeCore``: name, config, cluster view, store, stripe
+locks, serving state; and what else each needs). Their imports run one way: membership ->
+resync -> training -> replicator -> cluster; the namespace gets training's two hooks as
+functions.
 
-- serving.py: whether this node serves now (syncing, ready), and the checks every call makes;
-- staging.py: the staging regions peers WRITE into, leased by their owners' heartbeats;
-- locks.py, barrier.py: a lock per stripe; the commit barrier (freeze/thaw) of snapshots;
-- replicator.py: the one path that sends a change to the other replicas, and the one place of
-  the acknowledgement rule (``to_every_target``);
+- datapath.py: ``commit`` (a stripe's primary), ``apply`` (a backup), ``stripe_info``;
 - namespace.py: namespace ops, their replication, snapshots;
 - training.py: pushes, sync policies, optimizer steps, push bookkeeping;
-- resync.py: how a node that was away catches up; membership.py: joining, the hand-over,
-  fencing, membership changes; leases.py: the coordination lease and view.
+- membership.py: joining, the hand-over, fencing, membership changes; resync.py: how a node
+  that was away catches up; leases.py: the coordination lease and view;
+- replicator.py: the one path that sends a change to the other replicas, and the one place of
+  the acknowledgement rule (``to_every_target``);
+- serving.py: whether this node serves now (syncing, ready), and the checks every call makes;
+- staging.py, locks.py, barrier.py: the staging regions peers WRITE into, a lock per stripe,
+  the commit barrier (freeze/thaw) of snapshots and rebalance.
 
-The calls served here are the data path's:
-
-- ``commit`` (on a stripe's primary): install a staged range into the stripe under its seqlock,
-  then replicate it to the stripe's backups before answering (the replicator), so an
-  acknowledged write lives on every live replica. One lock per stripe orders commits, so every
-  backup sees them in version order; a backup that is behind (it was down) answers ``stale``
-  and gets the whole stripe. A backup refuses replication from a node it counts down
-  (``ESTALE``). A new stripe's versions start above any earlier stripe's of the same index
-  (``version_base``).
-- ``apply`` (on a backup): install what a primary sent, in version order, with the push
-  bookkeeping and optimizer state that go with it.
-- ``heartbeat``, ``stripe_info``, ``stripes``, ``staging``, ``release``, ``freeze``, ``thaw``,
-  ``snap_copy``, ``statfs``. Heartbeats carry the node's incarnation (new at each start) and
-  serving generation, and lease the caller's staging (``STAGING_LEASE``).
-
-With ``--persist`` a node loads its stripes and namespace from disk first (persist.py), then
-resyncs as always.
+Here: ``heartbeat`` (the node's status; it carries the incarnation, new at each start, and the
+serving generation, and leases the caller's staging), ``statfs``, ``staging``/``release``,
+``freeze``/``thaw``. With ``--persist`` a node loads its stripes and namespace from disk first
+(persist.py), then resyncs as always.
 
 Concurrency: one trio thread; handlers run as concurrent tasks, so everything that must be
 ordered takes a lock (the namespace, per stripe).
@@ -59,26 +49,25 @@ from ..notify import notify
 from ..transport.base import RemoteError, Transport
 from ..util import keep_freed_memory
 from .barrier import CommitBarrier
+from .core import NodeCore
+from .datapath import VERSION_SHIFT, DataPath
 from .leases import ServingLease
 from .locks import KeyedLocks
 from .membership import Membership
 from .meta import Meta
 from .namespace import Namespace
 from .persist import Persist
-from .policies import RecordError, StripeTraining
 from .replicator import Replicator
 from .resync import Resync
 from .serving import Serving
-from .staging import MAX_STAGING_PER_OWNER, Staged, StagingRegions
+from .staging import MAX_STAGING_PER_OWNER, StagingRegions
 from .store import NoSpace, Store
 from .training import Training
-from .updates import StripeKey, StripeRange, Update, check_range
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Node", "MAX_STAGING_PER_OWNER", "VERSION_SHIFT", "main"]
+__all__ = ["Node", "MAX_STAGING_PER_OWNER", "main"]
 
-VERSION_SHIFT = 32  # a stripe takes 2**32 writes before its versions reach the next base
 
 
 class Node:
@@ -107,24 +96,15 @@ class Node:
         # a node away meanwhile may still hold (its resync then takes the new one). Every node
         # has applied the truncate before the write that recreates the stripe is sent.
         self.store = Store(transport, cfg.capacity, self.persist, version_base=lambda: self.namespace.meta.seq << VERSION_SHIFT)
-        self.training = Training(
-            name, cfg, lambda: self.namespace.meta, self.store, self.stripe_locks, self.serving, self.barrier, self.replicator, self.staging, self.latency
-        )
-        self.namespace = Namespace(
-            name, self.cluster, self.store, self.persist, self.serving, self.replicator, self._call_node, self.training.forget, self.training.recheck
-        )
-        self.resync = Resync(
-            name, cfg, self.cluster, self.store, self.stripe_locks, self.serving, self.training, self.namespace.current, self.namespace.restore
-        )
-        self.membership = Membership(
-            name, cfg, self.cluster, self.store, self.stripe_locks, self.namespace.lock, self.serving, self.training, self.resync, self.lease
-        )
+        core = NodeCore(name, cfg, self.cluster, self.store, self.stripe_locks, self.serving)
+        self.training = Training(core, lambda: self.namespace.meta, self.barrier, self.replicator, self.staging, self.latency)
+        self.namespace = Namespace(core, self.persist, self.replicator, self._call_node, self.training.forget, self.training.recheck)
+        self.resync = Resync(core, self.training, self.namespace.current, self.namespace.restore)
+        self.membership = Membership(core, self.namespace.lock, self.training, self.resync, self.lease)
+        self.data = DataPath(core, self.barrier, self.replicator, self.staging, self.training.records)
         self.cluster.on_adopt = self.membership.adopted  # a membership learnt from a peer's heartbeat
-        # optimizer state a primary sent ahead of the parameters it goes with: installed by the
-        # parameters' apply, never alone (a primary that dies between leaves both as they were)
-        self.state_ahead: dict[tuple[int, int, int], tuple[bytes, int, int, int]] = {}
         self.calls: dict[str, Callable] = {}  # method -> its handler (``handle``)
-        for part in (self, self.namespace, self.training, self.membership):
+        for part in (self, self.data, self.namespace, self.training, self.membership):
             for attr in dir(part):
                 if attr.startswith("rpc_"):
                     assert attr[4:] not in self.calls, f"two handlers of {attr}"
@@ -247,9 +227,6 @@ class Node:
             "replicas_behind": sum(self.cluster.node_state(n) != READY for n in self.cfg.names if n != self.name),
         }
 
-    async def rpc_stripes(self) -> dict:
-        return {"stripes": self.store.listing()}
-
     async def rpc_statfs(self) -> dict:
         return {"capacity": self.cfg.capacity, "used": self.store.bytes_held, "files": len(self.meta.inodes)}
 
@@ -263,9 +240,6 @@ class Node:
         self.barrier.thaw(token)
         return {}
 
-    async def rpc_snap_copy(self, snap: int) -> dict:
-        return {"bytes": self.store.copy_snapshot(snap)}
-
     # -- staging -----------------------------------------------------------------------------
     async def rpc_staging(self, owner: str, size: int, replace: bool = False) -> dict:
         """A staging region for ``owner`` (staging.py; ``replace``: its earlier ones freed)."""
@@ -273,87 +247,6 @@ class Node:
 
     async def rpc_release(self, owner: str) -> dict:
         self.staging.release(owner)
-        return {}
-
-    # -- data --------------------------------------------------------------------------------
-    async def rpc_stripe_info(self, fid: int, idxs: list[int], snap: int = 0) -> dict:
-        self.serving.require_ready()
-        await self.serving.await_takeover()  # no reads of this node's copies before it has caught up
-        return {str(i): (s.describe() if (s := self.store.get(fid, i, snap)) else None) for i in idxs}
-
-    async def rpc_commit(self, fid: int, idx: int, offset: int, length: int, rkey: int, soff: int, unit: int) -> dict:
-        """Install a staged range as the stripe's primary, replicate it, answer with its version."""
-        self.serving.require_ready()
-        check_range(offset, length, unit, self.cfg.stripe_unit)
-        self.serving.check_primary(fid, idx)
-        data = self.staging.view(Staged(rkey, soff, length))
-        await self.serving.await_takeover()
-        async with self.barrier.changing():
-            async with self.stripe_locks((fid, idx)):
-                # again, under the lock: a rebalance or a hand-over may have moved it meanwhile
-                self.serving.check_primary(fid, idx)
-                version = self.store.install(fid, idx, offset, data, unit)
-                self.serving.led_now((fid, idx, 0))
-                update = Update(StripeRange(StripeKey(fid, idx), offset, length, unit), version, self.store.get(fid, idx))
-                await self.replicator.to_every_target(update.range.key, lambda peer: self.replicator.update(peer, update))
-        return {"version": version}
-
-    async def rpc_apply(
-        self,
-        where: list,
-        staged: list,
-        version: int,
-        clock: int,
-        full: bool,
-        record: dict | None = None,
-        pending: bool = False,
-        state: int = 0,
-        sender: str = "",
-    ) -> dict:
-        """Install range ``where`` (or with ``full`` the whole stripe) a primary sent (replicator.py), in
-        version order, with the push bookkeeping (``record``) and the ``state`` optimizer-state
-        stripes sent ahead (``pending``) that go with it (training) in the same step."""
-        self.serving.check_sender(sender)
-        r = StripeRange.parse(where)
-        (fid, idx, snap), offset, length, unit = r
-        check_range(offset, length, unit, self.cfg.stripe_unit)
-        if not (isinstance(staged, list) and len(staged) == 2 and all(type(v) is int for v in staged)):
-            raise RemoteError("EINVAL", f"staged is [rkey, offset], not {staged!r}")
-        data = self.staging.view(Staged(staged[0], staged[1], length))
-        try:  # read before anything is installed: a malformed record changes nothing
-            incoming = StripeTraining.from_record(record) if record is not None else None
-        except RecordError as exc:
-            raise RemoteError("EINVAL", str(exc)) from None
-        if pending:  # optimizer state: kept aside until the parameters it belongs to arrive
-            if snap >= 0 or not full:
-                raise RemoteError("EINVAL", "only whole optimizer-state stripes are sent ahead")
-            self.state_ahead[(fid, idx, snap)] = (bytes(data), version, clock, unit)
-            return {}
-        if not 0 <= state <= 2:
-            raise RemoteError("EINVAL", f"{state} optimizer-state stripes (at most 2)")
-        async with self.stripe_locks((fid, idx)):
-            stripe = self.store.get(fid, idx, snap)
-            current = stripe.version if stripe else 0
-            if full:
-                if version > current:
-                    self.store.replace(fid, idx, data, unit, version, snap, clock)
-            elif current == version - 1 or (stripe is None and version & ((1 << VERSION_SHIFT) - 1) == 1):
-                # the next version, or the first of a stripe the primary just created (its other
-                # bytes are zeros, as a missing stripe's are here)
-                self.store.install(fid, idx, offset, data, unit, version, clock, snap)
-            elif current < version:
-                return {"stale": True}
-            for k in range(1, state + 1):  # with the parameters, not before: never one without the other
-                held = self.state_ahead.pop((fid, idx, -k), None)
-                if held is None:
-                    log.warning("stripe %d:%d: optimizer state %d did not arrive with its parameters", fid, idx, -k)
-                    continue
-                raw, sversion, sclock, sunit = held
-                mine = self.store.get(fid, idx, -k)
-                if mine is None or mine.version < sversion:
-                    self.store.replace(fid, idx, memoryview(raw), sunit, sversion, -k, sclock)
-            if incoming is not None:
-                self.training.records[(fid, idx)].restore(incoming)
         return {}
 
 

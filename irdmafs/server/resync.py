@@ -16,35 +16,21 @@ import sys
 import time
 from typing import Callable
 
-from ..cluster import Cluster, NodeDown
-from ..config import ClusterConfig
+from ..cluster import NodeDown
 from ..notify import notify
 from ..progress import Progress
 from ..transport.base import RemoteError, TransportError
-from .locks import KeyedLocks
+from .core import NodeCore
 from .meta import Meta
-from .serving import Serving
-from .store import Store
 from .training import Training
 
 log = logging.getLogger(__name__)
 
 
 class Resync:
-    def __init__(
-        self,
-        name: str,
-        cfg: ClusterConfig,
-        cluster: Cluster,
-        store: Store,
-        locks: KeyedLocks,
-        serving: Serving,
-        training: Training,
-        meta: Callable[[], Meta],
-        restore_meta: Callable[[dict], None],
-    ):
-        self.name, self.cfg, self.cluster, self.store, self.stripe_locks = name, cfg, cluster, store, locks
-        self.serving, self.training, self.meta, self.restore_meta = serving, training, meta, restore_meta
+    def __init__(self, core: NodeCore, training: Training, meta: Callable[[], Meta], restore_meta: Callable[[dict], None]):
+        self.name, self.cfg, self.cluster, self.store, self.stripe_locks, self.serving = core
+        self.training, self.meta, self.restore_meta = training, meta, restore_meta
         self.work: dict = {}  # long work under way (resync, rebalance): shown by heartbeats
 
     async def resync(self) -> None:

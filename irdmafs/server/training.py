@@ -26,19 +26,17 @@ from typing import Callable, NamedTuple
 import numpy as np
 import trio
 
-from ..cluster import Cluster, NodeDown
-from ..config import ClusterConfig
+from ..cluster import NodeDown
 from ..metrics import Latency
 from ..transport.base import RemoteError
 from . import optim
 from .barrier import CommitBarrier
-from .locks import KeyedLocks
+from .core import NodeCore
 from .meta import Meta
 from .policies import Model, PolicyError, RecordError, StripeTraining, parse_policy
 from .replicator import Replicator
-from .serving import Serving
 from .staging import Staged, StagingRegions
-from .store import NoSpace, Store
+from .store import NoSpace
 from .updates import StripeKey, StripeRange, Update, check_range
 
 log = logging.getLogger(__name__)
@@ -86,22 +84,9 @@ class Training:
     """Pushes, the ``train_*`` calls and the push bookkeeping (``records``, by (fid, idx)) of a
     node. ``meta()`` is the node's namespace as it is now (a resync replaces it)."""
 
-    def __init__(
-        self,
-        name: str,
-        cfg: ClusterConfig,
-        meta: Callable[[], Meta],
-        store: Store,
-        locks: KeyedLocks,
-        serving: Serving,
-        barrier: CommitBarrier,
-        replicator: Replicator,
-        staging: StagingRegions,
-        latency: Latency,
-    ):
-        self.name, self.cfg, self._meta, self.store, self.stripe_locks = name, cfg, meta, store, locks
-        self.serving, self.barrier, self.replicator, self.staging, self.latency = serving, barrier, replicator, staging, latency
-        self.cluster: Cluster = replicator.cluster
+    def __init__(self, core: NodeCore, meta: Callable[[], Meta], barrier: CommitBarrier, replicator: Replicator, staging: StagingRegions, latency: Latency):
+        self.name, self.cfg, self.cluster, self.store, self.stripe_locks, self.serving = core
+        self._meta, self.barrier, self.replicator, self.staging, self.latency = meta, barrier, replicator, staging, latency
         self.records: dict[tuple[int, int], StripeTraining] = defaultdict(StripeTraining)
         self.apply_seconds = 0.0  # optimizer steps and installs of pushed gradients
         self.pushes_applied = trio.Event()  # set (and replaced) whenever pushes may have been applied

@@ -247,15 +247,15 @@ async def test_optimizer_state_waits_for_its_parameters(cluster):
         staged.buf[:n] = bytes([value]) * n
 
     stage(7, 2 * unit)
-    await backup.rpc_apply(where=[fid, idx, -1, 0, 2 * unit, 2 * unit], staged=[staged.rkey, 0], version=1, clock=1, full=True, pending=True)
+    await backup.data.rpc_apply(where=[fid, idx, -1, 0, 2 * unit, 2 * unit], staged=[staged.rkey, 0], version=1, clock=1, full=True, pending=True)
     assert backup.store.get(fid, idx, -1) is None  # not without its parameters
     stage(3, unit)
-    await backup.rpc_apply(where=[fid, idx, 0, 0, unit, unit], staged=[staged.rkey, 0], version=1, clock=0, full=True, state=1)
+    await backup.data.rpc_apply(where=[fid, idx, 0, 0, unit, unit], staged=[staged.rkey, 0], version=1, clock=0, full=True, state=1)
     state = backup.store.get(fid, idx, -1)
     assert state is not None and bytes(state.data[: 2 * unit]) == bytes([7]) * (2 * unit) and state.clock == 1
     assert bytes(backup.store.get(fid, idx).data[:unit]) == bytes([3]) * unit
     with pytest.raises(RemoteError) as err:  # parameters are never sent ahead
-        await backup.rpc_apply(where=[fid, idx, 0, 0, unit, unit], staged=[staged.rkey, 0], version=2, clock=0, full=True, pending=True)
+        await backup.data.rpc_apply(where=[fid, idx, 0, 0, unit, unit], staged=[staged.rkey, 0], version=2, clock=0, full=True, pending=True)
     assert err.value.code == "EINVAL"
 
 

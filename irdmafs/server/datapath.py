@@ -1,0 +1,130 @@
+"""The data path's control calls on a PS node: commits (as a stripe's primary), applies (as a
+backup), and what readers and resyncing peers ask of its stripes.
+
+- ``commit`` (on a stripe's primary): install a staged range into the stripe under its seqlock,
+  then replicate it to the stripe's backups before answering (replicator.py), so an
+  acknowledged write lives on every replica the stripe targets. One lock per stripe orders
+  commits, so every backup sees them in version order; a backup that is behind (it was down)
+  answers ``stale`` and gets the whole stripe. A backup refuses replication from a node it
+  counts down (``ESTALE``, serving.py).
+- ``apply`` (on a backup): install what a primary sent, in version order, with the push
+  bookkeeping and the optimizer state (sent ahead, held aside until then) that go with it.
+- ``stripe_info``, ``stripes``, ``snap_copy``: a stripe's region key and version, every stripe
+  held, a snapshot's copy of every live stripe.
+
+A new stripe's versions start above any earlier stripe's of the same index (the store's
+``version_base``: ``VERSION_SHIFT``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ..transport.base import RemoteError
+from .barrier import CommitBarrier
+from .core import NodeCore
+from .policies import RecordError, StripeTraining
+from .replicator import Replicator
+from .staging import Staged, StagingRegions
+from .updates import StripeKey, StripeRange, Update, check_range
+
+log = logging.getLogger(__name__)
+
+VERSION_SHIFT = 32  # a stripe takes 2**32 writes before its versions reach the next base
+
+
+class DataPath:
+    def __init__(
+        self, core: NodeCore, barrier: CommitBarrier, replicator: Replicator, staging: StagingRegions, records: dict[tuple[int, int], StripeTraining]
+    ):
+        self.name, self.cfg, self.cluster, self.store, self.stripe_locks, self.serving = core
+        self.barrier, self.replicator, self.staging, self.records = barrier, replicator, staging, records
+        # optimizer state a primary sent ahead of the parameters it goes with: installed by the
+        # parameters' apply, never alone (a primary that dies between leaves both as they were)
+        self.state_ahead: dict[tuple[int, int, int], tuple[bytes, int, int, int]] = {}
+
+    async def rpc_stripes(self) -> dict:
+        return {"stripes": self.store.listing()}
+
+    async def rpc_snap_copy(self, snap: int) -> dict:
+        return {"bytes": self.store.copy_snapshot(snap)}
+
+    async def rpc_stripe_info(self, fid: int, idxs: list[int], snap: int = 0) -> dict:
+        self.serving.require_ready()
+        await self.serving.await_takeover()  # no reads of this node's copies before it has caught up
+        return {str(i): (s.describe() if (s := self.store.get(fid, i, snap)) else None) for i in idxs}
+
+    async def rpc_commit(self, fid: int, idx: int, offset: int, length: int, rkey: int, soff: int, unit: int) -> dict:
+        """Install a staged range as the stripe's primary, replicate it, answer with its version."""
+        self.serving.require_ready()
+        check_range(offset, length, unit, self.cfg.stripe_unit)
+        self.serving.check_primary(fid, idx)
+        data = self.staging.view(Staged(rkey, soff, length))
+        await self.serving.await_takeover()
+        async with self.barrier.changing():
+            async with self.stripe_locks((fid, idx)):
+                # again, under the lock: a rebalance or a hand-over may have moved it meanwhile
+                self.serving.check_primary(fid, idx)
+                version = self.store.install(fid, idx, offset, data, unit)
+                self.serving.led_now((fid, idx, 0))
+                update = Update(StripeRange(StripeKey(fid, idx), offset, length, unit), version, self.store.get(fid, idx))
+                await self.replicator.to_every_target(update.range.key, lambda peer: self.replicator.update(peer, update))
+        return {"version": version}
+
+    async def rpc_apply(
+        self,
+        where: list,
+        staged: list,
+        version: int,
+        clock: int,
+        full: bool,
+        record: dict | None = None,
+        pending: bool = False,
+        state: int = 0,
+        sender: str = "",
+    ) -> dict:
+        """Install range ``where`` (or with ``full`` the whole stripe) a primary sent (replicator.py), in
+        version order, with the push bookkeeping (``record``) and the ``state`` optimizer-state
+        stripes sent ahead (``pending``) that go with it (training) in the same step."""
+        self.serving.check_sender(sender)
+        r = StripeRange.parse(where)
+        (fid, idx, snap), offset, length, unit = r
+        check_range(offset, length, unit, self.cfg.stripe_unit)
+        if not (isinstance(staged, list) and len(staged) == 2 and all(type(v) is int for v in staged)):
+            raise RemoteError("EINVAL", f"staged is [rkey, offset], not {staged!r}")
+        data = self.staging.view(Staged(staged[0], staged[1], length))
+        try:  # read before anything is installed: a malformed record changes nothing
+            incoming = StripeTraining.from_record(record) if record is not None else None
+        except RecordError as exc:
+            raise RemoteError("EINVAL", str(exc)) from None
+        if pending:  # optimizer state: kept aside until the parameters it belongs to arrive
+            if snap >= 0 or not full:
+                raise RemoteError("EINVAL", "only whole optimizer-state stripes are sent ahead")
+            self.state_ahead[(fid, idx, snap)] = (bytes(data), version, clock, unit)
+            return {}
+        if not 0 <= state <= 2:
+            raise RemoteError("EINVAL", f"{state} optimizer-state stripes (at most 2)")
+        async with self.stripe_locks((fid, idx)):
+            stripe = self.store.get(fid, idx, snap)
+            current = stripe.version if stripe else 0
+            if full:
+                if version > current:
+                    self.store.replace(fid, idx, data, unit, version, snap, clock)
+            elif current == version - 1 or (stripe is None and version & ((1 << VERSION_SHIFT) - 1) == 1):
+                # the next version, or the first of a stripe the primary just created (its other
+                # bytes are zeros, as a missing stripe's are here)
+                self.store.install(fid, idx, offset, data, unit, version, clock, snap)
+            elif current < version:
+                return {"stale": True}
+            for k in range(1, state + 1):  # with the parameters, not before: never one without the other
+                held = self.state_ahead.pop((fid, idx, -k), None)
+                if held is None:
+                    log.warning("stripe %d:%d: optimizer state %d did not arrive with its parameters", fid, idx, -k)
+                    continue
+                raw, sversion, sclock, sunit = held
+                mine = self.store.get(fid, idx, -k)
+                if mine is None or mine.version < sversion:
+                    self.store.replace(fid, idx, memoryview(raw), sunit, sversion, -k, sclock)
+            if incoming is not None:
+                self.records[(fid, idx)].restore(incoming)
+        return {}
