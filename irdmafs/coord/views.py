@@ -5,7 +5,9 @@ Keys, under ``/irdmafs/<cluster>/``:
 - ``alive/<node>``: put by a node ready to serve (it has resynced), with its lease. It is gone
   once that lease ends: the node stopped keeping it alive (dead, stopped, cut off from etcd) or
   it was revoked (the node left, or a peer expelled it).
-- ``view``: ``{"serving": {node: lease}}``. Its ``mod_revision`` is the view's *epoch*.
+- ``view``: ``{"serving": {node: lease}, "expelled": [node]}``. Its ``mod_revision`` is the
+  view's *epoch*. The nodes it names and does not mark expelled are its ``active`` ones: they
+  serve, and every stripe's primary and replicas are chosen among them (cluster.py).
 
 The rules, each with a test in tests/unit/test_views.py:
 
@@ -25,8 +27,12 @@ V4. A node serves only in a view that names it with the lease it holds now (``se
     that lost its lease takes a new one and must be dropped and added again (V2): a new epoch.
 V5. While etcd is unreachable there is no new view; nodes serve until their leases end (V3), then
     stop; ``unreachable_since`` says since when, for the status line.
-V6. To expel a peer that is alive to etcd but not to it, a node revokes the peer's lease; the
-    view drops the peer ``ttl`` later (V2), when the peer has stopped by its own count.
+V6. To expel a peer it cannot replicate to, a node that serves commits a view marking the peer
+    expelled (a CAS on the view it serves in, so of two nodes expelling each other one wins and
+    the other finds itself expelled), then revokes the peer's lease. An expelled node is not
+    active: it stops serving as soon as it reads that view, and by its own count when its lease
+    ends; the view drops it ``ttl`` after its alive key is gone (V2) and names it again, not
+    expelled, once it announces itself under a new lease.
 
 Only nodes holding their lease propose views; clients read them (``ViewReader``).
 """
@@ -56,10 +62,16 @@ class View:
 
     epoch: int = 0
     serving: tuple[tuple[str, int], ...] = ()
+    expelled: tuple[str, ...] = ()
 
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(name for name, _ in self.serving)
+
+    @property
+    def active(self) -> tuple[str, ...]:
+        """The nodes this view names and does not mark expelled: those that serve in it."""
+        return tuple(name for name, _ in self.serving if name not in self.expelled)
 
     def lease_of(self, name: str) -> int:
         return dict(self.serving).get(name, 0)
@@ -70,12 +82,13 @@ class View:
         try:
             doc = json.loads(value)
             serving = tuple(sorted((str(n), int(lease)) for n, lease in doc["serving"].items()))
+            expelled = tuple(sorted(str(n) for n in doc.get("expelled", [])))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CoordError(f"the view key does not hold a view ({exc}): {value[:200]!r}") from None
-        return View(epoch, serving)
+        return View(epoch, serving, expelled)
 
     def encode(self) -> bytes:
-        return json.dumps({"serving": dict(self.serving)}, sort_keys=True).encode()
+        return json.dumps({"serving": dict(self.serving), "expelled": list(self.expelled)}, sort_keys=True).encode()
 
 
 class ViewReader:
@@ -86,6 +99,7 @@ class ViewReader:
         self.prefix = prefix_of(cluster)
         self.view = View()
         self.unreachable_since = math.inf
+        self.on_view: list[Callable[[View], None]] = []  # called with each newer view learnt
 
     async def read(self) -> tuple[View, dict[str, int]]:
         """Read the view and the alive keys (node -> lease) at one revision; keep the view if newer."""
@@ -103,8 +117,11 @@ class ViewReader:
     def learn(self, view: View) -> None:
         """Keep ``view`` if it is newer than the one held (one read, or a CAS that committed it)."""
         if view.epoch > self.view.epoch:
-            log.info("view %d: serving %s", view.epoch, ", ".join(view.names) or "nothing")
+            out = f" ({', '.join(view.expelled)} expelled)" if view.expelled else ""
+            log.info("view %d: serving %s%s", view.epoch, ", ".join(view.active) or "nothing", out)
             self.view = view
+            for callback in self.on_view:
+                callback(view)
 
 
 @dataclass
@@ -149,8 +166,9 @@ class ViewKeeper:
         return self.ttl / 4
 
     def serving(self) -> bool:
-        """V3 and V4: this node holds its lease and the newest view it knows names it with it."""
-        return self.lease.held() and self.view.lease_of(self.name) == self.lease.id
+        """V3, V4, V6: this node holds its lease, and the newest view it knows names it with it
+        and does not mark it expelled."""
+        return self.lease.held() and self.view.lease_of(self.name) == self.lease.id and self.name not in self.view.expelled
 
     # -- the lease ---------------------------------------------------------------------------
     async def keep_lease(self) -> None:
@@ -198,12 +216,26 @@ class ViewKeeper:
         if lease:
             await self.coord.revoke(lease)
 
-    async def expel(self, peer: str) -> None:
-        """V6: end ``peer``'s lease; the view drops it ``ttl`` later, once it stopped by its count."""
-        lease = self.view.lease_of(peer)
-        if lease:
-            log.warning("node %s expels %s (lease %x)", self.name, peer, lease)
+    async def expel(self, peer: str) -> bool:
+        """V6: commit a view in which ``peer`` is expelled, then end its lease. False if this
+        node does not serve, ``peer`` is not active in its view, or another view came first
+        (it is read: decide again). Unavailable if the coordinator cannot be reached."""
+        view = self.view
+        if not self.serving() or peer not in view.active:
+            return False
+        proposal = View(0, view.serving, tuple(sorted({*view.expelled, peer})))
+        done, revision = await self.coord.cas(self.prefix + "view", view.epoch, proposal.encode())
+        if not done:
+            await self.reader.read()
+            return False
+        self.reader.learn(View(revision, proposal.serving, proposal.expelled))
+        lease = view.lease_of(peer)
+        log.warning("node %s expels %s (lease %x) in view %d", self.name, peer, lease, revision)
+        try:
             await self.coord.revoke(lease)
+        except CoordError as exc:  # it ends by itself; the view already keeps the peer out
+            log.warning("lease %x of %s not revoked: %s", lease, peer, exc)
+        return True
 
     @property
     def prefix(self) -> str:
@@ -242,12 +274,14 @@ class ViewKeeper:
     async def propose(self, view: View, alive: dict[str, int]) -> View:
         """Commit the next view if it differs from ``view``; the newest view known after."""
         serving = self.next_serving(view, alive)
-        if serving == dict(view.serving):
+        # an expelled node stays expelled while the view names it under the same lease (V6)
+        expelled = tuple(n for n in view.expelled if n in serving and serving[n] == view.lease_of(n))
+        if serving == dict(view.serving) and expelled == view.expelled:
             return view
-        proposal = View(0, tuple(sorted(serving.items())))
+        proposal = View(0, tuple(sorted(serving.items())), expelled)
         done, revision = await self.coord.cas(self.prefix + "view", view.epoch, proposal.encode())
         if done:
-            self.reader.learn(View(revision, proposal.serving))
+            self.reader.learn(View(revision, proposal.serving, proposal.expelled))
             for key in [k for k in self._missing_since if k not in proposal.serving]:
                 del self._missing_since[key]
         return self.view

@@ -1,6 +1,7 @@
 """Views and leases (irdmafs/coord/views.py): rules V1-V6, on the in-memory model with trio's
 MockClock, then under seeded fault schedules with one invariant checked at every tick: a node
-that serves is named, with the lease it holds, by the view committed in the store."""
+that serves is named, with the lease it holds, by the view committed in the store, and one that
+view marks expelled stops within a ttl."""
 
 import os
 import random
@@ -26,6 +27,7 @@ class Fleet:
         self.scopes: dict[str, trio.CancelScope] = {}
         self.violations: list[str] = []
         self._committed = View()
+        self.expelled_since: dict[tuple[str, int], float] = {}  # (node, lease) -> when first seen expelled
 
     async def start(self, name):
         scope = trio.CancelScope()
@@ -68,9 +70,15 @@ class Fleet:
         """The safety invariant, checked every 10 ms of (mock) time."""
         while True:
             committed = self.committed()
+            now = trio.current_time()
+            for name in committed.expelled:
+                self.expelled_since.setdefault((name, committed.lease_of(name)), now)
             for name, k in self.keepers.items():
                 if name in self.scopes and k.serving() and committed.lease_of(name) != k.lease.id:
-                    self.violations.append(f"t={trio.current_time():.2f}: {name} serves under lease {k.lease.id:x}, view {committed}")
+                    self.violations.append(f"t={now:.2f}: {name} serves under lease {k.lease.id:x}, view {committed}")
+                since = self.expelled_since.get((name, k.lease.id))
+                if name in self.scopes and k.serving() and since is not None and now - since > TTL:
+                    self.violations.append(f"t={now:.2f}: {name} still serves {now - since:.2f}s after it was expelled")
             await trio.sleep(0.01)
 
     async def all_serving(self, timeout=30):
@@ -141,12 +149,20 @@ async def test_while_the_coordinator_is_unreachable_nodes_serve_until_their_leas
 
 
 async def test_an_expelled_node_stops_before_the_view_drops_it(autojump_clock, fleet):
-    """V6: n1 revokes n2's lease; n2 is dropped ttl later; it comes back under a new lease."""
+    """V6: n1 commits a view expelling n2 and revokes its lease: n2 is not active at once, stops
+    serving within a ttl, is dropped a ttl after its key went, and comes back under a new lease,
+    not expelled."""
     await fleet.all_serving()
     k2 = fleet.keepers["n2"]
     old_lease = k2.lease.id
     expelled_at = trio.current_time()
-    await fleet.keepers["n1"].expel("n2")
+    assert await fleet.keepers["n1"].expel("n2")
+    assert fleet.committed().active == ("n1", "n3") and fleet.committed().expelled == ("n2",)
+    assert fleet.keepers["n1"].view == fleet.committed()
+    with trio.fail_after(TTL):
+        while k2.serving():
+            await trio.sleep(0.01)
+    assert not await fleet.keepers["n1"].expel("n2")  # not active any more: nothing to do
     with trio.fail_after(20):
         while fleet.committed().lease_of("n2") == old_lease:
             await trio.sleep(0.01)
@@ -154,6 +170,24 @@ async def test_an_expelled_node_stops_before_the_view_drops_it(autojump_clock, f
     assert k2.lease.id != old_lease or not k2.serving()
     await fleet.all_serving()
     assert fleet.committed().lease_of("n2") == k2.lease.id != old_lease
+    assert fleet.committed().expelled == ()
+
+
+async def test_two_nodes_expelling_each_other_expel_one(autojump_clock, fleet):
+    """V6: n1 and n2 each try to expel the other from the same view: one CAS wins, the other
+    finds itself expelled and cannot expel anyone."""
+    await fleet.all_serving()
+    k1, k2 = fleet.keepers["n1"], fleet.keepers["n2"]
+    assert k1.view == k2.view
+    async with trio.open_nursery() as n:
+        n.start_soon(k1.expel, "n2")
+        n.start_soon(k2.expel, "n1")
+    view = fleet.committed()
+    assert len(view.expelled) == 1 and view.expelled[0] in ("n1", "n2")
+    loser = fleet.keepers[view.expelled[0]]
+    assert loser.view == view and not loser.serving()
+    await fleet.all_serving()
+    assert fleet.committed().expelled == ()
 
 
 async def test_a_lost_lease_must_be_announced_again(autojump_clock, fleet):
