@@ -15,6 +15,13 @@ node in config order), a stripe's primary (first ready node in the stripe's rend
 the replicas a write must reach, and the order in which to try replicas for a read (ready homes,
 least-loaded first, then stand-ins).
 
+With a coordinator (``view`` set: a node configured with one, or a client once a heartbeat told
+it a view), the newest view known decides alone who serves: another node is ready if the view
+names it active, else down, whatever heartbeats say (a node still answers for itself). Every
+process that holds the same view epoch then names the same primary and replicas for a stripe.
+Views come from the coordinator (a node's ``ViewKeeper``) and from heartbeats, which carry the
+view their node holds; a newer epoch always replaces an older one (coord/views.py, V1).
+
 It also holds two mechanisms every data mover needs: ``StagingPool`` (slots in a peer's write
 staging region, so concurrent writes never share one) and ``read_verified`` (the seqlock read that
 never returns a torn stripe; the region's layout is regions.py's).
@@ -33,6 +40,7 @@ from typing import Callable, NamedTuple
 import trio
 
 from .config import ClusterConfig, NodeSpec
+from .coord.views import View
 from .placement import rank, stripe_key
 from .regions import HEADER, read_header
 from .transport.base import (
@@ -136,16 +144,46 @@ class Cluster:
         self.claimed: dict[str, str] = {}
         self.lost: dict[str, list[int]] = {}
         self._inflight: dict[str, set[trio.CancelScope]] = defaultdict(set)  # see _AbortOnDown
+        self.view: View | None = None  # with a coordinator: the newest view known (see above)
+        self.on_view: list[Callable[[View], None]] = []  # called with each newer view learnt
+
+    @property
+    def view_epoch(self) -> int:
+        """The epoch every message that changes data carries (0: no coordinator, no view yet)."""
+        return self.view.epoch if self.view is not None else 0
+
+    async def after_lost(self) -> None:
+        """A call to a node failed with NodeDown. Without a coordinator that counted it down, and
+        the next choice of node goes elsewhere at once; with one only a new view moves its work
+        (a node that cannot be reached is expelled by its peers, coord/views.py V6): wait a
+        heartbeat and ask the nodes for their view before trying again."""
+        if self.view is not None:
+            await trio.sleep(self.cfg.heartbeat)
+            await self.refresh()
+
+    def learn_view(self, view: View) -> None:
+        """Keep ``view`` if it is newer than the one held; it decides who serves from now on."""
+        if self.view is not None and view.epoch <= self.view.epoch:
+            return
+        self.view = view
+        for callback in self.on_view:
+            callback(view)
+        self.changed.set()
+        self.changed = trio.Event()
 
     # -- states ------------------------------------------------------------------------------
     def node_state(self, name: str) -> str:
-        return self._my_state() if name == self.me else self.state.get(name, DOWN)
+        if name == self.me:
+            return self._my_state()
+        if self.view is not None:
+            return READY if name in self.view.active else DOWN
+        return self.state.get(name, DOWN)
 
     def _set(self, name: str, state: str, why: str = "") -> None:
         if name not in self.cfg.names and name not in self.known:
             return  # no longer a member: nothing to track
         old = self.state.get(name)
-        if state == DOWN and self.me is not None and old in (READY, SYNCING) and name in self.info:
+        if state == DOWN and self.me is not None and self.view is None and old in (READY, SYNCING) and name in self.info:
             info = self.info[name]
             self.lost[name] = [info.get("incarnation", 0), info.get("gen", 0)]
         if state == DOWN:
@@ -352,6 +390,9 @@ class Cluster:
             return
         self._seen(name, info.get("incarnation", 0))
         self.info[name] = info
+        if info.get("view", 0) > (self.view.epoch if self.view is not None else 0) and isinstance(info.get("view_serving"), dict):
+            serving = tuple(sorted((str(n), int(lease)) for n, lease in info["view_serving"].items()))
+            self.learn_view(View(info["view"], serving, tuple(sorted(info.get("view_expelled", [])))))
         self.info_at[name] = trio.current_time()
         if self.lost.get(name) not in (None, [info.get("incarnation", 0), info.get("gen", 0)]):
             del self.lost[name]  # it restarted or resynced since we lost it

@@ -42,6 +42,9 @@ from .training import PUSH_BATCH, PushPull
 
 log = logging.getLogger(__name__)
 
+# calls that carry the client's view epoch (with a coordinator; server/serving.py, check_epoch)
+EPOCH_METHODS = frozenset({"meta"})
+
 
 
 class Client:
@@ -98,12 +101,15 @@ class Client:
                     await self.cluster.wait_changed(0.5)
                     await self.cluster.refresh()
                     continue
+                if method in EPOCH_METHODS:
+                    args = dict(args, epoch=self.cluster.view_epoch)  # as it is now (see cluster.py)
                 try:
                     return await self.cluster.call(target, method, args, timeout=timeout)
                 except NodeDown:
+                    await self.cluster.after_lost()
                     continue
                 except RemoteError as exc:
-                    if exc.code not in ("ENOTPRIMARY", "EAGAIN"):
+                    if exc.code not in ("ENOTPRIMARY", "EAGAIN", "ESTALE"):
                         raise
                     await trio.sleep(0.1)
                     await self.cluster.refresh()

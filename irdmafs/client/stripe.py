@@ -214,13 +214,14 @@ class StripeIO:
         self, fid: int, p: Piece, view: memoryview, snap: int, min_clock: int = 0, wait: float = 0.0, eager=None, clocks: dict | None = None
     ) -> None:
         missing: set[str] = set()
+        lost: set[str] = set()  # replicas that could not be reached by this read
         behind: list[str] = []  # replicas whose clock did not move while waited on: asked last
         stale_keys = 0
         looked_up: set[str] = set()  # nodes whose key this read asked for (not from the cache)
         give_up = trio.current_time() + self.cluster.cfg.op_timeout
         clock_deadline = trio.current_time() + wait
         while True:
-            candidates = [c for c in self.cluster.read_candidates(fid, p.idx) if c not in missing]
+            candidates = [c for c in self.cluster.read_candidates(fid, p.idx) if c not in missing and c not in lost]
             candidates.sort(key=lambda c: behind.index(c) + 1 if c in behind else 0)
             if not candidates:
                 homes = self.cluster.stripe_rank(fid, p.idx)[: self.cluster.cfg.replicas]
@@ -233,6 +234,7 @@ class StripeIO:
                     await trio.sleep(0.05)
                     await self.cluster.refresh()
                     missing.clear()
+                    lost.clear()
                     continue
                 # Zeros here could hide lost data: say so instead.
                 down = [n for n in homes if n not in missing]
@@ -279,6 +281,7 @@ class StripeIO:
                     raise
             except NodeDown:
                 log.warning("stripe %d:%d: node %s lost; trying the next replica", fid, p.idx, node)
+                lost.add(node)
             except RemoteError as exc:
                 if exc.code != "EAGAIN":
                     raise
@@ -317,15 +320,18 @@ class StripeIO:
 
                 async def send(slot) -> dict:
                     await self.cluster.write(primary, slot.rkey, slot.offset, view, slot.inc)
-                    return await self.cluster.call(primary, method, dict(args, rkey=slot.rkey, soff=slot.offset))
+                    return await self.cluster.call(primary, method, dict(args, rkey=slot.rkey, soff=slot.offset, epoch=self.cluster.view_epoch))
 
                 try:
                     return await self.staging.with_slot(primary, send)
-                except (NodeDown, AccessError):  # down, or restarted since its staging was given
+                except (NodeDown, AccessError) as exc:  # down, or restarted since its staging was given
                     self.staging.forget(primary)
+                    if isinstance(exc, NodeDown):
+                        await self.cluster.after_lost()
                 except RemoteError as exc:
-                    if exc.code in ("ENOTPRIMARY", "EAGAIN"):
-                        # Views of who is up differ for a moment; heartbeats settle it.
+                    if exc.code in ("ENOTPRIMARY", "EAGAIN", "ESTALE"):
+                        # Views of who is up differ for a moment; heartbeats settle it (and carry
+                        # the newest view, for a node that said ESTALE).
                         await trio.sleep(0.1)
                         await self.cluster.refresh()
                     elif exc.code == "EINVAL" and exc.message.startswith("staging"):

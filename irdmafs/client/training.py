@@ -293,11 +293,14 @@ class PushPull:
                     await self.cluster.wait_changed(0.5)
                     await self.cluster.refresh()
                     continue
+                desc["epoch"] = self.cluster.view_epoch  # as it is now: a retry may follow a newer view
                 try:
                     r = await self._fused(primary, desc, payload)
-                except (NodeDown, AccessError):  # down, or restarted (its staging is new)
+                except (NodeDown, AccessError) as exc:  # down, or restarted (its staging is new)
                     self.staging.forget(primary)
                     first = False  # it may have arrived: a duplicate now is this push's own
+                    if isinstance(exc, NodeDown):
+                        await self.cluster.after_lost()
                     continue
                 code = r.get("error")
                 if code is None and r.get("duplicate") and first:
@@ -309,10 +312,11 @@ class PushPull:
                 if code is None:
                     replies.append(r)
                     return r
-                if code in ("ENOTPRIMARY", "EAGAIN"):
+                if code in ("ENOTPRIMARY", "EAGAIN", "ESTALE"):
                     # EAGAIN: the primary may have taken it and not got it to every replica (then a
-                    # duplicate on the retry is this push's own)
-                    first = first and code == "ENOTPRIMARY"
+                    # duplicate on the retry is this push's own); ENOTPRIMARY, ESTALE (another view:
+                    # refresh it): refused before anything was taken
+                    first = first and code != "EAGAIN"
                     await trio.sleep(0.1)
                     await self.cluster.refresh()
                     continue

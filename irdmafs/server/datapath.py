@@ -41,7 +41,7 @@ class DataPath:
         self.barrier, self.replicator, self.staging, self.records = barrier, replicator, staging, records
         # optimizer state a primary sent ahead of the parameters it goes with: installed by the
         # parameters' apply, never alone (a primary that dies between leaves both as they were)
-        self.state_ahead: dict[tuple[int, int, int], tuple[bytes, int, int, int]] = {}
+        self.state_ahead: dict[tuple[int, int, int], tuple[bytes, int, int, int, int]] = {}
 
     async def rpc_stripes(self) -> dict:
         return {"stripes": self.store.listing()}
@@ -54,8 +54,9 @@ class DataPath:
         await self.serving.await_takeover()  # no reads of this node's copies before it has caught up
         return {str(i): (s.describe() if (s := self.store.get(fid, i, snap)) else None) for i in idxs}
 
-    async def rpc_commit(self, fid: int, idx: int, offset: int, length: int, rkey: int, soff: int, unit: int) -> dict:
+    async def rpc_commit(self, fid: int, idx: int, offset: int, length: int, rkey: int, soff: int, unit: int, epoch: int = 0) -> dict:
         """Install a staged range as the stripe's primary, replicate it, answer with its version."""
+        await self.serving.check_epoch(epoch)
         self.serving.require_ready()
         check_range(offset, length, unit, self.cfg.stripe_unit)
         self.serving.check_primary(fid, idx)
@@ -65,9 +66,11 @@ class DataPath:
             async with self.stripe_locks((fid, idx)):
                 # again, under the lock: a rebalance or a hand-over may have moved it meanwhile
                 self.serving.check_primary(fid, idx)
+                base = self.store.get(fid, idx)
+                base_tag = base.tag if base is not None else 0
                 version = self.store.install(fid, idx, offset, data, unit)
                 self.serving.led_now((fid, idx, 0))
-                update = Update(StripeRange(StripeKey(fid, idx), offset, length, unit), version, self.store.get(fid, idx))
+                update = Update(StripeRange(StripeKey(fid, idx), offset, length, unit), version, self.store.get(fid, idx), base_tag=base_tag)
                 await self.replicator.to_every_target(update.range.key, lambda peer: self.replicator.update(peer, update))
         return {"version": version}
 
@@ -82,13 +85,20 @@ class DataPath:
         pending: bool = False,
         state: int = 0,
         sender: str = "",
+        epoch: int = 0,
+        tag: int = 0,
+        base_tag: int = 0,
     ) -> dict:
-        """Install range ``where`` (or with ``full`` the whole stripe) a primary sent (replicator.py), in
-        version order, with the push bookkeeping (``record``) and the ``state`` optimizer-state
-        stripes sent ahead (``pending``) that go with it (training) in the same step."""
-        self.serving.check_sender(sender)
+        """Install range ``where`` (or with ``full`` the whole stripe) a primary sent
+        (replicator.py) in order, with the push bookkeeping (``record``) and the ``state``
+        optimizer-state stripes sent ahead (``pending``) that go with it (training) in the same
+        step. ``(tag, version)``: the stamp the primary gave it (store.py); a range applies only
+        on top of the stamp it was made on, ``(base_tag, version - 1)``; a backup that holds an
+        older stamp answers ``stale`` and gets the whole stripe."""
+        await self.serving.check_epoch(epoch)
         r = StripeRange.parse(where)
         (fid, idx, snap), offset, length, unit = r
+        self.serving.check_sender(sender, self.cluster.stripe_primary(fid, idx))
         check_range(offset, length, unit, self.cfg.stripe_unit)
         if not (isinstance(staged, list) and len(staged) == 2 and all(type(v) is int for v in staged)):
             raise RemoteError("EINVAL", f"staged is [rkey, offset], not {staged!r}")
@@ -100,31 +110,31 @@ class DataPath:
         if pending:  # optimizer state: kept aside until the parameters it belongs to arrive
             if snap >= 0 or not full:
                 raise RemoteError("EINVAL", "only whole optimizer-state stripes are sent ahead")
-            self.state_ahead[(fid, idx, snap)] = (bytes(data), version, clock, unit)
+            self.state_ahead[(fid, idx, snap)] = (bytes(data), version, clock, unit, tag)
             return {}
         if not 0 <= state <= 2:
             raise RemoteError("EINVAL", f"{state} optimizer-state stripes (at most 2)")
         async with self.stripe_locks((fid, idx)):
             stripe = self.store.get(fid, idx, snap)
-            current = stripe.version if stripe else 0
+            held = stripe.stamp if stripe else (0, 0)
             if full:
-                if version > current:
-                    self.store.replace(fid, idx, data, unit, version, snap, clock)
-            elif current == version - 1 or (stripe is None and version & ((1 << VERSION_SHIFT) - 1) == 1):
-                # the next version, or the first of a stripe the primary just created (its other
-                # bytes are zeros, as a missing stripe's are here)
-                self.store.install(fid, idx, offset, data, unit, version, clock, snap)
-            elif current < version:
+                if (tag, version) > held:
+                    self.store.replace(fid, idx, data, unit, version, snap, clock, tag)
+            elif held == (base_tag, version - 1) or (stripe is None and version & ((1 << VERSION_SHIFT) - 1) == 1):
+                # on top of what it was made on, or the first version of a stripe the primary
+                # just created (its other bytes are zeros, as a missing stripe's are here)
+                self.store.install(fid, idx, offset, data, unit, version, clock, snap, tag)
+            elif held < (tag, version):
                 return {"stale": True}
             for k in range(1, state + 1):  # with the parameters, not before: never one without the other
                 held = self.state_ahead.pop((fid, idx, -k), None)
                 if held is None:
                     log.warning("stripe %d:%d: optimizer state %d did not arrive with its parameters", fid, idx, -k)
                     continue
-                raw, sversion, sclock, sunit = held
+                raw, sversion, sclock, sunit, stag = held
                 mine = self.store.get(fid, idx, -k)
-                if mine is None or mine.version < sversion:
-                    self.store.replace(fid, idx, memoryview(raw), sunit, sversion, -k, sclock)
+                if mine is None or mine.stamp < (stag, sversion):
+                    self.store.replace(fid, idx, memoryview(raw), sunit, sversion, -k, sclock, stag)
             if incoming is not None:
                 self.records[(fid, idx)].restore(incoming)
         return {}

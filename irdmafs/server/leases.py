@@ -12,8 +12,8 @@ only while it holds its etcd lease and the newest view it has read names it with
   leases end and then wait, and no new view is made; heartbeats and ``irdmafs status`` say so.
 
 Without a coordinator ``holds()`` is always true, and the heartbeat rules of membership.py alone
-decide. Views do not yet choose primaries or stamp messages with their epoch (issue 20's next
-steps): heartbeats still choose primaries, inside the set of nodes that hold their leases.
+decide. With one, the views also choose every stripe's primary and replicas (cluster.py) and
+every message that changes data carries its sender's view epoch (serving.py, ``check_epoch``).
 """
 
 from __future__ import annotations
@@ -21,13 +21,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+from typing import Callable
 
 import trio
 
 from ..config import ClusterConfig
-from ..coord.contract import CoordError
+from ..coord.contract import Coordinator, CoordError
 from ..coord.etcd import EtcdCoord
-from ..coord.views import ViewKeeper
+from ..coord.views import View, ViewKeeper
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +47,13 @@ def lease_ttl(cfg: ClusterConfig) -> int:
 class ServingLease:
     """A node's lease and view, or nothing to check when the config names no coordinator."""
 
-    def __init__(self, cfg: ClusterConfig, name: str):
+    def __init__(self, cfg: ClusterConfig, name: str, coord: Coordinator | None = None):
+        """``coord``: the coordination service, if not the config's etcd (tests, the simulator)."""
         self.name = name
         self.keeper = None
-        if cfg.coordinator:
+        if coord is None and cfg.coordinator:
             coord = EtcdCoord(cfg.coordinator, timeout=max(0.5, cfg.down_after / 2))
+        if coord is not None:
             self.keeper = ViewKeeper(coord, cluster_id(cfg), name, lambda: cfg.names, ttl=lease_ttl(cfg))
 
     async def run(self) -> None:
@@ -90,6 +93,33 @@ class ServingLease:
             await trio.sleep(k.interval / 2)
         log.info("node %s serves in view %d", self.name, k.view.epoch)
 
+    def follow(self, learn_here: Callable[[View], None]) -> Callable[[View], None] | None:
+        """Views this node's keeper learns go to ``learn_here`` too; returns where views learnt
+        elsewhere (peers' heartbeats) go for the keeper to hold them, or None without one."""
+        if self.keeper is None:
+            return None
+        self.keeper.reader.on_view.append(learn_here)
+        return self.keeper.reader.learn
+
+    async def refresh(self) -> None:
+        """Read the newest view now (a message came from a newer epoch than this node knows)."""
+        if self.keeper is not None:
+            try:
+                await self.keeper.reader.read()
+            except CoordError as exc:
+                log.info("node %s: view not read: %s", self.name, exc)
+
+    async def expel(self, peer: str) -> bool:
+        """Commit a view that expels ``peer`` (coord/views.py, V6); False if that did not happen
+        (this node does not serve, another view came first, the coordinator is unreachable)."""
+        if self.keeper is None:
+            return False
+        try:
+            return await self.keeper.expel(peer)
+        except CoordError as exc:
+            log.warning("node %s: %s not expelled: %s", self.name, peer, exc)
+            return False
+
     def status(self) -> dict:
         """For heartbeats and ``irdmafs status``."""
         k = self.keeper
@@ -97,4 +127,12 @@ class ServingLease:
             return {"coordinator": "none"}
         since = k.reader.unreachable_since
         reach = "reachable" if since == math.inf else f"UNREACHABLE for {trio.current_time() - since:.1f} s"
-        return {"coordinator": reach, "view": k.view.epoch, "view_serving": list(k.view.names), "lease_held": k.lease.held(), "in_view": k.serving()}
+        view = k.view
+        return {
+            "coordinator": reach,
+            "view": view.epoch,
+            "view_serving": dict(view.serving),
+            "view_expelled": list(view.expelled),
+            "lease_held": k.lease.held(),
+            "in_view": k.serving(),
+        }

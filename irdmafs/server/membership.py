@@ -15,6 +15,15 @@ builds it), moving its ``Serving`` state.
 - Membership changes (rebalance.py drives them): ``members``, ``rebalance_pull``, ``reconfigure``,
   and dropping what a node no longer holds after a grace period.
 
+With a coordinator, views decide instead of heartbeats (coord/views.py, cluster.py): a node
+fences only when its lease ends, a view expels it, or it stalls, and rejoins once it holds a lease.
+Its hand-over then asks every node the view names active, with its view epoch, and retries until
+each has answered (or left the view): each peer reads that view, waits for every commit, push
+and namespace op under way, and answers with the version of every stripe it holds that the
+joiner is now a replica of (not only those it leads: it took no replication while it synced),
+their push bookkeeping, and its namespace sequence number. The joiner fetches what is newer,
+the namespace included, before it serves reads or leads (``taken_over``).
+
 Everything here runs on the node's trio thread; the cluster view, store, locks, resync and
 training are handed in.
 """
@@ -93,9 +102,38 @@ class Membership:
                 await self.cluster.wait_changed(self.cfg.heartbeat * 5)
         await self.lease.announce()  # with a coordinator: until a view names it (server/leases.py)
         self.serving.became_ready()
-        handed = await self._tell_peers("handover")
+        handed = await self._hand_over()
         await self._catch_up(handed)
         self.serving.taken_over.set()
+
+    async def _hand_over(self) -> dict[str, dict]:
+        """Every peer's ``handover`` answer (see above); without a coordinator, those that answer."""
+        if self.cluster.view is None:
+            return await self._tell_peers("handover")
+        answers: dict[str, dict] = {}
+        while self.serving.state == READY:
+            view = self.cluster.view
+            todo = [p for p in view.active if p != self.name and p not in answers]
+            if not todo:
+                break
+            stale: list[str] = []
+
+            async def one(peer: str) -> None:
+                try:
+                    answers[peer] = await self.cluster.call(peer, "handover", {"name": self.name, "epoch": view.epoch})
+                except (NodeDown, RemoteError) as exc:
+                    log.info("hand-over from %s not yet: %s", peer, exc)
+                    if isinstance(exc, RemoteError) and exc.code == "ESTALE":
+                        stale.append(peer)
+
+            async with trio.open_nursery() as n:
+                for peer in todo:
+                    n.start_soon(one, peer)
+            if stale:
+                await self.lease.refresh()
+            if any(p not in answers for p in todo):
+                await trio.sleep(self.cfg.heartbeat)
+        return answers
 
     async def _tell_peers(self, method: str) -> dict[str, dict]:
         """Call ``method`` on every peer that answers; returns their answers by name."""
@@ -119,11 +157,17 @@ class Membership:
         so it never leads with an old version or old push bookkeeping."""
         fetched = 0
         for peer, answer in handed.items():
-            for fid, idx, snap, version in answer.get("stripes", []):
+            for fid, idx, snap, version, tag in answer.get("stripes", []):
                 mine = self.store.get(fid, idx, snap)
-                if (mine is None or mine.version < version) and await self.resync.fetch_stripe(fid, idx, snap, peer):
+                if (mine is None or mine.stamp < (tag, version)) and await self.resync.fetch_stripe(fid, idx, snap, peer):
                     fetched += 1
             await self.training.take_records(answer.get("records", []))
+        newest = max(handed.items(), key=lambda item: item[1].get("meta_seq", -1), default=None)
+        if newest is not None and newest[1].get("meta_seq", -1) > self.resync.meta().seq:
+            try:
+                self.resync.restore_meta(await self.cluster.call(newest[0], "meta_snapshot"))
+            except (NodeDown, RemoteError) as exc:
+                log.warning("hand-over: the namespace of %s not fetched: %s", newest[0], exc)
         if fetched:
             log.warning("hand-over: %d stripes fetched again (their replication here had failed)", fetched)
 
@@ -137,11 +181,14 @@ class Membership:
         self.cluster.vouch(name, SYNCING)
         return {}
 
-    async def rpc_handover(self, name: str) -> dict:
+    async def rpc_handover(self, name: str, epoch: int = 0) -> dict:
         """A peer has resynced and is ready: it is primary again of what ranks it first. Count
         it ready, then wait for every commit, push or namespace op under way here on what it
-        now leads (each rechecks who is primary under its lock, so none starts after this)."""
+        now leads (each rechecks who is primary under its lock, so none starts after this).
+        With a coordinator, see the module's docstring."""
         self._check_member(name)
+        if self.cluster.view is not None:
+            return await self._handover_in_view(name, epoch)
         self.cluster.vouch(name, READY)
         for key in self.stripe_locks.busy():
             if self.cluster.stripe_primary(*key) == name:
@@ -153,8 +200,22 @@ class Membership:
         # what it now leads, as held here: it fetches whatever of it is newer here than there
         led = {(fid, idx) for fid, idx, _ in self.store.stripes if self.cluster.stripe_primary(fid, idx) == name}
         return {
-            "stripes": [[fid, idx, snap, s.version] for (fid, idx, snap), s in list(self.store.stripes.items()) if (fid, idx) in led],
+            "stripes": [[fid, idx, snap, s.version, s.tag] for (fid, idx, snap), s in list(self.store.stripes.items()) if (fid, idx) in led],
             "records": self.training.wire_records(led),
+        }
+
+    async def _handover_in_view(self, name: str, epoch: int) -> dict:
+        await self.serving.check_epoch(epoch)  # from now on nothing of an older view is taken here
+        for key in self.stripe_locks.busy():
+            async with self.stripe_locks(key):
+                pass
+        async with self.meta_lock:
+            pass
+        keys = {(fid, idx) for fid, idx, _ in self.store.stripes if name in self.cluster.targets(fid, idx)}
+        return {
+            "stripes": [[fid, idx, snap, s.version, s.tag] for (fid, idx, snap), s in list(self.store.stripes.items()) if (fid, idx) in keys],
+            "records": self.training.wire_records(keys),
+            "meta_seq": self.resync.meta().seq,
         }
 
     # -- fencing ---------------------------------------------------------------------------------
@@ -164,6 +225,8 @@ class Membership:
         itself; with one or two nodes a dead peer and a partition look alike, so this rule needs
         three), or a ready peer has counted it down (writes may have gone on without it: at
         once)."""
+        if self.cluster.view is not None:
+            return None  # views decide: a lost lease, an expulsion or a stall fences it (serving.py)
         peers = [n for n in self.cfg.names if n != self.name]
         if len(self.cfg.names) >= 3 and not self.cluster.reaches_majority():
             return "less than a majority of the cluster reachable", self.cfg.down_after
@@ -180,6 +243,8 @@ class Membership:
         lease, with a coordinator."""
         if not self.lease.may_rejoin():
             return False
+        if self.cluster.view is not None:
+            return True  # it resyncs from the nodes the view names, or starts with what it holds
         return any(self.cluster.node_state(n) == READY for n in self.cfg.names if n != self.name) or self.cluster.reaches_majority()
 
     async def fence_loop(self) -> None:

@@ -57,13 +57,14 @@ class Namespace:
         """The namespace as it is now (a restore replaces it)."""
         return self.meta
 
-    async def rpc_meta(self, op: dict) -> dict:
+    async def rpc_meta(self, op: dict, epoch: int = 0) -> dict:
         """Apply a namespace op as the metadata primary and replicate it to every live node."""
         Meta.check(op)  # EINVAL for an op no client sends (unknown kind, missing fields)
         if op.get("rid") in self.meta.done:
             # a retry of an op applied already (its answer was lost with the old primary): a
             # hit is a fact on any node, as ops reach every node in one order
             return self.meta.done[op["rid"]]
+        await self.serving.check_epoch(epoch)
         self.serving.require_ready()
         await self.serving.await_takeover()
         async with self.lock:
@@ -76,13 +77,17 @@ class Namespace:
             return await self._apply_and_forward(op)
 
     async def _apply_and_forward(self, op: dict) -> dict:
+        """Apply ``op`` here and answer once every other live node holds it (the replicator's
+        acknowledgement rule; with a coordinator, every node the view names active)."""
         result = self.apply(op)
         seq = self.meta.seq
-        async with trio.open_nursery() as n:
-            for peer in self.cluster.live():
-                if peer != self.name:
-                    n.start_soon(self.replicator.meta, peer, seq, op)
+        await self.replicator.to_every("metadata op", self.cluster.live, lambda peer: self.replicator.meta(peer, seq, op), self._leads)
         return result
+
+    def _leads(self) -> None:
+        primary = self.cluster.meta_primary()
+        if primary != self.name:
+            raise RemoteError("ENOTPRIMARY", primary or "")
 
     async def _take_snapshot(self, op: dict) -> dict:
         """Freeze commits on every live node, record the namespace, copy every live stripe on
@@ -151,8 +156,9 @@ class Namespace:
                 self.store.drop(op["ino"], math.ceil(op["model"]["start"] / node["unit"]))
         return result
 
-    async def rpc_meta_apply(self, seq: int, op: dict, sender: str = "") -> dict:
-        self.serving.check_sender(sender)
+    async def rpc_meta_apply(self, seq: int, op: dict, sender: str = "", epoch: int = 0) -> dict:
+        await self.serving.check_epoch(epoch)
+        self.serving.check_sender(sender, self.cluster.meta_primary())
         if seq <= self.meta.seq:
             return {}
         if seq != self.meta.seq + 1:

@@ -43,6 +43,8 @@ import trio
 
 from ..cluster import DOWN, READY, Cluster, StagingPool
 from ..config import ClusterConfig, ConfigError, load
+from ..coord.contract import Coordinator
+from ..coord.views import View
 from ..metrics import Latency, node_samples
 from ..metrics import serve as serve_metrics
 from ..notify import notify
@@ -74,14 +76,19 @@ class Node:
     """A PS node: its services, and its control calls (``rpc_<method>`` of this object and of
     its services, dispatched by ``handle``)."""
 
-    def __init__(self, cfg: ClusterConfig, name: str, transport: Transport, persist: str | None = None):
+    def __init__(self, cfg: ClusterConfig, name: str, transport: Transport, persist: str | None = None, coord: Coordinator | None = None):
+        """``coord``: the coordination service, if not the etcd the config names (the simulator)."""
         self.cfg, self.name, self.spec, self.transport = cfg, name, cfg.node(name), transport
         self.persist = Persist(persist) if persist else None
         self.started = time.time()
         self.counters: dict[str, int] = defaultdict(int)
         self.latency = Latency()
         self.cluster = Cluster(cfg, transport, None, me=name, my_state=lambda: self.serving.state)
-        self.lease = ServingLease(cfg, name)  # its lease and view, if the config names a coordinator
+        self.lease = ServingLease(cfg, name, coord)  # its lease and view, if the config names a coordinator
+        keeper_learns = self.lease.follow(self.cluster.learn_view)
+        if keeper_learns is not None:  # views decide who serves (cluster.py), from the first one read
+            self.cluster.view = View()
+            self.cluster.on_view.append(keeper_learns)
         self.serving = Serving(cfg, name, self.cluster, self.lease, transport.incarnation)
         self.staging = StagingRegions(transport)
         self.stripe_locks = KeyedLocks()
@@ -90,7 +97,7 @@ class Node:
         # ranges, optimizer state and push bookkeeping go through them to the backups (slots
         # of two units: optimizer state of a float16 stripe is twice its size)
         slots = StagingPool(self.cluster, f"node:{name}:{time.time_ns()}", 2 * cfg.stripe_unit)
-        self.replicator = Replicator(name, self.cluster, slots, lambda: self.namespace.meta.snapshot())
+        self.replicator = Replicator(name, self.cluster, slots, lambda: self.namespace.meta.snapshot(), self.serving)
         # A stripe created after namespace op N starts at version N << 32 + 1: a truncate is an
         # op, so a stripe freed and written again is always "newer" than its old copies, which
         # a node away meanwhile may still hold (its resync then takes the new one). Every node

@@ -8,18 +8,27 @@ the acknowledgement rule.
   through the same staging.
 - ``meta(peer, seq, op)``: a namespace op, with the whole namespace for a peer that missed ops.
 
+Every message carries this node's view epoch (``epoch``; 0 without a coordinator): a backup in
+another epoch refuses it (serving.py).
+
 Each send goes through ``_reliably``: a backup whose staging region is gone (it restarted) is asked
-for a new one, once; a send that fails for good counts the peer down (``lost``), which makes it
-fence and resync before it serves (Cluster.lost), and answers False.
+for a new one, once. A send that fails for good answers False, and:
+
+- with a coordinator, a backup that could not be reached (lost, timed out) is expelled by a new
+  view (coord/views.py, V6), which takes it out of the stripe's replicas; a backup that refused
+  (ESTALE: it holds another view; EAGAIN) is not: this node reads the view and decides again;
+- without one, the peer is counted down (``lost``), which makes it fence and resync before it
+  serves (Cluster.lost).
 
 ``to_every_target(key, one)`` is the acknowledgement rule of a stripe's change: answered only once
-every node the stripe now targets (``Cluster.targets``) holds it. A backup that fails is counted
-down, which brings the stripe's stand-in into its targets, and the stand-in gets it too (one that
-lacks the stripe answers "stale" and gets it whole). Acknowledging with the failed backup merely
-counted down lost acknowledged pushes once the primary fenced and resynced from that backup's older
-copy (found by the fault simulator, tests/sim, "drop" seed 0). With no other live node it is held
-here alone, as the cluster is then down to one copy. (Still the heartbeat design: "counted down" is
-this node's own view, which the views of issue 20 replace.)
+every node the stripe now targets (``Cluster.targets``) holds it, and (with a coordinator) while
+this node still leads the stripe in the view it then holds; else EAGAIN, and the change is not
+acknowledged. A backup that fails leaves the targets (expelled, or counted down), which brings the
+stripe's stand-in in, and the stand-in gets it too (one that lacks the stripe answers "stale" and
+gets it whole). Acknowledging with the failed backup merely counted down lost acknowledged pushes
+once the primary fenced and resynced from that backup's older copy (found by the fault simulator,
+tests/sim, "drop" seed 0). With no other live node it is held here alone, as the cluster is then
+down to one copy.
 """
 
 from __future__ import annotations
@@ -31,22 +40,33 @@ import trio
 
 from ..cluster import Cluster, Slot, StagingPool
 from ..transport.base import AccessError, RemoteError, TransportError
+from .serving import Serving
 from .updates import StripeKey, Update
 
 log = logging.getLogger(__name__)
 
 
 class Replicator:
-    def __init__(self, name: str, cluster: Cluster, slots: StagingPool, snapshot: Callable[[], dict]):
+    def __init__(self, name: str, cluster: Cluster, slots: StagingPool, snapshot: Callable[[], dict], serving: Serving):
         self.name = name
         self.cluster = cluster
         self.slots = slots  # this node's slots in its peers' staging regions
         self.snapshot = snapshot  # the namespace as it is now, for a peer that missed ops
+        self.serving = serving
+        self.unreached: set[str] = set()  # with a coordinator: backups to expel (see above)
+
+    @property
+    def epoch(self) -> int:
+        return self.cluster.view.epoch if self.cluster.view is not None else 0
 
     def lost(self, peer: str, exc: BaseException) -> None:
         """A send to ``peer`` failed for good: it lacks what it was sent, so it must not serve
-        before it resyncs. Counting it down here makes it fence (Cluster.lost)."""
-        self.cluster.mark_down(peer, f"replication failed: {exc}")
+        before it resyncs. Without a coordinator, counting it down here makes it fence
+        (Cluster.lost); with one, a peer that could not be reached is to be expelled."""
+        if self.cluster.view is None:
+            self.cluster.mark_down(peer, f"replication failed: {exc}")
+        elif not isinstance(exc, RemoteError) or exc.code not in ("ESTALE", "EAGAIN"):
+            self.unreached.add(peer)
 
     async def _reliably(self, peer: str, what: str, send: Callable[[], Awaitable[object]]) -> bool:
         """``send()`` to ``peer``; True once done, False once it failed for good (``lost``)."""
@@ -67,7 +87,7 @@ class Replicator:
     async def _apply(self, peer: str, u: Update, slot: Slot) -> dict:
         await self.cluster.write(peer, slot.rkey, slot.offset, u.bytes(), slot.inc)
         args = {"where": u.range.wire(), "staged": [slot.rkey, slot.offset], "version": u.version, "clock": u.source.clock}
-        args |= {"full": u.full, "sender": self.name}
+        args |= {"full": u.full, "sender": self.name, "epoch": self.epoch, "tag": u.source.tag, "base_tag": u.base_tag}
         args |= ({"record": u.record} if u.record is not None else {}) | ({"pending": True} if u.pending else {}) | ({"state": u.state} if u.state else {})
         return await self.cluster.call(peer, "apply", args)
 
@@ -87,7 +107,7 @@ class Replicator:
         """Push bookkeeping of a stripe to ``peer``: ``record`` with its arrays (``blobs``)
         through ``peer``'s staging, or all of it inline (``inline()``, arrays as base64) when they
         are larger than a staging slot."""
-        args = {"fid": key.fid, "idx": key.idx, "record": record, "lengths": [len(v) for v in blobs], "sender": self.name}
+        args = {"fid": key.fid, "idx": key.idx, "record": record, "lengths": [len(v) for v in blobs], "sender": self.name, "epoch": self.epoch}
 
         async def staged(slot: Slot) -> dict:
             await self.cluster.write(peer, slot.rkey, slot.offset, blobs, slot.inc)
@@ -99,7 +119,7 @@ class Replicator:
             elif sum(args["lengths"]) <= self.slots.slot_size:
                 await self.slots.with_slot(peer, staged)
             else:
-                await self.cluster.call(peer, "train_record", {"fid": key.fid, "idx": key.idx, "record": inline(), "sender": self.name})
+                await self.cluster.call(peer, "train_record", {"fid": key.fid, "idx": key.idx, "record": inline(), "sender": self.name, "epoch": self.epoch})
 
         return await self._reliably(peer, f"training record of stripe {key.fid}:{key.idx}", send)
 
@@ -107,7 +127,7 @@ class Replicator:
         """Namespace op ``seq`` to ``peer``; the whole namespace if it missed ops."""
 
         async def send() -> None:
-            r = await self.cluster.call(peer, "meta_apply", {"seq": seq, "op": op, "sender": self.name})
+            r = await self.cluster.call(peer, "meta_apply", {"seq": seq, "op": op, "sender": self.name, "epoch": self.epoch})
             if r.get("stale"):
                 await self.cluster.call(peer, "meta_restore", {"snapshot": self.snapshot()})
 
@@ -116,9 +136,22 @@ class Replicator:
     async def to_every_target(self, key: StripeKey, one: Callable[[str], Awaitable[bool]]) -> None:
         """Return once every node stripe ``key`` now targets holds the change ``one(peer)``
         sends (True: ``peer`` holds it); EAGAIN if the targets kept changing."""
+        what = f"stripe {key.fid}:{key.idx}"
+        await self.to_every(what, lambda: self.cluster.targets(key.fid, key.idx), one, lambda: self.serving.check_primary(key.fid, key.idx))
+
+    async def to_every(self, what: str, targets: Callable[[], list[str]], one: Callable[[str], Awaitable[bool]], leads: Callable[[], None]) -> None:
+        """``to_every_target`` for any set of replicas: ``targets()`` as they are now, ``leads()``
+        raising unless this node still leads what is sent (with a coordinator: a view may have
+        moved it)."""
         have = {self.name}
         for _ in range(2 * len(self.cluster.cfg.names) + 2):
-            todo = [p for p in self.cluster.targets(key.fid, key.idx) if p not in have]
+            if self.cluster.view is not None:
+                try:
+                    self.serving.require_ready()  # expelled, or its lease ended
+                    leads()  # or a new view moved the stripe
+                except RemoteError as exc:  # EAGAIN whatever the reason: it is held here, maybe there
+                    raise RemoteError("EAGAIN", f"{what}: not acknowledged ({exc}); send it again") from None
+            todo = [p for p in targets() if p not in have]
             if not todo:
                 return
             done: dict[str, bool] = {}
@@ -130,4 +163,22 @@ class Replicator:
                 for peer in todo:
                     n.start_soon(send, peer)
             have |= {p for p, ok in done.items() if ok}
-        raise RemoteError("EAGAIN", f"stripe {key.fid}:{key.idx}: its replicas kept changing; not acknowledged, send it again")
+            failed = [p for p, ok in done.items() if not ok]
+            if failed and self.cluster.view is not None:
+                await self._out_of_view(failed)
+        raise RemoteError("EAGAIN", f"{what}: its replicas kept changing; not acknowledged, send it again")
+
+    async def _out_of_view(self, failed: list[str]) -> None:
+        """With a coordinator: expel the backups that could not be reached; for those that
+        refused, read the view (they may know a newer one)."""
+        refused = False
+        for peer in failed:
+            if peer in self.unreached:
+                self.unreached.discard(peer)
+                if not await self.serving.lease.expel(peer):
+                    await self.serving.lease.refresh()
+            else:
+                refused = True
+        if refused:
+            await self.serving.lease.refresh()
+            await trio.sleep(self.cluster.cfg.heartbeat)  # a peer still resyncing, or a moment of views apart

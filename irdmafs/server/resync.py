@@ -66,9 +66,10 @@ class Resync:
         listing (a write replicated here meanwhile). A stripe freed by a truncate this node
         missed and then written again starts over at version 1 on its peers: keeping the old
         copy because its version is higher would serve old bytes (found by scripts/chaos.py)."""
-        before = {key: s.version for key, s in self.store.stripes.items()} if converge else {}
+        before = {key: s.stamp for key, s in self.store.stripes.items()} if converge else {}
         listed: set[str] = set()
-        newest: dict[tuple[int, int, int], tuple[int, list[str], int]] = {}
+        # (fid, idx, snap) -> its newest (tag, version) among the peers, who hold it, capacity
+        newest: dict[tuple[int, int, int], tuple[tuple[int, int], list[str], int]] = {}
         for peer in peers:
             try:
                 listing = (await self.cluster.call(peer, "stripes"))["stripes"]
@@ -78,48 +79,47 @@ class Resync:
                 log.warning("%s: cannot list %s: %s", what, peer, exc)
                 continue
             listed.add(peer)
-            for fid, idx, snap, version, cap in listing:
+            for fid, idx, snap, version, cap, tag in listing:
                 best = newest.get((fid, idx, snap))
-                if best is None or version > best[0]:
-                    newest[(fid, idx, snap)] = (version, [peer], cap)
-                elif version == best[0]:
+                if best is None or (tag, version) > best[0]:
+                    newest[(fid, idx, snap)] = ((tag, version), [peer], cap)
+                elif (tag, version) == best[0]:
                     best[1].append(peer)  # as new: asked if the first has freed it
         live_files = self.meta().files()
         files = {0: live_files, -1: live_files, -2: live_files} | {sid: self.meta().view(sid).files() for sid in self.meta().snapshot_ids().values()}
         todo = []
-        for (fid, idx, snap), (version, holders, cap) in newest.items():
+        for (fid, idx, snap), (stamp, holders, cap) in newest.items():
             held = self.store.get(fid, idx, snap)
-            if fid in files.get(snap, ()) and mine(fid, idx) and (held is None or held.version < version):
-                todo.append((fid, idx, snap, holders, cap))
+            if fid in files.get(snap, ()) and mine(fid, idx) and (held is None or held.stamp < stamp):
+                todo.append((fid, idx, snap, holders, cap, None))
             elif (
                 converge
                 and held is not None
-                and held.version >= version
-                and before.get((fid, idx, snap)) == held.version
-                and (held.version > version or self.serving.led.get((fid, idx, snap), -math.inf) >= self.serving.suspect_since)
+                and held.stamp >= stamp
+                and before.get((fid, idx, snap)) == held.stamp
+                and (held.stamp > stamp or self.serving.led.get((fid, idx, snap), -math.inf) >= self.serving.suspect_since)
             ):
                 log.info(
-                    "%s: stripe %d:%d (snapshot %d) is at version %d here (led here before the fence), %d on its peers: taking theirs",
+                    "%s: stripe %d:%d (snapshot %d) is at %s here (led here before the fence), %s on its peers: taking theirs",
                     what,
                     fid,
                     idx,
                     snap,
-                    held.version,
-                    version,
+                    held.stamp,
+                    stamp,
                 )
-                self.store.drop_keys([(fid, idx, snap)])
-                if snap == 0:  # its push bookkeeping goes with the bytes: the peers' record comes with theirs
-                    self.training.records.pop((fid, idx), None)
-                todo.append((fid, idx, snap, holders, cap))
+                # replaced once theirs has arrived, not dropped before: a peer that cannot give it
+                # (every node fenced at once, as when the coordinator was out) leaves this copy
+                todo.append((fid, idx, snap, holders, cap, held.stamp))
         if converge:
             gone = []
-            for key, version in before.items():
+            for key, stamp in before.items():
                 homes = self.cluster.stripe_rank(key[0], key[1])[: self.cfg.replicas]
                 others = [n for n in homes if n != self.name]
                 held = self.store.get(*key)
                 # every other home answered and none holds it: freed while this node was away
                 # (a home that did not answer may hold the last copy: then it stays)
-                if key not in newest and self.name in homes and others and set(others) <= listed and held is not None and held.version == version:
+                if key not in newest and self.name in homes and others and set(others) <= listed and held is not None and held.stamp == stamp:
                     gone.append(key)
             if gone:
                 log.info("%s: %d stripes freed on every peer while this node was away: dropped here", what, len(gone))
@@ -130,10 +130,10 @@ class Resync:
         self.work = {"what": what, "done": 0, "total": len(todo), "bytes": 0, "total_bytes": total_bytes}
         bar = Progress(what, total_bytes, unit="B") if sys.stderr.isatty() and todo else None  # in a terminal
         try:
-            for i, (fid, idx, snap, holders, cap) in enumerate(todo, 1):
+            for i, (fid, idx, snap, holders, cap, instead) in enumerate(todo, 1):
                 outcomes = []
                 for peer in holders:
-                    outcomes.append(await self.fetch_stripe(fid, idx, snap, peer))
+                    outcomes.append(await self.fetch_stripe(fid, idx, snap, peer, instead))
                     if outcomes[-1] is True:
                         break
                 if False in outcomes and True not in outcomes and strict:
@@ -152,9 +152,11 @@ class Resync:
                 bar.close()
         return {"stripes": len(todo), "bytes": done_bytes}
 
-    async def fetch_stripe(self, fid: int, idx: int, snap: int, peer: str) -> bool | None:
+    async def fetch_stripe(self, fid: int, idx: int, snap: int, peer: str, instead: tuple[int, int] | None = None) -> bool | None:
         """Copy one stripe from ``peer`` unless this node holds it as new: True once done, None
-        if ``peer`` no longer holds it (freed), False if the copy failed."""
+        if ``peer`` no longer holds it (freed), False if the copy failed. ``instead``: replace
+        this node's copy whatever its stamp, if it is still at that stamp (a resync taking its
+        peers' copy of what it led before a fence), its push bookkeeping with it."""
         try:
             reply, inc = await self.cluster.call_on(peer, "stripe_info", {"fid": fid, "idxs": [idx], "snap": snap})
             info = reply[str(idx)]
@@ -168,6 +170,11 @@ class Resync:
             return False
         async with self.stripe_locks((fid, idx)):
             mine = self.store.get(fid, idx, snap)
-            if mine is None or mine.version < version:  # replication may have brought newer
-                self.store.replace(fid, idx, memoryview(buf), 2 * self.cfg.stripe_unit, version, snap, clock)
+            theirs = (info.get("tag", 0), version)
+            if instead is not None and mine is not None and mine.stamp == instead:
+                if snap == 0:  # its push bookkeeping goes with the bytes: the peers' record comes with theirs
+                    self.training.records.pop((fid, idx), None)
+                self.store.replace(fid, idx, memoryview(buf), 2 * self.cfg.stripe_unit, version, snap, clock, theirs[0])
+            elif mine is None or mine.stamp < theirs:  # replication may have brought newer
+                self.store.replace(fid, idx, memoryview(buf), 2 * self.cfg.stripe_unit, version, snap, clock, theirs[0])
         return True

@@ -12,8 +12,14 @@ The checks, each answered with the error the caller acts on:
   most of ``down_after``: SIGSTOP, a paused VM) or a lost coordination lease (``check_lease``)
   fences it first, so a call queued while the process was stopped finds it fenced;
 - ``check_primary``: ENOTPRIMARY naming the primary, unless this node leads the stripe;
-- ``check_sender``: ESTALE for replication from a node this one counts down (it may be a stopped
-  primary sending what it began before);
+- ``check_epoch``: with a coordinator, every message that reads or changes data or training
+  state carries its sender's view epoch. An older one is ESTALE (the sender refreshes its view
+  and decides again); a newer one makes this node read the view first (EAGAIN if it still
+  cannot see it). So two processes act on one message only when they hold the same view, and
+  with it the same primary and replicas of every stripe;
+- ``check_sender``: replication only from the node that leads what it sends: with a coordinator,
+  the primary the receiver's view names (ESTALE otherwise); without, a node this one does not
+  count down (it may be a stopped primary sending what it began before);
 - ``await_takeover``: primary work waits while the node takes its stripes back (EAGAIN after
   ``op_timeout``).
 
@@ -65,11 +71,31 @@ class Serving:
         if primary != self.name:
             raise RemoteError("ENOTPRIMARY", primary or "")
 
-    def check_sender(self, sender: str) -> None:
-        """Replication only from a node this one does not count down: one that was (stopped,
-        cut off) may send what it began before, numbered as the next primary numbers other
-        bytes. It is refused; it fences (stall, or a peer's lost_at) and resyncs."""
-        if sender and self.cluster.node_state(sender) == DOWN:
+    async def check_epoch(self, epoch: int) -> None:
+        """ESTALE for a message of an older view epoch; a newer one is read first (see above).
+        Nothing to check without a coordinator."""
+        view = self.cluster.view
+        if view is None:
+            return
+        if epoch > view.epoch:
+            await self.lease.refresh()
+            view = self.cluster.view
+        if epoch != view.epoch:
+            code = "ESTALE" if epoch < view.epoch else "EAGAIN"
+            raise RemoteError(code, f"sent in view {epoch}; node {self.name} is in view {view.epoch}")
+
+    def check_sender(self, sender: str, leads: str | None) -> None:
+        """Replication only from the node that leads what it sends (``leads``: its primary as
+        this node's view names it) with a coordinator; without, from a node this one does not
+        count down: one that was (stopped, cut off) may send what it began before, numbered as
+        the next primary numbers other bytes. It is refused; it fences (stall, or a peer's
+        lost_at) and resyncs."""
+        if not sender:
+            return
+        if self.cluster.view is not None:
+            if sender != leads:
+                raise RemoteError("ESTALE", f"{sender} does not lead this in view {self.cluster.view.epoch} ({leads} does)")
+        elif self.cluster.node_state(sender) == DOWN:
             raise RemoteError("ESTALE", f"{sender} is counted down here: it must resync before it leads")
 
     async def await_takeover(self) -> None:

@@ -9,7 +9,11 @@ reading the header alone. Installing new data here is: word := odd, copy, word :
 copy does not yield to trio, so over TCP it is atomic with respect to the responder; over verbs
 the NIC may read concurrently, and the odd/changed word makes the reader retry.
 
-``version`` as the API speaks of it counts commits: word == 2 * version when stable.
+``version`` as the API speaks of it counts commits: word == 2 * version when stable. Each
+stripe also carries a ``tag``: the view epoch in which its version was given (0 without a
+coordinator). Replicas compare ``(tag, version)``: two primaries of different epochs may give the
+same version number to different bytes, and the later epoch's is the one that counts (the
+acknowledgement rule of server/replicator.py makes the earlier one unacknowledged).
 
 Stripes are keyed (file id, stripe index, snapshot id); snapshot 0 is the live data, and a
 snapshot is a local copy of every live stripe, kept on the same node, so it has the same
@@ -39,6 +43,12 @@ class NoSpace(Exception):
 @dataclass
 class Stripe:
     region: Region
+    tag: int = 0  # the view epoch its version was given in
+
+    @property
+    def stamp(self) -> tuple[int, int]:
+        """What "newer" compares: (tag, version)."""
+        return (self.tag, self.version)
 
     @property
     def capacity(self) -> int:
@@ -57,11 +67,13 @@ class Stripe:
         return WORD.unpack_from(self.region.buf, CLOCK_AT)[0]
 
     def describe(self) -> dict:
-        return {"rkey": self.region.rkey, "capacity": self.capacity, "version": self.version, "clock": self.clock}
+        return {"rkey": self.region.rkey, "capacity": self.capacity, "version": self.version, "clock": self.clock, "tag": self.tag}
 
 
 class Store:
-    def __init__(self, transport: Transport, capacity: int, persist=None, version_base: Callable[[], int] = lambda: 0):
+    def __init__(
+        self, transport: Transport, capacity: int, persist=None, version_base: Callable[[], int] = lambda: 0, epoch: Callable[[], int] = lambda: 0
+    ):
         self.transport = transport
         self.capacity = capacity
         self.used = 0
@@ -71,6 +83,7 @@ class Store:
         # (file, index) had, freed since (a truncate), so "newer" stays "higher" for replicas and
         # resyncs (the node derives it from its namespace's sequence number).
         self.version_base = version_base
+        self.epoch = epoch  # the view epoch a version given here (a primary's) is tagged with
 
     def _saved(self, key: tuple[int, int, int], start: int = 0, end: int | None = None) -> None:
         if self.persist is not None:
@@ -108,15 +121,17 @@ class Store:
             # Carry data and version over; the old region dies with its rkey.
             region.buf[: stripe.region.length] = stripe.region.buf
             self._free(stripe.region)
-        stripe = Stripe(region)
+        stripe = Stripe(region, stripe.tag if stripe is not None else 0)
         self.stripes[(fid, idx, snap)] = stripe
         self._saved((fid, idx, snap))  # the file takes the new size (zeros past the old data)
         return stripe
 
-    def install(self, fid: int, idx: int, offset: int, data: memoryview, unit: int, version: int | None = None, clock: int | None = None, snap: int = 0) -> int:
+    def install(
+        self, fid: int, idx: int, offset: int, data: memoryview, unit: int, version: int | None = None, clock: int | None = None, snap: int = 0, tag: int = 0
+    ) -> int:
         """Copy ``data`` into the stripe at ``offset`` under the seqlock, and set its clock if
-        given; returns the new version (the next one, or ``version`` when a primary dictates it
-        to a backup)."""
+        given; returns the new version (the next one, tagged with this node's epoch, or
+        ``version`` and ``tag`` when a primary dictates them to a backup)."""
         fresh = (fid, idx, snap) not in self.stripes
         stripe = self.ensure(fid, idx, offset + len(data), unit, snap)
         buf = stripe.region.buf
@@ -127,6 +142,7 @@ class Store:
         if clock is not None:
             WORD.pack_into(buf, CLOCK_AT, clock)
         WORD.pack_into(buf, VERSION_AT, 2 * new)
+        stripe.tag = self.epoch() if version is None else tag
         self._saved((fid, idx, snap), HEADER + offset, HEADER + offset + len(data))
         return new
 
@@ -148,10 +164,11 @@ class Store:
                 WORD.pack_into(buf, CLOCK_AT, clock)
         finally:
             WORD.pack_into(buf, VERSION_AT, 2 * new)  # never left odd: readers would wait forever
+        stripe.tag = self.epoch()
         self._saved((fid, idx, 0), HEADER + offset, HEADER + offset + length)
         return new
 
-    def replace(self, fid: int, idx: int, data: memoryview, unit: int, version: int, snap: int = 0, clock: int = 0) -> None:
+    def replace(self, fid: int, idx: int, data: memoryview, unit: int, version: int, snap: int = 0, clock: int = 0, tag: int = 0) -> None:
         """Set the whole stripe content (resync, or a backup found behind)."""
         stripe = self.ensure(fid, idx, len(data), unit, snap)
         buf = stripe.region.buf
@@ -160,6 +177,7 @@ class Store:
         buf[HEADER + len(data) :] = bytes(len(buf) - HEADER - len(data))
         WORD.pack_into(buf, CLOCK_AT, clock)
         WORD.pack_into(buf, VERSION_AT, 2 * version)
+        stripe.tag = tag
         self._saved((fid, idx, snap))
 
     def drop(self, fid: int, from_idx: int = 0) -> int:
@@ -191,12 +209,13 @@ class Store:
         for (fid, idx, _), s in live:
             region = self._alloc(s.capacity)
             region.buf[:] = s.region.buf
-            self.stripes[(fid, idx, snap)] = Stripe(region)
+            self.stripes[(fid, idx, snap)] = Stripe(region, s.tag)
             self._saved((fid, idx, snap))
         return need
 
     def listing(self) -> list[list[int]]:
-        return [[fid, idx, snap, s.version, s.capacity] for (fid, idx, snap), s in self.stripes.items()]
+        """Every stripe held: [fid, idx, snap, version, capacity, tag]."""
+        return [[fid, idx, snap, s.version, s.capacity, s.tag] for (fid, idx, snap), s in self.stripes.items()]
 
     @property
     def bytes_held(self) -> int:

@@ -61,12 +61,13 @@ class Push(NamedTuple):
     spans: list | None = None
     busy: float | None = None
     paced: float = 0.0
+    epoch: int = 0  # the pusher's view epoch (serving.py, check_epoch)
 
 
 # the types of a push descriptor's fields (``_push_args``); ``spans`` and ``busy`` may be null
 PUSH_TYPES = {
     "fid": int, "idx": int, "offset": int, "count": int, "rank": int, "step": int, "unit": int,
-    "wire": str, "spans": list, "busy": _NUMBER, "paced": _NUMBER,
+    "wire": str, "spans": list, "busy": _NUMBER, "paced": _NUMBER, "epoch": int,
 }
 PUSH_SIGNATURE = inspect.signature(Push)
 
@@ -232,6 +233,7 @@ class Training:
 
     async def _push(self, staged: memoryview, p: Push) -> dict:
         """Push ``p``, its gradient read from ``staged``, applied as the policy says."""
+        await self.serving.check_epoch(p.epoch)
         self.serving.require_ready()
         await self.serving.await_takeover()
         async with self.barrier.changing():
@@ -321,6 +323,7 @@ class Training:
             await self._replicate_record(fid, idx, st)  # an r2sp push held for its turn
             return
         record = st.record()
+        base_tag = stripe.tag
         t0 = time.perf_counter()
 
         def step(view: memoryview) -> None:
@@ -329,7 +332,8 @@ class Training:
         self.store.update(fid, idx, offset, count * dtype.itemsize, unit, step if updates else None, clock=clock)
         self.serving.led_now((fid, idx, 0))
         self.apply_seconds += time.perf_counter() - t0
-        await self._replicate_training(fid, idx, offset, count * dtype.itemsize, unit, len(opt.state_names) if updates else 0, record)
+        nstate = len(opt.state_names) if updates else 0
+        await self._replicate_training(StripeRange(StripeKey(fid, idx), offset, count * dtype.itemsize, unit), nstate, record, base_tag)
 
     async def _replicate_record(self, fid: int, idx: int, st: StripeTraining) -> None:
         """The push bookkeeping of a stripe to its backups when a push was taken but nothing
@@ -342,15 +346,15 @@ class Training:
         record = st.record(blobs)
         views = [memoryview(b).cast("B") for b in blobs]
         key = StripeKey(fid, idx)
-        async with trio.open_nursery() as n:
-            for peer in self.cluster.targets(fid, idx):
-                if peer != self.name:
-                    n.start_soon(self.replicator.record, peer, key, record, views, st.record)
+        await self.replicator.to_every_target(key, lambda peer: self.replicator.record(peer, key, record, views, st.record))
 
-    async def rpc_train_record(self, fid: int, idx: int, record: dict, lengths: list | None = None, rkey: int = 0, soff: int = 0, sender: str = "") -> dict:
+    async def rpc_train_record(
+        self, fid: int, idx: int, record: dict, lengths: list | None = None, rkey: int = 0, soff: int = 0, sender: str = "", epoch: int = 0
+    ) -> dict:
         """A backup keeps the primary's push bookkeeping for a stripe (to take over with it);
         its arrays, if ``lengths`` are given, were staged at ``rkey``/``soff`` in that order."""
-        self.serving.check_sender(sender)
+        await self.serving.check_epoch(epoch)
+        self.serving.check_sender(sender, self.cluster.stripe_primary(fid, idx))
         blobs = None
         if lengths:
             if not all(isinstance(n, int) and n >= 0 for n in lengths):
@@ -404,12 +408,15 @@ class Training:
         for k, name in enumerate(opt.state_names, 1):
             self.store.install(fid, idx, 0, memoryview(state[name]).cast("B"), 2 * unit, clock=t, snap=-k)
 
-    async def _replicate_training(self, fid: int, idx: int, offset: int, length: int, unit: int, nstate: int, record: dict | None = None) -> None:
+    async def _replicate_training(self, where: StripeRange, nstate: int, record: dict | None, base_tag: int) -> None:
         """Optimizer state (held aside by each backup), then the parameters with version, clock
         and push bookkeeping, whose apply installs the state too: a backup that takes over holds
-        all of one step or none of it."""
+        all of one step or none of it. ``base_tag``: the tag of the version the step was made
+        on."""
+        fid, idx, _ = where.key
+        unit = where.unit
         stripe = self.store.get(fid, idx)
-        params = Update(StripeRange(StripeKey(fid, idx), offset, length, unit), stripe.version, stripe, record=record, state=nstate)
+        params = Update(where, stripe.version, stripe, record=record, state=nstate, base_tag=base_tag)
 
         async def one(peer: str) -> bool:
             for k in range(1, nstate + 1):

@@ -58,11 +58,13 @@ class Update:
     pending: bool = False
     state: int = 0
     full: bool = False  # the whole stripe, installed in place of what the backup holds if newer
+    base_tag: int = 0  # the tag of the version this range was made on (``version - 1``)
 
     def whole(self) -> "Update":
         """The same update as the whole stripe (for a backup that is behind)."""
         r = self.range
-        return Update(StripeRange(r.key, 0, self.source.capacity, r.unit), self.version, self.source, self.record, self.pending, self.state, True)
+        whole = StripeRange(r.key, 0, self.source.capacity, r.unit)
+        return Update(whole, self.version, self.source, self.record, self.pending, self.state, True, self.base_tag)
 
     def bytes(self) -> memoryview:
         r = self.range

@@ -12,6 +12,12 @@ lost connection or a timeout would), delay, or hold (delivered late, when the fa
 operations of one link or of every link of a node. Nodes crash (their listener and tasks end;
 the store is lost, as with ``kill -9`` and no ``--persist``) and restart as new processes.
 
+With ``views`` (the default, as ``irdmafs up`` runs a cluster), the nodes keep their leases and
+views in the coordination service's model (coord/memory.py), reached by each node over its own
+link to the endpoint "etcd" (``LinkedCoord``): a fault of that link (isolate) cuts the node off
+from the coordinator too, and fault kind "coord" makes the coordinator itself unreachable.
+Without, heartbeats decide who serves (the design before views).
+
 The workload, at the same time: a writer saving files of 1 byte to 3 stripes, and a trainer
 pushing gradients of a tensor under asp with SGD (lr 1, gradients of small integers, so float32
 sums are exact). Faults come one at a time, each healed and followed by the cluster settling
@@ -24,7 +30,9 @@ Checked after every schedule:
 - every gradient was applied exactly once: a failed push is retried with the same gradient
   (the client keeps its step, so a duplicate is answered as one), and the parameters equal a
   numpy replay of the ledger;
-- every node's namespace is identical after healing.
+- every node's namespace is identical after healing;
+- with views: at most one node acknowledges changes of a stripe in one view epoch (checked as
+  they are acknowledged: ``Replicator.to_every_target`` is watched).
 """
 
 from __future__ import annotations
@@ -40,13 +48,16 @@ import trio.testing
 import irdmafs.transport.memory as memory
 from irdmafs.client.client import Client
 from irdmafs.config import from_dict
+from irdmafs.coord.contract import Coordinator, Unavailable
+from irdmafs.coord.memory import MemoryCoord
 from irdmafs.server.node import Node
+from irdmafs.server.replicator import Replicator
 from irdmafs.transport.base import PeerLost, RemoteError, TimeoutError, TransportError
 
 log = logging.getLogger("sim")
 
 NODES = ["n0", "n1", "n2"]
-KINDS = ("crash", "drop", "delay", "hold", "isolate")
+KINDS = ("crash", "drop", "delay", "hold", "isolate", "coord")
 UNIT = 64 << 10
 
 
@@ -87,6 +98,53 @@ class Links:
             await self.healed.wait()
 
 
+class LinkedCoord(Coordinator):
+    """A node's way to the coordinator model: each call crosses the link node -> "etcd" and its
+    answer the link back; a dropped one is ``Unavailable``, as an etcd out of reach is."""
+
+    def __init__(self, coord: MemoryCoord, links: Links, name: str):
+        self.coord, self.links, self.name = coord, links, name
+
+    async def _via(self, what: str, call):
+        try:
+            await self.links.cross(self.name, "etcd", what)
+            result = await call()
+            await self.links.cross("etcd", self.name, what + " answer")
+            return result
+        except (PeerLost, TimeoutError) as exc:
+            raise Unavailable(str(exc)) from None
+
+    async def get(self, key):
+        return await self._via("get", lambda: self.coord.get(key))
+
+    async def range(self, prefix):
+        return await self._via("range", lambda: self.coord.range(prefix))
+
+    async def put(self, key, value, lease=0):
+        return await self._via("put", lambda: self.coord.put(key, value, lease))
+
+    async def cas(self, key, expect, value, lease=0):
+        return await self._via("cas", lambda: self.coord.cas(key, expect, value, lease))
+
+    async def create_all(self, entries):
+        return await self._via("create_all", lambda: self.coord.create_all(entries))
+
+    async def delete(self, key):
+        return await self._via("delete", lambda: self.coord.delete(key))
+
+    async def grant(self, ttl):
+        return await self._via("grant", lambda: self.coord.grant(ttl))
+
+    async def keepalive(self, lease):
+        return await self._via("keepalive", lambda: self.coord.keepalive(lease))
+
+    async def revoke(self, lease):
+        return await self._via("revoke", lambda: self.coord.revoke(lease))
+
+    async def aclose(self):
+        pass
+
+
 @dataclass
 class World:
     seed: int
@@ -102,9 +160,11 @@ class World:
     events: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     t0: float = 0.0  # when the run began (events are stamped from it)
+    coord: MemoryCoord | None = None  # with views: the coordination service's model
 
     async def start(self, name: str) -> None:
-        node = Node(self.cfg, name, memory.MemoryTransport(self.cfg.token, endpoint=name))
+        coord = LinkedCoord(self.coord, self.links, name) if self.coord is not None else None
+        node = Node(self.cfg, name, memory.MemoryTransport(self.cfg.token, endpoint=name), coord=coord)
 
         async def run(task_status=trio.TASK_STATUS_IGNORED):
             with trio.CancelScope() as scope:
@@ -120,9 +180,17 @@ class World:
         del self.nodes[name]
 
     async def settled(self, timeout: float = 120) -> None:
+        """Every node up, ready, taken over, and (with views) in one view naming all of them."""
         with trio.fail_after(timeout):
-            while not (len(self.nodes) == len(NODES) and all(n.sees_all_ready for n in self.nodes.values())):
+            while not (len(self.nodes) == len(NODES) and all(self._settled(n) for n in self.nodes.values())):
                 await trio.sleep(0.05)
+
+    def _settled(self, node: Node) -> bool:
+        if not (node.sees_all_ready and node.state == "ready" and node.serving.taken_over.is_set()):
+            return False
+        view = node.cluster.view
+        newest = max((n.cluster.view.epoch for n in self.nodes.values() if n.cluster.view is not None), default=0)
+        return view is None or (sorted(view.active) == NODES and view.epoch == newest)
 
     def note(self, what: str) -> None:
         self.events.append(f"{trio.current_time() - self.t0:8.2f} {what}")
@@ -139,11 +207,16 @@ class World:
                 self.crash(target)
                 await trio.sleep(seconds)
                 await self.start(target)
-            elif kind == "isolate":
-                for other in NODES + ["client"]:
+            elif kind == "isolate":  # from every node, the client, and the coordinator
+                for other in NODES + ["client", "etcd"]:
                     if other != target:
                         self.links.set(target, other, "drop", seconds)
                 await trio.sleep(seconds)
+            elif kind == "coord":
+                if self.coord is not None:
+                    self.coord.down = True
+                    await trio.sleep(seconds)
+                    self.coord.down = False
             else:
                 other = self.rnd.choice([n for n in NODES + ["client"] if n != target])
                 self.links.set(target, other, kind, seconds)
@@ -208,7 +281,7 @@ async def check(w: World, client: Client, ino: int, w0: np.ndarray) -> None:
             w.errors.append(f"namespace of {n} differs from {NODES[0]}'s after healing")
 
 
-async def _simulate(seed: int, kinds: tuple[str, ...], faults: int) -> World:
+async def _simulate(seed: int, kinds: tuple[str, ...], faults: int, views: bool) -> World:
     rnd = random.Random(seed)
     cfg = from_dict(
         {
@@ -224,9 +297,20 @@ async def _simulate(seed: int, kinds: tuple[str, ...], faults: int) -> World:
     )
     links = Links(rnd)
     memory.LINKS = links
+    acked: dict[tuple[int, int, int], str] = {}  # (fid, idx, epoch) -> the node that acknowledged
+    unwatched = Replicator.to_every_target
+
+    async def watched(self, key, one):
+        await unwatched(self, key, one)
+        if self.epoch:
+            first = acked.setdefault((key.fid, key.idx, self.epoch), self.name)
+            if first != self.name:
+                w.errors.append(f"stripe {key.fid}:{key.idx}: {first} and {self.name} both acknowledged in view {self.epoch}")
+
+    Replicator.to_every_target = watched
     try:
         async with trio.open_nursery() as nursery:
-            w = World(seed, kinds, rnd, links, cfg, nursery)
+            w = World(seed, kinds, rnd, links, cfg, nursery, coord=MemoryCoord() if views else None)
             w.t0 = trio.current_time()
             for n in NODES:
                 await w.start(n)
@@ -254,10 +338,11 @@ async def _simulate(seed: int, kinds: tuple[str, ...], faults: int) -> World:
             nursery.cancel_scope.cancel()
     finally:
         memory.LINKS = None
+        Replicator.to_every_target = unwatched
     return w
 
 
-def simulate(seed: int, kinds: tuple[str, ...] = KINDS, faults: int = 6) -> World:
+def simulate(seed: int, kinds: tuple[str, ...] = KINDS, faults: int = 6, views: bool = True) -> World:
     """One schedule, deterministic in ``seed``: a fresh trio run on a MockClock."""
     trio._core._run._r.seed(seed)  # trio's scheduler shuffles with this (deterministic under Hypothesis's plugin)
-    return trio.run(_simulate, seed, tuple(kinds), faults, clock=trio.testing.MockClock(autojump_threshold=0))
+    return trio.run(_simulate, seed, tuple(kinds), faults, views, clock=trio.testing.MockClock(autojump_threshold=0))

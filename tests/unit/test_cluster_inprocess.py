@@ -219,7 +219,7 @@ async def test_handover_stops_the_stand_in_and_waits_for_its_commits(cluster):
     assert stand_in.cluster.stripe_primary(attr["ino"], idx) == "n0"
     # the answer lists what n0 now leads as the stand-in holds it; n0 fetches what it lacks
     held = stand_in.store.get(attr["ino"], idx)
-    assert [attr["ino"], idx, 0, held.version] in answer["stripes"]
+    assert [attr["ino"], idx, 0, held.version, held.tag] in answer["stripes"]
     back.store.replace(attr["ino"], idx, memoryview(bytes(10)), cfg.stripe_unit, 0)  # as if a replication failed
     await back.membership._catch_up({"n1": answer})
     assert back.store.get(attr["ino"], idx).version == held.version
