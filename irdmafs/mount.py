@@ -157,9 +157,12 @@ def wait_for_mount(mountpoint: str, proc: subprocess.Popen | None, timeout: floa
         time.sleep(0.05)
 
 
-def mount_background(config_path: str, mountpoint: str, options: list[str], log_path: Path, metrics: str | None = None) -> subprocess.Popen:
-    """``irdmafs mount -f`` in a new session, logging to ``log_path``; returns once it is live."""
-    cmd = [sys.executable, "-m", "irdmafs.cli", "mount", "--config", str(config_path), str(mountpoint), "-f"]
+def mount_background(
+    config_path: str, mountpoint: str, options: list[str], log_path: Path, metrics: str | None = None, launcher: list[str] = ()
+) -> subprocess.Popen:
+    """``irdmafs mount -f`` in a new session, logging to ``log_path``; returns once it is live.
+    ``launcher``: a command prefix (``nsenter --net=...``: the mount in a network namespace)."""
+    cmd = [*launcher, sys.executable, "-m", "irdmafs.cli", "mount", "--config", str(config_path), str(mountpoint), "-f"]
     if metrics:
         cmd += ["--metrics", metrics]
     if options:

@@ -97,6 +97,7 @@ import peers  # noqa: E402
 from netns import burst_for, enter, link_bytes, namespaces, rate_bits, setns, single_stream  # noqa: E402
 
 from irdmafs import config as C  # noqa: E402
+from irdmafs.coord.etcd_process import LocalEtcd  # noqa: E402
 from irdmafs.local import LocalCluster, node_status, wait_settled, write_config  # noqa: E402
 from irdmafs.mount import mount_background, unmount, wait_for_mount  # noqa: E402
 
@@ -479,7 +480,7 @@ class Bed:
 
 
 @contextmanager
-def bed(tmp: Path, mounts: int, replicas: int, link: LinkBed | None = None, nodes: int = 3, transport: str = "auto"):
+def bed(tmp: Path, mounts: int, replicas: int, link: LinkBed | None = None, nodes: int = 3, transport: str = "auto", coordinator: bool = False):
     """A local cluster and its mounts; with ``link``, ``nodes`` nodes in the PS namespaces and
     mount i in worker namespace i. Everything started is stopped at the end, whatever happens."""
     state = tmp / (f"cluster-w{mounts}" if link else "cluster")
@@ -498,7 +499,13 @@ def bed(tmp: Path, mounts: int, replicas: int, link: LinkBed | None = None, node
             path.write_text(C.dump(C.from_dict(doc, base=state)))
         else:
             # auto: the config's default (shared memory with the nodes of this host); tcp: forced
-            path = write_config(state, nodes, replicas, transport=None if transport == "auto" else [transport])
+            endpoints = None
+            if coordinator:  # views from a local etcd, as `irdmafs up` runs a cluster
+                etcd = LocalEtcd(state / "etcd", log_path=state / "etcd.log")
+                etcd.start()
+                stack.callback(etcd.stop)
+                endpoints = [etcd.endpoint]
+            path = write_config(state, nodes, replicas, transport=None if transport == "auto" else [transport], coordinator=endpoints)
         lc = LocalCluster(path)
         if link:
             lc.launcher = {name: enter(link.ps_ns(j)) for j, name in enumerate(lc.cfg.names)}
@@ -613,7 +620,10 @@ def report_link(res: dict, m: str, w: int, prefix: str, compress: str, d: dict, 
 
 def run_loopback(args, models, workers, rows, res) -> None:
     mounts = max(workers) if args.mounts == "per-worker" else 1
-    with tempfile.TemporaryDirectory(prefix="irdmafs-step-") as tmp, bed(Path(tmp), mounts, args.replicas, transport=args.transport) as b:
+    with (
+        tempfile.TemporaryDirectory(prefix="irdmafs-step-") as tmp,
+        bed(Path(tmp), mounts, args.replicas, transport=args.transport, coordinator=args.coordinator) as b,
+    ):
         for m in models:
             for w in workers:
                 for prefix, compress in rows:
@@ -626,7 +636,10 @@ def run_safetensors(args, models, workers, res) -> None:
     """The same step for a model published as one safetensors file and as .npy tensors, in
     the same bed, alternating (npy, st, st, npy) so that drift on a shared machine hits both."""
     mounts = max(workers) if args.mounts == "per-worker" else 1
-    with tempfile.TemporaryDirectory(prefix="irdmafs-step-st-") as tmp, bed(Path(tmp), mounts, args.replicas, transport=args.transport) as b:
+    with (
+        tempfile.TemporaryDirectory(prefix="irdmafs-step-st-") as tmp,
+        bed(Path(tmp), mounts, args.replicas, transport=args.transport, coordinator=args.coordinator) as b,
+    ):
         for m in models:
             for w in workers:
                 steps: dict[str, list[float]] = {"npy": [], "safetensors": []}
@@ -682,6 +695,7 @@ def main() -> int:
         "--separate", action="store_true", help="workers call ps.push then ps.pull (timed apart) instead of ps.step (one request the mount overlaps)"
     )
     ap.add_argument("--no-fp16", action="store_true", help="skip the fp16 rows")
+    ap.add_argument("--coordinator", action="store_true", help="the cluster keeps its views in a local etcd (as `irdmafs up` runs it)")
     ap.add_argument("--no-ddp", action="store_true", help="irdmafs only (for profiling it; no ratios)")
     ap.add_argument(
         "--link",

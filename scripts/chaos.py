@@ -13,8 +13,22 @@ before the next, so never more than R-1 nodes are out at once:
 
 - ``kill``: ``kill -9`` of a node, then its restart from its own command line;
 - ``stop``: ``SIGSTOP`` (a hung node), then ``SIGCONT``;
-- ``partition``: the node's veth taken down, then up (as root: nodes in network namespaces);
-- ``mount``: ``kill -9`` of the mount process, then mounting again.
+- ``partition``: the node's veth taken down, then up (as root: nodes in network namespaces): it is
+  cut off from every node, the mounts and the coordinator;
+- ``cut``: only the links between the node and every other node cut (blackhole routes on both
+  sides; as root): the mounts and the coordinator still reach it;
+- ``mount``: ``kill -9`` of the mount process, then mounting again;
+- ``etcd-stop``, ``etcd-kill``: the coordination service (a local etcd the soak starts, named in
+  the cluster's config: ``--no-coordinator`` runs without) hung by ``SIGSTOP``, or killed and
+  started again on its data.
+
+As root a second mount runs inside node n1's network namespace, with its own file and tensor
+workers: when n1 is partitioned that mount is on the minority side. Its calls may fail while
+the partition lasts and until the cluster has settled (EIO, ETIMEDOUT, EAGAIN besides the
+mount-outage errors), and what such a call touched is forgotten; nothing else is allowed, and
+everything it was told succeeded must read back. A tensor save or file create that fails leaves
+no expectation behind (its file is removed), so one failure is counted once, not again as lost
+bytes.
 
 The schedule (kinds, targets, durations, gaps) is a function of the seed alone: the same seed
 replays the same faults. What a user call sees is counted: ``errors`` are errors outside the
@@ -47,12 +61,16 @@ import numpy as np
 import trio
 
 from irdmafs import config as C
+from irdmafs.coord.etcd_process import LocalEtcd
 from irdmafs.local import LocalCluster, free_ports, wait_settled
 from irdmafs.mount import clear_dead_mount, is_mounted, mount_background, unmount
 from irdmafs.steps import pull_arrays, push_arrays
 
 MiB = 1 << 20
 WINDOW_ERRNOS = {errno.ENOTCONN, errno.ECONNABORTED, errno.ENOENT}
+# what a mount on the minority side of a partition may answer while it lasts
+MINORITY_ERRNOS = WINDOW_ERRNOS | {errno.EIO, errno.ETIMEDOUT, errno.EAGAIN, errno.EHOSTUNREACH}
+ETCD_HOST = 250  # the soak's etcd listens on 10.<NET>.250.1, a dummy interface every namespace routes to
 PREFIX, NET = "irdchaos", 83  # network namespaces irdchaos0.., addresses 10.83.i.2
 
 
@@ -68,7 +86,8 @@ def schedule(seed: int, kinds: list[str], nodes: list[str]):
 
 # -- what every worker reports to ---------------------------------------------------------------------
 class Tally:
-    def __init__(self) -> None:
+    def __init__(self, errnos: set[int] = WINDOW_ERRNOS) -> None:
+        self.errnos = errnos  # what a call may fail with inside a window
         self.lock = threading.Lock()
         self.ops: Counter = Counter()
         self.errors: list[dict] = []
@@ -111,7 +130,7 @@ class Tally:
         try:
             fn()
         except OSError as exc:
-            if exc.errno in WINDOW_ERRNOS and self.in_window(begun):
+            if exc.errno in self.errnos and self.in_window(begun):
                 with self.lock:
                     self.allowed[errno.errorcode.get(exc.errno, str(exc.errno))] += 1
                 self.mount_up.wait()
@@ -127,6 +146,26 @@ class Tally:
 
     def pause(self, seconds: float) -> None:
         self.stop.wait(seconds)
+
+    def open_window(self) -> None:
+        with self.lock:
+            self.mount_up.clear()
+            self.windows.append([time.monotonic(), None])
+
+    def close_window(self) -> None:
+        with self.lock:
+            if self.windows and self.windows[-1][1] is None:
+                self.windows[-1][1] = time.monotonic()
+            self.mount_up.set()
+
+    def merge(self, other: "Tally") -> None:
+        """Count ``other``'s calls, errors and checks as this one's (the minority mount's)."""
+        with self.lock:
+            self.ops.update({f"minority_{k}": v for k, v in other.ops.items()})
+            self.errors += [dict(e, op=f"minority {e['op']}") for e in other.errors]
+            self.allowed.update({f"minority_{k}": v for k, v in other.allowed.items()})
+            self.lost += other.lost
+            self.checked += other.checked
 
 
 # -- workers ---------------------------------------------------------------------------------------
@@ -171,7 +210,7 @@ class FileWorker:
                 ok = self.t.attempt("file_create", lambda: (self.root / name).write_bytes(data))
                 if ok:
                     self.files[name] = data
-                elif ok is None:
+                else:  # failed (counted once) or in an outage: no expectation is left behind
                     self._forget(name)
                 return
         name = names[int(r.integers(len(names)))]
@@ -251,7 +290,7 @@ class TensorWorker:
             ok = self.t.attempt("tensor_save", lambda: np.save(self.root / name, a))
             if ok:
                 self.tensors[name] = a
-            elif ok is None:
+            else:  # failed (counted once) or in an outage: no expectation is left behind
                 self.tensors.pop(name, None)
                 remove_unknown(self.t, self.root / name)
             return
@@ -417,19 +456,33 @@ def loop(tally: Tally, worker) -> None:
 
 # -- the cluster and the faults ------------------------------------------------------------------------
 class Bed:
-    """Node processes (in network namespaces when root) and one mount, started and faulted."""
+    """Node processes (in network namespaces when root), a local etcd (unless told not to), one
+    mount, and as root a second mount in n1's namespace; started and faulted."""
 
-    def __init__(self, tmp: Path, nodes: int, replicas: int, netns: bool, stack: ExitStack) -> None:
+    def __init__(self, tmp: Path, nodes: int, replicas: int, netns: bool, coordinator: bool, stack: ExitStack) -> None:
         self.tmp, self.netns = tmp, netns
         (tmp / "token").write_text(os.urandom(16).hex())
+        etcd_host = "127.0.0.1"
         if netns:
             sys.path.insert(0, str(Path(__file__).resolve().parent))
             from netns import namespaces
 
             hosts = stack.enter_context(namespaces(nodes, None, prefix=PREFIX, net=NET))
             specs = [{"name": f"n{i + 1}", "host": h, "port": 7400} for i, h in enumerate(hosts)]
+            if coordinator:  # an address of the root namespace that stays up when a veth goes down
+                etcd_host = f"10.{NET}.{ETCD_HOST}.1"
+                subprocess.run(["ip", "link", "add", f"{PREFIX}d", "type", "dummy"], check=True)
+                stack.callback(subprocess.run, ["ip", "link", "del", f"{PREFIX}d"], capture_output=True)
+                subprocess.run(["ip", "addr", "add", f"{etcd_host}/32", "dev", f"{PREFIX}d"], check=True)
+                subprocess.run(["ip", "link", "set", f"{PREFIX}d", "up"], check=True)
         else:
             specs = [{"name": f"n{i + 1}", "host": "127.0.0.1", "port": p} for i, p in enumerate(free_ports(nodes))]
+        self.etcd: LocalEtcd | None = None
+        if coordinator:
+            self.etcd = LocalEtcd(tmp / "etcd", host=etcd_host, log_path=tmp / "etcd.log")
+            self.etcd.start()
+            stack.callback(self.etcd.stop)
+        self.blackholes: list[tuple[int, str]] = []  # (namespace, address) routes of a "cut"
         doc = {
             "nodes": specs,
             "token_file": "token",
@@ -439,6 +492,7 @@ class Bed:
             "heartbeat": 0.2,
             "down_after": 1.0,
             "op_timeout": 3.0,
+            "coordinator": [self.etcd.endpoint] if self.etcd else [],
         }
         self.config = tmp / "cluster.toml"
         self.config.write_text(C.dump(C.from_dict(doc, base=tmp)))
@@ -449,9 +503,15 @@ class Bed:
         self.mnt = tmp / "mnt"
         self.mnt.mkdir()
         self.mount_proc: subprocess.Popen | None = None
+        self.minority_proc: subprocess.Popen | None = None
+        self.minority = tmp / "mnt-n1" if netns else None  # a mount inside n1's network namespace
         self.lc.start_all()  # restarts later run the same command lines, as a user would
         self.settle(60)
         self.mount()
+        if self.minority is not None:
+            self.minority.mkdir()
+            launcher = ["nsenter", f"--net=/var/run/netns/{PREFIX}0"]
+            self.minority_proc = mount_background(str(self.config), str(self.minority), [], tmp / "mount-n1.log", launcher=launcher)
 
     def settle(self, timeout: float) -> float:
         t = time.monotonic()
@@ -462,12 +522,10 @@ class Bed:
         clear_dead_mount(str(self.mnt))
         self.mount_proc = mount_background(str(self.config), str(self.mnt), [], self.tmp / "mount.log")
 
-    def apply(self, fault: dict, tally: Tally) -> None:
+    def apply(self, fault: dict, tally: Tally, minority: Tally) -> None:
         kind, name, down = fault["kind"], fault["target"], fault["down"]
         if kind == "mount":
-            with tally.lock:
-                tally.mount_up.clear()
-                tally.windows.append([time.monotonic(), None])
+            tally.open_window()
             self.mount_proc.kill()
             self.mount_proc.wait(10)
             deadline = time.monotonic() + 10
@@ -475,9 +533,7 @@ class Bed:
                 time.sleep(0.05)  # auto_unmount detaches it
             time.sleep(down)
             self.mount()
-            with tally.lock:
-                tally.windows[-1][1] = time.monotonic()
-                tally.mount_up.set()
+            tally.close_window()
             return
         if kind == "kill":
             self.lc.kill(name)
@@ -490,37 +546,79 @@ class Bed:
             proc.send_signal(signal.SIGCONT)
         elif kind == "partition":
             veth = f"{PREFIX}h{self.cfg.names.index(name)}"
+            cut_off = self.minority is not None and name == self.cfg.names[0]  # n1's mount with it
+            if cut_off:
+                minority.open_window()
             subprocess.run(["ip", "link", "set", veth, "down"], check=True)
             time.sleep(down)
             subprocess.run(["ip", "link", "set", veth, "up"], check=True)
+        elif kind == "cut":
+            self.cut(name)
+            time.sleep(down)
+            self.uncut()
+        elif kind == "etcd-stop":
+            self.etcd.pause()
+            time.sleep(down)
+            self.etcd.resume()
+        elif kind == "etcd-kill":
+            self.etcd.kill()
+            time.sleep(down)
+            self.etcd.start()
         fault["settle"] = round(self.settle(120), 2)  # never a second node out: wait it back
+        minority.close_window()
+
+    def cut(self, name: str) -> None:
+        """Only the links between node ``name`` and every other node: blackhole routes on both
+        sides (the mounts and the coordinator, routed through the root namespace, still reach
+        it)."""
+        i = self.cfg.names.index(name)
+        for j in range(len(self.cfg.names)):
+            if j != i:
+                for a, b in ((i, j), (j, i)):
+                    subprocess.run(["ip", "netns", "exec", f"{PREFIX}{a}", "ip", "route", "add", "blackhole", f"10.{NET}.{b}.2/32"], check=True)
+                    self.blackholes.append((a, f"10.{NET}.{b}.2/32"))
+
+    def uncut(self) -> None:
+        for a, where in self.blackholes:
+            subprocess.run(["ip", "netns", "exec", f"{PREFIX}{a}", "ip", "route", "del", "blackhole", where], capture_output=True)
+        self.blackholes.clear()
 
     def close(self) -> None:
-        if self.mount_proc is not None:
-            unmount(str(self.mnt), lazy=True)
-            self.mount_proc.terminate()
-            try:
-                self.mount_proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.mount_proc.kill()
+        self.uncut()
+        for proc, mnt in ((self.mount_proc, self.mnt), (self.minority_proc, self.minority)):
+            if proc is not None:
+                unmount(str(mnt), lazy=True)
+                proc.terminate()
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
         self.lc.stop_all()
+
+
+def fault_kinds(netns: bool, coordinator: bool) -> list[str]:
+    return ["kill", "stop", "mount"] + (["partition", "cut"] if netns else []) + (["etcd-stop", "etcd-kill"] if coordinator else [])
 
 
 def run(args: argparse.Namespace) -> dict:
     netns = os.geteuid() == 0 and shutil.which("ip") is not None and not args.no_netns
-    kinds = ["kill", "stop", "mount"] + (["partition"] if netns else [])
+    coordinator = not args.no_coordinator
+    kinds = fault_kinds(netns, coordinator)
     if args.faults:
         kinds = [k for k in args.faults.split(",") if k in kinds]
     tally = Tally()
+    minority = Tally(MINORITY_ERRNOS)
+    minority.t0 = tally.t0
     with ExitStack() as stack:
         tmp = Path(tempfile.mkdtemp(prefix="irdmafs-chaos-"))
         if not args.keep:
             stack.callback(shutil.rmtree, tmp, True)
-        bed = Bed(tmp, args.nodes, args.replicas, netns, stack)
+        bed = Bed(tmp, args.nodes, args.replicas, netns, coordinator, stack)
         stack.callback(bed.close)
+        stack.callback(minority.stop.set)
         stack.callback(tally.stop.set)  # runs first when unwinding early: workers stop their loops
         root = bed.mnt / "chaos"
-        for sub in ("files0", "files1", "tensors", "snap", "train"):
+        for sub in ("files0", "files1", "tensors", "snap", "train", "minority-files", "minority-tensors"):
             (root / sub).mkdir(parents=True)
         workers = [
             FileWorker(tally, root / "files0", args.seed * 10 + 1, MiB),
@@ -529,7 +627,13 @@ def run(args: argparse.Namespace) -> dict:
             SnapshotWorker(tally, bed.mnt, root / "snap", args.seed * 10 + 4),
             TrainingJob(tally, bed.mnt, root / "train", args.seed * 10 + 5),
         ]
-        threads = [threading.Thread(target=loop, args=(tally, w), daemon=True) for w in workers]
+        if bed.minority is not None:  # the same tree through the mount in n1's namespace
+            other = bed.minority / "chaos"
+            workers += [
+                FileWorker(minority, other / "minority-files", args.seed * 10 + 6, MiB),
+                TensorWorker(minority, other / "minority-tensors", args.seed * 10 + 7),
+            ]
+        threads = [threading.Thread(target=loop, args=(w.t, w), daemon=True) for w in workers]
         for th in threads:
             th.start()
         print(f"chaos: seed {args.seed}, {args.minutes} min, {args.nodes} nodes R={args.replicas}, faults {', '.join(kinds)}; logs in {tmp}", flush=True)
@@ -541,7 +645,7 @@ def run(args: argparse.Namespace) -> dict:
             time.sleep(fault["gap"])
             fault["t"] = round(time.monotonic() - tally.t0, 2)
             try:
-                bed.apply(fault, tally)
+                bed.apply(fault, tally, minority)
             except Exception as exc:  # a node that never came back, a mount that did not mount
                 tally.error(f"fault {fault['kind']} {fault['target']}", exc)
                 tally.mount_up.set()
@@ -555,12 +659,14 @@ def run(args: argparse.Namespace) -> dict:
             )
         time.sleep(max(0.0, end - time.monotonic()))
         tally.stop.set()
+        minority.stop.set()
         for th, w in zip(threads, workers):
             th.join(180)
             if th.is_alive():
                 tally.error(type(w).__name__, "still in a call 180 s after the end: hung")
         for w in workers:
             w.verify_all()
+        tally.merge(minority)
         faults = Counter(f["kind"] for f in applied)
         return {
             "seed": args.seed,
@@ -568,6 +674,8 @@ def run(args: argparse.Namespace) -> dict:
             "nodes": args.nodes,
             "replicas": args.replicas,
             "fault_kinds": kinds,
+            "coordinator": bed.etcd.endpoint if bed.etcd else None,
+            "minority_mount": str(bed.minority) if bed.minority else None,
             "operations": dict(sorted(tally.ops.items())) | {"total": sum(tally.ops.values())},
             "faults": dict(sorted(faults.items())) | {"total": len(applied)},
             "errors": len(tally.errors),
@@ -576,7 +684,7 @@ def run(args: argparse.Namespace) -> dict:
             "allowed": dict(tally.allowed),
             "error_list": tally.errors[:100],
             "fault_log": applied,
-            "training_runs": workers[-1].runs,
+            "training_runs": next(w.runs for w in workers if isinstance(w, TrainingJob)),
         }
 
 
@@ -588,6 +696,7 @@ def main() -> int:
     ap.add_argument("--nodes", type=int, default=3)
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--no-netns", action="store_true", help="loopback only, even as root (no partitions)")
+    ap.add_argument("--no-coordinator", action="store_true", help="no etcd: heartbeats decide who serves (no etcd faults)")
     ap.add_argument("--keep", action="store_true", help="keep the state directory (logs) afterwards")
     ap.add_argument("--faults", help="only these kinds, comma-separated (to chase one finding)")
     ap.add_argument("--schedule", type=int, metavar="N", help="print the first N faults of the seed and exit")
@@ -598,7 +707,7 @@ def main() -> int:
         ap.error("faults need --replicas 2 or more (one node out at a time)")
     if args.schedule:
         netns = os.geteuid() == 0 and shutil.which("ip") is not None and not args.no_netns
-        kinds = ["kill", "stop", "mount"] + (["partition"] if netns else [])
+        kinds = fault_kinds(netns, not args.no_coordinator)
         gen = schedule(args.seed, kinds, [f"n{i + 1}" for i in range(args.nodes)])
         print(json.dumps([next(gen) for _ in range(args.schedule)], indent=1))
         return 0

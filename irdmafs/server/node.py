@@ -102,7 +102,10 @@ class Node:
         # op, so a stripe freed and written again is always "newer" than its old copies, which
         # a node away meanwhile may still hold (its resync then takes the new one). Every node
         # has applied the truncate before the write that recreates the stripe is sent.
-        self.store = Store(transport, cfg.capacity, self.persist, version_base=lambda: self.namespace.meta.seq << VERSION_SHIFT)
+        # Versions a primary gives are tagged with its view epoch (store.py: replicas compare both).
+        self.store = Store(
+            transport, cfg.capacity, self.persist, version_base=lambda: self.namespace.meta.seq << VERSION_SHIFT, epoch=lambda: self.cluster.view_epoch
+        )
         core = NodeCore(name, cfg, self.cluster, self.store, self.stripe_locks, self.serving)
         self.training = Training(core, lambda: self.namespace.meta, self.barrier, self.replicator, self.staging, self.latency)
         self.namespace = Namespace(core, self.persist, self.replicator, self._call_node, self.training.forget, self.training.recheck)
