@@ -222,6 +222,13 @@ class Cluster:
         reachable = sum(self.node_state(n) != DOWN for n in self.cfg.names if n != self.me)
         return reachable + 1 >= len(self.cfg.names) // 2 + 1
 
+    def heard_majority(self) -> bool:
+        """Whether this node and the peers its own heartbeats reach (whatever a view says) are a
+        majority of the members: a node cut off from the others must not expel them
+        (server/replicator.py)."""
+        heard = sum(self.state.get(n, DOWN) != DOWN for n in self.cfg.names if n != self.me)
+        return heard + 1 >= len(self.cfg.names) // 2 + 1
+
     def ready(self) -> list[str]:
         return [n for n in self.cfg.names if self.node_state(n) == READY]
 

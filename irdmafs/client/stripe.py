@@ -215,13 +215,14 @@ class StripeIO:
     ) -> None:
         missing: set[str] = set()
         lost: set[str] = set()  # replicas that could not be reached by this read
+        syncing: set[str] = set()  # replicas that answered EAGAIN (resyncing): not trusted, not absent
         behind: list[str] = []  # replicas whose clock did not move while waited on: asked last
         stale_keys = 0
         looked_up: set[str] = set()  # nodes whose key this read asked for (not from the cache)
         give_up = trio.current_time() + self.cluster.cfg.op_timeout
         clock_deadline = trio.current_time() + wait
         while True:
-            candidates = [c for c in self.cluster.read_candidates(fid, p.idx) if c not in missing and c not in lost]
+            candidates = [c for c in self.cluster.read_candidates(fid, p.idx) if c not in missing | lost | syncing]
             candidates.sort(key=lambda c: behind.index(c) + 1 if c in behind else 0)
             if not candidates:
                 homes = self.cluster.stripe_rank(fid, p.idx)[: self.cluster.cfg.replicas]
@@ -235,6 +236,7 @@ class StripeIO:
                     await self.cluster.refresh()
                     missing.clear()
                     lost.clear()
+                    syncing.clear()
                     continue
                 # Zeros here could hide lost data: say so instead.
                 down = [n for n in homes if n not in missing]
@@ -285,7 +287,9 @@ class StripeIO:
             except RemoteError as exc:
                 if exc.code != "EAGAIN":
                     raise
-                missing.add(node)  # syncing: not trusted for reads yet
+                # syncing: not trusted for reads yet, and not a home that answered "nothing here":
+                # two resyncing homes once read as a hole, zeros (found by the chaos soak)
+                syncing.add(node)
             except TornRead:
                 # Writes keep landing on this stripe: back off and read again (bounded by the
                 # deadline below). Never treat it as missing, which could read as a hole.

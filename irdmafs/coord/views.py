@@ -29,7 +29,9 @@ V5. While etcd is unreachable there is no new view; nodes serve until their leas
     stop; ``unreachable_since`` says since when, for the status line.
 V6. To expel a peer it cannot replicate to, a node that serves commits a view marking the peer
     expelled (a CAS on the view it serves in, so of two nodes expelling each other one wins and
-    the other finds itself expelled), then revokes the peer's lease. An expelled node is not
+    the other finds itself expelled), then revokes the peer's lease. A view never expels below a
+    majority of the members active (so one node cut off from the others cannot expel them all;
+    the node also asks its own heartbeats first, server/replicator.py). An expelled node is not
     active: it stops serving as soon as it reads that view, and by its own count when its lease
     ends; the view drops it ``ttl`` after its alive key is gone (V2) and names it again, not
     expelled, once it announces itself under a new lease.
@@ -218,10 +220,14 @@ class ViewKeeper:
 
     async def expel(self, peer: str) -> bool:
         """V6: commit a view in which ``peer`` is expelled, then end its lease. False if this
-        node does not serve, ``peer`` is not active in its view, or another view came first
-        (it is read: decide again). Unavailable if the coordinator cannot be reached."""
+        node does not serve, ``peer`` is not active in its view, the view would keep less than a
+        majority active, or another view came first (it is read: decide again). Unavailable if
+        the coordinator cannot be reached."""
         view = self.view
         if not self.serving() or peer not in view.active:
+            return False
+        if len(view.active) - 1 < len(list(self.members())) // 2 + 1:
+            log.warning("node %s does not expel %s: view %d would keep less than a majority active", self.name, peer, view.epoch)
             return False
         proposal = View(0, view.serving, tuple(sorted({*view.expelled, peer})))
         done, revision = await self.coord.cas(self.prefix + "view", view.epoch, proposal.encode())

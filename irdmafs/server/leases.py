@@ -52,7 +52,7 @@ class ServingLease:
         self.name = name
         self.keeper = None
         if coord is None and cfg.coordinator:
-            coord = EtcdCoord(cfg.coordinator, timeout=max(0.5, cfg.down_after / 2))
+            coord = EtcdCoord(cfg.coordinator, timeout=lease_ttl(cfg) / 2)  # a slow etcd (fsync under load) is no outage
         if coord is not None:
             self.keeper = ViewKeeper(coord, cluster_id(cfg), name, lambda: cfg.names, ttl=lease_ttl(cfg))
 

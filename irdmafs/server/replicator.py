@@ -15,8 +15,11 @@ Each send goes through ``_reliably``: a backup whose staging region is gone (it 
 for a new one, once. A send that fails for good answers False, and:
 
 - with a coordinator, a backup that could not be reached (lost, timed out) is expelled by a new
-  view (coord/views.py, V6), which takes it out of the stripe's replicas; a backup that refused
-  (ESTALE: it holds another view; EAGAIN) is not: this node reads the view and decides again;
+  view (coord/views.py, V6), which takes it out of the stripe's replicas, if this node's own
+  heartbeats reach a majority of the members (a node cut off from the others expels nobody: it
+  waits, unacknowledged, until they expel it or the links return; found by the fault simulator,
+  kind "cut"); a backup that refused (ESTALE: it holds another view; EAGAIN) is not expelled:
+  this node reads the view and decides again;
 - without one, the peer is counted down (``lost``), which makes it fence and resync before it
   serves (Cluster.lost).
 
@@ -175,8 +178,9 @@ class Replicator:
         for peer in failed:
             if peer in self.unreached:
                 self.unreached.discard(peer)
-                if not await self.serving.lease.expel(peer):
+                if not self.cluster.heard_majority() or not await self.serving.lease.expel(peer):
                     await self.serving.lease.refresh()
+                    await trio.sleep(self.cluster.cfg.heartbeat)
             else:
                 refused = True
         if refused:

@@ -15,7 +15,8 @@ the store is lost, as with ``kill -9`` and no ``--persist``) and restart as new 
 With ``views`` (the default, as ``irdmafs up`` runs a cluster), the nodes keep their leases and
 views in the coordination service's model (coord/memory.py), reached by each node over its own
 link to the endpoint "etcd" (``LinkedCoord``): a fault of that link (isolate) cuts the node off
-from the coordinator too, and fault kind "coord" makes the coordinator itself unreachable.
+from the coordinator too, "cut" drops only the links between a node and the other nodes (the
+client and the coordinator still reach it), and "coord" makes the coordinator unreachable.
 Without, heartbeats decide who serves (the design before views).
 
 The workload, at the same time: a writer saving files of 1 byte to 3 stripes, and a trainer
@@ -57,7 +58,7 @@ from irdmafs.transport.base import PeerLost, RemoteError, TimeoutError, Transpor
 log = logging.getLogger("sim")
 
 NODES = ["n0", "n1", "n2"]
-KINDS = ("crash", "drop", "delay", "hold", "isolate", "coord")
+KINDS = ("crash", "drop", "delay", "hold", "isolate", "cut", "coord")
 UNIT = 64 << 10
 
 
@@ -209,6 +210,11 @@ class World:
                 await self.start(target)
             elif kind == "isolate":  # from every node, the client, and the coordinator
                 for other in NODES + ["client", "etcd"]:
+                    if other != target:
+                        self.links.set(target, other, "drop", seconds)
+                await trio.sleep(seconds)
+            elif kind == "cut":  # from every other node only: the client and the coordinator still reach it
+                for other in NODES:
                     if other != target:
                         self.links.set(target, other, "drop", seconds)
                 await trio.sleep(seconds)
