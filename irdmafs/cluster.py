@@ -15,8 +15,8 @@ node in config order), a stripe's primary (first ready node in the stripe's rend
 the replicas a write must reach, and the order in which to try replicas for a read (ready homes,
 least-loaded first, then stand-ins).
 
-With a coordinator (``view`` set: a node configured with one, or a client once a heartbeat told
-it a view), the newest view known decides alone who serves: another node is ready if the view
+With ``routing = "views"`` (``view`` set: a node so configured, or a client once a heartbeat of
+such a node told it a view), the newest view known decides alone who serves: another node is ready if the view
 names it active, else down, whatever heartbeats say (a node still answers for itself). Every
 process that holds the same view epoch then names the same primary and replicas for a stripe.
 Views come from the coordinator (a node's ``ViewKeeper``) and from heartbeats, which carry the
@@ -397,7 +397,8 @@ class Cluster:
             return
         self._seen(name, info.get("incarnation", 0))
         self.info[name] = info
-        if info.get("view", 0) > (self.view.epoch if self.view is not None else 0) and isinstance(info.get("view_serving"), dict):
+        newer = info.get("view", 0) > (self.view.epoch if self.view is not None else 0)
+        if info.get("routing") == "views" and newer and isinstance(info.get("view_serving"), dict):
             serving = tuple(sorted((str(n), int(lease)) for n, lease in info["view_serving"].items()))
             self.learn_view(View(info["view"], serving, tuple(sorted(info.get("view_expelled", [])))))
         self.info_at[name] = trio.current_time()

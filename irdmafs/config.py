@@ -11,6 +11,8 @@ Example::
     coordinator = ["http://10.0.0.1:2379", "http://10.0.0.2:2379", "http://10.0.0.3:2379"]
                                   # etcd client endpoints; one string is one endpoint; none: no
                                   # coordination service (irdmafs up starts a local etcd)
+    routing = "views"             # who leads each stripe: "views" (the coordinator's views and
+                                  # epochs; needs a coordinator) or "heartbeats" (the default)
 
     [[nodes]]
     name = "n1"
@@ -54,6 +56,7 @@ class ClusterConfig:
     capacity: int = 8 << 30
     transport: list[str] = field(default_factory=lambda: list(DEFAULT_TRANSPORT))
     coordinator: list[str] = field(default_factory=list)  # etcd client endpoints; empty: no coordination service
+    routing: str = "heartbeats"  # "views": primaries and replicas from the coordinator's views (README, Reliability)
     heartbeat: float = 0.5  # seconds between heartbeats
     down_after: float = 2.0  # a node silent this long is down
     op_timeout: float = 10.0  # one data operation against one node
@@ -124,7 +127,8 @@ def load(path: str | os.PathLike) -> ClusterConfig:
 
 
 def from_dict(doc: dict, *, base: Path = Path("."), where: str | None = None) -> ClusterConfig:
-    known = {"nodes", "token", "token_file", "replicas", "stripe_unit", "capacity", "transport", "coordinator", "heartbeat", "down_after", "op_timeout"}
+    known = {"nodes", "token", "token_file", "replicas", "stripe_unit", "capacity", "transport", "coordinator", "routing"}
+    known |= {"heartbeat", "down_after", "op_timeout"}
     unknown = set(doc) - known
     if unknown:
         raise ConfigError(f"unknown key(s) {sorted(unknown)}")
@@ -172,8 +176,13 @@ def from_dict(doc: dict, *, base: Path = Path("."), where: str | None = None) ->
         capacity=parse_size(doc.get("capacity", 8 << 30), "capacity"),
         transport=list(transport),
         coordinator=parse_endpoints(doc.get("coordinator", []), "coordinator"),
+        routing=doc.get("routing", "heartbeats"),
         path=where,
     )
+    if cfg.routing not in ("views", "heartbeats"):
+        raise ConfigError(f"routing: {cfg.routing!r}; choose \"views\" or \"heartbeats\"")
+    if cfg.routing == "views" and not cfg.coordinator:
+        raise ConfigError("routing: \"views\" needs a coordinator (the views are kept in it)")
     for key in ("heartbeat", "down_after", "op_timeout"):
         if key in doc:
             value = doc[key]
@@ -192,6 +201,7 @@ def dump(cfg: ClusterConfig, token_file: str = "token") -> str:
         f"token_file = {token_file!r}",
         "transport = [" + ", ".join(repr(t) for t in cfg.transport) + "]",
         *(["coordinator = [" + ", ".join(repr(e) for e in cfg.coordinator) + "]"] if cfg.coordinator else []),
+        *([f"routing = {cfg.routing!r}"] if cfg.routing != "heartbeats" else []),
         f"heartbeat = {cfg.heartbeat}",
         f"down_after = {cfg.down_after}",
         f"op_timeout = {cfg.op_timeout}",

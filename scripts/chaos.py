@@ -22,6 +22,9 @@ before the next, so never more than R-1 nodes are out at once:
   the cluster's config: ``--no-coordinator`` runs without) hung by ``SIGSTOP``, or killed and
   started again on its data.
 
+``--views`` makes the cluster's views choose primaries (``routing = "views"``); without it
+heartbeats do, with leases in the coordinator fencing nodes.
+
 As root a second mount runs inside node n1's network namespace, with its own file and tensor
 workers: when n1 is partitioned that mount is on the minority side. Its calls may fail while
 the partition lasts and until the cluster has settled (EIO, ETIMEDOUT, EAGAIN besides the
@@ -459,7 +462,7 @@ class Bed:
     """Node processes (in network namespaces when root), a local etcd (unless told not to), one
     mount, and as root a second mount in n1's namespace; started and faulted."""
 
-    def __init__(self, tmp: Path, nodes: int, replicas: int, netns: bool, coordinator: bool, stack: ExitStack) -> None:
+    def __init__(self, tmp: Path, nodes: int, replicas: int, netns: bool, coordinator: bool, views: bool, stack: ExitStack) -> None:
         self.tmp, self.netns = tmp, netns
         (tmp / "token").write_text(os.urandom(16).hex())
         etcd_host = "127.0.0.1"
@@ -491,6 +494,7 @@ class Bed:
             "down_after": 1.0,
             "op_timeout": 3.0,
             "coordinator": [self.etcd.endpoint] if self.etcd else [],
+            "routing": "views" if views else "heartbeats",
         }
         self.config = tmp / "cluster.toml"
         self.config.write_text(C.dump(C.from_dict(doc, base=tmp)))
@@ -611,7 +615,7 @@ def run(args: argparse.Namespace) -> dict:
         tmp = Path(tempfile.mkdtemp(prefix="irdmafs-chaos-"))
         if not args.keep:
             stack.callback(shutil.rmtree, tmp, True)
-        bed = Bed(tmp, args.nodes, args.replicas, netns, coordinator, stack)
+        bed = Bed(tmp, args.nodes, args.replicas, netns, coordinator, args.views, stack)
         stack.callback(bed.close)
         stack.callback(minority.stop.set)
         stack.callback(tally.stop.set)  # runs first when unwinding early: workers stop their loops
@@ -673,6 +677,7 @@ def run(args: argparse.Namespace) -> dict:
             "replicas": args.replicas,
             "fault_kinds": kinds,
             "coordinator": bed.etcd.endpoint if bed.etcd else None,
+            "routing": "views" if args.views else "heartbeats",
             "minority_mount": str(bed.minority) if bed.minority else None,
             "operations": dict(sorted(tally.ops.items())) | {"total": sum(tally.ops.values())},
             "faults": dict(sorted(faults.items())) | {"total": len(applied)},
@@ -695,6 +700,7 @@ def main() -> int:
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--no-netns", action="store_true", help="loopback only, even as root (no partitions)")
     ap.add_argument("--no-coordinator", action="store_true", help="no etcd: heartbeats decide who serves (no etcd faults)")
+    ap.add_argument("--views", action="store_true", help='routing = "views": the coordinator\'s views choose primaries')
     ap.add_argument("--keep", action="store_true", help="keep the state directory (logs) afterwards")
     ap.add_argument("--faults", help="only these kinds, comma-separated (to chase one finding)")
     ap.add_argument("--schedule", type=int, metavar="N", help="print the first N faults of the seed and exit")
@@ -703,6 +709,8 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.replicas < 2:
         ap.error("faults need --replicas 2 or more (one node out at a time)")
+    if args.views and args.no_coordinator:
+        ap.error("--views needs the coordinator")
     if args.schedule:
         netns = os.geteuid() == 0 and shutil.which("ip") is not None and not args.no_netns
         kinds = fault_kinds(netns, not args.no_coordinator)

@@ -85,8 +85,10 @@ class Node:
         self.latency = Latency()
         self.cluster = Cluster(cfg, transport, None, me=name, my_state=lambda: self.serving.state)
         self.lease = ServingLease(cfg, name, coord)  # its lease and view, if the config names a coordinator
-        keeper_learns = self.lease.follow(self.cluster.learn_view)
-        if keeper_learns is not None:  # views decide who serves (cluster.py), from the first one read
+        if cfg.routing == "views":  # views decide who serves (cluster.py), from the first one read
+            keeper_learns = self.lease.follow(self.cluster.learn_view)
+            if keeper_learns is None:
+                raise ConfigError('routing "views" needs a coordinator')
             self.cluster.view = View()
             self.cluster.on_view.append(keeper_learns)
         self.serving = Serving(cfg, name, self.cluster, self.lease, transport.incarnation)
@@ -233,6 +235,7 @@ class Node:
             "calls": sum(self.counters.values()),
             "served_bytes": sum(b for _, b in self.transport.served.values()),
             "apply_seconds": round(self.training.apply_seconds, 6),
+            "routing": "views" if self.cluster.view is not None else "heartbeats",
             **self.lease.status(),
             "replicas_behind": sum(self.cluster.node_state(n) != READY for n in self.cfg.names if n != self.name),
         }

@@ -1,7 +1,8 @@
 """Node processes with a real etcd as their coordination service (server/leases.py): a node serves
 only while it holds its lease and a view names it; etcd stopped: nodes serve until their leases
 end, then stop, and no view is made; a stopped node is dropped from the view only after its lease
-ended, and serves again only under a new lease, named by a newer view. Nothing written is lost."""
+ended, and serves again only under a new lease, named by a newer view. Nothing written is lost.
+Each with heartbeats choosing primaries and with the views choosing them (``routing``)."""
 
 import os
 import signal
@@ -41,8 +42,9 @@ async def until(predicate, timeout, every=0.1):
             await trio.sleep(every)
 
 
-async def test_nodes_serve_in_views_and_stop_while_etcd_is_unreachable(local_cluster, etcd):
-    lc = await local_cluster(nodes=3, replicas=2, coordinator=[etcd.endpoint])
+@pytest.mark.parametrize("routing", ["heartbeats", "views"])
+async def test_nodes_serve_in_views_and_stop_while_etcd_is_unreachable(local_cluster, etcd, routing):
+    lc = await local_cluster(nodes=3, replicas=2, coordinator=[etcd.endpoint], routing=routing)
     cfg = lc.cfg
     ttl = lease_ttl(cfg)
     view = await committed_view(etcd, cfg)
@@ -76,8 +78,9 @@ async def test_nodes_serve_in_views_and_stop_while_etcd_is_unreachable(local_clu
         assert await c.paths.read_file("/kept") == blob
 
 
-async def test_a_stopped_node_leaves_the_view_after_its_lease_and_returns_under_a_new_one(local_cluster, etcd):
-    lc = await local_cluster(nodes=3, replicas=2, coordinator=[etcd.endpoint])
+@pytest.mark.parametrize("routing", ["heartbeats", "views"])
+async def test_a_stopped_node_leaves_the_view_after_its_lease_and_returns_under_a_new_one(local_cluster, etcd, routing):
+    lc = await local_cluster(nodes=3, replicas=2, coordinator=[etcd.endpoint], routing=routing)
     cfg = lc.cfg
     ttl = lease_ttl(cfg)
     before = await committed_view(etcd, cfg)

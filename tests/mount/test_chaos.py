@@ -4,7 +4,9 @@
 It applies node kills with restarts from the node's own command line and mount kills with
 remounts, drawn from a fixed seed, while its workers check every byte they read back; it must
 see no error outside the documented window and lose no byte. (SIGSTOP and partition faults
-still find errors: README, Reliability, and issue 13's note; they run by hand until fixed.)
+still find errors: README, Reliability, and issue 13's note; they run by hand until fixed. It runs
+without a coordinator, as it always has: with one, and with the fault kinds of issue 20, the soak
+still finds errors; README, "The chaos soak".)
 """
 
 import json
@@ -39,7 +41,7 @@ def test_a_100_second_soak_of_kills_and_remounts_sees_no_error_and_loses_nothing
         pytest.skip(reason)
     out = tmp_path / "chaos.json"
     r = subprocess.run(
-        [sys.executable, str(SCRIPT), "--minutes", str(100 / 60), "--seed", "3", "--faults", "kill,mount", "--json", str(out)],
+        [sys.executable, str(SCRIPT), "--minutes", str(100 / 60), "--seed", "3", "--faults", "kill,mount", "--no-coordinator", "--json", str(out)],
         capture_output=True,
         text=True,
         timeout=600,

@@ -68,3 +68,19 @@ def test_dump_and_write_config_keep_the_coordinator(tmp_path):
     assert C.load(path).coordinator == ["http://127.0.0.1:2379"]
     path = write_config(tmp_path / "b", 2, 1)
     assert "coordinator" not in path.read_text() and C.load(path).coordinator == []
+
+
+def test_routing_is_heartbeats_unless_views_are_asked_for_with_a_coordinator(tmp_path):
+    assert cfg().routing == "heartbeats"
+    views = cfg(coordinator=["http://127.0.0.1:2379"], routing="views")
+    assert views.routing == "views"
+    with pytest.raises(C.ConfigError, match='routing: "views" needs a coordinator'):
+        cfg(routing="views")
+    with pytest.raises(C.ConfigError, match="routing: 'leases'"):
+        cfg(coordinator=["http://127.0.0.1:2379"], routing="leases")
+    path = tmp_path / "cluster.toml"
+    (tmp_path / "token").write_text("longenoughtoken")
+    path.write_text(C.dump(views))
+    assert 'routing = "views"' in path.read_text() and C.load(path).routing == "views"
+    path.write_text(C.dump(cfg()))
+    assert "routing" not in path.read_text()
