@@ -173,6 +173,18 @@ def mount_background(
     return proc
 
 
+def stop_background(mountpoint: str, proc: subprocess.Popen) -> None:
+    """Undo ``mount_background``: detach the mount, then end its process (killed after 10 s)."""
+    unmount(mountpoint, lazy=True)
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
 def unmount(mountpoint: str, lazy: bool = False) -> bool:
     """``fusermount3 -u`` (``-uz`` when lazy); True if it is no longer mounted."""
     if not is_mounted(mountpoint):

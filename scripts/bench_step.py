@@ -99,7 +99,7 @@ from netns import burst_for, enter, link_bytes, namespaces, rate_bits, setns, si
 from irdmafs import config as C  # noqa: E402
 from irdmafs.coord.etcd_process import LocalEtcd  # noqa: E402
 from irdmafs.local import LocalCluster, node_status, wait_settled, write_config  # noqa: E402
-from irdmafs.mount import mount_background, unmount, wait_for_mount  # noqa: E402
+from irdmafs.mount import mount_background, stop_background, wait_for_mount  # noqa: E402
 
 LR = 0.01
 SEPARATE = os.environ.get("IRDMAFS_BENCH_SEPARATE") == "1"  # --separate, inherited by the workers
@@ -535,14 +535,7 @@ def mount_in(ns: str, config: Path, mnt: Path, log: Path) -> subprocess.Popen:
 
 
 def stop_mount(mnt: Path, proc: subprocess.Popen) -> None:
-    unmount(str(mnt), lazy=True)
-    if proc.poll() is None:
-        proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
+    stop_background(str(mnt), proc)
 
 
 # -- report -------------------------------------------------------------------------------------

@@ -66,7 +66,7 @@ import trio
 from irdmafs import config as C
 from irdmafs.coord.etcd_process import LocalEtcd
 from irdmafs.local import LocalCluster, free_ports, wait_settled
-from irdmafs.mount import clear_dead_mount, is_mounted, mount_background, unmount
+from irdmafs.mount import clear_dead_mount, is_mounted, mount_background, stop_background
 from irdmafs.steps import pull_arrays, push_arrays
 
 MiB = 1 << 20
@@ -589,12 +589,7 @@ class Bed:
         self.uncut()
         for proc, mnt in ((self.mount_proc, self.mnt), (self.minority_proc, self.minority)):
             if proc is not None:
-                unmount(str(mnt), lazy=True)
-                proc.terminate()
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+                stop_background(str(mnt), proc)
         self.lc.stop_all()
 
 

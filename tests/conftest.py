@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from irdmafs.local import LocalCluster, wait_settled, write_config
-from irdmafs.mount import unmount, wait_for_mount
+from irdmafs.mount import stop_background, wait_for_mount
 
 
 def pytest_collection_modifyitems(config, items):
@@ -78,12 +78,7 @@ async def mount(tmp_path, local_cluster):
     yield make
     problems = []
     for mp, proc, log in mounts:
-        unmount(str(mp), lazy=True)
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_background(str(mp), proc)
         text = log.read_text(errors="replace")
         if "Traceback" in text:
             problems.append(f"{log}:\n{text[-3000:]}")

@@ -17,11 +17,6 @@ builds it), moving its ``Serving`` state.
 
 With a coordinator, views decide instead of heartbeats (coord/views.py, cluster.py): a node
 fences only when its lease ends, a view expels it, or it stalls, and rejoins once it holds a lease.
-Heartbeats still find failures fast: a serving node whose heartbeats reach a majority of the
-members expels an active peer they count down (``_expel_unheard``; a node cut off from the others
-reaches no majority and expels nobody). So a node that is hung, dead or cut off is out of the view
-within about ``down_after``, where its lease alone would take two TTLs (found by the chaos soak: a
-metadata primary partitioned away held every namespace op until its lease ran out).
 Its hand-over then asks every node the view names active, with its view epoch, and retries until
 each has answered (or left the view): each peer reads that view, waits for every commit, push
 and namespace op under way, and answers with the version of every stripe it holds that the
@@ -40,7 +35,7 @@ from dataclasses import asdict
 
 import trio
 
-from ..cluster import DOWN, READY, SYNCING, NodeDown
+from ..cluster import READY, SYNCING, NodeDown
 from ..config import NodeSpec
 from ..placement import placement
 from ..transport.base import RemoteError, TransportError
@@ -243,15 +238,6 @@ class Membership:
                 return f"{n} counts this node down", 0.0
         return None
 
-    async def _expel_unheard(self) -> None:
-        """With a coordinator: expel the active peers this node's heartbeats count down, if they
-        reach a majority of the members (see the module's docstring)."""
-        if not self.cluster.heard_majority():
-            return
-        for peer in self.cluster.view.active:
-            if peer != self.name and self.cluster.state.get(peer) == DOWN:
-                await self.lease.expel(peer)
-
     def _may_rejoin(self) -> bool:
         """A ready peer to resync from, or (everyone fenced) a majority to decide with; and its
         lease, with a coordinator."""
@@ -272,8 +258,6 @@ class Membership:
             if self.serving.must_rejoin:  # fenced by a stall or by a peer that lost it (rpc_heartbeat)
                 self.serving.must_rejoin = False
             else:
-                if self.cluster.view is not None and self.serving.state == READY:
-                    await self._expel_unheard()
                 cut = self._cut_off() if self.serving.state == READY else None
                 if cut is None:
                     cut_since = None
