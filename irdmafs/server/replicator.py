@@ -16,9 +16,10 @@ for a new one, once. A send that fails for good answers False, and:
 
 - with a coordinator, a backup that could not be reached (lost, timed out) is expelled by a new
   view (coord/views.py, V6), which takes it out of the stripe's replicas, if this node's own
-  heartbeats reach a majority of the members (a node cut off from the others expels nobody: it
-  waits, unacknowledged, until they expel it or the links return; found by the fault simulator,
-  kind "cut"); a backup that refused (ESTALE: it holds another view; EAGAIN) is not expelled:
+  heartbeats, probed again first, reach a majority of the members (a node cut off from the others
+  expels nobody: it waits, unacknowledged, until they expel it or the links return; found by the
+  fault simulator, kind "cut": without the fresh probe the cut-off node's heartbeats still said
+  "majority" for a moment, and it expelled one of the others, mixed seed 39); a backup that refused (ESTALE: it holds another view; EAGAIN) is not expelled:
   this node reads the view and decides again;
 - without one, the peer is counted down (``lost``), which makes it fence and resync before it
   serves (Cluster.lost).
@@ -178,6 +179,7 @@ class Replicator:
         for peer in failed:
             if peer in self.unreached:
                 self.unreached.discard(peer)
+                await self.cluster.refresh()  # its heartbeats as they are now, not as they were
                 if not self.cluster.heard_majority() or not await self.serving.lease.expel(peer):
                     await self.serving.lease.refresh()
                     await trio.sleep(self.cluster.cfg.heartbeat)
