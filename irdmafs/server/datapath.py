@@ -98,7 +98,7 @@ class DataPath:
         await self.serving.check_epoch(epoch)
         r = StripeRange.parse(where)
         (fid, idx, snap), offset, length, unit = r
-        self.serving.check_sender(sender, self.cluster.stripe_primary(fid, idx))
+        self.serving.check_sender(sender, lambda: self.cluster.stripe_primary(fid, idx))
         check_range(offset, length, unit, self.cfg.stripe_unit)
         if not (isinstance(staged, list) and len(staged) == 2 and all(type(v) is int for v in staged)):
             raise RemoteError("EINVAL", f"staged is [rkey, offset], not {staged!r}")

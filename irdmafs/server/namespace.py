@@ -158,7 +158,7 @@ class Namespace:
 
     async def rpc_meta_apply(self, seq: int, op: dict, sender: str = "", epoch: int = 0) -> dict:
         await self.serving.check_epoch(epoch)
-        self.serving.check_sender(sender, self.cluster.meta_primary())
+        self.serving.check_sender(sender, self.cluster.meta_primary)
         if seq <= self.meta.seq:
             return {}
         if seq != self.meta.seq + 1:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Callable
 
 import trio
 
@@ -84,17 +85,18 @@ class Serving:
             code = "ESTALE" if epoch < view.epoch else "EAGAIN"
             raise RemoteError(code, f"sent in view {epoch}; node {self.name} is in view {view.epoch}")
 
-    def check_sender(self, sender: str, leads: str | None) -> None:
-        """Replication only from the node that leads what it sends (``leads``: its primary as
-        this node's view names it) with a coordinator; without, from a node this one does not
+    def check_sender(self, sender: str, leads: Callable[[], str | None]) -> None:
+        """Replication only from the node that leads what it sends (``leads()``: its primary as
+        this node's view names it; asked only with views) with a coordinator; without, from a node this one does not
         count down: one that was (stopped, cut off) may send what it began before, numbered as
         the next primary numbers other bytes. It is refused; it fences (stall, or a peer's
         lost_at) and resyncs."""
         if not sender:
             return
         if self.cluster.view is not None:
-            if sender != leads:
-                raise RemoteError("ESTALE", f"{sender} does not lead this in view {self.cluster.view.epoch} ({leads} does)")
+            primary = leads()
+            if sender != primary:
+                raise RemoteError("ESTALE", f"{sender} does not lead this in view {self.cluster.view.epoch} ({primary} does)")
         elif self.cluster.node_state(sender) == DOWN:
             raise RemoteError("ESTALE", f"{sender} is counted down here: it must resync before it leads")
 

@@ -354,7 +354,7 @@ class Training:
         """A backup keeps the primary's push bookkeeping for a stripe (to take over with it);
         its arrays, if ``lengths`` are given, were staged at ``rkey``/``soff`` in that order."""
         await self.serving.check_epoch(epoch)
-        self.serving.check_sender(sender, self.cluster.stripe_primary(fid, idx))
+        self.serving.check_sender(sender, lambda: self.cluster.stripe_primary(fid, idx))
         blobs = None
         if lengths:
             if not all(isinstance(n, int) and n >= 0 for n in lengths):
