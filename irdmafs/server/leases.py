@@ -12,8 +12,10 @@ only while it holds its etcd lease and the newest view it has read names it with
   leases end and then wait, and no new view is made; heartbeats and ``irdmafs status`` say so.
 
 Without a coordinator ``holds()`` is always true, and the heartbeat rules of membership.py alone
-decide. With one, the views also choose every stripe's primary and replicas (cluster.py) and
-every message that changes data carries its sender's view epoch (serving.py, ``check_epoch``).
+decide. With one and ``routing = "views"``, the views also choose every stripe's primary and
+replicas (cluster.py) and every message that changes data carries its sender's view epoch
+(serving.py, ``check_epoch``); with ``routing = "heartbeats"`` (the default) heartbeats choose
+them, among the nodes that hold their leases.
 """
 
 from __future__ import annotations
