@@ -24,12 +24,13 @@ LONG = os.environ.get("IRDMAFS_LONG") == "1"
 KNOWN_VIEW_LOSSES = {48, 64}
 
 
-def _view_seeds(n: int) -> list:
-    loss = pytest.mark.xfail(strict=True, reason="with views: parameters off the ledger after a crash or fence (KNOWN_VIEW_LOSSES)")
-    return [pytest.param(s, marks=loss) if s in KNOWN_VIEW_LOSSES else s for s in range(n)]
+def _seeds(n: int, known: set[int], reason: str) -> list:
+    """Seeds 0..n-1, those in ``known`` as strict xfails (``reason``)."""
+    loss = pytest.mark.xfail(strict=True, reason=reason)
+    return [pytest.param(s, marks=loss) if s in known else s for s in range(n)]
 
 
-@pytest.mark.parametrize("seed", _view_seeds(100 if LONG else 6))
+@pytest.mark.parametrize("seed", _seeds(100 if LONG else 6, KNOWN_VIEW_LOSSES, "with views: parameters off the ledger after a crash or fence"))
 def test_fault_schedules_keep_every_acknowledged_write_and_push(seed):
     w = simulate(seed, KINDS, faults=6)
     assert w.errors == [], "\n".join(w.events + w.errors)
@@ -50,12 +51,7 @@ def test_a_seed_replays_exactly():
 KNOWN_LOSSES = {22, 119}
 
 
-def _seeds(n: int) -> list:
-    loss = pytest.mark.xfail(strict=True, reason="without a coordinator: an acknowledged push lost after a restart")
-    return [pytest.param(s, marks=loss) if s in KNOWN_LOSSES else s for s in range(n)]
-
-
-@pytest.mark.parametrize("seed", _seeds(200 if LONG else 3))
+@pytest.mark.parametrize("seed", _seeds(200 if LONG else 3, KNOWN_LOSSES, "without a coordinator: an acknowledged push lost after a restart"))
 def test_without_views_crash_schedules_keep_every_acknowledged_write_and_push(seed):
     w = simulate(seed, ("crash",), faults=6, views=False)
     assert w.errors == [], "\n".join(w.events + w.errors)
