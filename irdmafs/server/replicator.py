@@ -90,7 +90,7 @@ class Replicator:
 
     async def _apply(self, peer: str, u: Update, slot: Slot) -> dict:
         await self.cluster.write(peer, slot.rkey, slot.offset, u.bytes(), slot.inc)
-        args = {"where": u.range.wire(), "staged": [slot.rkey, slot.offset], "version": u.version, "clock": u.source.clock}
+        args = {"where": u.range.wire(), "staged": [slot.rkey, slot.offset], "version": u.version, "clock": u.clock_sent}
         args |= {"full": u.full, "sender": self.name, "epoch": self.epoch, "tag": u.source.tag, "base_tag": u.base_tag}
         args |= ({"record": u.record} if u.record is not None else {}) | ({"pending": True} if u.pending else {}) | ({"state": u.state} if u.state else {})
         return await self.cluster.call(peer, "apply", args)

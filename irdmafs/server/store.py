@@ -168,6 +168,14 @@ class Store:
         self._saved((fid, idx, 0), HEADER + offset, HEADER + offset + length)
         return new
 
+    def publish_clock(self, fid: int, idx: int, clock: int) -> None:
+        """Set a live stripe's clock alone: a primary's training step, once every backup holds
+        it (server/training.py, ``_settle``). Readers compare the whole header before and
+        after the data, so one that straddles this retries."""
+        stripe = self.stripes[(fid, idx, 0)]
+        WORD.pack_into(stripe.region.buf, CLOCK_AT, clock)
+        self._saved((fid, idx, 0), CLOCK_AT, CLOCK_AT + WORD.size)
+
     def replace(self, fid: int, idx: int, data: memoryview, unit: int, version: int, snap: int = 0, clock: int = 0, tag: int = 0) -> None:
         """Set the whole stripe content (resync, or a backup found behind)."""
         stripe = self.ensure(fid, idx, len(data), unit, snap)

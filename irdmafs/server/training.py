@@ -301,8 +301,17 @@ class Training:
         raise RemoteError("ETIMEDOUT", f"rank {rank}'s push {pushed - 1} not applied within {timeout}s")
 
     async def _settle(self, fid: int, idx: int, st: StripeTraining, model: Model, opt: optim.Optimizer, dtype: np.dtype, updates: list) -> None:
-        """Apply ``updates`` and the stripe's new clock in one install, then replicate them.
-        Called with the stripe's lock held."""
+        """Apply ``updates`` in one install, replicate them with the stripe's new clock, and
+        only then publish that clock here. Called with the stripe's lock held.
+
+        A pull waits for the clock and then reads the parameters (from any replica), and a
+        pusher forgets a round's piece once a pull has seen the round closed: were the clock
+        published before every backup held the step, a primary lost in between would take the
+        round with it, its pieces forgotten (a dirty read; found by CI's soak: "push 13 is out
+        of order" after a kill). Should the step not reach every replica (EAGAIN: this node no
+        longer leads, or its replicas kept changing), the clock is published all the same, as
+        the parameters here already hold the step: what then happens to it is the fence's and
+        the resync's."""
         offset, count, unit = st.span
         clock = st.clock(model)
         stripe = self.store.get(fid, idx)
@@ -329,11 +338,14 @@ class Training:
         def step(view: memoryview) -> None:
             self._apply_updates(fid, idx, np.frombuffer(view, dtype), updates, opt, unit)
 
-        self.store.update(fid, idx, offset, count * dtype.itemsize, unit, step if updates else None, clock=clock)
+        self.store.update(fid, idx, offset, count * dtype.itemsize, unit, step if updates else None)
         self.serving.led_now((fid, idx, 0))
         self.apply_seconds += time.perf_counter() - t0
         nstate = len(opt.state_names) if updates else 0
-        await self._replicate_training(StripeRange(StripeKey(fid, idx), offset, count * dtype.itemsize, unit), nstate, record, base_tag)
+        try:
+            await self._replicate_training(StripeRange(StripeKey(fid, idx), offset, count * dtype.itemsize, unit), nstate, record, base_tag, clock)
+        finally:
+            self.store.publish_clock(fid, idx, clock)
 
     async def _replicate_record(self, fid: int, idx: int, st: StripeTraining) -> None:
         """The push bookkeeping of a stripe to its backups when a push was taken but nothing
@@ -408,15 +420,15 @@ class Training:
         for k, name in enumerate(opt.state_names, 1):
             self.store.install(fid, idx, 0, memoryview(state[name]).cast("B"), 2 * unit, clock=t, snap=-k)
 
-    async def _replicate_training(self, where: StripeRange, nstate: int, record: dict | None, base_tag: int) -> None:
-        """Optimizer state (held aside by each backup), then the parameters with version, clock
-        and push bookkeeping, whose apply installs the state too: a backup that takes over holds
-        all of one step or none of it. ``base_tag``: the tag of the version the step was made
-        on."""
+    async def _replicate_training(self, where: StripeRange, nstate: int, record: dict | None, base_tag: int, clock: int) -> None:
+        """Optimizer state (held aside by each backup), then the parameters with version,
+        ``clock`` and push bookkeeping, whose apply installs the state too: a backup that takes
+        over holds all of one step or none of it. ``base_tag``: the tag of the version the step
+        was made on."""
         fid, idx, _ = where.key
         unit = where.unit
         stripe = self.store.get(fid, idx)
-        params = Update(where, stripe.version, stripe, record=record, state=nstate, base_tag=base_tag)
+        params = Update(where, stripe.version, stripe, record=record, state=nstate, base_tag=base_tag, clock=clock)
 
         async def one(peer: str) -> bool:
             for k in range(1, nstate + 1):

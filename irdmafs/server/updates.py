@@ -46,10 +46,12 @@ class StripeRange(NamedTuple):
 @dataclass(frozen=True)
 class Update:
     """What a primary sends a backup of one stripe: the bytes of ``range`` as they are in
-    ``source`` (a store's Stripe, whose clock goes with them) at ``version``, with the push bookkeeping (``record``) and the
+    ``source`` (a store's Stripe) at ``version``, with the push bookkeeping (``record``) and the
     number of optimizer-state stripes (``state``, sent before with ``pending``) that go with
     them. ``pending``: an optimizer-state stripe, held aside by the backup until the
-    parameters' update that names it arrives."""
+    parameters' update that names it arrives. ``clock``: the training clock that goes with
+    them (None: the source's as it is; a primary's step gives its new clock here, as it
+    publishes that clock itself only once every backup holds the step)."""
 
     range: StripeRange
     version: int
@@ -59,12 +61,18 @@ class Update:
     state: int = 0
     full: bool = False  # the whole stripe, installed in place of what the backup holds if newer
     base_tag: int = 0  # the tag of the version this range was made on (``version - 1``)
+    clock: int | None = None
 
     def whole(self) -> "Update":
         """The same update as the whole stripe (for a backup that is behind)."""
         r = self.range
         whole = StripeRange(r.key, 0, self.source.capacity, r.unit)
-        return Update(whole, self.version, self.source, self.record, self.pending, self.state, True, self.base_tag)
+        return Update(whole, self.version, self.source, self.record, self.pending, self.state, True, self.base_tag, self.clock)
+
+    @property
+    def clock_sent(self) -> int:
+        """The clock the backup installs with these bytes."""
+        return self.source.clock if self.clock is None else self.clock
 
     def bytes(self) -> memoryview:
         r = self.range

@@ -130,3 +130,47 @@ async def test_an_open_push_is_sent_again_once_per_id(bed):
         n.start_soon(t._repush_open, 99, 0)
         n.start_soon(t._repush_open, 99, 0)
     assert sends == [(4, True)]
+
+
+async def test_a_pull_sees_a_round_closed_only_once_every_backup_holds_it(bed):
+    """The primary publishes a step's clock (what pulls wait for) only after its backups hold
+    the step: while a backup's apply is held, the primary's clock stays at the round before,
+    so no pull can take the round for closed (and its pushers forget their pieces) while the
+    primary alone holds it. Without this, a primary killed then took the round with it (CI's
+    soak: "push 13 is out of order")."""
+    c, nodes, _ = bed
+    d = (await c.paths.resolve("/m"))["ino"]
+    await c.setxattr(d, "user.irdma.sync", "bsp")
+    await c.setxattr(d, "user.irdma.workers", "2")
+    w = np.zeros(1000, np.float32)
+    ino = (await c.paths.save("/m/b.npy", w))["ino"]
+    primary_name = c.cluster.stripe_primary(ino, 0)
+    primary = next(n for n in nodes if n.name == primary_name)
+    backups = [n for n in nodes if n.name in c.cluster.targets(ino, 0) and n.name != primary_name]
+    assert backups, "a stripe of R=2 has a backup"
+    release, held = trio.Event(), trio.Event()
+    real_apply = {b.name: b.calls["apply"] for b in backups}
+
+    def holding(name):
+        async def apply(**kw):
+            held.set()
+            await release.wait()
+            return await real_apply[name](**kw)
+
+        return apply
+
+    for b in backups:
+        b.calls["apply"] = holding(b.name)
+    saved = primary.store.get(ino, 0).version
+    async with trio.open_nursery() as n:
+        n.start_soon(c.training.push, ino, 0, np.ones_like(w))
+        n.start_soon(c.training.push, ino, 1, np.ones_like(w))  # the second push closes round 0
+        with trio.fail_after(5):
+            await held.wait()
+        await trio.sleep(0.1)  # the primary has applied the step here and waits on its backups
+        assert primary.store.get(ino, 0).version > saved  # the parameters hold the step here...
+        assert primary.store.get(ino, 0).clock == 0  # ...but no pull may see the round closed yet
+        release.set()
+    assert primary.store.get(ino, 0).clock == 1
+    assert all(b.store.get(ino, 0).clock == 1 for b in backups)
+    assert np.array_equal(await c.paths.load("/m/b.npy"), w - 1)  # the mean of the round, lr=1
