@@ -44,6 +44,7 @@ from .coord.views import View
 from .placement import rank, stripe_key
 from .regions import HEADER, read_header
 from .transport.base import (
+    AccessError,
     ConnectError,
     Connection,
     PeerLost,
@@ -490,7 +491,12 @@ class StagingPool:
 
     A writer asks each node once for a staging region (``staging`` call) of ``slots`` slots of
     ``slot_size`` bytes, then WRITEs into a free slot and names it in the ``commit``/``apply``.
-    A region belongs to the node's incarnation: a restart drops it (``Cluster.on_restart``)."""
+    A region belongs to the node's incarnation: a restart drops it (``Cluster.on_restart``), and
+    so does a slot found gone (``with_slot``). Only the region that failed is dropped: several
+    sends to a restarted node fail at once, and the first to ask for a new region (which replaces
+    the old on the node) must not have it dropped again by the others' failures on the old one
+    -- that made the next send to it fail too, and a node count its restarted peer down (found
+    by the fault simulator, heartbeat "crash" seed 22, and CI's soak)."""
 
     def __init__(self, cluster: Cluster, owner: str, slot_size: int, slots: int = 4):
         self.cluster = cluster
@@ -510,17 +516,30 @@ class StagingPool:
                 self._regions[node] = (r["rkey"], inc, free, trio.Semaphore(self.slots))
             return self._regions[node]
 
-    def forget(self, node: str) -> None:
-        """The node restarted or was lost: its staging region is gone."""
-        self._regions.pop(node, None)
+    def forget(self, node: str, rkey: int | None = None) -> None:
+        """The node restarted: its staging region is gone (with ``rkey``: only if that is still
+        the region held of it)."""
+        held = self._regions.get(node)
+        if held is not None and (rkey is None or held[0] == rkey):
+            del self._regions[node]
 
     async def with_slot(self, node: str, fn):
-        """``fn(slot)`` with a free ``Slot`` of ``node``'s region, returned to the pool after."""
+        """``fn(slot)`` with a free ``Slot`` of ``node``'s region, returned to the pool after.
+        If the slot is found gone (AccessError: the node restarted; EINVAL naming its staging:
+        the node freed it), the region is dropped so the next call asks for a new one, and the
+        error is raised for the caller to send again."""
         rkey, inc, free, sem = await self._region(node)
         async with sem:
             offset = free.pop()
             try:
                 return await fn(Slot(rkey, offset, inc))
+            except AccessError:
+                self.forget(node, rkey)
+                raise
+            except RemoteError as exc:
+                if exc.code == "EINVAL" and exc.message.startswith("staging"):
+                    self.forget(node, rkey)
+                raise
             finally:
                 free.append(offset)
 

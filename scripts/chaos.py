@@ -114,7 +114,7 @@ class Tally:
             self.errors.append({"t": round(time.monotonic() - self.t0, 2), "op": what, "error": repr(exc) if isinstance(exc, BaseException) else exc})
         print(f"chaos: ERROR {what}: {exc}", file=sys.stderr, flush=True)
 
-    def compare(self, what: str, got: bytes, want: bytes) -> None:
+    def compare(self, what: str, got: bytes, want: bytes) -> bool:
         n = min(len(got), len(want))
         a, b = np.frombuffer(got, np.uint8, n), np.frombuffer(want, np.uint8, n)
         wrong = int(np.count_nonzero(a != b)) + abs(len(got) - len(want))
@@ -124,7 +124,9 @@ class Tally:
         if wrong:
             bad = np.flatnonzero(a != b)
             where = f", first at {int(bad[0])}, last at {int(bad[-1])}" if len(bad) else ""
-            self.error(what, f"{wrong} bytes wrong or missing (read {len(got)}, expected {len(want)}{where})")
+            zeros = " (read as zeros)" if len(bad) and not a[bad[0] : bad[-1] + 1].any() else ""
+            self.error(what, f"{wrong} bytes wrong or missing (read {len(got)}, expected {len(want)}{where}){zeros}")
+        return not wrong
 
     def attempt(self, what: str, fn):
         """Run one user call: True once done, None if it failed inside a mount outage (its
@@ -188,7 +190,15 @@ class FileWorker:
     def __init__(self, tally: Tally, root: Path, seed: int, unit: int) -> None:
         self.t, self.root, self.rng, self.unit = tally, root, np.random.default_rng(seed), unit
         self.files: dict[str, bytearray] = {}
+        self.history: dict[str, list[str]] = {}  # what was done to each file, said when it reads back wrong
         self.n = 0
+
+    def _did(self, name: str, what: str) -> None:
+        self.history.setdefault(name, []).append(f"{time.monotonic() - self.t.t0:.1f}s {what}")
+
+    def _check(self, name: str, got: bytes, want: bytes, what: str = "") -> None:
+        if not self.t.compare(f"file {self.root.name}/{name}{what}", got, want):
+            print(f"chaos: history of {self.root.name}/{name}: {'; '.join(self.history.get(name, [])[-12:])}", file=sys.stderr, flush=True)
 
     def _forget(self, *names: str) -> None:
         """A call on these failed in a mount outage: their content is unknown; remove them."""
@@ -213,6 +223,7 @@ class FileWorker:
                 ok = self.t.attempt("file_create", lambda: (self.root / name).write_bytes(data))
                 if ok:
                     self.files[name] = data
+                    self._did(name, f"create {len(data)}")
                 else:  # failed (counted once) or in an outage: no expectation is left behind
                     self._forget(name)
                 return
@@ -233,6 +244,7 @@ class FileWorker:
 
             ok = self.t.attempt("file_write", write)
             if ok:
+                self._did(name, f"write {len(data)} at {off}")
                 if off > len(cur):
                     cur.extend(bytes(off - len(cur)))
                 cur[off : off + len(data)] = data
@@ -240,6 +252,7 @@ class FileWorker:
             size = int(r.integers(0, int(len(cur) * 1.3) + 2))
             ok = self.t.attempt("file_truncate", lambda: os.truncate(self.root / name, size))
             if ok:
+                self._did(name, f"truncate {len(cur)} to {size}")
                 del cur[size:]
                 cur.extend(bytes(size - len(cur)))
         elif choice == "rename":
@@ -248,6 +261,7 @@ class FileWorker:
             ok = self.t.attempt("file_rename", lambda: os.rename(self.root / name, self.root / new))
             if ok:
                 self.files[new] = self.files.pop(name)
+                self.history[new] = self.history.pop(name, []) + [f"{time.monotonic() - self.t.t0:.1f}s renamed from {name}"]
             else:
                 self._forget(name, new)
             return
@@ -262,7 +276,8 @@ class FileWorker:
             got: list[bytes] = []
             ok = self.t.attempt("file_check", lambda: got.append((self.root / name).read_bytes()))
             if ok:
-                self.t.compare(f"file {name}", got[0], bytes(cur))
+                self._check(name, got[0], bytes(cur))
+                self._did(name, "read back")
             return
         if not ok:  # failed (counted once) or in an outage: its content is unknown now
             self._forget(name)
@@ -271,7 +286,7 @@ class FileWorker:
         for name, want in sorted(self.files.items()):
             got: list[bytes] = []
             if self.t.attempt("final_check", lambda: got.append((self.root / name).read_bytes())):
-                self.t.compare(f"file {name} (final)", got[0], bytes(want))
+                self._check(name, got[0], bytes(want), " (final)")
 
 
 class TensorWorker:

@@ -328,8 +328,7 @@ class StripeIO:
 
                 try:
                     return await self.staging.with_slot(primary, send)
-                except (NodeDown, AccessError) as exc:  # down, or restarted since its staging was given
-                    self.staging.forget(primary)
+                except (NodeDown, AccessError) as exc:  # down, or restarted since its staging was given (with_slot dropped it)
                     if isinstance(exc, NodeDown):
                         await self.cluster.after_lost()
                 except RemoteError as exc:
@@ -339,6 +338,6 @@ class StripeIO:
                         await trio.sleep(0.1)
                         await self.cluster.refresh()
                     elif exc.code == "EINVAL" and exc.message.startswith("staging"):
-                        self.staging.forget(primary)  # the node restarted: new staging
+                        pass  # the node restarted: with_slot dropped its staging; a new one now
                     else:
                         raise

@@ -296,8 +296,7 @@ class PushPull:
                 desc["epoch"] = self.cluster.view_epoch  # as it is now: a retry may follow a newer view
                 try:
                     r = await self._fused(primary, desc, payload)
-                except (NodeDown, AccessError) as exc:  # down, or restarted (its staging is new)
-                    self.staging.forget(primary)
+                except (NodeDown, AccessError) as exc:  # down, or restarted (with_slot dropped its staging)
                     first = False  # it may have arrived: a duplicate now is this push's own
                     if isinstance(exc, NodeDown):
                         await self.cluster.after_lost()

@@ -80,8 +80,7 @@ class Replicator:
                 return True
             except TransportError as exc:
                 if isinstance(exc, AccessError) or isinstance(exc, RemoteError) and exc.code == "EINVAL":
-                    self.slots.forget(peer)  # its staging region is gone (it restarted): a new one, once
-                    if attempt == 1:
+                    if attempt == 1:  # its staging region is gone (it restarted): a new one, once
                         continue
                 log.warning("%s not replicated to %s: %s", what, peer, exc)
                 self.lost(peer, exc)

@@ -44,14 +44,11 @@ def test_a_seed_replays_exactly():
     assert [g.tolist() for g in a.grads] == [g.tolist() for g in b.grads]
 
 
-# Without a coordinator: crash schedules the heartbeat design still loses a push in, found by the
-# long run (a restarted node refused a replication with a key of its previous incarnation twice,
-# was counted down though healthy, and the ESTALE refusals that followed left the next primary
-# of a stripe without the last pushes it had acknowledged).
-KNOWN_LOSSES = {22, 119}
-
-
-@pytest.mark.parametrize("seed", _seeds(200 if LONG else 3, KNOWN_LOSSES, "without a coordinator: an acknowledged push lost after a restart"))
+# Without a coordinator, crash schedules keep every invariant. Seeds 22 and 119 lost a push until
+# a restarted node's staging stopped being dropped twice (cluster.StagingPool: a second failure
+# on the old region dropped the new one; the node, though healthy, was counted down, and the
+# ESTALE refusals that followed left the next primary without the last acknowledged push).
+@pytest.mark.parametrize("seed", sorted({22, 119} | set(range(200 if LONG else 3))))
 def test_without_views_crash_schedules_keep_every_acknowledged_write_and_push(seed):
     w = simulate(seed, ("crash",), faults=6, views=False)
     assert w.errors == [], "\n".join(w.events + w.errors)

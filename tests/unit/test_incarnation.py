@@ -79,3 +79,59 @@ async def test_a_key_from_an_earlier_incarnation_is_refused_before_it_is_sent():
         await cluster.write("a", region.rkey, 0, b"new", cluster.incarnation["a"])  # a key of the new one lands
         assert bytes(new.regions.get(region.rkey).buf[:3]) == b"new"
         nursery.cancel_scope.cancel()
+
+
+async def test_a_failure_on_an_old_staging_region_does_not_drop_the_new_one():
+    """Two sends to a restarted node fail on its old staging region. The first asks for a new
+    region (which replaces the old one on the node); the second's failure, on the old region,
+    must not drop the new one: asking again would replace it under the first send's retry, which
+    then failed too and counted a healthy node down (fault simulator, heartbeat crash seed 22)."""
+    cfg = config()
+    given = []
+
+    async def staging_handler(method, args):
+        if method == "heartbeat":
+            return {"state": "ready"}
+        if method == "staging":
+            given.append(len(given) + 100)
+            return {"rkey": given[-1]}
+        raise AssertionError(method)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(MemoryTransport(cfg.token).serve, "mem", 9501, staging_handler)
+        pool = StagingPool(Cluster(cfg, MemoryTransport(cfg.token), nursery), "t", 16, slots=2)
+        first_failed, second_may_fail = trio.Event(), trio.Event()
+        used = []
+
+        async def send(slot, fail_after=None):
+            used.append(slot.rkey)
+            if slot.rkey == 100:  # the region of the process before the restart
+                if fail_after is not None:
+                    await fail_after.wait()
+                raise AccessError(f"unknown rkey {slot.rkey}")
+            return slot.rkey
+
+        async def first():
+            with pytest.raises(AccessError):
+                await pool.with_slot("a", send)
+            first_failed.set()
+            assert await pool.with_slot("a", send) == 101  # a new region, asked for once
+            second_may_fail.set()
+            await trio.sleep(0.01)
+            assert await pool.with_slot("a", send) == 101  # still the new one after the second failure
+
+        async def second():
+            with pytest.raises(AccessError):
+                await pool.with_slot("a", lambda slot: send(slot, second_may_fail))
+
+        await pool._region("a")
+        async with trio.open_nursery() as n:
+            n.start_soon(second)
+            await trio.sleep(0)
+            n.start_soon(first)
+        assert given == [100, 101], given  # the region was replaced once, not twice
+        pool.forget("a", 100)  # a late failure on the old region: the new one stays
+        assert pool._regions["a"][0] == 101
+        pool.forget("a")  # a restart: gone whatever it was
+        assert "a" not in pool._regions
+        nursery.cancel_scope.cancel()
