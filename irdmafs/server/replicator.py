@@ -22,7 +22,11 @@ for a new one, once. A send that fails for good answers False, and:
   "majority" for a moment, and it expelled one of the others, mixed seed 39); a backup that refused (ESTALE: it holds another view; EAGAIN) is not expelled:
   this node reads the view and decides again;
 - without one, the peer is counted down (``lost``), which makes it fence and resync before it
-  serves (Cluster.lost).
+  serves (Cluster.lost); unless it refused because it counts *this* node down (ESTALE): then
+  this node is the one about to fence, and the change is not acknowledged (EAGAIN). Counting
+  the refuser down and acknowledging through a stand-in left a ready home without a change
+  once this node fenced and its resync took the refuser's copy (fault simulator, heartbeat
+  crash seed 22).
 
 ``to_every_target(key, one)`` is the acknowledgement rule of a stripe's change: answered only once
 every node the stripe now targets (``Cluster.targets``) holds it, and (with a coordinator) while
@@ -50,6 +54,10 @@ from .updates import StripeKey, Update
 log = logging.getLogger(__name__)
 
 
+class Refused(Exception):
+    """Without a coordinator: a backup refused a change because it counts this node down."""
+
+
 class Replicator:
     def __init__(self, name: str, cluster: Cluster, slots: StagingPool, snapshot: Callable[[], dict], serving: Serving):
         self.name = name
@@ -66,8 +74,11 @@ class Replicator:
     def lost(self, peer: str, exc: BaseException) -> None:
         """A send to ``peer`` failed for good: it lacks what it was sent, so it must not serve
         before it resyncs. Without a coordinator, counting it down here makes it fence
-        (Cluster.lost); with one, a peer that could not be reached is to be expelled."""
+        (Cluster.lost), unless it counts this node down (``Refused``); with one, a peer that
+        could not be reached is to be expelled."""
         if self.cluster.view is None:
+            if isinstance(exc, RemoteError) and exc.code == "ESTALE":
+                raise Refused(f"{peer} refused it: {exc.message}")
             self.cluster.mark_down(peer, f"replication failed: {exc}")
         elif not isinstance(exc, RemoteError) or exc.code not in ("ESTALE", "EAGAIN"):
             self.unreached.add(peer)
@@ -158,13 +169,19 @@ class Replicator:
             if not todo:
                 return
             done: dict[str, bool] = {}
+            refused: list[str] = []
 
             async def send(peer: str) -> None:
-                done[peer] = await one(peer)
+                try:
+                    done[peer] = await one(peer)
+                except Refused as exc:
+                    refused.append(str(exc))
 
             async with trio.open_nursery() as n:
                 for peer in todo:
                     n.start_soon(send, peer)
+            if refused:  # without a coordinator: a backup counts this node down; it fences soon
+                raise RemoteError("EAGAIN", f"{what}: not acknowledged ({'; '.join(refused)}); send it again")
             have |= {p for p, ok in done.items() if ok}
             failed = [p for p, ok in done.items() if not ok]
             if failed and self.cluster.view is not None:
