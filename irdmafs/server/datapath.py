@@ -49,9 +49,14 @@ class DataPath:
     async def rpc_snap_copy(self, snap: int) -> dict:
         return {"bytes": self.store.copy_snapshot(snap)}
 
-    async def rpc_stripe_info(self, fid: int, idxs: list[int], snap: int = 0) -> dict:
-        self.serving.require_ready()
-        await self.serving.await_takeover()  # no reads of this node's copies before it has caught up
+    async def rpc_stripe_info(self, fid: int, idxs: list[int], snap: int = 0, resync: bool = False) -> dict:
+        """Where stripes of ``fid`` are held here, for a one-sided read. A client reads only a
+        ready node that has caught up; a peer's resync (``resync``) reads any node's copies,
+        whose stamps say how new they are (after a coordinator outage every node fenced at
+        once, and the newest copy may be on one still syncing)."""
+        if not resync:
+            self.serving.require_ready()
+            await self.serving.await_takeover()  # no reads of this node's copies before it has caught up
         return {str(i): (s.describe() if (s := self.store.get(fid, i, snap)) else None) for i in idxs}
 
     async def rpc_commit(self, fid: int, idx: int, offset: int, length: int, rkey: int, soff: int, unit: int, epoch: int = 0) -> dict:

@@ -34,25 +34,36 @@ class Resync:
         self.work: dict = {}  # long work under way (resync, rebalance): shown by heartbeats
 
     async def resync(self) -> None:
-        """Take the namespace and every stripe this node should hold from its ready peers."""
-        peers = [n for n in self.cluster.ready() if n != self.name]
-        if not peers:
+        """Take the namespace and every stripe this node should hold from its ready peers.
+
+        A stripe listed newer on a peer than here but not fetched fails the resync (it begins
+        again): a node that said ready without it served zeros or old bytes for it (found by
+        scripts/chaos.py, when its peers refused the fetches). With a coordinator, it resyncs
+        from every other member that answers, ready or still syncing, the newest copy winning.
+        After a coordinator outage every node fenced at once: the first back, resyncing
+        from ready peers alone, found none, led with what it held, and its copy, older than one
+        a still-syncing peer held (it had been expelled before the outage), was given versions
+        of the new epoch that then won everywhere (fault simulator, mixed seed 48)."""
+        ready = [n for n in self.cluster.ready() if n != self.name]
+        views = self.cluster.view is not None
+        if not ready and not views:
             log.info("node %s: no ready peer; starting with what it holds", self.name)
             return
         t0 = time.monotonic()
         primary = self.cluster.meta_primary()
-        snap = await self.cluster.call(primary, "meta_snapshot")
-        self.restore_meta(snap)
+        if primary is not None and primary != self.name and primary in ready:
+            self.restore_meta(await self.cluster.call(primary, "meta_snapshot"))
+        peers = [n for n in self.cfg.names if n != self.name] if views else ready
         live = set(peers) | {self.name}
 
         def mine(fid: int, idx: int) -> bool:
             return self.name in [n for n in self.cluster.stripe_rank(fid, idx) if n in live][: self.cfg.replicas]
 
-        await self.pull_stripes("resync", peers, mine, converge=True)
+        await self.pull_stripes("resync", peers, mine, converge=True, newer_or_fail=True)
         await self.training.pull_records(peers, mine)
         log.info("resync of node %s done in %.2fs", self.name, time.monotonic() - t0)
 
-    async def pull_stripes(self, what: str, peers: list[str], mine, *, strict: bool = False, converge: bool = False) -> dict:
+    async def pull_stripes(self, what: str, peers: list[str], mine, *, strict: bool = False, converge: bool = False, newer_or_fail: bool = False) -> dict:
         """Fetch, from ``peers``, the newest copy of every stripe (live, snapshot, optimizer
         state) for which ``mine(fid, idx)`` holds and that this node lacks or holds older. With
         ``strict``, a peer that cannot be listed or a stripe that cannot be fetched is an error
@@ -65,7 +76,10 @@ class Resync:
         and one that no home peer holds any more is dropped, unless it changed since the
         listing (a write replicated here meanwhile). A stripe freed by a truncate this node
         missed and then written again starts over at version 1 on its peers: keeping the old
-        copy because its version is higher would serve old bytes (found by scripts/chaos.py)."""
+        copy because its version is higher would serve old bytes (found by scripts/chaos.py).
+
+        With ``newer_or_fail``, a stripe listed newer on a peer than here that no holder gave is
+        an error (EAGAIN) once every stripe was tried, whatever ``strict`` says of the rest."""
         before = {key: s.stamp for key, s in self.store.stripes.items()} if converge else {}
         listed: set[str] = set()
         # (fid, idx, snap) -> its newest (tag, version) among the peers, who hold it, capacity
@@ -127,6 +141,7 @@ class Resync:
         total_bytes = sum(t[4] for t in todo)
         log.info("%s: %d stripes (%d bytes) to fetch from %d peers", what, len(todo), total_bytes, len(peers))
         done_bytes, last_log = 0, time.monotonic()
+        missed: list[str] = []  # stripes newer on a peer that no holder gave
         self.work = {"what": what, "done": 0, "total": len(todo), "bytes": 0, "total_bytes": total_bytes}
         bar = Progress(what, total_bytes, unit="B") if sys.stderr.isatty() and todo else None  # in a terminal
         try:
@@ -136,8 +151,10 @@ class Resync:
                     outcomes.append(await self.fetch_stripe(fid, idx, snap, peer, instead))
                     if outcomes[-1] is True:
                         break
-                if False in outcomes and True not in outcomes and strict:
-                    raise RemoteError("EAGAIN", f"{what}: stripe {fid}:{idx} (snapshot {snap}) not fetched from {', '.join(holders)}")
+                if False in outcomes and True not in outcomes:
+                    if strict:
+                        raise RemoteError("EAGAIN", f"{what}: stripe {fid}:{idx} (snapshot {snap}) not fetched from {', '.join(holders)}")
+                    missed.append(f"{fid}:{idx} (snapshot {snap})")
                 done_bytes += cap
                 self.work.update(done=i, bytes=done_bytes)
                 if bar is not None:
@@ -150,6 +167,8 @@ class Resync:
             self.work = {}
             if bar is not None:
                 bar.close()
+        if missed and newer_or_fail:
+            raise RemoteError("EAGAIN", f"{what}: {len(missed)} stripes newer on a peer not fetched (first {missed[0]})")
         return {"stripes": len(todo), "bytes": done_bytes}
 
     async def fetch_stripe(self, fid: int, idx: int, snap: int, peer: str, instead: tuple[int, int] | None = None) -> bool | None:
@@ -158,7 +177,7 @@ class Resync:
         this node's copy whatever its stamp, if it is still at that stamp (a resync taking its
         peers' copy of what it led before a fence), its push bookkeeping with it."""
         try:
-            reply, inc = await self.cluster.call_on(peer, "stripe_info", {"fid": fid, "idxs": [idx], "snap": snap})
+            reply, inc = await self.cluster.call_on(peer, "stripe_info", {"fid": fid, "idxs": [idx], "snap": snap, "resync": True})
             info = reply[str(idx)]
             if info is None:
                 log.info("stripe %d:%d (snapshot %d) is gone from %s (freed meanwhile)", fid, idx, snap, peer)
