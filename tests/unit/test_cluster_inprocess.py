@@ -482,3 +482,44 @@ async def test_a_backup_that_counts_its_primary_down_refuses_and_the_write_is_no
             stripe = by_name[home].store.get(attr["ino"], 0)
             assert bytes(stripe.data[:5000]) == new, home
         assert await c.paths.read_file("/w") == new
+
+
+async def test_a_resync_that_cannot_fetch_a_newer_stripe_stays_syncing_until_it_can(cluster):
+    """A rejoining node whose peers list a stripe newer than its own copy (here: it lost it) but
+    refuse to give it does not say ready without it, which served zeros for it (found by
+    scripts/chaos.py, peers refusing the fetch); it resyncs again and serves once it has it."""
+    cfg, nodes = cluster
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
+        data = os.urandom(9000)
+        attr = await c.paths.write_file("/s", data)
+        ino = attr["ino"]
+        home = next(n for n in nodes if c.cluster.stripe_rank(ino, 0)[0] == n.name)
+        peers = [n for n in nodes if n is not home]
+        refused = []
+
+        def refusing(real):
+            async def stripe_info(**kw):
+                if kw.get("resync"):
+                    refused.append(kw["fid"])
+                    raise RemoteError("EIO", "refused (test)")
+                return await real(**kw)
+
+            return stripe_info
+
+        real = {n.name: n.calls["stripe_info"] for n in peers}
+        for n in peers:
+            n.calls["stripe_info"] = refusing(real[n.name])
+        home.store.drop_keys([(ino, 0, 0)])  # its copy is gone: its peers' is newer
+        home.serving.last_tick -= 10 * cfg.down_after  # as if stopped: it fences and rejoins
+        assert (await home.rpc_heartbeat())["state"] == "syncing"
+        with trio.fail_after(10):
+            while len(refused) < 3:  # the fetch was refused, and asked again
+                await trio.sleep(0.01)
+        assert home.state == "syncing" and home.store.get(ino, 0) is None
+        for n in peers:
+            n.calls["stripe_info"] = real[n.name]
+        with trio.fail_after(10):
+            while home.state != "ready":
+                await trio.sleep(0.01)
+        assert bytes(home.store.get(ino, 0).data[:9000]) == data
+        assert await c.paths.read_file("/s") == data
