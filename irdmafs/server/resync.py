@@ -77,6 +77,9 @@ class Resync:
         listing (a write replicated here meanwhile). A stripe freed by a truncate this node
         missed and then written again starts over at version 1 on its peers: keeping the old
         copy because its version is higher would serve old bytes (found by scripts/chaos.py).
+        Never theirs from an older epoch than this node's copy, though: with views that is a copy
+        a stand-in was left with, and an acknowledged version would go back (fault simulator,
+        mixed seed 15, once resyncs listed syncing peers too).
 
         With ``newer_or_fail``, a stripe listed newer on a peer than here that no holder gave is
         an error (EAGAIN) once every stripe was tried, whatever ``strict`` says of the rest."""
@@ -112,6 +115,7 @@ class Resync:
                 and held.stamp >= stamp
                 and before.get((fid, idx, snap)) == held.stamp
                 and (held.stamp > stamp or self.serving.led.get((fid, idx, snap), -math.inf) >= self.serving.suspect_since)
+                and stamp[0] >= held.tag  # never a copy of an older epoch's (a stand-in's left behind)
             ):
                 log.info(
                     "%s: stripe %d:%d (snapshot %d) is at %s here (led here before the fence), %s on its peers: taking theirs",
