@@ -17,11 +17,11 @@ from .harness import KINDS, simulate
 LONG = os.environ.get("IRDMAFS_LONG") == "1"
 
 
-# Mixed schedules views still break, found by the long run: the parameters end up off the
-# ledger's replay with every push counted once (a stripe's bytes and its push bookkeeping out of
-# step after a crash or a fence; issue 20, item 2's "bookkeeping only ever installed together
-# with the version it belongs to"). Strict xfails: the fix must say so.
-KNOWN_VIEW_LOSSES = {48, 64}
+# Mixed schedules views still break, found by the long run: seed 92 ends with the next primary
+# of a stripe behind on its push count (19 pushes: "out of order"). Seeds 48 and 64 (a node
+# back first after the coordinator was out led with an old copy) pass since resyncs take the
+# newest copy of every member. Strict xfails: the fix must say so.
+KNOWN_VIEW_LOSSES = {92}
 
 
 def _seeds(n: int, known: set[int], reason: str) -> list:
@@ -30,7 +30,7 @@ def _seeds(n: int, known: set[int], reason: str) -> list:
     return [pytest.param(s, marks=loss) if s in known else s for s in range(n)]
 
 
-@pytest.mark.parametrize("seed", _seeds(100 if LONG else 6, KNOWN_VIEW_LOSSES, "with views: parameters off the ledger after a crash or fence"))
+@pytest.mark.parametrize("seed", _seeds(100 if LONG else 6, KNOWN_VIEW_LOSSES, "with views: a primary behind on its push count"))
 def test_fault_schedules_keep_every_acknowledged_write_and_push(seed):
     w = simulate(seed, KINDS, faults=6)
     assert w.errors == [], "\n".join(w.events + w.errors)
