@@ -49,6 +49,7 @@ import errno
 import json
 import os
 import random
+import shlex
 import shutil
 import signal
 import subprocess
@@ -559,30 +560,37 @@ class Bed:
         elif kind == "stop":
             proc = self.lc.procs[name]
             proc.send_signal(signal.SIGSTOP)
-            time.sleep(down)
-            proc.send_signal(signal.SIGCONT)
+            self.after(down, [["kill", "-CONT", str(proc.pid)]])
         elif kind == "partition":
             veth = f"{PREFIX}h{self.cfg.names.index(name)}"
             cut_off = self.minority is not None and name == self.cfg.names[0]  # n1's mount with it
             if cut_off:
                 minority.open_window()
             subprocess.run(["ip", "link", "set", veth, "down"], check=True)
-            time.sleep(down)
-            subprocess.run(["ip", "link", "set", veth, "up"], check=True)
+            self.after(down, [["ip", "link", "set", veth, "up"]])
         elif kind == "cut":
             self.cut(name)
-            time.sleep(down)
-            self.uncut()
+            self.after(down, [["ip", "netns", "exec", f"{PREFIX}{a}", "ip", "route", "del", "blackhole", where] for a, where in self.blackholes])
+            self.blackholes.clear()
         elif kind == "etcd-stop":
             self.etcd.pause()
-            time.sleep(down)
-            self.etcd.resume()
+            self.after(down, [["kill", "-CONT", str(self.etcd.pid)]])
         elif kind == "etcd-kill":
             self.etcd.kill()
             time.sleep(down)
             self.etcd.start()
         fault["settle"] = round(self.settle(120), 2)  # never a second node out: wait it back
         minority.close_window()
+
+    @staticmethod
+    def after(seconds: float, commands: list[list[str]]) -> None:
+        """Run ``commands`` in ``seconds`` from another process, and wait for them. A fault is
+        ended from outside this one: a worker thread in a call that holds the GIL while the
+        mount waits on a stopped node (numpy's ``tofile`` closes its stdio stream holding it)
+        froze this whole process, the scheduler's SIGCONT with it, until that call timed out
+        (faults of 2 s lasted 30)."""
+        script = f"sleep {seconds:.3f}; " + "; ".join(shlex.join(c) for c in commands)
+        subprocess.run(["sh", "-c", script])
 
     def cut(self, name: str) -> None:
         """Only the links between node ``name`` and every other node: blackhole routes on both

@@ -79,17 +79,11 @@ class Resync:
         copy because its version is higher would serve old bytes (found by scripts/chaos.py).
         Never theirs from an older epoch than this node's copy, though: with views that is a copy
         a stand-in was left with, and an acknowledged version would go back (fault simulator,
-        mixed seed 15, once resyncs listed syncing peers too). Nor, with views, theirs at the
-        same stamp: one epoch has one primary per stripe, so the same stamp is the same bytes,
-        and taking them would drop this node's push bookkeeping for the peers' (after a
-        coordinator outage each fenced node took the other's copy, both dropped theirs, and a
-        stand-in's old count won: mixed seed 92). Without views, two primaries may have given
-        one version to different bytes, so a stripe led here just before the fence is taken.
+        mixed seed 15, once resyncs listed syncing peers too).
 
         With ``newer_or_fail``, a stripe listed newer on a peer than here that no holder gave is
         an error (EAGAIN) once every stripe was tried, whatever ``strict`` says of the rest."""
         before = {key: s.stamp for key, s in self.store.stripes.items()} if converge else {}
-        views = self.cluster.view is not None  # stamps then name the bytes: one primary per epoch
         listed: set[str] = set()
         # (fid, idx, snap) -> its newest (tag, version) among the peers, who hold it, capacity
         newest: dict[tuple[int, int, int], tuple[tuple[int, int], list[str], int]] = {}
@@ -120,7 +114,7 @@ class Resync:
                 and held is not None
                 and held.stamp >= stamp
                 and before.get((fid, idx, snap)) == held.stamp
-                and (held.stamp > stamp or (not views and self.serving.led.get((fid, idx, snap), -math.inf) >= self.serving.suspect_since))
+                and (held.stamp > stamp or self.serving.led.get((fid, idx, snap), -math.inf) >= self.serving.suspect_since)
                 and stamp[0] >= held.tag  # never a copy of an older epoch's (a stand-in's left behind)
             ):
                 log.info(
@@ -201,7 +195,11 @@ class Resync:
             mine = self.store.get(fid, idx, snap)
             theirs = (info.get("tag", 0), version)
             if instead is not None and mine is not None and mine.stamp == instead:
-                if snap == 0:  # its push bookkeeping goes with the bytes: the peers' record comes with theirs
+                if snap == 0 and theirs != instead:
+                    # its push bookkeeping goes with the bytes: the peers' record comes with theirs.
+                    # At the same stamp it is the bookkeeping of that same version: kept (after a
+                    # coordinator outage two fenced nodes each took the other's copy; both dropped
+                    # their records, and a stand-in's old count won: fault simulator, mixed seed 92)
                     self.training.records.pop((fid, idx), None)
                 self.store.replace(fid, idx, memoryview(buf), 2 * self.cfg.stripe_unit, version, snap, clock, theirs[0])
             elif mine is None or mine.stamp < theirs:  # replication may have brought newer
