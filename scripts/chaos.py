@@ -499,7 +499,7 @@ class Bed:
             self.etcd = LocalEtcd(tmp / "etcd", host=etcd_host, log_path=tmp / "etcd.log")
             self.etcd.start()
             stack.callback(self.etcd.stop)
-        self.blackholes: list[tuple[int, str]] = []  # (namespace, address) routes of a "cut"
+        self.undo: list[list[str]] = []  # what ends the fault under way (``outside``)
         doc = {
             "nodes": specs,
             "token_file": "token",
@@ -558,23 +558,21 @@ class Bed:
             time.sleep(down)
             self.lc.start(name)
         elif kind == "stop":
-            proc = self.lc.procs[name]
-            proc.send_signal(signal.SIGSTOP)
-            self.after(down, [["kill", "-CONT", str(proc.pid)]])
+            pid = str(self.lc.procs[name].pid)
+            self.outside([["kill", "-STOP", pid]], down, [["kill", "-CONT", pid]])
         elif kind == "partition":
             veth = f"{PREFIX}h{self.cfg.names.index(name)}"
             cut_off = self.minority is not None and name == self.cfg.names[0]  # n1's mount with it
             if cut_off:
                 minority.open_window()
-            subprocess.run(["ip", "link", "set", veth, "down"], check=True)
-            self.after(down, [["ip", "link", "set", veth, "up"]])
+            self.outside([["ip", "link", "set", veth, "down"]], down, [["ip", "link", "set", veth, "up"]])
         elif kind == "cut":
-            self.cut(name)
-            self.after(down, [["ip", "netns", "exec", f"{PREFIX}{a}", "ip", "route", "del", "blackhole", where] for a, where in self.blackholes])
-            self.blackholes.clear()
+            routes = self.cut_routes(name)
+            self.outside([["ip", "netns", "exec", f"{PREFIX}{a}", "ip", "route", "add", "blackhole", where] for a, where in routes], down,
+                         [["ip", "netns", "exec", f"{PREFIX}{a}", "ip", "route", "del", "blackhole", where] for a, where in routes])
         elif kind == "etcd-stop":
-            self.etcd.pause()
-            self.after(down, [["kill", "-CONT", str(self.etcd.pid)]])
+            pid = str(self.etcd.pid)
+            self.outside([["kill", "-STOP", pid]], down, [["kill", "-CONT", pid]])
         elif kind == "etcd-kill":
             self.etcd.kill()
             time.sleep(down)
@@ -582,34 +580,26 @@ class Bed:
         fault["settle"] = round(self.settle(120), 2)  # never a second node out: wait it back
         minority.close_window()
 
-    @staticmethod
-    def after(seconds: float, commands: list[list[str]]) -> None:
-        """Run ``commands`` in ``seconds`` from another process, and wait for them. A fault is
-        ended from outside this one: a worker thread in a call that holds the GIL while the
-        mount waits on a stopped node (numpy's ``tofile`` closes its stdio stream holding it)
-        froze this whole process, the scheduler's SIGCONT with it, until that call timed out
-        (faults of 2 s lasted 30)."""
-        script = f"sleep {seconds:.3f}; " + "; ".join(shlex.join(c) for c in commands)
+    def outside(self, begin: list[list[str]], seconds: float, end: list[list[str]]) -> None:
+        """Run ``begin``, then ``end`` ``seconds`` later, from another process, and wait for it.
+        A fault is begun and ended from outside this one: a worker thread in a call that holds
+        the GIL while the mount waits on a stopped node (numpy's ``tofile`` closes its stdio
+        stream holding it) froze this whole process until that call timed out, the SIGCONT
+        with it (2-second stops lasted 30). The undo commands are kept for ``close``."""
+        self.undo = end
+        script = "; ".join([shlex.join(c) for c in begin] + [f"sleep {seconds:.3f}"] + [shlex.join(c) for c in end])
         subprocess.run(["sh", "-c", script])
+        self.undo = []
 
-    def cut(self, name: str) -> None:
-        """Only the links between node ``name`` and every other node: blackhole routes on both
-        sides (the mounts and the coordinator, routed through the root namespace, still reach
-        it)."""
+    def cut_routes(self, name: str) -> list[tuple[int, str]]:
+        """Blackhole routes, on both sides, between node ``name`` and every other node only (the
+        mounts and the coordinator, routed through the root namespace, still reach it)."""
         i = self.cfg.names.index(name)
-        for j in range(len(self.cfg.names)):
-            if j != i:
-                for a, b in ((i, j), (j, i)):
-                    subprocess.run(["ip", "netns", "exec", f"{PREFIX}{a}", "ip", "route", "add", "blackhole", f"10.{NET}.{b}.2/32"], check=True)
-                    self.blackholes.append((a, f"10.{NET}.{b}.2/32"))
-
-    def uncut(self) -> None:
-        for a, where in self.blackholes:
-            subprocess.run(["ip", "netns", "exec", f"{PREFIX}{a}", "ip", "route", "del", "blackhole", where], capture_output=True)
-        self.blackholes.clear()
+        return [(a, f"10.{NET}.{b}.2/32") for j in range(len(self.cfg.names)) if j != i for a, b in ((i, j), (j, i))]
 
     def close(self) -> None:
-        self.uncut()
+        for command in self.undo:  # a fault cut short (an error, ^C): its end, here
+            subprocess.run(command, capture_output=True)
         for proc, mnt in ((self.mount_proc, self.mnt), (self.minority_proc, self.minority)):
             if proc is not None:
                 stop_background(str(mnt), proc)
