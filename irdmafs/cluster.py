@@ -261,10 +261,12 @@ class Cluster:
         by load, then ready stand-ins. A ready home holds the newest copy (it took every write,
         or resynced before it said ready); a stand-in took writes only while a home was out and
         keeps that copy afterwards, so it is asked only when no home can answer (a stale
-        stand-in served old bytes during the next outage; found by scripts/chaos.py)."""
+        stand-in served old bytes during the next outage; found by scripts/chaos.py). With
+        views, a home the view still names but this process's own heartbeats count down (a
+        stopped node, until the view expels it) is asked last."""
         ranking = self.stripe_rank(fid, idx)
         homes = [n for n in ranking[: self.cfg.replicas] if self.node_state(n) == READY]
-        return sorted(homes, key=lambda n: self.load[n]) + [n for n in ranking[self.cfg.replicas :] if self.node_state(n) == READY]
+        return sorted(homes, key=lambda n: (self.state.get(n) == DOWN, self.load[n])) + [n for n in ranking[self.cfg.replicas :] if self.node_state(n) == READY]
 
     # -- connections ---------------------------------------------------------------------------
     async def conn(self, name: str) -> Connection:
@@ -279,10 +281,15 @@ class Cluster:
                 if spec is None:  # removed by a membership change while a probe was under way
                     raise NodeDown(name, "not a member of the cluster any more")
                 try:
-                    conn = await self.transport.connect(spec.host, spec.port, nursery=self.nursery)
-                except ConnectError as exc:
-                    self.mark_down(name, str(exc), since=begun)
-                    raise NodeDown(name, str(exc)) from None
+                    # bounded by the op timeout, not the transport's handshake timeout (10 s): a
+                    # stopped node's kernel still accepts connections, and a read that tried it
+                    # again waited out the handshake (the chaos soak, SIGSTOP with views)
+                    with trio.fail_after(self.cfg.op_timeout):
+                        conn = await self.transport.connect(spec.host, spec.port, nursery=self.nursery)
+                except (ConnectError, trio.TooSlowError) as exc:
+                    why = str(exc) or f"no handshake within {self.cfg.op_timeout}s"
+                    self.mark_down(name, why, since=begun)
+                    raise NodeDown(name, why) from None
                 self._conns[name] = conn
                 self._seen(name, conn.incarnation)
         return conn

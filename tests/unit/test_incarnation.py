@@ -135,3 +135,27 @@ async def test_a_failure_on_an_old_staging_region_does_not_drop_the_new_one():
         pool.forget("a")  # a restart: gone whatever it was
         assert "a" not in pool._regions
         nursery.cancel_scope.cancel()
+
+
+async def test_a_node_that_accepts_but_never_answers_is_down_within_the_op_timeout(nursery):
+    """A stopped node's kernel still accepts connections: the connect must give up after the op
+    timeout and count the node down, not wait out the transport's 10-second handshake (a read
+    that tried a stopped node again waited that long under views, in the chaos soak)."""
+    from irdmafs.cluster import NodeDown
+    from irdmafs.transport.tcp import HANDSHAKE_TIMEOUT, TcpTransport
+
+    silent = trio.socket.socket()
+    await silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # never accepted: the kernel completes the handshake, nobody speaks
+    port = silent.getsockname()[1]
+    cfg = from_dict(
+        {"nodes": [{"name": "a", "host": "127.0.0.1", "port": port}], "token": "test-token-123", "replicas": 1, "transport": ["tcp"], "op_timeout": 0.5}
+    )
+    assert cfg.op_timeout < HANDSHAKE_TIMEOUT
+    cluster = Cluster(cfg, TcpTransport(cfg.token), nursery)
+    with trio.fail_after(HANDSHAKE_TIMEOUT / 2):  # a hang guard: the handshake timeout is not what ends it
+        with pytest.raises(NodeDown) as err:
+            await cluster.call("a", "stripes")
+    assert "no handshake within 0.5s" in str(err.value)
+    assert cluster.state.get("a") == "down"
+    silent.close()
