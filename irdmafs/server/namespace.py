@@ -52,6 +52,8 @@ class Namespace:
         self.forget, self.recheck = forget, recheck  # the training service's (training.py)
         self.meta = Meta()
         self.lock = trio.Lock()  # namespace ops, one at a time; a hand-over waits for it
+        self.last: tuple[int, dict] | None = None  # (seq, op) of the last op applied here
+        self.unsettled: set[str] = set()  # request ids applied here as primary, not acknowledged
 
     def current(self) -> Meta:
         """The namespace as it is now (a restore replaces it)."""
@@ -62,7 +64,10 @@ class Namespace:
         Meta.check(op)  # EINVAL for an op no client sends (unknown kind, missing fields)
         if op.get("rid") in self.meta.done:
             # a retry of an op applied already (its answer was lost with the old primary): a
-            # hit is a fact on any node, as ops reach every node in one order
+            # hit is a fact on any node, as ops reach every node in one order; unless this node
+            # applied it as primary and did not get it to every replica (EAGAIN): sent again first
+            if op["rid"] in self.unsettled:
+                await self._settle_again(op["rid"], epoch)
             return self.meta.done[op["rid"]]
         await self.serving.check_epoch(epoch)
         self.serving.require_ready()
@@ -81,8 +86,28 @@ class Namespace:
         acknowledgement rule; with a coordinator, every node the view names active)."""
         result = self.apply(op)
         seq = self.meta.seq
-        await self.replicator.to_every("metadata op", self.cluster.live, lambda peer: self.replicator.meta(peer, seq, op), self._leads)
+        try:
+            await self.replicator.to_every("metadata op", self.cluster.live, lambda peer: self.replicator.meta(peer, seq, op), self._leads)
+        except RemoteError:
+            if op.get("rid"):
+                self.unsettled.add(op["rid"])
+            raise
         return result
+
+    async def _settle_again(self, rid: str, epoch: int) -> None:
+        """A retry of op ``rid``, applied here as primary and answered EAGAIN: every live node is
+        brought up to this node's namespace (the last op again; a node further behind asks for
+        the whole namespace) before the retry is answered. Else the retry's answer would
+        acknowledge an op the other replicas may lack (EAGAIN again if that still fails)."""
+        await self.serving.check_epoch(epoch)
+        self.serving.require_ready()
+        async with self.lock:
+            self._leads()
+            if self.last is None or self.last[0] != self.meta.seq:
+                raise RemoteError("EAGAIN", "metadata op not yet on every replica; send it again")
+            seq, op = self.last
+            await self.replicator.to_every("metadata op", self.cluster.live, lambda peer: self.replicator.meta(peer, seq, op), self._leads)
+            self.unsettled.discard(rid)
 
     def _leads(self) -> None:
         primary = self.cluster.meta_primary()
@@ -135,6 +160,7 @@ class Namespace:
     def apply(self, op: dict) -> dict:
         """Apply ``op`` here, with its side effects on this node's stripes and training."""
         result = self.meta.apply(op)
+        self.last = (self.meta.seq, op)
         self._save()
         # Side effects on data are local and deterministic, so every replica does the same.
         if result.get("freed"):
@@ -181,6 +207,8 @@ class Namespace:
             raise RemoteError("EINVAL", "meta_restore: not a namespace snapshot (meta_snapshot's answer)")
         if snapshot["seq"] > self.meta.seq:
             self.meta = Meta.restore(snapshot)
+            self.last = None
+            self.unsettled.clear()  # settled by whoever led since
             self._save()
             known = self.meta.files()
             for fid in {fid for fid, _, snap in self.store.stripes if snap == 0} - known:

@@ -34,12 +34,14 @@ class Resync:
         self.work: dict = {}  # long work under way (resync, rebalance): shown by heartbeats
 
     async def resync(self) -> None:
-        """Take the namespace and every stripe this node should hold from its ready peers.
+        """Take the namespace and every stripe this node should hold from its peers.
 
         A stripe listed newer on a peer than here but not fetched fails the resync (it begins
         again): a node that said ready without it served zeros or old bytes for it (found by
         scripts/chaos.py, when its peers refused the fetches). With a coordinator, it resyncs
-        from every other member that answers, ready or still syncing, the newest copy winning.
+        from every other member that answers, ready or still syncing, but not one the view
+        expelled (it may hold what it applied and never got acknowledged), the newest copy
+        winning.
         After a coordinator outage every node fenced at once: the first back, resyncing
         from ready peers alone, found none, led with what it held, and its copy, older than one
         a still-syncing peer held (it had been expelled before the outage), was given versions
@@ -53,7 +55,7 @@ class Resync:
         primary = self.cluster.meta_primary()
         if primary is not None and primary != self.name and primary in ready:
             self.restore_meta(await self.cluster.call(primary, "meta_snapshot"))
-        peers = [n for n in self.cfg.names if n != self.name] if views else ready
+        peers = [n for n in self.cfg.names if n != self.name and n not in self.cluster.view.expelled] if views else ready
         live = set(peers) | {self.name}
 
         def mine(fid: int, idx: int) -> bool:
@@ -158,7 +160,8 @@ class Resync:
                 if False in outcomes and True not in outcomes:
                     if strict:
                         raise RemoteError("EAGAIN", f"{what}: stripe {fid}:{idx} (snapshot {snap}) not fetched from {', '.join(holders)}")
-                    missed.append(f"{fid}:{idx} (snapshot {snap})")
+                    if instead is None:  # newer there (a copy to take instead of one as new stays)
+                        missed.append(f"{fid}:{idx} (snapshot {snap})")
                 done_bytes += cap
                 self.work.update(done=i, bytes=done_bytes)
                 if bar is not None:
@@ -195,11 +198,13 @@ class Resync:
             mine = self.store.get(fid, idx, snap)
             theirs = (info.get("tag", 0), version)
             if instead is not None and mine is not None and mine.stamp == instead:
-                if snap == 0 and theirs != instead:
+                if snap == 0 and (theirs != instead or self.cluster.view is None):
                     # its push bookkeeping goes with the bytes: the peers' record comes with theirs.
-                    # At the same stamp it is the bookkeeping of that same version: kept (after a
-                    # coordinator outage two fenced nodes each took the other's copy; both dropped
-                    # their records, and a stand-in's old count won: fault simulator, mixed seed 92)
+                    # With views, the same stamp is the same version of the same primary, and its
+                    # bookkeeping is kept (after a coordinator outage two fenced nodes each took the
+                    # other's copy; both dropped their records, and a stand-in's old count won: fault
+                    # simulator, mixed seed 92). Without, two primaries may have numbered other bytes
+                    # alike, so the record goes with them.
                     self.training.records.pop((fid, idx), None)
                 self.store.replace(fid, idx, memoryview(buf), 2 * self.cfg.stripe_unit, version, snap, clock, theirs[0])
             elif mine is None or mine.stamp < theirs:  # replication may have brought newer

@@ -172,7 +172,9 @@ class Store:
         """Set a live stripe's clock alone: a primary's training step, once every backup holds
         it (server/training.py, ``_settle``). Readers compare the whole header before and
         after the data, so one that straddles this retries."""
-        stripe = self.stripes[(fid, idx, 0)]
+        stripe = self.stripes.get((fid, idx, 0))
+        if stripe is None:  # freed meanwhile (a truncate, an unlink)
+            return
         WORD.pack_into(stripe.region.buf, CLOCK_AT, clock)
         self._saved((fid, idx, 0), CLOCK_AT, CLOCK_AT + WORD.size)
 

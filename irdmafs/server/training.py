@@ -256,7 +256,10 @@ class Training:
             self.serving.check_primary(fid, idx)  # again, under the lock: a hand-over may have moved it
             done = st.next_step(rank)
             if step < done:  # a retry of a push already taken: exactly once
-                return {"clock": st.clock(model), "pushed": done, "duplicate": True}
+                # ... and on every replica before it is answered: its first send may have been
+                # answered EAGAIN because the step did not reach them (it is sent again here)
+                await self._unsettled(fid, idx, st, model, opt, dtype)
+                return {"clock": self.store.get(fid, idx).clock, "pushed": done, "duplicate": True}
             if step > done:
                 log.warning("push %d of rank %d to stripe %d:%d refused: %d taken so far", step, rank, fid, idx, done)
                 raise RemoteError("EINVAL", f"rank {rank} pushed {done} times; push {step} is out of order")
@@ -281,7 +284,20 @@ class Training:
         self.serving.require_ready()
         await self.serving.await_takeover()
         self.serving.check_primary(fid, idx)
-        return {"next": self.records[(fid, idx)].next_step(rank)}
+        st = self.records[(fid, idx)]
+        if st.span[2]:
+            model, opt, tensor = self.model_of(fid)
+            async with self.stripe_locks((fid, idx)):
+                self.serving.check_primary(fid, idx)
+                await self._unsettled(fid, idx, st, model, opt, np.dtype(tensor["dtype"]))
+        return {"next": st.next_step(rank)}
+
+    async def _unsettled(self, fid: int, idx: int, st: StripeTraining, model: Model, opt: optim.Optimizer, dtype: np.dtype) -> None:
+        """A step applied here whose replication failed (its clock unpublished: ``_settle``) is
+        sent to every replica again and published. Called with the stripe's lock held."""
+        stripe = self.store.get(fid, idx)
+        if stripe is not None and st.span[2] and stripe.clock < st.clock(model):
+            await self._settle(fid, idx, st, model, opt, dtype, [])
 
     def _signal_applied(self) -> None:
         """Wake whoever waits for pushes to be applied (``train_wait``)."""
@@ -309,9 +325,11 @@ class Training:
         published before every backup held the step, a primary lost in between would take the
         round with it, its pieces forgotten (a dirty read; found by CI's soak: "push 13 is out
         of order" after a kill). Should the step not reach every replica (EAGAIN: this node no
-        longer leads, or its replicas kept changing), the clock is published all the same, as
-        the parameters here already hold the step: what then happens to it is the fence's and
-        the resync's."""
+        longer leads, a backup refused, the replicas kept changing; or the call was cancelled),
+        the clock stays unpublished: no pull takes the round for closed, its pushers keep their
+        pieces, and the next push, a retry (answered "duplicate") or a ``train_next`` sends the
+        step again before anything is answered (``_unsettled``); a fence's resync settles it
+        otherwise."""
         offset, count, unit = st.span
         clock = st.clock(model)
         stripe = self.store.get(fid, idx)
@@ -342,10 +360,8 @@ class Training:
         self.serving.led_now((fid, idx, 0))
         self.apply_seconds += time.perf_counter() - t0
         nstate = len(opt.state_names) if updates else 0
-        try:
-            await self._replicate_training(StripeRange(StripeKey(fid, idx), offset, count * dtype.itemsize, unit), nstate, record, base_tag, clock)
-        finally:
-            self.store.publish_clock(fid, idx, clock)
+        await self._replicate_training(StripeRange(StripeKey(fid, idx), offset, count * dtype.itemsize, unit), nstate, record, base_tag, clock)
+        self.store.publish_clock(fid, idx, clock)
 
     async def _replicate_record(self, fid: int, idx: int, st: StripeTraining) -> None:
         """The push bookkeeping of a stripe to its backups when a push was taken but nothing
@@ -394,11 +410,14 @@ class Training:
                 model, opt, tensor = self.model_of(fid)
             except RemoteError:
                 continue
-            async with self.stripe_locks((fid, idx)):
-                if self.cluster.stripe_primary(fid, idx) != self.name:
-                    continue  # handed over meanwhile
-                updates = st.release(model) + st.complete_rounds(model)
-                await self._settle(fid, idx, st, model, opt, np.dtype(tensor["dtype"]), updates)
+            try:
+                async with self.stripe_locks((fid, idx)):
+                    if self.cluster.stripe_primary(fid, idx) != self.name:
+                        continue  # handed over meanwhile
+                    updates = st.release(model) + st.complete_rounds(model)
+                    await self._settle(fid, idx, st, model, opt, np.dtype(tensor["dtype"]), updates)
+            except RemoteError as exc:  # not on every replica (EAGAIN): sent again by the next push
+                log.warning("stripe %d:%d: rounds completed by the new set of ranks not replicated: %s", fid, idx, exc)
         self._signal_applied()
 
     def _apply_updates(self, fid: int, idx: int, param: np.ndarray, grads: list[np.ndarray], opt: optim.Optimizer, unit: int) -> None:

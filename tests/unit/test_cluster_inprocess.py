@@ -523,3 +523,35 @@ async def test_a_resync_that_cannot_fetch_a_newer_stripe_stays_syncing_until_it_
                 await trio.sleep(0.01)
         assert bytes(home.store.get(ino, 0).data[:9000]) == data
         assert await c.paths.read_file("/s") == data
+
+
+async def test_a_namespace_op_retried_after_eagain_is_on_every_replica_before_it_is_answered(cluster):
+    """A backup refuses the metadata primary's op once (ESTALE: it counts the primary down), so
+    the op, applied on the primary, is answered EAGAIN; the client sends it again under the
+    same request id. The retry is not answered from the primary's record of it until every
+    replica holds the op: answered at once, it acknowledged an op a replica lacked."""
+    cfg, nodes = cluster
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
+        await c.paths.makedirs("/before")
+        primary = c.cluster.meta_primary()
+        refused = []
+        for n in nodes:
+            if n.name == primary:
+                continue
+            real = n.calls["meta_apply"]
+
+            def refusing_once(real=real, name=n.name):
+                async def meta_apply(**kw):
+                    if not refused:
+                        refused.append(name)
+                        raise RemoteError("ESTALE", "counted down here (test)")
+                    return await real(**kw)
+
+                return meta_apply
+
+            n.calls["meta_apply"] = refusing_once()
+        with trio.fail_after(20):
+            await c.paths.makedirs("/after")
+        assert refused, "a backup refused the op once"
+        for n in nodes:  # answered only once every node holds it
+            assert n.meta.lookup(1, "after"), n.name

@@ -174,3 +174,59 @@ async def test_a_pull_sees_a_round_closed_only_once_every_backup_holds_it(bed):
     assert primary.store.get(ino, 0).clock == 1
     assert all(b.store.get(ino, 0).clock == 1 for b in backups)
     assert np.array_equal(await c.paths.load("/m/b.npy"), w - 1)  # the mean of the round, lr=1
+
+
+async def test_a_push_answered_eagain_is_on_every_replica_before_its_retry_is_answered(bed):
+    """A backup refuses the step of a push once (ESTALE: it counts the primary down), so the
+    primary, which applied it, answers EAGAIN and leaves the step's clock unpublished; the
+    client sends the push again, and the primary, finding it taken, sends the step to the
+    backups again and publishes it before it answers "duplicate". Answered at once, as it was,
+    the retry acknowledged a step only the primary held."""
+    c, nodes, _ = bed
+    w = np.zeros(1000, np.float32)
+    ino = (await c.paths.save("/m/e.npy", w))["ino"]
+    primary_name = c.cluster.stripe_primary(ino, 0)
+    primary = next(n for n in nodes if n.name == primary_name)
+    backups = [n for n in nodes if n.name in c.cluster.targets(ino, 0) and n.name != primary_name]
+    refused = []
+    for b in backups:
+        real = b.calls["apply"]
+
+        def refusing_once(real=real):
+            async def apply(**kw):
+                if not refused and kw.get("record") is not None:
+                    refused.append(kw["where"])
+                    raise RemoteError("ESTALE", "counted down here (test)")
+                return await real(**kw)
+
+            return apply
+
+        b.calls["apply"] = refusing_once()
+    with trio.fail_after(20):
+        await c.training.push(ino, 0, np.ones_like(w))
+    assert refused, "a backup refused the step once"
+    p = primary.store.get(ino, 0)
+    assert p.clock == 1
+    for b in backups:  # the step, its clock and its bookkeeping on every replica
+        s = b.store.get(ino, 0)
+        assert s.clock == 1 and bytes(s.data[: w.nbytes]) == bytes(p.data[: w.nbytes]), b.name
+        assert b.training.records[(ino, 0)].next_step(0) == 1
+    assert np.array_equal(await c.paths.load("/m/e.npy"), w - 1)
+
+
+async def test_a_recheck_whose_step_is_not_replicated_does_not_end_the_node(bed):
+    """``recheck`` (the set of active ranks changed) runs in the node's own nursery: a step it
+    completes that does not reach every replica (EAGAIN) is logged and left for the next push,
+    not raised there, where it ended the node."""
+    c, nodes, _ = bed
+    w = np.zeros(100, np.float32)
+    ino = (await c.paths.save("/m/k.npy", w))["ino"]
+    await c.training.push(ino, 0, np.ones_like(w))
+    primary = next(n for n in nodes if n.name == c.cluster.stripe_primary(ino, 0))
+
+    async def not_replicated(*args):
+        raise RemoteError("EAGAIN", "not on every replica (test)")
+
+    primary.training._settle = not_replicated
+    await primary.training.recheck()  # returns: nothing raised into the node's nursery
+    assert primary.state == "ready"
