@@ -25,8 +25,10 @@ before the next, so never more than R-1 nodes are out at once:
 ``--views`` makes the cluster's views choose primaries (``routing = "views"``); without it
 heartbeats do, with leases in the coordinator fencing nodes.
 
-As root a second mount runs inside node n1's network namespace, with its own file and tensor
-workers: when n1 is partitioned that mount is on the minority side. Its calls may fail while
+As root, when partitions are among the fault kinds, a second mount runs inside node n1's network
+namespace, with its own file and tensor workers: when n1 is partitioned that mount is on the
+minority side (without partitions it would only double the load: on two cores that load alone
+made healthy nodes fence for a stalled event loop). Its calls may fail while
 the partition lasts and until the cluster has settled (EIO, ETIMEDOUT, EAGAIN besides the
 mount-outage errors), and what such a call touched is forgotten; nothing else is allowed, and
 everything it was told succeeded must read back. A tensor save or file create that fails leaves
@@ -476,9 +478,9 @@ def loop(tally: Tally, worker) -> None:
 # -- the cluster and the faults ------------------------------------------------------------------------
 class Bed:
     """Node processes (in network namespaces when root), a local etcd (unless told not to), one
-    mount, and as root a second mount in n1's namespace; started and faulted."""
+    mount, and as root with ``minority`` a second mount in n1's namespace; started and faulted."""
 
-    def __init__(self, tmp: Path, nodes: int, replicas: int, netns: bool, coordinator: bool, views: bool, stack: ExitStack) -> None:
+    def __init__(self, tmp: Path, nodes: int, replicas: int, netns: bool, coordinator: bool, views: bool, minority: bool, stack: ExitStack) -> None:
         self.tmp, self.netns = tmp, netns
         (tmp / "token").write_text(os.urandom(16).hex())
         etcd_host = "127.0.0.1"
@@ -522,7 +524,7 @@ class Bed:
         self.mnt.mkdir()
         self.mount_proc: subprocess.Popen | None = None
         self.minority_proc: subprocess.Popen | None = None
-        self.minority = tmp / "mnt-n1" if netns else None  # a mount inside n1's network namespace
+        self.minority = tmp / "mnt-n1" if netns and minority else None  # a mount inside n1's network namespace
         self.lc.start_all()  # restarts later run the same command lines, as a user would
         self.settle(60)
         self.mount()
@@ -623,7 +625,7 @@ def run(args: argparse.Namespace) -> dict:
         tmp = Path(tempfile.mkdtemp(prefix="irdmafs-chaos-"))
         if not args.keep:
             stack.callback(shutil.rmtree, tmp, True)
-        bed = Bed(tmp, args.nodes, args.replicas, netns, coordinator, args.views, stack)
+        bed = Bed(tmp, args.nodes, args.replicas, netns, coordinator, args.views, "partition" in kinds, stack)
         stack.callback(bed.close)
         stack.callback(minority.stop.set)
         stack.callback(tally.stop.set)  # runs first when unwinding early: workers stop their loops
