@@ -259,7 +259,8 @@ class Training:
                 # ... and on every replica before it is answered: its first send may have been
                 # answered EAGAIN because the step did not reach them (it is sent again here)
                 await self._unsettled(fid, idx, st, model, opt, dtype)
-                return {"clock": self.store.get(fid, idx).clock, "pushed": done, "duplicate": True}
+                stripe = self.store.get(fid, idx)
+                return {"clock": stripe.clock if stripe is not None else st.clock(model), "pushed": done, "duplicate": True}
             if step > done:
                 log.warning("push %d of rank %d to stripe %d:%d refused: %d taken so far", step, rank, fid, idx, done)
                 raise RemoteError("EINVAL", f"rank {rank} pushed {done} times; push {step} is out of order")
