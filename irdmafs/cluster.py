@@ -493,6 +493,12 @@ class Slot(NamedTuple):
     inc: int  # the incarnation of the node that handed out the region
 
 
+def staging_gone(exc: BaseException) -> bool:
+    """Whether a send failed because its staging slot is gone: AccessError (the node restarted)
+    or EINVAL naming its staging (the node freed it). The sender asks for a new region."""
+    return isinstance(exc, AccessError) or isinstance(exc, RemoteError) and exc.code == "EINVAL" and exc.message.startswith("staging")
+
+
 class StagingPool:
     """Write-staging slots in peers' memory, one slot per write in flight.
 
@@ -540,11 +546,8 @@ class StagingPool:
             offset = free.pop()
             try:
                 return await fn(Slot(rkey, offset, inc))
-            except AccessError:
-                self.forget(node, rkey)
-                raise
-            except RemoteError as exc:
-                if exc.code == "EINVAL" and exc.message.startswith("staging"):
+            except TransportError as exc:
+                if staging_gone(exc):
                     self.forget(node, rkey)
                 raise
             finally:

@@ -516,7 +516,7 @@ def bed(tmp: Path, mounts: int, replicas: int, link: LinkBed | None = None, node
         for i, m in enumerate(b.mounts):
             m.mkdir()
             proc = mount_in(link.worker_ns(i), path, m, state / f"mount{i}.log") if link else mount_background(str(path), str(m), [], state / f"mount{i}.log")
-            stack.callback(stop_mount, m, proc)
+            stack.callback(stop_background, str(m), proc)
             b.procs.append(proc)
         yield b
 
@@ -529,13 +529,9 @@ def mount_in(ns: str, config: Path, mnt: Path, log: Path) -> subprocess.Popen:
     try:
         wait_for_mount(str(mnt), proc, log_path=log)
     except BaseException:
-        stop_mount(mnt, proc)
+        stop_background(str(mnt), proc)
         raise
     return proc
-
-
-def stop_mount(mnt: Path, proc: subprocess.Popen) -> None:
-    stop_background(str(mnt), proc)
 
 
 # -- report -------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import trio
 
-from ..cluster import Cluster, NodeDown, StagingPool, TornRead, Unavailable
+from ..cluster import Cluster, NodeDown, StagingPool, TornRead, Unavailable, staging_gone
 from ..transport.base import AccessError, RemoteError
 from ..util import leaves
 
@@ -337,7 +337,5 @@ class StripeIO:
                         # the newest view, for a node that said ESTALE).
                         await trio.sleep(0.1)
                         await self.cluster.refresh()
-                    elif exc.code == "EINVAL" and exc.message.startswith("staging"):
-                        pass  # the node restarted: with_slot dropped its staging; a new one now
-                    else:
+                    elif not staging_gone(exc):  # else with_slot dropped it: a new one now
                         raise

@@ -8,7 +8,7 @@ installed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from ..transport.base import RemoteError
@@ -66,8 +66,7 @@ class Update:
     def whole(self) -> "Update":
         """The same update as the whole stripe (for a backup that is behind)."""
         r = self.range
-        whole = StripeRange(r.key, 0, self.source.capacity, r.unit)
-        return Update(whole, self.version, self.source, self.record, self.pending, self.state, True, self.base_tag, self.clock)
+        return replace(self, range=StripeRange(r.key, 0, self.source.capacity, r.unit), full=True)
 
     @property
     def clock_sent(self) -> int:

@@ -17,20 +17,10 @@ from .harness import KINDS, simulate
 LONG = os.environ.get("IRDMAFS_LONG") == "1"
 
 
-# Mixed schedules views broke, found by the long run, now fixed: 48 and 64 (after the coordinator
+# Mixed schedules views broke, found by the long run and fixed: 48 and 64 (after the coordinator
 # was out, the first node back led with an old copy), 15 and 92 (resyncs that took a stale
-# stand-in's copy, or dropped the push bookkeeping of a copy at the same stamp). Strict xfails
-# go here when the long run finds another: the fix must say so.
-KNOWN_VIEW_LOSSES: set[int] = set()
-
-
-def _seeds(n: int, known: set[int], reason: str) -> list:
-    """Seeds 0..n-1, those in ``known`` as strict xfails (``reason``)."""
-    loss = pytest.mark.xfail(strict=True, reason=reason)
-    return [pytest.param(s, marks=loss) if s in known else s for s in range(n)]
-
-
-@pytest.mark.parametrize("seed", _seeds(100 if LONG else 6, KNOWN_VIEW_LOSSES, "with views: an invariant broken"))
+# stand-in's copy, or dropped the push bookkeeping of a copy at the same stamp).
+@pytest.mark.parametrize("seed", range(100 if LONG else 6))
 def test_fault_schedules_keep_every_acknowledged_write_and_push(seed):
     w = simulate(seed, KINDS, faults=6)
     assert w.errors == [], "\n".join(w.events + w.errors)
