@@ -60,6 +60,7 @@ class ClusterConfig:
     heartbeat: float = 0.5  # seconds between heartbeats
     down_after: float = 2.0  # a node silent this long is down
     op_timeout: float = 10.0  # one data operation against one node
+    lease_ttl: float = 10.0  # with a coordinator: a node serves this long past its last keepalive (server/leases.py)
     path: str | None = None
 
     def node(self, name: str) -> NodeSpec:
@@ -128,7 +129,7 @@ def load(path: str | os.PathLike) -> ClusterConfig:
 
 def from_dict(doc: dict, *, base: Path = Path("."), where: str | None = None) -> ClusterConfig:
     known = {"nodes", "token", "token_file", "replicas", "stripe_unit", "capacity", "transport", "coordinator", "routing"}
-    known |= {"heartbeat", "down_after", "op_timeout"}
+    known |= {"heartbeat", "down_after", "op_timeout", "lease_ttl"}
     unknown = set(doc) - known
     if unknown:
         raise ConfigError(f"unknown key(s) {sorted(unknown)}")
@@ -183,7 +184,7 @@ def from_dict(doc: dict, *, base: Path = Path("."), where: str | None = None) ->
         raise ConfigError(f"routing: {cfg.routing!r}; choose \"views\" or \"heartbeats\"")
     if cfg.routing == "views" and not cfg.coordinator:
         raise ConfigError("routing: \"views\" needs a coordinator (the views are kept in it)")
-    for key in ("heartbeat", "down_after", "op_timeout"):
+    for key in ("heartbeat", "down_after", "op_timeout", "lease_ttl"):
         if key in doc:
             value = doc[key]
             if not isinstance(value, (int, float)) or value <= 0:
@@ -205,6 +206,7 @@ def dump(cfg: ClusterConfig, token_file: str = "token") -> str:
         f"heartbeat = {cfg.heartbeat}",
         f"down_after = {cfg.down_after}",
         f"op_timeout = {cfg.op_timeout}",
+        f"lease_ttl = {cfg.lease_ttl}",
     ]
     for n in cfg.nodes:
         lines += ["", "[[nodes]]", f"name = {n.name!r}", f"host = {n.host!r}", f"port = {n.port}"]

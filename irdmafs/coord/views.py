@@ -14,10 +14,11 @@ The rules, each with a test in tests/unit/test_views.py:
 V1. A new view is a compare-and-set of the view key against the epoch it replaces. Views form one
     chain, epochs only grow, and two processes that hold the same epoch hold the same view.
 V2. A view adds a member as soon as its alive key exists, under the lease that key lives by. It
-    drops a member (or its old lease) only after the proposer has seen that member's alive key
-    gone, or under another lease, for ``ttl`` seconds. So the lease the old view named has
-    ended by etcd's count, and by the node's own count too (V3): a view never drops a node that
-    may still serve.
+    drops a member only after the proposer has seen that member's alive key gone for ``ttl``
+    seconds. So the lease the old view named has ended by etcd's count, and by the node's own
+    count too (V3): a view never drops a node that may still serve. A member whose key is under
+    another lease is named under that one at once: a node takes a new lease only once it has
+    stopped holding the old one (or as a new process, the old one dead).
 V3. A node serves only while it holds its lease, by its own clock: until ``sent + ttl`` of the
     last keepalive etcd answered, ``sent`` being when that keepalive was sent. etcd ends the lease
     no earlier than ``ttl`` after it received it, so the node stops first (clock rates agreeing,
@@ -165,7 +166,9 @@ class ViewKeeper:
 
     @property
     def interval(self) -> float:
-        return self.ttl / 4
+        """How often the lease is kept alive and the view read: a quarter of the TTL, at most
+        half a second (a long TTL, to ride out an etcd restart, must not slow down views)."""
+        return min(self.ttl / 4, 0.5)
 
     def serving(self) -> bool:
         """V3, V4, V6: this node holds its lease, and the newest view it knows names it with it
@@ -268,6 +271,13 @@ class ViewKeeper:
         serving = {n: lease for n, lease in alive.items() if n in members}
         for name, lease in view.serving:
             if alive.get(name) == lease:
+                self._missing_since.pop((name, lease), None)
+                continue
+            if name in alive:
+                # its key under another lease: the node took it after it lost this one (or it
+                # restarted), so nothing serves under this one any more: named under the new
+                # one at once, not a ttl later (with a long ttl a restarted node stayed
+                # named under its old lease, refusing the writes its stripes needed)
                 self._missing_since.pop((name, lease), None)
                 continue
             since = self._missing_since.setdefault((name, lease), now)

@@ -42,8 +42,12 @@ def cluster_id(cfg: ClusterConfig) -> str:
 
 
 def lease_ttl(cfg: ClusterConfig) -> int:
-    """Whole seconds (etcd's unit), at least 2 (etcd 3.4 lengthens shorter ones to 2)."""
-    return max(2, math.ceil(cfg.down_after))
+    """The config's ``lease_ttl`` (10 s unless set) in whole seconds (etcd's unit), at least 2
+    (etcd 3.4 lengthens shorter ones to 2). Nodes ride out an etcd outage (a restart, a stall)
+    shorter than this; it does not slow down failover, which expulsions do (coord/views.py V6,
+    server/membership.py): it was ``down_after`` rounded up, and a 3-second etcd restart in the
+    chaos soak fenced every node."""
+    return max(2, math.ceil(cfg.lease_ttl))
 
 
 class ServingLease:

@@ -31,11 +31,12 @@ training are handed in.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import asdict
 
 import trio
 
-from ..cluster import READY, SYNCING, NodeDown
+from ..cluster import DOWN, READY, SYNCING, NodeDown
 from ..config import NodeSpec
 from ..placement import placement
 from ..transport.base import RemoteError, TransportError
@@ -162,8 +163,8 @@ class Membership:
                 if (mine is None or mine.stamp < (tag, version)) and await self.resync.fetch_stripe(fid, idx, snap, peer):
                     fetched += 1
             await self.training.take_records(answer.get("records", []))
-        newest = max(handed.items(), key=lambda item: item[1].get("meta_seq", -1), default=None)
-        if newest is not None and newest[1].get("meta_seq", -1) > self.resync.meta().seq:
+        newest = max(handed.items(), key=lambda item: tuple(item[1].get("meta_stamp", (-1, -1))), default=None)
+        if newest is not None and tuple(newest[1].get("meta_stamp", (-1, -1))) > self.resync.meta().stamp:
             try:
                 self.resync.restore_meta(await self.cluster.call(newest[0], "meta_snapshot"))
             except (NodeDown, RemoteError) as exc:
@@ -215,7 +216,7 @@ class Membership:
         return {
             "stripes": [[fid, idx, snap, s.version, s.tag] for (fid, idx, snap), s in list(self.store.stripes.items()) if (fid, idx) in keys],
             "records": self.training.wire_records(keys),
-            "meta_seq": self.resync.meta().seq,
+            "meta_stamp": list(self.resync.meta().stamp),
         }
 
     # -- fencing ---------------------------------------------------------------------------------
@@ -272,6 +273,30 @@ class Membership:
             await self.join()
             cut_since = None
             log.info("node %s ready again after resync", self.name)
+
+    async def expel_loop(self) -> None:
+        """With views: expel (coord/views.py V6) a peer the view names active that this node's
+        heartbeats count down and have not heard for twice ``down_after``, while this node
+        serves and its heartbeats reach a majority of the members (a node cut off from the
+        others expels nobody). A failed replication expels too (replicator.py), but only when
+        a write goes to that peer: a primary killed in a quiet cluster stayed in the view until
+        its lease ended and then a TTL more (V2), and none of its stripes could be written."""
+        if self.cfg.routing != "views":
+            return
+        tried: dict[str, float] = {}  # peer -> when this node last tried (etcd may be out)
+        while True:
+            await trio.sleep(self.cfg.heartbeat)
+            view, now = self.cluster.view, trio.current_time()
+            if view is None or self.serving.state != READY or not self.cluster.heard_majority():
+                continue
+            silent = 2 * self.cfg.down_after
+            for peer in view.active:
+                heard = max(self.cluster.info_at.get(peer, -math.inf), self.serving.ready_since)
+                if peer == self.name or self.cluster.state.get(peer) != DOWN or now - max(heard, tried.get(peer, -math.inf)) < silent:
+                    continue
+                tried[peer] = now
+                log.warning("node %s: %s not heard for %.1f s: expelling it", self.name, peer, now - heard)
+                await self.lease.expel(peer)
 
     # -- membership changes (rebalance.py) -------------------------------------------------------
     async def rpc_members(self) -> dict:

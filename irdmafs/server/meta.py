@@ -69,6 +69,7 @@ OP_OPTIONAL: dict[str, dict[str, Any]] = {
 class Meta:
     def __init__(self) -> None:
         self.seq = 0
+        self.tag = 0  # the view epoch the last op was applied in (0: no views)
         self.next_ino = ROOT + 1
         self.next_snap = 1
         self.inodes: dict[int, dict[str, Any]] = {}
@@ -170,9 +171,16 @@ class Meta:
     def snapshot_ids(self) -> dict[str, int]:
         return {name: s["id"] for name, s in self.snapshots.items()}
 
+    @property
+    def stamp(self) -> tuple[int, int]:
+        """(epoch, seq) of the last op: one primary per epoch numbers ops, so two namespaces at
+        one stamp went through the same ops, and of two stamps the greater is the newer."""
+        return self.tag, self.seq
+
     def snapshot(self) -> dict:
         return {
             "seq": self.seq,
+            "tag": self.tag,
             "next_ino": self.next_ino,
             "next_snap": self.next_snap,
             "inodes": {str(k): v for k, v in self.inodes.items()},
@@ -185,6 +193,7 @@ class Meta:
     def restore(cls, snap: dict) -> "Meta":
         m = cls()
         m.seq = snap["seq"]
+        m.tag = snap.get("tag", 0)
         m.next_ino = snap["next_ino"]
         m.next_snap = snap.get("next_snap", 1)
         m.inodes = {int(k): v for k, v in snap["inodes"].items()}

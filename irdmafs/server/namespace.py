@@ -1,9 +1,17 @@
 """The namespace service of a PS node: namespace ops, their replication, and snapshots.
 
 - ``meta`` (on the metadata primary, the first ready node): validate and apply a namespace op,
-  then forward it with its sequence number to every other live node (``meta_apply``, through the
+  then forward it with its stamp to every other live node (``meta_apply``, through the
   replicator); a node that missed ops gets the whole namespace (``meta_restore``). A retry of an
   op applied already (its request id) gets the first answer again.
+- An op's stamp is (epoch, seq): the view epoch it was applied in and its sequence number. A
+  replica applies op ``seq`` only on top of the stamp the primary had before it (``prev``), and
+  takes it as held only at that very stamp or below within the same epoch; anything else asks
+  for the whole namespace, which replaces its own when its stamp is greater. So a replica that
+  holds an op an old primary applied and never got acknowledged, numbered like one the next
+  primary applied, is brought to the new one's namespace instead of answering "held" (fault
+  simulator, mixed seed 13: the same seq with another mtime on two nodes after healing).
+  Without views every stamp's epoch is 0 and this is the sequence number alone.
 - Side effects on data are local and deterministic, so every replica does the same: freed or
   truncated stripes are dropped with their push bookkeeping (``forget``), a change of a model's
   workers rechecks its training rounds (``recheck``).
@@ -52,7 +60,7 @@ class Namespace:
         self.forget, self.recheck = forget, recheck  # the training service's (training.py)
         self.meta = Meta()
         self.lock = trio.Lock()  # namespace ops, one at a time; a hand-over waits for it
-        self.last: tuple[int, dict] | None = None  # (seq, op) of the last op applied here
+        self.last: tuple[int, dict, tuple[int, int]] | None = None  # (seq, op, the stamp before it) of the last op applied here
         self.unsettled: set[str] = set()  # request ids applied here as primary, not acknowledged
 
     def current(self) -> Meta:
@@ -84,10 +92,10 @@ class Namespace:
     async def _apply_and_forward(self, op: dict) -> dict:
         """Apply ``op`` here and answer once every other live node holds it (the replicator's
         acknowledgement rule; with a coordinator, every node the view names active)."""
-        result = self.apply(op)
-        seq = self.meta.seq
+        result = self.apply(op, self.cluster.view_epoch)
+        seq, _, prev = self.last
         try:
-            await self.replicator.to_every("metadata op", self.cluster.live, lambda peer: self.replicator.meta(peer, seq, op), self._leads)
+            await self.replicator.to_every("metadata op", self.cluster.live, lambda peer: self.replicator.meta(peer, seq, op, self.meta.tag, prev), self._leads)
         except RemoteError:
             if op.get("rid"):
                 self.unsettled.add(op["rid"])
@@ -105,8 +113,8 @@ class Namespace:
             self._leads()
             if self.last is None or self.last[0] != self.meta.seq:
                 raise RemoteError("EAGAIN", "metadata op not yet on every replica; send it again")
-            seq, op = self.last
-            await self.replicator.to_every("metadata op", self.cluster.live, lambda peer: self.replicator.meta(peer, seq, op), self._leads)
+            seq, op, prev = self.last
+            await self.replicator.to_every("metadata op", self.cluster.live, lambda peer: self.replicator.meta(peer, seq, op, self.meta.tag, prev), self._leads)
             self.unsettled.discard(rid)
 
     def _leads(self) -> None:
@@ -157,10 +165,13 @@ class Namespace:
         if self.persist is not None:
             self.persist.save_meta(self.meta.snapshot())
 
-    def apply(self, op: dict) -> dict:
-        """Apply ``op`` here, with its side effects on this node's stripes and training."""
+    def apply(self, op: dict, tag: int) -> dict:
+        """Apply ``op`` here, stamped with epoch ``tag``, with its side effects on this node's
+        stripes and training."""
+        prev = self.meta.stamp
         result = self.meta.apply(op)
-        self.last = (self.meta.seq, op)
+        self.meta.tag = tag
+        self.last = (self.meta.seq, op, prev)
         self._save()
         # Side effects on data are local and deterministic, so every replica does the same.
         if result.get("freed"):
@@ -182,15 +193,21 @@ class Namespace:
                 self.store.drop(op["ino"], math.ceil(op["model"]["start"] / node["unit"]))
         return result
 
-    async def rpc_meta_apply(self, seq: int, op: dict, sender: str = "", epoch: int = 0) -> dict:
+    async def rpc_meta_apply(self, seq: int, op: dict, sender: str = "", epoch: int = 0, tag: int = 0, prev: list | None = None) -> dict:
+        """Op ``seq`` of the primary, stamped (``tag``, ``seq``), on top of stamp ``prev``:
+        applied if this node is at ``prev``; {} if it holds it already; {"stale": True} (send
+        the whole namespace) otherwise."""
+        if not (prev is None or isinstance(prev, list) and len(prev) == 2 and all(type(x) is int for x in prev)) or type(tag) is not int:
+            raise RemoteError("EINVAL", f"meta_apply: a stamp is two integers, not {prev!r} ({tag!r})")
         await self.serving.check_epoch(epoch)
         self.serving.check_sender(sender, self.cluster.meta_primary)
-        if seq <= self.meta.seq:
-            return {}
-        if seq != self.meta.seq + 1:
+        have = self.meta.stamp
+        if (tag, seq) == have or seq < have[1] and tag == have[0]:
+            return {}  # this op, or it and later ops of the same primary (one per epoch)
+        if seq != have[1] + 1 or (prev is not None and tuple(prev) != have):
             return {"stale": True}
         try:
-            self.apply(op)
+            self.apply(op, tag)
         except RemoteError as exc:  # diverged somehow: ask for the whole namespace
             log.warning("metadata op %d failed here (%s); asking for a snapshot", seq, exc)
             return {"stale": True}
@@ -200,12 +217,18 @@ class Namespace:
         self.restore(snapshot)
         return {}
 
-    def restore(self, snapshot: dict) -> None:
-        """Take a peer's whole namespace if it is newer, dropping the stripes and snapshots it
-        no longer has; EINVAL if ``snapshot`` is not one (``meta_snapshot``'s answer)."""
+    def restore(self, snapshot: dict, *, whole: bool = False) -> None:
+        """Take a peer's whole namespace if it is newer, or with ``whole`` whatever its sequence
+        number, dropping the stripes and snapshots it no longer has; EINVAL if ``snapshot`` is
+        not one (``meta_snapshot``'s answer).
+
+        ``whole`` is a resync's: a node that was away may hold ops it applied as the metadata
+        primary and never got acknowledged, while the next primary numbered other ops alike
+        (the same sequence number, another mtime: fault simulator, mixed seed 13 once the nodes
+        expelled silent peers). The ready primary it resyncs from holds every acknowledged op."""
         if not isinstance(snapshot, dict) or not all(isinstance(snapshot.get(k), t) for k, t in SNAPSHOT_FIELDS.items()):
             raise RemoteError("EINVAL", "meta_restore: not a namespace snapshot (meta_snapshot's answer)")
-        if snapshot["seq"] > self.meta.seq:
+        if (snapshot.get("tag", 0), snapshot["seq"]) > self.meta.stamp or whole and snapshot != self.meta.snapshot():
             self.meta = Meta.restore(snapshot)
             self.last = None
             self.unsettled.clear()  # settled by whoever led since

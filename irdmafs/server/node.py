@@ -167,6 +167,7 @@ class Node:
             log.info("node %s ready", self.name)
             notify(f"READY=1\nSTATUS=serving on {address[0]}:{address[1]}")
             nursery.start_soon(self.membership.fence_loop)
+            nursery.start_soon(self.membership.expel_loop)
 
     # -- dispatch ----------------------------------------------------------------------------
     async def handle(self, method: str, args: dict) -> dict:

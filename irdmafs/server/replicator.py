@@ -137,11 +137,13 @@ class Replicator:
 
         return await self._reliably(peer, f"training record of stripe {key.fid}:{key.idx}", send)
 
-    async def meta(self, peer: str, seq: int, op: dict) -> bool:
-        """Namespace op ``seq`` to ``peer``; the whole namespace if it missed ops."""
+    async def meta(self, peer: str, seq: int, op: dict, tag: int, prev: tuple[int, int]) -> bool:
+        """Namespace op ``seq``, stamped (``tag``, ``seq``) on top of stamp ``prev``, to
+        ``peer``; the whole namespace if it missed ops or holds others (server/namespace.py)."""
 
         async def send() -> None:
-            r = await self.cluster.call(peer, "meta_apply", {"seq": seq, "op": op, "sender": self.name, "epoch": self.epoch})
+            args = {"seq": seq, "op": op, "sender": self.name, "epoch": self.epoch, "tag": tag, "prev": list(prev)}
+            r = await self.cluster.call(peer, "meta_apply", args)
             if r.get("stale"):
                 await self.cluster.call(peer, "meta_restore", {"snapshot": self.snapshot()})
 

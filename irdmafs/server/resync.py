@@ -1,6 +1,6 @@
 """Resync: how a PS node that was away (started, restarted, fenced) catches up before it serves.
 
-It fetches the namespace from the metadata primary, then every stripe it should hold (live,
+It takes the namespace of the metadata primary whole (``Namespace.restore``), then every stripe it should hold (live,
 snapshot, optimizer state) from its ready peers, the newest version winning (what they freed
 meanwhile is dropped), then the push bookkeeping of those stripes; it logs its progress and shows
 it in heartbeats (``work``). A rebalance pulls the stripes a new membership gives a node the same
@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 
 class Resync:
-    def __init__(self, core: NodeCore, training: Training, meta: Callable[[], Meta], restore_meta: Callable[[dict], None]):
+    def __init__(self, core: NodeCore, training: Training, meta: Callable[[], Meta], restore_meta: Callable[..., None]):
         self.name, self.cfg, self.cluster, self.store, self.stripe_locks, self.serving = core
         self.training, self.meta, self.restore_meta = training, meta, restore_meta
         self.work: dict = {}  # long work under way (resync, rebalance): shown by heartbeats
@@ -54,7 +54,7 @@ class Resync:
         t0 = time.monotonic()
         primary = self.cluster.meta_primary()
         if primary is not None and primary != self.name and primary in ready:
-            self.restore_meta(await self.cluster.call(primary, "meta_snapshot"))
+            self.restore_meta(await self.cluster.call(primary, "meta_snapshot"), whole=True)
         peers = [n for n in self.cfg.names if n != self.name and n not in self.cluster.view.expelled] if views else ready
         live = set(peers) | {self.name}
 

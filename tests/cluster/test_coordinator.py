@@ -44,7 +44,7 @@ async def until(predicate, timeout, every=0.1):
 
 @pytest.mark.parametrize("routing", ["heartbeats", "views"])
 async def test_nodes_serve_in_views_and_stop_while_etcd_is_unreachable(local_cluster, etcd, routing):
-    lc = await local_cluster(nodes=3, replicas=2, coordinator=[etcd.endpoint], routing=routing)
+    lc = await local_cluster(nodes=3, replicas=2, coordinator=[etcd.endpoint], routing=routing, lease_ttl=2)
     cfg = lc.cfg
     ttl = lease_ttl(cfg)
     view = await committed_view(etcd, cfg)
@@ -80,7 +80,7 @@ async def test_nodes_serve_in_views_and_stop_while_etcd_is_unreachable(local_clu
 
 @pytest.mark.parametrize("routing", ["heartbeats", "views"])
 async def test_a_stopped_node_leaves_the_view_after_its_lease_and_returns_under_a_new_one(local_cluster, etcd, routing):
-    lc = await local_cluster(nodes=3, replicas=2, coordinator=[etcd.endpoint], routing=routing)
+    lc = await local_cluster(nodes=3, replicas=2, coordinator=[etcd.endpoint], routing=routing, lease_ttl=2)
     cfg = lc.cfg
     ttl = lease_ttl(cfg)
     before = await committed_view(etcd, cfg)
@@ -106,3 +106,58 @@ async def test_a_stopped_node_leaves_the_view_after_its_lease_and_returns_under_
         assert "lease" in lc.log_of(victim) and "resync" in lc.log_of(victim)
         assert await c.paths.read_file("/a") == blob
         assert await c.paths.read_file("/b") == blob[::-1]
+
+
+async def test_an_etcd_outage_shorter_than_the_lease_ttl_fences_nobody(local_cluster, etcd):
+    """etcd stopped for 6 s, less than the default lease TTL (10 s): every node serves on, no view
+    is made, reads and writes go on, and the nodes keep their leases (the TTL was ``down_after``
+    rounded up, 2 s here, and a 3-second etcd restart in the chaos soak fenced every node)."""
+    lc = await local_cluster(nodes=3, replicas=2, coordinator=[etcd.endpoint], routing="views")
+    cfg = lc.cfg
+    assert lease_ttl(cfg) == 10 and cfg.down_after < 6
+    await wait_settled(cfg, timeout=60)
+    view = await committed_view(etcd, cfg)
+    blob = np.random.default_rng(3).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()
+    async with Client.connect(cfg) as c:
+        etcd.pause()
+        try:
+            await trio.sleep(2)
+            await c.paths.write_file("/during", blob)
+            assert await c.paths.read_file("/during") == blob
+            await trio.sleep(4)  # past the etcd client's timeout (half the TTL): it says so
+            infos = await statuses(cfg)
+            assert all(i["state"] == "ready" and i["coordinator"].startswith("UNREACHABLE") and i["lease_held"] for i in infos.values()), infos
+        finally:
+            etcd.resume()
+        await wait_settled(cfg, timeout=60)
+        assert await committed_view(etcd, cfg) == view  # the same view, the same leases
+        assert await c.paths.read_file("/during") == blob
+    for name in cfg.names:
+        assert "fenced" not in lc.log_of(name)
+
+
+async def test_a_node_stopped_in_a_quiet_cluster_is_expelled_by_its_peers_heartbeats(local_cluster, etcd):
+    """Nothing is written while a node is stopped, so no replication fails to expel it: its
+    peers, whose heartbeats no longer hear it, expel it (server/membership.py, ``expel_loop``)
+    instead of waiting for its lease (10 s) and a TTL more, and its stripes can be written."""
+    lc = await local_cluster(nodes=3, replicas=2, coordinator=[etcd.endpoint], routing="views")
+    cfg = lc.cfg
+    await wait_settled(cfg, timeout=60)
+    victim = cfg.names[0]
+    blob = np.random.default_rng(4).integers(0, 256, 2 << 20, dtype=np.uint8).tobytes()
+    pid = lc.procs[victim].pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        async def expelled():
+            return victim in (await committed_view(etcd, cfg)).expelled
+
+        await until(expelled, 20)
+        assert "not heard for" in "".join(lc.log_of(n) for n in cfg.names if n != victim)
+        async with Client.connect(cfg) as c:
+            await c.paths.write_file("/while", blob)  # its namespace primary and stripes moved
+            assert await c.paths.read_file("/while") == blob
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    await wait_settled(cfg, timeout=60)
+    async with Client.connect(cfg) as c:
+        assert await c.paths.read_file("/while") == blob

@@ -299,6 +299,9 @@ async def _simulate(seed: int, kinds: tuple[str, ...], faults: int, views: bool)
             "heartbeat": 0.1,
             "down_after": 0.5,
             "op_timeout": 2.0,
+            # odd seeds: leases shorter than a coordinator outage (every node fences, and the
+            # cluster comes back); even seeds: the default, longer than any outage here
+            "lease_ttl": 2 if seed % 2 else 10,
             # with views: the coordinator is the in-memory model each node is handed (LinkedCoord);
             # the endpoint only satisfies the config's rule that views need one
             **({"coordinator": ["http://etcd.sim:2379"], "routing": "views"} if views else {}),

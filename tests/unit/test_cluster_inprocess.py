@@ -555,3 +555,34 @@ async def test_a_namespace_op_retried_after_eagain_is_on_every_replica_before_it
         assert refused, "a backup refused the op once"
         for n in nodes:  # answered only once every node holds it
             assert n.meta.lookup(1, "after"), n.name
+
+
+async def test_a_replica_holding_an_old_primarys_unacknowledged_op_takes_the_next_primarys_namespace(cluster):
+    """Namespace ops are stamped (epoch, seq) (server/namespace.py). A replica holds op s+1 of an
+    old primary, applied in epoch 5 and never acknowledged; the next primary, in epoch 7, applies
+    another op as s+1. Its meta_apply is not taken as held for having that number: the replica
+    asks for the whole namespace and ends with the primary's (fault simulator, mixed seed 13:
+    one mtime on two nodes, another on the third, at one sequence number, after healing)."""
+    cfg, nodes = cluster
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
+        await c.paths.makedirs("/d")
+        primary = next(n for n in nodes if n.name == c.cluster.meta_primary())
+    replica = next(n for n in nodes if n is not primary)
+    ns, rs = primary.namespace, replica.namespace
+    base = ns.meta.stamp
+    assert rs.meta.stamp == base
+    ino = ns.meta.lookup(1, "d")["ino"]
+    old = rs.meta.prepare({"op": "setattr", "ino": ino, "attrs": {"mode": 0o700}}, 1)
+    rs.apply(old, 5)  # the old primary's op, which reached this replica only
+    new = ns.meta.prepare({"op": "setattr", "ino": ino, "attrs": {"mode": 0o750}}, 2)
+    ns.apply(new, 7)
+    assert ns.meta.seq == rs.meta.seq and ns.meta.snapshot() != rs.meta.snapshot()
+    seq, op, prev = ns.last
+    assert await primary.replicator.meta(replica.name, seq, op, 7, prev)
+    assert rs.meta.snapshot() == ns.meta.snapshot() and rs.meta.stamp == (7, seq)
+    assert rs.meta.inode(ino)["mode"] & 0o777 == 0o750
+    # held: the same op again, or an earlier one of the same epoch
+    assert await replica.namespace.rpc_meta_apply(seq, op, primary.name, 0, 7, list(prev)) == {}
+    with pytest.raises(RemoteError) as e:  # a stamp is two integers
+        await replica.namespace.rpc_meta_apply(seq + 1, op, primary.name, 0, 7, ["x", 1])
+    assert e.value.code == "EINVAL"
