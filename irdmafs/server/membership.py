@@ -284,18 +284,32 @@ class Membership:
         if self.cfg.routing != "views":
             return
         tried: dict[str, float] = {}  # peer -> when this node last tried (etcd may be out)
+        silent = 2 * self.cfg.down_after
+
+        def quiet(peer: str) -> float:
+            """How long this node's heartbeats have not heard ``peer`` (0: they count it up)."""
+            if self.cluster.state.get(peer) != DOWN:
+                return 0.0
+            return trio.current_time() - max(self.cluster.info_at.get(peer, -math.inf), self.serving.ready_since)
+
         while True:
             await trio.sleep(self.cfg.heartbeat)
-            view, now = self.cluster.view, trio.current_time()
-            if view is None or self.serving.state != READY or not self.cluster.heard_majority():
+            # a process that was itself stopped finds every peer silent: it fences first
+            self.serving.check_stall()
+            self.serving.check_lease()
+            view = self.cluster.view
+            if view is None or self.serving.state != READY:
                 continue
-            silent = 2 * self.cfg.down_after
-            for peer in view.active:
-                heard = max(self.cluster.info_at.get(peer, -math.inf), self.serving.ready_since)
-                if peer == self.name or self.cluster.state.get(peer) != DOWN or now - max(heard, tried.get(peer, -math.inf)) < silent:
+            now = trio.current_time()
+            due = [p for p in view.active if p != self.name and quiet(p) >= silent and now - tried.get(p, -math.inf) >= silent]
+            if not due:
+                continue
+            await self.cluster.refresh()  # heartbeats as they are now, not as they were
+            for peer in due:
+                if self.serving.state != READY or not self.cluster.heard_majority() or quiet(peer) < silent:
                     continue
-                tried[peer] = now
-                log.warning("node %s: %s not heard for %.1f s: expelling it", self.name, peer, now - heard)
+                tried[peer] = trio.current_time()
+                log.warning("node %s: %s not heard for %.1f s: expelling it", self.name, peer, quiet(peer))
                 await self.lease.expel(peer)
 
     # -- membership changes (rebalance.py) -------------------------------------------------------

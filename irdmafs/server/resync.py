@@ -71,7 +71,7 @@ class Resync:
         ``strict``, a peer that cannot be listed or a stripe that cannot be fetched is an error
         (a rebalance must not switch over without every copy); otherwise it is logged. A stripe
         that every peer holding its newest copy has freed meanwhile (a namespace op: unlink,
-        truncate) has nothing to copy.
+        truncate) has nothing to copy, and this node's copy of it goes too (``_drop_freed``).
 
         With ``converge`` (a resync: this node was away, its ready peers hold the truth), a
         stripe of this node that its peers hold at a *lower* version is replaced by theirs,
@@ -110,7 +110,7 @@ class Resync:
         for (fid, idx, snap), (stamp, holders, cap) in newest.items():
             held = self.store.get(fid, idx, snap)
             if fid in files.get(snap, ()) and mine(fid, idx) and (held is None or held.stamp < stamp):
-                todo.append((fid, idx, snap, holders, cap, None))
+                todo.append((fid, idx, snap, holders, cap, None, held.stamp if held is not None else None))
             elif (
                 converge
                 and held is not None
@@ -130,7 +130,7 @@ class Resync:
                 )
                 # replaced once theirs has arrived, not dropped before: a peer that cannot give it
                 # (every node fenced at once, as when the coordinator was out) leaves this copy
-                todo.append((fid, idx, snap, holders, cap, held.stamp))
+                todo.append((fid, idx, snap, holders, cap, held.stamp, held.stamp))
         if converge:
             gone = []
             for key, stamp in before.items():
@@ -151,12 +151,14 @@ class Resync:
         self.work = {"what": what, "done": 0, "total": len(todo), "bytes": 0, "total_bytes": total_bytes}
         bar = Progress(what, total_bytes, unit="B") if sys.stderr.isatty() and todo else None  # in a terminal
         try:
-            for i, (fid, idx, snap, holders, cap, instead) in enumerate(todo, 1):
+            for i, (fid, idx, snap, holders, cap, instead, had) in enumerate(todo, 1):
                 outcomes = []
                 for peer in holders:
                     outcomes.append(await self.fetch_stripe(fid, idx, snap, peer, instead))
                     if outcomes[-1] is True:
                         break
+                if had is not None and all(o is None for o in outcomes):
+                    await self._drop_freed(fid, idx, snap, had)
                 if False in outcomes and True not in outcomes:
                     if strict:
                         raise RemoteError("EAGAIN", f"{what}: stripe {fid}:{idx} (snapshot {snap}) not fetched from {', '.join(holders)}")
@@ -177,6 +179,20 @@ class Resync:
         if missed and newer_or_fail:
             raise RemoteError("EAGAIN", f"{what}: {len(missed)} stripes newer on a peer not fetched (first {missed[0]})")
         return {"stripes": len(todo), "bytes": done_bytes}
+
+    async def _drop_freed(self, fid: int, idx: int, snap: int, had: tuple[int, int]) -> None:
+        """Every holder of a stripe's newest copy freed it after the listing (a truncate, an
+        unlink, which this node, syncing, did not get): this node's copy, older or one it led
+        before a fence, is of what was freed, and goes too unless it changed since the listing.
+        Kept, it came back as the file grew again: the write landed on it and the range before
+        the written one read back the old bytes (scripts/chaos.py --views, seed 1)."""
+        async with self.stripe_locks((fid, idx)):
+            held = self.store.get(fid, idx, snap)
+            if held is not None and held.stamp == had:
+                log.info("stripe %d:%d (snapshot %d) freed on its peers while it was fetched: dropped here too", fid, idx, snap)
+                self.store.drop_keys([(fid, idx, snap)])
+                if snap == 0:
+                    self.training.records.pop((fid, idx), None)
 
     async def fetch_stripe(self, fid: int, idx: int, snap: int, peer: str, instead: tuple[int, int] | None = None) -> bool | None:
         """Copy one stripe from ``peer`` unless this node holds it as new: True once done, None
