@@ -81,11 +81,12 @@ async def _run(old, new, union, members, transport, token: str, epoch: int, show
             raise RebalanceError(f"{exc}; the cluster stays on its old membership") from None
         finally:
             with trio.CancelScope(shield=True):
-                for n in frozen:
+                for n in names:  # a freeze that timed out here may have landed there
                     try:
                         await cluster.call(n, "thaw", {"token": token})
                     except (NodeDown, RemoteError) as exc:  # it thaws by itself
-                        log.warning("thaw of %s failed: %s", n, exc)
+                        if n in frozen:
+                            log.warning("thaw of %s failed: %s", n, exc)
             nursery.cancel_scope.cancel()
     log.info("rebalance done: membership %d, %d stripes (%d bytes) copied", epoch, moved["stripes"], moved["bytes"])
     return {"epoch": epoch, **moved}

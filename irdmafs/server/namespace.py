@@ -141,12 +141,14 @@ class Namespace:
             log.info("snapshot %r (id %d) taken on %s: %d bytes", op["name"], op["id"], ", ".join(sorted(copied)), sum(copied.values()))
             return dict(result, nodes=sorted(copied))
         finally:
+            # every node asked, not only those whose freeze answered: a freeze that timed out
+            # here (it waits for the commits in flight there) may have landed, and that node
+            # held every commit until its own deadline (30 s: chaos --views, seed 1). A thaw
+            # under another token changes nothing.
             with trio.CancelScope(shield=True):
-                for node in frozen:
-                    try:
-                        await self.call_node(node, "thaw", {"token": token})
-                    except (NodeDown, RemoteError) as exc:  # it auto-thaws after its deadline
-                        log.warning("thaw of %s failed: %s", node, exc)
+                async with trio.open_nursery() as n:
+                    for node in nodes:
+                        n.start_soon(self._thaw_one, node, token, node in frozen)
 
     async def _freeze_one(self, node: str, token: str, frozen: list[str]) -> None:
         try:
@@ -154,6 +156,13 @@ class Namespace:
             frozen.append(node)
         except NodeDown as exc:
             log.warning("snapshot: %s is down, it gets the snapshot at resync: %s", node, exc)
+
+    async def _thaw_one(self, node: str, token: str, frozen: bool) -> None:
+        try:
+            await self.call_node(node, "thaw", {"token": token})
+        except (NodeDown, RemoteError) as exc:  # it auto-thaws after its deadline
+            if frozen:
+                log.warning("thaw of %s failed: %s", node, exc)
 
     async def _copy_one(self, node: str, snap: int, copied: dict) -> None:
         try:
@@ -243,15 +252,27 @@ class Namespace:
     async def rpc_meta_snapshot(self) -> dict:
         return self.meta.snapshot()
 
+    async def _caught_up(self) -> None:
+        """Namespace reads only from a node that serves and has taken its work back (EAGAIN
+        otherwise: the client asks again). A node just named by a view, not yet handed its
+        namespace, answered lookups from its old one: a file just created, a snapshot just
+        taken, a rename's source were ENOENT (chaos --views, seed 1)."""
+        self.serving.require_ready()
+        await self.serving.await_takeover()
+
     async def rpc_lookup(self, parent: int, name: str, snap: int = 0, alias: bool = False) -> dict:
+        await self._caught_up()
         view = self.meta.view(snap)
         return view.lookup_or_model(parent, name) if alias else view.lookup(parent, name)
 
     async def rpc_getattr(self, ino: int, snap: int = 0) -> dict:
+        await self._caught_up()
         return self.meta.view(snap).attr(ino)
 
     async def rpc_readdir(self, ino: int, snap: int = 0) -> dict:
+        await self._caught_up()
         return {"entries": self.meta.view(snap).readdir(ino)}
 
     async def rpc_snapshots(self) -> dict:
+        await self._caught_up()
         return {"snapshots": {n: {"id": s["id"], "time_ns": s["time_ns"]} for n, s in self.meta.snapshots.items()}}
