@@ -84,7 +84,9 @@ class EtcdCoord(Coordinator):
             try:
                 with trio.fail_after(self.timeout):
                     answer = await self._post_to(host, port, path, body)
-            except (OSError, trio.TooSlowError, ValueError) as exc:
+            except (OSError, trio.TooSlowError, trio.BrokenResourceError, ValueError) as exc:
+                # BrokenResourceError: etcd killed mid-answer reset the connection (it ended a
+                # node's task, and the node with it: chaos --views, seed 2)
                 failures.append(f"{host}:{port}: {exc or 'timed out'}")
                 self.endpoints.remove((host, port))
                 self.endpoints.append((host, port))

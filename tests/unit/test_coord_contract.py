@@ -105,6 +105,26 @@ async def test_an_unreachable_etcd_is_unavailable():
         await coord.get("/x")
 
 
+async def test_an_etcd_that_resets_the_connection_mid_answer_is_unavailable():
+    """etcd killed while it answered: the connection is reset (RST) as the client reads. That
+    is Unavailable like any outage; it was trio's BrokenResourceError, which ended the node's
+    view task and the node with it (chaos --views, seed 2)."""
+    import socket
+    import struct
+
+    async def reset(stream):
+        await stream.receive_some(65536)  # the request
+        stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        stream.socket.close()  # RST, not FIN
+
+    async with trio.open_nursery() as n:
+        listeners = await n.start(trio.serve_tcp, reset, 0)
+        port = listeners[0].socket.getsockname()[1]
+        with pytest.raises(Unavailable):
+            await EtcdCoord([f"http://127.0.0.1:{port}"], timeout=5).range("/x/")
+        n.cancel_scope.cancel()
+
+
 def test_endpoints_are_checked():
     for bad in ([], ["https://h:1"], ["http://h"], ["h:1"]):
         with pytest.raises(ValueError):
