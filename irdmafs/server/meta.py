@@ -74,6 +74,11 @@ class Meta:
         self.next_snap = 1
         self.inodes: dict[int, dict[str, Any]] = {}
         self.entries: dict[int, dict[str, int]] = {}
+        # file -> [[seq, idx], ...]: the truncates that freed its stripes from idx on, by the op's
+        # seq (a stripe made since has a higher version base: datapath.VERSION_SHIFT); a node that
+        # takes a namespace whole drops what they freed (Namespace.restore). A later cut at a
+        # lower index replaces the earlier ones it covers.
+        self.cuts: dict[int, list[list[int]]] = {}
         # name -> {"id", "time_ns", "inodes", "entries"}: frozen copies of the namespace
         self.snapshots: dict[str, dict[str, Any]] = {}
         self._views: dict[int, Meta] = {}
@@ -187,6 +192,7 @@ class Meta:
             "entries": {str(k): v for k, v in self.entries.items()},
             "snapshots": self.snapshots,
             "done": self.done,
+            "cuts": {str(k): v for k, v in self.cuts.items()},
         }
 
     @classmethod
@@ -200,6 +206,7 @@ class Meta:
         m.entries = {int(k): dict(v) for k, v in snap["entries"].items()}
         m.snapshots = copy.deepcopy(snap.get("snapshots", {}))
         m.done = dict(snap.get("done", {}))
+        m.cuts = {int(k): [list(c) for c in v] for k, v in snap.get("cuts", {}).items()}
         return m
 
     # -- the primary's side: turn a request into a deterministic op -----------------------------
@@ -241,6 +248,11 @@ class Meta:
         self.check(op)
         result = getattr(self, f"_op_{op['op']}")(op)
         self.seq += 1
+        if op["op"] == "setattr" and "size" in op["attrs"] and self.inodes[op["ino"]]["unit"]:
+            cut = -(-op["attrs"]["size"] // self.inodes[op["ino"]]["unit"])
+            self.cuts[op["ino"]] = [c for c in self.cuts.get(op["ino"], []) if c[1] < cut] + [[self.seq, cut]]
+        if result.get("freed"):
+            self.cuts.pop(result["freed"], None)
         if op.get("rid"):
             self.done[op["rid"]] = result
             while len(self.done) > DONE_KEPT:

@@ -35,6 +35,7 @@ from ..cluster import NodeDown, now_ns
 from ..transport.base import RemoteError
 from .barrier import FREEZE_SECONDS
 from .core import NodeCore
+from .datapath import VERSION_SHIFT
 from .meta import Meta
 from .persist import Persist
 from .replicator import Replicator
@@ -194,7 +195,8 @@ class Namespace:
             node = self.meta.inode(op["ino"])
             if node["unit"]:
                 cut = math.ceil(op["attrs"]["size"] / node["unit"])
-                self.store.drop(op["ino"], cut)
+                if self.store.drop(op["ino"], cut):
+                    log.info("file %d truncated at op %d: its stripes from %d dropped", op["ino"], self.meta.seq, cut)
                 self.forget(op["ino"], cut)  # a truncated tensor trains from its new start
         if op["op"] == "setmodel" and op["model"]:  # the tensors' bytes live elsewhere now
             node = self.meta.inode(op["ino"])
@@ -245,9 +247,23 @@ class Namespace:
             known = self.meta.files()
             for fid in {fid for fid, _, snap in self.store.stripes if snap == 0} - known:
                 self.store.drop(fid)
+            self._drop_cut()
             snaps = set(self.meta.snapshot_ids().values())
             for snap in {snap for _, _, snap in self.store.stripes if snap} - snaps:
                 self.store.drop_snapshot(snap)
+
+    def _drop_cut(self) -> None:
+        """After taking a namespace whole: drop what the truncates in it freed and this node
+        missed, a stripe at or past a cut with a version from before it (a stripe made since
+        has a higher one: its version base is the namespace seq it was made at). Kept, a write
+        that grew the file again landed on it, and the range before the written one read back
+        the old bytes (chaos --views, seed 2). A stripe past the size but made since (a write
+        whose extend has not come yet) stays."""
+        for (fid, idx, snap), stripe in list(self.store.stripes.items()):
+            if snap <= 0 and any(idx >= cut and stripe.version < seq << VERSION_SHIFT for seq, cut in self.meta.cuts.get(fid, ())):
+                log.info("stripe %d:%d (snapshot %d) was freed by a truncate this node missed: dropped", fid, idx, snap)
+                self.store.drop_keys([(fid, idx, snap)])
+                self.forget(fid, idx, idx + 1)
 
     async def rpc_meta_snapshot(self) -> dict:
         return self.meta.snapshot()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import math
 import time
 from collections import defaultdict
 from typing import Callable, NamedTuple
@@ -96,11 +97,11 @@ class Training:
     def meta(self) -> Meta:
         return self._meta()
 
-    def forget(self, fid: int, from_idx: int = 0) -> None:
-        """The push bookkeeping of stripes that are gone (their clocks went with them): a tensor
-        written anew (np.save truncates first, a publish with other shapes) starts its training
-        from nothing, on every replica alike."""
-        for key in [k for k in self.records if k[0] == fid and k[1] >= from_idx]:
+    def forget(self, fid: int, from_idx: int = 0, below: float = math.inf) -> None:
+        """The push bookkeeping of stripes ``from_idx`` to ``below`` that are gone (their clocks
+        went with them): a tensor written anew (np.save truncates first, a publish with other
+        shapes) starts its training from nothing, on every replica alike."""
+        for key in [k for k in self.records if k[0] == fid and from_idx <= k[1] < below]:
             del self.records[key]
 
     def model_of(self, fid: int) -> tuple[Model, optim.Optimizer, dict]:

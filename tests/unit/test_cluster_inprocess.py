@@ -664,3 +664,33 @@ async def test_a_node_not_yet_caught_up_answers_namespace_reads_eagain(cluster):
         async with trio.open_nursery() as n:
             n.start_soon(catch_up)
             assert (await c.lookup(1, "f"))["ino"] == attr["ino"]
+
+
+async def test_a_namespace_taken_whole_drops_the_stripes_a_missed_truncate_freed(cluster):
+    """A node missed a truncate (it was syncing) and kept the stripes it freed; peers hold none
+    of them, so no resync fetch finds them gone. Taking the namespace whole drops them (the
+    namespace keeps each truncate's cut): kept, a write that grew the file again landed on one
+    and the range before it read back old bytes (chaos --views, seed 2). A stripe past the cut
+    made since (a write whose extend has not come yet) stays."""
+    from irdmafs.server.datapath import VERSION_SHIFT
+    from irdmafs.server.meta import Meta
+
+    cfg, nodes = cluster
+    unit = cfg.stripe_unit
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
+        attr = await c.paths.write_file("/f", os.urandom(3 * unit))
+        fid = attr["ino"]
+        node = next(n for n in nodes if n.store.get(fid, 2) is not None)
+        primary = next(n for n in nodes if n.name == c.cluster.meta_primary())
+        old = node.store.get(fid, 2)
+        stale, version = bytes(old.data[:unit]), old.version
+        missed = node.namespace.meta.snapshot()
+        await c.truncate(fid, unit)
+    assert node.store.get(fid, 2) is None
+    node.namespace.meta = Meta.restore(missed)  # as if it never got the truncate
+    node.store.replace(fid, 2, memoryview(stale), unit, version)
+    node.store.replace(fid, 3, memoryview(os.urandom(unit)), unit, (node.namespace.meta.seq + 1 << VERSION_SHIFT) + 1)  # made since
+    node.namespace.restore(primary.namespace.meta.snapshot(), whole=True)
+    assert node.store.get(fid, 2) is None
+    assert node.store.get(fid, 3) is not None
+    assert node.namespace.meta.snapshot() == primary.namespace.meta.snapshot()
