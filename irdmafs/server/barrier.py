@@ -68,3 +68,10 @@ class CommitBarrier:
         if self.frozen_by == token:
             self.frozen_by = None
             self._thawed.set()
+
+    def lift(self) -> None:
+        """Thaw whatever token holds the freeze (a node that fenced and rejoins: its freezer
+        counted it gone and went on without it)."""
+        if self.frozen_by is not None:
+            log.warning("freeze %s lifted: this node rejoins", self.frozen_by)
+            self.thaw(self.frozen_by)

@@ -40,6 +40,7 @@ from ..cluster import DOWN, READY, SYNCING, NodeDown
 from ..config import NodeSpec
 from ..placement import placement
 from ..transport.base import RemoteError, TransportError
+from .barrier import CommitBarrier
 from .core import NodeCore
 from .leases import ServingLease
 from .resync import Resync
@@ -67,9 +68,9 @@ def _node_specs(nodes: list) -> list[NodeSpec]:
 class Membership:
     """Joining, the hand-over, fencing and membership changes of a node."""
 
-    def __init__(self, core: NodeCore, meta_lock: trio.Lock, training: Training, resync: Resync, lease: ServingLease):
+    def __init__(self, core: NodeCore, meta_lock: trio.Lock, barrier: CommitBarrier, training: Training, resync: Resync, lease: ServingLease):
         self.name, self.cfg, self.cluster, self.store, self.stripe_locks, self.serving = core
-        self.meta_lock, self.training, self.resync, self.lease = meta_lock, training, resync, lease
+        self.meta_lock, self.barrier, self.training, self.resync, self.lease = meta_lock, barrier, training, resync, lease
 
     # -- joining: resync, then the hand-over -----------------------------------------------------
     async def join(self) -> None:
@@ -89,6 +90,10 @@ class Membership:
         again once a peer is there to resync from; the node stays syncing until then. (It ended
         the node's tasks, and the node with them; found by the fault simulator, tests/sim.)"""
         self.serving.state = SYNCING
+        # a freeze from before (a snapshot, a rebalance) is over for this node: its freezer
+        # counted it gone, and the thaw may never come (it was cut off). Kept, it held every
+        # commit and replication here for 30 s after the node rejoined (chaos --views, seed 2).
+        self.barrier.lift()
         self.cluster.lost.clear()  # what it lost while serving before, its resync takes care of
         self.serving.taken_over = trio.Event()
         while True:

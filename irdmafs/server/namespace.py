@@ -196,7 +196,7 @@ class Namespace:
             if node["unit"]:
                 cut = math.ceil(op["attrs"]["size"] / node["unit"])
                 if self.store.drop(op["ino"], cut):
-                    log.info("file %d truncated at op %d: its stripes from %d dropped", op["ino"], self.meta.seq, cut)
+                    log.debug("file %d truncated at op %d: its stripes from %d dropped", op["ino"], self.meta.seq, cut)
                 self.forget(op["ino"], cut)  # a truncated tensor trains from its new start
         if op["op"] == "setmodel" and op["model"]:  # the tensors' bytes live elsewhere now
             node = self.meta.inode(op["ino"])

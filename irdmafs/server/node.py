@@ -112,7 +112,7 @@ class Node:
         self.training = Training(core, lambda: self.namespace.meta, self.barrier, self.replicator, self.staging, self.latency)
         self.namespace = Namespace(core, self.persist, self.replicator, self._call_node, self.training.forget, self.training.recheck)
         self.resync = Resync(core, self.training, self.namespace.current, self.namespace.restore)
-        self.membership = Membership(core, self.namespace.lock, self.training, self.resync, self.lease)
+        self.membership = Membership(core, self.namespace.lock, self.barrier, self.training, self.resync, self.lease)
         self.data = DataPath(core, self.barrier, self.replicator, self.staging, self.training.records)
         self.cluster.on_adopt = self.membership.adopted  # a membership learnt from a peer's heartbeat
         self.calls: dict[str, Callable] = {}  # method -> its handler (``handle``)

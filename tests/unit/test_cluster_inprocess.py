@@ -694,3 +694,22 @@ async def test_a_namespace_taken_whole_drops_the_stripes_a_missed_truncate_freed
     assert node.store.get(fid, 2) is None
     assert node.store.get(fid, 3) is not None
     assert node.namespace.meta.snapshot() == primary.namespace.meta.snapshot()
+
+
+async def test_a_node_that_rejoins_holds_no_freeze_from_before(cluster):
+    """A snapshot froze a node that was then cut off: the thaw never reached it, and it fenced.
+    When it rejoins, that freeze is over (its freezer counted it gone): kept, it held every
+    commit and replication there for 30 s after the node rejoined (chaos --views, seed 2)."""
+    cfg, nodes = cluster
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
+        await c.paths.write_file("/f", os.urandom(1000))
+        node = nodes[1]
+        await node.rpc_freeze("n0:99", 30.0)  # the snapshot's freeze; its thaw is lost
+        node.serving.last_tick -= 10 * cfg.down_after  # as if stopped: it fences and rejoins
+        assert (await node.rpc_heartbeat())["state"] == "syncing"
+        with trio.fail_after(10):
+            while node.state != "ready" or not node.serving.taken_over.is_set():
+                await trio.sleep(0.01)
+        assert node.barrier.frozen_by is None
+        with trio.fail_after(5):  # commits there go on at once
+            await c.paths.write_file("/g", os.urandom(3 * cfg.stripe_unit))
