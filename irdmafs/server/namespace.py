@@ -71,20 +71,24 @@ class Namespace:
     async def rpc_meta(self, op: dict, epoch: int = 0) -> dict:
         """Apply a namespace op as the metadata primary and replicate it to every live node."""
         Meta.check(op)  # EINVAL for an op no client sends (unknown kind, missing fields)
-        if op.get("rid") in self.meta.done:
+        rid = op.get("rid")
+        if rid in self.meta.done and rid not in self.unsettled:
             # a retry of an op applied already (its answer was lost with the old primary): a
-            # hit is a fact on any node, as ops reach every node in one order; unless this node
-            # applied it as primary and did not get it to every replica (EAGAIN): sent again first
-            if op["rid"] in self.unsettled:
-                await self._settle_again(op["rid"], epoch)
-            return self.meta.done[op["rid"]]
+            # hit is a fact on any node, as ops reach every node in one order
+            return self.meta.done[rid]
         await self.serving.check_epoch(epoch)
         self.serving.require_ready()
         await self.serving.await_takeover()
         async with self.lock:
-            primary = self.cluster.meta_primary()  # under the lock: a hand-over waits for it
-            if primary != self.name:
-                raise RemoteError("ENOTPRIMARY", primary or "")
+            self._leads()  # under the lock: a hand-over waits for it
+            if rid in self.meta.done:
+                # applied meanwhile, by an earlier attempt of this very call still under way
+                # when its client gave up on it and sent it again (a second mkdir answered
+                # EEXIST, a second rename ENOENT: chaos --views, seed 2); or applied here and
+                # answered EAGAIN (not on every replica): sent to every replica again first
+                if rid in self.unsettled:
+                    await self._settle_again(rid)
+                return self.meta.done[rid]
             op = self.meta.prepare(op, now_ns())
             if op["op"] == "snapshot":
                 return await self._take_snapshot(op)
@@ -103,20 +107,17 @@ class Namespace:
             raise
         return result
 
-    async def _settle_again(self, rid: str, epoch: int) -> None:
-        """A retry of op ``rid``, applied here as primary and answered EAGAIN: every live node is
-        brought up to this node's namespace (the last op again; a node further behind asks for
-        the whole namespace) before the retry is answered. Else the retry's answer would
-        acknowledge an op the other replicas may lack (EAGAIN again if that still fails)."""
-        await self.serving.check_epoch(epoch)
-        self.serving.require_ready()
-        async with self.lock:
-            self._leads()
-            if self.last is None or self.last[0] != self.meta.seq:
-                raise RemoteError("EAGAIN", "metadata op not yet on every replica; send it again")
-            seq, op, prev = self.last
-            await self.replicator.to_every("metadata op", self.cluster.live, lambda peer: self.replicator.meta(peer, seq, op, self.meta.tag, prev), self._leads)
-            self.unsettled.discard(rid)
+    async def _settle_again(self, rid: str) -> None:
+        """Under the lock: a retry of op ``rid``, applied here as primary and answered EAGAIN:
+        every live node is brought up to this node's namespace (the last op again; a node
+        further behind asks for the whole namespace) before the retry is answered. Else the
+        retry's answer would acknowledge an op the other replicas may lack (EAGAIN again if
+        that still fails)."""
+        if self.last is None or self.last[0] != self.meta.seq:
+            raise RemoteError("EAGAIN", "metadata op not yet on every replica; send it again")
+        seq, op, prev = self.last
+        await self.replicator.to_every("metadata op", self.cluster.live, lambda peer: self.replicator.meta(peer, seq, op, self.meta.tag, prev), self._leads)
+        self.unsettled.discard(rid)
 
     def _leads(self) -> None:
         primary = self.cluster.meta_primary()

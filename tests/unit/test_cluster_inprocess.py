@@ -713,3 +713,32 @@ async def test_a_node_that_rejoins_holds_no_freeze_from_before(cluster):
         assert node.barrier.frozen_by is None
         with trio.fail_after(5):  # commits there go on at once
             await c.paths.write_file("/g", os.urandom(3 * cfg.stripe_unit))
+
+
+async def test_a_namespace_op_sent_again_while_its_first_attempt_is_under_way_is_applied_once(cluster):
+    """A client gives up on a namespace call that is still under way on the primary (waiting for
+    the lock, or for a slow replica) and sends it again under the same request id. The second
+    attempt, which found no record of the id before the first one applied, must take the first
+    one's answer once it holds the lock: applied again, a mkdir answered EEXIST and a rename
+    ENOENT (chaos --views, seed 2)."""
+    cfg, nodes = cluster
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
+        await c.paths.write_file("/a", b"x")
+        primary = next(n for n in nodes if n.name == c.cluster.meta_primary())
+    ops = [
+        {"op": "mkdir", "parent": 1, "name": "d", "mode": 0o755, "rid": "test:1"},
+        {"op": "rename", "parent": 1, "name": "a", "new_parent": 1, "new_name": "b", "rid": "test:2"},
+    ]
+    for op in ops:
+        answers = []
+
+        async def attempt(op=op):
+            answers.append(await primary.namespace.rpc_meta(dict(op)))
+
+        seq = primary.namespace.meta.seq
+        async with trio.open_nursery() as n:
+            n.start_soon(attempt)
+            n.start_soon(attempt)
+        assert len(answers) == 2 and answers[0] == answers[1]
+        assert primary.namespace.meta.seq == seq + 1  # applied once
+    assert primary.namespace.meta.lookup(1, "d") and primary.namespace.meta.lookup(1, "b")
