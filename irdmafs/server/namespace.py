@@ -125,8 +125,12 @@ class Namespace:
             raise RemoteError("ENOTPRIMARY", primary or "")
 
     async def _take_snapshot(self, op: dict) -> dict:
-        """Freeze commits on every live node, record the namespace, copy every live stripe on
-        every node under the snapshot id, thaw. Every commit is either wholly in or out."""
+        """Freeze commits on every live node, copy every live stripe on every node under the
+        snapshot id, record the snapshot in the namespace, thaw. Every commit is either wholly
+        in or out. The copies come first: a snapshot is named (and a retry of its request
+        answered from the record) only once they exist. Named first, a coordinator killed
+        before the copies left a snapshot that read as zeros, and the retry was told it was
+        taken (chaos --views, seed 2)."""
         self.meta.check_snapshot_name(op["name"])
         nodes = self.cluster.live()
         token = f"{self.name}:{op['id']}"
@@ -135,11 +139,11 @@ class Namespace:
             async with trio.open_nursery() as n:
                 for node in nodes:
                     n.start_soon(self._freeze_one, node, token, frozen)
-            result = await self._apply_and_forward(op)
             copied = {}
             async with trio.open_nursery() as n:
                 for node in nodes:
                     n.start_soon(self._copy_one, node, op["id"], copied)
+            result = await self._apply_and_forward(op)
             log.info("snapshot %r (id %d) taken on %s: %d bytes", op["name"], op["id"], ", ".join(sorted(copied)), sum(copied.values()))
             return dict(result, nodes=sorted(copied))
         finally:

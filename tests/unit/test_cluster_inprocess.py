@@ -742,3 +742,41 @@ async def test_a_namespace_op_sent_again_while_its_first_attempt_is_under_way_is
         assert len(answers) == 2 and answers[0] == answers[1]
         assert primary.namespace.meta.seq == seq + 1  # applied once
     assert primary.namespace.meta.lookup(1, "d") and primary.namespace.meta.lookup(1, "b")
+
+
+async def test_a_snapshot_whose_coordinator_dies_before_the_copies_is_not_named(cluster):
+    """The snapshot's coordinator dies after freezing every node and before the copies: no node
+    names the snapshot (a retry takes it anew). Named before the copies, it read as zeros and
+    the retry of its request was told it was taken (chaos --views, seed 2)."""
+    cfg, nodes = cluster
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
+        await c.paths.write_file("/f", os.urandom(3 * cfg.stripe_unit))
+        primary = next(n for n in nodes if n.name == c.cluster.meta_primary())
+    real = primary.namespace.call_node
+
+    async def call_node(node, method, args):
+        if method == "snap_copy":
+            raise RuntimeError("the coordinator is killed here (test)")
+        return await real(node, method, args)
+
+    primary.namespace.call_node = call_node
+    with pytest.raises(BaseException):
+        await primary.namespace.rpc_meta({"op": "snapshot", "name": "s", "rid": "test:9"})
+    assert all("s" not in n.namespace.meta.snapshots for n in nodes)
+    assert all(n.barrier.frozen_by is None for n in nodes)
+
+
+async def test_a_freeze_lifts_once_its_holder_is_gone(autojump_clock, nursery):
+    """A snapshot's coordinator killed while every node is frozen never thaws them: each lifts
+    the freeze once its view no longer names the coordinator (node.py hands the barrier that
+    test), not 30 s later at its deadline (chaos --views, seed 2: every commit waited)."""
+    from irdmafs.server.barrier import CommitBarrier
+
+    gone: set[str] = set()
+    barrier = CommitBarrier(lambda token: token.split(":")[0] in gone)
+    await barrier.freeze("n1:5", 30.0, nursery)
+    await trio.sleep(5)
+    assert barrier.frozen_by == "n1:5"
+    gone.add("n1")
+    await trio.sleep(1)
+    assert barrier.frozen_by is None
