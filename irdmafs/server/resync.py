@@ -1,9 +1,9 @@
 """Resync: how a PS node that was away (started, restarted, fenced) catches up before it serves.
 
-It takes the namespace of the metadata primary whole (``Namespace.restore``), then every stripe it should hold (live,
-snapshot, optimizer state) from its ready peers, the newest version winning (what they freed
-meanwhile is dropped), then the push bookkeeping of those stripes; it logs its progress and shows
-it in heartbeats (``work``). A rebalance pulls the stripes a new membership gives a node the same
+It takes the namespace of the metadata primary whole (``Namespace.restore``), then every stripe
+it should hold (live, snapshot, optimizer state) from its ready peers, the newest version winning
+(what they freed meanwhile is dropped), then the push bookkeeping of those stripes; it logs its
+progress and shows it in heartbeats (``work``). A rebalance pulls the stripes a new membership gives a node the same
 way (``pull_stripes`` with ``strict``), and the hand-over fetches single stripes
 (``fetch_stripe``).
 """
