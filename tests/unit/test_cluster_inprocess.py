@@ -666,6 +666,18 @@ async def test_a_node_not_yet_caught_up_answers_namespace_reads_eagain(cluster):
             assert (await c.lookup(1, "f"))["ino"] == attr["ino"]
 
 
+def taken_whole_in_a_view(node, nodes, snapshot):
+    """``node`` takes ``snapshot`` whole as a node serving in a view does (the view set for
+    this synchronous call only: the in-process cluster routes by heartbeats)."""
+    from irdmafs.coord.views import View
+
+    node.cluster.view = View(1, tuple((n.name, 1) for n in nodes))
+    try:
+        node.namespace.restore(snapshot, whole=True)
+    finally:
+        node.cluster.view = None
+
+
 async def test_a_namespace_taken_whole_drops_the_stripes_a_missed_truncate_freed(cluster):
     """A node missed a truncate (it was syncing) and kept the stripes it freed; peers hold none
     of them, so no resync fetch finds them gone. Taking the namespace whole drops them (the
@@ -690,10 +702,43 @@ async def test_a_namespace_taken_whole_drops_the_stripes_a_missed_truncate_freed
     node.namespace.meta = Meta.restore(missed)  # as if it never got the truncate
     node.store.replace(fid, 2, memoryview(stale), unit, version)
     node.store.replace(fid, 3, memoryview(os.urandom(unit)), unit, (node.namespace.meta.seq + 1 << VERSION_SHIFT) + 1)  # made since
-    node.namespace.restore(primary.namespace.meta.snapshot(), whole=True)
+    taken_whole_in_a_view(node, nodes, primary.namespace.meta.snapshot())
     assert node.store.get(fid, 2) is None
     assert node.store.get(fid, 3) is not None
     assert node.namespace.meta.snapshot() == primary.namespace.meta.snapshot()
+
+
+async def test_without_views_a_namespace_taken_whole_keeps_what_was_written_while_it_lagged(cluster):
+    """Without views a node's namespace may lag behind acknowledged ops (a node started for a
+    rebalance hears none until it is a member), so a stripe it makes after a truncate it has not
+    seen has a version base from before that truncate. Taking the namespace whole keeps it: the
+    rule above dropped it, and with it an acknowledged write (tests/mount/test_rebalance.py)."""
+    from irdmafs.server.meta import Meta
+
+    cfg, nodes = cluster
+    unit = cfg.stripe_unit
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
+        attr = await c.paths.write_file("/f", os.urandom(3 * unit))
+        fid = attr["ino"]
+        primary = next(n for n in nodes if n.name == c.cluster.meta_primary())
+        node = next(n for n in nodes if n.store.get(fid, 0) is not None and n is not primary)
+        lagging = node.namespace.meta.snapshot()
+        await c.truncate(fid, 0)
+        fresh = os.urandom(unit)
+        await c.write(fid, 0, fresh)  # written after the truncate was acknowledged
+        assert await c.read(fid, 0, unit) == fresh
+    node.namespace.meta = Meta.restore(lagging)  # as if it had heard neither op
+    made = node.store.get(fid, 0)
+    node.store.replace(fid, 0, memoryview(fresh), unit, node.store.version_base() + 1)  # made at its old seq
+    node.namespace.restore(primary.namespace.meta.snapshot(), whole=True)
+    kept = node.store.get(fid, 0)
+    assert made is not None and kept is not None and bytes(kept.data[:unit]) == fresh
+    # the same stripe under a view is one made before the truncate, and is dropped
+    taken_whole_in_a_view(node, nodes, lagging)
+    node.namespace.meta = Meta.restore(lagging)
+    node.store.replace(fid, 0, memoryview(fresh), unit, node.store.version_base() + 1)
+    taken_whole_in_a_view(node, nodes, primary.namespace.meta.snapshot())
+    assert node.store.get(fid, 0) is None
 
 
 async def test_a_node_that_rejoins_holds_no_freeze_from_before(cluster):
