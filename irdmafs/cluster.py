@@ -42,7 +42,7 @@ import trio
 from .config import ClusterConfig, NodeSpec
 from .coord.views import View
 from .placement import rank, stripe_key
-from .regions import HEADER, read_header
+from .regions import HEADER, Header, read_header
 from .transport.base import (
     AccessError,
     ConnectError,
@@ -364,7 +364,7 @@ class Cluster:
             self._failed(name, exc, begun)
             raise NodeDown(name, str(exc) or "write timed out") from None
 
-    async def read_stripe(self, name: str, rkey: int, offset: int, into: memoryview, inc: int | None = None) -> tuple[int, int]:
+    async def read_stripe(self, name: str, rkey: int, offset: int, into: memoryview, inc: int | None = None) -> Header:
         """``read_verified`` against one node, counted in its load; marks it down on failure."""
         begun = trio.current_time()
         conn = await self._conn_for(name, inc)
@@ -378,8 +378,8 @@ class Cluster:
         finally:
             self.load[name] -= 1
 
-    async def read_header(self, name: str, rkey: int, inc: int | None = None) -> tuple[int, int]:
-        """A stripe's (version, clock) from its header alone: how a pull waits for a step."""
+    async def read_header(self, name: str, rkey: int, inc: int | None = None) -> Header:
+        """A stripe's header alone: how a pull waits for a step."""
         begun = trio.current_time()
         buf = bytearray(HEADER)
         conn = await self._conn_for(name, inc)
@@ -554,9 +554,9 @@ class StagingPool:
                 free.append(offset)
 
 
-async def read_verified(conn: Connection, rkey: int, offset: int, into: memoryview, *, retries: int = 100) -> tuple[int, int]:
+async def read_verified(conn: Connection, rkey: int, offset: int, into: memoryview, *, retries: int = 100) -> Header:
     """Read ``into`` from data offset ``offset`` of a stripe region, untorn; returns its
-    (version, clock).
+    header.
 
     The header is read before and after the data in one pipelined burst; the peer serves them in
     order, so equal headers with an even version mean no install overlapped the data read."""

@@ -4,7 +4,12 @@ peer that reads it one-sidedly (cluster.py).
 A region is ``[version: u64][clock: u64][data: capacity bytes]``, little-endian: a 16-byte
 header, then the data. The version word is a seqlock: ``2 * version`` while the stripe is stable,
 odd while an install is under way. The clock word counts the training steps applied to the stripe
-(server/policies.py), so a pull waits for a step by reading the header alone.
+and published (server/policies.py), so a pull waits for a step by reading the header alone. Its
+top bit (``PENDING``) says the data already holds a step whose clock is not published yet: a
+primary installs a step, replicates it, and only then publishes its clock (server/training.py,
+``_settle``), so meanwhile its bytes are newer than its clock says. A reader that wants the
+stripes of a tensor all of one step (``StripeIO.read_settled``) reads such a stripe again once
+it is published; a pull, which wants "this step or later", needs only the clock.
 
 Pure: no I/O.
 """
@@ -12,14 +17,34 @@ Pure: no I/O.
 from __future__ import annotations
 
 import struct
+from typing import NamedTuple
 
 HEADER = 16  # bytes before a stripe's data: the version word, then the clock word
 WORD = struct.Struct("<Q")
 VERSION_AT = 0  # offset of the version word
 CLOCK_AT = 8  # offset of the clock word
+PENDING = 1 << 63  # in the clock word: the data holds a step whose clock is not published yet
 
 
-def read_header(buf) -> tuple[int, int]:
-    """(version, clock) of a stripe header in ``buf`` (its version word halved: stable only if
-    the word was even, which the caller checks)."""
-    return WORD.unpack_from(buf, VERSION_AT)[0] // 2, WORD.unpack_from(buf, CLOCK_AT)[0]
+class Header(NamedTuple):
+    """A stripe header as read: ``version`` (its word halved: stable only if the word was even,
+    which the caller checks), the published ``clock``, and whether the data is ``pending``,
+    ahead of that clock."""
+
+    version: int
+    clock: int
+    pending: bool = False
+
+    @property
+    def clock_word(self) -> int:
+        """The clock word that says the same (what a copy of the stripe stores)."""
+        return clock_word(self.clock, self.pending)
+
+
+def clock_word(clock: int, pending: bool = False) -> int:
+    return clock | PENDING if pending else clock
+
+
+def read_header(buf) -> Header:
+    word = WORD.unpack_from(buf, CLOCK_AT)[0]
+    return Header(WORD.unpack_from(buf, VERSION_AT)[0] // 2, word & ~PENDING, bool(word & PENDING))

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import trio
 
 from ..cluster import Cluster, NodeDown, StagingPool, TornRead, Unavailable, staging_gone
+from ..regions import Header
 from ..transport.base import AccessError, RemoteError
 from ..util import leaves
 
@@ -28,6 +29,16 @@ log = logging.getLogger(__name__)
 CLOCK_SLICE = 1.0
 # A settled read (read_settled) waits this long for stripes whose clock is behind the others'.
 SETTLE = 0.5
+
+
+def _unsettled(heads: dict[int, Header]) -> dict[int, int]:
+    """The stripes of a settled read to read again, each with the clock to wait for: those
+    behind the newest step read (a pending stripe's bytes hold at least its clock's next
+    step), and every pending one, until its own clock is published past what it showed."""
+    if not heads:
+        return {}
+    newest = max(h.clock + h.pending for h in heads.values())
+    return {i: max(newest, h.clock + 1) if h.pending else newest for i, h in heads.items() if h.pending or h.clock < newest}
 
 
 class _Behind(Exception):
@@ -123,7 +134,7 @@ class StripeIO:
         (trio.TooSlowError after that). ``eager(idx)`` True says the stripe is likely there
         already (this client's push closed its round): it is read at once, its clock checked
         in the same burst, instead of its header first (one round trip less per stripe). With
-        ``clocks``, each stripe read records its clock there by stripe index (a hole none)."""
+        ``clocks``, each stripe read records its header there by stripe index (a hole none)."""
         n = max(0, min(len(into), size - offset))
         pieces = split(offset, n, unit)
         await self._prefetch(fid, [p.idx for p in pieces], snap)
@@ -148,32 +159,34 @@ class StripeIO:
 
     async def read_settled(self, fid: int, size: int, unit: int, offset: int, into: memoryview, snap: int = 0, timeout: float = 30.0) -> int:
         """``read`` of a range that training updates stripe by stripe (a tensor), all of one
-        version: returned once every stripe read shows the same clock (the same steps applied).
-        Stripes behind the newest clock read are read again once they reach it (waiting up to
-        SETTLE seconds each time); stripes that stay behind without moving for that long are at
-        rest (trained apart, a file grown after training: no step half applied) and taken as
-        they are. A snapshot is frozen: read once. RemoteError EAGAIN if no such read came
-        within ``timeout`` seconds."""
+        version: returned once every stripe read shows the same published clock (the same steps
+        applied) and none is pending (its bytes already hold a step whose clock its primary
+        publishes once every backup holds it: regions.PENDING; equal clocks said nothing then,
+        and a reader got one stripe of the next step beside two of this one). Stripes behind
+        the newest clock, or pending, are read again once their clock reaches it (waiting up to
+        SETTLE seconds each time); stripes that stay so without moving for that long are at rest
+        (trained apart, a file grown after training, a step whose replication failed and that
+        nothing trains on: no step under way) and taken as they are. A snapshot is frozen: read
+        once. RemoteError EAGAIN if no such read came within ``timeout`` seconds."""
         deadline = trio.current_time() + timeout
-        clocks: dict[int, int] = {}
-        n = await self.read(fid, size, unit, offset, into, snap, clocks=clocks)
+        heads: dict[int, Header] = {}
+        n = await self.read(fid, size, unit, offset, into, snap, clocks=heads)
         pieces = {p.idx: p for p in split(offset, n, unit)}
-        while not snap and len(set(clocks.values())) > 1:
+        while not snap and (behind := _unsettled(heads)):
             if trio.current_time() > deadline:
-                raise RemoteError("EAGAIN", f"file {fid}: stripes {clocks} kept moving apart for {timeout:.0f}s")
-            target = max(clocks.values())
-            behind = {i: c for i, c in clocks.items() if c < target}
+                raise RemoteError("EAGAIN", f"file {fid}: stripes {heads} kept moving apart for {timeout:.0f}s")
+            before = {i: heads[i] for i in behind}
 
-            async def catch_up(p: Piece) -> None:
+            async def catch_up(p: Piece, want: int) -> None:
                 try:
-                    await self.read(fid, size, unit, offset + p.pos, into[p.pos : p.pos + p.length], snap, min_clock=target, wait=SETTLE, clocks=clocks)
+                    await self.read(fid, size, unit, offset + p.pos, into[p.pos : p.pos + p.length], snap, min_clock=want, wait=SETTLE, clocks=heads)
                 except trio.TooSlowError:  # not there yet: where is it now (moved, or at rest)?
-                    await self.read(fid, size, unit, offset + p.pos, into[p.pos : p.pos + p.length], snap, clocks=clocks)
+                    await self.read(fid, size, unit, offset + p.pos, into[p.pos : p.pos + p.length], snap, clocks=heads)
 
             async with trio.open_nursery() as nursery:
-                for i in behind:
-                    nursery.start_soon(catch_up, pieces[i])
-            if all(clocks[i] == c for i, c in behind.items()):
+                for i, want in behind.items():
+                    nursery.start_soon(catch_up, pieces[i], want)
+            if all(heads[i] == h for i, h in before.items()):
                 return n  # none of them moved for SETTLE seconds: at rest
         return n
 
@@ -188,7 +201,7 @@ class StripeIO:
         model would otherwise read hundreds of headers every few milliseconds while a slower
         rank computes, and each of those reads costs both sides CPU on TCP."""
         give_up = min(deadline, trio.current_time() + CLOCK_SLICE)
-        while (await self.cluster.read_header(node, rkey, inc))[1] < min_clock:
+        while (await self.cluster.read_header(node, rkey, inc)).clock < min_clock:
             if trio.current_time() >= give_up:
                 if give_up >= deadline:
                     raise trio.TooSlowError
@@ -204,7 +217,7 @@ class StripeIO:
                 while trio.current_time() < give_up:
                     await trio.sleep(delay)
                     delay = min(delay * 2, 0.02)
-                    if (await self.cluster.read_header(node, rkey, inc))[1] >= min_clock:
+                    if (await self.cluster.read_header(node, rkey, inc)).clock >= min_clock:
                         break
             finally:
                 del self._watches[node]
@@ -262,12 +275,12 @@ class StripeIO:
                 if min_clock and not guess:
                     await self._wait_clock(node, rkey, inc, min_clock, clock_deadline)
                 if k:
-                    clock = (await self.cluster.read_stripe(node, rkey, p.offset, view[:k], inc))[1]
-                    if guess and clock < min_clock:  # guessed wrong: wait, then read again
+                    head = await self.cluster.read_stripe(node, rkey, p.offset, view[:k], inc)
+                    if guess and head.clock < min_clock:  # guessed wrong: wait, then read again
                         await self._wait_clock(node, rkey, inc, min_clock, clock_deadline)
-                        clock = (await self.cluster.read_stripe(node, rkey, p.offset, view[:k], inc))[1]
+                        head = await self.cluster.read_stripe(node, rkey, p.offset, view[:k], inc)
                     if clocks is not None:
-                        clocks[p.idx] = clock
+                        clocks[p.idx] = head
                 view[k:] = bytes(len(view) - k)
                 return
             except _Behind:

@@ -206,13 +206,13 @@ class Resync:
                 log.info("stripe %d:%d (snapshot %d) is gone from %s (freed meanwhile)", fid, idx, snap, peer)
                 return None
             buf = bytearray(info["capacity"])
-            version, clock = await self.cluster.read_stripe(peer, info["rkey"], 0, memoryview(buf), inc)
+            head = await self.cluster.read_stripe(peer, info["rkey"], 0, memoryview(buf), inc)
         except (TransportError, RemoteError) as exc:
             log.warning("stripe %d:%d from %s failed: %s", fid, idx, peer, exc)
             return False
         async with self.stripe_locks((fid, idx)):
             mine = self.store.get(fid, idx, snap)
-            theirs = (info.get("tag", 0), version)
+            theirs = (info.get("tag", 0), head.version)
             if instead is not None and mine is not None and mine.stamp == instead:
                 if snap == 0 and (theirs != instead or self.cluster.view is None):
                     # its push bookkeeping goes with the bytes: the peers' record comes with theirs.
@@ -222,7 +222,7 @@ class Resync:
                     # simulator, mixed seed 92). Without, two primaries may have numbered other bytes
                     # alike, so the record goes with them.
                     self.training.records.pop((fid, idx), None)
-                self.store.replace(fid, idx, memoryview(buf), 2 * self.cfg.stripe_unit, version, snap, clock, theirs[0])
+                self.store.replace(fid, idx, memoryview(buf), 2 * self.cfg.stripe_unit, head.version, snap, head.clock_word, theirs[0])
             elif mine is None or mine.stamp < theirs:  # replication may have brought newer
-                self.store.replace(fid, idx, memoryview(buf), 2 * self.cfg.stripe_unit, version, snap, clock, theirs[0])
+                self.store.replace(fid, idx, memoryview(buf), 2 * self.cfg.stripe_unit, head.version, snap, head.clock_word, theirs[0])
         return True

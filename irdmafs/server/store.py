@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from ..regions import CLOCK_AT, HEADER, VERSION_AT, WORD
+from ..regions import CLOCK_AT, HEADER, PENDING, VERSION_AT, WORD
 from ..transport.base import Access, Region, Transport
 
 GROW = 64 << 10
@@ -64,7 +64,13 @@ class Stripe:
 
     @property
     def clock(self) -> int:
-        return WORD.unpack_from(self.region.buf, CLOCK_AT)[0]
+        """The training steps applied and published (what a pull waits for)."""
+        return WORD.unpack_from(self.region.buf, CLOCK_AT)[0] & ~PENDING
+
+    @property
+    def pending(self) -> bool:
+        """The data holds a step whose clock is not published yet (regions.py)."""
+        return bool(WORD.unpack_from(self.region.buf, CLOCK_AT)[0] & PENDING)
 
     def describe(self) -> dict:
         return {"rkey": self.region.rkey, "capacity": self.capacity, "version": self.version, "clock": self.clock, "tag": self.tag}
@@ -146,11 +152,12 @@ class Store:
         self._saved((fid, idx, snap), HEADER + offset, HEADER + offset + len(data))
         return new
 
-    def update(self, fid: int, idx: int, offset: int, length: int, unit: int, fn, clock: int | None = None) -> int:
+    def update(self, fid: int, idx: int, offset: int, length: int, unit: int, fn, clock: int | None = None, pending: bool = False) -> int:
         """Change ``length`` bytes at ``offset`` of a live stripe in place: ``fn(view)`` runs
         under the seqlock (it must not await), then the clock is set if given; returns the new
         version. An optimizer step this way writes the parameters once, where a copy out, the
-        step and ``install`` would pass over them three times."""
+        step and ``install`` would pass over them three times. ``pending``: the bytes now hold
+        a step whose clock ``publish_clock`` sets later; readers see both in one header."""
         fresh = (fid, idx, 0) not in self.stripes
         stripe = self.ensure(fid, idx, offset + length, unit)
         buf = stripe.region.buf
@@ -162,6 +169,8 @@ class Store:
                 fn(memoryview(buf)[HEADER + offset : HEADER + offset + length])
             if clock is not None:
                 WORD.pack_into(buf, CLOCK_AT, clock)
+            elif pending:
+                WORD.pack_into(buf, CLOCK_AT, WORD.unpack_from(buf, CLOCK_AT)[0] | PENDING)
         finally:
             WORD.pack_into(buf, VERSION_AT, 2 * new)  # never left odd: readers would wait forever
         stripe.tag = self.epoch()
@@ -170,8 +179,8 @@ class Store:
 
     def publish_clock(self, fid: int, idx: int, clock: int) -> None:
         """Set a live stripe's clock alone: a primary's training step, once every backup holds
-        it (server/training.py, ``_settle``). Readers compare the whole header before and
-        after the data, so one that straddles this retries."""
+        it (server/training.py, ``_settle``); the data is no longer pending. Readers compare
+        the whole header before and after the data, so one that straddles this retries."""
         stripe = self.stripes.get((fid, idx, 0))
         if stripe is None:  # freed meanwhile (a truncate, an unlink)
             return
@@ -179,7 +188,8 @@ class Store:
         self._saved((fid, idx, 0), CLOCK_AT, CLOCK_AT + WORD.size)
 
     def replace(self, fid: int, idx: int, data: memoryview, unit: int, version: int, snap: int = 0, clock: int = 0, tag: int = 0) -> None:
-        """Set the whole stripe content (resync, or a backup found behind)."""
+        """Set the whole stripe content (resync, or a backup found behind). ``clock`` is the
+        whole clock word: a copy of a stripe whose step is not yet published stays pending."""
         stripe = self.ensure(fid, idx, len(data), unit, snap)
         buf = stripe.region.buf
         WORD.pack_into(buf, VERSION_AT, WORD.unpack_from(buf, VERSION_AT)[0] | 1)

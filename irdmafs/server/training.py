@@ -358,7 +358,9 @@ class Training:
         def step(view: memoryview) -> None:
             self._apply_updates(fid, idx, np.frombuffer(view, dtype), updates, opt, unit)
 
-        self.store.update(fid, idx, offset, count * dtype.itemsize, unit, step if updates else None)
+        # the bytes hold the step before its clock is published: readers that want a tensor
+        # all of one step see that in the header (regions.PENDING) and wait for the publish
+        self.store.update(fid, idx, offset, count * dtype.itemsize, unit, step if updates else None, pending=bool(updates))
         self.serving.led_now((fid, idx, 0))
         self.apply_seconds += time.perf_counter() - t0
         nstate = len(opt.state_names) if updates else 0
