@@ -32,13 +32,15 @@ SETTLE = 0.5
 
 
 def _unsettled(heads: dict[int, Header]) -> dict[int, int]:
-    """The stripes of a settled read to read again, each with the clock to wait for: those
-    behind the newest step read (a pending stripe's bytes hold at least its clock's next
-    step), and every pending one, until its own clock is published past what it showed."""
+    """The stripes of a settled read to read again, each with the clock to wait for (published,
+    not pending): those behind the newest clock read, and every pending one. A pending stripe
+    waits for its flag to clear, not for a later clock: under bsp its publish moves the clock
+    (and the others then wait for it), under asp, ssp and r2sp most pushes leave the clock
+    where it was."""
     if not heads:
         return {}
-    newest = max(h.clock + h.pending for h in heads.values())
-    return {i: max(newest, h.clock + 1) if h.pending else newest for i, h in heads.items() if h.pending or h.clock < newest}
+    newest = max(h.clock for h in heads.values())
+    return {i: newest for i, h in heads.items() if h.pending or h.clock < newest}
 
 
 class _Behind(Exception):
@@ -127,6 +129,7 @@ class StripeIO:
         wait: float = 0.0,
         eager=None,
         clocks: dict | None = None,
+        settled: bool = False,
     ) -> int:
         """Fill ``into`` from ``offset`` (clipped at ``size``) of the live file or of snapshot
         ``snap``; returns the byte count. With ``min_clock``, each stripe is read once its clock
@@ -134,14 +137,15 @@ class StripeIO:
         (trio.TooSlowError after that). ``eager(idx)`` True says the stripe is likely there
         already (this client's push closed its round): it is read at once, its clock checked
         in the same burst, instead of its header first (one round trip less per stripe). With
-        ``clocks``, each stripe read records its header there by stripe index (a hole none)."""
+        ``clocks``, each stripe read records its header there by stripe index (a hole none).
+        ``settled``: the wait is also for the stripe not to be pending (regions.PENDING)."""
         n = max(0, min(len(into), size - offset))
         pieces = split(offset, n, unit)
         await self._prefetch(fid, [p.idx for p in pieces], snap)
         try:
             async with trio.open_nursery() as nursery:
                 for p in pieces:
-                    nursery.start_soon(self._read_piece, fid, p, into[p.pos : p.pos + p.length], snap, min_clock, wait, eager, clocks)
+                    nursery.start_soon(self._read_piece, fid, p, into[p.pos : p.pos + p.length], snap, min_clock, wait, eager, clocks, settled)
         except BaseExceptionGroup as group:
             # every piece ran out of the same wait (a pull's timeout): that is one timeout
             if all(isinstance(e, trio.TooSlowError) for e in leaves(group)):
@@ -179,7 +183,7 @@ class StripeIO:
 
             async def catch_up(p: Piece, want: int) -> None:
                 try:
-                    await self.read(fid, size, unit, offset + p.pos, into[p.pos : p.pos + p.length], snap, min_clock=want, wait=SETTLE, clocks=heads)
+                    await self.read(fid, size, unit, offset + p.pos, into[p.pos : p.pos + p.length], snap, min_clock=want, wait=SETTLE, clocks=heads, settled=True)
                 except trio.TooSlowError:  # not there yet: where is it now (moved, or at rest)?
                     await self.read(fid, size, unit, offset + p.pos, into[p.pos : p.pos + p.length], snap, clocks=heads)
 
@@ -190,8 +194,9 @@ class StripeIO:
                 return n  # none of them moved for SETTLE seconds: at rest
         return n
 
-    async def _wait_clock(self, node: str, rkey: int, inc: int, min_clock: int, deadline: float) -> None:
-        """Read the stripe header one-sidedly until its clock reaches ``min_clock``; after
+    async def _wait_clock(self, node: str, rkey: int, inc: int, min_clock: int, deadline: float, settled: bool = False) -> None:
+        """Read the stripe header one-sidedly until its clock reaches ``min_clock`` (and, if
+        ``settled``, it is not pending); after
         CLOCK_SLICE seconds raise _Behind so that another replica is asked (this one may have
         missed an update), and trio.TooSlowError at ``deadline``.
 
@@ -201,7 +206,11 @@ class StripeIO:
         model would otherwise read hundreds of headers every few milliseconds while a slower
         rank computes, and each of those reads costs both sides CPU on TCP."""
         give_up = min(deadline, trio.current_time() + CLOCK_SLICE)
-        while (await self.cluster.read_header(node, rkey, inc)).clock < min_clock:
+
+        def reached(head: Header) -> bool:
+            return head.clock >= min_clock and not (settled and head.pending)
+
+        while not reached(await self.cluster.read_header(node, rkey, inc)):
             if trio.current_time() >= give_up:
                 if give_up >= deadline:
                     raise trio.TooSlowError
@@ -217,14 +226,23 @@ class StripeIO:
                 while trio.current_time() < give_up:
                     await trio.sleep(delay)
                     delay = min(delay * 2, 0.02)
-                    if (await self.cluster.read_header(node, rkey, inc)).clock >= min_clock:
+                    if reached(await self.cluster.read_header(node, rkey, inc)):
                         break
             finally:
                 del self._watches[node]
                 watch.set()  # the others look at their own headers again
 
     async def _read_piece(
-        self, fid: int, p: Piece, view: memoryview, snap: int, min_clock: int = 0, wait: float = 0.0, eager=None, clocks: dict | None = None
+        self,
+        fid: int,
+        p: Piece,
+        view: memoryview,
+        snap: int,
+        min_clock: int = 0,
+        wait: float = 0.0,
+        eager=None,
+        clocks: dict | None = None,
+        settled: bool = False,
     ) -> None:
         missing: set[str] = set()
         lost: set[str] = set()  # replicas that could not be reached by this read
@@ -272,8 +290,8 @@ class StripeIO:
                     continue
                 k = max(0, min(len(view), capacity - p.offset))
                 guess = bool(min_clock and k and eager is not None and eager(p.idx))
-                if min_clock and not guess:
-                    await self._wait_clock(node, rkey, inc, min_clock, clock_deadline)
+                if (min_clock or settled) and not guess:
+                    await self._wait_clock(node, rkey, inc, min_clock, clock_deadline, settled)
                 if k:
                     head = await self.cluster.read_stripe(node, rkey, p.offset, view[:k], inc)
                     if guess and head.clock < min_clock:  # guessed wrong: wait, then read again

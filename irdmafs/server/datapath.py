@@ -131,8 +131,9 @@ class DataPath:
                 self.store.install(fid, idx, offset, data, unit, version, clock, snap, tag)
             elif held < (tag, version):
                 return {"stale": True}
-            if snap == 0 and held == (tag, version) and clock > stripe.clock:
-                # the same version, copied here (a resync) before its primary published its clock
+            if snap == 0 and held == (tag, version) and (clock > stripe.clock or stripe.pending and clock >= stripe.clock):
+                # the same version, copied here (a resync) before its primary published its
+                # clock (it may be pending, or the step may not have moved the clock: asp)
                 self.store.publish_clock(fid, idx, clock)
             for k in range(1, state + 1):  # with the parameters, not before: never one without the other
                 held = self.state_ahead.pop((fid, idx, -k), None)

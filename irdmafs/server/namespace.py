@@ -252,7 +252,7 @@ class Namespace:
             known = self.meta.files()
             for fid in {fid for fid, _, snap in self.store.stripes if snap == 0} - known:
                 self.store.drop(fid)
-            if self.cluster.view is not None:
+            if whole and self.cluster.view is not None:
                 self._drop_cut()
             snaps = set(self.meta.snapshot_ids().values())
             for snap in {snap for _, _, snap in self.store.stripes if snap} - snaps:
@@ -266,13 +266,14 @@ class Namespace:
         the old bytes (chaos --views, seed 2). A stripe past the size but made since (a write
         whose extend has not come yet) stays.
 
-        Only with views: there a namespace op is acknowledged once every serving node holds it,
-        so a node that makes a stripe after a truncate was acknowledged has applied it, and its
-        version base says so. Without views a node's namespace may lag (a node started for a
-        rebalance gets no namespace ops until it is a member; a replica that failed a forward
-        is counted down, not waited for): it made stripes from its old seq after truncates it
-        had not seen, and this dropped them, acknowledged writes lost (the rebalance mount test,
-        tests/mount/test_rebalance.py, in 3 of 4 runs)."""
+        Only when a resync takes the namespace whole, and only with views: there a namespace op
+        is acknowledged once every serving node holds it, and a node resyncs before it serves,
+        so a stripe it made after an acknowledged truncate has a version base past it. A
+        namespace taken to catch up (an op answered stale) may find stripes the node made while
+        it lagged, with or without views: a node a rebalance added hears no namespace op until
+        it is a member. Without views any node's namespace may lag (a replica that failed a
+        forward is counted down, not waited for). Dropped, those were acknowledged writes lost
+        (the rebalance mount test, tests/mount/test_rebalance.py, in 3 of 4 runs)."""
         for (fid, idx, snap), stripe in list(self.store.stripes.items()):
             if snap <= 0 and any(idx >= cut and stripe.version < seq << VERSION_SHIFT for seq, cut in self.meta.cuts.get(fid, ())):
                 log.info("stripe %d:%d (snapshot %d) was freed by a truncate this node missed: dropped", fid, idx, snap)

@@ -36,7 +36,7 @@ class Persist:
         end = len(buf) if end is None else end
         fd = os.open(self._path(key), os.O_WRONLY | os.O_CREAT, 0o600)
         try:
-            if start > header:
+            if start >= header:  # a range at data offset 0 too: its header changed with it
                 os.pwrite(fd, buf[:header], 0)
             os.pwrite(fd, buf[start:end], start)
         finally:

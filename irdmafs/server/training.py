@@ -298,7 +298,7 @@ class Training:
         """A step applied here whose replication failed (its clock unpublished: ``_settle``) is
         sent to every replica again and published. Called with the stripe's lock held."""
         stripe = self.store.get(fid, idx)
-        if stripe is not None and st.span[2] and stripe.clock < st.clock(model):
+        if stripe is not None and st.span[2] and (stripe.clock < st.clock(model) or stripe.pending):
             await self._settle(fid, idx, st, model, opt, dtype, [])
 
     def _signal_applied(self) -> None:
@@ -340,7 +340,7 @@ class Training:
         # The push bookkeeping goes to the backups with the parameters it produced, in the same
         # apply: a backup that takes over then holds both or neither, so a client's retry of an
         # unanswered push is applied exactly once (duplicate if it was, anew if it was not).
-        if not updates and stripe.clock == clock:  # a push taken, nothing to apply yet
+        if not updates and stripe.clock == clock and not stripe.pending:  # a push taken, nothing to apply yet
             if model.policy.kind == "bsp":
                 # It only adds to an open round, whose sum stays here: the backups learn of
                 # the round when it is applied (the record goes with the parameters). Until

@@ -71,6 +71,15 @@ def install_pending(nodes, fid: int, idx: int, value: float) -> None:
     raise AssertionError(f"no primary holds stripe {idx}")
 
 
+def only_primaries(nodes, client, fid: int) -> None:
+    """Every read goes to the primaries, which hold a step first: backups drop their copies."""
+    for idx in range(3):
+        for node in nodes:
+            if node.store.get(fid, idx) is not None and node.cluster.stripe_primary(fid, idx) != node.name:
+                node.store.drop_keys([(fid, idx, 0)])
+    client.io.forget(fid)
+
+
 async def test_a_step_installed_but_not_yet_published_is_waited_out(nursery):
     """A primary installs a step, replicates it, then publishes its clock: in between its bytes
     are a step ahead of its clock, and equal clocks do not mean one version (two workers
@@ -78,11 +87,7 @@ async def test_a_step_installed_but_not_yet_published_is_waited_out(nursery):
     one, in CI)."""
     nodes, client, attr = await tensor(nursery)
     fid = attr["ino"]
-    for idx in range(3):  # every read goes to the primary, which holds the step first
-        for node in nodes:
-            if node.store.get(fid, idx) is not None and node.cluster.stripe_primary(fid, idx) != node.name:
-                node.store.drop_keys([(fid, idx, 0)])
-    client.io.forget(fid)
+    only_primaries(nodes, client, fid)
     install_pending(nodes, fid, 0, 2.0)
     primary0 = next(n for n in nodes if n.store.get(fid, 0) is not None)
     assert primary0.store.get(fid, 0).pending and primary0.store.get(fid, 0).clock == 1
@@ -99,6 +104,36 @@ async def test_a_step_installed_but_not_yet_published_is_waited_out(nursery):
     install_pending(nodes, fid, 0, 3.0)
     mixed = np.frombuffer(await client.read(fid, 0, attr["size"], attr), np.float32)
     assert (mixed[: N // 3] == 3.0).all() and (mixed[N // 3 :] == 2.0).all()
+
+
+async def test_a_push_that_leaves_the_clock_is_waited_for_until_published(nursery):
+    """Under asp, ssp and r2sp most pushes apply without moving the clock: the stripe is pending
+    at the clock it had, then published at that same clock. A settled read waits for the flag
+    to clear, not for a next clock that does not come (it waited out SETTLE at every turn and,
+    while pushes kept coming, answered EAGAIN)."""
+    nodes, client, attr = await tensor(nursery)
+    fid = attr["ino"]
+    only_primaries(nodes, client, fid)
+    primary0 = next(n for n in nodes if n.store.get(fid, 0) is not None and n.cluster.stripe_primary(fid, 0) == n.name)
+    stop = trio.Event()
+
+    async def pushes():
+        """asp pushes on stripe 0, back to back: pending, then published at clock 1, again."""
+        value = 1.0
+        while not stop.is_set():
+            value += 1.0
+            install_pending(nodes, fid, 0, value)
+            await trio.sleep(stripe_io.SETTLE / 8)
+            primary0.store.publish_clock(fid, 0, 1)
+            await trio.sleep(stripe_io.SETTLE / 8)
+
+    out = np.empty(N, np.float32)
+    async with trio.open_nursery() as n:
+        n.start_soon(pushes)
+        await trio.sleep(0.01)
+        await settled(client, attr, out, timeout=2 * stripe_io.SETTLE)
+        stop.set()
+    assert (out[N // 3 :] == 1.0).all() and out[0] >= 2.0 and (out[: N // 3] == out[0]).all()
 
 
 async def test_stripes_at_rest_with_different_clocks_are_read_as_they_are(nursery):
