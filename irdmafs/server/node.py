@@ -94,7 +94,10 @@ class Node:
         self.serving = Serving(cfg, name, self.cluster, self.lease, transport.incarnation)
         self.staging = StagingRegions(transport)
         self.stripe_locks = KeyedLocks()
-        self.barrier = CommitBarrier()
+        # with views, a snapshot's freeze (token "<node>:<id>") lifts once the view no longer
+        # names its coordinator active; a rebalance's ("rebalance:..."), and any without views
+        # (a heartbeat missed under load is no proof), only by its thaw or its deadline
+        self.barrier = CommitBarrier(self._freezer_gone)
         # this node's own slots in its peers' staging regions, as a writer: replicated stripe
         # ranges, optimizer state and push bookkeeping go through them to the backups (slots
         # of two units: optimizer state of a float16 stripe is twice its size)
@@ -245,6 +248,10 @@ class Node:
         return {"capacity": self.cfg.capacity, "used": self.store.bytes_held, "files": len(self.meta.inodes)}
 
     # -- the commit barrier (snapshots, rebalance) -------------------------------------------
+    def _freezer_gone(self, token: str) -> bool:
+        holder = token.split(":")[0]
+        return self.cluster.view is not None and holder in self.cfg.names and holder not in self.cluster.view.active
+
     async def rpc_freeze(self, token: str, seconds: float) -> dict:
         """Hold new commits and pushes and wait for those in flight (barrier.py)."""
         await self.barrier.freeze(token, seconds, self.cluster.nursery)

@@ -220,8 +220,10 @@ class Store:
         return len(keys)
 
     def copy_snapshot(self, snap: int) -> int:
-        """Copy every live stripe (data and version word) under snapshot id ``snap``; returns the
-        bytes copied. Synchronous: nothing can commit in between."""
+        """Copy every live stripe (data and version word) under snapshot id ``snap``, in place of
+        any copy held under it (an attempt whose coordinator died before the snapshot was
+        named); returns the bytes copied. Synchronous: nothing can commit in between."""
+        self._drop([k for k in self.stripes if k[2] == snap])
         live = [(k, s) for k, s in self.stripes.items() if k[2] == 0]
         need = sum(s.capacity for _, s in live)
         if self.used + need > self.capacity:

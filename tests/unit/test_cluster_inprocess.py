@@ -816,3 +816,18 @@ async def test_a_snapshot_whose_coordinator_dies_before_the_copies_is_not_named(
     assert all("s" not in n.namespace.meta.snapshots for n in nodes)
     assert all(n.barrier.frozen_by is None for n in nodes)
 
+
+async def test_a_freeze_lifts_once_its_holder_is_gone(autojump_clock, nursery):
+    """A snapshot's coordinator killed while every node is frozen never thaws them: each lifts
+    the freeze once its view no longer names the coordinator (node.py hands the barrier that
+    test), not 30 s later at its deadline (chaos --views, seed 2: every commit waited)."""
+    from irdmafs.server.barrier import CommitBarrier
+
+    gone: set[str] = set()
+    barrier = CommitBarrier(lambda token: token.split(":")[0] in gone)
+    await barrier.freeze("n1:5", 30.0, nursery)
+    await trio.sleep(5)
+    assert barrier.frozen_by == "n1:5"
+    gone.add("n1")
+    await trio.sleep(1)
+    assert barrier.frozen_by is None
