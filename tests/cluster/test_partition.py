@@ -76,7 +76,7 @@ async def stripe_from(c: Client, node: str, fid: int, idx: int) -> tuple[int, by
     """(version, data) of one stripe read straight from ``node``."""
     info = (await c.cluster.call(node, "stripe_info", {"fid": fid, "idxs": [idx]}))[str(idx)]
     buf = bytearray(info["capacity"])
-    version, _ = await read_verified(await c.cluster.conn(node), info["rkey"], 0, memoryview(buf))
+    version = (await read_verified(await c.cluster.conn(node), info["rkey"], 0, memoryview(buf))).version
     return version, bytes(buf)
 
 
