@@ -182,10 +182,11 @@ class StripeIO:
             before = {i: heads[i] for i in behind}
 
             async def catch_up(p: Piece, want: int) -> None:
+                piece = into[p.pos : p.pos + p.length]
                 try:
-                    await self.read(fid, size, unit, offset + p.pos, into[p.pos : p.pos + p.length], snap, min_clock=want, wait=SETTLE, clocks=heads, settled=True)
+                    await self.read(fid, size, unit, offset + p.pos, piece, snap, min_clock=want, wait=SETTLE, clocks=heads, settled=True)
                 except trio.TooSlowError:  # not there yet: where is it now (moved, or at rest)?
-                    await self.read(fid, size, unit, offset + p.pos, into[p.pos : p.pos + p.length], snap, clocks=heads)
+                    await self.read(fid, size, unit, offset + p.pos, piece, snap, clocks=heads)
 
             async with trio.open_nursery() as nursery:
                 for i, want in behind.items():
