@@ -176,6 +176,12 @@ class Membership:
                 log.warning("hand-over: the namespace of %s not fetched: %s", newest[0], exc)
         if fetched:
             log.warning("hand-over: %d stripes fetched again (their replication here had failed)", fetched)
+        if self.cluster.view is not None:
+            # a truncate acknowledged while this node joined may have come between a peer's
+            # answer and this node's fetch, or only with the namespace just taken: what it
+            # freed is dropped here before this node serves (chaos --views, seed 7: a stale
+            # stripe under a write that grew the file again read back its old bytes)
+            self.resync.drop_freed()
 
     def _check_member(self, name: str) -> None:
         if name == self.name or name not in self.cfg.names:

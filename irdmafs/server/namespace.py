@@ -253,12 +253,12 @@ class Namespace:
             for fid in {fid for fid, _, snap in self.store.stripes if snap == 0} - known:
                 self.store.drop(fid)
             if whole and self.cluster.view is not None:
-                self._drop_cut()
+                self.drop_freed()
             snaps = set(self.meta.snapshot_ids().values())
             for snap in {snap for _, _, snap in self.store.stripes if snap} - snaps:
                 self.store.drop_snapshot(snap)
 
-    def _drop_cut(self) -> None:
+    def drop_freed(self) -> None:
         """After taking a namespace whole: drop what the truncates in it freed and this node
         missed, a stripe at or past a cut with a version from before it (a stripe made since
         has a higher one: its version base is the namespace seq it was made at). Kept, a write
@@ -266,9 +266,11 @@ class Namespace:
         the old bytes (chaos --views, seed 2). A stripe past the size but made since (a write
         whose extend has not come yet) stays.
 
-        Only when a resync takes the namespace whole, and only with views: there a namespace op
-        is acknowledged once every serving node holds it, and a node resyncs before it serves,
-        so a stripe it made after an acknowledged truncate has a version base past it. A
+        Only while a node joins (its resync takes the namespace whole; its hand-over's catch-up,
+        membership.py, calls this after its fetches), and only with views: there a namespace op
+        is acknowledged once every serving node holds it, and a node joins before it serves,
+        so every stripe it holds was made by a node that held every truncate acknowledged
+        before, and its version base says so. A
         namespace taken to catch up (an op answered stale) may find stripes the node made while
         it lagged, with or without views: a node a rebalance added hears no namespace op until
         it is a member. Without views any node's namespace may lag (a replica that failed a
