@@ -259,23 +259,22 @@ class Namespace:
                 self.store.drop_snapshot(snap)
 
     def drop_freed(self) -> None:
-        """After taking a namespace whole: drop what the truncates in it freed and this node
-        missed, a stripe at or past a cut with a version from before it (a stripe made since
-        has a higher one: its version base is the namespace seq it was made at). Kept, a write
-        that grew the file again landed on it, and the range before the written one read back
-        the old bytes (chaos --views, seed 2). A stripe past the size but made since (a write
-        whose extend has not come yet) stays.
+        """Drop what the truncates in the namespace freed and this node missed: a stripe at or
+        past a cut with a version from before it (a stripe made since has a higher one: its
+        version base is the namespace seq it was made at). Kept, a write that grew the file
+        again landed on it, and the range before the written one read back the old bytes
+        (chaos --views, seeds 2 and 7). A stripe past the size but made since (a write whose
+        extend has not come yet) stays.
 
         Only while a node joins (its resync takes the namespace whole; its hand-over's catch-up,
         membership.py, calls this after its fetches), and only with views: there a namespace op
-        is acknowledged once every serving node holds it, and a node joins before it serves,
-        so every stripe it holds was made by a node that held every truncate acknowledged
-        before, and its version base says so. A
-        namespace taken to catch up (an op answered stale) may find stripes the node made while
-        it lagged, with or without views: a node a rebalance added hears no namespace op until
-        it is a member. Without views any node's namespace may lag (a replica that failed a
-        forward is counted down, not waited for). Dropped, those were acknowledged writes lost
-        (the rebalance mount test, tests/mount/test_rebalance.py, in 3 of 4 runs)."""
+        is acknowledged once every serving node holds it, and a node joins before it serves, so
+        every stripe it holds was made by a node that held every truncate acknowledged before,
+        and its version base says so. A namespace taken to catch up (an op answered stale) may
+        find stripes the node made while it lagged, with or without views: a node a rebalance
+        added hears no namespace op until it is a member. Without views any node's namespace may
+        lag (a replica that failed a forward is counted down, not waited for). Dropped, those
+        were acknowledged writes lost (tests/mount/test_rebalance.py, in 3 of 4 runs)."""
         for (fid, idx, snap), stripe in list(self.store.stripes.items()):
             if snap <= 0 and any(idx >= cut and stripe.version < seq << VERSION_SHIFT for seq, cut in self.meta.cuts.get(fid, ())):
                 log.info("stripe %d:%d (snapshot %d) was freed by a truncate this node missed: dropped", fid, idx, snap)
