@@ -22,9 +22,8 @@ process that holds the same view epoch then names the same primary and replicas 
 Views come from the coordinator (a node's ``ViewKeeper``) and from heartbeats, which carry the
 view their node holds; a newer epoch always replaces an older one (coord/views.py, V1).
 
-It also holds two mechanisms every data mover needs: ``StagingPool`` (slots in a peer's write
-staging region, so concurrent writes never share one) and ``read_verified`` (the seqlock read that
-never returns a torn stripe; the region's layout is regions.py's).
+It also holds ``read_verified``, the seqlock read every data mover needs (it never returns a torn
+stripe; the region's layout is regions.py's). Write staging in peers' memory is slots.py's.
 
 Concurrency: one trio thread; the heartbeat task runs in the nursery given to the constructor.
 """
@@ -35,7 +34,7 @@ import logging
 import math
 import time
 from collections import defaultdict
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import trio
 
@@ -44,7 +43,6 @@ from .coord.views import View
 from .placement import rank, stripe_key
 from .regions import HEADER, Header, read_header
 from .transport.base import (
-    AccessError,
     ConnectError,
     Connection,
     PeerLost,
@@ -483,75 +481,6 @@ class Cluster:
         for conn in list(self._conns.values()):
             await conn.aclose()
         self._conns.clear()
-
-
-class Slot(NamedTuple):
-    """One slot of a peer's staging region: where a WRITE lands before the call naming it."""
-
-    rkey: int
-    offset: int
-    inc: int  # the incarnation of the node that handed out the region
-
-
-def staging_gone(exc: BaseException) -> bool:
-    """Whether a send failed because its staging slot is gone: AccessError (the node restarted)
-    or EINVAL naming its staging (the node freed it). The sender asks for a new region."""
-    return isinstance(exc, AccessError) or isinstance(exc, RemoteError) and exc.code == "EINVAL" and exc.message.startswith("staging")
-
-
-class StagingPool:
-    """Write-staging slots in peers' memory, one slot per write in flight.
-
-    A writer asks each node once for a staging region (``staging`` call) of ``slots`` slots of
-    ``slot_size`` bytes, then WRITEs into a free slot and names it in the ``commit``/``apply``.
-    A region belongs to the node's incarnation: a restart drops it (``Cluster.on_restart``), and
-    so does a slot found gone (``with_slot``). Only the region that failed is dropped: several
-    sends to a restarted node fail at once, and the first to ask for a new region (which replaces
-    the old on the node) must not have it dropped again by the others' failures on the old one
-    -- that made the next send to it fail too, and a node count its restarted peer down (found
-    by the fault simulator, heartbeat "crash" seed 22, and CI's soak)."""
-
-    def __init__(self, cluster: Cluster, owner: str, slot_size: int, slots: int = 4):
-        self.cluster = cluster
-        self.owner = owner
-        self.slot_size = slot_size
-        self.slots = slots
-        self._regions: dict[str, tuple[int, int, list[int], trio.Semaphore]] = {}
-        self._locks: dict[str, trio.Lock] = defaultdict(trio.Lock)
-        cluster.on_restart.append(self.forget)
-
-    async def _region(self, node: str) -> tuple[int, int, list[int], trio.Semaphore]:
-        async with self._locks[node]:
-            if node not in self._regions:
-                # one region per node and owner: a new one replaces what the node still holds
-                r, inc = await self.cluster.call_on(node, "staging", {"owner": self.owner, "size": self.slot_size * self.slots, "replace": True})
-                free = [i * self.slot_size for i in range(self.slots)]
-                self._regions[node] = (r["rkey"], inc, free, trio.Semaphore(self.slots))
-            return self._regions[node]
-
-    def forget(self, node: str, rkey: int | None = None) -> None:
-        """The node restarted: its staging region is gone (with ``rkey``: only if that is still
-        the region held of it)."""
-        held = self._regions.get(node)
-        if held is not None and (rkey is None or held[0] == rkey):
-            del self._regions[node]
-
-    async def with_slot(self, node: str, fn):
-        """``fn(slot)`` with a free ``Slot`` of ``node``'s region, returned to the pool after.
-        If the slot is found gone (AccessError: the node restarted; EINVAL naming its staging:
-        the node freed it), the region is dropped so the next call asks for a new one, and the
-        error is raised for the caller to send again."""
-        rkey, inc, free, sem = await self._region(node)
-        async with sem:
-            offset = free.pop()
-            try:
-                return await fn(Slot(rkey, offset, inc))
-            except TransportError as exc:
-                if staging_gone(exc):
-                    self.forget(node, rkey)
-                raise
-            finally:
-                free.append(offset)
 
 
 async def read_verified(conn: Connection, rkey: int, offset: int, into: memoryview, *, retries: int = 100) -> Header:

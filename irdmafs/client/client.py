@@ -32,8 +32,9 @@ from typing import Any, AsyncIterator
 
 import trio
 
-from ..cluster import Cluster, NodeDown, StagingPool
+from ..cluster import Cluster, NodeDown
 from ..config import ClusterConfig
+from ..slots import StagingPool
 from ..transport.base import RemoteError, Transport, TransportError
 from ..util import single_exception
 from .paths import Paths

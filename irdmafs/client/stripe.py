@@ -17,8 +17,9 @@ from typing import NamedTuple
 
 import trio
 
-from ..cluster import Cluster, NodeDown, StagingPool, TornRead, Unavailable, staging_gone
+from ..cluster import Cluster, NodeDown, TornRead, Unavailable
 from ..regions import Header
+from ..slots import StagingPool, staging_gone
 from ..transport.base import AccessError, RemoteError
 from ..util import leaves
 

@@ -28,8 +28,9 @@ from typing import Awaitable, Callable
 import numpy as np
 import trio
 
-from ..cluster import Cluster, NodeDown, StagingPool
+from ..cluster import Cluster, NodeDown
 from ..config import ClusterConfig
+from ..slots import StagingPool
 from ..transport.base import AccessError, RemoteError
 from ..util import single_exception
 from . import compress

@@ -65,12 +65,16 @@ class DataPath:
         self.serving.require_ready()
         check_range(offset, length, unit, self.cfg.stripe_unit)
         self.serving.check_primary(fid, idx)
-        data = self.staging.view(Staged(rkey, soff, length))
+        staged = Staged(rkey, soff, length)
+        self.staging.view(staged)  # EINVAL at once for a range that is not staged here
         await self.serving.await_takeover()
         async with self.barrier.changing():
             async with self.stripe_locks((fid, idx)):
-                # again, under the lock: a rebalance or a hand-over may have moved it meanwhile
+                # again, under the lock: a rebalance or a hand-over may have moved it meanwhile,
+                # a new view may have come, and its sender may have given it up (slots.py)
                 self.serving.check_primary(fid, idx)
+                self.serving.check_same_epoch(epoch)
+                data = self.staging.view(staged)
                 base = self.store.get(fid, idx)
                 base_tag = base.tag if base is not None else 0
                 version = self.store.install(fid, idx, offset, data, unit)
@@ -107,7 +111,8 @@ class DataPath:
         check_range(offset, length, unit, self.cfg.stripe_unit)
         if not (isinstance(staged, list) and len(staged) == 2 and all(type(v) is int for v in staged)):
             raise RemoteError("EINVAL", f"staged is [rkey, offset], not {staged!r}")
-        data = self.staging.view(Staged(staged[0], staged[1], length))
+        where = Staged(staged[0], staged[1], length)
+        data = self.staging.view(where)
         try:  # read before anything is installed: a malformed record changes nothing
             incoming = StripeTraining.from_record(record) if record is not None else None
         except RecordError as exc:
@@ -120,6 +125,7 @@ class DataPath:
         if not 0 <= state <= 2:
             raise RemoteError("EINVAL", f"{state} optimizer-state stripes (at most 2)")
         async with self.stripe_locks((fid, idx)):
+            data = self.staging.view(where)  # again: its sender may have given it up meanwhile (slots.py)
             stripe = self.store.get(fid, idx, snap)
             held = stripe.stamp if stripe else (0, 0)
             if full:

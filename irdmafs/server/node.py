@@ -41,13 +41,14 @@ from typing import Any, Callable
 
 import trio
 
-from ..cluster import DOWN, READY, Cluster, StagingPool
+from ..cluster import DOWN, READY, Cluster
 from ..config import ClusterConfig, ConfigError, load
 from ..coord.contract import Coordinator
 from ..coord.views import View
 from ..metrics import Latency, node_samples
 from ..metrics import serve as serve_metrics
 from ..notify import notify
+from ..slots import StagingPool
 from ..transport.base import RemoteError, Transport
 from ..util import keep_freed_memory
 from .barrier import CommitBarrier

@@ -46,7 +46,8 @@ from typing import Awaitable, Callable
 
 import trio
 
-from ..cluster import Cluster, Slot, StagingPool
+from ..cluster import Cluster
+from ..slots import Slot, StagingPool
 from ..transport.base import AccessError, RemoteError, TransportError
 from .serving import Serving
 from .updates import StripeKey, Update

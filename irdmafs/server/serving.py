@@ -16,7 +16,8 @@ The checks, each answered with the error the caller acts on:
   state carries its sender's view epoch. An older one is ESTALE (the sender refreshes its view
   and decides again); a newer one makes this node read the view first (EAGAIN if it still
   cannot see it). So two processes act on one message only when they hold the same view, and
-  with it the same primary and replicas of every stripe;
+  with it the same primary and replicas of every stripe; ``check_same_epoch`` checks it again
+  where a commit installs, after its waits;
 - ``check_sender``: replication only from the node that leads what it sends: with a coordinator,
   the primary the receiver's view names (ESTALE otherwise); without, a node this one does not
   count down (it may be a stopped primary sending what it began before);
@@ -84,6 +85,15 @@ class Serving:
         if epoch != view.epoch:
             code = "ESTALE" if epoch < view.epoch else "EAGAIN"
             raise RemoteError(code, f"sent in view {epoch}; node {self.name} is in view {view.epoch}")
+
+    def check_same_epoch(self, epoch: int) -> None:
+        """``check_epoch`` again where a change is installed, without waiting: ESTALE if a new
+        view came while the message waited here (for a lock, a freeze, the hand-over). Its
+        sender may have given it up and sent it again in that view: installed late, it would
+        go over what the new view acknowledged since."""
+        view = self.cluster.view
+        if view is not None and epoch != view.epoch:
+            raise RemoteError("ESTALE", f"sent in view {epoch}; node {self.name} moved to view {view.epoch} while it waited")
 
     def check_sender(self, sender: str, leads: Callable[[], str | None]) -> None:
         """Replication only from the node that leads what it sends (``leads()``: its primary as

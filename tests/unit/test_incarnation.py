@@ -9,7 +9,8 @@ sent (StaleKey), the caches built from the old process dropped, and the new regi
 import pytest
 import trio
 
-from irdmafs.cluster import Cluster, StagingPool
+from irdmafs.cluster import Cluster
+from irdmafs.slots import StagingPool
 from irdmafs.config import from_dict
 from irdmafs.transport.base import Access, AccessError, Region, StaleKey
 from irdmafs.transport.memory import MemoryTransport
@@ -131,7 +132,7 @@ async def test_a_failure_on_an_old_staging_region_does_not_drop_the_new_one():
             n.start_soon(first)
         assert given == [100, 101], given  # the region was replaced once, not twice
         pool.forget("a", 100)  # a late failure on the old region: the new one stays
-        assert pool._regions["a"][0] == 101
+        assert pool._regions["a"].rkey == 101
         pool.forget("a")  # a restart: gone whatever it was
         assert "a" not in pool._regions
         nursery.cancel_scope.cancel()
