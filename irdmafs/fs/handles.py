@@ -84,6 +84,7 @@ class FileHandle(Handle):
     snap: int = 0
     size: int = 0  # what this handle knows the size to be, its own unflushed writes included
     dirty: bool = False
+    writes: int = 0  # writes through this handle so far: a flush leaves it dirty if one came meanwhile
     name: str = ""
     behind: WriteBehind | None = None  # its writes on their way (see writeback.py)
     reader: ReadAhead | None = None  # what it has read and reads ahead (see readahead.py)
@@ -136,6 +137,7 @@ class FileHandle(Handle):
                 self.on_changed(self.ino, attr)
         # dirty before anything awaits: a conversion starting now sees this handle writing
         self.dirty = True
+        self.writes += 1
         f = self.file
         f.writes_seen += 1
         if self.behind is None:
@@ -149,10 +151,19 @@ class FileHandle(Handle):
         return len(data)
 
     async def flush(self) -> None:
+        """Send this handle's writes and grow the file to their end. A write that comes while
+        this waits (another close of the file: a forked child's exec closes its copy of the fd
+        mid-write, as every ``subprocess`` call in a writing process does) leaves the handle
+        dirty for the next flush. Marked clean regardless, the writer's own close then flushed
+        nothing: the file kept the size of that early flush, the later bytes never extended it,
+        and ``np.save`` returned with a file cut short (chaos soak: a tensor "not in this model")."""
         if not self.dirty:
             return
+        seen = self.writes
         await self.behind.drain()
         self.file.update(await self.client.extend(self.ino, self.size))
+        if self.writes != seen:
+            return  # more came meanwhile: the next flush sends them, and decides what the file holds
         self.dirty = False
         if self.file.pending <= self.attr["size"]:
             self.file.pending = 0

@@ -21,6 +21,40 @@ async def ps(local_cluster, mount):
     return lc, mount(lc)
 
 
+async def test_np_save_while_the_process_forks_and_execs_keeps_every_byte(ps):
+    """Each fork-and-exec of a process (a subprocess call from any of its threads) closes the
+    child's copies of its open files, and every close of a FUSE file is a FLUSH: one comes in
+    the middle of an np.save of another thread. The file must still end whole, a tensor: the
+    mount once marked the handle clean after that early flush, so the writer's own close
+    flushed nothing and the file kept its early size, while np.save returned as if all was
+    well (found by scripts/chaos.py, whose fault scheduler starts a shell per fault)."""
+    _, m = ps
+    os.makedirs(m / "saves")
+    rng = np.random.default_rng(1)
+    arrays = [rng.standard_normal((256, 300 + i)).astype(np.float32) for i in range(100)]
+    stop = threading.Event()
+
+    def fork_and_exec():
+        for _ in range(2000):  # bounded: the saves take a few seconds
+            if stop.is_set():
+                return
+            subprocess.run(["true"], check=True)
+
+    forker = threading.Thread(target=fork_and_exec, daemon=True)
+    forker.start()
+    try:
+        for i, a in enumerate(arrays):
+            np.save(m / "saves" / f"t{i}.npy", a)
+    finally:
+        stop.set()
+        forker.join(60)
+    for i, a in enumerate(arrays):
+        path = m / "saves" / f"t{i}.npy"
+        assert os.path.getsize(path) == 128 + a.nbytes, path
+        assert np.array_equal(np.load(path), a)
+        assert json.loads(os.getxattr(path, "user.irdma.shape")) == list(a.shape), path
+
+
 async def test_numpy_save_load_mmap_and_tensor_xattrs(ps):
     _, m = ps
     os.makedirs(m / "bert")

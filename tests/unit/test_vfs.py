@@ -8,6 +8,7 @@ import stat as S
 import numpy as np
 import pytest
 import pyfuse3
+import trio
 
 from irdmafs import formats
 from irdmafs.client.client import Client
@@ -293,6 +294,47 @@ async def test_write_size_is_pending_until_flush(fs):
     await fs.flush(fh)
     assert (await fs.client.getattr(st["st_ino"]))["size"] == 1000
     await fs.release(fh)
+
+
+async def test_a_write_that_comes_while_an_early_flush_waits_is_flushed_at_the_close(fs, nursery):
+    """np.save writes the header, then the data through a dup'd fd; a process that forks and
+    execs meanwhile (any subprocess call) closes its copies of the fds, and each close is a
+    FLUSH that comes mid-write. A write landing while that flush waits for the cluster must
+    leave the handle dirty: marked clean, the writer's own close flushed nothing, and the file
+    kept the early flush's size (a tensor cut short, "not a tensor", np.save none the wiser)."""
+    d = await fs.mkdir(1, "m", 0o755, 0, 0)
+    arr = np.arange(3000, dtype=np.float32).reshape(30, 100)
+    data = npy(arr)
+    fh, st = await fs.create(d["st_ino"], "w.npy", 0o644, W, 0, 0)
+    head = 128
+    await fs.write(fh, 0, data[:head])
+    entered, go_on = trio.Event(), trio.Event()
+    extend = fs.client.extend
+
+    async def slow_extend(ino, size):
+        entered.set()
+        await go_on.wait()  # the cluster answers later
+        return await extend(ino, size)
+
+    fs.client.extend = slow_extend
+    early_done = trio.Event()
+
+    async def early_flush():
+        await fs.flush(fh)  # the forked child's close
+        early_done.set()
+
+    nursery.start_soon(early_flush)
+    await entered.wait()
+    await fs.write(fh, head, data[head:])  # the writer goes on meanwhile
+    fs.client.extend = extend
+    go_on.set()
+    await early_done.wait()
+    await fs.flush(fh)  # then the writer's own close
+    await fs.release(fh)
+    ino = st["st_ino"]
+    assert (await fs.client.getattr(ino))["size"] == len(data)
+    assert await read_all(fs, ino) == data
+    assert json.loads(await fs.getxattr(ino, "user.irdma.shape")) == [30, 100]  # a tensor
 
 
 async def test_links_and_special_files_through_the_vfs_and_the_client(fs):
