@@ -334,10 +334,28 @@ class Cluster:
             self.calls_by_method[method] += 1
         try:
             with _AbortOnDown(self, name):
-                return await conn.call(method, args or {}, timeout=timeout or self.cfg.op_timeout), conn.incarnation
+                reply = await conn.call(method, args or {}, timeout=timeout or self.cfg.op_timeout)
         except (PeerLost, TimeoutError) as exc:
             self._failed(name, exc, begun)
             raise NodeDown(name, str(exc)) from None
+        await self.follow_acked(reply)
+        return reply, conn.incarnation
+
+    async def follow_acked(self, reply: object) -> None:
+        """A change acknowledged in a newer view than this process holds (a commit, a namespace
+        op, a push: their answers say ``acked_in``) is learnt before the caller acts on it: that
+        view may have expelled a replica the older one still names, which lacks the change. A
+        client that went on by the older view read an acknowledged write back old from it, or
+        pushed to it as a stripe's primary a tensor whose creation it never got (ENOENT: chaos
+        --views seed 11, a cut of n3). Heartbeats carry the view (``_probe``); asked again a few
+        times, never longer than a heartbeat each."""
+        acked_in = reply.get("acked_in", 0) if isinstance(reply, dict) else 0
+        for _ in range(3):
+            if not isinstance(acked_in, int) or acked_in <= self.view_epoch:
+                return
+            await self.refresh()
+            if acked_in > self.view_epoch:
+                await trio.sleep(self.cfg.heartbeat)
 
     async def write(self, name: str, rkey: int, offset: int, data, inc: int | None = None) -> None:
         """A one-sided WRITE; a node that cannot be reached is marked down and raises NodeDown.
@@ -357,10 +375,12 @@ class Cluster:
         conn = await self._conn_for(name, inc)
         try:
             with _AbortOnDown(self, name), trio.fail_after(self.cfg.op_timeout * 3):
-                return await conn.write_imm(rkey, offset, data, imm)
+                reply = await conn.write_imm(rkey, offset, data, imm)
         except (PeerLost, TimeoutError, trio.TooSlowError) as exc:
             self._failed(name, exc, begun)
             raise NodeDown(name, str(exc) or "write timed out") from None
+        await self.follow_acked(reply)
+        return reply
 
     async def read_stripe(self, name: str, rkey: int, offset: int, into: memoryview, inc: int | None = None) -> Header:
         """``read_verified`` against one node, counted in its load; marks it down on failure."""

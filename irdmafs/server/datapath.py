@@ -60,7 +60,8 @@ class DataPath:
         return {str(i): (s.describe() if (s := self.store.get(fid, i, snap)) else None) for i in idxs}
 
     async def rpc_commit(self, fid: int, idx: int, offset: int, length: int, rkey: int, soff: int, unit: int, epoch: int = 0) -> dict:
-        """Install a staged range as the stripe's primary, replicate it, answer with its version."""
+        """Install a staged range as the stripe's primary, replicate it, answer with its version
+        and the view epoch it was acknowledged in (``acked_in``: cluster.py, ``follow_acked``)."""
         await self.serving.check_epoch(epoch)
         self.serving.require_ready()
         check_range(offset, length, unit, self.cfg.stripe_unit)
@@ -81,7 +82,7 @@ class DataPath:
                 self.serving.led_now((fid, idx, 0))
                 update = Update(StripeRange(StripeKey(fid, idx), offset, length, unit), version, self.store.get(fid, idx), base_tag=base_tag)
                 await self.replicator.to_every_target(update.range.key, lambda peer: self.replicator.update(peer, update))
-        return {"version": version}
+        return {"version": version, "acked_in": self.cluster.view_epoch}
 
     async def rpc_apply(
         self,

@@ -71,6 +71,9 @@ class Namespace:
     async def rpc_meta(self, op: dict, epoch: int = 0) -> dict:
         """Apply a namespace op as the metadata primary and replicate it to every live node."""
         Meta.check(op)  # EINVAL for an op no client sends (unknown kind, missing fields)
+        return dict(await self._meta(op, epoch), acked_in=self.cluster.view_epoch)  # cluster.py, follow_acked
+
+    async def _meta(self, op: dict, epoch: int) -> dict:
         rid = op.get("rid")
         if rid in self.meta.done and rid not in self.unsettled:
             # a retry of an op applied already (its answer was lost with the old primary): a

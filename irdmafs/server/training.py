@@ -215,7 +215,7 @@ class Training:
                 info[str(fid)] = self.policy_info(fid)
             except RemoteError:  # not a tensor (its push said so)
                 pass
-        return {"results": results, "info": info}
+        return {"results": results, "info": info, "acked_in": self.cluster.view_epoch}  # cluster.py, follow_acked
 
     def _push_args(self, data: memoryview, d: dict) -> tuple[memoryview, Push]:
         """A push descriptor, checked: where its gradient starts in the pushed bytes (``at``)

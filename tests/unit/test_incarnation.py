@@ -160,3 +160,29 @@ async def test_a_node_that_accepts_but_never_answers_is_down_within_the_op_timeo
     assert "no handshake within 0.5s" in str(err.value)
     assert cluster.state.get("a") == "down"
     silent.close()
+
+
+async def test_an_answer_acknowledged_in_a_newer_view_brings_that_view_before_it_returns():
+    """A commit (or namespace op, or push) acknowledged in view 7, while this client still holds
+    view 6: the client learns view 7 before the call returns. View 7 may have expelled a replica
+    view 6 still names, which lacks the change: a client going on by view 6 reads the write back
+    old from it, or pushes to it a tensor it never heard of (chaos --views seed 11: ENOENT)."""
+    cfg = config()
+    epoch = [6]
+
+    async def views_node(method, args):
+        if method == "heartbeat":
+            return {"state": "ready", "routing": "views", "view": epoch[0], "view_serving": {"a": 1}, "view_expelled": []}
+        if method == "commit":
+            epoch[0] = 7  # a view came (a replica expelled) while the commit waited for it
+            return {"version": 3, "acked_in": 7}
+        raise AssertionError(method)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(MemoryTransport(cfg.token).serve, "mem", 9501, views_node)
+        cluster = Cluster(cfg, MemoryTransport(cfg.token), nursery)  # no heartbeat loop: only what calls bring
+        await cluster.refresh()
+        assert cluster.view_epoch == 6
+        assert (await cluster.call("a", "commit", {}))["version"] == 3
+        assert cluster.view_epoch == 7
+        nursery.cancel_scope.cancel()

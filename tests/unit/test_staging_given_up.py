@@ -118,3 +118,18 @@ async def test_a_commit_waiting_for_its_stripe_finds_its_staging_replaced_and_in
 async def cluster_nodes(nursery):
     cfg = config()
     return cfg, await start_cluster(nursery, cfg)
+
+
+async def test_a_commit_and_a_namespace_op_say_the_view_they_were_acknowledged_in(cluster_nodes):
+    """What ``Cluster.follow_acked`` reads (test_incarnation.py has the client's side)."""
+    cfg, nodes = cluster_nodes
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
+        f = await c.paths.write_file("/f", b"a" * 10)
+        primary = primary_of(c, nodes, f["ino"])
+        region = await c.staging._region(primary.name)
+        await c.cluster.write(primary.name, region.rkey, 0, b"b" * 10, region.inc)
+        args = {"fid": f["ino"], "idx": 0, "offset": 0, "length": 10, "unit": cfg.stripe_unit, "rkey": region.rkey, "soff": 0}
+        assert (await primary.calls["commit"](**args))["acked_in"] == primary.cluster.view_epoch
+        meta_primary = next(n for n in nodes if n.name == c.cluster.meta_primary())
+        answer = await meta_primary.calls["meta"](op={"op": "mkdir", "parent": 1, "name": "d", "mode": 0o755, "rid": "t:1"})
+        assert answer["acked_in"] == meta_primary.cluster.view_epoch and answer["ino"] > 1
