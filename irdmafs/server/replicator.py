@@ -19,11 +19,8 @@ for a new one, once. A send that fails for good answers False, and:
   heartbeats, probed again first, reach a majority of the members (a node cut off from the others
   expels nobody: it waits, unacknowledged, until they expel it or the links return; found by the
   fault simulator, kind "cut": without the fresh probe the cut-off node's heartbeats still said
-  "majority" for a moment, and it expelled one of the others, mixed seed 39); nor a backup
-  those probes reach again: it is sent the change again instead (a node whose own link was
-  down for a moment expelled a healthy peer once the link returned, and that peer had to
-  resync: chaos --views seed 7); a backup that refused (ESTALE: it holds another view;
-  EAGAIN) is not expelled: this node reads the view and decides again;
+  "majority" for a moment, and it expelled one of the others, mixed seed 39); a backup that refused (ESTALE: it holds another view; EAGAIN) is not expelled:
+  this node reads the view and decides again;
 - without one, the peer is counted down (``lost``), which makes it fence and resync before it
   serves (Cluster.lost); unless it refused because it counts *this* node down (ESTALE): then
   this node is the one about to fence, and the change is not acknowledged (EAGAIN). Counting
@@ -49,7 +46,7 @@ from typing import Awaitable, Callable
 
 import trio
 
-from ..cluster import DOWN, Cluster
+from ..cluster import Cluster
 from ..slots import Slot, StagingPool
 from ..transport.base import AccessError, RemoteError, TransportError
 from .serving import Serving
@@ -202,8 +199,6 @@ class Replicator:
             if peer in self.unreached:
                 self.unreached.discard(peer)
                 await self.cluster.refresh()  # its heartbeats as they are now, not as they were
-                if self.cluster.state.get(peer, DOWN) != DOWN:
-                    continue  # it answers again (the link, or this node, was out): send again
                 if not self.cluster.heard_majority() or not await self.serving.lease.expel(peer):
                     await self.serving.lease.refresh()
                     await trio.sleep(self.cluster.cfg.heartbeat)

@@ -35,7 +35,7 @@ def test_a_seed_replays_exactly():
 
 
 # Without a coordinator, crash schedules keep every invariant. Seeds 22 and 119 lost a push until
-# a restarted node's staging stopped being dropped twice (slots.StagingPool: a second failure
+# a restarted node's staging stopped being dropped twice (cluster.StagingPool: a second failure
 # on the old region dropped the new one; the node, though healthy, was counted down, and the
 # ESTALE refusals that followed left the next primary without the last acknowledged push).
 @pytest.mark.parametrize("seed", sorted({22, 119} | set(range(200 if LONG else 3))))
