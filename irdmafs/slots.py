@@ -45,9 +45,13 @@ class Slot(NamedTuple):
 
 
 def staging_gone(exc: BaseException) -> bool:
-    """Whether a send failed because its staging slot is gone: AccessError (the node restarted)
-    or EINVAL naming its staging (the node freed it). The sender asks for a new region."""
-    return isinstance(exc, AccessError) or isinstance(exc, RemoteError) and exc.code == "EINVAL" and exc.message.startswith("staging")
+    """Whether a send failed because its staging slot is gone: AccessError (the node restarted),
+    EINVAL naming its staging (the node freed it), or EINVAL naming an unknown rkey (a WRITE
+    with immediate whose notification found the region freed: transport/base.py,
+    ``serve_imm_call``). The sender asks for a new region."""
+    if isinstance(exc, AccessError):
+        return True
+    return isinstance(exc, RemoteError) and exc.code == "EINVAL" and exc.message.startswith(("staging", "unknown rkey"))
 
 
 def answered(exc: BaseException) -> bool:

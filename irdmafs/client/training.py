@@ -30,7 +30,7 @@ import trio
 
 from ..cluster import Cluster, NodeDown
 from ..config import ClusterConfig
-from ..slots import StagingPool
+from ..slots import StagingPool, staging_gone
 from ..transport.base import AccessError, RemoteError
 from ..util import single_exception
 from . import compress
@@ -301,6 +301,13 @@ class PushPull:
                     first = False  # it may have arrived: a duplicate now is this push's own
                     if isinstance(exc, NodeDown):
                         await self.cluster.after_lost()
+                    continue
+                except RemoteError as exc:
+                    if not staging_gone(exc):
+                        raise
+                    # its staging region was replaced under it (another call there was given up:
+                    # slots.py): the node took nothing of it; sent again in the new region
+                    first = False
                     continue
                 code = r.get("error")
                 if code is None and r.get("duplicate") and first:

@@ -7,6 +7,11 @@ never says ``release``, so the regions of an owner not heard from for ``STAGING_
 are freed (``expire_loop``). A call names a staged range by (rkey, offset, length); ``view`` checks
 it against the registered regions and answers EINVAL for one that is not there (freed, or never
 handed out).
+
+A region an owner replaces (it gave up a call in it: irdmafs/slots.py) is unregistered at once,
+so every call that names it from then on is refused, but its memory is freed only
+``STAGING_LEASE`` seconds later: a push under way may still hold a view of its bytes (over
+verbs, freeing the memory region under it would free that memory).
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ MAX_STAGING_PER_OWNER = 512 << 20
 # Staging of an owner not heard from in heartbeats for this long is freed. A live owner cut off
 # longer than this finds its region gone (AccessError) and asks for a new one.
 STAGING_LEASE = 60.0
+# Replaced regions waiting to be freed (see above), at most this many.
+MAX_DRAINING = 64
 
 
 class Staged(NamedTuple):
@@ -40,17 +47,21 @@ class StagingRegions:
         self.transport = transport
         self.by_owner: dict[str, list] = defaultdict(list)
         self.owner_seen: dict[str, float] = {}  # owner -> when last heard (trio clock)
+        self.draining: list[tuple[float, object]] = []  # (when replaced, region): freed later
 
     def alloc(self, owner: str, size: int, replace: bool = False) -> dict:
-        """A staging region for ``owner``; with ``replace``, the owner's earlier ones are freed
-        first (a client that dropped its region after a failed transfer asks for a new one: the
-        old one would otherwise stay allocated until the owner's 512 MiB were used up, then
-        every write got ENOSPC; found by scripts/chaos.py)."""
+        """A staging region for ``owner``; with ``replace``, the owner's earlier ones go first:
+        refused at once, their memory freed later (see above). A client that dropped its region
+        after a failed transfer asks for a new one; the old one would otherwise stay allocated
+        until the owner's 512 MiB were used up, then every write got ENOSPC (scripts/chaos.py)."""
         if not 0 < size <= MAX_STAGING_PER_OWNER:
             raise RemoteError("EINVAL", f"staging size {size} out of range")
         if replace:
             for old in self.by_owner.pop(owner, []):
-                self.transport.free_region(old)
+                self.transport.regions.remove(old.rkey)  # refused from now on; freed later
+                self.draining.append((trio.current_time(), old))
+            while len(self.draining) > MAX_DRAINING:  # an owner replacing in a loop: the oldest go now
+                self.transport.free_region(self.draining.pop(0)[1])
         held = sum(r.length for r in self.by_owner[owner])
         if held + size > MAX_STAGING_PER_OWNER:
             raise RemoteError("ENOSPC", f"owner {owner} holds {held} bytes of staging already")
@@ -73,6 +84,8 @@ class StagingRegions:
         while True:
             await trio.sleep(min(STAGING_LEASE / 4, 5.0))
             now = trio.current_time()
+            while self.draining and now - self.draining[0][0] > STAGING_LEASE:
+                self.transport.free_region(self.draining.pop(0)[1])
             for owner in [o for o in self.by_owner if now - self.owner_seen.get(o, now) > STAGING_LEASE]:
                 log.info("staging of %s freed: not heard from in %.0f s", owner, STAGING_LEASE)
                 self.release(owner)

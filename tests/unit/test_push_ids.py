@@ -230,3 +230,30 @@ async def test_a_recheck_whose_step_is_not_replicated_does_not_end_the_node(bed)
     primary.training._settle = not_replicated
     await primary.training.recheck()  # returns: nothing raised into the node's nursery
     assert primary.state == "ready"
+
+
+
+async def test_a_push_whose_staging_region_was_replaced_meanwhile_is_sent_again(bed):
+    """Another call of this client was given up and its staging region on the node replaced
+    (irdmafs/slots.py) while a push held the old one. Over verbs and shm a push's data goes
+    one-sidedly and its notification (transport/base.py, ``serve_imm_call``) then finds the
+    region gone: EINVAL "unknown rkey". The client sends it again in a new region, applied
+    once; it reached the pusher as EINVAL."""
+    c, nodes, _ = bed
+    w = np.zeros(1000, np.float32)
+    ino = (await c.paths.save("/m/w.npy", w))["ino"]
+    await c.training.push(ino, 0, np.ones_like(w))
+    primary = c.cluster.stripe_primary(ino, 0)
+    node = next(n for n in nodes if n.name == primary)
+    write_imm, refused = c.cluster.write_imm, []
+
+    async def region_replaced_first(name, rkey, offset, data, imm, inc=None):
+        if not refused:
+            refused.append(rkey)
+            await node.rpc_staging(owner=c.owner, size=4096, replace=True)
+            raise RemoteError("EINVAL", f"unknown rkey {rkey}")  # as serve_imm_call answers
+        return await write_imm(name, rkey, offset, data, imm, inc)
+
+    c.cluster.write_imm = region_replaced_first
+    await c.training.push(ino, 0, np.ones_like(w))
+    assert refused and np.array_equal(await c.paths.load("/m/w.npy"), w - 2)

@@ -11,7 +11,9 @@ import trio
 
 from irdmafs.client.client import Client
 from irdmafs.cluster import NodeDown
-from irdmafs.slots import StagingPool
+from irdmafs.server import staging as staging_mod
+from irdmafs.server.staging import Staged
+from irdmafs.slots import StagingPool, staging_gone
 from irdmafs.transport.base import RemoteError
 from irdmafs.transport.memory import MemoryTransport
 
@@ -133,3 +135,21 @@ async def test_a_commit_and_a_namespace_op_say_the_view_they_were_acknowledged_i
         meta_primary = next(n for n in nodes if n.name == c.cluster.meta_primary())
         answer = await meta_primary.calls["meta"](op={"op": "mkdir", "parent": 1, "name": "d", "mode": 0o755, "rid": "t:1"})
         assert answer["acked_in"] == meta_primary.cluster.view_epoch and answer["ino"] > 1
+
+
+async def test_a_replaced_staging_region_is_refused_at_once_and_freed_after_the_lease(nursery, monkeypatch):
+    """A push under way may still hold a view of a replaced region's bytes: its memory goes only
+    after STAGING_LEASE (over verbs, closing the memory region frees it), but no call naming it
+    is taken from the moment it is replaced."""
+    monkeypatch.setattr(staging_mod, "STAGING_LEASE", 0.3)
+    cfg = config()
+    node = (await start_cluster(nursery, cfg))[0]
+    old = (await node.rpc_staging(owner="o", size=4096, replace=True))["rkey"]
+    await node.rpc_staging(owner="o", size=4096, replace=True)
+    with pytest.raises(RemoteError) as err:
+        node.staging.view(Staged(old, 0, 10))
+    assert err.value.code == "EINVAL" and staging_gone(err.value)
+    assert [r.rkey for _, r in node.staging.draining] == [old]
+    with trio.fail_after(5):
+        while node.staging.draining:
+            await trio.sleep(0.05)
