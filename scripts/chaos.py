@@ -194,6 +194,7 @@ class FileWorker:
         self.t, self.root, self.rng, self.unit = tally, root, np.random.default_rng(seed), unit
         self.files: dict[str, bytearray] = {}
         self.history: dict[str, list[str]] = {}  # what was done to each file, said when it reads back wrong
+        self.before: dict[str, bytes] = {}  # each file's content before its last write or truncate
         self.n = 0
 
     def _did(self, name: str, what: str) -> None:
@@ -202,11 +203,31 @@ class FileWorker:
     def _check(self, name: str, got: bytes, want: bytes, what: str = "") -> None:
         if not self.t.compare(f"file {self.root.name}/{name}{what}", got, want):
             print(f"chaos: history of {self.root.name}/{name}: {'; '.join(self.history.get(name, [])[-12:])}", file=sys.stderr, flush=True)
+            print(f"chaos: {self.root.name}/{name}: {self._diagnose(name, got, want)}", file=sys.stderr, flush=True)
+
+    def _diagnose(self, name: str, got: bytes, want: bytes) -> str:
+        """What the wrong bytes are (for the node logs): the file's inode (its id on the nodes),
+        and whether they are what the file held before its last change (a lost write) or
+        something else (another write's bytes)."""
+        try:
+            ino = f"inode {os.stat(self.root / name).st_ino}"
+        except OSError as exc:
+            ino = f"inode unknown ({exc})"
+        n = min(len(got), len(want))
+        bad = np.flatnonzero(np.frombuffer(got, np.uint8, n) != np.frombuffer(want, np.uint8, n))
+        if not len(bad):
+            return ino
+        first, last = int(bad[0]), int(bad[-1]) + 1
+        old = self.before.get(name, b"")
+        old = old[first:last] + bytes(max(0, last - max(first, len(old))))
+        kind = "what it held before its last change" if got[first:last] == old else "neither the expected bytes nor those before its last change"
+        return f"{ino}; bytes {first}-{last - 1} read back as {kind}"
 
     def _forget(self, *names: str) -> None:
         """A call on these failed in a mount outage: their content is unknown; remove them."""
         for name in names:
             self.files.pop(name, None)
+            self.before.pop(name, None)
             remove_unknown(self.t, self.root / name)
 
     def step(self) -> None:
@@ -248,6 +269,7 @@ class FileWorker:
             ok = self.t.attempt("file_write", write)
             if ok:
                 self._did(name, f"write {len(data)} at {off}")
+                self.before[name] = bytes(cur)
                 if off > len(cur):
                     cur.extend(bytes(off - len(cur)))
                 cur[off : off + len(data)] = data
@@ -256,6 +278,7 @@ class FileWorker:
             ok = self.t.attempt("file_truncate", lambda: os.truncate(self.root / name, size))
             if ok:
                 self._did(name, f"truncate {len(cur)} to {size}")
+                self.before[name] = bytes(cur)
                 del cur[size:]
                 cur.extend(bytes(size - len(cur)))
         elif choice == "rename":
@@ -265,6 +288,8 @@ class FileWorker:
             if ok:
                 self.files[new] = self.files.pop(name)
                 self.history[new] = self.history.pop(name, []) + [f"{time.monotonic() - self.t.t0:.1f}s renamed from {name}"]
+                if name in self.before:
+                    self.before[new] = self.before.pop(name)
             else:
                 self._forget(name, new)
             return
@@ -272,6 +297,7 @@ class FileWorker:
             ok = self.t.attempt("file_unlink", lambda: os.unlink(self.root / name))
             if ok:
                 del self.files[name]
+                self.before.pop(name, None)
             else:
                 self._forget(name)
             return
