@@ -327,7 +327,7 @@ class PushPull:
                     await trio.sleep(0.1)
                     await self.cluster.refresh()
                     continue
-                raise RemoteError(code, r.get("message", ""))
+                raise RemoteError(code, f"{r.get('message', '')} (stripe {fid}:{idx} on {primary})")
 
     async def _fused(self, node: str, desc: dict, payload: memoryview) -> dict:
         """Send a push piece to ``node``: at once if fewer transfers to it are under way than
