@@ -158,9 +158,15 @@ class Training:
             pos += length
         return grad
 
-    async def rpc_train_info(self, fid: int, rank: int) -> dict:
+    async def rpc_train_info(self, fid: int, rank: int, epoch: int = 0) -> dict:
         """The model's policy as this tensor sees it, and how many pushes of ``rank`` this node
-        (a stripe primary) has taken for it."""
+        (a stripe primary) has taken for it; from a node that serves in the sender's view and
+        has caught up (EAGAIN, ESTALE otherwise: the client asks again). A node just named by a
+        view, its namespace not yet handed over, answered from its old one: ENOENT "no inode"
+        for a tensor made while it was away, to a pusher (chaos --views seeds 7 and 11)."""
+        await self.serving.check_epoch(epoch)
+        self.serving.require_ready()
+        await self.serving.await_takeover()
         model, opt, tensor = self.model_of(fid)
         pushed = max((st.next_step(rank) for (f, _), st in self.records.items() if f == fid), default=0)
         x = self.meta.inherited_xattrs(fid)

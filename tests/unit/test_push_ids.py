@@ -257,3 +257,20 @@ async def test_a_push_whose_staging_region_was_replaced_meanwhile_is_sent_again(
     c.cluster.write_imm = region_replaced_first
     await c.training.push(ino, 0, np.ones_like(w))
     assert refused and np.array_equal(await c.paths.load("/m/w.npy"), w - 2)
+
+
+async def test_a_node_not_yet_caught_up_answers_train_info_eagain_not_enoent(bed):
+    """A node a view has just named, its namespace not yet handed over, must not answer
+    ``train_info`` from its old namespace: it lacked a tensor made while it was away, and the
+    pusher got ENOENT "no inode" (chaos --views seeds 7 and 11). It answers EAGAIN, which the
+    client waits out, as for every other call a node takes before it has caught up."""
+    c, nodes, cfg = bed
+    w = np.zeros(100, np.float32)
+    ino = (await c.paths.save("/m/w.npy", w))["ino"]
+    node = next(n for n in nodes if n.name == c.cluster.stripe_primary(ino, 0))
+    node.serving.taken_over = trio.Event()  # rejoining: the hand-over not done
+    node.namespace.meta.inodes.pop(ino)  # its namespace from before the tensor was made
+    cfg.op_timeout = 0.2
+    with pytest.raises(RemoteError) as err:
+        await node.calls["train_info"](fid=ino, rank=0)
+    assert err.value.code == "EAGAIN"
