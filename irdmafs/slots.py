@@ -25,7 +25,7 @@ a stripe read back as another write's bytes, at every later check).
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 import trio
@@ -68,7 +68,7 @@ class Region:
     inc: int  # the incarnation of the node that handed it out
     free: list[int]  # offsets of the slots not in use
     sem: trio.Semaphore
-    retired: bool = field(default=False)  # a call in it was given up on: no new send starts here
+    retired: bool = False  # a call in it was given up on: no new send starts here
 
 
 class StagingPool:

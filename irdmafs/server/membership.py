@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import asdict
+from typing import Callable
 
 import trio
 
@@ -68,9 +69,20 @@ def _node_specs(nodes: list) -> list[NodeSpec]:
 class Membership:
     """Joining, the hand-over, fencing and membership changes of a node."""
 
-    def __init__(self, core: NodeCore, meta_lock: trio.Lock, barrier: CommitBarrier, training: Training, resync: Resync, lease: ServingLease):
+    def __init__(
+        self,
+        core: NodeCore,
+        meta_lock: trio.Lock,
+        barrier: CommitBarrier,
+        training: Training,
+        resync: Resync,
+        lease: ServingLease,
+        drop_freed: Callable[[], None],
+    ):
+        """``drop_freed``: the namespace service's (namespace.py), run after a hand-over's catch-up."""
         self.name, self.cfg, self.cluster, self.store, self.stripe_locks, self.serving = core
         self.meta_lock, self.barrier, self.training, self.resync, self.lease = meta_lock, barrier, training, resync, lease
+        self.drop_freed = drop_freed
 
     # -- joining: resync, then the hand-over -----------------------------------------------------
     async def join(self) -> None:
@@ -181,7 +193,7 @@ class Membership:
             # answer and this node's fetch, or only with the namespace just taken: what it
             # freed is dropped here before this node serves (chaos --views, seed 7: a stale
             # stripe under a write that grew the file again read back its old bytes)
-            self.resync.drop_freed()
+            self.drop_freed()
 
     def _check_member(self, name: str) -> None:
         if name == self.name or name not in self.cfg.names:

@@ -115,8 +115,8 @@ class Node:
         core = NodeCore(name, cfg, self.cluster, self.store, self.stripe_locks, self.serving)
         self.training = Training(core, lambda: self.namespace.meta, self.barrier, self.replicator, self.staging, self.latency)
         self.namespace = Namespace(core, self.persist, self.replicator, self._call_node, self.training.forget, self.training.recheck)
-        self.resync = Resync(core, self.training, self.namespace.current, self.namespace.restore, self.namespace.drop_freed)
-        self.membership = Membership(core, self.namespace.lock, self.barrier, self.training, self.resync, self.lease)
+        self.resync = Resync(core, self.training, self.namespace.current, self.namespace.restore)
+        self.membership = Membership(core, self.namespace.lock, self.barrier, self.training, self.resync, self.lease, self.namespace.drop_freed)
         self.data = DataPath(core, self.barrier, self.replicator, self.staging, self.training.records)
         self.cluster.on_adopt = self.membership.adopted  # a membership learnt from a peer's heartbeat
         self.calls: dict[str, Callable] = {}  # method -> its handler (``handle``)

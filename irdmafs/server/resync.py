@@ -28,12 +28,9 @@ log = logging.getLogger(__name__)
 
 
 class Resync:
-    def __init__(
-        self, core: NodeCore, training: Training, meta: Callable[[], Meta], restore_meta: Callable[..., None], drop_freed: Callable[[], None]
-    ):
-        """``restore_meta``, ``drop_freed``: the namespace service's (namespace.py)."""
+    def __init__(self, core: NodeCore, training: Training, meta: Callable[[], Meta], restore_meta: Callable[..., None]):
         self.name, self.cfg, self.cluster, self.store, self.stripe_locks, self.serving = core
-        self.training, self.meta, self.restore_meta, self.drop_freed = training, meta, restore_meta, drop_freed
+        self.training, self.meta, self.restore_meta = training, meta, restore_meta
         self.work: dict = {}  # long work under way (resync, rebalance): shown by heartbeats
 
     async def resync(self) -> None:

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import trio
 
-from ..transport.base import Access, AccessError, RemoteError, Transport
+from ..transport.base import Access, AccessError, Region, RemoteError, Transport
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class StagingRegions:
         self.transport = transport
         self.by_owner: dict[str, list] = defaultdict(list)
         self.owner_seen: dict[str, float] = {}  # owner -> when last heard (trio clock)
-        self.draining: list[tuple[float, object]] = []  # (when replaced, region): freed later
+        self.draining: list[tuple[float, Region]] = []  # (when replaced, region): freed later
 
     def alloc(self, owner: str, size: int, replace: bool = False) -> dict:
         """A staging region for ``owner``; with ``replace``, the owner's earlier ones go first:
