@@ -68,7 +68,7 @@ async def _run(old, new, union, members, transport, token: str, epoch: int, show
         frozen: list[str] = []
         try:
             for n in names:
-                await cluster.call(n, "freeze", {"token": token, "seconds": 30.0})
+                await cluster.call(n, "freeze", {"token": token, "seconds": 30.0, "epoch": cluster.view_epoch})
                 frozen.append(n)
             nursery.start_soon(_keep_frozen, cluster, names, token)
             moved = await _copy(cluster, new, members, show_progress)
@@ -97,7 +97,7 @@ async def _keep_frozen(cluster: Cluster, names: list[str], token: str) -> None:
         await trio.sleep(KEEPALIVE)
         for n in names:
             try:
-                await cluster.call(n, "freeze", {"token": token, "seconds": 30.0})
+                await cluster.call(n, "freeze", {"token": token, "seconds": 30.0, "epoch": cluster.view_epoch})
             except (NodeDown, RemoteError) as exc:
                 log.warning("freeze of %s not extended: %s", n, exc)
 

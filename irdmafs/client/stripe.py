@@ -346,8 +346,14 @@ class StripeIO:
         the primary installs the bytes under the stripe's seqlock and replicates them before it
         answers); follows the primary when it moves. Gradient pushes do not come this way: they
         travel fused, as one WRITE with immediate per batch (client/training.py, ``_fused``)."""
+        begun, told, last = trio.current_time(), False, None
         with trio.fail_after(self.write_deadline):
             while True:
+                if not told and last is not None and trio.current_time() - begun > self.cluster.cfg.op_timeout:
+                    # said once: its retries are silent, and a write that then runs out of time
+                    # (ETIMEDOUT) should leave a trace of why (a freeze, a view, a lost node)
+                    log.warning("stripe %d:%d: %s still not done after %.0f s (last: %s); trying until %.0f s", fid, idx, method, trio.current_time() - begun, last, self.write_deadline)
+                    told = True
                 primary = self.cluster.stripe_primary(fid, idx)
                 if primary is None:
                     log.warning("stripe %d:%d: no ready node to write to; waiting", fid, idx)
@@ -362,9 +368,11 @@ class StripeIO:
                 try:
                     return await self.staging.with_slot(primary, send)
                 except (NodeDown, AccessError) as exc:  # down, or restarted since its staging was given (with_slot dropped it)
+                    last = exc
                     if isinstance(exc, NodeDown):
                         await self.cluster.after_lost()
                 except RemoteError as exc:
+                    last = exc
                     if exc.code in ("ENOTPRIMARY", "EAGAIN", "ESTALE"):
                         # Views of who is up differ for a moment; heartbeats settle it (and carry
                         # the newest view, for a node that said ESTALE).

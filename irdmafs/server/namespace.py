@@ -33,6 +33,7 @@ import trio
 
 from ..cluster import NodeDown, now_ns
 from ..transport.base import RemoteError
+from ..util import single_exception
 from .barrier import FREEZE_SECONDS
 from .core import NodeCore
 from .datapath import VERSION_SHIFT
@@ -139,9 +140,10 @@ class Namespace:
         token = f"{self.name}:{op['id']}"
         frozen: list[str] = []
         try:
-            async with trio.open_nursery() as n:
-                for node in nodes:
-                    n.start_soon(self._freeze_one, node, token, frozen)
+            with single_exception(RemoteError):  # ESTALE: a node moved to a newer view meanwhile
+                async with trio.open_nursery() as n:
+                    for node in nodes:
+                        n.start_soon(self._freeze_one, node, token, frozen)
             copied = {}
             async with trio.open_nursery() as n:
                 for node in nodes:
@@ -161,7 +163,7 @@ class Namespace:
 
     async def _freeze_one(self, node: str, token: str, frozen: list[str]) -> None:
         try:
-            await self.call_node(node, "freeze", {"token": token, "seconds": FREEZE_SECONDS})
+            await self.call_node(node, "freeze", {"token": token, "seconds": FREEZE_SECONDS, "epoch": self.cluster.view_epoch})
             frozen.append(node)
         except NodeDown as exc:
             log.warning("snapshot: %s is down, it gets the snapshot at resync: %s", node, exc)

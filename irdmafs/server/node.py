@@ -253,8 +253,13 @@ class Node:
         holder = token.split(":")[0]
         return self.cluster.view is not None and holder in self.cfg.names and holder not in self.cluster.view.active
 
-    async def rpc_freeze(self, token: str, seconds: float) -> dict:
-        """Hold new commits and pushes and wait for those in flight (barrier.py)."""
+    async def rpc_freeze(self, token: str, seconds: float, epoch: int = 0) -> dict:
+        """Hold new commits and pushes and wait for those in flight (barrier.py); ESTALE from a
+        freezer in another view. A snapshot's freeze held on a cut link came after the link
+        healed, the node expelled and named again meanwhile: its freezer had gone on without
+        it and its thaw had failed, and the freeze held every commit there for its 30 s
+        (chaos --views, seed 7: a write ETIMEDOUT)."""
+        await self.serving.check_epoch(epoch)
         await self.barrier.freeze(token, seconds, self.cluster.nursery)
         return {}
 

@@ -643,6 +643,43 @@ async def test_a_snapshot_thaws_a_node_whose_freeze_answer_was_lost(cluster):
             await c.paths.write_file("/g", os.urandom(1000))
 
 
+async def test_a_freeze_from_an_older_view_is_refused_and_freezes_nothing(cluster):
+    """A snapshot's freeze held on a cut link arrives once the link heals, after the node was
+    expelled and named again: its freezer went on without it and its thaw failed. Taken, it held
+    every commit there for its 30 s (chaos --views, seed 7: a write ETIMEDOUT). A snapshot's
+    freeze carries its view epoch, and a node in a newer view refuses it ESTALE."""
+    from irdmafs.coord.views import View
+
+    cfg, nodes = cluster
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
+        await c.paths.write_file("/f", os.urandom(1000))
+        primary = next(n for n in nodes if n.name == c.cluster.meta_primary())
+        real, sent = primary.namespace.call_node, []
+
+        async def call_node(node, method, args):
+            if method == "freeze":
+                sent.append(args)
+            return await real(node, method, args)
+
+        primary.namespace.call_node = call_node
+        await c.take_snapshot("s")
+        assert len(sent) == len(nodes) and all(a["epoch"] == primary.cluster.view_epoch for a in sent)
+    node = nodes[1]
+    # the view it moved to (set and taken back with no checkpoint between: nothing else runs)
+    node.cluster.view = View(epoch=77, serving=tuple((n.name, 1) for n in nodes))
+    try:
+        with pytest.raises(RemoteError) as e:
+            await node.rpc_freeze("n0:33", 30.0, epoch=74)
+        refused_frozen_by = node.barrier.frozen_by
+        await node.rpc_freeze("n0:34", 30.0, epoch=77)
+        taken_frozen_by = node.barrier.frozen_by
+    finally:
+        node.cluster.view = None
+        node.barrier.thaw("n0:34")
+    assert e.value.code == "ESTALE" and "view 74" in str(e.value)
+    assert refused_frozen_by is None and taken_frozen_by == "n0:34"
+
+
 async def test_a_node_not_yet_caught_up_answers_namespace_reads_eagain(cluster):
     """A node syncing, or not yet handed its work back, answers lookups, getattr, readdir and
     the snapshot list EAGAIN, not from a namespace that may be old (chaos --views, seed 1: a
