@@ -187,11 +187,54 @@ def remove_unknown(tally: Tally, path: Path) -> None:
         tally.error(f"unlink {path.name} after an outage", exc)
 
 
-class FileWorker:
-    """Files of random sizes changed at random offsets; ``self.files`` is what they must hold."""
+def replica_report(config: Path, ino: int, first: int, last: int, want: bytes, before: bytes) -> str:
+    """Each node's copy of the live stripes of file ``ino`` that bytes ``first``..``last`` fall
+    in: its stamp, and whether its bytes there are the expected ones ("new"), those before the
+    file's last change ("old"), or neither. Read one-sidedly as a resync does, ready or not: so
+    a wrong read tells a lost write (no replica has it) from a stale copy served (one has)."""
+    from irdmafs.cluster import Cluster
+    from irdmafs.transport.select import choose
 
-    def __init__(self, tally: Tally, root: Path, seed: int, unit: int) -> None:
+    cfg = C.load(config)
+    unit = cfg.stripe_unit
+
+    def kind(got: bytes, lo: int, hi: int) -> str:
+        old = before[lo:hi] + bytes(max(0, hi - max(lo, len(before))))
+        return "new" if got == want[lo:hi] else "old" if got == old else "other"
+
+    async def report() -> list[str]:
+        out = []
+        async with trio.open_nursery() as nursery:
+            cluster = Cluster(cfg, choose(cfg.transport, cfg.token, op_timeout=cfg.op_timeout), nursery)
+            for idx in range(first // unit, (last - 1) // unit + 1):
+                lo, hi = max(first, idx * unit), min(last, (idx + 1) * unit)
+                for node in cfg.names:
+                    try:
+                        reply, inc = await cluster.call_on(node, "stripe_info", {"fid": ino, "idxs": [idx], "resync": True})
+                        info = reply[str(idx)]
+                        if info is None:
+                            out.append(f"{ino}:{idx} on {node}: none")
+                            continue
+                        buf = bytearray(max(info["capacity"], hi - idx * unit))
+                        head = await cluster.read_stripe(node, info["rkey"], 0, memoryview(buf)[: info["capacity"]], inc)
+                        got = bytes(buf[lo - idx * unit : hi - idx * unit])
+                        out.append(f"{ino}:{idx} on {node}: ({info['tag']}, {head.version}) {kind(got, lo, hi)}")
+                    except Exception as exc:  # a diagnostic: whatever it meets is part of the answer
+                        out.append(f"{ino}:{idx} on {node}: {type(exc).__name__} {exc}")
+            await cluster.aclose()
+            nursery.cancel_scope.cancel()
+        return out
+
+    return "; ".join(trio.run(report))
+
+
+class FileWorker:
+    """Files of random sizes changed at random offsets; ``self.files`` is what they must hold.
+    ``config``: the cluster's, to tell which replicas hold what of a file read back wrong."""
+
+    def __init__(self, tally: Tally, root: Path, seed: int, unit: int, config: Path | None = None) -> None:
         self.t, self.root, self.rng, self.unit = tally, root, np.random.default_rng(seed), unit
+        self.config = config
         self.files: dict[str, bytearray] = {}
         self.history: dict[str, list[str]] = {}  # what was done to each file, said when it reads back wrong
         self.before: dict[str, bytes] = {}  # each file's content before its last write or truncate
@@ -207,21 +250,29 @@ class FileWorker:
 
     def _diagnose(self, name: str, got: bytes, want: bytes) -> str:
         """What the wrong bytes are (for the node logs): the file's inode (its id on the nodes),
-        and whether they are what the file held before its last change (a lost write) or
-        something else (another write's bytes)."""
+        whether they are what the file held before its last change (a lost write) or something
+        else (another write's bytes), whether a second read gets them right (a stale copy served
+        once), and what each replica holds there (``replica_report``)."""
         try:
-            ino = f"inode {os.stat(self.root / name).st_ino}"
+            ino: int | None = os.stat(self.root / name).st_ino
         except OSError as exc:
-            ino = f"inode unknown ({exc})"
+            return f"inode unknown ({exc})"
         n = min(len(got), len(want))
         bad = np.flatnonzero(np.frombuffer(got, np.uint8, n) != np.frombuffer(want, np.uint8, n))
         if not len(bad):
-            return ino
+            return f"inode {ino}"
         first, last = int(bad[0]), int(bad[-1]) + 1
-        old = self.before.get(name, b"")
-        old = old[first:last] + bytes(max(0, last - max(first, len(old))))
+        before = self.before.get(name, b"")
+        old = before[first:last] + bytes(max(0, last - max(first, len(before))))
         kind = "what it held before its last change" if got[first:last] == old else "neither the expected bytes nor those before its last change"
-        return f"{ino}; bytes {first}-{last - 1} read back as {kind}"
+        said = f"inode {ino}; bytes {first}-{last - 1} read back as {kind}"
+        try:
+            said += "; read again: " + ("as expected" if (self.root / name).read_bytes() == want else "wrong again")
+        except OSError as exc:
+            said += f"; read again: {exc}"
+        if self.config is not None:
+            said += "; replicas: " + replica_report(self.config, ino, first, last, want, before)
+        return said
 
     def _forget(self, *names: str) -> None:
         """A call on these failed in a mount outage: their content is unknown; remove them."""
@@ -659,8 +710,8 @@ def run(args: argparse.Namespace) -> dict:
         for sub in ("files0", "files1", "tensors", "snap", "train", "minority-files", "minority-tensors"):
             (root / sub).mkdir(parents=True)
         workers = [
-            FileWorker(tally, root / "files0", args.seed * 10 + 1, MiB),
-            FileWorker(tally, root / "files1", args.seed * 10 + 2, MiB),
+            FileWorker(tally, root / "files0", args.seed * 10 + 1, MiB, bed.config),
+            FileWorker(tally, root / "files1", args.seed * 10 + 2, MiB, bed.config),
             TensorWorker(tally, root / "tensors", args.seed * 10 + 3),
             SnapshotWorker(tally, bed.mnt, root / "snap", args.seed * 10 + 4),
             TrainingJob(tally, bed.mnt, root / "train", args.seed * 10 + 5),
@@ -668,7 +719,7 @@ def run(args: argparse.Namespace) -> dict:
         if bed.minority is not None:  # the same tree through the mount in n1's namespace
             other = bed.minority / "chaos"
             workers += [
-                FileWorker(minority, other / "minority-files", args.seed * 10 + 6, MiB),
+                FileWorker(minority, other / "minority-files", args.seed * 10 + 6, MiB, bed.config),
                 TensorWorker(minority, other / "minority-tensors", args.seed * 10 + 7),
             ]
         threads = [threading.Thread(target=loop, args=(w.t, w), daemon=True) for w in workers]
