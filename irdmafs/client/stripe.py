@@ -8,6 +8,16 @@ returns the data is on every live replica.
 
 Stripe region keys (rkey, capacity) are cached per node, with the node's incarnation; a stale key
 (the stripe grew, or the node restarted: StaleKey) answers AccessError and is looked up again.
+
+**A cached key reads a node only in the lease it was given under.** With views, a node hands out
+keys (``stripe_info``) only while it serves and has caught up (its hand-over done), and says under
+which coordination lease. A one-sided READ asks the node nothing, so a key kept from before the
+node went away (stopped, cut off) would still read its region after a view names it again and
+before its hand-over has brought what was acknowledged without it: the bytes from before those
+writes (chaos --views, seed 7: a write's pieces on two stripes read back old, right after the
+write). A view names a node that comes back with a new lease, so a cached key whose lease is not
+the one the client's view names for that node is looked up again, and that lookup waits for the
+hand-over (EAGAIN meanwhile: the read goes to the other replica).
 """
 
 from __future__ import annotations
@@ -66,14 +76,23 @@ def split(offset: int, length: int, unit: int) -> list[Piece]:
     return pieces
 
 
+class Key(NamedTuple):
+    """Where a node holds a stripe, as its ``stripe_info`` said: for one-sided reads."""
+
+    rkey: int
+    capacity: int
+    inc: int  # the incarnation of the node that gave it (StaleKey once it restarted)
+    lease: int  # the coordination lease it served under (0 without a coordinator)
+
+
 class StripeIO:
     def __init__(self, cluster: Cluster, staging: StagingPool, *, write_deadline: float = 30.0):
         self.cluster = cluster
         self.staging = staging
         self.write_deadline = write_deadline
-        # (node, fid, idx, snap) -> (rkey, capacity, incarnation of the node that gave it), or
-        # None for a hole; a node's entries go when it restarts (Cluster.on_restart)
-        self._keys: dict[tuple[str, int, int, int], tuple[int, int, int] | None] = {}
+        # (node, fid, idx, snap) -> its Key, or None for a hole; a node's entries go when it
+        # restarts (Cluster.on_restart)
+        self._keys: dict[tuple[str, int, int, int], Key | None] = {}
         self.bytes_read = 0
         self.bytes_written = 0
         self.bytes_pushed = 0  # gradient bytes put on the wire
@@ -87,7 +106,13 @@ class StripeIO:
         info, inc = await self.cluster.call_on(node, "stripe_info", {"fid": fid, "idxs": idxs, "snap": snap})
         for idx in idxs:
             d = info.get(str(idx))
-            self._keys[(node, fid, idx, snap)] = (d["rkey"], d["capacity"], inc) if d else None
+            self._keys[(node, fid, idx, snap)] = Key(d["rkey"], d["capacity"], inc, info.get("lease", 0)) if d else None
+
+    def _in_its_lease(self, node: str, key: Key | None) -> bool:
+        """Whether a cached ``key`` may read ``node`` now (see the module's docstring): a hole
+        is known for one read only (``read``), so it is."""
+        view = self.cluster.view
+        return key is None or view is None or key.lease == view.lease_of(node)
 
     async def _prefetch(self, fid: int, idxs: list[int], snap: int) -> None:
         """One stripe_info call per node for every stripe whose key is not cached."""
@@ -277,14 +302,15 @@ class StripeIO:
                 raise Unavailable(f"stripe {p.idx} of file {fid}: replicas {down} unavailable")
             node = candidates[0]
             try:
-                if (node, fid, p.idx, snap) not in self._keys:
+                cached = (node, fid, p.idx, snap) in self._keys
+                if not cached or (node not in looked_up and not self._in_its_lease(node, self._keys[(node, fid, p.idx, snap)])):
                     await self._lookup(node, fid, [p.idx], snap)
                     looked_up.add(node)
                 key = self._keys[(node, fid, p.idx, snap)]
                 if key is None:
                     missing.add(node)
                     continue
-                rkey, capacity, inc = key
+                rkey, capacity, inc, _ = key
                 if p.offset + len(view) > capacity and node not in looked_up:
                     # past the stripe's end as cached: it may have grown since (into a new
                     # region) -- ask again before calling the rest zeros
@@ -352,7 +378,8 @@ class StripeIO:
                 if not told and last is not None and trio.current_time() - begun > self.cluster.cfg.op_timeout:
                     # said once: its retries are silent, and a write that then runs out of time
                     # (ETIMEDOUT) should leave a trace of why (a freeze, a view, a lost node)
-                    log.warning("stripe %d:%d: %s still not done after %.0f s (last: %s); trying until %.0f s", fid, idx, method, trio.current_time() - begun, last, self.write_deadline)
+                    took = trio.current_time() - begun
+                    log.warning("stripe %d:%d: %s not done after %.0f s (last: %s); trying until %.0f s", fid, idx, method, took, last, self.write_deadline)
                     told = True
                 primary = self.cluster.stripe_primary(fid, idx)
                 if primary is None:

@@ -57,7 +57,8 @@ class DataPath:
         if not resync:
             self.serving.require_ready()
             await self.serving.await_takeover()  # no reads of this node's copies before it has caught up
-        return {str(i): (s.describe() if (s := self.store.get(fid, i, snap)) else None) for i in idxs}
+        held = {str(i): (s.describe() if (s := self.store.get(fid, i, snap)) else None) for i in idxs}
+        return held | {"lease": self.serving.lease.term()}  # client/stripe.py: a key reads in its lease
 
     async def rpc_commit(self, fid: int, idx: int, offset: int, length: int, rkey: int, soff: int, unit: int, epoch: int = 0) -> dict:
         """Install a staged range as the stripe's primary, replicate it, answer with its version

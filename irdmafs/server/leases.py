@@ -71,6 +71,11 @@ class ServingLease:
         """May this node serve: its lease held and the newest view naming it with it."""
         return self.keeper is None or self.keeper.serving()
 
+    def term(self) -> int:
+        """The lease this node serves under (0 without a coordinator): a view names a node that
+        comes back with a new one."""
+        return self.keeper.lease.id if self.keeper is not None else 0
+
     def may_rejoin(self) -> bool:
         return self.keeper is None or self.keeper.lease.held()
 
