@@ -261,10 +261,20 @@ class Cluster:
         keeps that copy afterwards, so it is asked only when no home can answer (a stale
         stand-in served old bytes during the next outage; found by scripts/chaos.py). With
         views, a home the view still names but this process's own heartbeats count down (a
-        stopped node, until the view expels it) is asked last."""
+        stopped node, until the view expels it) is asked last.
+
+        With views a stand-in is never asked: the homes the view names active hold every
+        acknowledged write once caught up (their ``stripe_info`` waits for that), and a
+        stand-in holds only what it took while it stood in. A mount on the minority side of a
+        cut, reaching neither home, read a stand-in's copy from an earlier view: a write
+        acknowledged since by the homes read back old (chaos --views, seed 7). Reaching no
+        home, the read is unavailable (EIO) rather than old."""
         ranking = self.stripe_rank(fid, idx)
         homes = [n for n in ranking[: self.cfg.replicas] if self.node_state(n) == READY]
-        return sorted(homes, key=lambda n: (self.state.get(n) == DOWN, self.load[n])) + [n for n in ranking[self.cfg.replicas :] if self.node_state(n) == READY]
+        homes.sort(key=lambda n: (self.state.get(n) == DOWN, self.load[n]))
+        if self.view is not None:
+            return homes
+        return homes + [n for n in ranking[self.cfg.replicas :] if self.node_state(n) == READY]
 
     # -- connections ---------------------------------------------------------------------------
     async def conn(self, name: str) -> Connection:

@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import trio
 
-from ..cluster import Cluster, NodeDown, TornRead, Unavailable
+from ..cluster import READY, Cluster, NodeDown, TornRead, Unavailable
 from ..regions import Header
 from ..slots import StagingPool, staging_gone
 from ..transport.base import AccessError, RemoteError
@@ -284,6 +284,8 @@ class StripeIO:
             candidates.sort(key=lambda c: behind.index(c) + 1 if c in behind else 0)
             if not candidates:
                 homes = self.cluster.stripe_rank(fid, p.idx)[: self.cluster.cfg.replicas]
+                if self.cluster.view is not None:  # the homes it names active hold every acknowledged write
+                    homes = [n for n in homes if self.cluster.node_state(n) == READY] or homes
                 if set(homes) <= missing:  # every home replica answered: nothing there, a hole
                     view[:] = bytes(len(view))
                     return

@@ -425,6 +425,33 @@ async def test_reads_ask_a_stripes_ready_homes_before_a_stand_in(cluster):
         assert c.cluster.read_candidates(7, 0) == [homes[1], stand_in]
 
 
+async def test_with_views_reads_never_ask_a_stand_in(cluster):
+    """With views the homes the view names active hold every acknowledged write, and a stand-in
+    only what it took while it stood in. A mount on the minority side of a cut, reaching neither
+    home, read a stand-in's copy from an earlier view: a write acknowledged since read back old
+    (chaos --views, seed 7). No home reachable is unavailable (EIO), never old bytes."""
+    from irdmafs.coord.views import View
+
+    cfg, nodes = cluster
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
+        rank = c.cluster.stripe_rank(7, 0)
+        homes, stand_in = rank[: cfg.replicas], rank[cfg.replicas]
+        # set and taken back with no checkpoint between: no heartbeat changes it meanwhile
+        c.cluster.view = View(9, tuple((n, 1) for n in cfg.names))
+        try:
+            for home in homes:  # the minority side: its heartbeats reach neither home
+                c.cluster.state[home] = "down"
+            unreachable = c.cluster.read_candidates(7, 0)
+            c.cluster.view = View(10, tuple((n, 1) for n in cfg.names), expelled=(homes[0],))
+            one_expelled = c.cluster.read_candidates(7, 0)
+        finally:
+            c.cluster.view = None
+            for home in homes:
+                c.cluster.state[home] = "ready"
+        assert sorted(unreachable) == sorted(homes) and stand_in not in unreachable
+        assert one_expelled == [homes[1]]
+
+
 async def test_a_rejoin_whose_resync_loses_its_peer_begins_again_and_the_node_lives_on(cluster):
     """Found by the fault simulator: a fenced node whose resync lost the peer it fetched the
     namespace from (NodeDown) ended its tasks, and its process with them. It must stay syncing,
