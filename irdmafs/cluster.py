@@ -268,12 +268,14 @@ class Cluster:
         stand-in holds only what it took while it stood in. A mount on the minority side of a
         cut, reaching neither home, read a stand-in's copy from an earlier view: a write
         acknowledged since by the homes read back old (chaos --views, seed 7). Reaching no
-        home, the read is unavailable (EIO) rather than old."""
+        home, the read is unavailable (EIO) rather than old. Only a view that names no home
+        active (every home expelled: R=1, or R=2 on five nodes and more) leaves the stand-ins
+        it writes to, the only copies it acknowledges writes on."""
         ranking = self.stripe_rank(fid, idx)
         homes = [n for n in ranking[: self.cfg.replicas] if self.node_state(n) == READY]
         homes.sort(key=lambda n: (self.state.get(n) == DOWN, self.load[n]))
         if self.view is not None:
-            return homes
+            return homes or self.targets(fid, idx)
         return homes + [n for n in ranking[self.cfg.replicas :] if self.node_state(n) == READY]
 
     # -- connections ---------------------------------------------------------------------------

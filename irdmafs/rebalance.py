@@ -93,13 +93,16 @@ async def _run(old, new, union, members, transport, token: str, epoch: int, show
 
 
 async def _keep_frozen(cluster: Cluster, names: list[str], token: str) -> None:
+    """Extend the freeze on every node each KEEPALIVE. One that cannot be extended (a node lost,
+    or in another view than this process: ESTALE) ends the rebalance: that node thaws by itself
+    and takes commits again, which the copy under way would miss and the switch then lose."""
     while True:
         await trio.sleep(KEEPALIVE)
         for n in names:
             try:
                 await cluster.call(n, "freeze", {"token": token, "seconds": 30.0, "epoch": cluster.view_epoch})
             except (NodeDown, RemoteError) as exc:
-                log.warning("freeze of %s not extended: %s", n, exc)
+                raise RebalanceError(f"the freeze of {n} could not be kept ({exc}); the cluster stays on its old membership") from None
 
 
 async def _copy(cluster: Cluster, new: ClusterConfig, members: list[dict], show_progress: bool) -> dict:

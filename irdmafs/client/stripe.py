@@ -108,11 +108,17 @@ class StripeIO:
             d = info.get(str(idx))
             self._keys[(node, fid, idx, snap)] = Key(d["rkey"], d["capacity"], inc, info.get("lease", 0)) if d else None
 
-    def _in_its_lease(self, node: str, key: Key | None) -> bool:
-        """Whether a cached ``key`` may read ``node`` now (see the module's docstring): a hole
-        is known for one read only (``read``), so it is."""
+    def _in_its_lease(self, node: str, key: Key | None, snap: int) -> bool:
+        """Whether a cached ``key`` may read ``node`` now (see the module's docstring). A hole
+        is known for one read only (``read``), and a snapshot's stripes never change (one
+        freed answers AccessError), so those are."""
         view = self.cluster.view
-        return key is None or view is None or key.lease == view.lease_of(node)
+        return key is None or snap != 0 or view is None or key.lease == view.lease_of(node)
+
+    def _cached(self, node: str, fid: int, idx: int, snap: int) -> bool:
+        """A key of ``node`` for this stripe that may be used as it is."""
+        key = (node, fid, idx, snap)
+        return key in self._keys and self._in_its_lease(node, self._keys[key], snap)
 
     async def _prefetch(self, fid: int, idxs: list[int], snap: int) -> None:
         """One stripe_info call per node for every stripe whose key is not cached."""
@@ -121,7 +127,7 @@ class StripeIO:
         for idx in idxs:
             # every home replica: load balancing may pick any of them for this stripe
             for node in self.cluster.read_candidates(fid, idx)[:replicas]:
-                if (node, fid, idx, snap) not in self._keys:
+                if not self._cached(node, fid, idx, snap):
                     wanted.setdefault(node, []).append(idx)
         async with trio.open_nursery() as n:
             for node, missing in wanted.items():
@@ -304,8 +310,7 @@ class StripeIO:
                 raise Unavailable(f"stripe {p.idx} of file {fid}: replicas {down} unavailable")
             node = candidates[0]
             try:
-                cached = (node, fid, p.idx, snap) in self._keys
-                if not cached or (node not in looked_up and not self._in_its_lease(node, self._keys[(node, fid, p.idx, snap)])):
+                if (node, fid, p.idx, snap) not in self._keys or (node not in looked_up and not self._cached(node, fid, p.idx, snap)):
                     await self._lookup(node, fid, [p.idx], snap)
                     looked_up.add(node)
                 key = self._keys[(node, fid, p.idx, snap)]

@@ -56,7 +56,10 @@ class DataPath:
         once, and the newest copy may be on one still syncing)."""
         if not resync:
             self.serving.require_ready()
-            await self.serving.await_takeover()  # no reads of this node's copies before it has caught up
+            # no reads of this node's copies before it has caught up; at once, so that the
+            # reader asks the other home meanwhile (it comes back while it has none)
+            if not self.serving.taken_over.is_set():
+                raise RemoteError("EAGAIN", f"node {self.name} is taking over from its stand-ins")
         held = {str(i): (s.describe() if (s := self.store.get(fid, i, snap)) else None) for i in idxs}
         return held | {"lease": self.serving.lease.term()}  # client/stripe.py: a key reads in its lease
 

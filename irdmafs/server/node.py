@@ -255,11 +255,13 @@ class Node:
 
     async def rpc_freeze(self, token: str, seconds: float, epoch: int = 0) -> dict:
         """Hold new commits and pushes and wait for those in flight (barrier.py); ESTALE from a
-        freezer in another view. A snapshot's freeze held on a cut link came after the link
-        healed, the node expelled and named again meanwhile: its freezer had gone on without
-        it and its thaw had failed, and the freeze held every commit there for its 30 s
+        freezer in an older view (EAGAIN from a newer one this node cannot read yet). A
+        snapshot's freeze held on a cut link came after the link healed, the node expelled and
+        named again meanwhile: its freezer had gone on without it and its thaw had failed, and
+        the freeze held every commit there for its 30 s
         (chaos --views, seed 7: a write ETIMEDOUT)."""
         await self.serving.check_epoch(epoch)
+        self.serving.check_same_epoch(epoch)  # again: reading a newer view waits (a thaw may come meanwhile)
         await self.barrier.freeze(token, seconds, self.cluster.nursery)
         return {}
 

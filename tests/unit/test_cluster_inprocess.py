@@ -444,12 +444,36 @@ async def test_with_views_reads_never_ask_a_stand_in(cluster):
             unreachable = c.cluster.read_candidates(7, 0)
             c.cluster.view = View(10, tuple((n, 1) for n in cfg.names), expelled=(homes[0],))
             one_expelled = c.cluster.read_candidates(7, 0)
+            c.cluster.view = View(11, tuple((n, 1) for n in cfg.names), expelled=tuple(homes))
+            none_active = c.cluster.read_candidates(7, 0)
         finally:
             c.cluster.view = None
             for home in homes:
                 c.cluster.state[home] = "ready"
         assert sorted(unreachable) == sorted(homes) and stand_in not in unreachable
         assert one_expelled == [homes[1]]
+        assert none_active == [stand_in]  # no home in the view: the stand-in it writes to
+
+
+async def test_a_node_not_yet_caught_up_refuses_region_keys_at_once_and_the_read_goes_to_the_other_home(cluster):
+    """A home named again by a view, its hand-over not done, answers ``stripe_info`` EAGAIN at
+    once (it waited up to the op timeout, and every read of its stripes with it), and the read
+    takes the other home's copy."""
+    cfg, nodes = cluster
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
+        data = os.urandom(1000)
+        f = await c.paths.write_file("/f", data)
+        home = next(n for n in nodes if n.name == c.cluster.stripe_rank(f["ino"], 0)[0])
+        home.serving.taken_over = trio.Event()  # rejoining: the hand-over not done
+        with pytest.raises(RemoteError) as e:
+            with trio.fail_after(cfg.op_timeout / 4):
+                await home.calls["stripe_info"](fid=f["ino"], idxs=[0])
+        assert e.value.code == "EAGAIN"
+        c.io.forget(f["ino"])
+        c.cluster.load[home.name] = -100  # asked first
+        with trio.fail_after(cfg.op_timeout / 4):
+            assert await c.read(f["ino"], 0, 1000) == data
+        home.serving.taken_over.set()
 
 
 async def test_a_rejoin_whose_resync_loses_its_peer_begins_again_and_the_node_lives_on(cluster):
@@ -928,3 +952,23 @@ async def test_a_freeze_lifts_once_its_holder_is_gone(autojump_clock, nursery):
     gone.add("n1")
     await trio.sleep(1)
     assert barrier.frozen_by is None
+
+
+async def test_a_rebalance_whose_freeze_cannot_be_kept_ends_instead_of_copying_on(autojump_clock):
+    """A rebalance extends its freeze every KEEPALIVE. An extension refused (a node in another
+    view: ESTALE, or lost) ends it: that node thaws by itself and takes commits again, which
+    the copy under way would miss and the switch then lose. It was logged and the copy went on."""
+    from irdmafs import rebalance as rb
+
+    class Refusing:
+        view_epoch = 3
+
+        async def call(self, node, method, args):
+            assert method == "freeze" and args["epoch"] == 3
+            if node == "n1":
+                raise RemoteError("ESTALE", "sent in view 3; node n1 is in view 5")
+            return {}
+
+    with pytest.raises(rb.RebalanceError, match="freeze of n1 could not be kept"):
+        await rb._keep_frozen(Refusing(), ["n0", "n1"], "rebalance:1")
+    assert trio.current_time() >= rb.KEEPALIVE
