@@ -134,9 +134,17 @@ class Namespace:
         in or out. The copies come first: a snapshot is named (and a retry of its request
         answered from the record) only once they exist. Named first, a coordinator killed
         before the copies left a snapshot that read as zeros, and the retry was told it was
-        taken (chaos --views, seed 2)."""
+        taken (chaos --views, seed 2).
+
+        With views, every node the view names active is frozen and holds its copies before the
+        snapshot is named, in the view it began in; else it answers EAGAIN, names nothing, and
+        the client asks again (by then a new view may have expelled a node that is gone). A node
+        counted down is left to its resync only without views, where being counted down fences
+        it: with views a cut of a few seconds expels nobody, and a snapshot taken then on its
+        coordinator alone read as zeros from the other nodes (chaos --views, seed 7)."""
         self.meta.check_snapshot_name(op["name"])
         nodes = self.cluster.live()
+        epoch = self.cluster.view_epoch
         token = f"{self.name}:{op['id']}"
         frozen: list[str] = []
         try:
@@ -144,10 +152,13 @@ class Namespace:
                 async with trio.open_nursery() as n:
                     for node in nodes:
                         n.start_soon(self._freeze_one, node, token, frozen)
+            self._everywhere("frozen", nodes, frozen)
             copied = {}
             async with trio.open_nursery() as n:
                 for node in nodes:
                     n.start_soon(self._copy_one, node, op["id"], copied)
+            self._everywhere("copied", nodes, copied)
+            self.serving.check_same_epoch(epoch)  # a node that joined meanwhile holds no copies
             result = await self._apply_and_forward(op)
             log.info("snapshot %r (id %d) taken on %s: %d bytes", op["name"], op["id"], ", ".join(sorted(copied)), sum(copied.values()))
             return dict(result, nodes=sorted(copied))
@@ -161,12 +172,24 @@ class Namespace:
                     for node in nodes:
                         n.start_soon(self._thaw_one, node, token, node in frozen)
 
+    def _everywhere(self, what: str, nodes: list[str], done) -> None:
+        """With views, EAGAIN unless every node of ``nodes`` is in ``done`` (see above)."""
+        missing = [n for n in nodes if n not in done]
+        if missing and self.cluster.view is not None:
+            raise RemoteError("EAGAIN", f"snapshot not {what} on {', '.join(missing)}; it is taken again")
+
     async def _freeze_one(self, node: str, token: str, frozen: list[str]) -> None:
         try:
             await self.call_node(node, "freeze", {"token": token, "seconds": FREEZE_SECONDS, "epoch": self.cluster.view_epoch})
             frozen.append(node)
         except NodeDown as exc:
             log.warning("snapshot: %s is down, it gets the snapshot at resync: %s", node, exc)
+        except RemoteError as exc:
+            if exc.code != "EBUSY":
+                raise
+            # another freeze holds it (a snapshot or rebalance under way, or one whose holder
+            # died and that lifts once the view drops it): asked again, not an error to the user
+            raise RemoteError("EAGAIN", f"snapshot: {node} is frozen: {exc}") from None
 
     async def _thaw_one(self, node: str, token: str, frozen: bool) -> None:
         try:

@@ -731,6 +731,70 @@ async def test_a_freeze_from_an_older_view_is_refused_and_freezes_nothing(cluste
     assert refused_frozen_by is None and taken_frozen_by == "n0:34"
 
 
+async def test_with_views_a_snapshot_not_copied_on_every_active_node_is_not_named(cluster):
+    """With views a cut of a few seconds expels nobody: a snapshot whose copies failed on the
+    other nodes (counted down meanwhile) was named on its coordinator's copies alone, and read
+    as zeros from the others, which never resync (chaos --views, seed 7). It answers EAGAIN,
+    names nothing, thaws every node; asked again once the nodes answer, it is taken."""
+    from irdmafs.cluster import NodeDown
+    from irdmafs.coord.views import View
+
+    cfg, nodes = cluster
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
+        data = os.urandom(3 * cfg.stripe_unit)
+        f = await c.paths.write_file("/f", data)
+    primary = next(n for n in nodes if n.name == c.cluster.meta_primary())
+    other = next(n for n in nodes if n is not primary)
+    real = primary.namespace.call_node
+
+    async def call_node(node, method, args):
+        if method == "snap_copy" and node == other.name:
+            raise NodeDown(node, "counted down while the operation waited (test)")
+        return await real(node, method, args)
+
+    primary.cluster.view = View(4, tuple((n.name, 1) for n in nodes))  # its view names all three
+    try:
+        primary.namespace.call_node = call_node
+        with pytest.raises(RemoteError) as e:
+            await primary.namespace.rpc_meta({"op": "snapshot", "name": "s", "rid": "t:1"}, epoch=4)
+        assert e.value.code == "EAGAIN" and other.name in str(e.value)
+        assert all("s" not in n.namespace.meta.snapshots for n in nodes)
+        assert all(n.barrier.frozen_by is None for n in nodes)
+        primary.namespace.call_node = real
+        await primary.namespace.rpc_meta({"op": "snapshot", "name": "s", "rid": "t:1"}, epoch=4)
+    finally:
+        primary.cluster.view = None
+    assert all("s" in n.namespace.meta.snapshots for n in nodes)
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
+        snap = (await c.snapshots())["s"]["id"]
+        assert await c.read(f["ino"], 0, len(data), snap=snap) == data
+
+
+async def test_a_snapshot_meeting_another_freeze_is_asked_again_not_refused_ebusy(cluster):
+    """A node still frozen by a snapshot whose coordinator was killed (it lifts once the view
+    drops that node) made the next snapshot fail EBUSY to the user (chaos --views, seed 7). It
+    is EAGAIN: the client asks again, and the snapshot is taken once the freeze is gone."""
+    cfg, nodes = cluster
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
+        await c.paths.write_file("/f", b"x")
+        primary = next(n for n in nodes if n.name == c.cluster.meta_primary())
+        held = next(n for n in nodes if n is not primary)
+        await held.rpc_freeze("n9:1", 30.0)  # its holder is gone
+        with pytest.raises(RemoteError) as e:
+            await primary.namespace.rpc_meta({"op": "snapshot", "name": "s", "rid": "t:1"})
+        assert e.value.code == "EAGAIN" and "frozen" in str(e.value)
+        assert all("s" not in n.namespace.meta.snapshots for n in nodes)
+
+        async def lifted_later():
+            await trio.sleep(0.5)
+            held.barrier.thaw("n9:1")
+
+        async with trio.open_nursery() as n:
+            n.start_soon(lifted_later)
+            await c.take_snapshot("s")  # asked again until it is taken
+        assert all("s" in n.namespace.meta.snapshots for n in nodes)
+
+
 async def test_a_node_not_yet_caught_up_answers_namespace_reads_eagain(cluster):
     """A node syncing, or not yet handed its work back, answers lookups, getattr, readdir and
     the snapshot list EAGAIN, not from a namespace that may be old (chaos --views, seed 1: a
