@@ -646,6 +646,8 @@ class Bed:
                 minority.open_window()
             self.outside([["ip", "link", "set", veth, "down"]], down, [["ip", "link", "set", veth, "up"]])
         elif kind == "cut":
+            if self.minority is not None and name == self.cfg.names[0]:
+                minority.open_window()  # its routes to the other nodes are n1's: cut with them
             routes = self.cut_routes(name)
             self.outside([["ip", "netns", "exec", f"{PREFIX}{a}", "ip", "route", "add", "blackhole", where] for a, where in routes], down,
                          [["ip", "netns", "exec", f"{PREFIX}{a}", "ip", "route", "del", "blackhole", where] for a, where in routes])

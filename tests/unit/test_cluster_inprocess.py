@@ -770,6 +770,33 @@ async def test_with_views_a_snapshot_not_copied_on_every_active_node_is_not_name
         assert await c.read(f["ino"], 0, len(data), snap=snap) == data
 
 
+async def test_with_views_a_node_not_yet_caught_up_copies_no_snapshot(cluster):
+    """A node a view has just named, its hand-over not done, copied what it held before it for
+    a snapshot, which then read a write back old (chaos --views, seed 7). Its copy is EAGAIN,
+    and the snapshot is named nowhere until it is taken again."""
+    from irdmafs.coord.views import View
+
+    cfg, nodes = cluster
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
+        await c.paths.write_file("/f", os.urandom(1000))
+        primary = next(n for n in nodes if n.name == c.cluster.meta_primary())
+    joining = next(n for n in nodes if n is not primary)
+    with pytest.raises(RemoteError) as e:  # every node in view 4, "joining" not caught up
+        joining.serving.taken_over = trio.Event()
+        for n in nodes:
+            n.cluster.view = View(4, tuple((m.name, 1) for m in nodes))
+        await primary.namespace.rpc_meta({"op": "snapshot", "name": "s", "rid": "t:1"}, epoch=4)
+    try:
+        assert e.value.code == "EAGAIN" and joining.name in str(e.value)
+        assert all("s" not in n.namespace.meta.snapshots for n in nodes)
+        joining.serving.taken_over.set()
+        await primary.namespace.rpc_meta({"op": "snapshot", "name": "s", "rid": "t:1"}, epoch=4)
+        assert all("s" in n.namespace.meta.snapshots for n in nodes)
+    finally:
+        for n in nodes:
+            n.cluster.view = None
+
+
 async def test_a_snapshot_meeting_another_freeze_is_asked_again_not_refused_ebusy(cluster):
     """A node still frozen by a snapshot whose coordinator was killed (it lifts once the view
     drops that node) made the next snapshot fail EBUSY to the user (chaos --views, seed 7). It
