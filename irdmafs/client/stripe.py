@@ -16,8 +16,8 @@ node went away (stopped, cut off) would still read its region after a view names
 before its hand-over has brought what was acknowledged without it: the bytes from before those
 writes (chaos --views, seed 7: a write's pieces on two stripes read back old, right after the
 write). A view names a node that comes back with a new lease, so a cached key whose lease is not
-the one the client's view names for that node is looked up again, and that lookup waits for the
-hand-over (EAGAIN meanwhile: the read goes to the other replica).
+the one the client's view names for that node is looked up again, and that lookup is refused
+(EAGAIN) until the hand-over is done: the read goes to the other home meanwhile.
 """
 
 from __future__ import annotations
