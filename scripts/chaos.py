@@ -187,6 +187,11 @@ def remove_unknown(tally: Tally, path: Path) -> None:
         tally.error(f"unlink {path.name} after an outage", exc)
 
 
+def old_bytes(before: bytes, lo: int, hi: int) -> bytes:
+    """Bytes ``lo``..``hi`` of a file that held ``before`` (zeros past its end)."""
+    return before[lo:hi] + bytes(max(0, hi - max(lo, len(before))))
+
+
 def replica_report(config: Path, ino: int, first: int, last: int, want: bytes, before: bytes) -> str:
     """Each node's copy of the live stripes of file ``ino`` that bytes ``first``..``last`` fall
     in: its stamp, and whether its bytes there are the expected ones ("new"), those before the
@@ -199,8 +204,7 @@ def replica_report(config: Path, ino: int, first: int, last: int, want: bytes, b
     unit = cfg.stripe_unit
 
     def kind(got: bytes, lo: int, hi: int) -> str:
-        old = before[lo:hi] + bytes(max(0, hi - max(lo, len(before))))
-        return "new" if got == want[lo:hi] else "old" if got == old else "other"
+        return "new" if got == want[lo:hi] else "old" if got == old_bytes(before, lo, hi) else "other"
 
     async def report() -> list[str]:
         out = []
@@ -254,7 +258,7 @@ class FileWorker:
         else (another write's bytes), whether a second read gets them right (a stale copy served
         once), and what each replica holds there (``replica_report``)."""
         try:
-            ino: int | None = os.stat(self.root / name).st_ino
+            ino = os.stat(self.root / name).st_ino
         except OSError as exc:
             return f"inode unknown ({exc})"
         n = min(len(got), len(want))
@@ -263,8 +267,8 @@ class FileWorker:
             return f"inode {ino}"
         first, last = int(bad[0]), int(bad[-1]) + 1
         before = self.before.get(name, b"")
-        old = before[first:last] + bytes(max(0, last - max(first, len(before))))
-        kind = "what it held before its last change" if got[first:last] == old else "neither the expected bytes nor those before its last change"
+        lost = got[first:last] == old_bytes(before, first, last)
+        kind = "what it held before its last change" if lost else "neither the expected bytes nor those before its last change"
         said = f"inode {ino}; bytes {first}-{last - 1} read back as {kind}"
         try:
             said += "; read again: " + ("as expected" if (self.root / name).read_bytes() == want else "wrong again")

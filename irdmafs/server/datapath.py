@@ -53,9 +53,7 @@ class DataPath:
         copied what it held before its hand-over, and the snapshot read a write back old
         (chaos --views, seed 7)."""
         if self.cluster.view is not None:
-            self.serving.require_ready()
-            if not self.serving.taken_over.is_set():
-                raise RemoteError("EAGAIN", f"node {self.name} is taking over from its stand-ins")
+            self.serving.require_caught_up()
         return {"bytes": self.store.copy_snapshot(snap)}
 
     async def rpc_stripe_info(self, fid: int, idxs: list[int], snap: int = 0, resync: bool = False) -> dict:
@@ -64,11 +62,7 @@ class DataPath:
         whose stamps say how new they are (after a coordinator outage every node fenced at
         once, and the newest copy may be on one still syncing)."""
         if not resync:
-            self.serving.require_ready()
-            # no reads of this node's copies before it has caught up; at once, so that the
-            # reader asks the other home meanwhile (it comes back while it has none)
-            if not self.serving.taken_over.is_set():
-                raise RemoteError("EAGAIN", f"node {self.name} is taking over from its stand-ins")
+            self.serving.require_caught_up()  # the reader asks the other home meanwhile
         held = {str(i): (s.describe() if (s := self.store.get(fid, i, snap)) else None) for i in idxs}
         return held | {"lease": self.serving.lease.term()}  # client/stripe.py: a key reads in its lease
 

@@ -22,7 +22,7 @@ The checks, each answered with the error the caller acts on:
   the primary the receiver's view names (ESTALE otherwise); without, a node this one does not
   count down (it may be a stopped primary sending what it began before);
 - ``await_takeover``: primary work waits while the node takes its stripes back (EAGAIN after
-  ``op_timeout``).
+  ``op_timeout``); ``require_caught_up``: reads of its copies do not wait (EAGAIN at once).
 
 membership.py moves a node between the states (joining, fencing); everything else only asks.
 """
@@ -115,8 +115,17 @@ class Serving:
         if not self.taken_over.is_set():
             with trio.move_on_after(self.cfg.op_timeout):
                 await self.taken_over.wait()
-            if not self.taken_over.is_set():
-                raise RemoteError("EAGAIN", f"node {self.name} is taking over from its stand-ins")
+            self._check_taken_over()
+
+    def require_caught_up(self) -> None:
+        """EAGAIN at once unless ready and its stripes taken back: what is read from this node's
+        copies (region keys, a snapshot's copy) waits for that, and the reader asks another."""
+        self.require_ready()
+        self._check_taken_over()
+
+    def _check_taken_over(self) -> None:
+        if not self.taken_over.is_set():
+            raise RemoteError("EAGAIN", f"node {self.name} is taking over from its stand-ins")
 
     def led_now(self, key: tuple[int, int, int]) -> None:
         """This node gave stripe ``key`` a version as its primary, now."""

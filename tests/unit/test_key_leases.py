@@ -8,8 +8,6 @@ read it through the key cached before the outage and got those old bytes (chaos 
 a write read back old right after it returned).
 """
 
-import trio
-
 from irdmafs.client.stripe import StripeIO
 from irdmafs.cluster import Cluster
 from irdmafs.config import from_dict
