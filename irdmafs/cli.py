@@ -94,7 +94,7 @@ def start_coordinator(state: Path, *, fresh: bool, ports: tuple[int, int] | None
     try:
         etcd.start()
     except RuntimeError as exc:
-        raise QuietError(f"could not start the coordination service (etcd): {exc} (or run 'irdmafs up --no-coordinator')") from None
+        raise QuietError(f"could not start the coordination service (etcd): {exc}") from None
     record = {"endpoint": etcd.endpoint, "client_port": etcd.client_port, "peer_port": etcd.peer_port}
     (state / COORDINATOR_RECORD).write_text(json.dumps(record, indent=1))
     return etcd
@@ -126,19 +126,16 @@ def cmd_up(args: argparse.Namespace) -> int:
     cfg_path = state / "cluster.toml"
     etcd = None  # the coordination service, started before the nodes (they keep their views in it)
     if cfg_path.exists():  # the config as it is: restart the etcd it names if an earlier 'up' ran it here
-        if not args.no_coordinator:
-            etcd = restart_coordinator(state, load_config(str(cfg_path)), fresh=not args.persist)
+        etcd = restart_coordinator(state, load_config(str(cfg_path)), fresh=not args.persist)
     else:
         try:
             stripe_unit = C.parse_size(args.stripe_unit, "--stripe-unit")
         except C.ConfigError as exc:
             raise QuietError(str(exc), 2) from None
         state.mkdir(parents=True, exist_ok=True)
-        if not args.no_coordinator:
-            etcd = start_coordinator(state, fresh=True)
+        etcd = start_coordinator(state, fresh=True)
         transport = None if args.transport == "auto" else [args.transport]  # auto: the config's default
-        coordinator = [etcd.endpoint] if etcd else None
-        write_config(state, args.nodes, args.replicas, stripe_unit=stripe_unit, transport=transport, coordinator=coordinator)
+        write_config(state, args.nodes, args.replicas, stripe_unit=stripe_unit, transport=transport, coordinator=[etcd.endpoint])
     lc = None
     try:
         lc = LocalCluster(cfg_path, persist=state / "data" if args.persist else None)
@@ -156,7 +153,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     if etcd:
         record["coordinator"] = {"endpoint": etcd.endpoint, "pid": etcd.pid, "data_dir": str(etcd.data_dir)}
     reg.write_text(json.dumps(record, indent=1))
-    coordinator = f"coordinator {etcd.endpoint}" if etcd else "coordinator " + (", ".join(lc.cfg.coordinator) or "none")
+    coordinator = f"coordinator {etcd.endpoint}" if etcd else "coordinator " + ", ".join(lc.cfg.coordinator)
     print(f"irdmafs: {len(lc.cfg.nodes)} nodes (R={lc.cfg.replicas}) mounted on {mp}; {coordinator}; config {cfg_path}; logs in {state}")
     return 0
 
@@ -367,7 +364,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--state", help="directory for config, token and logs (default under ~/.local/state/irdmafs)")
     p.add_argument("-o", dest="options", help="mount options, comma separated (e.g. allow_other)")
     p.add_argument("--persist", action="store_true", help="nodes keep their data under the state directory: a later 'up' with the same --state brings it back")
-    p.add_argument("--no-coordinator", action="store_true", help="start no local etcd (the coordination service) and name none in a new config")
     p.set_defaults(fn=cmd_up)
 
     p = sub.add_parser("down", help="unmount and stop every process that 'up' started")

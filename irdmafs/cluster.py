@@ -1,8 +1,19 @@
-"""One process's view of the cluster: connections, node states, who is primary for what.
+"""One process's view of the cluster: connections, node liveness, who is primary for what.
 
-Nodes and clients both hold a ``Cluster``. It connects to nodes lazily, heartbeats them, and keeps
-each node's state: ``ready`` (serves everything), ``syncing`` (receives replication, not yet
-trusted for reads or as a primary) or ``down``.
+Nodes and clients both hold a ``Cluster``. It connects to nodes lazily and heartbeats them.
+
+Who serves is decided by views alone (coord/views.py): the newest view known names the active
+nodes, and another node is ready if that view names it active, else down, whatever heartbeats
+say (a node still answers for itself, through ``my_state``). Every process that holds the same
+view epoch then names the same primary and replicas for a stripe. Views come from the
+coordinator (a node's ``ViewKeeper``) and from heartbeats, which carry the view their node holds;
+a newer epoch always replaces an older one (coord/views.py, V1). A process starts with the empty
+view (epoch 0, nobody active) and routes nothing until it has learnt one.
+
+Heartbeats keep each node's *liveness* (``state``: ``ready``, ``syncing`` or ``down``, as its
+answers say, or down when it does not answer): it orders a read's replicas (one that does not
+answer last), aborts what waits on a node that stopped answering, and tells a node which peers
+to expel (server/membership.py, ``expel_loop``). It never decides who serves.
 
 Every node process has an *incarnation*, new at each start, learnt in the transport's handshake
 and repeated in heartbeats. Whatever a process caches about a node (region keys, staging slots)
@@ -10,17 +21,10 @@ is tied to the incarnation it came from: when a node's incarnation changes, ``on
 callbacks drop those caches, and a one-sided operation given a key's incarnation refuses to send
 it to a newer one (``StaleKey``, an ``AccessError``: refresh and retry).
 
-From the states and the pure placement function it answers: the metadata primary (first ready
-node in config order), a stripe's primary (first ready node in the stripe's rendezvous ranking),
-the replicas a write must reach, and the order in which to try replicas for a read (ready homes,
-least-loaded first, then stand-ins).
-
-With ``routing = "views"`` (``view`` set: a node so configured, or a client once a heartbeat of
-such a node told it a view), the newest view known decides alone who serves: another node is ready if the view
-names it active, else down, whatever heartbeats say (a node still answers for itself). Every
-process that holds the same view epoch then names the same primary and replicas for a stripe.
-Views come from the coordinator (a node's ``ViewKeeper``) and from heartbeats, which carry the
-view their node holds; a newer epoch always replaces an older one (coord/views.py, V1).
+From the view and the pure placement function it answers: the metadata primary (first active
+node in config order), a stripe's primary (first active node in the stripe's rendezvous
+ranking), the replicas a write must reach, and the order in which to try replicas for a read
+(its active homes, least-loaded first).
 
 It also holds ``read_verified``, the seqlock read every data mover needs (it never returns a torn
 stripe; the region's layout is regions.py's). Write staging in peers' memory is slots.py's.
@@ -112,7 +116,7 @@ class Cluster:
         self.nursery = nursery
         self.me = me
         self._my_state = my_state or (lambda: DOWN)
-        self.state: dict[str, str] = {n: DOWN for n in cfg.names if n != me}
+        self.state: dict[str, str] = {n: DOWN for n in cfg.names if n != me}  # liveness, by heartbeats
         self.info: dict[str, dict] = {}
         self.info_at: dict[str, float] = {}  # when each node's info was last heard
         self.vouched_at: dict[str, float] = {}  # when a node last told us its state itself
@@ -134,35 +138,25 @@ class Cluster:
         self.restarts_seen = 0
         # sent with every heartbeat: "owner" keeps this process's staging leased (server/node.py)
         self.heartbeat_args: dict = {}
-        # A node's own word on its state, from its last heartbeat (nodes only say "ready" after a
-        # resync). A client trusts "ready" only if no other ready node counts that one down
-        # (_confirmed): a node cut off for a moment may say "ready" before it learns that its
-        # peers wrote without it. A node that counts a peer down remembers the (incarnation,
-        # serving generation) it lost and says so in its probes: that peer then fences and
-        # resyncs unless it has done so since (server/serving.py, Serving.lost_by_peer).
-        self.claimed: dict[str, str] = {}
-        self.lost: dict[str, list[int]] = {}
         self._inflight: dict[str, set[trio.CancelScope]] = defaultdict(set)  # see _AbortOnDown
-        self.view: View | None = None  # with a coordinator: the newest view known (see above)
+        self.view: View = View()  # the newest view known (see above); epoch 0: none yet
         self.on_view: list[Callable[[View], None]] = []  # called with each newer view learnt
 
     @property
     def view_epoch(self) -> int:
-        """The epoch every message that changes data carries (0: no coordinator, no view yet)."""
-        return self.view.epoch if self.view is not None else 0
+        """The epoch every message that changes data carries (0: no view learnt yet)."""
+        return self.view.epoch
 
     async def after_lost(self) -> None:
-        """A call to a node failed with NodeDown. Without a coordinator that counted it down, and
-        the next choice of node goes elsewhere at once; with one only a new view moves its work
-        (a node that cannot be reached is expelled by its peers, coord/views.py V6): wait a
-        heartbeat and ask the nodes for their view before trying again."""
-        if self.view is not None:
-            await trio.sleep(self.cfg.heartbeat)
-            await self.refresh()
+        """A call to a node failed with NodeDown. Only a new view moves its work (a node that
+        cannot be reached is expelled by its peers, coord/views.py V6): wait a heartbeat and ask
+        the nodes for their view before trying again."""
+        await trio.sleep(self.cfg.heartbeat)
+        await self.refresh()
 
     def learn_view(self, view: View) -> None:
         """Keep ``view`` if it is newer than the one held; it decides who serves from now on."""
-        if self.view is not None and view.epoch <= self.view.epoch:
+        if view.epoch <= self.view.epoch:
             return
         self.view = view
         for callback in self.on_view:
@@ -174,28 +168,17 @@ class Cluster:
     def node_state(self, name: str) -> str:
         if name == self.me:
             return self._my_state()
-        if self.view is not None:
-            return READY if name in self.view.active else DOWN
-        return self.state.get(name, DOWN)
+        return READY if name in self.view.active else DOWN
 
     def _set(self, name: str, state: str, why: str = "") -> None:
         if name not in self.cfg.names and name not in self.known:
             return  # no longer a member: nothing to track
         old = self.state.get(name)
-        if state == DOWN and self.me is not None and self.view is None and old in (READY, SYNCING) and name in self.info:
-            info = self.info[name]
-            self.lost[name] = [info.get("incarnation", 0), info.get("gen", 0)]
-        if state == DOWN:
-            self.claimed.pop(name, None)
         if old != state:
             self.state[name] = state
             if state == DOWN:
                 for scope in list(self._inflight.get(name, ())):
                     scope.cancel()
-            if self.me is not None and not self.reaches_majority():
-                # the cut-off side of a partition: its word that it lost the others must not
-                # fence them when the link returns (it fences itself, server/membership.py)
-                self.lost.clear()
             log.log(logging.WARNING if state == DOWN else logging.INFO, "node %s: %s -> %s%s", name, old, state, f" ({why})" if why else "")
             self.changed.set()
             self.changed = trio.Event()
@@ -215,11 +198,6 @@ class Cluster:
             self.nursery.start_soon(conn.aclose)
         if name != self.me and (since is None or self.vouched_at.get(name, -math.inf) < since):
             self._set(name, DOWN, why)
-
-    def reaches_majority(self) -> bool:
-        """Whether this node and the peers it does not count down are a majority."""
-        reachable = sum(self.node_state(n) != DOWN for n in self.cfg.names if n != self.me)
-        return reachable + 1 >= len(self.cfg.names) // 2 + 1
 
     def heard_majority(self) -> bool:
         """Whether this node and the peers its own heartbeats reach (whatever a view says) are a
@@ -255,28 +233,22 @@ class Cluster:
         return chosen
 
     def read_candidates(self, fid: int, idx: int) -> list[str]:
-        """Ready nodes to try for a read: the stripe's ready homes (the first R of its ranking)
-        by load, then ready stand-ins. A ready home holds the newest copy (it took every write,
-        or resynced before it said ready); a stand-in took writes only while a home was out and
-        keeps that copy afterwards, so it is asked only when no home can answer (a stale
-        stand-in served old bytes during the next outage; found by scripts/chaos.py). With
-        views, a home the view still names but this process's own heartbeats count down (a
-        stopped node, until the view expels it) is asked last.
+        """Nodes to try for a read: the stripe's homes the view names active (the first R of its
+        ranking), least-loaded first, and one this process's own heartbeats count down (a
+        stopped node, until the view expels it) last. They hold every acknowledged write once
+        caught up (their ``stripe_info`` waits for that).
 
-        With views a stand-in is never asked: the homes the view names active hold every
-        acknowledged write once caught up (their ``stripe_info`` waits for that), and a
-        stand-in holds only what it took while it stood in. A mount on the minority side of a
-        cut, reaching neither home, read a stand-in's copy from an earlier view: a write
-        acknowledged since by the homes read back old (chaos --views, seed 7). Reaching no
-        home, the read is unavailable (EIO) rather than old. Only a view that names no home
-        active (every home expelled: R=1, or R=2 on five nodes and more) leaves the stand-ins
-        it writes to, the only copies it acknowledges writes on."""
+        A stand-in (a node past the first R that took writes while a home was expelled) is
+        never asked while a home is active: it holds only what it took while it stood in. A
+        mount on the minority side of a cut, reaching neither home, read a stand-in's copy from
+        an earlier view, and a write acknowledged since by the homes read back old (chaos,
+        seed 7). Reaching no home, the read is unavailable (EIO) rather than old. Only a view
+        that names no home active (every home expelled: R=1, or R=2 on five nodes and more)
+        leaves the stand-ins it writes to, the only copies it acknowledges writes on."""
         ranking = self.stripe_rank(fid, idx)
         homes = [n for n in ranking[: self.cfg.replicas] if self.node_state(n) == READY]
         homes.sort(key=lambda n: (self.state.get(n) == DOWN, self.load[n]))
-        if self.view is not None:
-            return homes or self.targets(fid, idx)
-        return homes + [n for n in ranking[self.cfg.replicas :] if self.node_state(n) == READY]
+        return homes or self.targets(fid, idx)
 
     # -- connections ---------------------------------------------------------------------------
     async def conn(self, name: str) -> Connection:
@@ -427,28 +399,18 @@ class Cluster:
         try:
             with trio.fail_after(self.cfg.down_after):
                 args = {"from": self.me or "client", **self.heartbeat_args}
-                if name in self.lost and self._my_state() == READY:  # a fenced node's word is no proof
-                    args["lost_at"] = self.lost[name]
                 info = await self.call(name, "heartbeat", args, timeout=self.cfg.down_after)
         except (NodeDown, trio.TooSlowError, RemoteError) as exc:
             self.mark_down(name, str(exc) or "no heartbeat", since=sent)
             return
         self._seen(name, info.get("incarnation", 0))
         self.info[name] = info
-        newer = info.get("view", 0) > (self.view.epoch if self.view is not None else 0)
-        if info.get("routing") == "views" and newer and isinstance(info.get("view_serving"), dict):
+        if info.get("view", 0) > self.view.epoch and isinstance(info.get("view_serving"), dict):
             serving = tuple(sorted((str(n), int(lease)) for n, lease in info["view_serving"].items()))
             self.learn_view(View(info["view"], serving, tuple(sorted(info.get("view_expelled", [])))))
         self.info_at[name] = trio.current_time()
-        if self.lost.get(name) not in (None, [info.get("incarnation", 0), info.get("gen", 0)]):
-            del self.lost[name]  # it restarted or resynced since we lost it
         if self.vouched_at.get(name, -math.inf) < sent:  # else older than what the node told us
-            if self.me is None:
-                self.claimed[name] = info.get("state", DOWN)
-                for n in list(self.claimed):  # this answer may change what others are trusted with
-                    self._set(n, self._confirmed(n))
-            else:
-                self._set(name, info.get("state", DOWN))
+            self._set(name, info.get("state", DOWN))
         if self.follow_membership and info.get("epoch", 0) > self.epoch:  # a rebalance switched membership: follow it
             try:
                 m = await self.call(name, "members")
@@ -459,17 +421,6 @@ class Cluster:
                 self.adopt([NodeSpec(n["name"], n["host"], n["port"]) for n in m["nodes"]], m["replicas"], m["epoch"])
                 if self.on_adopt is not None:
                     self.on_adopt(m["epoch"])
-
-    def _confirmed(self, name: str) -> str:
-        """What a client takes node ``name`` for: its own word, except that "ready" counts as
-        "syncing" while another node that says "ready" counts it down."""
-        claimed = self.claimed.get(name, DOWN)
-        if claimed != READY:
-            return claimed
-        for other, said in self.claimed.items():
-            if other != name and said == READY and name in self.info.get(other, {}).get("sees_down", ()):
-                return SYNCING
-        return READY
 
     def know(self, specs: list[NodeSpec]) -> None:
         """Nodes this process may connect to before they are members (a rebalance's copies)."""

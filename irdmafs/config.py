@@ -9,10 +9,9 @@ Example::
     transport = ["verbs", "shm", "tcp"]  # first usable wins (shm: same host only, tcp otherwise)
     capacity = "8GiB"             # per node
     coordinator = ["http://10.0.0.1:2379", "http://10.0.0.2:2379", "http://10.0.0.3:2379"]
-                                  # etcd client endpoints; one string is one endpoint; none: no
-                                  # coordination service (irdmafs up starts a local etcd)
-    routing = "views"             # who leads each stripe: "views" (the coordinator's views and
-                                  # epochs; needs a coordinator) or "heartbeats" (the default)
+                                  # etcd client endpoints (required; one string is one endpoint):
+                                  # the views and leases that decide who serves live there
+                                  # (irdmafs up starts a local etcd and names it)
 
     [[nodes]]
     name = "n1"
@@ -21,6 +20,12 @@ Example::
 
 Every mistake becomes one ``ConfigError`` naming the file and the key; the CLI prints it and exits
 with status 2.
+
+A config must name a coordinator: views in etcd are the only way irdmafs decides who serves
+(docs/reliability.md). A config without one is refused, not run on an embedded etcd: one etcd
+per node would be as many unrelated clusters, each agreeing only with itself, which is the
+split-brain views exist to prevent; ``irdmafs up`` starts the one local etcd a one-machine
+cluster needs. The ``routing`` key of earlier configs is accepted only as ``"views"``.
 """
 
 from __future__ import annotations
@@ -40,6 +45,13 @@ class ConfigError(Exception):
     pass
 
 
+NO_COORDINATOR = (
+    "coordinator: none named. irdmafs keeps its views and leases (who serves, who leads each stripe) "
+    "in etcd: name its client endpoints (coordinator = [\"http://HOST:2379\"]; deploy/ runs three), "
+    "or run a local cluster with 'irdmafs up', which starts one"
+)
+
+
 @dataclass(frozen=True)
 class NodeSpec:
     name: str
@@ -55,8 +67,7 @@ class ClusterConfig:
     stripe_unit: int = 4 << 20
     capacity: int = 8 << 30
     transport: list[str] = field(default_factory=lambda: list(DEFAULT_TRANSPORT))
-    coordinator: list[str] = field(default_factory=list)  # etcd client endpoints; empty: no coordination service
-    routing: str = "heartbeats"  # "views": primaries and replicas from the coordinator's views (README, Reliability)
+    coordinator: list[str] = field(default_factory=list)  # etcd client endpoints (a loaded config always names one)
     heartbeat: float = 0.5  # seconds between heartbeats
     down_after: float = 2.0  # a node silent this long is down
     op_timeout: float = 10.0  # one data operation against one node
@@ -177,13 +188,12 @@ def from_dict(doc: dict, *, base: Path = Path("."), where: str | None = None) ->
         capacity=parse_size(doc.get("capacity", 8 << 30), "capacity"),
         transport=list(transport),
         coordinator=parse_endpoints(doc.get("coordinator", []), "coordinator"),
-        routing=doc.get("routing", "heartbeats"),
         path=where,
     )
-    if cfg.routing not in ("views", "heartbeats"):
-        raise ConfigError(f"routing: {cfg.routing!r}; choose \"views\" or \"heartbeats\"")
-    if cfg.routing == "views" and not cfg.coordinator:
-        raise ConfigError("routing: \"views\" needs a coordinator (the views are kept in it)")
+    if doc.get("routing", "views") != "views":
+        raise ConfigError(f"routing: {doc['routing']!r}: the heartbeat routing was removed; views in the coordinator are the only routing (drop the key)")
+    if not cfg.coordinator:
+        raise ConfigError(NO_COORDINATOR)
     for key in ("heartbeat", "down_after", "op_timeout", "lease_ttl"):
         if key in doc:
             value = doc[key]
@@ -202,7 +212,6 @@ def dump(cfg: ClusterConfig, token_file: str = "token") -> str:
         f"token_file = {token_file!r}",
         "transport = [" + ", ".join(repr(t) for t in cfg.transport) + "]",
         *(["coordinator = [" + ", ".join(repr(e) for e in cfg.coordinator) + "]"] if cfg.coordinator else []),
-        *([f"routing = {cfg.routing!r}"] if cfg.routing != "heartbeats" else []),
         f"heartbeat = {cfg.heartbeat}",
         f"down_after = {cfg.down_after}",
         f"op_timeout = {cfg.op_timeout}",

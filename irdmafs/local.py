@@ -45,11 +45,11 @@ def write_config(
     stripe_unit: int = 4 << 20,
     host: str = "127.0.0.1",
     transport: list[str] | None = None,
-    coordinator: list[str] | None = None,
+    coordinator: list[str],
     **extra: object,
 ) -> Path:
     """A fresh config (and a 0600 token file) for ``nodes`` nodes on ``host``; ``coordinator``:
-    the etcd endpoints it names (none: no coordination service)."""
+    the etcd endpoints it names (``LocalEtcd`` runs one here; every config names one)."""
     state.mkdir(parents=True, exist_ok=True)
     token = state / "token"
     if not token.exists():
@@ -61,7 +61,7 @@ def write_config(
         "replicas": replicas,
         "stripe_unit": stripe_unit,
         "transport": transport or list(C.DEFAULT_TRANSPORT),
-        "coordinator": coordinator or [],
+        "coordinator": coordinator,
         **extra,
     }
     cfg = C.from_dict(doc, base=state)

@@ -47,6 +47,7 @@ from bench_transport import RawSocket, iperf3_gbps  # noqa: E402
 
 from irdmafs import config as C  # noqa: E402
 from irdmafs.client.client import Client  # noqa: E402
+from irdmafs.coord.etcd_process import LocalEtcd  # noqa: E402
 from irdmafs.local import LocalCluster, wait_settled, write_config  # noqa: E402
 from irdmafs.mount import mount_background, unmount, wait_for_mount  # noqa: E402
 
@@ -248,7 +249,9 @@ def model_figures(mnt: Path, reps: int) -> dict[str, float]:
 def irdmafs_figures(tmp: Path, replicas: int, sizes: list[int], reps: int, with_model: bool) -> dict[str, float]:
     tag = f"r{replicas}"
     state = tmp / tag
-    path = write_config(state, 3, replicas, transport=["tcp"])
+    etcd = LocalEtcd(state / "etcd", log_path=tmp / f"etcd-{tag}.log")  # the views' coordinator
+    etcd.start()
+    path = write_config(state, 3, replicas, transport=["tcp"], coordinator=[etcd.endpoint])
     lc = LocalCluster(path)
     lc.start_all()
     mnt = state / "mnt"
@@ -268,6 +271,7 @@ def irdmafs_figures(tmp: Path, replicas: int, sizes: list[int], reps: int, with_
             mount.terminate()
             mount.wait(10)
         lc.stop_all()
+        etcd.stop()
 
 
 def link_utilisation(tmp: Path, reps: int) -> dict[str, float]:

@@ -480,13 +480,19 @@ class Bed:
 
 
 @contextmanager
-def bed(tmp: Path, mounts: int, replicas: int, link: LinkBed | None = None, nodes: int = 3, transport: str = "auto", coordinator: bool = False):
-    """A local cluster and its mounts; with ``link``, ``nodes`` nodes in the PS namespaces and
-    mount i in worker namespace i. Everything started is stopped at the end, whatever happens."""
+def bed(tmp: Path, mounts: int, replicas: int, link: LinkBed | None = None, nodes: int = 3, transport: str = "auto"):
+    """A local cluster with its views in a local etcd (as `irdmafs up` runs one) and its mounts;
+    with ``link``, ``nodes`` nodes in the PS namespaces and mount i in worker namespace i (etcd on
+    the root namespace's end of PS host 0's link, which every namespace routes to). Everything
+    started is stopped at the end, whatever happens."""
     state = tmp / (f"cluster-w{mounts}" if link else "cluster")
     with ExitStack() as stack:
+        state.mkdir(parents=True, exist_ok=True)
+        etcd_host = f"10.{LINK_NET}.{link.wmax}.1" if link else "127.0.0.1"
+        etcd = LocalEtcd(state / "etcd", host=etcd_host, log_path=state / "etcd.log")
+        etcd.start()
+        stack.callback(etcd.stop)
         if link:
-            state.mkdir()
             (state / "token").write_text(os.urandom(16).hex())
             doc = {
                 "nodes": [{"name": f"n{j + 1}", "host": link.ps_hosts[j], "port": NODE_PORT} for j in range(nodes)],
@@ -494,18 +500,13 @@ def bed(tmp: Path, mounts: int, replicas: int, link: LinkBed | None = None, node
                 "replicas": replicas,
                 "stripe_unit": 4 << 20,
                 "transport": ["tcp"],
+                "coordinator": [etcd.endpoint],
             }
             path = state / "cluster.toml"
             path.write_text(C.dump(C.from_dict(doc, base=state)))
         else:
             # auto: the config's default (shared memory with the nodes of this host); tcp: forced
-            endpoints = None
-            if coordinator:  # views from a local etcd, as `irdmafs up` runs a cluster
-                etcd = LocalEtcd(state / "etcd", log_path=state / "etcd.log")
-                etcd.start()
-                stack.callback(etcd.stop)
-                endpoints = [etcd.endpoint]
-            path = write_config(state, nodes, replicas, transport=None if transport == "auto" else [transport], coordinator=endpoints)
+            path = write_config(state, nodes, replicas, transport=None if transport == "auto" else [transport], coordinator=[etcd.endpoint])
         lc = LocalCluster(path)
         if link:
             lc.launcher = {name: enter(link.ps_ns(j)) for j, name in enumerate(lc.cfg.names)}
@@ -611,7 +612,7 @@ def run_loopback(args, models, workers, rows, res) -> None:
     mounts = max(workers) if args.mounts == "per-worker" else 1
     with (
         tempfile.TemporaryDirectory(prefix="irdmafs-step-") as tmp,
-        bed(Path(tmp), mounts, args.replicas, transport=args.transport, coordinator=args.coordinator) as b,
+        bed(Path(tmp), mounts, args.replicas, transport=args.transport) as b,
     ):
         for m in models:
             for w in workers:
@@ -627,7 +628,7 @@ def run_safetensors(args, models, workers, res) -> None:
     mounts = max(workers) if args.mounts == "per-worker" else 1
     with (
         tempfile.TemporaryDirectory(prefix="irdmafs-step-st-") as tmp,
-        bed(Path(tmp), mounts, args.replicas, transport=args.transport, coordinator=args.coordinator) as b,
+        bed(Path(tmp), mounts, args.replicas, transport=args.transport) as b,
     ):
         for m in models:
             for w in workers:
@@ -684,7 +685,6 @@ def main() -> int:
         "--separate", action="store_true", help="workers call ps.push then ps.pull (timed apart) instead of ps.step (one request the mount overlaps)"
     )
     ap.add_argument("--no-fp16", action="store_true", help="skip the fp16 rows")
-    ap.add_argument("--coordinator", action="store_true", help="the cluster keeps its views in a local etcd (as `irdmafs up` runs it)")
     ap.add_argument("--no-ddp", action="store_true", help="irdmafs only (for profiling it; no ratios)")
     ap.add_argument(
         "--link",

@@ -34,6 +34,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from irdmafs.client.client import Client  # noqa: E402
+from irdmafs.coord.etcd_process import LocalEtcd  # noqa: E402
 from irdmafs.local import LocalCluster, wait_settled, write_config  # noqa: E402
 from irdmafs.transport.base import Access  # noqa: E402
 from irdmafs.transport.tcp import SOCKET_BUFFER, TcpTransport  # noqa: E402
@@ -162,7 +163,9 @@ async def one_sided(port: int, sizes: list[int], reps: int, raw: RawSocket) -> d
 
 # -- (d) Client striping over 3 node processes ------------------------------------------------------
 async def client_striped(state: Path, replicas: int, nbytes: int, reps: int, raw: RawSocket) -> dict[str, list[float]]:
-    path = write_config(state, 3, replicas, transport=["tcp"])
+    etcd = LocalEtcd(state / "etcd", log_path=state / "etcd.log")  # the views' coordinator
+    etcd.start()
+    path = write_config(state, 3, replicas, transport=["tcp"], coordinator=[etcd.endpoint])
     lc = LocalCluster(path)
     lc.start_all()
     try:
@@ -188,6 +191,7 @@ async def client_striped(state: Path, replicas: int, nbytes: int, reps: int, raw
         return times
     finally:
         lc.stop_all()
+        etcd.stop()
 
 
 def gbps(nbytes: int, times: list[float]) -> float:

@@ -19,11 +19,8 @@ before the next, so never more than R-1 nodes are out at once:
   sides; as root): the mounts and the coordinator still reach it;
 - ``mount``: ``kill -9`` of the mount process, then mounting again;
 - ``etcd-stop``, ``etcd-kill``: the coordination service (a local etcd the soak starts, named in
-  the cluster's config: ``--no-coordinator`` runs without) hung by ``SIGSTOP``, or killed and
-  started again on its data.
-
-``--views`` makes the cluster's views choose primaries (``routing = "views"``); without it
-heartbeats do, with leases in the coordinator fencing nodes.
+  the cluster's config: its views choose every stripe's primary and replicas) hung by
+  ``SIGSTOP``, or killed and started again on its data.
 
 As root, when partitions are among the fault kinds, a second mount runs inside node n1's network
 namespace, with its own file and tensor workers: when n1 is partitioned that mount is on the
@@ -558,10 +555,10 @@ def loop(tally: Tally, worker) -> None:
 
 # -- the cluster and the faults ------------------------------------------------------------------------
 class Bed:
-    """Node processes (in network namespaces when root), a local etcd (unless told not to), one
-    mount, and as root with ``minority`` a second mount in n1's namespace; started and faulted."""
+    """Node processes (in network namespaces when root), a local etcd, one mount, and as root
+    with ``minority`` a second mount in n1's namespace; started and faulted."""
 
-    def __init__(self, tmp: Path, nodes: int, replicas: int, netns: bool, coordinator: bool, views: bool, minority: bool, stack: ExitStack) -> None:
+    def __init__(self, tmp: Path, nodes: int, replicas: int, netns: bool, minority: bool, stack: ExitStack) -> None:
         self.tmp, self.netns = tmp, netns
         (tmp / "token").write_text(os.urandom(16).hex())
         etcd_host = "127.0.0.1"
@@ -571,17 +568,15 @@ class Bed:
 
             hosts = stack.enter_context(namespaces(nodes, None, prefix=PREFIX, net=NET))
             specs = [{"name": f"n{i + 1}", "host": h, "port": 7400} for i, h in enumerate(hosts)]
-            if coordinator:  # an address of the root namespace that stays up when a veth goes down
-                etcd_host = f"10.{NET}.{ETCD_HOST}.1"
-                subprocess.run(["ip", "addr", "add", f"{etcd_host}/32", "dev", "lo"], check=True)
-                stack.callback(subprocess.run, ["ip", "addr", "del", f"{etcd_host}/32", "dev", "lo"], capture_output=True)
+            # etcd on an address of the root namespace that stays up when a veth goes down
+            etcd_host = f"10.{NET}.{ETCD_HOST}.1"
+            subprocess.run(["ip", "addr", "add", f"{etcd_host}/32", "dev", "lo"], check=True)
+            stack.callback(subprocess.run, ["ip", "addr", "del", f"{etcd_host}/32", "dev", "lo"], capture_output=True)
         else:
             specs = [{"name": f"n{i + 1}", "host": "127.0.0.1", "port": p} for i, p in enumerate(free_ports(nodes))]
-        self.etcd: LocalEtcd | None = None
-        if coordinator:
-            self.etcd = LocalEtcd(tmp / "etcd", host=etcd_host, log_path=tmp / "etcd.log")
-            self.etcd.start()
-            stack.callback(self.etcd.stop)
+        self.etcd = LocalEtcd(tmp / "etcd", host=etcd_host, log_path=tmp / "etcd.log")
+        self.etcd.start()
+        stack.callback(self.etcd.stop)
         self.undo: list[list[str]] = []  # what ends the fault under way (``outside``)
         doc = {
             "nodes": specs,
@@ -592,8 +587,7 @@ class Bed:
             "heartbeat": 0.2,
             "down_after": 1.0,
             "op_timeout": 3.0,
-            "coordinator": [self.etcd.endpoint] if self.etcd else [],
-            "routing": "views" if views else "heartbeats",
+            "coordinator": [self.etcd.endpoint],
         }
         self.config = tmp / "cluster.toml"
         self.config.write_text(C.dump(C.from_dict(doc, base=tmp)))
@@ -691,14 +685,13 @@ class Bed:
         self.lc.stop_all()
 
 
-def fault_kinds(netns: bool, coordinator: bool) -> list[str]:
-    return ["kill", "stop", "mount"] + (["partition", "cut"] if netns else []) + (["etcd-stop", "etcd-kill"] if coordinator else [])
+def fault_kinds(netns: bool) -> list[str]:
+    return ["kill", "stop", "mount"] + (["partition", "cut"] if netns else []) + ["etcd-stop", "etcd-kill"]
 
 
 def run(args: argparse.Namespace) -> dict:
     netns = os.geteuid() == 0 and shutil.which("ip") is not None and not args.no_netns
-    coordinator = not args.no_coordinator
-    kinds = fault_kinds(netns, coordinator)
+    kinds = fault_kinds(netns)
     if args.faults:
         kinds = [k for k in args.faults.split(",") if k in kinds]
     tally = Tally()
@@ -708,7 +701,7 @@ def run(args: argparse.Namespace) -> dict:
         tmp = Path(tempfile.mkdtemp(prefix="irdmafs-chaos-"))
         if not args.keep:
             stack.callback(shutil.rmtree, tmp, True)
-        bed = Bed(tmp, args.nodes, args.replicas, netns, coordinator, args.views, "partition" in kinds, stack)
+        bed = Bed(tmp, args.nodes, args.replicas, netns, "partition" in kinds, stack)
         stack.callback(bed.close)
         stack.callback(minority.stop.set)
         stack.callback(tally.stop.set)  # runs first when unwinding early: workers stop their loops
@@ -769,8 +762,7 @@ def run(args: argparse.Namespace) -> dict:
             "nodes": args.nodes,
             "replicas": args.replicas,
             "fault_kinds": kinds,
-            "coordinator": bed.etcd.endpoint if bed.etcd else None,
-            "routing": "views" if args.views else "heartbeats",
+            "coordinator": bed.etcd.endpoint,
             "minority_mount": str(bed.minority) if bed.minority else None,
             "operations": dict(sorted(tally.ops.items())) | {"total": sum(tally.ops.values())},
             "faults": dict(sorted(faults.items())) | {"total": len(applied)},
@@ -792,8 +784,6 @@ def main() -> int:
     ap.add_argument("--nodes", type=int, default=3)
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--no-netns", action="store_true", help="loopback only, even as root (no partitions)")
-    ap.add_argument("--no-coordinator", action="store_true", help="no etcd: heartbeats decide who serves (no etcd faults)")
-    ap.add_argument("--views", action="store_true", help='routing = "views": the coordinator\'s views choose primaries')
     ap.add_argument("--keep", action="store_true", help="keep the state directory (logs) afterwards")
     ap.add_argument("--faults", help="only these kinds, comma-separated (to chase one finding)")
     ap.add_argument("--schedule", type=int, metavar="N", help="print the first N faults of the seed and exit")
@@ -802,11 +792,9 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.replicas < 2:
         ap.error("faults need --replicas 2 or more (one node out at a time)")
-    if args.views and args.no_coordinator:
-        ap.error("--views needs the coordinator")
     if args.schedule:
         netns = os.geteuid() == 0 and shutil.which("ip") is not None and not args.no_netns
-        kinds = fault_kinds(netns, not args.no_coordinator)
+        kinds = fault_kinds(netns)
         gen = schedule(args.seed, kinds, [f"n{i + 1}" for i in range(args.nodes)])
         print(json.dumps([next(gen) for _ in range(args.schedule)], indent=1))
         return 0

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from irdmafs import config as C  # noqa: E402
 from irdmafs.client.client import Client  # noqa: E402
+from irdmafs.coord.etcd_process import LocalEtcd  # noqa: E402
 from irdmafs.local import LocalCluster, wait_settled, write_config  # noqa: E402
 
 
@@ -74,8 +75,8 @@ def main() -> int:
     ap.add_argument("--json")
     args = ap.parse_args()
     nbytes = int(args.mib * (1 << 20))
-    with tempfile.TemporaryDirectory(prefix="irdmafs-load-") as tmp:
-        path = write_config(Path(tmp), args.nodes, min(2, args.nodes), transport=["tcp"])
+    with tempfile.TemporaryDirectory(prefix="irdmafs-load-") as tmp, LocalEtcd(Path(tmp) / "etcd") as etcd:
+        path = write_config(Path(tmp), args.nodes, min(2, args.nodes), transport=["tcp"], coordinator=[etcd.endpoint])
         lc = LocalCluster(path)
         lc.start_all()
         try:

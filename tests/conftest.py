@@ -1,4 +1,4 @@
-"""Shared fixtures: real PS node processes on loopback, and real FUSE mounts of them."""
+"""Shared fixtures: a real etcd, real PS node processes on loopback, and real FUSE mounts of them."""
 
 import os
 import shutil
@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from irdmafs.coord.etcd_process import LocalEtcd
 from irdmafs.local import LocalCluster, wait_settled, write_config
 from irdmafs.mount import stop_background, wait_for_mount
 
@@ -22,12 +23,29 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def shared_etcd(tmp_path_factory):
+    """One etcd for the whole run: every cluster keeps its views under its own prefix (the hash
+    of its token, server/leases.py), so clusters of different tests never meet. A test that
+    stops or kills etcd starts its own (tests/cluster/test_coordinator.py)."""
+    with LocalEtcd(tmp_path_factory.mktemp("etcd")) as server:
+        yield server
+
+
 @pytest.fixture
-async def local_cluster(tmp_path):
-    """``await local_cluster(nodes=3, replicas=2, ...)``: node processes from a fresh config."""
+def etcd_endpoints(shared_etcd):
+    """The coordinator a test's own config names (``write_config(..., coordinator=...)``)."""
+    return [shared_etcd.endpoint]
+
+
+@pytest.fixture
+async def local_cluster(tmp_path, etcd_endpoints):
+    """``await local_cluster(nodes=3, replicas=2, ...)``: node processes from a fresh config,
+    coordinated by the run's etcd unless ``coordinator=`` names another."""
     clusters = []
 
     async def make(nodes=3, replicas=2, **kw):
+        kw.setdefault("coordinator", etcd_endpoints)
         path = write_config(tmp_path / f"c{len(clusters)}", nodes, replicas, transport=["tcp"], heartbeat=0.2, down_after=1.0, **kw)
         lc = LocalCluster(path)
         clusters.append(lc)

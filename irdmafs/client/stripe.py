@@ -9,7 +9,7 @@ returns the data is on every live replica.
 Stripe region keys (rkey, capacity) are cached per node, with the node's incarnation; a stale key
 (the stripe grew, or the node restarted: StaleKey) answers AccessError and is looked up again.
 
-**A cached key reads a node only in the lease it was given under.** With views, a node hands out
+**A cached key reads a node only in the lease it was given under.** A node hands out
 keys (``stripe_info``) only while it serves and has caught up (its hand-over done), and says under
 which coordination lease. A one-sided READ asks the node nothing, so a key kept from before the
 node went away (stopped, cut off) would still read its region after a view names it again and
@@ -113,7 +113,7 @@ class StripeIO:
         is known for one read only (``read``), and a snapshot's stripes never change (one
         freed answers AccessError), so those are."""
         view = self.cluster.view
-        return key is None or snap != 0 or view is None or key.lease == view.lease_of(node)
+        return key is None or snap != 0 or key.lease == view.lease_of(node)
 
     def _cached(self, node: str, fid: int, idx: int, snap: int) -> bool:
         """A key of ``node`` for this stripe that may be used as it is."""
@@ -290,8 +290,8 @@ class StripeIO:
             candidates.sort(key=lambda c: behind.index(c) + 1 if c in behind else 0)
             if not candidates:
                 homes = self.cluster.stripe_rank(fid, p.idx)[: self.cluster.cfg.replicas]
-                if self.cluster.view is not None:  # the homes it names active hold every acknowledged write
-                    homes = [n for n in homes if self.cluster.node_state(n) == READY] or homes
+                # the homes the view names active hold every acknowledged write
+                homes = [n for n in homes if self.cluster.node_state(n) == READY] or homes
                 if set(homes) <= missing:  # every home replica answered: nothing there, a hole
                     view[:] = bytes(len(view))
                     return

@@ -48,12 +48,10 @@ class DataPath:
 
     async def rpc_snap_copy(self, snap: int) -> dict:
         """Copy every live stripe under snapshot id ``snap`` (a snapshot's coordinator asks
-        every node, commits frozen). With views, only once this node serves and has caught up
-        (EAGAIN at once otherwise: the snapshot is taken again): a node just named by a view
-        copied what it held before its hand-over, and the snapshot read a write back old
-        (chaos --views, seed 7)."""
-        if self.cluster.view is not None:
-            self.serving.require_caught_up()
+        every node, commits frozen), only once this node serves and has caught up (EAGAIN at
+        once otherwise: the snapshot is taken again): a node just named by a view copied what
+        it held before its hand-over, and the snapshot read a write back old (chaos, seed 7)."""
+        self.serving.require_caught_up()
         return {"bytes": self.store.copy_snapshot(snap)}
 
     async def rpc_stripe_info(self, fid: int, idxs: list[int], snap: int = 0, resync: bool = False) -> dict:

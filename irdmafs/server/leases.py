@@ -11,11 +11,10 @@ only while it holds its etcd lease and the newest view it has read names it with
 - it rejoins only while it holds a lease: while etcd is unreachable, nodes serve until their
   leases end and then wait, and no new view is made; heartbeats and ``irdmafs status`` say so.
 
-Without a coordinator ``holds()`` is always true, and the heartbeat rules of membership.py alone
-decide. With one and ``routing = "views"``, the views also choose every stripe's primary and
-replicas (cluster.py) and every message that changes data carries its sender's view epoch
-(serving.py, ``check_epoch``); with ``routing = "heartbeats"`` (the default) heartbeats choose
-them, among the nodes that hold their leases.
+The views also choose every stripe's primary and replicas (cluster.py), and every message that
+changes data carries its sender's view epoch (serving.py, ``check_epoch``). A config always
+names a coordinator (config.py); ``keeper`` is None only for a node built without one, which
+refuses to start (node.py).
 """
 
 from __future__ import annotations

@@ -1,28 +1,26 @@
 """How a PS node joins, rejoins and leaves the membership: one service of a node (server/node.py
 builds it), moving its ``Serving`` state.
 
-- Joining (``join``): a node tells its peers it is ``joining`` (they replicate to it from then
-  on), resyncs, turns ready and asks each peer to ``handover`` the stripes it led while the node
-  was away: the peer counts it ready, drains what it has under way on them and answers with what
-  it holds, which the node fetches if newer. So a stripe never has two primaries, and a node never
-  leads with an old copy.
-- Fencing (``fence_loop``): a ready node that reaches less than a majority, or that a ready peer
-  counts down, stops serving and joins again before it serves. Two cases a node cannot see from
-  its own view are fenced at once: a stall (it did not run for most of ``down_after``: SIGSTOP,
-  a paused VM; ``Serving.check_stall``, before any heartbeat answers "ready"), and a peer that kept
-  its majority saying it lost this node's serving generation (``Serving.lost_by_peer``). Its resync
-  then takes its peers' copy of what it led just before.
+Views decide who serves (coord/views.py, cluster.py); this service moves a node through them:
+
+- Joining (``join``): a node tells its peers it is ``joining`` (their heartbeats then count it
+  alive, so nobody expels it while it syncs), resyncs, announces itself and waits until a view
+  names it (server/leases.py), turns ready, and asks every node the view names active to
+  ``handover``, with its view epoch, retrying until each has answered (or left the view): each
+  peer reads that view, waits for every commit, push and namespace op under way, and answers
+  with the version of every stripe it holds that the joiner is now a replica of (not only those
+  it leads: it took no replication while it synced), their push bookkeeping, and its namespace
+  sequence number. The joiner fetches what is newer, the namespace included, before it serves
+  reads or leads (``taken_over``). So a stripe never has two primaries, and a node never leads
+  with an old copy.
+- Fencing (``fence_loop``): a node fences when its lease ends, a view stops naming it, or it
+  stalls (it did not run for most of ``down_after``: SIGSTOP, a paused VM;
+  ``Serving.check_stall``, before any heartbeat answers "ready"), and rejoins once it holds a
+  lease. Its resync then takes its peers' copy of what it led just before.
+- Expelling (``expel_loop``): a peer the view names active that this node's heartbeats have not
+  heard for twice ``down_after`` is expelled, while this node serves and hears a majority.
 - Membership changes (rebalance.py drives them): ``members``, ``rebalance_pull``, ``reconfigure``,
   and dropping what a node no longer holds after a grace period.
-
-With a coordinator, views decide instead of heartbeats (coord/views.py, cluster.py): a node
-fences only when its lease ends, a view expels it, or it stalls, and rejoins once it holds a lease.
-Its hand-over then asks every node the view names active, with its view epoch, and retries until
-each has answered (or left the view): each peer reads that view, waits for every commit, push
-and namespace op under way, and answers with the version of every stripe it holds that the
-joiner is now a replica of (not only those it leads: it took no replication while it synced),
-their push bookkeeping, and its namespace sequence number. The joiner fetches what is newer,
-the namespace included, before it serves reads or leads (``taken_over``).
 
 Everything here runs on the node's trio thread; the cluster view, store, locks, resync and
 training are handed in.
@@ -106,7 +104,6 @@ class Membership:
         # counted it gone, and the thaw may never come (it was cut off). Kept, it held every
         # commit and replication here for 30 s after the node rejoined (chaos --views, seed 2).
         self.barrier.lift()
-        self.cluster.lost.clear()  # what it lost while serving before, its resync takes care of
         self.serving.taken_over = trio.Event()
         while True:
             await self._tell_peers("joining")
@@ -125,9 +122,7 @@ class Membership:
         self.serving.taken_over.set()
 
     async def _hand_over(self) -> dict[str, dict]:
-        """Every peer's ``handover`` answer (see above); without a coordinator, those that answer."""
-        if self.cluster.view is None:
-            return await self._tell_peers("handover")
+        """The ``handover`` answer of every node the view names active (see above)."""
         answers: dict[str, dict] = {}
         while self.serving.state == READY:
             view = self.cluster.view
@@ -188,47 +183,27 @@ class Membership:
                 log.warning("hand-over: the namespace of %s not fetched: %s", newest[0], exc)
         if fetched:
             log.warning("hand-over: %d stripes fetched again (their replication here had failed)", fetched)
-        if self.cluster.view is not None:
-            # a truncate acknowledged while this node joined may have come between a peer's
-            # answer and this node's fetch, or only with the namespace just taken: what it
-            # freed is dropped here before this node serves (chaos --views, seed 7: a stale
-            # stripe under a write that grew the file again read back its old bytes)
-            self.drop_freed()
+        # a truncate acknowledged while this node joined may have come between a peer's answer
+        # and this node's fetch, or only with the namespace just taken: what it freed is
+        # dropped here before this node serves (chaos, seed 7: a stale stripe under a write
+        # that grew the file again read back its old bytes)
+        self.drop_freed()
 
     def _check_member(self, name: str) -> None:
         if name == self.name or name not in self.cfg.names:
             raise RemoteError("EINVAL", f"{name!r} is not another member of the cluster")
 
     async def rpc_joining(self, name: str) -> dict:
-        """A peer is resyncing: replicate to it from now on."""
+        """A peer is resyncing: count it alive (it is not expelled while it syncs)."""
         self._check_member(name)
         self.cluster.vouch(name, SYNCING)
         return {}
 
     async def rpc_handover(self, name: str, epoch: int = 0) -> dict:
-        """A peer has resynced and is ready: it is primary again of what ranks it first. Count
-        it ready, then wait for every commit, push or namespace op under way here on what it
-        now leads (each rechecks who is primary under its lock, so none starts after this).
-        With a coordinator, see the module's docstring."""
+        """A peer has resynced and a view names it: wait for every commit, push or namespace op
+        under way here (each rechecks the view under its lock, so none of an older view starts
+        after this), and answer with what it now holds a copy of (see the module's docstring)."""
         self._check_member(name)
-        if self.cluster.view is not None:
-            return await self._handover_in_view(name, epoch)
-        self.cluster.vouch(name, READY)
-        for key in self.stripe_locks.busy():
-            if self.cluster.stripe_primary(*key) == name:
-                async with self.stripe_locks(key):
-                    pass
-        if self.cluster.meta_primary() == name:
-            async with self.meta_lock:
-                pass
-        # what it now leads, as held here: it fetches whatever of it is newer here than there
-        led = {(fid, idx) for fid, idx, _ in self.store.stripes if self.cluster.stripe_primary(fid, idx) == name}
-        return {
-            "stripes": [[fid, idx, snap, s.version, s.tag] for (fid, idx, snap), s in list(self.store.stripes.items()) if (fid, idx) in led],
-            "records": self.training.wire_records(led),
-        }
-
-    async def _handover_in_view(self, name: str, epoch: int) -> dict:
         await self.serving.check_epoch(epoch)  # from now on nothing of an older view is taken here
         for key in self.stripe_locks.busy():
             async with self.stripe_locks(key):
@@ -243,69 +218,34 @@ class Membership:
         }
 
     # -- fencing ---------------------------------------------------------------------------------
-    def _cut_off(self) -> tuple[str, float] | None:
-        """Why this node may hold stale data and how long that must last before it fences, or
-        None: it reaches less than a majority of the cluster for ``down_after`` (counting
-        itself; with one or two nodes a dead peer and a partition look alike, so this rule needs
-        three), or a ready peer has counted it down (writes may have gone on without it: at
-        once)."""
-        if self.cluster.view is not None:
-            return None  # views decide: a lost lease, an expulsion or a stall fences it (serving.py)
-        peers = [n for n in self.cfg.names if n != self.name]
-        if len(self.cfg.names) >= 3 and not self.cluster.reaches_majority():
-            return "less than a majority of the cluster reachable", self.cfg.down_after
-        settle = 3 * self.cfg.heartbeat + self.cfg.down_after  # peers see a new ready node by then
-        for n in peers:
-            info = self.cluster.info.get(n, {})
-            counts_it_down = self.name not in info.get("sees_ready", [self.name])
-            if self.cluster.node_state(n) == READY and counts_it_down and self.cluster.info_at.get(n, 0) - self.serving.ready_since > settle:
-                return f"{n} counts this node down", 0.0
-        return None
-
     def _may_rejoin(self) -> bool:
-        """A ready peer to resync from, or (everyone fenced) a majority to decide with; and its
-        lease, with a coordinator."""
-        if not self.lease.may_rejoin():
-            return False
-        if self.cluster.view is not None:
-            return True  # it resyncs from the nodes the view names, or starts with what it holds
-        return any(self.cluster.node_state(n) == READY for n in self.cfg.names if n != self.name) or self.cluster.reaches_majority()
+        """Only while it holds a lease: it resyncs from the nodes the view names, or starts
+        with what it holds."""
+        return self.lease.may_rejoin()
 
     async def fence_loop(self) -> None:
-        """A node cut off from the cluster stops serving (syncing) and, once it reaches a peer
-        again, resyncs before it serves: a stale node never serves an old version."""
-        cut_since = None
+        """A node that stalled, lost its lease or left the view stops serving (syncing) and,
+        once it holds a lease again, resyncs before it serves: a stale node never serves an old
+        version."""
         while True:
             await trio.sleep(min(self.cfg.heartbeat, self.cfg.down_after / 4))
             self.serving.check_stall()
             self.serving.check_lease()
-            if self.serving.must_rejoin:  # fenced by a stall or by a peer that lost it (rpc_heartbeat)
-                self.serving.must_rejoin = False
-            else:
-                cut = self._cut_off() if self.serving.state == READY else None
-                if cut is None:
-                    cut_since = None
-                    continue
-                why, grace = cut
-                cut_since = cut_since if cut_since is not None else trio.current_time()
-                if trio.current_time() - cut_since < grace:
-                    continue  # a moment without heartbeats: not yet a partition
-                self.serving.fence(why, trio.current_time() - 2 * (self.cfg.op_timeout + self.cfg.down_after) - grace)
+            if not self.serving.must_rejoin:
+                continue
+            self.serving.must_rejoin = False
             while not self._may_rejoin():
                 await self.cluster.wait_changed(self.cfg.heartbeat * 5)
             await self.join()
-            cut_since = None
             log.info("node %s ready again after resync", self.name)
 
     async def expel_loop(self) -> None:
-        """With views: expel (coord/views.py V6) a peer the view names active that this node's
+        """Expel (coord/views.py V6) a peer the view names active that this node's
         heartbeats count down and have not heard for twice ``down_after``, while this node
         serves and its heartbeats reach a majority of the members (a node cut off from the
         others expels nobody). A failed replication expels too (replicator.py), but only when
         a write goes to that peer: a primary killed in a quiet cluster stayed in the view until
         its lease ended and then a TTL more (V2), and none of its stripes could be written."""
-        if self.cfg.routing != "views":
-            return
         tried: dict[str, float] = {}  # peer -> when this node last tried (etcd may be out)
         silent = 2 * self.cfg.down_after
 
@@ -321,7 +261,7 @@ class Membership:
             self.serving.check_stall()
             self.serving.check_lease()
             view = self.cluster.view
-            if view is None or self.serving.state != READY:
+            if self.serving.state != READY:
                 continue
             now = trio.current_time()
             due = [p for p in view.active if p != self.name and quiet(p) >= silent and now - tried.get(p, -math.inf) >= silent]

@@ -11,7 +11,6 @@
   holds an op an old primary applied and never got acknowledged, numbered like one the next
   primary applied, is brought to the new one's namespace instead of answering "held" (fault
   simulator, mixed seed 13: the same seq with another mtime on two nodes after healing).
-  Without views every stamp's epoch is 0 and this is the sequence number alone.
 - Side effects on data are local and deterministic, so every replica does the same: freed or
   truncated stripes are dropped with their push bookkeeping (``forget``), a change of a model's
   workers rechecks its training rounds (``recheck``).
@@ -136,12 +135,11 @@ class Namespace:
         before the copies left a snapshot that read as zeros, and the retry was told it was
         taken (chaos --views, seed 2).
 
-        With views, every node the view names active is frozen and holds its copies before the
-        snapshot is named, in the view it began in; else it answers EAGAIN, names nothing, and
-        the client asks again (by then a new view may have expelled a node that is gone). A node
-        counted down is left to its resync only without views, where being counted down fences
-        it: with views a cut of a few seconds expels nobody, and a snapshot taken then on its
-        coordinator alone read as zeros from the other nodes (chaos --views, seed 7)."""
+        Every node the view names active is frozen and holds its copies before the snapshot is
+        named, in the view it began in; else it answers EAGAIN, names nothing, and the client
+        asks again (by then a new view may have expelled a node that is gone). A cut of a few
+        seconds expels nobody, and a snapshot taken then on its coordinator alone read as zeros
+        from the other nodes (chaos, seed 7)."""
         self.meta.check_snapshot_name(op["name"])
         nodes = self.cluster.live()
         epoch = self.cluster.view_epoch
@@ -173,9 +171,9 @@ class Namespace:
                         n.start_soon(self._thaw_one, node, token, node in frozen)
 
     def _everywhere(self, what: str, nodes: list[str], done) -> None:
-        """With views, EAGAIN unless every node of ``nodes`` is in ``done`` (see above)."""
+        """EAGAIN unless every node of ``nodes`` is in ``done`` (see above)."""
         missing = [n for n in nodes if n not in done]
-        if missing and self.cluster.view is not None:
+        if missing:
             raise RemoteError("EAGAIN", f"snapshot not {what} on {', '.join(missing)}; it is taken again")
 
     async def _freeze_one(self, node: str, token: str, frozen: list[str]) -> None:
@@ -280,7 +278,7 @@ class Namespace:
             known = self.meta.files()
             for fid in {fid for fid, _, snap in self.store.stripes if snap == 0} - known:
                 self.store.drop(fid)
-            if whole and self.cluster.view is not None:
+            if whole:
                 self.drop_freed()
             snaps = set(self.meta.snapshot_ids().values())
             for snap in {snap for _, _, snap in self.store.stripes if snap} - snaps:
@@ -295,14 +293,12 @@ class Namespace:
         extend has not come yet) stays.
 
         Only while a node joins (its resync takes the namespace whole; its hand-over's catch-up,
-        membership.py, calls this after its fetches), and only with views: there a namespace op
-        is acknowledged once every serving node holds it, and a node joins before it serves, so
+        membership.py, calls this after its fetches): a namespace op is acknowledged once every serving node holds it, and a node joins before it serves, so
         every stripe it holds was made by a node that held every truncate acknowledged before,
         and its version base says so. A namespace taken to catch up (an op answered stale) may
-        find stripes the node made while it lagged, with or without views: a node a rebalance
-        added hears no namespace op until it is a member. Without views any node's namespace may
-        lag (a replica that failed a forward is counted down, not waited for). Dropped, those
-        were acknowledged writes lost (tests/mount/test_rebalance.py, in 3 of 4 runs)."""
+        find stripes the node made while it lagged: a node a rebalance added hears no namespace
+        op until it is a member. Dropped, those were acknowledged writes lost
+        (tests/mount/test_rebalance.py, in 3 of 4 runs)."""
         for (fid, idx, snap), stripe in list(self.store.stripes.items()):
             if snap <= 0 and any(idx >= cut and stripe.version < seq << VERSION_SHIFT for seq, cut in self.meta.cuts.get(fid, ())):
                 log.info("stripe %d:%d (snapshot %d) was freed by a truncate this node missed: dropped", fid, idx, snap)

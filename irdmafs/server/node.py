@@ -41,10 +41,9 @@ from typing import Any, Callable
 
 import trio
 
-from ..cluster import DOWN, READY, Cluster
-from ..config import ClusterConfig, ConfigError, load
+from ..cluster import READY, Cluster
+from ..config import NO_COORDINATOR, ClusterConfig, ConfigError, load
 from ..coord.contract import Coordinator
-from ..coord.views import View
 from ..metrics import Latency, node_samples
 from ..metrics import serve as serve_metrics
 from ..notify import notify
@@ -86,18 +85,15 @@ class Node:
         self.latency = Latency()
         self.cluster = Cluster(cfg, transport, None, me=name, my_state=lambda: self.serving.state)
         self.lease = ServingLease(cfg, name, coord)  # its lease and view, if the config names a coordinator
-        if cfg.routing == "views":  # views decide who serves (cluster.py), from the first one read
-            keeper_learns = self.lease.follow(self.cluster.learn_view)
-            if keeper_learns is None:
-                raise ConfigError('routing "views" needs a coordinator')
-            self.cluster.view = View()
-            self.cluster.on_view.append(keeper_learns)
+        keeper_learns = self.lease.follow(self.cluster.learn_view)  # views decide who serves (cluster.py)
+        if keeper_learns is None:
+            raise ConfigError(NO_COORDINATOR)
+        self.cluster.on_view.append(keeper_learns)
         self.serving = Serving(cfg, name, self.cluster, self.lease, transport.incarnation)
         self.staging = StagingRegions(transport)
         self.stripe_locks = KeyedLocks()
-        # with views, a snapshot's freeze (token "<node>:<id>") lifts once the view no longer
-        # names its coordinator active; a rebalance's ("rebalance:..."), and any without views
-        # (a heartbeat missed under load is no proof), only by its thaw or its deadline
+        # a snapshot's freeze (token "<node>:<id>") lifts once the view no longer names its
+        # coordinator active; a rebalance's ("rebalance:...") only by its thaw or its deadline
         self.barrier = CommitBarrier(self._freezer_gone)
         # this node's own slots in its peers' staging regions, as a writer: replicated stripe
         # ranges, optimizer state and push bookkeeping go through them to the backups (slots
@@ -213,19 +209,17 @@ class Node:
         return await self.cluster.call(node, method, args)
 
     # -- status ------------------------------------------------------------------------------
-    async def rpc_heartbeat(self, owner: str | None = None, lost_at: list | None = None, **_: Any) -> dict:
+    async def rpc_heartbeat(self, owner: str | None = None, **_: Any) -> dict:
         serving = self.serving
         if serving.state == READY:
             serving.check_stall()  # before saying "ready": this process may have been stopped
             serving.check_lease()
-            serving.lost_by_peer(lost_at)
         if owner is not None:
             self.staging.seen(owner)
         return {
             "name": self.name,
             "state": serving.state,
             "sees_ready": self.cluster.ready(),
-            "sees_down": [n for n in self.cfg.names if n != self.name and self.cluster.node_state(n) == DOWN],
             "meta_seq": self.meta.seq,
             "stripes": len(self.store.stripes),
             "bytes": self.store.bytes_held,
@@ -240,7 +234,6 @@ class Node:
             "calls": sum(self.counters.values()),
             "served_bytes": sum(b for _, b in self.transport.served.values()),
             "apply_seconds": round(self.training.apply_seconds, 6),
-            "routing": "views" if self.cluster.view is not None else "heartbeats",
             **self.lease.status(),
             "replicas_behind": sum(self.cluster.node_state(n) != READY for n in self.cfg.names if n != self.name),
         }
@@ -251,7 +244,7 @@ class Node:
     # -- the commit barrier (snapshots, rebalance) -------------------------------------------
     def _freezer_gone(self, token: str) -> bool:
         holder = token.split(":")[0]
-        return self.cluster.view is not None and holder in self.cfg.names and holder not in self.cluster.view.active
+        return holder in self.cfg.names and holder not in self.cluster.view.active
 
     async def rpc_freeze(self, token: str, seconds: float, epoch: int = 0) -> dict:
         """Hold new commits and pushes and wait for those in flight (barrier.py); ESTALE from a

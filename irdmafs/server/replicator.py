@@ -8,34 +8,27 @@ the acknowledgement rule.
   through the same staging.
 - ``meta(peer, seq, op)``: a namespace op, with the whole namespace for a peer that missed ops.
 
-Every message carries this node's view epoch (``epoch``; 0 without a coordinator): a backup in
-another epoch refuses it (serving.py).
+Every message carries this node's view epoch (``epoch``): a backup in another epoch refuses it
+(serving.py).
 
 Each send goes through ``_reliably``: a backup whose staging region is gone (it restarted) is asked
-for a new one, once. A send that fails for good answers False, and:
-
-- with a coordinator, a backup that could not be reached (lost, timed out) is expelled by a new
-  view (coord/views.py, V6), which takes it out of the stripe's replicas, if this node's own
+for a new one, once. A send that fails for good answers False, and a backup that could not be
+reached (lost, timed out) is expelled by a new view (coord/views.py, V6), which takes it out of the stripe's replicas, if this node's own
   heartbeats, probed again first, reach a majority of the members (a node cut off from the others
   expels nobody: it waits, unacknowledged, until they expel it or the links return; found by the
   fault simulator, kind "cut": without the fresh probe the cut-off node's heartbeats still said
-  "majority" for a moment, and it expelled one of the others, mixed seed 39); a backup that refused (ESTALE: it holds another view; EAGAIN) is not expelled:
-  this node reads the view and decides again;
-- without one, the peer is counted down (``lost``), which makes it fence and resync before it
-  serves (Cluster.lost); unless it refused because it counts *this* node down (ESTALE): then
-  this node is the one about to fence, and the change is not acknowledged (EAGAIN). Counting
-  the refuser down and acknowledging through a stand-in left a ready home without a change
-  once this node fenced and its resync took the refuser's copy (fault simulator, heartbeat
-  crash seed 22).
+  "majority" for a moment, and it expelled one of the others, mixed seed 39); a backup that
+refused (ESTALE: it holds another view; EAGAIN) is not expelled: this node reads the view and
+decides again.
 
 ``to_every_target(key, one)`` is the acknowledgement rule of a stripe's change: answered only once
-every node the stripe now targets (``Cluster.targets``) holds it, and (with a coordinator) while
-this node still leads the stripe in the view it then holds; else EAGAIN, and the change is not
-acknowledged. A backup that fails leaves the targets (expelled, or counted down), which brings the
+every node the stripe now targets (``Cluster.targets``) holds it, and while this node still leads
+the stripe in the view it then holds; else EAGAIN, and the change is not acknowledged. A backup
+that fails leaves the targets (expelled by a new view), which brings the
 stripe's stand-in in, and the stand-in gets it too (one that lacks the stripe answers "stale" and
 gets it whole). Acknowledging with the failed backup merely counted down lost acknowledged pushes
 once the primary fenced and resynced from that backup's older copy (found by the fault simulator,
-tests/sim, "drop" seed 0). With no other live node it is held here alone, as the cluster is then
+tests/sim, "drop" seed 0, in the heartbeat design before views). With no other live node it is held here alone, as the cluster is then
 down to one copy.
 """
 
@@ -55,10 +48,6 @@ from .updates import StripeKey, Update
 log = logging.getLogger(__name__)
 
 
-class Refused(Exception):
-    """Without a coordinator: a backup refused a change because it counts this node down."""
-
-
 class Replicator:
     def __init__(self, name: str, cluster: Cluster, slots: StagingPool, snapshot: Callable[[], dict], serving: Serving):
         self.name = name
@@ -66,22 +55,17 @@ class Replicator:
         self.slots = slots  # this node's slots in its peers' staging regions
         self.snapshot = snapshot  # the namespace as it is now, for a peer that missed ops
         self.serving = serving
-        self.unreached: set[str] = set()  # with a coordinator: backups to expel (see above)
+        self.unreached: set[str] = set()  # backups to expel (see above)
 
     @property
     def epoch(self) -> int:
-        return self.cluster.view.epoch if self.cluster.view is not None else 0
+        return self.cluster.view.epoch
 
     def lost(self, peer: str, exc: BaseException) -> None:
         """A send to ``peer`` failed for good: it lacks what it was sent, so it must not serve
-        before it resyncs. Without a coordinator, counting it down here makes it fence
-        (Cluster.lost), unless it counts this node down (``Refused``); with one, a peer that
-        could not be reached is to be expelled."""
-        if self.cluster.view is None:
-            if isinstance(exc, RemoteError) and exc.code == "ESTALE":
-                raise Refused(f"{peer} refused it: {exc.message}")
-            self.cluster.mark_down(peer, f"replication failed: {exc}")
-        elif not isinstance(exc, RemoteError) or exc.code not in ("ESTALE", "EAGAIN"):
+        before it resyncs. A peer that could not be reached is to be expelled; one that refused
+        (another view, EAGAIN) is asked again once this node has read the view."""
+        if not isinstance(exc, RemoteError) or exc.code not in ("ESTALE", "EAGAIN"):
             self.unreached.add(peer)
 
     async def _reliably(self, peer: str, what: str, send: Callable[[], Awaitable[object]]) -> bool:
@@ -158,41 +142,33 @@ class Replicator:
 
     async def to_every(self, what: str, targets: Callable[[], list[str]], one: Callable[[str], Awaitable[bool]], leads: Callable[[], None]) -> None:
         """``to_every_target`` for any set of replicas: ``targets()`` as they are now, ``leads()``
-        raising unless this node still leads what is sent (with a coordinator: a view may have
-        moved it)."""
+        raising unless this node still leads what is sent (a view may have moved it)."""
         have = {self.name}
         for _ in range(2 * len(self.cluster.cfg.names) + 2):
-            if self.cluster.view is not None:
-                try:
-                    self.serving.require_ready()  # expelled, or its lease ended
-                    leads()  # or a new view moved the stripe
-                except RemoteError as exc:  # EAGAIN whatever the reason: it is held here, maybe there
-                    raise RemoteError("EAGAIN", f"{what}: not acknowledged ({exc}); send it again") from None
+            try:
+                self.serving.require_ready()  # expelled, or its lease ended
+                leads()  # or a new view moved the stripe
+            except RemoteError as exc:  # EAGAIN whatever the reason: it is held here, maybe there
+                raise RemoteError("EAGAIN", f"{what}: not acknowledged ({exc}); send it again") from None
             todo = [p for p in targets() if p not in have]
             if not todo:
                 return
             done: dict[str, bool] = {}
-            refused: list[str] = []
 
             async def send(peer: str) -> None:
-                try:
-                    done[peer] = await one(peer)
-                except Refused as exc:
-                    refused.append(str(exc))
+                done[peer] = await one(peer)
 
             async with trio.open_nursery() as n:
                 for peer in todo:
                     n.start_soon(send, peer)
-            if refused:  # without a coordinator: a backup counts this node down; it fences soon
-                raise RemoteError("EAGAIN", f"{what}: not acknowledged ({'; '.join(refused)}); send it again")
             have |= {p for p, ok in done.items() if ok}
             failed = [p for p, ok in done.items() if not ok]
-            if failed and self.cluster.view is not None:
+            if failed:
                 await self._out_of_view(failed)
         raise RemoteError("EAGAIN", f"{what}: its replicas kept changing; not acknowledged, send it again")
 
     async def _out_of_view(self, failed: list[str]) -> None:
-        """With a coordinator: expel the backups that could not be reached; for those that
+        """Expel the backups that could not be reached; for those that
         refused, read the view (they may know a newer one)."""
         refused = False
         for peer in failed:

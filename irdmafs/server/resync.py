@@ -38,24 +38,19 @@ class Resync:
 
         A stripe listed newer on a peer than here but not fetched fails the resync (it begins
         again): a node that said ready without it served zeros or old bytes for it (found by
-        scripts/chaos.py, when its peers refused the fetches). With a coordinator, it resyncs
-        from every other member that answers, ready or still syncing, but not one the view
-        expelled (it may hold what it applied and never got acknowledged), the newest copy
+        scripts/chaos.py, when its peers refused the fetches). It resyncs from every other
+        member that answers, ready or still syncing, but not one the view expelled (it may hold what it applied and never got acknowledged), the newest copy
         winning.
         After a coordinator outage every node fenced at once: the first back, resyncing
         from ready peers alone, found none, led with what it held, and its copy, older than one
         a still-syncing peer held (it had been expelled before the outage), was given versions
         of the new epoch that then won everywhere (fault simulator, mixed seed 48)."""
         ready = [n for n in self.cluster.ready() if n != self.name]
-        views = self.cluster.view is not None
-        if not ready and not views:
-            log.info("node %s: no ready peer; starting with what it holds", self.name)
-            return
         t0 = time.monotonic()
         primary = self.cluster.meta_primary()
         if primary is not None and primary != self.name and primary in ready:
             self.restore_meta(await self.cluster.call(primary, "meta_snapshot"), whole=True)
-        peers = [n for n in self.cfg.names if n != self.name and n not in self.cluster.view.expelled] if views else ready
+        peers = [n for n in self.cfg.names if n != self.name and n not in self.cluster.view.expelled]
         live = set(peers) | {self.name}
 
         def mine(fid: int, idx: int) -> bool:
@@ -214,13 +209,12 @@ class Resync:
             mine = self.store.get(fid, idx, snap)
             theirs = (info.get("tag", 0), head.version)
             if instead is not None and mine is not None and mine.stamp == instead:
-                if snap == 0 and (theirs != instead or self.cluster.view is None):
+                if snap == 0 and theirs != instead:
                     # its push bookkeeping goes with the bytes: the peers' record comes with theirs.
-                    # With views, the same stamp is the same version of the same primary, and its
-                    # bookkeeping is kept (after a coordinator outage two fenced nodes each took the
-                    # other's copy; both dropped their records, and a stand-in's old count won: fault
-                    # simulator, mixed seed 92). Without, two primaries may have numbered other bytes
-                    # alike, so the record goes with them.
+                    # The same stamp is the same version of the same primary, and its bookkeeping
+                    # is kept (after a coordinator outage two fenced nodes each took the other's
+                    # copy; both dropped their records, and a stand-in's old count won: fault
+                    # simulator, mixed seed 92).
                     self.training.records.pop((fid, idx), None)
                 self.store.replace(fid, idx, memoryview(buf), 2 * self.cfg.stripe_unit, head.version, snap, head.clock_word, theirs[0])
             elif mine is None or mine.stamp < theirs:  # replication may have brought newer

@@ -12,15 +12,14 @@ The checks, each answered with the error the caller acts on:
   most of ``down_after``: SIGSTOP, a paused VM) or a lost coordination lease (``check_lease``)
   fences it first, so a call queued while the process was stopped finds it fenced;
 - ``check_primary``: ENOTPRIMARY naming the primary, unless this node leads the stripe;
-- ``check_epoch``: with a coordinator, every message that reads or changes data or training
+- ``check_epoch``: every message that reads or changes data or training
   state carries its sender's view epoch. An older one is ESTALE (the sender refreshes its view
   and decides again); a newer one makes this node read the view first (EAGAIN if it still
   cannot see it). So two processes act on one message only when they hold the same view, and
   with it the same primary and replicas of every stripe; ``check_same_epoch`` checks it again
   where a commit installs, after its waits;
-- ``check_sender``: replication only from the node that leads what it sends: with a coordinator,
-  the primary the receiver's view names (ESTALE otherwise); without, a node this one does not
-  count down (it may be a stopped primary sending what it began before);
+- ``check_sender``: replication only from the node that leads what it sends: the primary the
+  receiver's view names (ESTALE otherwise);
 - ``await_takeover``: primary work waits while the node takes its stripes back (EAGAIN after
   ``op_timeout``); ``require_caught_up``: reads of its copies do not wait (EAGAIN at once).
 
@@ -35,7 +34,7 @@ from typing import Callable
 
 import trio
 
-from ..cluster import DOWN, READY, SYNCING, Cluster
+from ..cluster import READY, SYNCING, Cluster
 from ..config import ClusterConfig
 from ..transport.base import RemoteError
 from .leases import ServingLease
@@ -51,10 +50,10 @@ class Serving:
         self.gen = 0  # serving generation: +1 each time this node becomes ready (after a resync)
         self.ready_since = 0.0
         self.last_tick = 0.0  # when this process last ran its fence ticker or a heartbeat (trio clock)
-        self.must_rejoin = False  # fenced by a stall or a peer: its fence loop resyncs it
+        self.must_rejoin = False  # fenced by a stall or its lease: its fence loop resyncs it
         self.taken_over = trio.Event()  # set once peers have handed this node its stripes back
         # (fid, idx, snap) -> when this node last gave the stripe a version as its primary. A
-        # node fenced by a stall or a peer may have given versions whose replication never
+        # node fenced by a stall or its lease may have given versions whose replication never
         # finished (nor was acknowledged) while the next primary gave the same numbers to other
         # bytes: its resync takes its peers' copy of what it led since ``suspect_since``.
         self.led: dict[tuple[int, int, int], float] = {}
@@ -74,11 +73,8 @@ class Serving:
             raise RemoteError("ENOTPRIMARY", primary or "")
 
     async def check_epoch(self, epoch: int) -> None:
-        """ESTALE for a message of an older view epoch; a newer one is read first (see above).
-        Nothing to check without a coordinator."""
+        """ESTALE for a message of an older view epoch; a newer one is read first (see above)."""
         view = self.cluster.view
-        if view is None:
-            return
         if epoch > view.epoch:
             await self.lease.refresh()
             view = self.cluster.view
@@ -92,23 +88,19 @@ class Serving:
         sender may have given it up and sent it again in that view: installed late, it would
         go over what the new view acknowledged since."""
         view = self.cluster.view
-        if view is not None and epoch != view.epoch:
+        if epoch != view.epoch:
             raise RemoteError("ESTALE", f"sent in view {epoch}; node {self.name} moved to view {view.epoch} while it waited")
 
     def check_sender(self, sender: str, leads: Callable[[], str | None]) -> None:
         """Replication only from the node that leads what it sends (``leads()``: its primary as
-        this node's view names it; asked only with views) with a coordinator; without, from a node this one does not
-        count down: one that was (stopped, cut off) may send what it began before, numbered as
-        the next primary numbers other bytes. It is refused; it fences (stall, or a peer's
-        lost_at) and resyncs."""
+        this node's view names it): one that no longer does (stopped, cut off, expelled) may send
+        what it began before, numbered as the next primary numbers other bytes. It is refused;
+        it fences (a stall, its lease, the view) and resyncs."""
         if not sender:
             return
-        if self.cluster.view is not None:
-            primary = leads()
-            if sender != primary:
-                raise RemoteError("ESTALE", f"{sender} does not lead this in view {self.cluster.view.epoch} ({primary} does)")
-        elif self.cluster.node_state(sender) == DOWN:
-            raise RemoteError("ESTALE", f"{sender} is counted down here: it must resync before it leads")
+        primary = leads()
+        if sender != primary:
+            raise RemoteError("ESTALE", f"{sender} does not lead this in view {self.cluster.view.epoch} ({primary} does)")
 
     async def await_takeover(self) -> None:
         """Primary work waits (briefly) while this node takes its stripes back."""
@@ -139,17 +131,6 @@ class Serving:
         self.suspect_since = suspect_since
         self.state = SYNCING
 
-    def lost_by_peer(self, lost_at: list | None) -> None:
-        """A peer counted this node down while it served generation ``lost_at`` (incarnation,
-        generation), and may have written without it since: if that is still the generation
-        it serves, it fences and resyncs before it serves again. A node cut off for a moment
-        (a partition shorter than its own fencing grace) would otherwise come back ready and
-        serve what it missed."""
-        if self.state == READY and lost_at is not None and list(lost_at) == [self.incarnation, self.gen]:
-            # it was cut off since some time within the peer's down_after and op timeouts
-            self.fence(f"a peer counted it down (generation {self.gen})", trio.current_time() - 2 * (self.cfg.op_timeout + self.cfg.down_after))
-            self.must_rejoin = True
-
     def check_stall(self) -> None:
         """Fence at once if this process did not run for most of ``down_after`` (SIGSTOP, a
         paused VM, swapping): its peers may have counted it down and gone on writing without
@@ -164,7 +145,7 @@ class Serving:
             self.must_rejoin = True
 
     def check_lease(self) -> None:
-        """With a coordinator: fence at once when this node no longer holds its lease, or the
+        """Fence at once when this node no longer holds its lease, or the
         newest view no longer names it (server/leases.py). Checked where ``check_stall`` is."""
         if self.state == READY and not self.lease.holds():
             self.fence(self.lease.why_not(), trio.current_time() - 2 * (self.cfg.op_timeout + self.cfg.down_after))
@@ -175,5 +156,5 @@ class Serving:
         self.state = READY
         self.suspect_since = math.inf
         self.led.clear()  # what it led before is settled by this resync
-        self.gen += 1  # a new serving generation: peers that lost the old one trust this one
+        self.gen += 1  # a new serving generation (heartbeats and status show it)
         self.ready_since = self.last_tick = trio.current_time()

@@ -2,7 +2,7 @@
 only while it holds its lease and a view names it; etcd stopped: nodes serve until their leases
 end, then stop, and no view is made; a stopped node is dropped from the view only after its lease
 ended, and serves again only under a new lease, named by a newer view. Nothing written is lost.
-Each with heartbeats choosing primaries and with the views choosing them (``routing``)."""
+The views choose every stripe's primary and replicas."""
 
 import os
 import signal
@@ -42,9 +42,8 @@ async def until(predicate, timeout, every=0.1):
             await trio.sleep(every)
 
 
-@pytest.mark.parametrize("routing", ["heartbeats", "views"])
-async def test_nodes_serve_in_views_and_stop_while_etcd_is_unreachable(local_cluster, etcd, routing):
-    lc = await local_cluster(nodes=3, replicas=2, coordinator=[etcd.endpoint], routing=routing, lease_ttl=2)
+async def test_nodes_serve_in_views_and_stop_while_etcd_is_unreachable(local_cluster, etcd):
+    lc = await local_cluster(nodes=3, replicas=2, coordinator=[etcd.endpoint], lease_ttl=2)
     cfg = lc.cfg
     ttl = lease_ttl(cfg)
     view = await committed_view(etcd, cfg)
@@ -78,9 +77,8 @@ async def test_nodes_serve_in_views_and_stop_while_etcd_is_unreachable(local_clu
         assert await c.paths.read_file("/kept") == blob
 
 
-@pytest.mark.parametrize("routing", ["heartbeats", "views"])
-async def test_a_stopped_node_leaves_the_view_after_its_lease_and_returns_under_a_new_one(local_cluster, etcd, routing):
-    lc = await local_cluster(nodes=3, replicas=2, coordinator=[etcd.endpoint], routing=routing, lease_ttl=2)
+async def test_a_stopped_node_leaves_the_view_after_its_lease_and_returns_under_a_new_one(local_cluster, etcd):
+    lc = await local_cluster(nodes=3, replicas=2, coordinator=[etcd.endpoint], lease_ttl=2)
     cfg = lc.cfg
     ttl = lease_ttl(cfg)
     before = await committed_view(etcd, cfg)
@@ -112,7 +110,7 @@ async def test_an_etcd_outage_shorter_than_the_lease_ttl_fences_nobody(local_clu
     """etcd stopped for 6 s, less than the default lease TTL (10 s): every node serves on, no view
     is made, reads and writes go on, and the nodes keep their leases (the TTL was ``down_after``
     rounded up, 2 s here, and a 3-second etcd restart in the chaos soak fenced every node)."""
-    lc = await local_cluster(nodes=3, replicas=2, coordinator=[etcd.endpoint], routing="views")
+    lc = await local_cluster(nodes=3, replicas=2, coordinator=[etcd.endpoint])
     cfg = lc.cfg
     assert lease_ttl(cfg) == 10 and cfg.down_after < 6
     await wait_settled(cfg, timeout=60)
@@ -140,7 +138,7 @@ async def test_a_node_stopped_in_a_quiet_cluster_is_expelled_by_its_peers_heartb
     """Nothing is written while a node is stopped, so no replication fails to expel it: its
     peers, whose heartbeats no longer hear it, expel it (server/membership.py, ``expel_loop``)
     instead of waiting for its lease (10 s) and a TTL more, and its stripes can be written."""
-    lc = await local_cluster(nodes=3, replicas=2, coordinator=[etcd.endpoint], routing="views")
+    lc = await local_cluster(nodes=3, replicas=2, coordinator=[etcd.endpoint])
     cfg = lc.cfg
     await wait_settled(cfg, timeout=60)
     victim = cfg.names[0]

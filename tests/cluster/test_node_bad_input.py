@@ -6,6 +6,7 @@ import pytest
 import trio
 
 from irdmafs.config import from_dict
+from irdmafs.coord.memory import MemoryCoord
 from irdmafs.server.node import Node
 from irdmafs.transport.base import AccessError, AuthError, RemoteError
 from irdmafs.transport.memory import MemoryTransport
@@ -85,8 +86,9 @@ async def test_bad_requests_get_typed_errors_and_the_node_survives(local_cluster
 async def test_a_fault_in_a_call_is_eio_with_its_traceback_not_einval(caplog):
     """What the caller sent wrong is EINVAL; anything else raised (here a KeyError no input
     caused) is a fault of the node: EIO, and logged with its traceback."""
-    cfg = from_dict({"nodes": [{"name": "n1", "host": "mem", "port": 9000}], "token": "test-token-123", "replicas": 1, "transport": ["memory"]})
-    node = Node(cfg, "n1", MemoryTransport(cfg.token))
+    doc = {"nodes": [{"name": "n1", "host": "mem", "port": 9000}], "token": "test-token-123", "replicas": 1, "transport": ["memory"]}
+    cfg = from_dict(doc | {"coordinator": ["http://mem:2379"]})
+    node = Node(cfg, "n1", MemoryTransport(cfg.token), coord=MemoryCoord())
 
     async def broken() -> dict:
         return {}["a key nobody sent"]

@@ -17,13 +17,13 @@ def test_notify_without_systemd_does_nothing(monkeypatch):
     assert notify("READY=1") is False
 
 
-async def test_a_node_sends_ready_once_it_serves(tmp_path, monkeypatch):
+async def test_a_node_sends_ready_once_it_serves(tmp_path, monkeypatch, etcd_endpoints):
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     path = tmp_path / "notify.sock"
     sock.bind(str(path))
     sock.setblocking(False)
     monkeypatch.setenv("NOTIFY_SOCKET", str(path))
-    lc = LocalCluster(write_config(tmp_path / "c", 1, 1, transport=["tcp"]))
+    lc = LocalCluster(write_config(tmp_path / "c", 1, 1, transport=["tcp"], coordinator=etcd_endpoints))
     lc.start_all()
     try:
         with trio.fail_after(30):

@@ -39,8 +39,8 @@ async def snapshot_of(c: Client) -> dict:
 
 
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "kill-9"])
-async def test_whole_cluster_restart_brings_everything_back(tmp_path, stop):
-    path = write_config(tmp_path / "c", 3, 2, stripe_unit=MiB, transport=["tcp"], heartbeat=0.2, down_after=1.0)
+async def test_whole_cluster_restart_brings_everything_back(tmp_path, stop, etcd_endpoints):
+    path = write_config(tmp_path / "c", 3, 2, stripe_unit=MiB, transport=["tcp"], heartbeat=0.2, down_after=1.0, coordinator=etcd_endpoints)
     lc = LocalCluster(path, persist=tmp_path / "data")
     lc.start_all()
     try:

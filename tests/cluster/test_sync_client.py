@@ -11,8 +11,8 @@ from irdmafs.transport.base import RemoteError
 pytestmark = pytest.mark.cluster
 
 
-def test_sync_client_round_trip(tmp_path):
-    lc = LocalCluster(write_config(tmp_path, 2, 2, transport=["tcp"]))
+def test_sync_client_round_trip(tmp_path, etcd_endpoints):
+    lc = LocalCluster(write_config(tmp_path, 2, 2, transport=["tcp"], coordinator=etcd_endpoints))
     lc.start_all()
     try:
         trio.run(wait_settled, lc.cfg)

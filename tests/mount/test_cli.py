@@ -74,7 +74,8 @@ def test_up_status_down(tmp_path, env):
 
 def test_up_again_restarts_its_coordinator_and_leaves_another_alone(tmp_path, env):
     """A second 'up' of the same state starts the etcd its config names again (same endpoint);
-    a config naming a coordinator run elsewhere gets none started; --no-coordinator starts none."""
+    a config naming a coordinator run elsewhere gets none started; a config naming none is
+    refused by 'up', 'mount' and 'serve' alike, saying how to get one, and starts nothing."""
     reason = fuse_unavailable()
     if reason:
         pytest.skip(reason)
@@ -98,13 +99,18 @@ def test_up_again_restarts_its_coordinator_and_leaves_another_alone(tmp_path, en
         finally:
             down = irdmafs("down", mp, env=env, check=True)
         assert "coordinator" not in down.stdout and elsewhere.running  # not 'up's to stop
-    irdmafs("up", mp, "--nodes", 1, "--replicas", 1, "--state", tmp_path / "st2", "--no-coordinator", env=env, check=True)
-    try:
-        assert C.load(tmp_path / "st2" / "cluster.toml").coordinator == []
-        assert "coordinator: none" in irdmafs("status", mp, env=env).stdout
-        assert not (tmp_path / "st2" / "etcd").exists()
-    finally:
-        irdmafs("down", mp, env=env, check=True)
+    st2 = tmp_path / "st2"
+    st2.mkdir()
+    (st2 / "token").write_text((st / "token").read_text())
+    lines = (st / "cluster.toml").read_text().splitlines()
+    (st2 / "cluster.toml").write_text("\n".join(line for line in lines if not line.startswith("coordinator")) + "\n")
+    for argv in (["up", mp, "--state", st2], ["mount", "--config", st2 / "cluster.toml", mp], ["serve", "--config", st2 / "cluster.toml", "--node", "n1"]):
+        r = irdmafs(*argv, env=env)
+        assert r.returncode == 2 and "coordinator: none named" in r.stderr and "irdmafs up" in r.stderr, (argv, r.stderr)
+        assert "Traceback" not in r.stderr and not is_mounted(mp)
+    assert not list((tmp_path / "state-home" / "irdmafs" / "mounts").glob("*.json"))
+    r = irdmafs("up", mp, "--no-coordinator", env=env)  # the flag is gone with the routing it served
+    assert r.returncode == 2 and "--no-coordinator" in r.stderr
 
 
 def test_up_with_transport_tcp_forces_tcp(tmp_path, env):
@@ -160,14 +166,14 @@ def test_down_stops_nodes_restarted_by_hand_and_hung_ones(tmp_path, env):
     assert not is_mounted(mp) and not pids_alive(list(started.values()))
 
 
-def test_mount_in_background_then_unmount(tmp_path, env):
+def test_mount_in_background_then_unmount(tmp_path, env, etcd_endpoints):
     reason = fuse_unavailable()
     if reason:
         pytest.skip(reason)
     from irdmafs.local import LocalCluster, write_config
     from irdmafs.mount import unmount
 
-    lc = LocalCluster(write_config(tmp_path / "c", 1, 1, transport=["tcp"]))
+    lc = LocalCluster(write_config(tmp_path / "c", 1, 1, transport=["tcp"], coordinator=etcd_endpoints))
     lc.start_all()
     mp = tmp_path / "m"
     mp.mkdir()
@@ -183,7 +189,7 @@ def test_mount_in_background_then_unmount(tmp_path, env):
     assert not is_mounted(mp)
 
 
-def test_serve_with_its_own_mount(tmp_path, env):
+def test_serve_with_its_own_mount(tmp_path, env, etcd_endpoints):
     reason = fuse_unavailable()
     if reason:
         pytest.skip(reason)
@@ -192,7 +198,7 @@ def test_serve_with_its_own_mount(tmp_path, env):
     from irdmafs.local import write_config
     from irdmafs.mount import unmount
 
-    cfg = write_config(tmp_path / "c", 1, 1, transport=["tcp"])
+    cfg = write_config(tmp_path / "c", 1, 1, transport=["tcp"], coordinator=etcd_endpoints)
     mp = tmp_path / "m"
     mp.mkdir()
     proc = subprocess.Popen(

@@ -43,12 +43,12 @@ def value(samples, name, **labels):
 
 
 @pytest.fixture
-async def metered(tmp_path):
+async def metered(tmp_path, etcd_endpoints):
     reason = fuse_unavailable()
     if reason:
         pytest.skip(reason)
     *node_ports, mount_port = free_ports(3)
-    lc = MetricsCluster(write_config(tmp_path / "c", 2, 2, transport=["tcp"], heartbeat=0.2, down_after=1.0), node_ports)
+    lc = MetricsCluster(write_config(tmp_path / "c", 2, 2, transport=["tcp"], heartbeat=0.2, down_after=1.0, coordinator=etcd_endpoints), node_ports)
     lc.start_all()
     mp = tmp_path / "mnt"
     mp.mkdir()

@@ -95,6 +95,6 @@ async def test_an_fstab_line_mounts_by_mountpoint(local_cluster, helper_link, mo
 async def test_a_bad_config_or_mountpoint_is_one_line_and_exit_1(tmp_path):
     r = subprocess.run([str(HELPER), str(tmp_path / "missing.toml"), str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and r.stderr.startswith("mount.irdmafs: ") and "Traceback" not in r.stderr
-    cfg = write_config(tmp_path / "c", 1, 1)
+    cfg = write_config(tmp_path / "c", 1, 1, coordinator=["http://127.0.0.1:2379"])  # not reached: the mountpoint is refused first
     r = subprocess.run([str(HELPER), str(cfg), str(tmp_path / "nodir")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "not a directory" in r.stderr

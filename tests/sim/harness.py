@@ -12,12 +12,10 @@ lost connection or a timeout would), delay, or hold (delivered late, when the fa
 operations of one link or of every link of a node. Nodes crash (their listener and tasks end;
 the store is lost, as with ``kill -9`` and no ``--persist``) and restart as new processes.
 
-With ``views`` (the default, as ``irdmafs up`` runs a cluster), the nodes keep their leases and
-views in the coordination service's model (coord/memory.py), reached by each node over its own
+The nodes keep their leases and views in the coordination service's model (coord/memory.py), reached by each node over its own
 link to the endpoint "etcd" (``LinkedCoord``): a fault of that link (isolate) cuts the node off
 from the coordinator too, "cut" drops only the links between a node and the other nodes (the
 client and the coordinator still reach it), and "coord" makes the coordinator unreachable.
-Without, heartbeats decide who serves (the design before views).
 
 The workload, at the same time: a writer saving files of 1 byte to 3 stripes, and a trainer
 pushing gradients of a tensor under asp with SGD (lr 1, gradients of small integers, so float32
@@ -32,7 +30,7 @@ Checked after every schedule:
   (the client keeps its step, so a duplicate is answered as one), and the parameters equal a
   numpy replay of the ledger;
 - every node's namespace is identical after healing;
-- with views: at most one node acknowledges changes of a stripe in one view epoch (checked as
+- at most one node acknowledges changes of a stripe in one view epoch (checked as
   they are acknowledged: ``Replicator.to_every_target`` is watched).
 """
 
@@ -161,10 +159,10 @@ class World:
     events: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     t0: float = 0.0  # when the run began (events are stamped from it)
-    coord: MemoryCoord | None = None  # with views: the coordination service's model
+    coord: MemoryCoord = field(default_factory=MemoryCoord)  # the coordination service's model
 
     async def start(self, name: str) -> None:
-        coord = LinkedCoord(self.coord, self.links, name) if self.coord is not None else None
+        coord = LinkedCoord(self.coord, self.links, name)
         node = Node(self.cfg, name, memory.MemoryTransport(self.cfg.token, endpoint=name), coord=coord)
 
         async def run(task_status=trio.TASK_STATUS_IGNORED):
@@ -181,7 +179,7 @@ class World:
         del self.nodes[name]
 
     async def settled(self, timeout: float = 120) -> None:
-        """Every node up, ready, taken over, and (with views) in one view naming all of them."""
+        """Every node up, ready, taken over, and in one view naming all of them."""
         with trio.fail_after(timeout):
             while not (len(self.nodes) == len(NODES) and all(self._settled(n) for n in self.nodes.values())):
                 await trio.sleep(0.05)
@@ -190,8 +188,8 @@ class World:
         if not (node.sees_all_ready and node.state == "ready" and node.serving.taken_over.is_set()):
             return False
         view = node.cluster.view
-        newest = max((n.cluster.view.epoch for n in self.nodes.values() if n.cluster.view is not None), default=0)
-        return view is None or (sorted(view.active) == NODES and view.epoch == newest)
+        newest = max(n.cluster.view.epoch for n in self.nodes.values())
+        return sorted(view.active) == NODES and view.epoch == newest
 
     def note(self, what: str) -> None:
         self.events.append(f"{trio.current_time() - self.t0:8.2f} {what}")
@@ -219,10 +217,9 @@ class World:
                         self.links.set(target, other, "drop", seconds)
                 await trio.sleep(seconds)
             elif kind == "coord":
-                if self.coord is not None:
-                    self.coord.down = True
-                    await trio.sleep(seconds)
-                    self.coord.down = False
+                self.coord.down = True
+                await trio.sleep(seconds)
+                self.coord.down = False
             else:
                 other = self.rnd.choice([n for n in NODES + ["client"] if n != target])
                 self.links.set(target, other, kind, seconds)
@@ -287,7 +284,7 @@ async def check(w: World, client: Client, ino: int, w0: np.ndarray) -> None:
             w.errors.append(f"namespace of {n} differs from {NODES[0]}'s after healing")
 
 
-async def _simulate(seed: int, kinds: tuple[str, ...], faults: int, views: bool) -> World:
+async def _simulate(seed: int, kinds: tuple[str, ...], faults: int) -> World:
     rnd = random.Random(seed)
     cfg = from_dict(
         {
@@ -302,9 +299,9 @@ async def _simulate(seed: int, kinds: tuple[str, ...], faults: int, views: bool)
             # odd seeds: leases shorter than a coordinator outage (every node fences, and the
             # cluster comes back); even seeds: the default, longer than any outage here
             "lease_ttl": 2 if seed % 2 else 10,
-            # with views: the coordinator is the in-memory model each node is handed (LinkedCoord);
-            # the endpoint only satisfies the config's rule that views need one
-            **({"coordinator": ["http://etcd.sim:2379"], "routing": "views"} if views else {}),
+            # the coordinator is the in-memory model each node is handed (LinkedCoord); the
+            # endpoint only satisfies the config's rule that a config names one
+            "coordinator": ["http://etcd.sim:2379"],
         }
     )
     links = Links(rnd)
@@ -322,7 +319,7 @@ async def _simulate(seed: int, kinds: tuple[str, ...], faults: int, views: bool)
     Replicator.to_every_target = watched
     try:
         async with trio.open_nursery() as nursery:
-            w = World(seed, kinds, rnd, links, cfg, nursery, coord=MemoryCoord() if views else None)
+            w = World(seed, kinds, rnd, links, cfg, nursery)
             w.t0 = trio.current_time()
             for n in NODES:
                 await w.start(n)
@@ -354,7 +351,7 @@ async def _simulate(seed: int, kinds: tuple[str, ...], faults: int, views: bool)
     return w
 
 
-def simulate(seed: int, kinds: tuple[str, ...] = KINDS, faults: int = 6, views: bool = True) -> World:
+def simulate(seed: int, kinds: tuple[str, ...] = KINDS, faults: int = 6) -> World:
     """One schedule, deterministic in ``seed``: a fresh trio run on a MockClock."""
     trio._core._run._r.seed(seed)  # trio's scheduler shuffles with this (deterministic under Hypothesis's plugin)
-    return trio.run(_simulate, seed, tuple(kinds), faults, views, clock=trio.testing.MockClock(autojump_threshold=0))
+    return trio.run(_simulate, seed, tuple(kinds), faults, clock=trio.testing.MockClock(autojump_threshold=0))

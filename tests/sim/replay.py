@@ -1,4 +1,4 @@
-"""Replay simulator schedules: ``python -m tests.sim.replay [--kinds crash,drop] [--no-views] (--seed N | --seeds K)``.
+"""Replay simulator schedules: ``python -m tests.sim.replay [--kinds crash,drop] (--seed N | --seeds K)``.
 
 One seed prints its events (faults, failed operations) and the invariants it broke; ``--seeds K``
 runs seeds 0..K-1 and prints each failing one. PYTHONHASHSEED is fixed (0, as scripts/test does)
@@ -25,7 +25,6 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"fault kinds, of {', '.join(KINDS)}")
     ap.add_argument("--faults", type=int, default=6)
-    ap.add_argument("--no-views", action="store_true", help="no coordinator: heartbeats decide who serves")
     group = ap.add_mutually_exclusive_group(required=True)
     group.add_argument("--seed", type=int)
     group.add_argument("--seeds", type=int)
@@ -33,19 +32,18 @@ def main() -> int:
     kinds = tuple(args.kinds.split(","))
     logging.basicConfig(level=logging.CRITICAL)
     if args.seed is not None:
-        w = simulate(args.seed, kinds, args.faults, not args.no_views)
+        w = simulate(args.seed, kinds, args.faults)
         print("\n".join(w.events))
         print(f"{len(w.grads)} pushes, {sum(v is not None for v in w.files.values())} files checked")
         print("\n".join(w.errors) or "invariants hold")
         return 1 if w.errors else 0
     failing = 0
     for seed in range(args.seeds):
-        w = simulate(seed, kinds, args.faults, not args.no_views)
+        w = simulate(seed, kinds, args.faults)
         if w.errors:
             failing += 1
             print(f"seed {seed}: {w.errors[0]}", flush=True)
-    mode = "without views" if args.no_views else "with views"
-    print(f"{failing} of {args.seeds} schedules of {','.join(kinds)} ({mode}) broke an invariant")
+    print(f"{failing} of {args.seeds} schedules of {','.join(kinds)} broke an invariant")
     return 1 if failing else 0
 
 

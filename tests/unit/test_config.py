@@ -12,13 +12,21 @@ from irdmafs.local import write_config
 NODES = [{"name": "n1", "host": "127.0.0.1", "port": 7101}]
 
 
+ETCD = "http://127.0.0.1:2379"
+
+
 def cfg(**keys) -> C.ClusterConfig:
-    return C.from_dict({"nodes": NODES, "token": "longenoughtoken", **keys})
+    return C.from_dict({"nodes": NODES, "token": "longenoughtoken", "coordinator": ETCD, **keys})
 
 
-def test_no_coordinator_is_none():
-    assert cfg().coordinator == []
-    assert cfg(coordinator=[]).coordinator == []
+@pytest.mark.parametrize("keys", [{}, {"coordinator": []}], ids=["absent", "empty"])
+def test_a_config_without_a_coordinator_is_refused_saying_how_to_get_one(keys):
+    """Views in etcd are the only routing: no coordinator, no cluster (config.py says why it
+    is refused rather than run on an embedded etcd)."""
+    with pytest.raises(C.ConfigError) as err:
+        C.from_dict({"nodes": NODES, "token": "longenoughtoken", **keys})
+    assert str(err.value) == C.NO_COORDINATOR
+    assert "coordinator: none named" in str(err.value) and "irdmafs up" in str(err.value)
 
 
 @pytest.mark.parametrize(
@@ -63,24 +71,19 @@ def test_a_bad_coordinator_in_a_file_names_the_file(tmp_path):
 
 
 def test_dump_and_write_config_keep_the_coordinator(tmp_path):
-    path = write_config(tmp_path / "a", 2, 1, coordinator=["http://127.0.0.1:2379"])
-    assert 'coordinator = ["http://127.0.0.1:2379"]' in path.read_text()
-    assert C.load(path).coordinator == ["http://127.0.0.1:2379"]
-    path = write_config(tmp_path / "b", 2, 1)
-    assert "coordinator" not in path.read_text() and C.load(path).coordinator == []
+    path = write_config(tmp_path / "a", 2, 1, coordinator=[ETCD])
+    assert f'coordinator = ["{ETCD}"]' in path.read_text()
+    assert C.load(path).coordinator == [ETCD]
 
 
-def test_routing_is_heartbeats_unless_views_are_asked_for_with_a_coordinator(tmp_path):
-    assert cfg().routing == "heartbeats"
-    views = cfg(coordinator=["http://127.0.0.1:2379"], routing="views")
-    assert views.routing == "views"
-    with pytest.raises(C.ConfigError, match='routing: "views" needs a coordinator'):
-        cfg(routing="views")
-    with pytest.raises(C.ConfigError, match="routing: 'leases'"):
-        cfg(coordinator=["http://127.0.0.1:2379"], routing="leases")
+def test_routing_is_views_only(tmp_path):
+    """An earlier config's ``routing = "views"`` still loads; "heartbeats" (or anything else)
+    is refused, naming the key, and nothing dumps it again."""
+    assert cfg(routing="views").coordinator == [ETCD]
+    for value in ("heartbeats", "leases"):
+        with pytest.raises(C.ConfigError, match=f"^routing: '{value}': the heartbeat routing was removed"):
+            cfg(routing=value)
     path = tmp_path / "cluster.toml"
     (tmp_path / "token").write_text("longenoughtoken")
-    path.write_text(C.dump(views))
-    assert 'routing = "views"' in path.read_text() and C.load(path).routing == "views"
-    path.write_text(C.dump(cfg()))
-    assert "routing" not in path.read_text()
+    path.write_text(C.dump(cfg(routing="views")))
+    assert "routing" not in path.read_text() and C.load(path).coordinator == [ETCD]

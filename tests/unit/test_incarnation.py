@@ -23,6 +23,7 @@ def config():
             "token": "test-token-123",
             "replicas": 1,
             "transport": ["memory"],
+            "coordinator": ["http://127.0.0.1:2379"],  # never reached: no node here reads views
             "heartbeat": 0.05,
             "down_after": 0.3,
         }
@@ -150,7 +151,14 @@ async def test_a_node_that_accepts_but_never_answers_is_down_within_the_op_timeo
     silent.listen(8)  # never accepted: the kernel completes the handshake, nobody speaks
     port = silent.getsockname()[1]
     cfg = from_dict(
-        {"nodes": [{"name": "a", "host": "127.0.0.1", "port": port}], "token": "test-token-123", "replicas": 1, "transport": ["tcp"], "op_timeout": 0.5}
+        {
+            "nodes": [{"name": "a", "host": "127.0.0.1", "port": port}],
+            "token": "test-token-123",
+            "replicas": 1,
+            "transport": ["tcp"],
+            "op_timeout": 0.5,
+            "coordinator": ["http://127.0.0.1:2379"],
+        }
     )
     assert cfg.op_timeout < HANDSHAKE_TIMEOUT
     cluster = Cluster(cfg, TcpTransport(cfg.token), nursery)
@@ -172,7 +180,7 @@ async def test_an_answer_acknowledged_in_a_newer_view_brings_that_view_before_it
 
     async def views_node(method, args):
         if method == "heartbeat":
-            return {"state": "ready", "routing": "views", "view": epoch[0], "view_serving": {"a": 1}, "view_expelled": []}
+            return {"state": "ready", "view": epoch[0], "view_serving": {"a": 1}, "view_expelled": []}
         if method == "commit":
             epoch[0] = 7  # a view came (a replica expelled) while the commit waited for it
             return {"version": 3, "acked_in": 7}

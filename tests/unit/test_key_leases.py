@@ -28,6 +28,7 @@ def config():
             "replicas": 2,
             "stripe_unit": UNIT,
             "transport": ["memory"],
+            "coordinator": ["http://127.0.0.1:2379"],  # never reached: no node here reads views
             "heartbeat": 0.05,
             "down_after": 0.3,
         }
@@ -51,7 +52,7 @@ class FakeNode:
 
     async def handle(self, method: str, args: dict) -> dict:
         if method == "heartbeat":
-            return {"state": "ready", "routing": "views", "view": self.view["epoch"], "view_serving": self.view["serving"], "view_expelled": []}
+            return {"state": "ready", "view": self.view["epoch"], "view_serving": self.view["serving"], "view_expelled": []}
         if method == "stripe_info":
             if not self.caught_up:
                 raise RemoteError("EAGAIN", f"node {self.name} is taking over from its stand-ins")

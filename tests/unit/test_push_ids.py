@@ -272,5 +272,5 @@ async def test_a_node_not_yet_caught_up_answers_train_info_eagain_not_enoent(bed
     node.namespace.meta.inodes.pop(ino)  # its namespace from before the tensor was made
     cfg.op_timeout = 0.2
     with pytest.raises(RemoteError) as err:
-        await node.calls["train_info"](fid=ino, rank=0)
+        await node.calls["train_info"](fid=ino, rank=0, epoch=node.cluster.view_epoch)
     assert err.value.code == "EAGAIN"

@@ -131,9 +131,11 @@ async def test_a_commit_and_a_namespace_op_say_the_view_they_were_acknowledged_i
         region = await c.staging._region(primary.name)
         await c.cluster.write(primary.name, region.rkey, 0, b"b" * 10, region.inc)
         args = {"fid": f["ino"], "idx": 0, "offset": 0, "length": 10, "unit": cfg.stripe_unit, "rkey": region.rkey, "soff": 0}
+        args["epoch"] = primary.cluster.view_epoch
         assert (await primary.calls["commit"](**args))["acked_in"] == primary.cluster.view_epoch
         meta_primary = next(n for n in nodes if n.name == c.cluster.meta_primary())
-        answer = await meta_primary.calls["meta"](op={"op": "mkdir", "parent": 1, "name": "d", "mode": 0o755, "rid": "t:1"})
+        op = {"op": "mkdir", "parent": 1, "name": "d", "mode": 0o755, "rid": "t:1"}
+        answer = await meta_primary.calls["meta"](op=op, epoch=meta_primary.cluster.view_epoch)
         assert answer["acked_in"] == meta_primary.cluster.view_epoch and answer["ino"] > 1
 
 
