@@ -23,7 +23,7 @@ import trio
 
 from . import config as C
 from .client.nodes import NODE_FIGURES
-from .coord.etcd_process import LocalEtcd, health_error, is_local_etcd
+from .coord.etcd_process import LocalEtcd, LocalEtcdCluster, health_error, is_local_etcd
 from .local import LocalCluster, node_status, pids_alive, wait_settled, write_config
 from .server.node import setup_logging
 
@@ -81,35 +81,42 @@ def check_mountpoint(mountpoint: str, options: list[str] | tuple = ()) -> str:
 COORDINATOR_RECORD = "coordinator.json"  # in the state dir: the etcd 'up' started for its config
 
 
-def start_coordinator(state: Path, *, fresh: bool, ports: tuple[int, int] | None = None) -> LocalEtcd:
-    """A single-member etcd for the local cluster of ``state`` (data in state/etcd, log in
-    state/etcd.log), recorded there so a later 'up' of the same state starts it again on the
-    ports its config names. ``fresh``: its data go first (a new cluster, or nodes that come back
-    empty: views of the data they held would be wrong)."""
+def start_coordinator(state: Path, *, fresh: bool, size: int = 1, ports: list[tuple[int, int]] | None = None) -> LocalEtcd | LocalEtcdCluster:
+    """The etcd of the local cluster of ``state``: one member (data in state/etcd, log in
+    state/etcd.log) or ``size`` members (data in state/etcd/m<i>, logs state/etcd-m<i>.log),
+    recorded there so a later 'up' of the same state starts it again on the ports its config
+    names. ``fresh``: its data go first (a new cluster, or nodes that come back empty: views of
+    the data they held would be wrong)."""
     data = state / "etcd"
     if fresh:
         shutil.rmtree(data, ignore_errors=True)
-    client_port, peer_port = ports or (None, None)
-    etcd = LocalEtcd(data, client_port=client_port, peer_port=peer_port, log_path=state / "etcd.log")
+    if size == 1:
+        client_port, peer_port = ports[0] if ports else (None, None)
+        etcd: LocalEtcd | LocalEtcdCluster = LocalEtcd(data, client_port=client_port, peer_port=peer_port, log_path=state / "etcd.log")
+    else:
+        etcd = LocalEtcdCluster(data, size, ports=ports, log_dir=state)
     try:
         etcd.start()
     except RuntimeError as exc:
         raise QuietError(f"could not start the coordination service (etcd): {exc}") from None
-    record = {"endpoint": etcd.endpoint, "client_port": etcd.client_port, "peer_port": etcd.peer_port}
+    record = {"endpoints": etcd.endpoints, "ports": [[m.client_port, m.peer_port] for m in etcd.members]}
     (state / COORDINATOR_RECORD).write_text(json.dumps(record, indent=1))
     return etcd
 
 
-def restart_coordinator(state: Path, cfg: C.ClusterConfig, *, fresh: bool) -> LocalEtcd | None:
+def restart_coordinator(state: Path, cfg: C.ClusterConfig, *, fresh: bool) -> LocalEtcd | LocalEtcdCluster | None:
     """The etcd an earlier 'up' started for this state's config, started again; None when the
-    config names another coordinator (one run elsewhere) or none."""
+    config names another coordinator (one run elsewhere)."""
     try:
         record = json.loads((state / COORDINATOR_RECORD).read_text())
     except (OSError, ValueError):
         return None
-    if cfg.coordinator != [record.get("endpoint")]:
+    if "endpoint" in record:  # as an 'up' of one member wrote it before clusters of several
+        record = {"endpoints": [record["endpoint"]], "ports": [[record["client_port"], record["peer_port"]]]}
+    if cfg.coordinator != record.get("endpoints"):
         return None
-    return start_coordinator(state, fresh=fresh, ports=(record["client_port"], record["peer_port"]))
+    ports = [tuple(p) for p in record["ports"]]
+    return start_coordinator(state, fresh=fresh, size=len(ports), ports=ports)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -122,6 +129,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise QuietError(f"{mp} is already up (run: irdmafs down {mp})", 2)
     if not 1 <= args.replicas <= args.nodes:
         raise QuietError(f"--replicas must be between 1 and --nodes ({args.nodes})", 2)
+    if args.coordinators < 1 or args.coordinators % 2 == 0:
+        raise QuietError(f"--coordinators must be an odd number (1, 3, 5), not {args.coordinators}", 2)
     state = Path(args.state or state_home() / "clusters" / reg.stem).resolve()
     cfg_path = state / "cluster.toml"
     etcd = None  # the coordination service, started before the nodes (they keep their views in it)
@@ -133,9 +142,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         except C.ConfigError as exc:
             raise QuietError(str(exc), 2) from None
         state.mkdir(parents=True, exist_ok=True)
-        etcd = start_coordinator(state, fresh=True)
+        etcd = start_coordinator(state, fresh=True, size=args.coordinators)
         transport = None if args.transport == "auto" else [args.transport]  # auto: the config's default
-        write_config(state, args.nodes, args.replicas, stripe_unit=stripe_unit, transport=transport, coordinator=[etcd.endpoint])
+        write_config(state, args.nodes, args.replicas, stripe_unit=stripe_unit, transport=transport, coordinator=etcd.endpoints)
     lc = None
     try:
         lc = LocalCluster(cfg_path, persist=state / "data" if args.persist else None)
@@ -151,9 +160,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     reg.parent.mkdir(parents=True, exist_ok=True)
     record = {"mountpoint": mp, "state": str(state), "config": str(cfg_path), "mount_pid": mount.pid, "node_pids": {n: p.pid for n, p in lc.procs.items()}}
     if etcd:
-        record["coordinator"] = {"endpoint": etcd.endpoint, "pid": etcd.pid, "data_dir": str(etcd.data_dir)}
+        members = [{"endpoint": m.endpoint, "pid": m.pid, "data_dir": str(m.data_dir)} for m in etcd.members]
+        record["coordinator"] = dict(members[0], members=members)
     reg.write_text(json.dumps(record, indent=1))
-    coordinator = f"coordinator {etcd.endpoint}" if etcd else "coordinator " + ", ".join(lc.cfg.coordinator)
+    coordinator = "coordinator " + ", ".join(etcd.endpoints if etcd else lc.cfg.coordinator)
     print(f"irdmafs: {len(lc.cfg.nodes)} nodes (R={lc.cfg.replicas}) mounted on {mp}; {coordinator}; config {cfg_path}; logs in {state}")
     return 0
 
@@ -217,8 +227,9 @@ def cmd_down(args: argparse.Namespace) -> int:
     _stop([info["mount_pid"]])
     _stop(sorted(set().union(*nodes.values())))
     coordinator = info.get("coordinator")  # after the nodes: they may still talk to it as they end
-    if coordinator and is_local_etcd(coordinator["pid"], coordinator["data_dir"]):
-        _stop([coordinator["pid"]])
+    if coordinator:
+        members = coordinator.get("members", [coordinator])
+        _stop([m["pid"] for m in members if is_local_etcd(m["pid"], m["data_dir"])])
     reg.unlink()
     also = " and the coordinator (etcd)" if coordinator else ""
     print(f"irdmafs: {mp} unmounted; {len(nodes)} nodes{also} stopped (state kept in {info['state']})")
@@ -364,6 +375,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--state", help="directory for config, token and logs (default under ~/.local/state/irdmafs)")
     p.add_argument("-o", dest="options", help="mount options, comma separated (e.g. allow_other)")
     p.add_argument("--persist", action="store_true", help="nodes keep their data under the state directory: a later 'up' with the same --state brings it back")
+    p.add_argument(
+        "--coordinators",
+        type=int,
+        default=1,
+        metavar="N",
+        help="etcd members to run (odd: 1, 3, 5); with 3 the cluster rides out one member stopped, killed or cut off, leader included",
+    )
     p.set_defaults(fn=cmd_up)
 
     p = sub.add_parser("down", help="unmount and stop every process that 'up' started")

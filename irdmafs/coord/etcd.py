@@ -24,6 +24,9 @@ import trio
 
 from .contract import Coordinator, CoordError, Entry, LeaseGone, Unavailable
 
+# what a member answers when it cannot serve a request now, though another member may: it has no
+# leader (cut off from a majority of the members), or the request timed out in raft
+MEMBER_UNAVAILABLE = ("no leader", "request timed out", "leader changed", "not capable", "server stopped", "too many requests")
 LEASE_NOT_FOUND = "requested lease not found"
 
 
@@ -93,6 +96,14 @@ class EtcdCoord(Coordinator):
                 continue
             if "error" in answer:
                 message = str(answer.get("message") or answer["error"])
+                if any(m in message for m in MEMBER_UNAVAILABLE):
+                    # this member cannot serve now (it reaches no majority of its cluster, or is
+                    # electing a leader): the next member may. Raised, it fenced a node whose
+                    # other endpoints served (three members, one cut off).
+                    failures.append(f"{host}:{port}: {message}")
+                    self.endpoints.remove((host, port))
+                    self.endpoints.append((host, port))
+                    continue
                 raise (LeaseGone if LEASE_NOT_FOUND in message else CoordError)(f"etcd {path}: {message}")
             return answer
         raise Unavailable(f"etcd {path}: " + "; ".join(failures))

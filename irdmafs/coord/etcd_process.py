@@ -1,5 +1,7 @@
-"""The lifecycle of one local etcd process: find the binary, start a single-member etcd, know
-when it serves, stop it; and the signals fault tests send it (kill, pause, resume).
+"""The lifecycle of local etcd processes: find the binary, start a single-member etcd or a cluster
+of several members (``LocalEtcdCluster``: three by default, as a real cluster runs), know when it
+serves and which member leads, stop it; and the signals fault tests send a member (kill, pause,
+resume).
 
 This is what ``irdmafs up`` runs as the local cluster's coordination service and what tests
 start in a temporary directory. It is plain blocking code (``subprocess``, ``urllib``): it runs
@@ -60,20 +62,31 @@ def health_error(endpoint: str, timeout: float = 1.0) -> str | None:
 
 
 class LocalEtcd:
-    """One single-member etcd serving ``data_dir``, on ``host``.
+    """One etcd member serving ``data_dir``, on ``host``: alone (a single-member etcd), or one of
+    a ``LocalEtcdCluster`` (``name`` and ``peers``, every member's name and peer URL).
 
     Ports not given are picked free when the object is made, so ``endpoint`` is known before
     ``start()``. ``start()`` may be called again after the process ended (``kill``, ``stop``):
     the same data directory and ports come back, as a restarted member would.
     """
 
-    NAME = "irdmafs"  # the member's name; a data directory remembers it
+    NAME = "irdmafs"  # a single member's name; a data directory remembers it
 
     def __init__(
-        self, data_dir: Path, *, host: str = "127.0.0.1", client_port: int | None = None, peer_port: int | None = None, log_path: Path | None = None
+        self,
+        data_dir: Path,
+        *,
+        host: str = "127.0.0.1",
+        client_port: int | None = None,
+        peer_port: int | None = None,
+        log_path: Path | None = None,
+        name: str = NAME,
+        peers: list[tuple[str, str]] | None = None,
     ):
         self.data_dir = Path(data_dir)
         self.host = host
+        self.name = name
+        self.peers = peers  # None: alone
         if client_port is None or peer_port is None:
             picked = free_ports(2, host)
             client_port = client_port if client_port is not None else picked[0]
@@ -95,6 +108,15 @@ class LocalEtcd:
         return self._url(self.peer_port)
 
     @property
+    def endpoints(self) -> list[str]:
+        """As ``LocalEtcdCluster``'s: what a config names."""
+        return [self.endpoint]
+
+    @property
+    def members(self) -> list[LocalEtcd]:
+        return [self]
+
+    @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
 
@@ -106,7 +128,7 @@ class LocalEtcd:
         return [
             find_etcd(),
             "--name",
-            self.NAME,
+            self.name,
             "--data-dir",
             str(self.data_dir),
             "--listen-client-urls",
@@ -118,7 +140,7 @@ class LocalEtcd:
             "--initial-advertise-peer-urls",
             self.peer_url,
             "--initial-cluster",
-            f"{self.NAME}={self.peer_url}",
+            ",".join(f"{n}={u}" for n, u in self.peers) if self.peers else f"{self.name}={self.peer_url}",
             # 3.4's default logger (capnslog) ignores --log-level for raft's lines and warns that
             # it is deprecated; zap honours it
             "--logger",
@@ -131,6 +153,12 @@ class LocalEtcd:
 
     def start(self, timeout: float = 15.0) -> str:
         """Start etcd and return its endpoint once ``/health`` says it serves."""
+        self.launch()
+        return self.wait_healthy(timeout)
+
+    def launch(self) -> None:
+        """Start the process, without waiting: a member of a cluster serves only once a majority
+        of the members runs (``LocalEtcdCluster`` launches them all, then waits)."""
         if self.running:
             raise RuntimeError(f"etcd is already running (pid {self.pid})")
         cmd = self.command()
@@ -147,6 +175,11 @@ class LocalEtcd:
         finally:
             if out is not subprocess.DEVNULL:
                 out.close()
+
+    def wait_healthy(self, timeout: float = 15.0) -> str:
+        """Until ``/health`` says the launched process serves: its endpoint. A process that exits
+        or does not serve in time is ended (RuntimeError, with the tail of its log)."""
+        assert self.proc is not None, "launch() first"
         deadline = time.monotonic() + timeout
         why = "not started"
         try:
@@ -224,6 +257,92 @@ class LocalEtcd:
 
     def __repr__(self) -> str:
         return f"LocalEtcd({self.endpoint}, data_dir={self.data_dir}, pid={self.pid})"
+
+
+class LocalEtcdCluster:
+    """``size`` etcd members (three by default: one can stop, be killed or lead no more and the
+    others go on) on ``host``, member i in ``data_root``/m<i> with its log in ``log_dir``.
+
+    ``ports``: each member's (client, peer) ports, for a cluster started again on its data;
+    picked free otherwise. ``start()`` launches every member, then waits until each serves.
+    The members are ``members``; ``leader()`` says which one leads now.
+    """
+
+    def __init__(
+        self, data_root: Path, size: int = 3, *, host: str = "127.0.0.1", ports: list[tuple[int, int]] | None = None, log_dir: Path | None = None
+    ):
+        if size < 1 or size % 2 == 0:
+            raise ValueError(f"an etcd cluster has an odd number of members, not {size}")
+        picked = ports or [tuple(free_ports(2, host)) for _ in range(size)]
+        if len(picked) != size:
+            raise ValueError(f"{len(picked)} port pairs for {size} members")
+        names = [f"m{i}" for i in range(size)]
+        url = (lambda port: f"http://[{host}]:{port}") if ":" in host else (lambda port: f"http://{host}:{port}")
+        peers = [(n, url(peer)) for n, (_, peer) in zip(names, picked)]
+        self.members = [
+            LocalEtcd(
+                Path(data_root) / n, host=host, client_port=c, peer_port=p, log_path=Path(log_dir) / f"etcd-{n}.log" if log_dir else None, name=n, peers=peers
+            )
+            for n, (c, p) in zip(names, picked)
+        ]
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [m.endpoint for m in self.members]
+
+    @property
+    def running(self) -> bool:
+        return any(m.running for m in self.members)
+
+    def start(self, timeout: float = 20.0) -> list[str]:
+        """Launch every member not running, then wait until each serves; the endpoints. A member
+        that fails to start ends them all (RuntimeError)."""
+        try:
+            for m in self.members:
+                if not m.running:
+                    m.launch()
+            for m in self.members:
+                m.wait_healthy(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self.endpoints
+
+    def stop(self) -> None:
+        for m in self.members:
+            m.stop()
+
+    def leader(self, timeout: float = 1.0) -> LocalEtcd | None:
+        """The member that leads now, as the running members' status says; None if none knows."""
+        for m in self.members:
+            if not m.running:
+                continue
+            status = member_status(m.endpoint, timeout)
+            if status is not None and status.get("leader") and status["leader"] == status.get("header", {}).get("member_id"):
+                return m
+        return None
+
+    def __enter__(self) -> LocalEtcdCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"LocalEtcdCluster({', '.join(self.endpoints)})"
+
+
+def member_status(endpoint: str, timeout: float = 1.0) -> dict | None:
+    """The member's ``/v3/maintenance/status`` (its id, the leader's id, raft term), or None if
+    it does not answer in ``timeout`` seconds."""
+    request = urllib.request.Request(endpoint.rstrip("/") + "/v3/maintenance/status", data=b"{}", headers={"Content-Type": "application/json"})
+    try:
+        with _NO_PROXY.open(request, timeout=timeout) as answer:
+            doc = json.loads(answer.read())
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
 
 
 def is_local_etcd(pid: int, data_dir: Path | str) -> bool:

@@ -13,7 +13,7 @@ import trio
 
 from irdmafs.client.client import Client
 from irdmafs.coord.etcd import EtcdCoord
-from irdmafs.coord.etcd_process import LocalEtcd
+from irdmafs.coord.etcd_process import LocalEtcd, LocalEtcdCluster
 from irdmafs.coord.views import View, prefix_of
 from irdmafs.local import node_status, wait_settled
 from irdmafs.server.leases import cluster_id, lease_ttl
@@ -28,7 +28,12 @@ def etcd(tmp_path):
 
 
 async def committed_view(etcd, cfg) -> View:
-    e = await EtcdCoord([etcd.endpoint]).get(prefix_of(cluster_id(cfg)) + "view")
+    return await committed_view_of(etcd, cfg)
+
+
+async def committed_view_of(etcd, cfg) -> View:
+    """The view in etcd (one member or several: the first that answers)."""
+    e = await EtcdCoord([u for u in etcd.endpoints if u], timeout=2).get(prefix_of(cluster_id(cfg)) + "view")
     return View.decode(e.value, e.mod_revision) if e else View()
 
 
@@ -159,3 +164,97 @@ async def test_a_node_stopped_in_a_quiet_cluster_is_expelled_by_its_peers_heartb
     await wait_settled(cfg, timeout=60)
     async with Client.connect(cfg) as c:
         assert await c.paths.read_file("/while") == blob
+
+
+@pytest.fixture
+def etcd3(tmp_path):
+    """Three etcd members, as a real cluster runs them (``irdmafs up --coordinators 3``)."""
+    with LocalEtcdCluster(tmp_path / "etcd3", 3, log_dir=tmp_path) as members:
+        yield members
+
+
+async def test_three_members_ride_out_a_member_stopped_and_the_leader_killed(local_cluster, etcd3):
+    """With three members one can hang (SIGSTOP) and the leader be killed, one after the other:
+    the other two keep a majority, every node keeps its lease (none fences: its serving
+    generation does not move), writes go on meanwhile, and a view change still happens (a node
+    killed is expelled and comes back under a new lease)."""
+    lc = await local_cluster(nodes=3, replicas=2, coordinator=etcd3.endpoints, lease_ttl=2)
+    cfg = lc.cfg
+    before = await statuses(cfg)
+    blob = np.random.default_rng(2).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()
+    async with Client.connect(cfg) as c:
+        await c.paths.write_file("/kept", blob)
+        follower = next(m for m in etcd3.members if m is not etcd3.leader())
+        follower.pause()
+        try:
+            for i in range(10):  # longer than a lease: keepalives reach the other members
+                await c.paths.write_file(f"/during-pause-{i}", blob[: 1 << 20])
+                await trio.sleep(0.5)
+        finally:
+            follower.resume()
+        leader = etcd3.leader()
+        assert leader is not None
+        leader.kill()
+        try:
+            for i in range(10):
+                await c.paths.write_file(f"/during-kill-{i}", blob[: 1 << 20])
+                await trio.sleep(0.5)
+            # a view change with the leader gone: a node killed is expelled by a new view
+            view = await committed_view_of(etcd3, cfg)
+            victim = cfg.names[-1]
+            lc.kill(victim)
+
+            async def expelled():
+                return victim not in (await committed_view_of(etcd3, cfg)).active
+
+            await until(expelled, lease_ttl(cfg) + 15)
+            lc.start(victim)
+        finally:
+            leader.start()
+        await wait_settled(cfg, timeout=60)
+        after = await committed_view_of(etcd3, cfg)
+        assert after.epoch > view.epoch and after.names == tuple(cfg.names)
+        assert after.lease_of(victim) != view.lease_of(victim)
+        infos = await statuses(cfg)
+        for name in cfg.names[:-1]:  # the nodes not killed never fenced
+            assert infos[name]["gen"] == before[name]["gen"] and "its coordination lease ended" not in lc.log_of(name), name
+        assert await c.paths.read_file("/kept") == blob
+        assert await c.paths.read_file("/during-kill-9") == blob[: 1 << 20]
+
+
+async def test_a_minority_of_members_left_fences_every_node_after_its_lease_until_a_majority_returns(local_cluster, etcd3):
+    """Two of three members stopped: the one left has no leader and serves nothing (the client
+    tries each endpoint). Nodes serve until their leases end by their own clocks, then fence (as
+    with etcd out), and no view is made meanwhile; with a majority back each resyncs and serves
+    again (a new serving generation), in a view naming all of them, and every byte written
+    before is there. (etcd renews every lease when a new leader is elected, so the nodes may come
+    back under their old leases and the view from before: nothing changed while nobody could
+    make a view.)"""
+    lc = await local_cluster(nodes=3, replicas=2, coordinator=etcd3.endpoints, lease_ttl=2)
+    cfg = lc.cfg
+    view = await committed_view_of(etcd3, cfg)
+    blob = np.random.default_rng(3).integers(0, 256, 2 << 20, dtype=np.uint8).tobytes()
+    async with Client.connect(cfg) as c:
+        await c.paths.write_file("/kept", blob)
+    before = await statuses(cfg)
+    gone = etcd3.members[1:]
+    for m in gone:
+        m.stop()
+    try:
+        async def all_stopped():
+            infos = await statuses(cfg)
+            return all(i is not None and i["state"] != "ready" for i in infos.values())
+
+        await until(all_stopped, lease_ttl(cfg) + 15)
+        for name in cfg.names:
+            assert "its coordination lease ended" in lc.log_of(name)
+    finally:
+        for m in gone:
+            m.start()
+    await wait_settled(cfg, timeout=60)
+    after = await committed_view_of(etcd3, cfg)
+    assert after.epoch >= view.epoch and after.active == tuple(cfg.names)
+    infos = await statuses(cfg)
+    assert all(infos[n]["gen"] > before[n]["gen"] and infos[n]["in_view"] for n in cfg.names), infos
+    async with Client.connect(cfg) as c:
+        assert await c.paths.read_file("/kept") == blob

@@ -31,28 +31,30 @@ async def test_bad_requests_get_typed_errors_and_the_node_survives(local_cluster
     with pytest.raises(AccessError, match="does not allow"):
         await conn.read(staging["rkey"], 0, bytearray(10))  # staging is write-only
 
-    commit = {"fid": 9, "idx": 0, "offset": 0, "length": 10, "soff": 0, "unit": 4 << 20}
+    epoch = (await conn.call("heartbeat", {}))["view"]  # sent with the view it is in: the input is what is checked
+    commit = {"fid": 9, "idx": 0, "offset": 0, "length": 10, "soff": 0, "unit": 4 << 20, "epoch": epoch}
     expected = [
+        ("commit", dict(commit, rkey=staging["rkey"], epoch=epoch - 1), "ESTALE"),  # from an older view
         ("no_such_method", {}, "ENOSYS"),
         ("getattr", {"inode": 1}, "EINVAL"),  # wrong argument name
         ("getattr", {"ino": 999}, "ENOENT"),
         ("staging", {"owner": "t", "size": -5}, "EINVAL"),
         ("commit", dict(commit, rkey=424242), "EINVAL"),  # staging region that does not exist
         ("commit", dict(commit, rkey=staging["rkey"], offset=4 << 20), "EINVAL"),  # past the stripe
-        ("meta", {"op": {"op": "explode"}}, "EINVAL"),
-        ("meta", {"op": {"op": "mkdir", "parent": 1, "name": "../x", "mode": 0o755}}, "EINVAL"),
-        ("meta", {"op": {"op": "mkdir", "parent": 1, "name": "..", "mode": 0o755}}, "EINVAL"),
-        ("meta", {"op": {"op": "mkdir", "parent": 1, "name": "a\0b", "mode": 0o755}}, "EINVAL"),
-        ("meta", {"op": {"op": "mkdir", "parent": 1, "name": "x" * 256, "mode": 0o755}}, "ENAMETOOLONG"),
-        ("meta", {"op": {"op": "mkdir", "parent": 1, "name": "é" * 128, "mode": 0o755}}, "ENAMETOOLONG"),  # 256 bytes
+        ("meta", {"op": {"op": "explode"}, "epoch": epoch}, "EINVAL"),
+        ("meta", {"op": {"op": "mkdir", "parent": 1, "name": "../x", "mode": 0o755}, "epoch": epoch}, "EINVAL"),
+        ("meta", {"op": {"op": "mkdir", "parent": 1, "name": "..", "mode": 0o755}, "epoch": epoch}, "EINVAL"),
+        ("meta", {"op": {"op": "mkdir", "parent": 1, "name": "a\0b", "mode": 0o755}, "epoch": epoch}, "EINVAL"),
+        ("meta", {"op": {"op": "mkdir", "parent": 1, "name": "x" * 256, "mode": 0o755}, "epoch": epoch}, "ENAMETOOLONG"),
+        ("meta", {"op": {"op": "mkdir", "parent": 1, "name": "é" * 128, "mode": 0o755}, "epoch": epoch}, "ENAMETOOLONG"),  # 256 bytes
         # ops that are not what a client sends: checked, not found out by a KeyError
-        ("meta", {"op": "mkdir"}, "EINVAL"),
-        ("meta", {"op": {"op": "mkdir", "parent": 1, "mode": 0o755}}, "EINVAL"),  # no name
-        ("meta", {"op": {"op": "mkdir", "parent": "1", "name": "x", "mode": 0o755}}, "EINVAL"),
-        ("meta", {"op": {"op": "create", "parent": 1, "name": "x", "mode": 0o644, "rdev": "zero"}}, "EINVAL"),
-        ("meta", {"op": {"op": "setattr", "ino": 1, "attrs": {"size": "big"}}}, "EINVAL"),
+        ("meta", {"op": "mkdir", "epoch": epoch}, "EINVAL"),
+        ("meta", {"op": {"op": "mkdir", "parent": 1, "mode": 0o755}, "epoch": epoch}, "EINVAL"),  # no name
+        ("meta", {"op": {"op": "mkdir", "parent": "1", "name": "x", "mode": 0o755}, "epoch": epoch}, "EINVAL"),
+        ("meta", {"op": {"op": "create", "parent": 1, "name": "x", "mode": 0o644, "rdev": "zero"}, "epoch": epoch}, "EINVAL"),
+        ("meta", {"op": {"op": "setattr", "ino": 1, "attrs": {"size": "big"}}, "epoch": epoch}, "EINVAL"),
         ("meta_restore", {"snapshot": {"seq": 10**6}}, "EINVAL"),
-        ("train_record", {"fid": 9, "idx": 0, "record": {"pushed": {"0": 1}}}, "EINVAL"),
+        ("train_record", {"fid": 9, "idx": 0, "record": {"pushed": {"0": 1}}, "epoch": epoch}, "EINVAL"),
         ("train_wait", {"fid": 9, "idx": 0, "rank": 0, "pushed": 1, "timeout": -1}, "EINVAL"),
         ("rebalance_pull", {"nodes": [{"name": "n9"}], "replicas": 1}, "EINVAL"),
     ]

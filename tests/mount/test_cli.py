@@ -251,7 +251,7 @@ def test_missing_config_and_unknown_node(tmp_path, env):
     r = irdmafs("status", "--config", tmp_path / "nope.toml", env=env)
     assert r.returncode == 2 and "no such config file" in r.stderr
     cfg = tmp_path / "ok.toml"
-    cfg.write_text('token = "longenoughtoken"\n[[nodes]]\nname = "a"\nhost = "127.0.0.1"\nport = 7000\n')
+    cfg.write_text('token = "longenoughtoken"\ncoordinator = "http://127.0.0.1:2379"\n[[nodes]]\nname = "a"\nhost = "127.0.0.1"\nport = 7000\n')
     r = irdmafs("serve", "--config", cfg, "--node", "zz", env=env)
     assert r.returncode == 2 and "no node named 'zz'" in r.stderr
 
@@ -282,3 +282,32 @@ def test_mounting_without_pyfuse3_says_what_to_install(tmp_path, env):
     assert r.returncode == 2, r.stderr
     assert "pip install 'irdmafs[fuse]'" in r.stderr and "libfuse3-dev" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_up_with_three_coordinators_runs_three_etcd_members_and_down_stops_them(tmp_path, env):
+    """``--coordinators 3``: three local etcd members (their own ports and data dirs), every one
+    named in the config; the cluster serves through one of them stopped; 'down' stops them all.
+    An even count is refused before anything starts."""
+    reason = fuse_unavailable()
+    if reason:
+        pytest.skip(reason)
+    mp, st = tmp_path / "ps", tmp_path / "st"
+    r = irdmafs("up", mp, "--coordinators", 2, "--state", st, env=env)
+    assert r.returncode == 2 and "--coordinators must be an odd number" in r.stderr and not st.exists()
+    irdmafs("up", mp, "--nodes", 2, "--replicas", 2, "--coordinators", 3, "--state", st, env=env, check=True)
+    try:
+        reg = json.loads(next((tmp_path / "state-home" / "irdmafs" / "mounts").glob("*.json")).read_text())
+        members = reg["coordinator"]["members"]
+        assert len(members) == 3 and len({m["data_dir"] for m in members}) == 3
+        assert C.load(st / "cluster.toml").coordinator == [m["endpoint"] for m in members]
+        assert all(pids_alive([m["pid"]]) and health_error(m["endpoint"]) is None for m in members)
+        os.kill(members[0]["pid"], signal.SIGSTOP)  # one member hung: the other two serve
+        try:
+            (mp / "f").write_bytes(b"y" * 5000)
+            assert (mp / "f").read_bytes() == b"y" * 5000
+        finally:
+            os.kill(members[0]["pid"], signal.SIGCONT)
+    finally:
+        down = irdmafs("down", mp, env=env, check=True)
+    assert "coordinator (etcd) stopped" in down.stdout
+    assert not pids_alive([m["pid"] for m in members])

@@ -30,6 +30,7 @@ def config_with(lc, path, names, extra=()):
         "transport": ["tcp"],
         "heartbeat": lc.cfg.heartbeat,
         "down_after": lc.cfg.down_after,
+        "coordinator": lc.cfg.coordinator,
     }
     path.write_text(C.dump(C.from_dict(doc, base=path.parent)))
     return path
