@@ -19,8 +19,15 @@ before the next, so never more than R-1 nodes are out at once:
   sides; as root): the mounts and the coordinator still reach it;
 - ``mount``: ``kill -9`` of the mount process, then mounting again;
 - ``etcd-stop``, ``etcd-kill``: the coordination service (a local etcd the soak starts, named in
-  the cluster's config: its views choose every stripe's primary and replicas) hung by
-  ``SIGSTOP``, or killed and started again on its data.
+  the cluster's config: its views choose every stripe's primary and replicas; three members
+  unless ``--coordinators`` says otherwise) hung by ``SIGSTOP``, or killed and started again on
+  its data: with one member, etcd itself; with several, one member (the target node's index
+  picks which);
+- ``etcd-leader-kill`` (several members): whichever member leads at that moment killed, and
+  started again;
+- ``etcd-minority`` (several members, as root): the node reaches only one member (blackhole
+  routes in its namespace to the others' addresses). That member still has its majority and
+  forwards to the leader, so the node keeps its lease and serves.
 
 As root, when partitions are among the fault kinds, a second mount runs inside node n1's network
 namespace, with its own file and tensor workers: when n1 is partitioned that mount is on the
@@ -64,7 +71,7 @@ import numpy as np
 import trio
 
 from irdmafs import config as C
-from irdmafs.coord.etcd_process import LocalEtcd
+from irdmafs.coord.etcd_process import LocalEtcd, LocalEtcdCluster
 from irdmafs.local import LocalCluster, free_ports, wait_settled
 from irdmafs.mount import clear_dead_mount, is_mounted, mount_background, stop_background
 from irdmafs.steps import pull_arrays, push_arrays
@@ -73,7 +80,7 @@ MiB = 1 << 20
 WINDOW_ERRNOS = {errno.ENOTCONN, errno.ECONNABORTED, errno.ENOENT}
 # what a mount on the minority side of a partition may answer while it lasts
 MINORITY_ERRNOS = WINDOW_ERRNOS | {errno.EIO, errno.ETIMEDOUT, errno.EAGAIN, errno.EHOSTUNREACH}
-ETCD_HOST = 250  # the soak's etcd listens on 10.<NET>.250.1, an address it adds to the root namespace's lo
+ETCD_HOST = 250  # etcd member i listens on 10.<NET>.(250+i).1, an address the soak adds to the root namespace's lo
 PREFIX, NET = "irdchaos", 83  # network namespaces irdchaos0.., addresses 10.83.i.2
 
 
@@ -558,23 +565,29 @@ class Bed:
     """Node processes (in network namespaces when root), a local etcd, one mount, and as root
     with ``minority`` a second mount in n1's namespace; started and faulted."""
 
-    def __init__(self, tmp: Path, nodes: int, replicas: int, netns: bool, minority: bool, stack: ExitStack) -> None:
+    def __init__(self, tmp: Path, nodes: int, replicas: int, netns: bool, minority: bool, coordinators: int, stack: ExitStack) -> None:
         self.tmp, self.netns = tmp, netns
         (tmp / "token").write_text(os.urandom(16).hex())
-        etcd_host = "127.0.0.1"
+        etcd_hosts = ["127.0.0.1"] * coordinators
         if netns:
             sys.path.insert(0, str(Path(__file__).resolve().parent))
             from netns import namespaces
 
             hosts = stack.enter_context(namespaces(nodes, None, prefix=PREFIX, net=NET))
             specs = [{"name": f"n{i + 1}", "host": h, "port": 7400} for i, h in enumerate(hosts)]
-            # etcd on an address of the root namespace that stays up when a veth goes down
-            etcd_host = f"10.{NET}.{ETCD_HOST}.1"
-            subprocess.run(["ip", "addr", "add", f"{etcd_host}/32", "dev", "lo"], check=True)
-            stack.callback(subprocess.run, ["ip", "addr", "del", f"{etcd_host}/32", "dev", "lo"], capture_output=True)
+            # each etcd member on an address of the root namespace that stays up when a veth goes
+            # down, one address each (``etcd-minority`` cuts a node off from some of them)
+            etcd_hosts = [f"10.{NET}.{ETCD_HOST + i}.1" for i in range(coordinators)]
+            for h in etcd_hosts:
+                subprocess.run(["ip", "addr", "add", f"{h}/32", "dev", "lo"], check=True)
+                stack.callback(subprocess.run, ["ip", "addr", "del", f"{h}/32", "dev", "lo"], capture_output=True)
         else:
             specs = [{"name": f"n{i + 1}", "host": "127.0.0.1", "port": p} for i, p in enumerate(free_ports(nodes))]
-        self.etcd = LocalEtcd(tmp / "etcd", host=etcd_host, log_path=tmp / "etcd.log")
+        if coordinators == 1:
+            self.etcd: LocalEtcd | LocalEtcdCluster = LocalEtcd(tmp / "etcd", host=etcd_hosts[0], log_path=tmp / "etcd.log")
+        else:
+            self.etcd = LocalEtcdCluster(tmp / "etcd", coordinators, host=etcd_hosts, log_dir=tmp)
+        self.etcd_hosts = etcd_hosts
         self.etcd.start()
         stack.callback(self.etcd.stop)
         self.undo: list[list[str]] = []  # what ends the fault under way (``outside``)
@@ -587,7 +600,7 @@ class Bed:
             "heartbeat": 0.2,
             "down_after": 1.0,
             "op_timeout": 3.0,
-            "coordinator": [self.etcd.endpoint],
+            "coordinator": self.etcd.endpoints,
         }
         self.config = tmp / "cluster.toml"
         self.config.write_text(C.dump(C.from_dict(doc, base=tmp)))
@@ -650,14 +663,27 @@ class Bed:
             self.outside([["ip", "netns", "exec", f"{PREFIX}{a}", "ip", "route", "add", "blackhole", where] for a, where in routes], down,
                          [["ip", "netns", "exec", f"{PREFIX}{a}", "ip", "route", "del", "blackhole", where] for a, where in routes])
         elif kind == "etcd-stop":
-            pid = str(self.etcd.pid)
+            pid = str(self.member(name).pid)
             self.outside([["kill", "-STOP", pid]], down, [["kill", "-CONT", pid]])
-        elif kind == "etcd-kill":
-            self.etcd.kill()
+        elif kind in ("etcd-kill", "etcd-leader-kill"):
+            member = self.member(name) if kind == "etcd-kill" else self.etcd.leader() or self.member(name)
+            fault["member"] = member.name
+            member.kill()
             time.sleep(down)
-            self.etcd.start()
+            member.start()
+        elif kind == "etcd-minority":
+            i = self.cfg.names.index(name)
+            keep = i % len(self.etcd_hosts)  # the one member it still reaches
+            fault["member"] = self.etcd.members[keep].name
+            routes = [f"{h}/32" for j, h in enumerate(self.etcd_hosts) if j != keep]
+            self.outside([["ip", "netns", "exec", f"{PREFIX}{i}", "ip", "route", "add", "blackhole", r] for r in routes], down,
+                         [["ip", "netns", "exec", f"{PREFIX}{i}", "ip", "route", "del", "blackhole", r] for r in routes])
         fault["settle"] = round(self.settle(120), 2)  # never a second node out: wait it back
         minority.close_window()
+
+    def member(self, node: str) -> LocalEtcd:
+        """The etcd member a fault targeting ``node`` hits: etcd itself with one member."""
+        return self.etcd.members[self.cfg.names.index(node) % len(self.etcd.members)]
 
     def outside(self, begin: list[list[str]], seconds: float, end: list[list[str]]) -> None:
         """Run ``begin``, then ``end`` ``seconds`` later, from another process, and wait for it.
@@ -685,13 +711,16 @@ class Bed:
         self.lc.stop_all()
 
 
-def fault_kinds(netns: bool) -> list[str]:
-    return ["kill", "stop", "mount"] + (["partition", "cut"] if netns else []) + ["etcd-stop", "etcd-kill"]
+def fault_kinds(netns: bool, coordinators: int) -> list[str]:
+    kinds = ["kill", "stop", "mount"] + (["partition", "cut"] if netns else []) + ["etcd-stop", "etcd-kill"]
+    if coordinators > 1:
+        kinds += ["etcd-leader-kill"] + (["etcd-minority"] if netns else [])
+    return kinds
 
 
 def run(args: argparse.Namespace) -> dict:
     netns = os.geteuid() == 0 and shutil.which("ip") is not None and not args.no_netns
-    kinds = fault_kinds(netns)
+    kinds = fault_kinds(netns, args.coordinators)
     if args.faults:
         kinds = [k for k in args.faults.split(",") if k in kinds]
     tally = Tally()
@@ -701,7 +730,7 @@ def run(args: argparse.Namespace) -> dict:
         tmp = Path(tempfile.mkdtemp(prefix="irdmafs-chaos-"))
         if not args.keep:
             stack.callback(shutil.rmtree, tmp, True)
-        bed = Bed(tmp, args.nodes, args.replicas, netns, "partition" in kinds, stack)
+        bed = Bed(tmp, args.nodes, args.replicas, netns, "partition" in kinds, args.coordinators, stack)
         stack.callback(bed.close)
         stack.callback(minority.stop.set)
         stack.callback(tally.stop.set)  # runs first when unwinding early: workers stop their loops
@@ -762,7 +791,7 @@ def run(args: argparse.Namespace) -> dict:
             "nodes": args.nodes,
             "replicas": args.replicas,
             "fault_kinds": kinds,
-            "coordinator": bed.etcd.endpoint,
+            "coordinator": bed.etcd.endpoints,
             "minority_mount": str(bed.minority) if bed.minority else None,
             "operations": dict(sorted(tally.ops.items())) | {"total": sum(tally.ops.values())},
             "faults": dict(sorted(faults.items())) | {"total": len(applied)},
@@ -784,17 +813,20 @@ def main() -> int:
     ap.add_argument("--nodes", type=int, default=3)
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--no-netns", action="store_true", help="loopback only, even as root (no partitions)")
+    ap.add_argument("--coordinators", type=int, default=3, metavar="N", help="etcd members (odd; default 3: member faults too)")
     ap.add_argument("--keep", action="store_true", help="keep the state directory (logs) afterwards")
     ap.add_argument("--faults", help="only these kinds, comma-separated (to chase one finding)")
     ap.add_argument("--schedule", type=int, metavar="N", help="print the first N faults of the seed and exit")
     args = ap.parse_args()
     # SIGTERM (timeout, a CI runner) unwinds like ^C: nodes, mount and namespaces are removed
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.coordinators < 1 or args.coordinators % 2 == 0:
+        ap.error("--coordinators: an odd number of etcd members (1, 3, 5)")
     if args.replicas < 2:
         ap.error("faults need --replicas 2 or more (one node out at a time)")
     if args.schedule:
         netns = os.geteuid() == 0 and shutil.which("ip") is not None and not args.no_netns
-        kinds = fault_kinds(netns)
+        kinds = fault_kinds(netns, args.coordinators)
         gen = schedule(args.seed, kinds, [f"n{i + 1}" for i in range(args.nodes)])
         print(json.dumps([next(gen) for _ in range(args.schedule)], indent=1))
         return 0

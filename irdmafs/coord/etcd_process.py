@@ -261,7 +261,8 @@ class LocalEtcd:
 
 class LocalEtcdCluster:
     """``size`` etcd members (three by default: one can stop, be killed or lead no more and the
-    others go on) on ``host``, member i in ``data_root``/m<i> with its log in ``log_dir``.
+    others go on) on ``host`` (or member i on ``host[i]``: an address of its own, which a test
+    can cut a node off from), member i in ``data_root``/m<i> with its log in ``log_dir``.
 
     ``ports``: each member's (client, peer) ports, for a cluster started again on its data;
     picked free otherwise. ``start()`` launches every member, then waits until each serves.
@@ -269,21 +270,30 @@ class LocalEtcdCluster:
     """
 
     def __init__(
-        self, data_root: Path, size: int = 3, *, host: str = "127.0.0.1", ports: list[tuple[int, int]] | None = None, log_dir: Path | None = None
+        self,
+        data_root: Path,
+        size: int = 3,
+        *,
+        host: str | list[str] = "127.0.0.1",
+        ports: list[tuple[int, int]] | None = None,
+        log_dir: Path | None = None,
     ):
         if size < 1 or size % 2 == 0:
             raise ValueError(f"an etcd cluster has an odd number of members, not {size}")
-        picked = ports or [tuple(free_ports(2, host)) for _ in range(size)]
-        if len(picked) != size:
-            raise ValueError(f"{len(picked)} port pairs for {size} members")
+        hosts = [host] * size if isinstance(host, str) else list(host)
+        picked = ports or [tuple(free_ports(2, h)) for h in hosts]
+        if len(picked) != size or len(hosts) != size:
+            raise ValueError(f"{len(picked)} port pairs and {len(hosts)} hosts for {size} members")
         names = [f"m{i}" for i in range(size)]
-        url = (lambda port: f"http://[{host}]:{port}") if ":" in host else (lambda port: f"http://{host}:{port}")
-        peers = [(n, url(peer)) for n, (_, peer) in zip(names, picked)]
+
+        def url(h: str, port: int) -> str:
+            return f"http://[{h}]:{port}" if ":" in h else f"http://{h}:{port}"
+
+        peers = [(n, url(h, peer)) for n, h, (_, peer) in zip(names, hosts, picked)]
+        log = (lambda n: Path(log_dir) / f"etcd-{n}.log") if log_dir else (lambda n: None)
         self.members = [
-            LocalEtcd(
-                Path(data_root) / n, host=host, client_port=c, peer_port=p, log_path=Path(log_dir) / f"etcd-{n}.log" if log_dir else None, name=n, peers=peers
-            )
-            for n, (c, p) in zip(names, picked)
+            LocalEtcd(Path(data_root) / n, host=h, client_port=c, peer_port=p, log_path=log(n), name=n, peers=peers)
+            for n, h, (c, p) in zip(names, hosts, picked)
         ]
 
     @property

@@ -7,8 +7,8 @@ window and lose no byte:
 - node kills with restarts from the node's own command line and mount kills with remounts (no
   root needed);
 - every fault kind: kills, ``SIGSTOP``, mount kills, partitions and
-  node-link cuts in network namespaces (a second mount on the minority side), etcd stopped and
-  killed. It needs root for the namespaces; 30-minute runs of it are in the README.
+  node-link cuts in network namespaces (a second mount on the minority side), and on three etcd
+  members: one stopped or killed, the leader killed, a node reaching only one member. It needs root for the namespaces; 30-minute runs of it are in the README.
 """
 
 import json
@@ -75,6 +75,6 @@ def test_a_soak_with_every_fault_kind_sees_no_error_and_loses_nothing(tmp_path):
     )
     result = json.loads(out.read_text())
     assert r.returncode == 0 and result["errors"] == 0 and result["lost"] == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    kinds = {"kill", "stop", "mount", "partition", "cut", "etcd-stop", "etcd-kill"}
+    kinds = {"kill", "stop", "mount", "partition", "cut", "etcd-stop", "etcd-kill", "etcd-leader-kill", "etcd-minority"}
     assert all(result["faults"].get(k, 0) >= 1 for k in kinds), result["faults"]
     assert result["operations"]["file_check"] > 100 and result["operations"]["minority_file_check"] > 10
