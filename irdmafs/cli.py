@@ -337,6 +337,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             doc = json.loads(Path(mp, ".irdma", "cluster").read_text())
         except OSError as exc:
             raise QuietError(f"{mp}: not an irdmafs mount ({exc.strerror})", 2) from None
+        add_degraded(doc)
     doc["coordinator"] = coordinator_status(doc.get("config"))
     if args.json:
         print(json.dumps(doc, indent=1))
@@ -349,11 +350,42 @@ def cmd_status(args: argparse.Namespace) -> int:
     else:
         for c in coordinator:
             print(f"coordinator {c['endpoint']}: " + ("reachable" if c["reachable"] else f"UNREACHABLE ({c['error']})"))
-    print(f"{'node':10} {'address':22} {'pid':>8} {'state':8} {'stripes':>8} {'bytes':>14} {'calls':>9} {'served':>14} {'behind':>6}")
+    print(f"whole:     {whole_line(doc['nodes'])}")
+    print(f"{'node':10} {'address':22} {'pid':>8} {'state':8} {'stripes':>8} {'bytes':>14} {'calls':>9} {'served':>14} {'behind':>6} {'degraded':>8}")
     for n in doc["nodes"]:
-        cols = [str(n.get(k, "-")) for k in ("pid", "stripes", "bytes", "calls", "served_bytes", "replicas_behind")]
-        print(f"{n['name']:10} {n['address']:22} {cols[0]:>8} {n['state']:8} {cols[1]:>8} {cols[2]:>14} {cols[3]:>9} {cols[4]:>14} {cols[5]:>6}")
+        cols = [str(n.get(k, "-")) for k in ("pid", "stripes", "bytes", "calls", "served_bytes", "replicas_behind", "degraded")]
+        state = n["state"] if n.get("caught_up", True) or n["state"] != "ready" else "catching"  # ready, its hand-over not done
+        print(f"{n['name']:10} {n['address']:22} {cols[0]:>8} {state:8} {cols[1]:>8} {cols[2]:>14} {cols[3]:>9} {cols[4]:>14} {cols[5]:>6} {cols[6]:>8}")
     return 0 if all(n["alive"] for n in doc["nodes"]) else 1
+
+
+def add_degraded(doc: dict) -> None:
+    """The mount's table has its heartbeats' figures; the count of degraded stripes is asked of
+    each node (it costs the node a look at every stripe it leads, so heartbeats leave it out)."""
+    try:
+        cfg = C.load(doc["config"])
+    except (KeyError, TypeError, C.ConfigError):
+        return
+
+    async def ask() -> None:
+        for n in doc["nodes"]:
+            if n["name"] in cfg.names:
+                info = await node_status(cfg, n["name"]) or {}
+                n.update({k: info[k] for k in ("caught_up", "degraded") if k in info})
+
+    trio.run(ask)
+
+
+def whole_line(nodes: list[dict]) -> str:
+    """Whether every stripe has its R copies serving (server/health.py), as the nodes say."""
+    if not all(n["alive"] for n in nodes):
+        return "no: " + ", ".join(n["name"] for n in nodes if not n["alive"]) + " not answering"
+    if not all(n.get("caught_up") for n in nodes):
+        return "no: " + ", ".join(n["name"] for n in nodes if not n.get("caught_up")) + " not caught up"
+    if any("degraded" not in n for n in nodes):
+        return "unknown (ask with --config: the nodes count degraded stripes for it)"
+    count = sum(n["degraded"] for n in nodes)
+    return f"no: {count} stripes with a copy not serving" if count else "yes (every stripe has its R copies serving)"
 
 
 def parser() -> argparse.ArgumentParser:

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from .client import Client
 
 # what a node's heartbeat reports that status tables show
-NODE_FIGURES = ("pid", "stripes", "bytes", "capacity", "transport", "uptime", "calls", "served_bytes", "replicas_behind")
+NODE_FIGURES = ("pid", "stripes", "bytes", "capacity", "transport", "uptime", "calls", "served_bytes", "replicas_behind", "caught_up", "degraded")
 
 
 def table(client: "Client") -> list[dict]:

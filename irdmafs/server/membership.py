@@ -117,9 +117,12 @@ class Membership:
                 await self.cluster.wait_changed(self.cfg.heartbeat * 5)
         await self.lease.announce()  # with a coordinator: until a view names it (server/leases.py)
         self.serving.became_ready()
+        named = trio.current_time()
         handed = await self._hand_over()
         await self._catch_up(handed)
         self.serving.taken_over.set()
+        # the window in which its stripes have one serving copy fewer (server/health.py)
+        log.info("node %s caught up %.2f s after a view named it (hand-over from %d peers)", self.name, trio.current_time() - named, len(handed))
 
     async def _hand_over(self) -> dict[str, dict]:
         """The ``handover`` answer of every node the view names active (see above)."""

@@ -50,6 +50,7 @@ from ..notify import notify
 from ..slots import StagingPool
 from ..transport.base import RemoteError, Transport
 from ..util import keep_freed_memory
+from . import health
 from .barrier import CommitBarrier
 from .core import NodeCore
 from .datapath import VERSION_SHIFT, DataPath
@@ -209,7 +210,10 @@ class Node:
         return await self.cluster.call(node, method, args)
 
     # -- status ------------------------------------------------------------------------------
-    async def rpc_heartbeat(self, owner: str | None = None, **_: Any) -> dict:
+    async def rpc_heartbeat(self, owner: str | None = None, **args: Any) -> dict:
+        """The node's status. ``caught_up``: it serves and has taken its stripes back; asked by
+        ``status`` (``irdmafs status``, ``wait_settled``) it also counts the stripes it leads
+        that are not whole (``degraded``: health.py), which costs a look at each of them."""
         serving = self.serving
         if serving.state == READY:
             serving.check_stall()  # before saying "ready": this process may have been stopped
@@ -236,7 +240,29 @@ class Node:
             "apply_seconds": round(self.training.apply_seconds, 6),
             **self.lease.status(),
             "replicas_behind": sum(self.cluster.node_state(n) != READY for n in self.cfg.names if n != self.name),
+            "caught_up": self.caught_up,
+            **({"degraded": self.degraded()} if args.get("from") == "status" else {}),
         }
+
+    @property
+    def caught_up(self) -> bool:
+        """Serving, and its stripes taken back from its stand-ins (membership.py, the hand-over)."""
+        return self.serving.state == READY and self.serving.taken_over.is_set()
+
+    def degraded(self) -> int:
+        """The live stripes this node leads with a home that does not serve (health.py): a home
+        serves when the view names it active and, by its last heartbeat, it has caught up."""
+        if not self.caught_up:
+            return 0  # it leads nothing yet: whoever leads its stripes counts them
+        cluster = self.cluster
+        led = {(fid, idx) for fid, idx, snap in list(self.store.stripes) if snap == 0 and cluster.stripe_primary(fid, idx) == self.name}
+
+        def serving(name: str) -> bool:
+            if name == self.name:
+                return True
+            return cluster.node_state(name) == READY and bool(cluster.info.get(name, {}).get("caught_up"))
+
+        return health.degraded(led, lambda fid, idx: cluster.stripe_rank(fid, idx)[: self.cfg.replicas], serving)
 
     async def rpc_statfs(self) -> dict:
         return {"capacity": self.cfg.capacity, "used": self.store.bytes_held, "files": len(self.meta.inodes)}
