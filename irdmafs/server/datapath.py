@@ -26,6 +26,7 @@ from .core import NodeCore
 from .policies import RecordError, StripeTraining
 from .replicator import Replicator
 from .staging import Staged, StagingRegions
+from .training import Training
 from .updates import StripeKey, StripeRange, Update, check_range
 
 log = logging.getLogger(__name__)
@@ -35,10 +36,11 @@ VERSION_SHIFT = 32  # a stripe takes 2**32 writes before its versions reach the 
 
 class DataPath:
     def __init__(
-        self, core: NodeCore, barrier: CommitBarrier, replicator: Replicator, staging: StagingRegions, records: dict[tuple[int, int], StripeTraining]
+        self, core: NodeCore, barrier: CommitBarrier, replicator: Replicator, staging: StagingRegions, training: Training
     ):
+        """``training``: the owner of the push bookkeeping an apply brings (``take_replicated``)."""
         self.name, self.cfg, self.cluster, self.store, self.stripe_locks, self.serving = core
-        self.barrier, self.replicator, self.staging, self.records = barrier, replicator, staging, records
+        self.barrier, self.replicator, self.staging, self.training = barrier, replicator, staging, training
         # optimizer state a primary sent ahead of the parameters it goes with: installed by the
         # parameters' apply, never alone (a primary that dies between leaves both as they were)
         self.state_ahead: dict[tuple[int, int, int], tuple[bytes, int, int, int, int]] = {}
@@ -157,5 +159,5 @@ class DataPath:
                 if mine is None or mine.stamp < (stag, sversion):
                     self.store.replace(fid, idx, memoryview(raw), sunit, sversion, -k, sclock, stag)
             if incoming is not None:
-                self.records[(fid, idx)].restore(incoming)
+                self.training.take_replicated(fid, idx, incoming)
         return {}

@@ -99,12 +99,11 @@ class Membership:
         A resync that fails (the peer it fetches the namespace from is lost meanwhile) is begun
         again once a peer is there to resync from; the node stays syncing until then. (It ended
         the node's tasks, and the node with them; found by the fault simulator, tests/sim.)"""
-        self.serving.state = SYNCING
+        self.serving.begin_join()
         # a freeze from before (a snapshot, a rebalance) is over for this node: its freezer
         # counted it gone, and the thaw may never come (it was cut off). Kept, it held every
         # commit and replication here for 30 s after the node rejoined (chaos --views, seed 2).
         self.barrier.lift()
-        self.serving.taken_over = trio.Event()
         while True:
             await self._tell_peers("joining")
             try:
@@ -234,9 +233,8 @@ class Membership:
             await trio.sleep(min(self.cfg.heartbeat, self.cfg.down_after / 4))
             self.serving.check_stall()
             self.serving.check_lease()
-            if not self.serving.must_rejoin:
+            if not self.serving.take_rejoin():
                 continue
-            self.serving.must_rejoin = False
             while not self._may_rejoin():
                 await self.cluster.wait_changed(self.cfg.heartbeat * 5)
             await self.join()

@@ -114,7 +114,7 @@ class Node:
         self.namespace = Namespace(core, self.persist, self.replicator, self._call_node, self.training.forget, self.training.recheck)
         self.resync = Resync(core, self.training, self.namespace.current, self.namespace.restore)
         self.membership = Membership(core, self.namespace.lock, self.barrier, self.training, self.resync, self.lease, self.namespace.drop_freed)
-        self.data = DataPath(core, self.barrier, self.replicator, self.staging, self.training.records)
+        self.data = DataPath(core, self.barrier, self.replicator, self.staging, self.training)
         self.cluster.on_adopt = self.membership.adopted  # a membership learnt from a peer's heartbeat
         self.calls: dict[str, Callable] = {}  # method -> its handler (``handle``)
         for part in (self, self.data, self.namespace, self.training, self.membership):

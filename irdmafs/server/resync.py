@@ -187,7 +187,7 @@ class Resync:
                 log.info("stripe %d:%d (snapshot %d) freed on its peers while it was fetched: dropped here too", fid, idx, snap)
                 self.store.drop_keys([(fid, idx, snap)])
                 if snap == 0:
-                    self.training.records.pop((fid, idx), None)
+                    self.training.drop_record(fid, idx)
 
     async def fetch_stripe(self, fid: int, idx: int, snap: int, peer: str, instead: tuple[int, int] | None = None) -> bool | None:
         """Copy one stripe from ``peer`` unless this node holds it as new: True once done, None
@@ -215,7 +215,7 @@ class Resync:
                     # is kept (after a coordinator outage two fenced nodes each took the other's
                     # copy; both dropped their records, and a stand-in's old count won: fault
                     # simulator, mixed seed 92).
-                    self.training.records.pop((fid, idx), None)
+                    self.training.drop_record(fid, idx)
                 self.store.replace(fid, idx, memoryview(buf), 2 * self.cfg.stripe_unit, head.version, snap, head.clock_word, theirs[0])
             elif mine is None or mine.stamp < theirs:  # replication may have brought newer
                 self.store.replace(fid, idx, memoryview(buf), 2 * self.cfg.stripe_unit, head.version, snap, head.clock_word, theirs[0])

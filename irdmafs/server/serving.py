@@ -151,6 +151,16 @@ class Serving:
             self.fence(self.lease.why_not(), trio.current_time() - 2 * (self.cfg.op_timeout + self.cfg.down_after))
             self.must_rejoin = True
 
+    def take_rejoin(self) -> bool:
+        """Whether this node was fenced since the last ask (its fence loop then rejoins)."""
+        fenced, self.must_rejoin = self.must_rejoin, False
+        return fenced
+
+    def begin_join(self) -> None:
+        """(Re)joining: syncing, and its stripes not yet taken back (membership.py)."""
+        self.state = SYNCING
+        self.taken_over = trio.Event()
+
     def became_ready(self) -> None:
         """Resynced: serve, as a new generation, with nothing suspect."""
         self.state = READY

@@ -407,8 +407,21 @@ class Training:
         except RecordError as exc:
             raise RemoteError("EINVAL", str(exc)) from None
         async with self.stripe_locks((fid, idx)):
-            self.records[(fid, idx)].restore(incoming)
+            self.take_replicated(fid, idx, incoming)
         return {}
+
+    # -- the push bookkeeping from elsewhere: one owner, the rules written here ------------------
+    def take_replicated(self, fid: int, idx: int, incoming: StripeTraining) -> None:
+        """The record a stripe's primary sent with a change (an apply, or a held push's
+        ``train_record``), under the stripe lock: taken as it comes. The primary decides, as it
+        decides the version it sends with it: a backup's own record may be further along only
+        with pushes no view acknowledged (an old primary's), which the primary's word undoes."""
+        self.records[(fid, idx)].restore(incoming)
+
+    def drop_record(self, fid: int, idx: int) -> None:
+        """A stripe's bytes were replaced by a peer's other version (a resync): its bookkeeping
+        goes with the old bytes; the peers' record comes with theirs (``take_records``)."""
+        self.records.pop((fid, idx), None)
 
     async def recheck(self) -> None:
         """The set of active ranks changed: rounds waiting for a removed rank complete, clocks
@@ -486,8 +499,9 @@ class Training:
         return [[fid, idx, st.record()] for (fid, idx), st in list(self.records.items()) if st.span[2] and (keys is None or (fid, idx) in keys)]
 
     async def take_records(self, records: list, mine: Callable[[int, int], bool] = lambda fid, idx: True) -> None:
-        """A peer's ``wire_records``: each stripe's bookkeeping for which ``mine`` holds, if
-        that peer has taken more pushes of it (never go back)."""
+        """A peer's ``wire_records`` (a resync, a hand-over's catch-up): each stripe's
+        bookkeeping for which ``mine`` holds, only if that peer has taken more pushes of it
+        (never go back: unlike ``take_replicated``, no peer here decides for this node)."""
         for fid, idx, rec in records:
             if mine(fid, idx):
                 incoming = StripeTraining.from_record(rec)
