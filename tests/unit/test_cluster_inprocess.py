@@ -505,36 +505,6 @@ async def test_a_rejoin_whose_resync_loses_its_peer_begins_again_and_the_node_li
         assert await c.paths.read_file("/after") == b"x" * 100
 
 
-async def test_a_backup_that_counts_its_primary_down_refuses_and_the_write_is_not_lost(cluster):
-    """Without a coordinator: a home backup counts the stripe's primary down (a heartbeat it
-    missed) while the primary still serves. The primary's replication is refused (ESTALE), so it
-    does not acknowledge (EAGAIN: the client sends again) rather than acknowledging through the
-    stand-in; it fences, the backup leads, and the write lands there. Acknowledged through the
-    stand-in, it was lost once the primary's resync took the backup's older copy (fault
-    simulator, heartbeat crash seed 22)."""
-    cfg, nodes = cluster
-    by_name = {n.name: n for n in nodes}
-    async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
-        old, new = os.urandom(5000), os.urandom(5000)
-        attr = await c.paths.write_file("/w", old)
-        primary, backup = c.cluster.stripe_rank(attr["ino"], 0)[:2]
-        by_name[backup].cluster.mark_down(primary, "a heartbeat it missed")
-        with trio.fail_after(20):
-            await c.write(attr["ino"], 0, new)  # acknowledged by whoever leads once this settles
-            # the primary fences (the backup counts it down) before the backup learns of any
-            # count of its own: the order in which the acknowledgement through a stand-in lost it
-            p = by_name[primary].serving
-            if p.state == "ready":
-                p.fence("the backup counts it down", trio.current_time() - 10)
-                p.must_rejoin = True
-            while not all(n.state == "ready" and n.sees_all_ready for n in nodes):
-                await trio.sleep(0.05)
-        for home in (primary, backup):  # every home holds the acknowledged bytes
-            stripe = by_name[home].store.get(attr["ino"], 0)
-            assert bytes(stripe.data[:5000]) == new, home
-        assert await c.paths.read_file("/w") == new
-
-
 async def test_a_resync_that_cannot_fetch_a_newer_stripe_stays_syncing_until_it_can(cluster):
     """A rejoining node whose peers list a stripe newer than its own copy (here: it lost it) but
     refuse to give it does not say ready without it, which served zeros for it (found by
