@@ -87,23 +87,30 @@ async def node_status(cfg: C.ClusterConfig, name: str, *, timeout: float = 1.0) 
         return None
 
 
-async def wait_settled(cfg: C.ClusterConfig, names: list[str] | None = None, timeout: float = 30.0) -> None:
+async def wait_settled(cfg: C.ClusterConfig, names: list[str] | None = None, timeout: float = 30.0, *, whole_too: bool = True) -> None:
     """Until every node in ``names`` (default all) is ready, has caught up, sees all of them
     ready, and leads no stripe that is not whole (server/health.py): the cluster can lose any
-    one node again without a read or a pull failing."""
+    one node again without a read or a pull failing. ``whole_too=False``: ready and seeing them
+    ready only (a node started for a rebalance, not yet a member, takes its stripes back only
+    once the rebalance makes it one)."""
     names = names or cfg.names
     with trio.fail_after(timeout):
         while True:
             infos = [await node_status(cfg, n) for n in names]
-            if all(whole(i, names) for i in infos):
+            if all(whole(i, names) if whole_too else ready(i, names) for i in infos):
                 return
             await trio.sleep(0.1)
+
+
+def ready(info: dict | None, names: list[str]) -> bool:
+    """A node's status (``node_status``) says it serves and sees ``names`` ready."""
+    return bool(info) and info["state"] == "ready" and set(names) <= set(info["sees_ready"])
 
 
 def whole(info: dict | None, names: list[str]) -> bool:
     """A node's status (``node_status``) says it serves whole: ready, caught up, seeing ``names``
     ready, and no stripe it leads degraded."""
-    return bool(info) and info["state"] == "ready" and info.get("caught_up", False) and set(names) <= set(info["sees_ready"]) and not info.get("degraded")
+    return ready(info, names) and info.get("caught_up", False) and not info.get("degraded")
 
 
 class LocalCluster:

@@ -178,7 +178,8 @@ async def test_three_members_ride_out_a_member_stopped_and_the_leader_killed(loc
     the other two keep a majority, every node keeps its lease (none fences: its serving
     generation does not move), writes go on meanwhile, and a view change still happens (a node
     killed is expelled and comes back under a new lease)."""
-    lc = await local_cluster(nodes=3, replicas=2, coordinator=etcd3.endpoints, lease_ttl=2)
+    # the default lease TTL (10 s): a leader election (1-2 s here) is shorter
+    lc = await local_cluster(nodes=3, replicas=2, coordinator=etcd3.endpoints)
     cfg = lc.cfg
     before = await statuses(cfg)
     blob = np.random.default_rng(2).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()
