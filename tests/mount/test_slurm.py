@@ -11,6 +11,7 @@ are reachable from nowhere else. One Slurm node, so one PS node (R=1) and two wo
 A long run (``scripts/test --long``), as root: installs slurm-wlm and munge when missing."""
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -69,8 +70,9 @@ TRAIN = textwrap.dedent(
         losses.append(loss.item())
         ps.step(model)
     ps.close()
-    print(f"rank {{rank}} of {{world}} losses {{losses[0]:.3f}} -> {{losses[-1]:.3f}}", flush=True)
-    print(f"rank {{rank}} weight {{model.weight.detach().numpy().round(6).tolist()}}", flush=True)
+    w = ",".join(f"{{v:.6f}}" for v in model.weight.detach().flatten().tolist())
+    sys.stdout.write(f"\\nrank {{rank}} of {{world}} losses {{losses[0]:.3f}} -> {{losses[-1]:.3f}} weight {{w}}\\n")
+    sys.stdout.flush()
     """
 )
 
@@ -273,14 +275,12 @@ def test_the_sbatch_script_trains_two_workers_through_the_mount_and_leaves_nothi
     text = log.read_text() if log else "(no job output)"
     assert r.returncode == 0, f"sbatch: {r.stdout} {r.stderr}\n--- job output ---\n{text[-4000:]}\n--- slurmd ---\n{(d / 'slurmd.log').read_text()[-2000:]}"
 
-    lines = [ln for ln in text.splitlines() if ln.startswith("rank ")]
-    losses = {ln.split()[1]: ln for ln in lines if " losses " in ln}
-    assert set(losses) == {"0", "1"}, text[-4000:]
-    for ln in losses.values():
-        first, last = float(ln.split()[-3]), float(ln.split()[-1])
-        assert last < first, ln  # SGD on the PS moved the parameters the workers pulled
-    weights = {ln.split()[1]: ln.split(" weight ")[1] for ln in lines if " weight " in ln}
-    assert weights["0"] == weights["1"], weights  # bsp: both pulled the same parameters
+    # the two workers' lines may come through srun interleaved with other output: match, not split
+    found = {m[0]: m[1:] for m in re.findall(r"rank (\d) of 2 losses ([\d.]+) -> ([\d.]+) weight ([-\d.,]+)", text)}
+    assert set(found) == {"0", "1"}, text[-4000:]
+    for rank, (first, last, _) in found.items():
+        assert float(last) < float(first), (rank, first, last)  # SGD on the PS moved what the workers pulled
+    assert found["0"][2] == found["1"][2], found  # bsp: both pulled the same parameters
 
     # nothing left: no job, no process of the job, no mount, the job's files gone
     q = run(netns, "squeue", "-h", env=env)

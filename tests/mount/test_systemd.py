@@ -79,7 +79,8 @@ def units(d: Path, config: Path, venv_bin: Path) -> Path:
     (u / "mnt-ps.mount.d" / "test.conf").write_text("[Mount]\n" + env)
     for name in STANDINS:
         kind = name.rsplit(".", 1)[1]
-        (u / name).write_text("[Unit]\nDescription=stand-in\n" + ("[Service]\nType=oneshot\nExecStart=/bin/true\nRemainAfterExit=yes\n" if kind == "service" else ""))
+        service = "[Service]\nType=oneshot\nExecStart=/bin/true\nRemainAfterExit=yes\n" if kind == "service" else ""
+        (u / name).write_text("[Unit]\nDescription=stand-in\n" + service)
     (u / "system.slice").write_text("[Unit]\nDescription=system slice\n")
     (u / "irdmafs-test.target").write_text("[Unit]\nDescription=the test's boot target: nothing\nDefaultDependencies=no\n")
     return u
@@ -128,11 +129,15 @@ def booted(tmp_path):
             pid = init[0]
 
             def systemctl(*args, timeout=120, check=True):
-                r = subprocess.run(["nsenter", "-t", str(pid), "-m", "-p", "systemctl", "--no-pager", *args], capture_output=True, text=True, timeout=timeout)
+                ctl = ["nsenter", "-t", str(pid), "-m", "-p", "systemctl", "--no-pager"]
+                r = subprocess.run([*ctl, *args], capture_output=True, text=True, timeout=timeout)
                 if check and r.returncode != 0:
-                    status = subprocess.run(["nsenter", "-t", str(pid), "-m", "-p", "systemctl", "--no-pager", "status", "--all"], capture_output=True, text=True, timeout=30).stdout
+                    status = subprocess.run([*ctl, "status", "--all"], capture_output=True, text=True, timeout=30).stdout
                     nodes = "".join(f"--- {f.name} ---\n{f.read_text()[-1500:]}" for f in sorted(d.glob("node-*.log")))
-                    raise AssertionError(f"systemctl {' '.join(args)}: exit {r.returncode}: {r.stdout}{r.stderr}\n--- status ---\n{status[-3000:]}\n{nodes}\n--- systemd ---\n{log.read_text()[-3000:]}")
+                    raise AssertionError(
+                        f"systemctl {' '.join(args)}: exit {r.returncode}: {r.stdout}{r.stderr}\n--- status ---\n{status[-3000:]}\n"
+                        f"{nodes}\n--- systemd ---\n{log.read_text()[-3000:]}"
+                    )
                 return r
 
             deadline = time.monotonic() + 60
@@ -170,7 +175,8 @@ def test_the_node_units_and_the_mount_unit_start_serve_and_stop_under_systemd(bo
     systemctl("start", "mnt-ps.mount", timeout=180)
     assert systemctl("is-active", "mnt-ps.mount").stdout.strip() == "active"
     inside = ["nsenter", "-t", str(init), "-m", "-p", "sh", "-c"]
-    r = subprocess.run([*inside, "echo through-systemd > /mnt/ps/hello && cat /mnt/ps/hello && grep ' /mnt/ps ' /proc/mounts"], capture_output=True, text=True, timeout=60)
+    use = "echo through-systemd > /mnt/ps/hello && cat /mnt/ps/hello && grep ' /mnt/ps ' /proc/mounts"
+    r = subprocess.run([*inside, use], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.startswith("through-systemd\n") and "fuse.irdmafs" in r.stdout, r.stdout + r.stderr
 
     systemctl("stop", "mnt-ps.mount", timeout=120)
