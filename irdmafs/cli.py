@@ -353,7 +353,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = ap.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
 
-    p = sub.add_parser("up", help="start a local cluster and a mount on this machine, in the background")
+    p = sub.add_parser("up", help="start a local etcd, nodes and a mount, in the background")
     p.add_argument("mountpoint", help="where to mount the cluster (an empty directory)")
     p.add_argument("--nodes", type=int, default=3, help="how many PS node processes to start (default 3)")
     p.add_argument("--replicas", type=int, default=2, help="copies of every stripe, at most --nodes (default 2)")
@@ -389,7 +389,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics", metavar="[HOST:]PORT", help="serve Prometheus metrics here")
     p.set_defaults(fn=cmd_mount)
 
-    p = sub.add_parser("rebalance", help="move a running cluster to a new config's nodes (one added or removed)")
+    p = sub.add_parser("rebalance", help="move a running cluster to the nodes of a new config")
     p.add_argument("--from", dest="old", required=True, help="the config the cluster runs with")
     p.add_argument("--to", dest="new", required=True, help="the new config (same token)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
