@@ -184,6 +184,8 @@ def slurm(tmp_path):
         pytest.skip(reason)
     if not shutil.which("ip"):
         pytest.skip("ip (iproute2) not installed: no network namespace")
+    if not (Path(sys.executable).parent / "torchrun").exists():
+        pytest.skip(f"no torchrun beside {sys.executable} (the test extra's torch)")
     d = tmp_path / "slurm"
     for sub in ("state", "spool", "munge"):
         (d / sub).mkdir(parents=True)
