@@ -391,13 +391,13 @@ def whole_line(nodes: list[dict]) -> str:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="irdmafs", description="A parameter server whose interface is a file system.")
     ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = ap.add_subparsers(dest="command", required=True)
+    sub = ap.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
 
-    p = sub.add_parser("up", help="start a local cluster and a mount on this machine, in the background")
-    p.add_argument("mountpoint")
-    p.add_argument("--nodes", type=int, default=3)
-    p.add_argument("--replicas", type=int, default=2)
-    p.add_argument("--stripe-unit", default="4MiB")
+    p = sub.add_parser("up", help="start a local etcd, nodes and a mount, in the background")
+    p.add_argument("mountpoint", help="where to mount the cluster (an empty directory)")
+    p.add_argument("--nodes", type=int, default=3, help="how many PS node processes to start (default 3)")
+    p.add_argument("--replicas", type=int, default=2, help="copies of every stripe, at most --nodes (default 2)")
+    p.add_argument("--stripe-unit", default="4MiB", help="unit of placement and of one transfer, e.g. 1MiB (default 4MiB)")
     p.add_argument(
         "--transport",
         choices=("auto", "shm", "tcp"),
@@ -417,34 +417,34 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_up)
 
     p = sub.add_parser("down", help="unmount and stop every process that 'up' started")
-    p.add_argument("mountpoint")
+    p.add_argument("mountpoint", help="the mountpoint given to 'up'")
     p.set_defaults(fn=cmd_down)
 
     p = sub.add_parser("serve", help="run one PS node (and its own mount with --mount)")
-    p.add_argument("--config", required=True)
-    p.add_argument("--node", required=True)
+    p.add_argument("--config", required=True, help="the cluster config (TOML)")
+    p.add_argument("--node", required=True, help="the name of this node in the config")
     p.add_argument("--mount", help="also mount the file system here")
     p.add_argument("--persist", metavar="DIR", help="keep the node's stripes and namespace in DIR and load them at start")
     p.set_defaults(fn=cmd_serve)
 
     p = sub.add_parser("mount", help="mount a cluster")
-    p.add_argument("--config", required=True)
-    p.add_argument("mountpoint")
+    p.add_argument("--config", required=True, help="the cluster config (TOML)")
+    p.add_argument("mountpoint", help="where to mount (an empty directory unless -o nonempty)")
     p.add_argument("-o", dest="options", help="mount options, comma separated")
     p.add_argument("-f", dest="foreground", action="store_true", help="stay in the foreground")
     p.add_argument("--metrics", metavar="[HOST:]PORT", help="serve Prometheus metrics here")
     p.set_defaults(fn=cmd_mount)
 
-    p = sub.add_parser("rebalance", help="move a running cluster to a new config's nodes (one added or removed)")
+    p = sub.add_parser("rebalance", help="move a running cluster to the nodes of a new config")
     p.add_argument("--from", dest="old", required=True, help="the config the cluster runs with")
     p.add_argument("--to", dest="new", required=True, help="the new config (same token)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(fn=cmd_rebalance)
 
     p = sub.add_parser("status", help="nodes, replicas, transport and config of a mount or a config")
-    p.add_argument("mountpoint", nargs="?")
-    p.add_argument("--config")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("mountpoint", nargs="?", help="a mounted cluster to ask")
+    p.add_argument("--config", help="a cluster config to ask instead of a mount")
+    p.add_argument("--json", action="store_true", help="print the status as JSON")
     p.set_defaults(fn=cmd_status)
     return ap
 

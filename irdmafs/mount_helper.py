@@ -45,7 +45,7 @@ def log_dir() -> Path:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="mount.irdmafs", description="mount an irdmafs cluster (as mount(8) calls it)")
     ap.add_argument("config", help="the cluster config (the fstab 'device' field)")
-    ap.add_argument("mountpoint")
+    ap.add_argument("mountpoint", help="where to mount (the fstab 'dir' field)")
     ap.add_argument("-o", dest="options", action="append", default=[], help="mount options, comma separated")
     ap.add_argument("-n", action="store_true", help="(mount(8): do not write mtab) ignored")
     ap.add_argument("-s", action="store_true", help="(mount(8): sloppy) ignored")

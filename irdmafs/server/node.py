@@ -310,11 +310,11 @@ def setup_logging(prefix: str, level: int = logging.INFO) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="irdmafs-node", description="Run one irdmafs PS node.")
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--node", required=True)
+    ap.add_argument("--config", required=True, help="the cluster config (TOML)")
+    ap.add_argument("--node", required=True, help="the name of this node in the config")
     ap.add_argument("--metrics", metavar="[HOST:]PORT", help="serve Prometheus metrics here")
     ap.add_argument("--persist", metavar="DIR", help="keep every stripe and the namespace in DIR (written through) and load them at start")
-    ap.add_argument("-v", "--verbose", action="store_true")
+    ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     args = ap.parse_args(argv)
     setup_logging(args.node, logging.DEBUG if args.verbose else logging.INFO)
     try:
