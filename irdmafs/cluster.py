@@ -223,8 +223,8 @@ class Cluster:
         return next((n for n in self.stripe_rank(fid, idx) if self.node_state(n) == READY), None)
 
     def targets(self, fid: int, idx: int) -> list[str]:
-        """Where a write of this stripe must land: the first R live nodes of its ranking, always
-        including the primary (a syncing node gets writes so it does not fall behind again)."""
+        """Where a write of this stripe must land: the first R nodes of its ranking the view names
+        active (this node too while it syncs), always including the primary."""
         primary = self.stripe_primary(fid, idx)
         live = [n for n in self.stripe_rank(fid, idx) if self.node_state(n) in (READY, SYNCING)]
         chosen = live[: self.cfg.replicas]
