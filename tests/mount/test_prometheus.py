@@ -22,29 +22,19 @@ import pytest
 import trio
 
 from irdmafs.coord.etcd_process import LocalEtcd
-from irdmafs.local import LocalCluster, free_ports, wait_settled, write_config
+from irdmafs.local import free_ports, wait_settled, write_config
 from irdmafs.mount import unmount, wait_for_mount
 from irdmafs.steps import pull_arrays, push_arrays
 
 from ..conftest import fuse_unavailable
 from ..packages import missing
 from ..unit.test_dashboard import DASHBOARD, dashboard_exprs, queried_names
+from .test_metrics import MetricsCluster
 
 pytestmark = [pytest.mark.mount, pytest.mark.long]
 
 STEPS = 6
 SCRAPE_MS = 500  # between scrapes: a short run still sees several
-
-
-class MetricsCluster(LocalCluster):
-    """Each node also serves metrics, on ports chosen up front."""
-
-    def __init__(self, path, ports):
-        super().__init__(path)
-        self.metrics = dict(zip(self.cfg.names, ports))
-
-    def command(self, name):
-        return super().command(name) + ["--metrics", f"127.0.0.1:{self.metrics[name]}"]
 
 
 def http_json(url: str) -> dict:
