@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from netns import namespaces  # noqa: E402
 
 from irdmafs import config as C  # noqa: E402
+from irdmafs.coord.etcd_process import LocalEtcd  # noqa: E402
 from irdmafs.local import wait_settled  # noqa: E402
 from irdmafs.mount import mount_background, unmount  # noqa: E402
 
@@ -90,7 +91,12 @@ def main() -> int:
     if os.geteuid() != 0:
         print("bench_r2sp: needs root (network namespaces and tc)", file=sys.stderr)
         return 2
-    with tempfile.TemporaryDirectory(prefix="irdmafs-r2sp-") as tmp, namespaces(args.nodes, args.rate, prefix=PREFIX, net=77) as hosts:
+    with (
+        tempfile.TemporaryDirectory(prefix="irdmafs-r2sp-") as tmp,
+        namespaces(args.nodes, args.rate, prefix=PREFIX, net=77) as hosts,
+        # etcd (the views) on the root namespace's end of node 0's link, which every namespace routes to
+        LocalEtcd(Path(tmp) / "etcd", host="10.77.0.1", log_path=Path(tmp) / "etcd.log") as etcd,
+    ):
         state = Path(tmp)
         (state / "token").write_text(os.urandom(16).hex())
         doc = {
@@ -100,6 +106,7 @@ def main() -> int:
             "transport": ["tcp"],
             "op_timeout": 60.0,
             "down_after": 5.0,
+            "coordinator": [etcd.endpoint],
         }
         cfg_path = state / "cluster.toml"
         cfg_path.write_text(C.dump(C.from_dict(doc, base=state)))

@@ -22,6 +22,7 @@ import trio
 from netns import namespaces
 
 from irdmafs import config as C
+from irdmafs.coord.etcd_process import LocalEtcd
 from irdmafs.local import wait_settled
 
 NODES = 4
@@ -59,7 +60,8 @@ def run(tmp: Path, reps: int, nbytes: int = GiB, replicas: int = 2) -> dict[str,
     state = tmp / f"link-r{replicas}"
     state.mkdir()
     (state / "token").write_text(os.urandom(16).hex())
-    with namespaces(NODES + 1, None, prefix=PREFIX, net=78, mtu=9000) as hosts:
+    # etcd (the views) on the root namespace's end of node 0's link, which every namespace routes to
+    with namespaces(NODES + 1, None, prefix=PREFIX, net=78, mtu=9000) as hosts, LocalEtcd(state / "etcd", host="10.78.0.1", log_path=state / "etcd.log") as etcd:
         # shape the node links only: the client's link is the sum of theirs
         for i in range(NODES):
             for ns_cmd in ([], ["ip", "netns", "exec", f"{PREFIX}{i}"]):
@@ -76,6 +78,7 @@ def run(tmp: Path, reps: int, nbytes: int = GiB, replicas: int = 2) -> dict[str,
             "transport": ["tcp"],
             "capacity": 2 * GiB,
             "op_timeout": 60.0,
+            "coordinator": [etcd.endpoint],
         }
         cfg_path = state / "cluster.toml"
         cfg_path.write_text(C.dump(C.from_dict(doc, base=state)))
