@@ -71,7 +71,7 @@ class ClusterConfig:
     heartbeat: float = 0.5  # seconds between heartbeats
     down_after: float = 2.0  # a node silent this long is down
     op_timeout: float = 10.0  # one data operation against one node
-    lease_ttl: float = 10.0  # with a coordinator: a node serves this long past its last keepalive (server/leases.py)
+    lease_ttl: float = 10.0  # a node serves this long past its last keepalive (server/leases.py)
     path: str | None = None
 
     def node(self, name: str) -> NodeSpec:

@@ -43,7 +43,7 @@ from .training import PUSH_BATCH, PushPull
 
 log = logging.getLogger(__name__)
 
-# calls that carry the client's view epoch (with a coordinator; server/serving.py, check_epoch)
+# calls that carry the client's view epoch (server/serving.py, check_epoch)
 EPOCH_METHODS = frozenset({"meta", "train_info"})
 
 

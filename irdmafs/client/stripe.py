@@ -82,7 +82,7 @@ class Key(NamedTuple):
     rkey: int
     capacity: int
     inc: int  # the incarnation of the node that gave it (StaleKey once it restarted)
-    lease: int  # the coordination lease it served under (0 without a coordinator)
+    lease: int  # the coordination lease it served under
 
 
 class StripeIO:

@@ -71,7 +71,7 @@ class ServingLease:
         return self.keeper is None or self.keeper.serving()
 
     def term(self) -> int:
-        """The lease this node serves under (0 without a coordinator): a view names a node that
+        """The lease this node serves under (0 before it took one): a view names a node that
         comes back with a new one."""
         return self.keeper.lease.id if self.keeper is not None else 0
 

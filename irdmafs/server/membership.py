@@ -114,7 +114,7 @@ class Membership:
             await self.cluster.wait_changed(self.cfg.heartbeat * 5)
             while not self._may_rejoin():
                 await self.cluster.wait_changed(self.cfg.heartbeat * 5)
-        await self.lease.announce()  # with a coordinator: until a view names it (server/leases.py)
+        await self.lease.announce()  # until a view names it (server/leases.py)
         self.serving.became_ready()
         named = trio.current_time()
         handed = await self._hand_over()

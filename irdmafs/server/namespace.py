@@ -99,7 +99,7 @@ class Namespace:
 
     async def _apply_and_forward(self, op: dict) -> dict:
         """Apply ``op`` here and answer once every other live node holds it (the replicator's
-        acknowledgement rule; with a coordinator, every node the view names active)."""
+        acknowledgement rule: every node the view names active)."""
         result = self.apply(op, self.cluster.view_epoch)
         seq, _, prev = self.last
         try:

@@ -74,7 +74,7 @@ class Resync:
         listing (a write replicated here meanwhile). A stripe freed by a truncate this node
         missed and then written again starts over at version 1 on its peers: keeping the old
         copy because its version is higher would serve old bytes (found by scripts/chaos.py).
-        Never theirs from an older epoch than this node's copy, though: with views that is a copy
+        Never theirs from an older epoch than this node's copy, though: that is a copy
         a stand-in was left with, and an acknowledged version would go back (fault simulator,
         mixed seed 15, once resyncs listed syncing peers too).
 
