@@ -61,7 +61,10 @@ def run(tmp: Path, reps: int, nbytes: int = GiB, replicas: int = 2) -> dict[str,
     state.mkdir()
     (state / "token").write_text(os.urandom(16).hex())
     # etcd (the views) on the root namespace's end of node 0's link, which every namespace routes to
-    with namespaces(NODES + 1, None, prefix=PREFIX, net=78, mtu=9000) as hosts, LocalEtcd(state / "etcd", host="10.78.0.1", log_path=state / "etcd.log") as etcd:
+    with (
+        namespaces(NODES + 1, None, prefix=PREFIX, net=78, mtu=9000) as hosts,
+        LocalEtcd(state / "etcd", host="10.78.0.1", log_path=state / "etcd.log") as etcd,
+    ):
         # shape the node links only: the client's link is the sum of theirs
         for i in range(NODES):
             for ns_cmd in ([], ["ip", "netns", "exec", f"{PREFIX}{i}"]):
