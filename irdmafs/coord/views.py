@@ -14,11 +14,14 @@ The rules, each with a test in tests/unit/test_views.py:
 V1. A new view is a compare-and-set of the view key against the epoch it replaces. Views form one
     chain, epochs only grow, and two processes that hold the same epoch hold the same view.
 V2. A view adds a member as soon as its alive key exists, under the lease that key lives by. It
-    drops a member only after the proposer has seen that member's alive key gone for ``ttl``
+    drops a node only after the proposer has seen that node's alive key gone for ``ttl``
     seconds. So the lease the old view named has ended by etcd's count, and by the node's own
     count too (V3): a view never drops a node that may still serve. A member whose key is under
     another lease is named under that one at once: a node takes a new lease only once it has
-    stopped holding the old one (or as a new process, the old one dead).
+    stopped holding the old one (or as a new process, the old one dead). A proposer adds only
+    the members of its own config, but drops any node, member or not, by that rule alone:
+    during a rebalance configs differ (a node started for it names itself, the others do not
+    yet), and views dropping it at once and naming it again fenced it at each turn.
 V3. A node serves only while it holds its lease, by its own clock: until ``sent + ttl`` of the
     last keepalive etcd answered, ``sent`` being when that keepalive was sent. etcd ends the lease
     no earlier than ``ttl`` after it received it, so the node stops first (clock rates agreeing,
@@ -31,7 +34,8 @@ V5. While etcd is unreachable there is no new view; nodes serve until their leas
 V6. To expel a peer it cannot replicate to, a node that serves commits a view marking the peer
     expelled (a CAS on the view it serves in, so of two nodes expelling each other one wins and
     the other finds itself expelled), then revokes the peer's lease. A view never expels below a
-    majority of the members active (so one node cut off from the others cannot expel them all;
+    majority of the members active, counting only the proposer's members (so one node cut off
+    from the others cannot expel them all, nor count a node started for a rebalance;
     the node also asks its own heartbeats first, server/replicator.py). An expelled node is not
     active: it stops serving as soon as it reads that view, and by its own count when its lease
     ends; the view drops it ``ttl`` after its alive key is gone (V2) and names it again, not
@@ -229,7 +233,8 @@ class ViewKeeper:
         view = self.view
         if not self.serving() or peer not in view.active:
             return False
-        if len(view.active) - 1 < len(list(self.members())) // 2 + 1:
+        members = set(self.members())
+        if len(members.intersection(view.active)) - 1 < len(members) // 2 + 1:
             log.warning("node %s does not expel %s: view %d would keep less than a majority active", self.name, peer, view.epoch)
             return False
         proposal = View(0, view.serving, tuple(sorted({*view.expelled, peer})))
@@ -272,6 +277,7 @@ class ViewKeeper:
         for name, lease in view.serving:
             if alive.get(name) == lease:
                 self._missing_since.pop((name, lease), None)
+                serving[name] = lease  # a member or not: dropped only once its key is gone
                 continue
             if name in alive:
                 # its key under another lease: the node took it after it lost this one (or it
@@ -279,6 +285,7 @@ class ViewKeeper:
                 # one at once, not a ttl later (with a long ttl a restarted node stayed
                 # named under its old lease, refusing the writes its stripes needed)
                 self._missing_since.pop((name, lease), None)
+                serving[name] = alive[name]
                 continue
             since = self._missing_since.setdefault((name, lease), now)
             if now - since < self.ttl:

@@ -20,10 +20,12 @@ TTL = 2
 class Fleet:
     """Keepers of one cluster in one process; each can be paused (SIGSTOP) and resumed."""
 
-    def __init__(self, coord, nursery, names=NAMES):
+    def __init__(self, coord, nursery, names=NAMES, members=None):
+        """``members``: node -> the members its config names (default: ``names`` for all)."""
         self.coord = coord
         self.nursery = nursery
-        self.keepers = {n: ViewKeeper(coord, "c", n, lambda: names, ttl=TTL) for n in names}
+        members = members or {n: names for n in names}
+        self.keepers = {n: ViewKeeper(coord, "c", n, lambda m=members[n]: m, ttl=TTL) for n in names}
         self.scopes: dict[str, trio.CancelScope] = {}
         self.violations: list[str] = []
         self._committed = View()
@@ -230,6 +232,51 @@ async def test_racing_proposers_make_one_chain(autojump_clock):
     committed = await coord.get("/irdmafs/c/view")
     assert committed.mod_revision == first.epoch
     assert View.decode(committed.value, committed.mod_revision) == first
+
+
+async def test_a_node_started_for_a_rebalance_is_named_and_stays_named(autojump_clock, nursery):
+    """V2 with configs that differ, as during a rebalance: n3, started with the new config,
+    names itself; n1 and n2, still on the old one, neither add it nor drop it while its lease
+    lives. Before, they dropped it at once and it named itself again: views flapped and n3 was
+    fenced at each, so ``irdmafs rebalance`` found it not ready (CI, test_rebalance)."""
+    old = ["n1", "n2"]
+    f = Fleet(MemoryCoord(), nursery, members={"n1": old, "n2": old, "n3": NAMES})
+    nursery.start_soon(f.watch)
+    for n in NAMES:
+        await f.start(n)
+    await f.all_serving()
+    settled = f.committed()
+    assert settled.active == tuple(NAMES)
+    k3 = f.keepers["n3"]
+    with trio.move_on_after(10 * TTL):
+        while k3.serving():
+            await trio.sleep(0.01)
+    assert k3.serving(), f"n3 stopped serving in view {f.committed()}"
+    assert f.committed() == settled  # no view since: nobody dropped it
+    # n3 stops: the old members drop it by the alive-key rule, a ttl after its lease
+    f.pause("n3")
+    with trio.fail_after(4 * TTL):
+        while "n3" in f.committed().names:
+            await trio.sleep(0.05)
+    assert f.violations == []
+
+
+async def test_an_expel_counts_a_majority_of_the_members_only(autojump_clock):
+    """V6 with a non-member named (a node started for a rebalance): n1 and n2 are the members,
+    so n1 may not expel n2 though three nodes are active (one of two is no majority)."""
+    coord = MemoryCoord()
+    old = ["n1", "n2"]
+    keepers = [ViewKeeper(coord, "c", n, lambda m=m: m, ttl=TTL) for n, m in (("n1", old), ("n2", old), ("n3", NAMES))]
+    for k in keepers:
+        k.lease.id, k.lease.until = await coord.grant(TTL), trio.current_time() + TTL
+        await k.announce()
+    view = await keepers[2].propose(*await ViewReader(coord, "c").read())
+    assert view.active == tuple(NAMES)
+    k1 = keepers[0]
+    k1.reader.learn(view)
+    assert k1.serving()
+    assert not await k1.expel("n2")
+    assert (await ViewReader(coord, "c").read())[0].expelled == ()
 
 
 # six seeds in the quick suite, thirty in the long one (scripts/test --long, CI)
