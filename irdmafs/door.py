@@ -170,10 +170,9 @@ class Door:
         for name, g in grads.items():
             area = self.grads.get(name)
             if area is None:
-                self._ask({"op": "check"})  # ESTALE if the model changed since the door opened
-                raise OSError(errno.EINVAL, f"tensor {name!r} is not in this model")
+                self._misfit(OSError(errno.EINVAL, f"tensor {name!r} is not in this model"))
             if g.dtype != area.dtype or g.shape != area.shape:
-                raise OSError(errno.EINVAL, f"tensor {name!r}: pushed {g.dtype}{list(g.shape)}, the model holds {area.dtype}{list(area.shape)}")
+                self._misfit(OSError(errno.EINVAL, f"tensor {name!r}: pushed {g.dtype}{list(g.shape)}, the model holds {area.dtype}{list(area.shape)}"))
         if not self._released:
             self._ask({"op": "release"})
         for name, g in grads.items():
@@ -193,13 +192,25 @@ class Door:
         self._copy_out(out)
 
     def _check_out(self, out: dict[str, np.ndarray]) -> None:
-        for name, a in out.items():
+        self.expect({name: (a.dtype, a.shape) for name, a in out.items()})
+
+    def expect(self, tensors: dict[str, tuple[np.dtype | None, tuple[int, ...]]]) -> None:
+        """Each named tensor is in the pull area with this dtype (None: any) and shape: KeyError
+        for one the model lacks, ValueError for another dtype or shape, ESTALE if the model
+        changed since the door opened (``_misfit``)."""
+        for name, (dtype, shape) in tensors.items():
             area = self.params.get(name)
             if area is None:
-                self._ask({"op": "check"})
-                raise KeyError(f"the model has no tensor {name!r}")
-            if a.dtype != area.dtype or a.shape != area.shape:
-                raise ValueError(f"{name}: the model holds {area.dtype}{list(area.shape)}, the array is {a.dtype}{list(a.shape)}")
+                self._misfit(KeyError(f"the model has no tensor {name!r}"))
+            if (dtype is not None and dtype != area.dtype) or tuple(shape) != area.shape:
+                self._misfit(ValueError(f"{name}: the model holds {area.dtype}{list(area.shape)}, the array is {dtype or ''}{list(shape)}"))
+
+    def _misfit(self, error: Exception) -> None:
+        """An array this door's layout has no room for: ESTALE if the model's tensors changed
+        since the door opened (published again with other shapes, through any mount: the mount
+        reads the layout anew; steps.py then opens a new door), else ``error``."""
+        self._ask({"op": "check"})
+        raise error
 
     def _copy_out(self, out: dict[str, np.ndarray]) -> None:
         for name, a in out.items():

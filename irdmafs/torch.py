@@ -176,7 +176,10 @@ class ParameterServer:
             self._pull(model, params)
 
     def _pull_in_place(self, door, params: dict) -> None:
-        """Pull through the door; the parameters then live in its pull area."""
+        """Pull through the door; the parameters then live in its pull area. Their shapes are
+        checked first: a door opened before the model was published again with other shapes
+        answers ESTALE, and ``through_door`` opens a new one."""
+        door.expect({name: (None, tuple(p.shape)) for name, p in params.items()})
         door.pull()
         self._adopt(door, params)
 

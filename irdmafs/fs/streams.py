@@ -124,10 +124,10 @@ async def push_stream(streams: Streams, rank: int, model: int, data: memoryview,
 async def pull_stream(streams: Streams, rank: int, layout: Layout, buf: memoryview) -> None:
     """Every parameter of ``layout`` as ``rank`` may see it now, into ``buf`` (at least the
     stream's size; its header is the caller's), concurrently."""
-    with single_exception():
+    with single_exception(alike=FsError):  # every tensor changed alike: one ESTALE
         async with trio.open_nursery() as n:
             for e, attr in layout.parts:
-                n.start_soon(streams.client.training.pull_into, attr["ino"], rank, _param(layout, buf, e))
+                n.start_soon(_pull_one, streams, rank, layout, buf, e, attr)
 
 
 async def step_stream(
@@ -144,12 +144,30 @@ async def step_stream(
         pushed = pushes.get(e.name)
         if pushed is not None:
             await streams.client.training.push(pushed[0], rank, pushed[1], owner=owner)
-        await streams.client.training.pull_into(attr["ino"], rank, _param(layout, buf, e))
+        await _pull_one(streams, rank, layout, buf, e, attr)
 
-    with single_exception():
+    with single_exception(alike=FsError):
         async with trio.open_nursery() as n:
             for e, attr in layout.parts:
                 n.start_soon(one, e, attr)
+
+
+async def _pull_one(streams: Streams, rank: int, layout: Layout, buf: memoryview, e, attr: dict) -> None:
+    """Parameter ``e`` of a pull stream into its place in ``buf``. ESTALE if the tensor is no
+    longer what the layout says: the model was published again with other shapes through
+    another mount (this mount's layout is cached; the tensor's info is at most TRAIN_INFO_TTL
+    old, and fetched again when the two disagree), and its bytes read by the old layout would
+    be the new tensor cut or padded."""
+    training = streams.client.training
+    fits = lambda t: list(t["shape"]) == list(e.shape) and np.dtype(t["dtype"]) == np.dtype(e.dtype)  # noqa: E731
+    t = (await training.train_info(attr["ino"], rank))["tensor"]
+    if not fits(t):  # the layout may be the newer one (read again for a door): ask again
+        training.forget_training(attr["ino"])
+        t = (await training.train_info(attr["ino"], rank))["tensor"]
+    if not fits(t):
+        streams.layouts.forget()
+        raise FsError(errno.ESTALE, f"tensor {e.name!r} is {np.dtype(t['dtype'])}{list(t['shape'])} now, not {np.dtype(e.dtype)}{list(e.shape)}: open the stream again")
+    await streams.client.training.pull_into(attr["ino"], rank, _param(layout, buf, e))
 
 
 def _param(layout: Layout, buf: memoryview, e) -> np.ndarray:

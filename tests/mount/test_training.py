@@ -223,16 +223,22 @@ async def test_r2sp_batch_size_suggestions_for_heterogeneous_workers(model):
     assert sorted(os.listdir(m / ".irdma" / "workers" / "0")) == ["batch_size"]
 
 
-async def test_a_model_published_again_with_other_shapes_trains_as_it_is_now(local_cluster, mount):
+@pytest.mark.parametrize("sync", ["bsp", "asp"])
+@pytest.mark.parametrize("pull_first", [True, False], ids=["pull-first", "step-first"])
+async def test_a_model_published_again_with_other_shapes_trains_as_it_is_now(local_cluster, mount, sync, pull_first):
     """Publish, train a step, publish the same model with other tensor shapes, train again (from
-    the same process and from a new ParameterServer): training follows the tensors as they are
-    now; a gradient that really does not fit is EINVAL naming the tensor."""
+    the same handle, a new ParameterServer and another mount, each with a door open on the old
+    shapes): training follows the tensors as they are now, from the first push, whether a pull
+    or a step comes first; a gradient that really does not fit is EINVAL naming the tensor.
+    (A step first through a door opened on the old shapes was EINVAL "pushed float32[6, 2], the
+    model holds float32[4, 4]": the door checked the shape before asking whether it was current.)"""
     torch = pytest.importorskip("torch", reason="torch==2.13.0 (CPU) not installed")
     from irdmafs.steps import close_doors, push_arrays
     from irdmafs.torch import ParameterServer
 
     lc = await local_cluster(nodes=3, replicas=2, stripe_unit=1 << 16)
     m = mount(lc)
+    other = mount(lc, "other")
 
     def net(n_in, n_out):
         torch.manual_seed(n_in)
@@ -241,7 +247,12 @@ async def test_a_model_published_again_with_other_shapes_trains_as_it_is_now(loc
         return module
 
     def train(ps, module, steps=2):
-        ps.pull(module)
+        if pull_first:
+            ps.pull(module)
+        else:  # the first step takes the parameters as published
+            with torch.no_grad():
+                for p in module.parameters():
+                    p.copy_(torch.from_numpy(np.load(m / "mlp" / f"{next(k for k, q in module.named_parameters() if q is p)}.npy")))
         for _ in range(steps):
             before = {k: v.detach().clone() for k, v in module.named_parameters()}
             module.zero_grad(set_to_none=False)
@@ -252,13 +263,21 @@ async def test_a_model_published_again_with_other_shapes_trains_as_it_is_now(loc
                 assert torch.allclose(p, before[k] - 0.5 * grads[k], atol=1e-6), k
 
     ps = ParameterServer(m, "mlp", 0)
-    ps.configure(sync="bsp", workers="1", optimizer="sgd lr=0.5", timeout="10")
+    ps.configure(sync=sync, workers="1", optimizer="sgd lr=0.5", timeout="10")
     first = net(4, 4)
     ps.publish(first)
     train(ps, first)
     second = net(2, 6)  # "0.weight" is [6, 2] now, "0.bias" [6]
     ps.publish(second)
     train(ps, second)
+    elsewhere = ParameterServer(other, "mlp", 0)
+    train(elsewhere, second)  # another mount, its door opened now on these shapes
+    third = net(3, 5)
+    ParameterServer(other, "mlp", 0).publish(third)  # published through the other mount ...
+    train(ps, third)  # ... trained through the first, whose door holds the old shapes
+    fourth = net(2, 6)
+    ps.publish(fourth)
+    train(elsewhere, fourth)  # and the other way round
     close_doors()
     train(ParameterServer(m, "mlp", 0), net(2, 6))  # a new worker, from what is there now
     with pytest.raises(OSError) as err:
