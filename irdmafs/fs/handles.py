@@ -42,6 +42,12 @@ BATCH_XATTR = "user.irdma.batch."  # + rank, on the root: the batch size each ra
 class Handle:
     ino: int
 
+    @property
+    def keep_cache(self) -> bool:
+        """May the kernel keep the pages it cached of this file across opens? Only where they
+        cannot go stale (the kernel drops them at any other open: close-to-open)."""
+        return False
+
     async def read(self, off: int, size: int) -> memoryview:
         raise FsError(errno.EBADF)
 
@@ -91,6 +97,11 @@ class FileHandle(Handle):
     model: models.ModelReader | None = None  # a model file's reads (see models.py)
     _read_attr: dict = field(default_factory=dict)
     _model_lock: trio.Lock = field(default_factory=trio.Lock)
+
+    @property
+    def keep_cache(self) -> bool:
+        """A snapshot's file never changes (and a snapshot id is never reused): its pages stay."""
+        return self.snap != 0
 
     @property
     def attr(self) -> dict:

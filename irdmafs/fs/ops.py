@@ -164,9 +164,11 @@ class Operations(pyfuse3.Operations):
     @fuse_errors
     async def open(self, inode, flags, ctx):
         fh = await self.vfs.open(inode, flags, ctx.uid)
-        # keep_cache=False: the kernel drops cached pages at every open (close-to-open consistency)
+        h = self.vfs.handles.get(fh)
+        # keep_cache=False: the kernel drops cached pages at this open (close-to-open
+        # consistency), except of files that never change (snapshots: Handle.keep_cache);
         # direct_io for status files: their size changes between the stat and the read
-        return pyfuse3.FileInfo(fh=fh, keep_cache=False, direct_io=getattr(self.vfs.handles.get(fh), "direct", False))
+        return pyfuse3.FileInfo(fh=fh, keep_cache=h.keep_cache, direct_io=getattr(h, "direct", False))
 
     @fuse_errors
     async def create(self, parent_inode, name, mode, flags, ctx):

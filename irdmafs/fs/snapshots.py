@@ -19,6 +19,20 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# A snapshot never changes and its ids are never reused: the kernel keeps what it learnt of the
+# names and attributes inside one (a dropped one's names are gone with its root's, which is
+# looked up again every time, as a name may be taken anew by another snapshot)
+SNAPSHOT_CACHE_SECONDS = 3600.0
+
+
+def _frozen(attr: dict, ino: int) -> dict:
+    return stat_of(attr, None, ino, readonly=True) | {"entry_timeout": SNAPSHOT_CACHE_SECONDS, "attr_timeout": SNAPSHOT_CACHE_SECONDS}
+
+
+def _root(st: dict) -> dict:
+    """A snapshot's root as named in ``.snapshots``: the name is asked again every time."""
+    return st | {"entry_timeout": 0.0}
+
 
 class Snapshots(Family):
     def __init__(self, client: "Client", models: "ModelFiles", file_handle: Callable, drain: Callable[[], Awaitable[None]]) -> None:
@@ -37,23 +51,23 @@ class Snapshots(Family):
         if ino == SNAPSHOTS_DIR:
             return dir_stat(ino, 0o755)
         sid, i = split_snap(ino)
-        return stat_of(await self.client.getattr(i, sid), None, ino, readonly=True)
+        return _frozen(await self.client.getattr(i, sid), ino)
 
     async def lookup(self, parent: int, name: str) -> dict:
         if parent == SNAPSHOTS_DIR:
             sid = (await self.ids()).get(name)
             if sid is None:
                 raise FsError(errno.ENOENT)
-            return await self.getattr(snap_ino(sid, ROOT))
+            return _root(await self.getattr(snap_ino(sid, ROOT)))
         sid, p = split_snap(parent)
         attr = await self.models.entry(p, name, sid)
-        return stat_of(attr, None, snap_ino(sid, attr["ino"]), readonly=True)
+        return _frozen(attr, snap_ino(sid, attr["ino"]))
 
     async def readdir(self, ino: int) -> list[tuple[str, dict]]:
         if ino == SNAPSHOTS_DIR:
-            return [(name, await self.getattr(snap_ino(sid, ROOT))) for name, sid in sorted((await self.ids()).items())]
+            return [(name, _root(await self.getattr(snap_ino(sid, ROOT)))) for name, sid in sorted((await self.ids()).items())]
         sid, i = split_snap(ino)
-        return [(n, stat_of(a, None, snap_ino(sid, a["ino"]), readonly=True)) for n, a in await self.models.listed(i, sid)]
+        return [(n, _frozen(a, snap_ino(sid, a["ino"]))) for n, a in await self.models.listed(i, sid)]
 
     async def open(self, ino: int, flags: int, uid: int):
         if ino == SNAPSHOTS_DIR:

@@ -209,6 +209,37 @@ async def test_snapshots_point_in_time(ps):
     assert os.listdir(m / ".snapshots") == []
 
 
+def _mount_bytes_read(m) -> int:
+    stats = json.loads((m / ".irdma" / "stats").read_text())
+    return next(s["value"] for s in stats["metrics"]["irdmafs_mount_bytes_total"] if s["labels"] == {"dir": "read"})
+
+
+async def test_a_snapshot_is_read_from_the_page_cache_once_there_a_live_file_is_not(ps):
+    """A snapshot never changes: its pages stay cached across opens and a second read asks the
+    cluster for nothing. A live file's pages are dropped at each open (close-to-open: another
+    mount may have changed it). A snapshot name dropped and taken again shows the new one."""
+    _, m = ps
+    data = os.urandom(3 * MiB)
+    (m / "ckpt").write_bytes(data)
+    os.mkdir(m / ".snapshots" / "s")
+    snap = m / ".snapshots" / "s" / "ckpt"
+    assert snap.read_bytes() == data
+    before = _mount_bytes_read(m)
+    assert snap.read_bytes() == data  # again: from the page cache
+    assert os.stat(snap).st_size == len(data)
+    assert _mount_bytes_read(m) - before < MiB  # (status reads count nothing; a stray readahead little)
+    assert (m / "ckpt").read_bytes() == data
+    before = _mount_bytes_read(m)
+    assert (m / "ckpt").read_bytes() == data  # a live file: read from the cluster again
+    assert _mount_bytes_read(m) - before >= len(data)
+    # the same name taken again after a change: its own inodes, so none of the old pages
+    other = os.urandom(3 * MiB)
+    (m / "ckpt").write_bytes(other)
+    os.rmdir(m / ".snapshots" / "s")
+    os.mkdir(m / ".snapshots" / "s")
+    assert snap.read_bytes() == other
+
+
 def _worker(root, rank, n, q):
     try:
         rng = np.random.default_rng(rank)
