@@ -1,8 +1,8 @@
 """Metrics of a node or a mount: gathered as plain numbers, served to Prometheus, shown by status.
 
 ``Latency`` keeps per-operation histograms in plain Python (the hot paths only add to a list).
-``node_samples`` and ``mount_samples`` turn a process's state into samples: (name, type, help,
-labels, value). ``serve`` exposes them on an HTTP endpoint (prometheus-client, in its own
+``node_samples`` (here) and a mount's ``mount_samples`` (fs/status.py, so that a node loads no
+client code) turn a process's state into samples: (name, type, help, labels, value). ``serve`` exposes them on an HTTP endpoint (prometheus-client, in its own
 thread; collection copies what it reads, so the trio thread never waits for a scrape), and the
 same samples feed ``.irdma/stats`` and ``irdmafs status``.
 """
@@ -12,8 +12,6 @@ from __future__ import annotations
 import bisect
 import logging
 from typing import Callable
-
-from .client import nodes
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +45,7 @@ class Latency:
         return out
 
 
-def _latency_samples(name: str, what: str, latency: Latency, label: str) -> list[Sample]:
+def latency_samples(name: str, what: str, latency: Latency, label: str) -> list[Sample]:
     return [(name, "histogram", what, {label: op}, h) for op, h in latency.snapshot().items()]
 
 
@@ -71,7 +69,7 @@ def node_samples(node) -> list[Sample]:
         s.append(("irdmafs_node_replicas_behind", "gauge", "peers whose replicas are behind (syncing or down)", {}, sum(st != "ready" for st in states)))
         s.append(("irdmafs_node_caught_up", "gauge", "1 once the node serves and has taken its stripes back", {}, int(node.caught_up)))
         s.append(("irdmafs_node_stripes_degraded", "gauge", "stripes this node leads with a home that does not serve (not whole)", {}, node.degraded()))
-    s += _latency_samples("irdmafs_node_call_seconds", "control call latency on the node", node.latency, "method")
+    s += latency_samples("irdmafs_node_call_seconds", "control call latency on the node", node.latency, "method")
     s += training_samples(node)
     return s
 
@@ -89,26 +87,6 @@ def training_samples(node) -> list[Sample]:
         by_fid.setdefault(fid, []).append(n)
     for fid, ns in by_fid.items():
         s.append(("irdmafs_tensor_staleness_steps", "gauge", "fastest rank's pushes minus the slowest's", {"tensor": str(fid)}, max(ns) - min(ns)))
-    return s
-
-
-def mount_samples(vfs) -> list[Sample]:
-    """A mount's figures: bytes, FUSE operations and their latency, calls it made, nodes."""
-    stats = nodes.figures(vfs.client)
-    s: list[Sample] = [
-        ("irdmafs_mount_bytes_total", "counter", "bytes moved by this mount", {"dir": "read"}, stats["bytes_read"]),
-        ("irdmafs_mount_bytes_total", "counter", "bytes moved by this mount", {"dir": "written"}, stats["bytes_written"]),
-        ("irdmafs_mount_bytes_total", "counter", "bytes moved by this mount", {"dir": "pushed"}, stats["bytes_pushed"]),
-        ("irdmafs_mount_metadata_calls_total", "counter", "namespace operations sent to the metadata primary", {}, stats["metadata_calls"]),
-    ]
-    for method, n in stats["control_calls_by_method"].items():
-        s.append(("irdmafs_mount_control_calls_total", "counter", "control calls made, by method", {"method": method}, n))
-    for op, n in list(vfs.counters.items()):
-        s.append(("irdmafs_mount_ops_total", "counter", "FUSE operations served, by operation", {"op": op}, n))
-    states = [n["state"] for n in nodes.table(vfs.client)]
-    for st in ("ready", "syncing", "down"):
-        s.append(("irdmafs_mount_nodes", "gauge", "nodes by state, as this mount sees them", {"state": st}, states.count(st)))
-    s += _latency_samples("irdmafs_mount_op_seconds", "FUSE operation latency", vfs.latency, "op")
     return s
 
 

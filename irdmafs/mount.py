@@ -74,7 +74,8 @@ async def run_mount(
         vfs.door = DoorServer(vfs.streams)
         ops = Operations(vfs)
         if metrics:
-            from .metrics import mount_samples, serve
+            from .fs.status import mount_samples
+            from .metrics import serve
 
             status["metrics"] = "http://%s:%d/metrics" % serve(metrics, lambda: mount_samples(vfs))
         pyfuse3.init(ops, mountpoint, fuse_options(options or []))

@@ -30,6 +30,7 @@ import trio
 
 from ..cluster import Cluster, NodeDown
 from ..config import ClusterConfig
+from ..policy import parse_policy, required_clock
 from ..slots import StagingPool, staging_gone
 from ..transport.base import AccessError, RemoteError
 from ..util import single_exception
@@ -405,8 +406,6 @@ class PushPull:
         """The tensor's parameters into ``out`` once the model's policy allows ``rank`` to see
         them (bsp: every rank's push of this rank's last step applied; ssp:S: the slowest rank
         within S steps; asp: at once). ETIMEDOUT after the model's ``user.irdma.timeout``."""
-        from ..server.policies import parse_policy, required_clock
-
         info = await self.train_info(ino, rank)
         if rank not in info["active"]:
             raise RemoteError("EINVAL", f"rank {rank} is not one of the active workers {info['active']}")

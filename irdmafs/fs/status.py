@@ -16,6 +16,7 @@ import logging
 from typing import TYPE_CHECKING, Callable
 
 from ..client import nodes
+from ..metrics import Sample, latency_samples
 from ..namespace import ROOT
 from .errors import FsError
 from .handles import BATCH_XATTR, BatchSizeHandle, BytesHandle
@@ -139,3 +140,23 @@ class StatusFiles(Family):
         else:
             doc = self.figures()  # the same figures the Prometheus endpoint serves (mount --metrics)
         return (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
+
+
+def mount_samples(vfs) -> list[Sample]:
+    """A mount's figures: bytes, FUSE operations and their latency, calls it made, nodes."""
+    stats = nodes.figures(vfs.client)
+    s: list[Sample] = [
+        ("irdmafs_mount_bytes_total", "counter", "bytes moved by this mount", {"dir": "read"}, stats["bytes_read"]),
+        ("irdmafs_mount_bytes_total", "counter", "bytes moved by this mount", {"dir": "written"}, stats["bytes_written"]),
+        ("irdmafs_mount_bytes_total", "counter", "bytes moved by this mount", {"dir": "pushed"}, stats["bytes_pushed"]),
+        ("irdmafs_mount_metadata_calls_total", "counter", "namespace operations sent to the metadata primary", {}, stats["metadata_calls"]),
+    ]
+    for method, n in stats["control_calls_by_method"].items():
+        s.append(("irdmafs_mount_control_calls_total", "counter", "control calls made, by method", {"method": method}, n))
+    for op, n in list(vfs.counters.items()):
+        s.append(("irdmafs_mount_ops_total", "counter", "FUSE operations served, by operation", {"op": op}, n))
+    states = [n["state"] for n in nodes.table(vfs.client)]
+    for st in ("ready", "syncing", "down"):
+        s.append(("irdmafs_mount_nodes", "gauge", "nodes by state, as this mount sees them", {"state": st}, states.count(st)))
+    s += latency_samples("irdmafs_mount_op_seconds", "FUSE operation latency", vfs.latency, "op")
+    return s

@@ -166,7 +166,8 @@ async def _pull_one(streams: Streams, rank: int, layout: Layout, buf: memoryview
         t = (await training.train_info(attr["ino"], rank))["tensor"]
     if not fits(t):
         streams.layouts.forget()
-        raise FsError(errno.ESTALE, f"tensor {e.name!r} is {np.dtype(t['dtype'])}{list(t['shape'])} now, not {np.dtype(e.dtype)}{list(e.shape)}: open the stream again")
+        now, was = f"{np.dtype(t['dtype'])}{list(t['shape'])}", f"{np.dtype(e.dtype)}{list(e.shape)}"
+        raise FsError(errno.ESTALE, f"tensor {e.name!r} is {now} now, not {was}: open the stream again")
     await streams.client.training.pull_into(attr["ino"], rank, _param(layout, buf, e))
 
 

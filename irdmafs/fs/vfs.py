@@ -30,7 +30,7 @@ import logging
 
 from ..client import nodes
 from ..client.client import Client
-from ..metrics import Latency, as_dict, mount_samples
+from ..metrics import Latency, as_dict
 from ..namespace import ROOT
 from . import models
 from .errors import FsError
@@ -39,7 +39,7 @@ from .inodes import HIDDEN, RANKS_DIR, SNAPSHOTS_DIR, WORK, Family
 from .live import LiveFiles
 from .openfiles import OpenFiles
 from .snapshots import Snapshots
-from .status import StatusFiles
+from .status import StatusFiles, mount_samples
 from .streams import Layouts, PullStreamHandle, PushStreamHandle, Streams
 from .views import Views
 from .workers import WorkerFiles

@@ -29,12 +29,13 @@ import trio
 
 from ..cluster import NodeDown
 from ..metrics import Latency
+from ..policy import PolicyError, parse_policy
 from ..transport.base import RemoteError
 from . import optim
 from .barrier import CommitBarrier
 from .core import NodeCore
 from .meta import Meta
-from .policies import Model, PolicyError, RecordError, StripeTraining, parse_policy
+from .policies import Model, RecordError, StripeTraining
 from .replicator import Replicator
 from .staging import Staged, StagingRegions
 from .store import NoSpace

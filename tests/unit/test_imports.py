@@ -177,3 +177,26 @@ def test_every_module_imports_on_its_own(name, imported_alone):
     if missing.split(".")[0] in OPTIONAL:
         pytest.skip(f"{name} needs {missing}, an optional package not installed here")
     pytest.fail(f"{name} does not import on its own:\n{tb}")
+
+
+def reached(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module ``start`` loads, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        for w in graph[todo.pop()] - seen:
+            seen.add(w)
+            todo.append(w)
+    return seen
+
+
+def test_client_and_server_share_only_what_is_pure_and_a_node_loads_no_client_code():
+    """The two sides meet in modules both import (irdmafs.policy, the value types of the RPC
+    edge), never in each other's packages: a node process loads nothing of irdmafs.client (it
+    did, through metrics.py), and the client nothing of irdmafs.server (it took the policies
+    from there)."""
+    mods = modules()
+    graph = {name: imports_of(name, path, set(mods)) for name, path in mods.items()}
+    node = reached(graph, "irdmafs.server.node")
+    assert not {m for m in node if m.startswith("irdmafs.client")}, sorted(m for m in node if m.startswith("irdmafs.client"))
+    client = set().union(*(reached(graph, m) | {m} for m in mods if m.startswith("irdmafs.client")))
+    assert not {m for m in client if m.startswith("irdmafs.server")}, sorted(m for m in client if m.startswith("irdmafs.server"))

@@ -5,7 +5,8 @@ import pytest
 import trio
 
 from irdmafs.client.client import Client
-from irdmafs.server.policies import Model, Policy, StripeTraining, parse_policy, PolicyError
+from irdmafs.policy import Policy, PolicyError, parse_policy
+from irdmafs.server.policies import Model, StripeTraining
 from irdmafs.transport.base import RemoteError
 from irdmafs.transport.memory import MemoryTransport
 
@@ -54,7 +55,7 @@ def test_r2sp_holds_an_early_push_until_its_turn():
 
 
 def test_r2sp_pulls_wait_for_the_previous_round_only():
-    from irdmafs.server.policies import required_clock
+    from irdmafs.policy import required_clock
 
     assert required_clock(Policy("r2sp"), 0) == 0 and required_clock(Policy("r2sp"), 5) == 4
     assert required_clock(Policy("bsp"), 5) == 5 and required_clock(Policy("ssp", 2), 5) == 3
