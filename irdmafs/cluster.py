@@ -42,7 +42,7 @@ from typing import Callable
 
 import trio
 
-from .config import ClusterConfig, NodeSpec
+from .config import ClusterConfig, Members, NodeSpec
 from .coord.views import View
 from .placement import rank, stripe_key
 from .regions import HEADER, Header, read_header
@@ -126,8 +126,9 @@ class Cluster:
         self.changed = trio.Event()  # set (and replaced) whenever a state changes
         self.calls = 0  # control calls made (the steady state of training should make none)
         self.calls_by_method: dict[str, int] = defaultdict(int)
-        # membership: the config's nodes (epoch 0) until a rebalance switches every process over
-        self.epoch = 0
+        # membership: the config's nodes (epoch 0) until a rebalance switches every process over;
+        # a value replaced whole by ``adopt`` (the config stays as loaded: every service holds it)
+        self.members: Members = cfg.members()
         self.known: dict[str, NodeSpec] = {}  # nodes reachable though not (yet) members
         self.on_adopt: Callable[[int], None] | None = None
         self.follow_membership = True  # False for a rebalance coordinator, which sets it itself
@@ -141,6 +142,11 @@ class Cluster:
         self._inflight: dict[str, set[trio.CancelScope]] = defaultdict(set)  # see _AbortOnDown
         self.view: View = View()  # the newest view known (see above); epoch 0: none yet
         self.on_view: list[Callable[[View], None]] = []  # called with each newer view learnt
+
+    @property
+    def epoch(self) -> int:
+        """The membership's epoch (0: the config's), which heartbeats carry."""
+        return self.members.epoch
 
     @property
     def view_epoch(self) -> int:
@@ -171,7 +177,7 @@ class Cluster:
         return READY if name in self.view.active else DOWN
 
     def _set(self, name: str, state: str, why: str = "") -> None:
-        if name not in self.cfg.names and name not in self.known:
+        if name not in self.members.names and name not in self.known:
             return  # no longer a member: nothing to track
         old = self.state.get(name)
         if old != state:
@@ -203,21 +209,22 @@ class Cluster:
         """Whether this node and the peers its own heartbeats reach (whatever a view says) are a
         majority of the members: a node cut off from the others must not expel them
         (server/replicator.py)."""
-        heard = sum(self.state.get(n, DOWN) != DOWN for n in self.cfg.names if n != self.me)
-        return heard + 1 >= len(self.cfg.names) // 2 + 1
+        names = self.members.names
+        heard = sum(self.state.get(n, DOWN) != DOWN for n in names if n != self.me)
+        return heard + 1 >= len(names) // 2 + 1
 
     def ready(self) -> list[str]:
-        return [n for n in self.cfg.names if self.node_state(n) == READY]
+        return [n for n in self.members.names if self.node_state(n) == READY]
 
     def live(self) -> list[str]:
-        return [n for n in self.cfg.names if self.node_state(n) in (READY, SYNCING)]
+        return [n for n in self.members.names if self.node_state(n) in (READY, SYNCING)]
 
     def meta_primary(self) -> str | None:
         ready = self.ready()
         return ready[0] if ready else None
 
     def stripe_rank(self, fid: int, idx: int) -> list[str]:
-        return rank(stripe_key(fid, idx), self.cfg.names)
+        return rank(stripe_key(fid, idx), self.members.names)
 
     def stripe_primary(self, fid: int, idx: int) -> str | None:
         return next((n for n in self.stripe_rank(fid, idx) if self.node_state(n) == READY), None)
@@ -227,7 +234,7 @@ class Cluster:
         active (this node too while it syncs), always including the primary."""
         primary = self.stripe_primary(fid, idx)
         live = [n for n in self.stripe_rank(fid, idx) if self.node_state(n) in (READY, SYNCING)]
-        chosen = live[: self.cfg.replicas]
+        chosen = live[: self.members.replicas]
         if primary is not None and primary not in chosen:
             chosen = chosen[:-1] + [primary]
         return chosen
@@ -246,7 +253,7 @@ class Cluster:
         that names no home active (every home expelled: R=1, or R=2 on five nodes and more)
         leaves the stand-ins it writes to, the only copies it acknowledges writes on."""
         ranking = self.stripe_rank(fid, idx)
-        homes = [n for n in ranking[: self.cfg.replicas] if self.node_state(n) == READY]
+        homes = [n for n in ranking[: self.members.replicas] if self.node_state(n) == READY]
         homes.sort(key=lambda n: (self.state.get(n) == DOWN, self.load[n]))
         return homes or self.targets(fid, idx)
 
@@ -259,7 +266,7 @@ class Cluster:
         async with self._connecting[name]:
             conn = self._conns.get(name)
             if conn is None:
-                spec = next((n for n in self.cfg.nodes if n.name == name), None) or self.known.get(name)
+                spec = self.members.spec(name) or self.known.get(name)
                 if spec is None:  # removed by a membership change while a probe was under way
                     raise NodeDown(name, "not a member of the cluster any more")
                 try:
@@ -428,20 +435,20 @@ class Cluster:
             self.known[s.name] = s
 
     def adopt(self, specs: list[NodeSpec], replicas: int, epoch: int) -> None:
-        """Switch to a new membership: placement, heartbeats and connections follow it."""
-        old = set(self.cfg.names)
-        self.cfg.nodes[:] = specs
-        self.cfg.replicas = replicas
-        self.epoch = epoch
-        for name in set(self.cfg.names) - old - {self.me}:
+        """Switch to a new membership: placement, heartbeats and connections follow it. Who the
+        members are is read from ``members`` everywhere, never from the config, which a rebalance
+        once changed in place under every service holding it."""
+        old = set(self.members.names)
+        self.members = Members(tuple(specs), replicas, epoch)
+        for name in set(self.members.names) - old - {self.me}:
             self.state.setdefault(name, DOWN)
-        for name in old - set(self.cfg.names):
+        for name in old - set(self.members.names):
             self.state.pop(name, None)
             self.info.pop(name, None)
             conn = self._conns.pop(name, None)
             if conn is not None:
                 self.nursery.start_soon(conn.aclose)
-        log.info("membership %d adopted: %s (R=%d)", epoch, ", ".join(self.cfg.names), replicas)
+        log.info("membership %d adopted: %s (R=%d)", epoch, ", ".join(self.members.names), replicas)
         self.changed.set()
         self.changed = trio.Event()
 

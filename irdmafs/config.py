@@ -59,6 +59,24 @@ class NodeSpec:
     port: int
 
 
+@dataclass(frozen=True)
+class Members:
+    """Who the cluster's nodes are and how many copies a stripe has, as of membership ``epoch``
+    (0: as the config file says; a rebalance switches every process to a new one). A value:
+    ``Cluster.adopt`` replaces it whole, nobody changes it, and the config stays as loaded."""
+
+    nodes: tuple[NodeSpec, ...]
+    replicas: int
+    epoch: int = 0
+
+    @property
+    def names(self) -> list[str]:
+        return [n.name for n in self.nodes]
+
+    def spec(self, name: str) -> NodeSpec | None:
+        return next((n for n in self.nodes if n.name == name), None)
+
+
 @dataclass
 class ClusterConfig:
     nodes: list[NodeSpec]
@@ -83,6 +101,10 @@ class ClusterConfig:
     @property
     def names(self) -> list[str]:
         return [n.name for n in self.nodes]
+
+    def members(self) -> Members:
+        """The membership this config names (a running cluster's is ``Cluster.members``)."""
+        return Members(tuple(self.nodes), self.replicas)
 
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}

@@ -19,7 +19,7 @@ NODE_FIGURES = ("pid", "stripes", "bytes", "capacity", "transport", "uptime", "c
 def table(client: "Client") -> list[dict]:
     """Every node as this client sees it (state from its last heartbeat)."""
     cluster, out = client.cluster, []
-    for spec in client.cfg.nodes:
+    for spec in client.cluster.members.nodes:
         alive = cluster.node_state(spec.name) != "down"
         info = cluster.info.get(spec.name, {}) if alive else {}  # no stale figures
         out.append(
@@ -45,7 +45,8 @@ async def statfs(client: "Client") -> dict:
             r = await client.cluster.call(node, "statfs")
             total += r["capacity"]
             used += r["used"]
-    return {"capacity": total // client.cfg.replicas, "used": used // client.cfg.replicas}
+    replicas = client.cluster.members.replicas
+    return {"capacity": total // replicas, "used": used // replicas}
 
 
 def figures(client: "Client") -> dict:
@@ -57,7 +58,7 @@ def figures(client: "Client") -> dict:
         "metadata_calls": client.meta_calls,
         "control_calls": client.cluster.calls,
         "control_calls_by_method": dict(client.cluster.calls_by_method),
-        "replicas": client.cfg.replicas,
+        "replicas": client.cluster.members.replicas,
         "stripe_unit": client.cfg.stripe_unit,
         "transport": client.cluster.transport.name,
     }

@@ -123,7 +123,7 @@ class StripeIO:
     async def _prefetch(self, fid: int, idxs: list[int], snap: int) -> None:
         """One stripe_info call per node for every stripe whose key is not cached."""
         wanted: dict[str, list[int]] = {}
-        replicas = self.cluster.cfg.replicas
+        replicas = self.cluster.members.replicas
         for idx in idxs:
             # every home replica: load balancing may pick any of them for this stripe
             for node in self.cluster.read_candidates(fid, idx)[:replicas]:
@@ -289,7 +289,7 @@ class StripeIO:
             candidates = [c for c in self.cluster.read_candidates(fid, p.idx) if c not in missing | lost | syncing]
             candidates.sort(key=lambda c: behind.index(c) + 1 if c in behind else 0)
             if not candidates:
-                homes = self.cluster.stripe_rank(fid, p.idx)[: self.cluster.cfg.replicas]
+                homes = self.cluster.stripe_rank(fid, p.idx)[: self.cluster.members.replicas]
                 # the homes the view names active hold every acknowledged write
                 homes = [n for n in homes if self.cluster.node_state(n) == READY] or homes
                 if set(homes) <= missing:  # every home replica answered: nothing there, a hole

@@ -52,14 +52,15 @@ def lease_ttl(cfg: ClusterConfig) -> int:
 class ServingLease:
     """A node's lease and view, or nothing to check when the config names no coordinator."""
 
-    def __init__(self, cfg: ClusterConfig, name: str, coord: Coordinator | None = None):
-        """``coord``: the coordination service, if not the config's etcd (tests, the simulator)."""
+    def __init__(self, cfg: ClusterConfig, name: str, members: Callable[[], list[str]], coord: Coordinator | None = None):
+        """``members``: the nodes views may name, as the membership is now (a rebalance changes
+        it); ``coord``: the coordination service, if not the config's etcd (tests, the simulator)."""
         self.name = name
         self.keeper = None
         if coord is None and cfg.coordinator:
             coord = EtcdCoord(cfg.coordinator, timeout=lease_ttl(cfg) / 2)  # a slow etcd (fsync under load) is no outage
         if coord is not None:
-            self.keeper = ViewKeeper(coord, cluster_id(cfg), name, lambda: cfg.names, ttl=lease_ttl(cfg))
+            self.keeper = ViewKeeper(coord, cluster_id(cfg), name, members, ttl=lease_ttl(cfg))
 
     async def run(self) -> None:
         """Keep the lease and read (and propose) views, until cancelled."""

@@ -161,7 +161,7 @@ class Membership:
                 log.info("%s not told to %s: %s", method, peer, exc)
 
         async with trio.open_nursery() as n:
-            for peer in self.cfg.names:
+            for peer in self.cluster.members.names:
                 if peer != self.name:
                     n.start_soon(one, peer)
         return answers
@@ -192,7 +192,7 @@ class Membership:
         self.drop_freed()
 
     def _check_member(self, name: str) -> None:
-        if name == self.name or name not in self.cfg.names:
+        if name == self.name or name not in self.cluster.members.names:
             raise RemoteError("EINVAL", f"{name!r} is not another member of the cluster")
 
     async def rpc_joining(self, name: str) -> dict:
@@ -279,7 +279,8 @@ class Membership:
     # -- membership changes (rebalance.py) -------------------------------------------------------
     async def rpc_members(self) -> dict:
         """The membership this node works with, and its epoch (0: as its config file says)."""
-        return {"epoch": self.cluster.epoch, "replicas": self.cfg.replicas, "nodes": [asdict(n) for n in self.cfg.nodes]}
+        m = self.cluster.members
+        return {"epoch": m.epoch, "replicas": m.replicas, "nodes": [asdict(n) for n in m.nodes]}
 
     async def rpc_rebalance_pull(self, nodes: list[dict], replicas: int) -> dict:
         """Rebalance, step 1 (the cluster frozen): fetch every stripe this node holds under the
@@ -287,7 +288,7 @@ class Membership:
         specs = _node_specs(nodes)
         self.cluster.know(specs)
         names = [s.name for s in specs]
-        peers = sorted((set(names) | set(self.cfg.names)) - {self.name})
+        peers = sorted((set(names) | set(self.cluster.members.names)) - {self.name})
 
         def mine(fid: int, idx: int) -> bool:
             return self.name in placement(fid, idx, names, replicas)
@@ -305,16 +306,17 @@ class Membership:
         return {"epoch": epoch}
 
     def adopted(self, epoch: int) -> None:
-        if self.name in self.cfg.names:
+        if self.name in self.cluster.members.names:
             self.cluster.nursery.start_soon(self._drop_unhomed, epoch)
         else:
             log.warning("node %s is not a member any more (membership %d): it can be stopped", self.name, epoch)
 
     async def _drop_unhomed(self, epoch: int) -> None:
         await trio.sleep(GRACE_HEARTBEATS * self.cfg.heartbeat + self.cfg.down_after)
-        if self.cluster.epoch != epoch:
+        m = self.cluster.members
+        if m.epoch != epoch:
             return  # another change came meanwhile: it drops for itself
-        names, r = self.cfg.names, self.cfg.replicas
+        names, r = m.names, m.replicas
         gone = [k for k in self.store.stripes if self.name not in placement(k[0], k[1], names, r)]
         freed = self.store.drop_keys(gone)
         log.info("rebalance: dropped %d stripes this node no longer holds", freed)

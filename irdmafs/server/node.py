@@ -85,7 +85,7 @@ class Node:
         self.counters: dict[str, int] = defaultdict(int)
         self.latency = Latency()
         self.cluster = Cluster(cfg, transport, None, me=name, my_state=lambda: self.serving.state)
-        self.lease = ServingLease(cfg, name, coord)  # its lease and view, if the config names a coordinator
+        self.lease = ServingLease(cfg, name, lambda: self.cluster.members.names, coord)  # its lease and views
         keeper_learns = self.lease.follow(self.cluster.learn_view)  # views decide who serves (cluster.py)
         if keeper_learns is None:
             raise ConfigError(NO_COORDINATOR)
@@ -139,7 +139,7 @@ class Node:
 
     @property
     def sees_all_ready(self) -> bool:
-        return self.cluster.nursery is not None and self.cluster.ready() == self.cfg.names
+        return self.cluster.nursery is not None and self.cluster.ready() == self.cluster.members.names
 
     # -- lifetime ----------------------------------------------------------------------------
     def _load_persisted(self) -> None:
@@ -239,7 +239,7 @@ class Node:
             "served_bytes": sum(b for _, b in self.transport.served.values()),
             "apply_seconds": round(self.training.apply_seconds, 6),
             **self.lease.status(),
-            "replicas_behind": sum(self.cluster.node_state(n) != READY for n in self.cfg.names if n != self.name),
+            "replicas_behind": sum(self.cluster.node_state(n) != READY for n in self.cluster.members.names if n != self.name),
             "caught_up": self.caught_up,
             **({"degraded": self.degraded()} if args.get("from") == "status" else {}),
         }
@@ -262,7 +262,7 @@ class Node:
                 return True
             return cluster.node_state(name) == READY and bool(cluster.info.get(name, {}).get("caught_up"))
 
-        return health.degraded(led, lambda fid, idx: cluster.stripe_rank(fid, idx)[: self.cfg.replicas], serving)
+        return health.degraded(led, lambda fid, idx: cluster.stripe_rank(fid, idx)[: cluster.members.replicas], serving)
 
     async def rpc_statfs(self) -> dict:
         return {"capacity": self.cfg.capacity, "used": self.store.bytes_held, "files": len(self.meta.inodes)}
@@ -270,7 +270,7 @@ class Node:
     # -- the commit barrier (snapshots, rebalance) -------------------------------------------
     def _freezer_gone(self, token: str) -> bool:
         holder = token.split(":")[0]
-        return holder in self.cfg.names and holder not in self.cluster.view.active
+        return holder in self.cluster.members.names and holder not in self.cluster.view.active
 
     async def rpc_freeze(self, token: str, seconds: float, epoch: int = 0) -> dict:
         """Hold new commits and pushes and wait for those in flight (barrier.py); ESTALE from a

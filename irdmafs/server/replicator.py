@@ -144,7 +144,7 @@ class Replicator:
         """``to_every_target`` for any set of replicas: ``targets()`` as they are now, ``leads()``
         raising unless this node still leads what is sent (a view may have moved it)."""
         have = {self.name}
-        for _ in range(2 * len(self.cluster.cfg.names) + 2):
+        for _ in range(2 * len(self.cluster.members.names) + 2):
             try:
                 self.serving.require_ready()  # expelled, or its lease ended
                 leads()  # or a new view moved the stripe

@@ -50,11 +50,11 @@ class Resync:
         primary = self.cluster.meta_primary()
         if primary is not None and primary != self.name and primary in ready:
             self.restore_meta(await self.cluster.call(primary, "meta_snapshot"), whole=True)
-        peers = [n for n in self.cfg.names if n != self.name and n not in self.cluster.view.expelled]
+        peers = [n for n in self.cluster.members.names if n != self.name and n not in self.cluster.view.expelled]
         live = set(peers) | {self.name}
 
         def mine(fid: int, idx: int) -> bool:
-            return self.name in [n for n in self.cluster.stripe_rank(fid, idx) if n in live][: self.cfg.replicas]
+            return self.name in [n for n in self.cluster.stripe_rank(fid, idx) if n in live][: self.cluster.members.replicas]
 
         await self.pull_stripes("resync", peers, mine, converge=True, newer_or_fail=True)
         await self.training.pull_records(peers, mine)
@@ -129,7 +129,7 @@ class Resync:
         if converge:
             gone = []
             for key, stamp in before.items():
-                homes = self.cluster.stripe_rank(key[0], key[1])[: self.cfg.replicas]
+                homes = self.cluster.stripe_rank(key[0], key[1])[: self.cluster.members.replicas]
                 others = [n for n in homes if n != self.name]
                 held = self.store.get(*key)
                 # every other home answered and none holds it: freed while this node was away
