@@ -21,8 +21,9 @@ is tied to the incarnation it came from: when a node's incarnation changes, ``on
 callbacks drop those caches, and a one-sided operation given a key's incarnation refuses to send
 it to a newer one (``StaleKey``, an ``AccessError``: refresh and retry).
 
-From the view and the pure placement function it answers: the metadata primary (first active
-node in config order), a stripe's primary (first active node in the stripe's rendezvous
+From the view, the membership (``members``, a value a rebalance replaces whole) and the pure
+placement and routing functions (placement.py, routing.py) it answers: the metadata primary
+(first active member), a stripe's primary (first active node in the stripe's rendezvous
 ranking), the replicas a write must reach, and the order in which to try replicas for a read
 (its active homes, least-loaded first).
 
@@ -42,6 +43,7 @@ from typing import Callable
 
 import trio
 
+from . import routing
 from .config import ClusterConfig, Members, NodeSpec
 from .coord.views import View
 from .placement import rank, stripe_key
@@ -59,7 +61,7 @@ from .transport.base import (
 
 log = logging.getLogger(__name__)
 
-READY, SYNCING, DOWN = "ready", "syncing", "down"
+READY, SYNCING, DOWN = routing.READY, routing.SYNCING, "down"
 
 
 class NodeDown(TransportError):
@@ -227,17 +229,12 @@ class Cluster:
         return rank(stripe_key(fid, idx), self.members.names)
 
     def stripe_primary(self, fid: int, idx: int) -> str | None:
-        return next((n for n in self.stripe_rank(fid, idx) if self.node_state(n) == READY), None)
+        return routing.primary(self.stripe_rank(fid, idx), self.node_state)
 
     def targets(self, fid: int, idx: int) -> list[str]:
         """Where a write of this stripe must land: the first R nodes of its ranking the view names
-        active (this node too while it syncs), always including the primary."""
-        primary = self.stripe_primary(fid, idx)
-        live = [n for n in self.stripe_rank(fid, idx) if self.node_state(n) in (READY, SYNCING)]
-        chosen = live[: self.members.replicas]
-        if primary is not None and primary not in chosen:
-            chosen = chosen[:-1] + [primary]
-        return chosen
+        active (this node too while it syncs), always including the primary (routing.py)."""
+        return routing.targets(self.stripe_rank(fid, idx), self.members.replicas, self.node_state)
 
     def read_candidates(self, fid: int, idx: int) -> list[str]:
         """Nodes to try for a read: the stripe's homes the view names active (the first R of its
@@ -252,10 +249,8 @@ class Cluster:
         seed 7). Reaching no home, the read is unavailable (EIO) rather than old. Only a view
         that names no home active (every home expelled: R=1, or R=2 on five nodes and more)
         leaves the stand-ins it writes to, the only copies it acknowledges writes on."""
-        ranking = self.stripe_rank(fid, idx)
-        homes = [n for n in ranking[: self.members.replicas] if self.node_state(n) == READY]
-        homes.sort(key=lambda n: (self.state.get(n) == DOWN, self.load[n]))
-        return homes or self.targets(fid, idx)
+        order = lambda n: (self.state.get(n) == DOWN, self.load[n])  # noqa: E731
+        return routing.read_candidates(self.stripe_rank(fid, idx), self.members.replicas, self.node_state, order)
 
     # -- connections ---------------------------------------------------------------------------
     async def conn(self, name: str) -> Connection:

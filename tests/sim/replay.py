@@ -1,16 +1,19 @@
-"""Replay simulator schedules: ``python -m tests.sim.replay [--kinds crash,drop] (--seed N | --seeds K)``.
+"""Replay simulator schedules: ``python -m tests.sim.replay [--kinds crash,drop] (--seed N | --seeds K [--first F] [--jobs J])``.
 
 One seed prints its events (faults, failed operations) and the invariants it broke; ``--seeds K``
-runs seeds 0..K-1 and prints each failing one. PYTHONHASHSEED is fixed (0, as scripts/test does)
-so a seed replays as it ran in the suite.
+runs seeds F..F+K-1 (``--jobs J`` processes at once, default one per core) and prints each
+failing one, then how many broke an invariant and how long the search took. PYTHONHASHSEED is
+fixed (0, as scripts/test does) so a seed replays as it ran in the suite.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import multiprocessing
 import os
 import sys
+import time
 
 if os.environ.get("PYTHONHASHSEED") != "0":  # string hashing (set order) must match the suite's
     os.environ["PYTHONHASHSEED"] = "0"
@@ -21,13 +24,42 @@ import hypothesis  # noqa: E402,F401  (its trio plugin makes trio's scheduling d
 from .harness import KINDS, simulate  # noqa: E402
 
 
+def _first_error(job: tuple[int, tuple[str, ...], int]) -> tuple[int, str | None]:
+    seed, kinds, faults = job
+    logging.disable(logging.CRITICAL)
+    w = simulate(seed, kinds, faults)
+    if w.errors:
+        return seed, w.errors[0]
+    checked = sum(v is not None for v in w.files.values())
+    if len(w.grads) <= 10 or checked < 4:  # a schedule that checked next to nothing proves nothing
+        return seed, f"the workload barely ran: {len(w.grads)} pushes, {checked} files checked"
+    return seed, None
+
+
+def search(seeds: range, kinds: tuple[str, ...] = KINDS, faults: int = 6, jobs: int | None = None, on_fail=None) -> list[tuple[int, str]]:
+    """Run every schedule of ``seeds`` in ``jobs`` worker processes (forked: each runs its
+    seeds one after the other, each in a trio run of its own, exactly as alone); the failing
+    ones as (seed, the first invariant it broke), in seed order."""
+    failing = []
+    work = [(s, tuple(kinds), faults) for s in seeds]
+    with multiprocessing.get_context("fork").Pool(jobs or os.cpu_count() or 1) as pool:
+        for seed, error in pool.imap_unordered(_first_error, work, chunksize=4):
+            if error is not None:
+                failing.append((seed, error))
+                if on_fail is not None:
+                    on_fail(seed, error)
+    return sorted(failing)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"fault kinds, of {', '.join(KINDS)}")
-    ap.add_argument("--faults", type=int, default=6)
+    ap.add_argument("--faults", type=int, default=6, help="faults in each schedule")
+    ap.add_argument("--first", type=int, default=0, help="the first seed of --seeds")
+    ap.add_argument("--jobs", type=int, default=None, help="processes for --seeds (default: one per core)")
     group = ap.add_mutually_exclusive_group(required=True)
-    group.add_argument("--seed", type=int)
-    group.add_argument("--seeds", type=int)
+    group.add_argument("--seed", type=int, help="replay this seed and print what happened")
+    group.add_argument("--seeds", type=int, help="run this many seeds and print the failing ones")
     args = ap.parse_args()
     kinds = tuple(args.kinds.split(","))
     logging.basicConfig(level=logging.CRITICAL)
@@ -37,13 +69,12 @@ def main() -> int:
         print(f"{len(w.grads)} pushes, {sum(v is not None for v in w.files.values())} files checked")
         print("\n".join(w.errors) or "invariants hold")
         return 1 if w.errors else 0
-    failing = 0
-    for seed in range(args.seeds):
-        w = simulate(seed, kinds, args.faults)
-        if w.errors:
-            failing += 1
-            print(f"seed {seed}: {w.errors[0]}", flush=True)
-    print(f"{failing} of {args.seeds} schedules of {','.join(kinds)} broke an invariant")
+    began = time.monotonic()
+    seeds = range(args.first, args.first + args.seeds)
+    failing = search(seeds, kinds, args.faults, args.jobs, on_fail=lambda s, e: print(f"seed {s}: {e}", flush=True))
+    took = time.monotonic() - began
+    print(f"{len(failing)} of {args.seeds} schedules of {','.join(kinds)} broke an invariant "
+          f"(seeds {seeds.start}-{seeds.stop - 1}, {took:.0f} s, {took / max(1, args.seeds):.3f} s a schedule)")
     return 1 if failing else 0
 
 
