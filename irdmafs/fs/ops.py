@@ -168,7 +168,7 @@ class Operations(pyfuse3.Operations):
         # keep_cache=False: the kernel drops cached pages at this open (close-to-open
         # consistency), except of files that never change (snapshots: Handle.keep_cache);
         # direct_io for status files: their size changes between the stat and the read
-        return pyfuse3.FileInfo(fh=fh, keep_cache=h.keep_cache, direct_io=getattr(h, "direct", False))
+        return pyfuse3.FileInfo(fh=fh, keep_cache=getattr(h, "keep_cache", False), direct_io=getattr(h, "direct", False))
 
     @fuse_errors
     async def create(self, parent_inode, name, mode, flags, ctx):

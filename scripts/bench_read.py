@@ -1,0 +1,106 @@
+#!/usr/bin/env python3
+"""Reading a checkpoint again: a snapshot and a live file through the mount against tmpfs, in one run.
+
+    .venv/bin/python scripts/bench_read.py [--mib 256] [--reps 3] [--replicas 2] [--json FILE]
+
+A local cluster (etcd, 3 nodes on tcp, R as given) and a mount; a file of ``--mib`` MiB written
+through it and a snapshot taken; the same bytes in a file on tmpfs (/dev/shm). Each file is read
+whole with 1 MiB requests, as a loader reads a checkpoint: once, then again (the median of
+``--reps`` reads). The reference is the second read of the tmpfs file: the page cache at its best
+here, measured in this run. Printed and written as a flat JSON object:
+
+- ``snapshot_reread_vs_tmpfs``: a snapshot read again (its pages stay cached: it never changes);
+- ``live_reread_vs_tmpfs``: a live file read again (its pages are dropped at every open, for
+  close-to-open consistency, so it comes from the nodes again);
+- ``snapshot_first_read_vs_tmpfs``: the snapshot's first read (from the nodes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import MiB, gbps, med, read_file  # noqa: E402
+
+from irdmafs.coord.etcd_process import LocalEtcd  # noqa: E402
+from irdmafs.local import LocalCluster, wait_settled, write_config  # noqa: E402
+from irdmafs.mount import mount_background, unmount  # noqa: E402
+
+
+def reads(path: Path, nbytes: int, reps: int, buf: memoryview) -> tuple[float, float]:
+    """(first read, median of ``reps`` reads after it), in GB/s."""
+    first = gbps(nbytes, read_file(path, nbytes, MiB, buf))
+    again = gbps(nbytes, med([read_file(path, nbytes, MiB, buf) for _ in range(reps)]))
+    return first, again
+
+
+def run(tmp: Path, nbytes: int, reps: int, replicas: int) -> dict[str, float]:
+    data = np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8)
+    buf = memoryview(bytearray(nbytes))
+    res: dict[str, float] = {}
+    with tempfile.NamedTemporaryFile(dir="/dev/shm", prefix="irdmafs-bench-read-") as shm:
+        shm.write(data.tobytes())
+        shm.flush()
+        _, res["tmpfs_reread_gbps"] = reads(Path(shm.name), nbytes, reps, buf)
+    etcd = LocalEtcd(tmp / "etcd", log_path=tmp / "etcd.log")
+    etcd.start()
+    path = write_config(tmp / "ps", 3, replicas, transport=["tcp"], coordinator=[etcd.endpoint])
+    lc = LocalCluster(path)
+    lc.start_all()
+    mnt = tmp / "mnt"
+    mnt.mkdir()
+    mount = None
+    try:
+        trio.run(wait_settled, lc.cfg)
+        mount = mount_background(str(path), str(mnt), [], tmp / "mount.log")
+        (mnt / "ckpt.bin").write_bytes(data.tobytes())
+        os.mkdir(mnt / ".snapshots" / "bench")
+        snap = mnt / ".snapshots" / "bench" / "ckpt.bin"
+        res["snapshot_first_read_gbps"], res["snapshot_reread_gbps"] = reads(snap, nbytes, reps, buf)
+        if bytes(buf) != data.tobytes():
+            raise RuntimeError("the snapshot read back other bytes")
+        _, res["live_reread_gbps"] = reads(mnt / "ckpt.bin", nbytes, reps, buf)
+        if bytes(buf) != data.tobytes():
+            raise RuntimeError("the live file read back other bytes")
+    finally:
+        unmount(str(mnt), lazy=True)
+        if mount is not None:
+            mount.terminate()
+            mount.wait(10)
+        lc.stop_all()
+        etcd.stop()
+    ref = res["tmpfs_reread_gbps"]
+    res["snapshot_reread_vs_tmpfs"] = res["snapshot_reread_gbps"] / ref
+    res["live_reread_vs_tmpfs"] = res["live_reread_gbps"] / ref
+    res["snapshot_first_read_vs_tmpfs"] = res["snapshot_first_read_gbps"] / ref
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mib", type=int, default=256, help="the file's size in MiB")
+    ap.add_argument("--reps", type=int, default=3, help="reads after the first, their median counts")
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--json", help="write the flat JSON object here")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="irdmafs-bench-read-") as tmp:
+        res = run(Path(tmp), args.mib * MiB, args.reps, args.replicas)
+    for k, v in res.items():
+        print(f"{k:32s} {v:8.3f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1, sort_keys=True) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
