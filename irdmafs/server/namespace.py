@@ -3,7 +3,12 @@
 - ``meta`` (on the metadata primary, the first ready node): validate and apply a namespace op,
   then forward it with its stamp to every other live node (``meta_apply``, through the
   replicator); a node that missed ops gets the whole namespace (``meta_restore``). A retry of an
-  op applied already (its request id) gets the first answer again.
+  op applied already (its request id) gets the first answer again, and only from the primary
+  once every live node holds its namespace (``settled``): a node holds ops it did not settle
+  itself (applied as a backup, taken with a peer's namespace, or answered EAGAIN), and answering
+  one of those at once acknowledged it while a live node lacked it (fault simulator, mixed seed
+  1560: an op refused by a replica in a newer view, its primary fenced, the op then taken from
+  the third node's namespace and answered on the retry; a later failover would have lost it).
 - An op's stamp is (epoch, seq): the view epoch it was applied in and its sequence number. A
   replica applies op ``seq`` only on top of the stamp the primary had before it (``prev``), and
   takes it as held only at that very stamp or below within the same epoch; anything else asks
@@ -62,7 +67,8 @@ class Namespace:
         self.meta = Meta()
         self.lock = trio.Lock()  # namespace ops, one at a time; a hand-over waits for it
         self.last: tuple[int, dict, tuple[int, int]] | None = None  # (seq, op, the stamp before it) of the last op applied here
-        self.unsettled: set[str] = set()  # request ids applied here as primary, not acknowledged
+        # the stamp up to which this node, as primary, saw every live node hold its namespace
+        self.settled: tuple[int, int] | None = None
 
     def current(self) -> Meta:
         """The namespace as it is now (a restore replaces it)."""
@@ -75,9 +81,8 @@ class Namespace:
 
     async def _meta(self, op: dict, epoch: int) -> dict:
         rid = op.get("rid")
-        if rid in self.meta.done and rid not in self.unsettled:
-            # a retry of an op applied already (its answer was lost with the old primary): a
-            # hit is a fact on any node, as ops reach every node in one order
+        if rid in self.meta.done and self.settled == self.meta.stamp:
+            # a retry of an op applied and acknowledged already (its answer was lost)
             return self.meta.done[rid]
         await self.serving.check_epoch(epoch)
         self.serving.require_ready()
@@ -87,10 +92,10 @@ class Namespace:
             if rid in self.meta.done:
                 # applied meanwhile, by an earlier attempt of this very call still under way
                 # when its client gave up on it and sent it again (a second mkdir answered
-                # EEXIST, a second rename ENOENT: chaos --views, seed 2); or applied here and
-                # answered EAGAIN (not on every replica): sent to every replica again first
-                if rid in self.unsettled:
-                    await self._settle_again(rid)
+                # EEXIST, a second rename ENOENT: chaos --views, seed 2); or held here but not
+                # known to be on every live node (see above): brought there first
+                if self.settled != self.meta.stamp:
+                    await self._settle()
                 return self.meta.done[rid]
             op = self.meta.prepare(op, now_ns())
             if op["op"] == "snapshot":
@@ -102,25 +107,24 @@ class Namespace:
         acknowledgement rule: every node the view names active)."""
         result = self.apply(op, self.cluster.view_epoch)
         seq, _, prev = self.last
-        try:
-            await self.replicator.to_every("metadata op", self.cluster.live, lambda peer: self.replicator.meta(peer, seq, op, self.meta.tag, prev), self._leads)
-        except RemoteError:
-            if op.get("rid"):
-                self.unsettled.add(op["rid"])
-            raise
+        stamp = self.meta.stamp
+        await self.replicator.to_every("metadata op", self.cluster.live, lambda peer: self.replicator.meta(peer, seq, op, self.meta.tag, prev), self._leads)
+        self.settled = stamp
         return result
 
-    async def _settle_again(self, rid: str) -> None:
-        """Under the lock: a retry of op ``rid``, applied here as primary and answered EAGAIN:
-        every live node is brought up to this node's namespace (the last op again; a node
-        further behind asks for the whole namespace) before the retry is answered. Else the
-        retry's answer would acknowledge an op the other replicas may lack (EAGAIN again if
-        that still fails)."""
-        if self.last is None or self.last[0] != self.meta.seq:
-            raise RemoteError("EAGAIN", "metadata op not yet on every replica; send it again")
-        seq, op, prev = self.last
-        await self.replicator.to_every("metadata op", self.cluster.live, lambda peer: self.replicator.meta(peer, seq, op, self.meta.tag, prev), self._leads)
-        self.unsettled.discard(rid)
+    async def _settle(self) -> None:
+        """Under the lock, as primary: every live node brought up to this node's namespace (its
+        last op again, a node further behind then asking for the whole namespace; the whole
+        namespace if the last op here came from elsewhere) before a retry of an op it holds is
+        answered. EAGAIN if that fails (the retry comes again)."""
+        stamp = self.meta.stamp
+        if self.last is not None and self.last[0] == self.meta.seq:
+            seq, op, prev = self.last
+            send = lambda peer: self.replicator.meta(peer, seq, op, self.meta.tag, prev)  # noqa: E731
+        else:
+            send = self.replicator.namespace
+        await self.replicator.to_every("metadata op", self.cluster.live, send, self._leads)
+        self.settled = stamp
 
     def _leads(self) -> None:
         primary = self.cluster.meta_primary()
@@ -272,8 +276,7 @@ class Namespace:
             raise RemoteError("EINVAL", "meta_restore: not a namespace snapshot (meta_snapshot's answer)")
         if (snapshot.get("tag", 0), snapshot["seq"]) > self.meta.stamp or whole and snapshot != self.meta.snapshot():
             self.meta = Meta.restore(snapshot)
-            self.last = None
-            self.unsettled.clear()  # settled by whoever led since
+            self.last = None  # (and not settled by this node: ``settled`` stays as it was)
             self._save()
             known = self.meta.files()
             for fid in {fid for fid, _, snap in self.store.stripes if snap == 0} - known:

@@ -134,6 +134,14 @@ class Replicator:
 
         return await self._reliably(peer, f"metadata op {seq}", send)
 
+    async def namespace(self, peer: str) -> bool:
+        """This node's whole namespace to ``peer``, which takes it if it is newer than its own."""
+
+        async def send() -> None:
+            await self.cluster.call(peer, "meta_restore", {"snapshot": self.snapshot()})
+
+        return await self._reliably(peer, "the namespace", send)
+
     async def to_every_target(self, key: StripeKey, one: Callable[[str], Awaitable[bool]]) -> None:
         """Return once every node stripe ``key`` now targets holds the change ``one(peer)``
         sends (True: ``peer`` holds it); EAGAIN if the targets kept changing."""

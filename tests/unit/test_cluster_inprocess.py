@@ -13,6 +13,7 @@ from irdmafs.client.client import Client
 from irdmafs.config import from_dict
 from irdmafs.coord.memory import MemoryCoord
 from irdmafs.server import staging as staging_mod
+from irdmafs.server.meta import Meta
 from irdmafs.server.node import Node
 from irdmafs.transport.base import RemoteError
 from irdmafs.transport.memory import MemoryTransport
@@ -576,6 +577,30 @@ async def test_a_namespace_op_retried_after_eagain_is_on_every_replica_before_it
         assert refused, "a backup refused the op once"
         for n in nodes:  # answered only once every node holds it
             assert n.meta.lookup(1, "after"), n.name
+
+
+async def test_a_retry_of_an_op_the_primary_took_from_a_peer_is_on_every_replica_before_it_is_answered(cluster):
+    """The metadata primary holds an op it did not settle itself: taken with a peer's namespace
+    (its own attempt refused by a replica in a newer view, the primary fenced and resynced from
+    the third node, which had it), while a replica lacks it. The client's retry (same request
+    id) is answered only once every live node holds the op: answered at once from the record,
+    it was acknowledged while a replica lacked it, and a later failover to that replica would
+    have lost it (fault simulator, mixed seed 1560: one node a sequence number behind after
+    healing)."""
+    cfg, nodes = cluster
+    primary = next(n for n in nodes if n.name == nodes[0].cluster.meta_primary())
+    behind = next(n for n in nodes if n is not primary)
+    op = {"op": "mkdir", "parent": 1, "name": "taken", "mode": 0o755, "rid": "client:y:1"}
+    scratch = Meta.restore(primary.namespace.meta.snapshot())
+    scratch.apply(scratch.prepare(dict(op), 1))
+    scratch.tag = primary.namespace.meta.tag
+    primary.namespace.restore(scratch.snapshot())  # a peer's newer namespace, with the op in it
+    assert "client:y:1" in primary.meta.done and "taken" not in behind.meta.directory(1)
+    again = await primary.namespace.rpc_meta(op=dict(op), epoch=primary.cluster.view_epoch)
+    assert again["ino"] == primary.meta.lookup(1, "taken")["ino"]
+    for n in nodes:  # answered only once every node holds it
+        assert "taken" in n.meta.directory(1), n.name
+        assert n.meta.stamp == primary.meta.stamp, n.name
 
 
 async def test_a_replica_holding_an_old_primarys_unacknowledged_op_takes_the_next_primarys_namespace(cluster):
