@@ -28,6 +28,7 @@ figures of this run only (these machines are shared and noisy).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -246,32 +247,46 @@ def model_figures(mnt: Path, reps: int) -> dict[str, float]:
     }
 
 
-def irdmafs_figures(tmp: Path, replicas: int, sizes: list[int], reps: int, with_model: bool) -> dict[str, float]:
-    tag = f"r{replicas}"
-    state = tmp / tag
-    etcd = LocalEtcd(state / "etcd", log_path=tmp / f"etcd-{tag}.log")  # the views' coordinator
+@contextlib.contextmanager
+def local_cluster(state: Path, replicas: int, log_dir: Path):
+    """etcd (the views' coordinator) and 3 nodes on tcp, R=``replicas``, settled, for the block
+    (the LocalCluster); everything is stopped afterwards."""
+    etcd = LocalEtcd(state / "etcd", log_path=log_dir / f"etcd-{state.name}.log")
     etcd.start()
-    path = write_config(state, 3, replicas, transport=["tcp"], coordinator=[etcd.endpoint])
-    lc = LocalCluster(path)
-    lc.start_all()
-    mnt = state / "mnt"
-    mnt.mkdir()
-    mount = None
     try:
-        trio.run(wait_settled, lc.cfg)
-        res = trio.run(client_figures, lc.cfg, sizes, reps, tag)
-        mount = mount_background(str(path), str(mnt), [], state / "mount.log")
-        res |= mount_figures(mnt, sizes, reps, tag)
-        if with_model:
-            res |= model_figures(mnt, reps)
-        return res
+        lc = LocalCluster(write_config(state, 3, replicas, transport=["tcp"], coordinator=[etcd.endpoint]))
+        lc.start_all()
+        try:
+            trio.run(wait_settled, lc.cfg)
+            yield lc
+        finally:
+            lc.stop_all()
+    finally:
+        etcd.stop()
+
+
+@contextlib.contextmanager
+def mounted(lc: LocalCluster, mnt: Path):
+    """``lc`` mounted on ``mnt`` (made) for the block; unmounted and stopped afterwards."""
+    mnt.mkdir()
+    mount = mount_background(str(lc.config_path), str(mnt), [], mnt.parent / f"{mnt.name}.log")
+    try:
+        yield mnt
     finally:
         unmount(str(mnt), lazy=True)
-        if mount is not None:
-            mount.terminate()
-            mount.wait(10)
-        lc.stop_all()
-        etcd.stop()
+        mount.terminate()
+        mount.wait(10)
+
+
+def irdmafs_figures(tmp: Path, replicas: int, sizes: list[int], reps: int, with_model: bool) -> dict[str, float]:
+    tag = f"r{replicas}"
+    with local_cluster(tmp / tag, replicas, tmp) as lc:
+        res = trio.run(client_figures, lc.cfg, sizes, reps, tag)
+        with mounted(lc, tmp / tag / "mnt") as mnt:
+            res |= mount_figures(mnt, sizes, reps, tag)
+            if with_model:
+                res |= model_figures(mnt, reps)
+        return res
 
 
 def link_utilisation(tmp: Path, reps: int) -> dict[str, float]:

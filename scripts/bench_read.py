@@ -25,16 +25,11 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import MiB, gbps, med, read_file  # noqa: E402
-
-from irdmafs.coord.etcd_process import LocalEtcd  # noqa: E402
-from irdmafs.local import LocalCluster, wait_settled, write_config  # noqa: E402
-from irdmafs.mount import mount_background, unmount  # noqa: E402
+from bench import MiB, gbps, local_cluster, med, mounted, read_file  # noqa: E402
 
 
 def reads(path: Path, nbytes: int, reps: int, buf: memoryview) -> tuple[float, float]:
@@ -52,17 +47,7 @@ def run(tmp: Path, nbytes: int, reps: int, replicas: int) -> dict[str, float]:
         shm.write(data.tobytes())
         shm.flush()
         _, res["tmpfs_reread_gbps"] = reads(Path(shm.name), nbytes, reps, buf)
-    etcd = LocalEtcd(tmp / "etcd", log_path=tmp / "etcd.log")
-    etcd.start()
-    path = write_config(tmp / "ps", 3, replicas, transport=["tcp"], coordinator=[etcd.endpoint])
-    lc = LocalCluster(path)
-    lc.start_all()
-    mnt = tmp / "mnt"
-    mnt.mkdir()
-    mount = None
-    try:
-        trio.run(wait_settled, lc.cfg)
-        mount = mount_background(str(path), str(mnt), [], tmp / "mount.log")
+    with local_cluster(tmp / "ps", replicas, tmp) as lc, mounted(lc, tmp / "mnt") as mnt:
         (mnt / "ckpt.bin").write_bytes(data.tobytes())
         os.mkdir(mnt / ".snapshots" / "bench")
         snap = mnt / ".snapshots" / "bench" / "ckpt.bin"
@@ -72,13 +57,6 @@ def run(tmp: Path, nbytes: int, reps: int, replicas: int) -> dict[str, float]:
         _, res["live_reread_gbps"] = reads(mnt / "ckpt.bin", nbytes, reps, buf)
         if bytes(buf) != data.tobytes():
             raise RuntimeError("the live file read back other bytes")
-    finally:
-        unmount(str(mnt), lazy=True)
-        if mount is not None:
-            mount.terminate()
-            mount.wait(10)
-        lc.stop_all()
-        etcd.stop()
     ref = res["tmpfs_reread_gbps"]
     res["snapshot_reread_vs_tmpfs"] = res["snapshot_reread_gbps"] / ref
     res["live_reread_vs_tmpfs"] = res["live_reread_gbps"] / ref

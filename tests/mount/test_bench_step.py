@@ -14,6 +14,7 @@ pytestmark = [pytest.mark.mount, pytest.mark.cluster]
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.long
 async def test_bench_step_quick(tmp_path, mount):  # ``mount``: skips where FUSE is unavailable
     pytest.importorskip("torch")
     out = tmp_path / "step.json"

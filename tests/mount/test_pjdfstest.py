@@ -12,7 +12,7 @@ import pytest
 
 from ..conftest import fuse_unavailable
 
-pytestmark = pytest.mark.mount
+pytestmark = [pytest.mark.mount, pytest.mark.long]  # a minute and a half and its build: scripts/test --long
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "pjdfstest.py"
