@@ -173,6 +173,7 @@ def etcd3(tmp_path):
         yield members
 
 
+@pytest.mark.long  # three etcd members, twice: scripts/test --long
 async def test_three_members_ride_out_a_member_stopped_and_the_leader_killed(local_cluster, etcd3):
     """With three members one can hang (SIGSTOP) and the leader be killed, one after the other:
     the other two keep a majority, every node keeps its lease (none fences: its serving
@@ -223,6 +224,7 @@ async def test_three_members_ride_out_a_member_stopped_and_the_leader_killed(loc
         assert await c.paths.read_file("/during-kill-9") == blob[: 1 << 20]
 
 
+@pytest.mark.long
 async def test_a_minority_of_members_left_fences_every_node_after_its_lease_until_a_majority_returns(local_cluster, etcd3):
     """Two of three members stopped: the one left has no leader and serves nothing (the client
     tries each endpoint). Nodes serve until their leases end by their own clocks, then fence (as

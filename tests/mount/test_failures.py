@@ -40,6 +40,7 @@ async def test_every_replica_down_is_eio_with_a_log_line(local_cluster, mount):
     assert "no live replica holds it" in log and victim in log and meta_primary != victim
 
 
+@pytest.mark.long  # half a minute of filling: scripts/test --long
 async def test_cluster_full_is_enospc(local_cluster, mount):
     lc = await local_cluster(nodes=2, replicas=2, stripe_unit=MiB, capacity="2MiB")
     m = mount(lc)
