@@ -2,9 +2,10 @@
 
 ``Latency`` keeps per-operation histograms in plain Python (the hot paths only add to a list).
 ``node_samples`` (here) and a mount's ``mount_samples`` (fs/status.py, so that a node loads no
-client code) turn a process's state into samples: (name, type, help, labels, value). ``serve`` exposes them on an HTTP endpoint (prometheus-client, in its own
-thread; collection copies what it reads, so the trio thread never waits for a scrape), and the
-same samples feed ``.irdma/stats`` and ``irdmafs status``.
+client code) turn a process's state into samples: (name, type, help, labels, value). ``serve``
+exposes them on an HTTP endpoint (prometheus-client, in its own thread; collection copies what
+it reads, so the trio thread never waits for a scrape), and the same samples feed
+``.irdma/stats`` and ``irdmafs status``.
 """
 
 from __future__ import annotations

@@ -42,12 +42,6 @@ BATCH_XATTR = "user.irdma.batch."  # + rank, on the root: the batch size each ra
 class Handle:
     ino: int
 
-    @property
-    def keep_cache(self) -> bool:
-        """May the kernel keep the pages it cached of this file across opens? Only where they
-        cannot go stale (the kernel drops them at any other open: close-to-open)."""
-        return False
-
     async def read(self, off: int, size: int) -> memoryview:
         raise FsError(errno.EBADF)
 
@@ -100,7 +94,9 @@ class FileHandle(Handle):
 
     @property
     def keep_cache(self) -> bool:
-        """A snapshot's file never changes (and a snapshot id is never reused): its pages stay."""
+        """May the kernel keep this file's pages across opens (fs/ops.py asks; a handle without
+        the attribute keeps none)? A snapshot's file never changes and a snapshot id is never
+        reused, so its pages stay; a live file's are dropped at each open (close-to-open)."""
         return self.snap != 0
 
     @property

@@ -166,7 +166,7 @@ class Operations(pyfuse3.Operations):
         fh = await self.vfs.open(inode, flags, ctx.uid)
         h = self.vfs.handles.get(fh)
         # keep_cache=False: the kernel drops cached pages at this open (close-to-open
-        # consistency), except of files that never change (snapshots: Handle.keep_cache);
+        # consistency), except of files that never change (snapshots: FileHandle.keep_cache);
         # direct_io for status files: their size changes between the stat and the read
         return pyfuse3.FileInfo(fh=fh, keep_cache=getattr(h, "keep_cache", False), direct_io=getattr(h, "direct", False))
 

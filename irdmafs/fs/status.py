@@ -6,6 +6,9 @@
   and every model stops waiting for it;
 - ``.irdma/workers/<r>/batch_size``: a rank writes the batch it uses; reading it gives the batch
   suggested to it (r2sp with heterogeneous workers).
+
+``mount_samples``: the mount's figures as metric samples (metrics.py serves them; here so that
+the node, which loads metrics.py, loads no client code).
 """
 
 from __future__ import annotations

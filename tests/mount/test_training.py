@@ -251,8 +251,8 @@ async def test_a_model_published_again_with_other_shapes_trains_as_it_is_now(loc
             ps.pull(module)
         else:  # the first step takes the parameters as published
             with torch.no_grad():
-                for p in module.parameters():
-                    p.copy_(torch.from_numpy(np.load(m / "mlp" / f"{next(k for k, q in module.named_parameters() if q is p)}.npy")))
+                for name, p in module.named_parameters():
+                    p.copy_(torch.from_numpy(np.load(m / "mlp" / f"{name}.npy")))
         for _ in range(steps):
             before = {k: v.detach().clone() for k, v in module.named_parameters()}
             module.zero_grad(set_to_none=False)
