@@ -41,6 +41,18 @@ V6. To expel a peer it cannot replicate to, a node that serves commits a view ma
     ends; the view drops it ``ttl`` after its alive key is gone (V2) and names it again, not
     expelled, once it announces itself under a new lease.
 
+V7. A view leaves at most R-1 members out (not active in it; R: the members' replicas). A node
+    V2 would drop stays named, under the lease the view names (ended or not), while dropping it
+    would leave more out (the first in name order stay), and an expel (V6) that would is
+    refused. A stripe's R homes each hold it once their hand-over is done, and nothing copies a
+    stripe to a new home but a write to it or that home's hand-over from an active node, so with
+    more than R-1 members out a stripe may have no active node that holds it: its primary would
+    be a node that never held it and would serve it empty. Kept named, its holder's stripes are
+    unavailable (their primary does not answer) until it is back. (Every node lost its lease in
+    a coordinator outage longer than the TTL; the first one announced again made a view naming
+    itself alone, led stripes it had never held, and a push found no bookkeeping: the model's
+    state was lost. The fault simulator, mixed seed 19 with the default heartbeats.)
+
 Only nodes holding their lease propose views; clients read them (``ViewReader``).
 """
 
@@ -50,10 +62,11 @@ import json
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable
 
 import trio
 
+from ..config import Members
 from .contract import Coordinator, CoordError, LeaseGone, Unavailable
 
 log = logging.getLogger(__name__)
@@ -131,6 +144,11 @@ class ViewReader:
                 callback(view)
 
 
+def too_many_out(active: set[str], members: Members) -> bool:
+    """V7: would a view whose active nodes are ``active`` leave more than R-1 members out?"""
+    return sum(n not in active for n in members.names) > members.replicas - 1
+
+
 @dataclass
 class _Lease:
     """The lease a node holds, and until when it holds it by its own clock (V3)."""
@@ -146,7 +164,8 @@ class _Lease:
 class ViewKeeper:
     """A node's side: keeps its lease, says when it is alive, proposes views (V1-V6).
 
-    ``members()``: the nodes views may name (the config's, as it is now: a rebalance changes it).
+    ``members()``: the membership views may name (config.Members, as it is now: a rebalance
+    replaces it), with its replicas (V7).
     ``run`` keeps it all going; the node
     calls ``announce`` once it is ready to serve and asks ``serving()`` before anything it serves.
     """
@@ -154,12 +173,13 @@ class ViewKeeper:
     coord: Coordinator
     cluster: str
     name: str
-    members: Callable[[], Iterable[str]]
+    members: Callable[[], Members]
     ttl: int = 2
     reader: ViewReader = field(init=False)
     lease: _Lease = field(default_factory=_Lease)
     announced: bool = False
     _missing_since: dict[tuple[str, int], float] = field(default_factory=dict)
+    _kept: list[str] = field(default_factory=list)  # the nodes V7 keeps named, as last logged
 
     def __post_init__(self) -> None:
         self.reader = ViewReader(self.coord, self.cluster)
@@ -233,9 +253,13 @@ class ViewKeeper:
         view = self.view
         if not self.serving() or peer not in view.active:
             return False
-        members = set(self.members())
+        config = self.members()
+        members = set(config.names)
         if len(members.intersection(view.active)) - 1 < len(members) // 2 + 1:
             log.warning("node %s does not expel %s: view %d would keep less than a majority active", self.name, peer, view.epoch)
+            return False
+        if too_many_out(set(view.active) - {peer}, config):
+            log.warning("node %s does not expel %s: with %d replicas its stripes would have no copy left (V7)", self.name, peer, config.replicas)
             return False
         proposal = View(0, view.serving, tuple(sorted({*view.expelled, peer})))
         done, revision = await self.coord.cas(self.prefix + "view", view.epoch, proposal.encode())
@@ -270,9 +294,10 @@ class ViewKeeper:
             await trio.sleep(self.interval)
 
     def next_serving(self, view: View, alive: dict[str, int]) -> dict[str, int]:
-        """V2: who the next view names, from the view and the alive keys read at one revision."""
+        """V2 and V7: who the next view names, from the view and the alive keys read at one revision."""
         now = trio.current_time()
-        members = set(self.members())
+        config = self.members()
+        members = set(config.names)
         serving = {n: lease for n, lease in alive.items() if n in members}
         for name, lease in view.serving:
             if alive.get(name) == lease:
@@ -292,6 +317,16 @@ class ViewKeeper:
                 # its key gone, or under another lease, for less than ttl: the lease the view
                 # names may not have ended by the node's count yet; it stays until it has
                 serving[name] = lease
+        gone = [n for n in view.active if n in members and n not in serving]
+        expelled = {n for n in view.expelled if serving.get(n) == view.lease_of(n)}  # as ``propose`` keeps them
+        out = sum(n not in serving or n in expelled for n in members)
+        kept = gone[: max(0, out - (config.replicas - 1))]  # V7: the first in name order stay
+        if kept != self._kept:
+            if kept:
+                log.warning("node %s: views keep %s named (gone) so that every stripe keeps a copy (V7)", self.name, ", ".join(kept))
+            self._kept = kept
+        for name in kept:
+            serving[name] = view.lease_of(name)
         return serving
 
     async def propose(self, view: View, alive: dict[str, int]) -> View:

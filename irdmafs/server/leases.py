@@ -26,7 +26,7 @@ from typing import Callable
 
 import trio
 
-from ..config import ClusterConfig
+from ..config import ClusterConfig, Members
 from ..coord.contract import Coordinator, CoordError
 from ..coord.etcd import EtcdCoord
 from ..coord.views import View, ViewKeeper
@@ -52,8 +52,8 @@ def lease_ttl(cfg: ClusterConfig) -> int:
 class ServingLease:
     """A node's lease and view, or nothing to check when the config names no coordinator."""
 
-    def __init__(self, cfg: ClusterConfig, name: str, members: Callable[[], list[str]], coord: Coordinator | None = None):
-        """``members``: the nodes views may name, as the membership is now (a rebalance changes
+    def __init__(self, cfg: ClusterConfig, name: str, members: Callable[[], Members], coord: Coordinator | None = None):
+        """``members``: the membership views may name, as it is now (a rebalance replaces
         it); ``coord``: the coordination service, if not the config's etcd (tests, the simulator)."""
         self.name = name
         self.keeper = None

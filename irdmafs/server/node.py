@@ -85,7 +85,7 @@ class Node:
         self.counters: dict[str, int] = defaultdict(int)
         self.latency = Latency()
         self.cluster = Cluster(cfg, transport, None, me=name, my_state=lambda: self.serving.state)
-        self.lease = ServingLease(cfg, name, lambda: self.cluster.members.names, coord)  # its lease and views
+        self.lease = ServingLease(cfg, name, lambda: self.cluster.members, coord)  # its lease and views
         keeper_learns = self.lease.follow(self.cluster.learn_view)  # views decide who serves (cluster.py)
         if keeper_learns is None:
             raise ConfigError(NO_COORDINATOR)

@@ -30,6 +30,13 @@ gets it whole). Acknowledging with the failed backup merely counted down lost ac
 once the primary fenced and resynced from that backup's older copy (found by the fault simulator,
 tests/sim, "drop" seed 0, in the heartbeat design before views). With no other live node it is held here alone, as the cluster is then
 down to one copy.
+
+A change is acknowledged only in the serving generation it was made in (``Serving.gen``): a node
+fenced while a change waited for its backups resyncs, and its copy (a stripe, the namespace) may
+then be its peers', without the change; answering it after the node was ready again
+acknowledged what it no longer held, and its next change, made on its peers' copy, replaced the
+backups' copy that had it (fault simulator, mixed seed 631: a truncate lost, the file read back
+at its old size).
 """
 
 from __future__ import annotations
@@ -152,10 +159,13 @@ class Replicator:
         """``to_every_target`` for any set of replicas: ``targets()`` as they are now, ``leads()``
         raising unless this node still leads what is sent (a view may have moved it)."""
         have = {self.name}
+        made_in = self.serving.gen
         for _ in range(2 * len(self.cluster.members.names) + 2):
             try:
                 self.serving.require_ready()  # expelled, or its lease ended
                 leads()  # or a new view moved the stripe
+                if self.serving.gen != made_in:
+                    raise RemoteError("ESTALE", "this node resynced since the change was made here")
             except RemoteError as exc:  # EAGAIN whatever the reason: it is held here, maybe there
                 raise RemoteError("EAGAIN", f"{what}: not acknowledged ({exc}); send it again") from None
             todo = [p for p in targets() if p not in have]

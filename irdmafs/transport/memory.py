@@ -104,11 +104,11 @@ class MemoryConnection(Connection):
         return result
 
     async def call(self, method: str, args: dict[str, Any] | None = None, *, timeout: float | None = None) -> dict:
-        with trio.fail_after(timeout if timeout is not None else 30.0):
-            try:
+        try:
+            with trio.fail_after(timeout if timeout is not None else 30.0):
                 await self._cross(method)
-            except trio.TooSlowError:
-                raise TimeoutError(f"{self.peer}: no answer") from None
+        except trio.TooSlowError:  # a link that held it past the timeout: as a network's timeout
+            raise TimeoutError(f"{self.peer}: no answer") from None
         # The JSON round trip keeps the in-process path honest about what can cross a wire.
         args = json.loads(json.dumps(args or {}))
         result = await self._guarded(self.handler(method, args), timeout)

@@ -58,6 +58,14 @@ log = logging.getLogger("sim")
 NODES = ["n0", "n1", "n2"]
 KINDS = ("crash", "drop", "delay", "hold", "isolate", "cut", "coord")
 UNIT = 64 << 10
+# (heartbeat, down_after) a schedule runs under: fast ones (many heartbeats between faults) and
+# the product's defaults, which found a loss the fast ones never did (mixed seed 19: V7 in
+# irdmafs/coord/views.py). A search takes them in turn, two seeds each (``timing_of``).
+TIMINGS = {"fast": (0.1, 0.5), "default": (0.5, 2.0)}
+
+
+def timing_of(seed: int) -> str:
+    return ("fast", "default")[(seed // 2) % 2]
 
 
 class Links:
@@ -284,8 +292,9 @@ async def check(w: World, client: Client, ino: int, w0: np.ndarray) -> None:
             w.errors.append(f"namespace of {n} differs from {NODES[0]}'s after healing")
 
 
-async def _simulate(seed: int, kinds: tuple[str, ...], faults: int) -> World:
+async def _simulate(seed: int, kinds: tuple[str, ...], faults: int, timing: str) -> World:
     rnd = random.Random(seed)
+    heartbeat, down_after = TIMINGS[timing]
     cfg = from_dict(
         {
             "nodes": [{"name": n, "host": "sim", "port": 9000 + i} for i, n in enumerate(NODES)],
@@ -293,8 +302,8 @@ async def _simulate(seed: int, kinds: tuple[str, ...], faults: int) -> World:
             "replicas": 2,
             "stripe_unit": UNIT,
             "transport": ["memory"],
-            "heartbeat": 0.1,
-            "down_after": 0.5,
+            "heartbeat": heartbeat,
+            "down_after": down_after,
             "op_timeout": 2.0,
             # odd seeds: leases shorter than a coordinator outage (every node fences, and the
             # cluster comes back); even seeds: the default, longer than any outage here
@@ -351,7 +360,9 @@ async def _simulate(seed: int, kinds: tuple[str, ...], faults: int) -> World:
     return w
 
 
-def simulate(seed: int, kinds: tuple[str, ...] = KINDS, faults: int = 6) -> World:
-    """One schedule, deterministic in ``seed``: a fresh trio run on a MockClock."""
+def simulate(seed: int, kinds: tuple[str, ...] = KINDS, faults: int = 6, timing: str | None = None) -> World:
+    """One schedule, deterministic in ``seed`` (and ``timing``, of TIMINGS: ``timing_of(seed)``
+    unless given): a fresh trio run on a MockClock."""
     trio._core._run._r.seed(seed)  # trio's scheduler shuffles with this (deterministic under Hypothesis's plugin)
-    return trio.run(_simulate, seed, tuple(kinds), faults, clock=trio.testing.MockClock(autojump_threshold=0))
+    timing = timing or timing_of(seed)
+    return trio.run(_simulate, seed, tuple(kinds), faults, timing, clock=trio.testing.MockClock(autojump_threshold=0))

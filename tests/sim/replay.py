@@ -1,9 +1,10 @@
-"""Replay simulator schedules: ``python -m tests.sim.replay [--kinds crash,drop] (--seed N | --seeds K [--first F] [--jobs J])``.
+"""Replay simulator schedules: ``python -m tests.sim.replay [--kinds crash,drop] [--timing fast|default] (--seed N | --seeds K [--first F] [--jobs J])``.
 
 One seed prints its events (faults, failed operations) and the invariants it broke; ``--seeds K``
 runs seeds F..F+K-1 (``--jobs J`` processes at once, default one per core) and prints each
 failing one, then how many broke an invariant and how long the search took. PYTHONHASHSEED is
-fixed (0, as scripts/test does) so a seed replays as it ran in the suite.
+fixed (0, as scripts/test does) so a seed replays as it ran in the suite; each seed runs under
+the heartbeat timing it draws (harness.py ``timing_of``) unless ``--timing`` names one.
 """
 
 from __future__ import annotations
@@ -21,13 +22,16 @@ if os.environ.get("PYTHONHASHSEED") != "0":  # string hashing (set order) must m
 
 import hypothesis  # noqa: E402,F401  (its trio plugin makes trio's scheduling deterministic)
 
-from .harness import KINDS, simulate  # noqa: E402
+from .harness import KINDS, TIMINGS, simulate  # noqa: E402
 
 
-def _first_error(job: tuple[int, tuple[str, ...], int]) -> tuple[int, str | None]:
-    seed, kinds, faults = job
+def _first_error(job: tuple[int, tuple[str, ...], int, str | None]) -> tuple[int, str | None]:
+    seed, kinds, faults, timing = job
     logging.disable(logging.CRITICAL)
-    w = simulate(seed, kinds, faults)
+    try:
+        w = simulate(seed, kinds, faults, timing)
+    except BaseException as exc:  # noqa: BLE001  a schedule that crashed the simulation fails, and the search goes on
+        return seed, f"the simulation crashed: {exc!r}"
     if w.errors:
         return seed, w.errors[0]
     checked = sum(v is not None for v in w.files.values())
@@ -36,12 +40,14 @@ def _first_error(job: tuple[int, tuple[str, ...], int]) -> tuple[int, str | None
     return seed, None
 
 
-def search(seeds: range, kinds: tuple[str, ...] = KINDS, faults: int = 6, jobs: int | None = None, on_fail=None) -> list[tuple[int, str]]:
+def search(
+    seeds: range, kinds: tuple[str, ...] = KINDS, faults: int = 6, jobs: int | None = None, on_fail=None, timing: str | None = None
+) -> list[tuple[int, str]]:
     """Run every schedule of ``seeds`` in ``jobs`` worker processes (forked: each runs its
     seeds one after the other, each in a trio run of its own, exactly as alone); the failing
     ones as (seed, the first invariant it broke), in seed order."""
     failing = []
-    work = [(s, tuple(kinds), faults) for s in seeds]
+    work = [(s, tuple(kinds), faults, timing) for s in seeds]
     with multiprocessing.get_context("fork").Pool(jobs or os.cpu_count() or 1) as pool:
         for seed, error in pool.imap_unordered(_first_error, work, chunksize=4):
             if error is not None:
@@ -57,6 +63,7 @@ def main() -> int:
     ap.add_argument("--faults", type=int, default=6, help="faults in each schedule")
     ap.add_argument("--first", type=int, default=0, help="the first seed of --seeds")
     ap.add_argument("--jobs", type=int, default=None, help="processes for --seeds (default: one per core)")
+    ap.add_argument("--timing", choices=sorted(TIMINGS), default=None, help="heartbeat timing (default: each seed's own)")
     group = ap.add_mutually_exclusive_group(required=True)
     group.add_argument("--seed", type=int, help="replay this seed and print what happened")
     group.add_argument("--seeds", type=int, help="run this many seeds and print the failing ones")
@@ -64,14 +71,14 @@ def main() -> int:
     kinds = tuple(args.kinds.split(","))
     logging.basicConfig(level=logging.CRITICAL)
     if args.seed is not None:
-        w = simulate(args.seed, kinds, args.faults)
+        w = simulate(args.seed, kinds, args.faults, args.timing)
         print("\n".join(w.events))
         print(f"{len(w.grads)} pushes, {sum(v is not None for v in w.files.values())} files checked")
         print("\n".join(w.errors) or "invariants hold")
         return 1 if w.errors else 0
     began = time.monotonic()
     seeds = range(args.first, args.first + args.seeds)
-    failing = search(seeds, kinds, args.faults, args.jobs, on_fail=lambda s, e: print(f"seed {s}: {e}", flush=True))
+    failing = search(seeds, kinds, args.faults, args.jobs, on_fail=lambda s, e: print(f"seed {s}: {e}", flush=True), timing=args.timing)
     took = time.monotonic() - began
     print(f"{len(failing)} of {args.seeds} schedules of {','.join(kinds)} broke an invariant "
           f"(seeds {seeds.start}-{seeds.stop - 1}, {took:.0f} s, {took / max(1, args.seeds):.3f} s a schedule)")

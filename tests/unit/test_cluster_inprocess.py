@@ -1027,3 +1027,45 @@ async def test_a_rebalance_whose_freeze_cannot_be_kept_ends_instead_of_copying_o
     with pytest.raises(rb.RebalanceError, match="freeze of n1 could not be kept"):
         await rb._keep_frozen(Refusing(), ["n0", "n1"], "rebalance:1")
     assert trio.current_time() >= rb.KEEPALIVE
+
+
+async def test_an_op_whose_primary_resynced_while_it_waited_for_its_backups_is_not_acknowledged(cluster):
+    """The metadata primary applies an op; its backups do not answer; meanwhile the primary is
+    fenced and rejoins, its namespace taken from its peers (without the op); the backups answer
+    then. The op is answered EAGAIN, not acknowledged: the primary no longer holds it, and its
+    next op, on its peers' namespace, would replace the backups' copy that has it (fault
+    simulator, mixed seed 631: a truncate acknowledged and lost, the file read back at its old
+    size)."""
+    cfg, nodes = cluster
+    primary = next(n for n in nodes if n.name == nodes[0].cluster.meta_primary())
+    backups = [n for n in nodes if n is not primary]
+    release = trio.Event()
+    for n in backups:
+        real = n.calls["meta_apply"]
+
+        async def held(real=real, **kw):
+            await release.wait()
+            return await real(**kw)
+
+        n.calls["meta_apply"] = held
+    before = primary.namespace.meta.snapshot()
+    op = {"op": "mkdir", "parent": 1, "name": "made", "mode": 0o755, "rid": "client:z:1"}
+    answer: list = []
+
+    async def make() -> None:
+        try:
+            answer.append(await primary.namespace.rpc_meta(op=dict(op), epoch=primary.cluster.view_epoch))
+        except RemoteError as exc:
+            answer.append(exc)
+
+    async with trio.open_nursery() as n:
+        n.start_soon(make)
+        with trio.fail_after(5):
+            while "client:z:1" not in primary.meta.done:
+                await trio.sleep(0.01)
+        primary.serving.begin_join()  # fenced: it resyncs, its namespace its peers'
+        primary.namespace.restore(before, whole=True)  # as a resync takes it
+        primary.serving.became_ready()
+        primary.serving.taken_over.set()
+        release.set()
+    assert len(answer) == 1 and isinstance(answer[0], RemoteError) and answer[0].code == "EAGAIN", answer

@@ -5,6 +5,7 @@ than etcd does. Then views (coord/views.py) on the real etcd, with etcd stopped 
 import pytest
 import trio
 
+from irdmafs.config import Members, NodeSpec
 from irdmafs.coord.contract import LeaseGone, Unavailable
 from irdmafs.coord.etcd import EtcdCoord
 from irdmafs.coord.etcd_process import LocalEtcd
@@ -137,7 +138,7 @@ async def test_views_on_a_real_etcd_through_its_outage(etcd, nursery):
     is made; etcd back: new leases, one new view naming all."""
     coord = EtcdCoord([etcd.endpoint], timeout=0.5)
     names = ["a", "b", "c"]
-    keepers = {n: ViewKeeper(coord, "live", n, lambda: names, ttl=2) for n in names}
+    keepers = {n: ViewKeeper(coord, "live", n, lambda: Members(tuple(NodeSpec(m, "host", 0) for m in names), 2), ttl=2) for n in names}
     scopes = {}
 
     async def node(k, task_status=trio.TASK_STATUS_IGNORED):

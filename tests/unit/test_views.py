@@ -9,6 +9,7 @@ import random
 import pytest
 import trio
 
+from irdmafs.config import Members, NodeSpec
 from irdmafs.coord.contract import LeaseGone
 from irdmafs.coord.memory import MemoryCoord
 from irdmafs.coord.views import View, ViewKeeper, ViewReader
@@ -17,15 +18,19 @@ NAMES = ["n1", "n2", "n3"]
 TTL = 2
 
 
+def members(names, replicas=2) -> Members:
+    return Members(tuple(NodeSpec(n, "host", 0) for n in names), replicas)
+
+
 class Fleet:
     """Keepers of one cluster in one process; each can be paused (SIGSTOP) and resumed."""
 
-    def __init__(self, coord, nursery, names=NAMES, members=None):
-        """``members``: node -> the members its config names (default: ``names`` for all)."""
+    def __init__(self, coord, nursery, names=NAMES, configs=None, replicas=2):
+        """``configs``: node -> the members its config names (default: ``names`` for all)."""
         self.coord = coord
         self.nursery = nursery
-        members = members or {n: names for n in names}
-        self.keepers = {n: ViewKeeper(coord, "c", n, lambda m=members[n]: m, ttl=TTL) for n in names}
+        configs = configs or {n: names for n in names}
+        self.keepers = {n: ViewKeeper(coord, "c", n, lambda m=members(configs[n], replicas): m, ttl=TTL) for n in names}
         self.scopes: dict[str, trio.CancelScope] = {}
         self.violations: list[str] = []
         self._committed = View()
@@ -212,14 +217,14 @@ async def test_a_lost_lease_must_be_announced_again(autojump_clock, fleet):
     await fleet.all_serving()
     assert fleet.committed().lease_of("n1") == k1.lease.id
     with pytest.raises(LeaseGone):  # a keeper that holds no lease cannot say it is alive
-        await ViewKeeper(fleet.coord, "c", "n4", lambda: NAMES, ttl=TTL).announce()
+        await ViewKeeper(fleet.coord, "c", "n4", lambda: members(NAMES), ttl=TTL).announce()
 
 
 async def test_racing_proposers_make_one_chain(autojump_clock):
     """V1: two proposals from one epoch: one commits, the other fails and changes nothing."""
     coord = MemoryCoord()
-    a = ViewKeeper(coord, "c", "n1", lambda: NAMES, ttl=TTL)
-    b = ViewKeeper(coord, "c", "n2", lambda: NAMES, ttl=TTL)
+    a = ViewKeeper(coord, "c", "n1", lambda: members(NAMES), ttl=TTL)
+    b = ViewKeeper(coord, "c", "n2", lambda: members(NAMES), ttl=TTL)
     for k in (a, b):
         k.lease.id, k.lease.until = await coord.grant(TTL), trio.current_time() + TTL
         await k.announce()
@@ -240,7 +245,7 @@ async def test_a_node_started_for_a_rebalance_is_named_and_stays_named(autojump_
     lives. Before, they dropped it at once and it named itself again: views flapped and n3 was
     fenced at each, so ``irdmafs rebalance`` found it not ready (CI, test_rebalance)."""
     old = ["n1", "n2"]
-    f = Fleet(MemoryCoord(), nursery, members={"n1": old, "n2": old, "n3": NAMES})
+    f = Fleet(MemoryCoord(), nursery, configs={"n1": old, "n2": old, "n3": NAMES})
     nursery.start_soon(f.watch)
     for n in NAMES:
         await f.start(n)
@@ -266,7 +271,7 @@ async def test_an_expel_counts_a_majority_of_the_members_only(autojump_clock):
     so n1 may not expel n2 though three nodes are active (one of two is no majority)."""
     coord = MemoryCoord()
     old = ["n1", "n2"]
-    keepers = [ViewKeeper(coord, "c", n, lambda m=m: m, ttl=TTL) for n, m in (("n1", old), ("n2", old), ("n3", NAMES))]
+    keepers = [ViewKeeper(coord, "c", n, lambda m=members(m): m, ttl=TTL) for n, m in (("n1", old), ("n2", old), ("n3", NAMES))]
     for k in keepers:
         k.lease.id, k.lease.until = await coord.grant(TTL), trio.current_time() + TTL
         await k.announce()
@@ -321,3 +326,47 @@ async def test_fault_schedules_never_let_a_dropped_node_serve(autojump_clock, nu
 def fleet_names_all(f: Fleet) -> bool:
     view = f.committed()
     return all(view.lease_of(n) == k.lease.id for n, k in f.keepers.items())
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3])
+async def test_a_view_never_drops_more_than_r_minus_1_active_members(autojump_clock, nursery, replicas):
+    """V7: every lease ends in a coordinator outage longer than the TTL; n2 and n3 stay
+    stopped, so only n1 is announced again. The views name n1 under its new lease, but drop
+    at most R-1 of the three: those kept stay named under their ended leases (their stripes
+    unavailable, not led by n1, which never held them). Once they are back, the view names
+    all three under their new leases."""
+    f = Fleet(MemoryCoord(), nursery, replicas=replicas)
+    nursery.start_soon(f.watch)
+    for n in NAMES:
+        await f.start(n)
+    await f.all_serving()
+    before = f.committed()
+    f.coord.down = True
+    await trio.sleep(2 * TTL)  # every lease ends
+    f.pause("n2")
+    f.pause("n3")
+    f.coord.down = False
+    k1 = f.keepers["n1"]
+    with trio.fail_after(10 * TTL):
+        while not k1.serving():
+            await trio.sleep(0.05)
+    await trio.sleep(5 * TTL)  # long past V2's ttl: whatever may be dropped has been
+    view = f.committed()
+    assert view.lease_of("n1") == k1.lease.id != before.lease_of("n1")
+    assert len(view.active) == 3 - (replicas - 1)
+    assert all(view.lease_of(n) == before.lease_of(n) for n in view.active if n != "n1")
+    await f.start("n2")
+    await f.start("n3")
+    await f.all_serving()
+    assert fleet_names_all(f)
+    assert f.violations == []
+
+
+async def test_an_expel_with_one_replica_is_refused(autojump_clock, nursery):
+    """V7 for V6: with R=1 an expelled node's stripes would have no copy left."""
+    f = Fleet(MemoryCoord(), nursery, replicas=1)
+    for n in NAMES:
+        await f.start(n)
+    await f.all_serving()
+    assert not await f.keepers["n1"].expel("n2")
+    assert f.committed().expelled == ()
