@@ -28,7 +28,8 @@ from dataclasses import asdict, replace
 
 import trio
 
-from .cluster import READY, Cluster, NodeDown
+from .cluster import READY, Cluster
+from .peers import NodeDown
 from .config import ClusterConfig
 from .progress import Progress
 from .transport.base import RemoteError

@@ -80,7 +80,7 @@ class StagingPool:
         self._regions: dict[str, Region] = {}
         self._locks: dict[str, trio.Lock] = defaultdict(trio.Lock)
         self.retired = 0  # regions retired for a call given up on (see above)
-        cluster.on_restart.append(self.forget)
+        cluster.peers.on_restart.append(self.forget)
 
     async def _region(self, node: str) -> Region:
         async with self._locks[node]:

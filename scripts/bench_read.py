@@ -10,8 +10,8 @@ whole with 1 MiB requests, as a loader reads a checkpoint: once, then again (the
 here, measured in this run. Printed and written as a flat JSON object:
 
 - ``snapshot_reread_vs_tmpfs``: a snapshot read again (its pages stay cached: it never changes);
-- ``live_reread_vs_tmpfs``: a live file read again (its pages are dropped at every open, for
-  close-to-open consistency, so it comes from the nodes again);
+- ``live_reread_vs_tmpfs``: a live file read again, unchanged (an open keeps its pages when the
+  file's stamp is the one its last open took: irdmafs/fs/pagecache.py);
 - ``snapshot_first_read_vs_tmpfs``: the snapshot's first read (from the nodes).
 """
 

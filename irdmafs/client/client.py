@@ -32,7 +32,8 @@ from typing import Any, AsyncIterator
 
 import trio
 
-from ..cluster import Cluster, NodeDown
+from ..cluster import Cluster
+from ..peers import NodeDown
 from ..config import ClusterConfig
 from ..slots import StagingPool
 from ..transport.base import RemoteError, Transport, TransportError

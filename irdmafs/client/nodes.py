@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING
 
-from ..cluster import NodeDown
+from ..peers import NodeDown
 from ..transport.base import RemoteError
 
 if TYPE_CHECKING:
@@ -21,7 +21,7 @@ def table(client: "Client") -> list[dict]:
     cluster, out = client.cluster, []
     for spec in client.cluster.members.nodes:
         alive = cluster.node_state(spec.name) != "down"
-        info = cluster.info.get(spec.name, {}) if alive else {}  # no stale figures
+        info = cluster.liveness.info.get(spec.name, {}) if alive else {}  # no stale figures
         out.append(
             {
                 "name": spec.name,
@@ -31,7 +31,7 @@ def table(client: "Client") -> list[dict]:
                 **{k: info[k] for k in NODE_FIGURES if k in info},
                 # the process last heard from, even when down now: what 'irdmafs down' stops
                 # (a node restarted by hand or by the soak is not the one 'up' started)
-                "last_pid": cluster.info.get(spec.name, {}).get("pid"),
+                "last_pid": cluster.liveness.info.get(spec.name, {}).get("pid"),
             }
         )
     return out
@@ -56,9 +56,9 @@ def figures(client: "Client") -> dict:
         "bytes_written": client.io.bytes_written,
         "bytes_pushed": client.io.bytes_pushed,
         "metadata_calls": client.meta_calls,
-        "control_calls": client.cluster.calls,
-        "control_calls_by_method": dict(client.cluster.calls_by_method),
+        "control_calls": client.cluster.peers.calls,
+        "control_calls_by_method": dict(client.cluster.peers.calls_by_method),
         "replicas": client.cluster.members.replicas,
         "stripe_unit": client.cfg.stripe_unit,
-        "transport": client.cluster.transport.name,
+        "transport": client.cluster.peers.transport.name,
     }

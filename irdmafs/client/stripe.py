@@ -27,7 +27,8 @@ from typing import NamedTuple
 
 import trio
 
-from ..cluster import READY, Cluster, NodeDown, TornRead, Unavailable
+from ..cluster import READY, Cluster, Unavailable
+from ..peers import NodeDown, TornRead
 from ..regions import Header
 from ..slots import StagingPool, staging_gone
 from ..transport.base import AccessError, RemoteError
@@ -99,7 +100,7 @@ class StripeIO:
         # called when a stripe's clock has not moved for CLOCK_SLICE (client/training.py, PushPull._repush_open)
         self.on_behind = None
         self._watches: dict[str, trio.Event] = {}  # node -> set when its clock poller moves on
-        cluster.on_restart.append(self.forget_node)
+        cluster.peers.on_restart.append(self.forget_node)
 
     # -- stripe keys ---------------------------------------------------------------------------
     async def _lookup(self, node: str, fid: int, idxs: list[int], snap: int) -> None:
@@ -147,6 +148,39 @@ class StripeIO:
         """``node`` restarted: none of its region keys (nor its holes) hold any more."""
         for key in [k for k in self._keys if k[0] == node]:
             del self._keys[key]
+
+    async def versions(self, fid: int, size: int, unit: int) -> tuple[int, ...] | None:
+        """The version of every stripe of live file ``fid`` (0: a hole), each read one-sidedly
+        from a home that serves it (fs/pagecache.py): a stripe's version moves at every install,
+        a write's or a training step's, and never back. None if one could not be read."""
+        idxs = list(range(-(-size // unit)))
+        await self._prefetch(fid, idxs, 0)
+        out: list[int | None] = [None] * len(idxs)
+
+        async def one(idx: int) -> None:
+            for node in self.cluster.read_candidates(fid, idx):
+                for _ in range(2):  # a key gone stale (the stripe freed, the node restarted): asked again once
+                    if not self._cached(node, fid, idx, 0):
+                        await self._lookup_quietly(node, fid, [idx], 0)
+                        if not self._cached(node, fid, idx, 0):
+                            break
+                    key = self._keys[(node, fid, idx, 0)]
+                    if key is None:  # a hole there, known for this once (see ``read``)
+                        del self._keys[(node, fid, idx, 0)]
+                        out[idx] = 0
+                        return
+                    try:
+                        out[idx] = (await self.cluster.read_header(node, key.rkey, key.inc)).version
+                        return
+                    except AccessError:
+                        self._keys.pop((node, fid, idx, 0), None)
+                    except NodeDown:  # another home, or None
+                        break
+
+        async with trio.open_nursery() as n:
+            for idx in idxs:
+                n.start_soon(one, idx)
+        return None if None in out else tuple(out)  # type: ignore[return-value]
 
     # -- reads ---------------------------------------------------------------------------------
     async def read(

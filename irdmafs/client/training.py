@@ -28,7 +28,8 @@ from typing import Awaitable, Callable
 import numpy as np
 import trio
 
-from ..cluster import Cluster, NodeDown
+from ..cluster import Cluster
+from ..peers import NodeDown
 from ..config import ClusterConfig
 from ..policy import parse_policy, required_clock
 from ..slots import StagingPool, staging_gone
@@ -87,7 +88,7 @@ class PushPull:
         self._repushing: set[tuple[int, int, int, int]] = set()  # (fid, idx, rank, step) being sent again
         self.io.on_behind = self._repush_open
         # a restarted node lost its push bookkeeping: fetch policies and counts afresh
-        self.cluster.on_restart.append(lambda node: self._train.clear())
+        self.cluster.peers.on_restart.append(lambda node: self._train.clear())
 
     async def train_info(self, ino: int, rank: int) -> dict:
         """Policy, workers, pull timeout and this rank's push count for tensor ``ino``, from the

@@ -11,7 +11,8 @@ import os
 
 import trio
 
-from ..cluster import NodeDown, TornRead, Unavailable
+from ..cluster import Unavailable
+from ..peers import NodeDown, TornRead
 from ..transport.base import AccessError, RemoteError, TransportError
 
 log = logging.getLogger(__name__)

@@ -89,6 +89,7 @@ class FileHandle(Handle):
     behind: WriteBehind | None = None  # its writes on their way (see writeback.py)
     reader: ReadAhead | None = None  # what it has read and reads ahead (see readahead.py)
     model: models.ModelReader | None = None  # a model file's reads (see models.py)
+    pages_current: bool = False  # a live file unchanged since its last open (pagecache.py)
     _read_attr: dict = field(default_factory=dict)
     _model_lock: trio.Lock = field(default_factory=trio.Lock)
 
@@ -96,8 +97,9 @@ class FileHandle(Handle):
     def keep_cache(self) -> bool:
         """May the kernel keep this file's pages across opens (fs/ops.py asks; a handle without
         the attribute keeps none)? A snapshot's file never changes and a snapshot id is never
-        reused, so its pages stay; a live file's are dropped at each open (close-to-open)."""
-        return self.snap != 0
+        reused, so its pages stay; a live file's stay if it has not changed since its last open
+        (``pages_current``: pagecache.py), else they are dropped (close-to-open)."""
+        return self.snap != 0 or self.pages_current
 
     @property
     def attr(self) -> dict:

@@ -29,6 +29,7 @@ from .errors import FsError
 from .handles import FileHandle
 from .inodes import DERIVED_XATTRS, HIDDEN, RESERVED, SNAP, SUFFIX, UNLINKED, Family, is_cluster, namespace_ino, stat_of, writes
 from .openfiles import OpenFiles
+from .pagecache import PageCache
 
 if TYPE_CHECKING:
     from ..client.client import Client
@@ -41,6 +42,7 @@ log = logging.getLogger(__name__)
 class LiveFiles(Family):
     def __init__(self, client: "Client", files: OpenFiles, models_: models.ModelFiles, layouts: "Layouts", views: "Views") -> None:
         self.client = client
+        self.pages = PageCache(client)  # which files' cached pages an open keeps
         self.files = files  # what the mount knows of each file it has open
         self.models = models_  # model files: conversions, tensor directories, kept names
         self.layouts = layouts  # the step streams' model layouts (forgotten when tensors change)
@@ -77,19 +79,24 @@ class LiveFiles(Family):
         if flags & os.O_TRUNC and writes(flags) and attr["size"]:
             # libfuse asks for atomic O_TRUNC: the kernel sends no setattr, the open truncates
             attr = await self.resize(ino, {"size": 0})
-        return self.file_handle(ino, attr, 0)
+        if writes(flags):
+            self.pages.forget(ino)
+            return self.file_handle(ino, attr, 0)
+        return self.file_handle(ino, attr, 0, pages_current=await self.pages.keep(ino, attr))
 
     async def create(self, parent: int, name: str, mode: int, uid: int, gid: int) -> tuple[FileHandle, dict]:
         self.check_create(parent, name)
         attr = await self.client.create(parent, name, mode, uid, gid)
         return self.file_handle(attr["ino"], attr, 0, name), self.stat(attr)
 
-    def file_handle(self, ino: int, attr: dict, snap: int, name: str = "") -> FileHandle:
+    def file_handle(self, ino: int, attr: dict, snap: int, name: str = "", pages_current: bool = False) -> FileHandle:
         """A handle of a cluster file, referring to what the mount knows of it (openfiles.py);
-        the attributes fetched by this open are the file's from now on (close-to-open)."""
+        the attributes fetched by this open are the file's from now on (close-to-open).
+        ``pages_current``: the kernel's cached pages of it are its bytes now (pagecache.py)."""
         f = self.files.open(ino, attr, snap)
         f.update(attr)
-        h = FileHandle(ino, file=f, client=self.client, models=self.models, slots=self.files.write_slots, snap=snap, size=attr["size"], name=name)
+        slots = self.files.write_slots
+        h = FileHandle(ino, file=f, client=self.client, models=self.models, slots=slots, snap=snap, size=attr["size"], name=name, pages_current=pages_current)
         h.on_flushed, h.on_changed = self.detect, self.changed
         if not snap:
             f.handles.add(h)

@@ -59,7 +59,8 @@ import trio
 
 from .. import formats
 from ..client.client import Client
-from ..cluster import NodeDown, Unavailable
+from ..cluster import Unavailable
+from ..peers import NodeDown
 from ..namespace import MODEL_XATTR
 from ..transport.base import RemoteError
 from .errors import FsError

@@ -35,7 +35,8 @@ from typing import Callable
 
 import trio
 
-from ..cluster import DOWN, READY, SYNCING, NodeDown
+from ..cluster import READY, SYNCING
+from ..peers import NodeDown
 from ..config import NodeSpec
 from ..placement import placement
 from ..transport.base import RemoteError, TransportError
@@ -252,9 +253,9 @@ class Membership:
 
         def quiet(peer: str) -> float:
             """How long this node's heartbeats have not heard ``peer`` (0: they count it up)."""
-            if self.cluster.state.get(peer) != DOWN:
+            if not self.cluster.liveness.is_down(peer):
                 return 0.0
-            return trio.current_time() - max(self.cluster.info_at.get(peer, -math.inf), self.serving.ready_since)
+            return trio.current_time() - max(self.cluster.liveness.info_at.get(peer, -math.inf), self.serving.ready_since)
 
         while True:
             await trio.sleep(self.cfg.heartbeat)

@@ -35,7 +35,8 @@ from typing import Awaitable, Callable
 
 import trio
 
-from ..cluster import NodeDown, now_ns
+from ..cluster import now_ns
+from ..peers import NodeDown
 from ..transport.base import RemoteError
 from ..util import single_exception
 from .barrier import FREEZE_SECONDS

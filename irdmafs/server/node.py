@@ -260,7 +260,7 @@ class Node:
         def serving(name: str) -> bool:
             if name == self.name:
                 return True
-            return cluster.node_state(name) == READY and bool(cluster.info.get(name, {}).get("caught_up"))
+            return cluster.node_state(name) == READY and bool(cluster.liveness.info.get(name, {}).get("caught_up"))
 
         return health.degraded(led, lambda fid, idx: cluster.stripe_rank(fid, idx)[: cluster.members.replicas], serving)
 

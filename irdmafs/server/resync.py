@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Callable
 
-from ..cluster import NodeDown
+from ..peers import NodeDown
 from ..notify import notify
 from ..progress import Progress
 from ..transport.base import RemoteError, TransportError

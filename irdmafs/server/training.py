@@ -27,7 +27,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 import trio
 
-from ..cluster import NodeDown
+from ..peers import NodeDown
 from ..metrics import Latency
 from ..policy import PolicyError, parse_policy
 from ..transport.base import RemoteError

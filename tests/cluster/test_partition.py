@@ -19,7 +19,8 @@ import trio
 
 from irdmafs import config as C
 from irdmafs.client.client import Client
-from irdmafs.cluster import READY, NodeDown, read_verified
+from irdmafs.cluster import READY
+from irdmafs.peers import NodeDown, read_verified
 from irdmafs.coord.etcd_process import LocalEtcd
 from irdmafs.local import node_status, wait_settled
 from irdmafs.transport.base import RemoteError

@@ -419,8 +419,8 @@ async def test_reads_ask_a_stripes_active_homes_by_load_and_one_not_heard_last(c
         rank = c.cluster.stripe_rank(7, 0)
         homes, stand_in = rank[: cfg.replicas], rank[cfg.replicas]
         for _ in range(20):  # whatever the load counts say
-            c.cluster.load[stand_in] = -100
-            assert c.cluster.read_candidates(7, 0)[: cfg.replicas] == sorted(homes, key=lambda n: c.cluster.load[n])
+            c.cluster.peers.load[stand_in] = -100
+            assert c.cluster.read_candidates(7, 0)[: cfg.replicas] == sorted(homes, key=lambda n: c.cluster.peers.load[n])
         c.cluster.mark_down(homes[0], "test")
         assert c.cluster.read_candidates(7, 0) == [homes[1], homes[0]]
 
@@ -441,7 +441,7 @@ async def test_reads_never_ask_a_stand_in(cluster):
         c.cluster.view = View(9, tuple((n, 1) for n in cfg.names))
         try:
             for home in homes:  # the minority side: its heartbeats reach neither home
-                c.cluster.state[home] = "down"
+                c.cluster.liveness.state[home] = "down"
             unreachable = c.cluster.read_candidates(7, 0)
             c.cluster.view = View(10, tuple((n, 1) for n in cfg.names), expelled=(homes[0],))
             one_expelled = c.cluster.read_candidates(7, 0)
@@ -450,7 +450,7 @@ async def test_reads_never_ask_a_stand_in(cluster):
         finally:
             c.cluster.view = real
             for home in homes:
-                c.cluster.state[home] = "ready"
+                c.cluster.liveness.state[home] = "ready"
         assert sorted(unreachable) == sorted(homes) and stand_in not in unreachable
         assert one_expelled == [homes[1]]
         assert none_active == [stand_in]  # no home in the view: the stand-in it writes to
@@ -471,7 +471,7 @@ async def test_a_node_not_yet_caught_up_refuses_region_keys_at_once_and_the_read
                 await home.calls["stripe_info"](fid=f["ino"], idxs=[0])
         assert e.value.code == "EAGAIN"
         c.io.forget(f["ino"])
-        c.cluster.load[home.name] = -100  # asked first
+        c.cluster.peers.load[home.name] = -100  # asked first
         with trio.fail_after(cfg.op_timeout / 4):
             assert await c.read(f["ino"], 0, 1000) == data
         home.serving.taken_over.set()
@@ -481,7 +481,7 @@ async def test_a_rejoin_whose_resync_loses_its_peer_begins_again_and_the_node_li
     """Found by the fault simulator: a fenced node whose resync lost the peer it fetched the
     namespace from (NodeDown) ended its tasks, and its process with them. It must stay syncing,
     resync again once a peer is there, and serve."""
-    from irdmafs.cluster import NodeDown
+    from irdmafs.peers import NodeDown
 
     cfg, nodes = cluster
     node = nodes[2]
@@ -667,7 +667,7 @@ async def test_a_snapshot_thaws_a_node_whose_freeze_answer_was_lost(cluster):
     commits in flight there, and the call timed out): that attempt names nothing (EAGAIN: not
     frozen everywhere) and the client asks again, and that node is thawed all the same. It held
     every commit for 30 s, until its own deadline (chaos, seed 1: the whole soak stalled)."""
-    from irdmafs.cluster import NodeDown
+    from irdmafs.peers import NodeDown
 
     cfg, nodes = cluster
     async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
@@ -736,7 +736,7 @@ async def test_a_snapshot_not_copied_on_every_active_node_is_not_named(cluster):
     other nodes (counted down meanwhile) was named on its coordinator's copies alone, and read
     as zeros from the others, which never resync (chaos --views, seed 7). It answers EAGAIN,
     names nothing, thaws every node; asked again once the nodes answer, it is taken."""
-    from irdmafs.cluster import NodeDown
+    from irdmafs.peers import NodeDown
 
     cfg, nodes = cluster
     async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:

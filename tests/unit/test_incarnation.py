@@ -57,7 +57,7 @@ async def test_a_key_from_an_earlier_incarnation_is_refused_before_it_is_sent():
         cluster = Cluster(cfg, MemoryTransport(cfg.token), nursery)
         pool = StagingPool(cluster, "t", 16)
         dropped = []
-        cluster.on_restart.append(dropped.append)
+        cluster.peers.on_restart.append(dropped.append)
         reply, inc = await cluster.call_on("a", "staging", {})
         assert inc == old.incarnation
         await pool._region("a")
@@ -75,10 +75,10 @@ async def test_a_key_from_an_earlier_incarnation_is_refused_before_it_is_sent():
         with pytest.raises(StaleKey):
             await cluster.write("a", region.rkey, 0, b"stale", inc)
         assert bytes(new.regions.get(region.rkey).buf[:5]) == bytes(5)  # nothing reached it
-        assert dropped == ["a"] and cluster.restarts_seen == 1
+        assert dropped == ["a"] and cluster.peers.restarts_seen == 1
         assert "a" not in pool._regions  # the staging region of the old process is forgotten
         assert isinstance(StaleKey("x"), AccessError)  # every path that refreshes on AccessError does here
-        await cluster.write("a", region.rkey, 0, b"new", cluster.incarnation["a"])  # a key of the new one lands
+        await cluster.write("a", region.rkey, 0, b"new", cluster.peers.incarnation["a"])  # a key of the new one lands
         assert bytes(new.regions.get(region.rkey).buf[:3]) == b"new"
         nursery.cancel_scope.cancel()
 
@@ -143,7 +143,7 @@ async def test_a_node_that_accepts_but_never_answers_is_down_within_the_op_timeo
     """A stopped node's kernel still accepts connections: the connect must give up after the op
     timeout and count the node down, not wait out the transport's 10-second handshake (a read
     that tried a stopped node again waited that long under views, in the chaos soak)."""
-    from irdmafs.cluster import NodeDown
+    from irdmafs.peers import NodeDown
     from irdmafs.transport.tcp import HANDSHAKE_TIMEOUT, TcpTransport
 
     silent = trio.socket.socket()
@@ -166,7 +166,7 @@ async def test_a_node_that_accepts_but_never_answers_is_down_within_the_op_timeo
         with pytest.raises(NodeDown) as err:
             await cluster.call("a", "stripes")
     assert "no handshake within 0.5s" in str(err.value)
-    assert cluster.state.get("a") == "down"
+    assert cluster.liveness.state.get("a") == "down"
     silent.close()
 
 

@@ -78,7 +78,7 @@ async def test_a_retried_push_is_taken_once(bed):
         sent.append(desc["step"])
         r = await real(node, desc, payload)
         if len(sent) == 1:  # the answer is lost: the client retries the same piece
-            from irdmafs.cluster import NodeDown
+            from irdmafs.peers import NodeDown
 
             raise NodeDown(node, "answer lost (test)")
         return r

@@ -10,7 +10,7 @@ import pytest
 import trio
 
 from irdmafs.client.client import Client
-from irdmafs.cluster import NodeDown
+from irdmafs.peers import NodeDown
 from irdmafs.server import staging as staging_mod
 from irdmafs.server.staging import Staged
 from irdmafs.slots import StagingPool, staging_gone

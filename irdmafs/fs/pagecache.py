@@ -1,0 +1,93 @@
+"""Which live files the kernel may keep cached pages of across opens.
+
+Close-to-open consistency: an open sees every change made before it, by this mount or any other.
+The mount used to drop a live file's cached pages at every open (``keep_cache=False``), so a
+checkpoint read again, unchanged, came over the network again. Now an open of a live file for
+reading, of at least ``MIN_SIZE`` bytes, takes the file's *stamp* and keeps the pages if it is the
+stamp the previous open of that file took:
+
+- the view epoch (a failover may give a version number of an unacknowledged write to other bytes;
+  a new view comes with any failover);
+- the namespace's version and size of the file (moved by every flush of a write, by any mount);
+- the version of each of its stripes, read one-sidedly from a home that serves it (16 bytes each;
+  moved by every install, a write's or a training step's, and never back): of its tensors'
+  stripes too for a model file (models.py), whose bytes are theirs.
+
+The pages the kernel holds were all read after the earlier open took its stamp; the same stamp now
+means nothing changed since, so they are the file's bytes now. Any difference (or a stamp that
+could not be taken: a home unreachable) drops them, as before. An open for writing drops them and
+the stamp (the write changes it anyway). Snapshots keep their pages always (handles.py): they never
+change. Small files are not worth the stamp's round trip: their pages are dropped at each open.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import trio
+
+from ..peers import NodeDown
+from ..transport.base import RemoteError, TransportError
+from . import models
+from .errors import FsError
+
+if TYPE_CHECKING:
+    from ..client.client import Client
+
+log = logging.getLogger(__name__)
+
+MIN_SIZE = 1 << 20  # smaller live files: pages dropped at each open, no stamp taken
+
+Stamp = tuple
+
+
+class PageCache:
+    def __init__(self, client: "Client") -> None:
+        self.client = client
+        self._stamps: dict[int, Stamp] = {}  # inode -> the stamp its last open for reading took
+        self.kept = 0  # opens that kept the kernel's pages (the mount's figures)
+
+    def forget(self, ino: int) -> None:
+        """An open for writing: the next open for reading drops the pages."""
+        self._stamps.pop(ino, None)
+
+    async def keep(self, ino: int, attr: dict) -> bool:
+        """An open of live file ``ino`` (attributes ``attr`` as the open fetched them) for
+        reading: may the kernel keep the pages it has of it?"""
+        if attr["size"] < MIN_SIZE:
+            self._stamps.pop(ino, None)
+            return False
+        try:
+            stamp = await self.stamp(attr)
+        except (NodeDown, RemoteError, TransportError) as exc:
+            log.info("inode %d: no stamp (%s): its cached pages are dropped", ino, exc)
+            stamp = None
+        before = self._stamps.pop(ino, None)
+        if stamp is not None:
+            self._stamps[ino] = stamp
+        kept = stamp is not None and stamp == before
+        self.kept += kept
+        return kept
+
+    async def stamp(self, attr: dict) -> Stamp | None:
+        """The file's stamp (see above); None if a stripe's version could not be read."""
+        files = [(attr["ino"], attr["size"], attr["unit"])]
+        if models.model_of(attr) is not None:
+            try:
+                layout = await models.layout(self.client, attr)
+            except FsError:  # a model file gone bad: its reads say so
+                return None
+            files += [(p.ino, p.attr["size"], p.attr["unit"]) for p in layout.parts]
+        epoch = self.client.cluster.view_epoch
+        versions: list = [None] * len(files)
+
+        async def one(i: int, ino: int, size: int, unit: int) -> None:
+            versions[i] = await self.client.io.versions(ino, size, unit)
+
+        async with trio.open_nursery() as n:
+            for i, f in enumerate(files):
+                n.start_soon(one, i, *f)
+        if any(v is None for v in versions):
+            return None
+        return (epoch, attr["version"], attr["size"], tuple(versions))
