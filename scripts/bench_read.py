@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Reading a checkpoint again: a snapshot and a live file through the mount against tmpfs, in one run.
 
-    .venv/bin/python scripts/bench_read.py [--mib 256] [--reps 3] [--replicas 2] [--json FILE]
+    .venv/bin/python scripts/bench_read.py [--mib 256] [--reps 3] [--replicas 2] [--bert base|tiny|none] [--json FILE]
 
 A local cluster (etcd, 3 nodes on tcp, R as given) and a mount; a file of ``--mib`` MiB written
 through it and a snapshot taken; the same bytes in a file on tmpfs (/dev/shm). Each file is read
@@ -13,6 +13,14 @@ here, measured in this run. Printed and written as a flat JSON object:
 - ``live_reread_vs_tmpfs``: a live file read again, unchanged (an open keeps its pages when the
   file's stamp is the one its last open took: irdmafs/fs/pagecache.py);
 - ``snapshot_first_read_vs_tmpfs``: the snapshot's first read (from the nodes).
+
+Then loading as users load (``--bert base``, the default: a BERT-base-shaped model of 110 M
+parameters, 438 MB of fp32, built by ``transformers`` with random weights and saved with
+``save_pretrained``; ``--bert tiny`` for a smoke run, ``none`` to skip): the same directory on
+local disk (/var/tmp) and in the mount, each loaded cold (its pages dropped with
+``posix_fadvise(DONTNEED)``) and warm (right after), by ``safetensors.safe_open`` (every tensor
+read) and by ``BertModel.from_pretrained``. Each ``*_time_vs_disk`` is the mount's time over the
+local disk's, in this run (1.0: as fast as a local disk; larger: slower).
 """
 
 from __future__ import annotations
@@ -20,8 +28,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +49,7 @@ def reads(path: Path, nbytes: int, reps: int, buf: memoryview) -> tuple[float, f
     return first, again
 
 
-def run(tmp: Path, nbytes: int, reps: int, replicas: int) -> dict[str, float]:
+def run(tmp: Path, nbytes: int, reps: int, replicas: int, bert: str = "none") -> dict[str, float]:
     data = np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8)
     buf = memoryview(bytearray(nbytes))
     res: dict[str, float] = {}
@@ -57,10 +67,74 @@ def run(tmp: Path, nbytes: int, reps: int, replicas: int) -> dict[str, float]:
         _, res["live_reread_gbps"] = reads(mnt / "ckpt.bin", nbytes, reps, buf)
         if bytes(buf) != data.tobytes():
             raise RuntimeError("the live file read back other bytes")
+        if bert != "none":
+            res |= loaders(mnt, bert)
     ref = res["tmpfs_reread_gbps"]
     res["snapshot_reread_vs_tmpfs"] = res["snapshot_reread_gbps"] / ref
     res["live_reread_vs_tmpfs"] = res["live_reread_gbps"] / ref
     res["snapshot_first_read_vs_tmpfs"] = res["snapshot_first_read_gbps"] / ref
+    return res
+
+
+BERTS = {
+    "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128),
+}
+
+
+def drop_pages(directory: Path) -> None:
+    """Drop the kernel's cached pages of every file in ``directory`` (local or the mount's)."""
+    for f in directory.iterdir():
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def load_times(directory: Path) -> dict[str, float]:
+    """Seconds: safe_open reading every tensor, then from_pretrained, each cold then warm."""
+    import torch
+    from safetensors import safe_open
+    from transformers import BertModel
+
+    def safe_open_all() -> dict:
+        with safe_open(str(directory / "model.safetensors"), framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}
+
+    out: dict[str, float] = {}
+    for loader, fn in (("safe_open", safe_open_all), ("from_pretrained", lambda: BertModel.from_pretrained(str(directory)))):
+        for temp in ("cold", "warm"):
+            if temp == "cold":
+                drop_pages(directory)
+            t0 = time.perf_counter()
+            got = fn()
+            out[f"{loader}_{temp}"] = time.perf_counter() - t0
+            if loader == "safe_open" and not all(isinstance(v, torch.Tensor) for v in got.values()):
+                raise RuntimeError("safe_open returned something else than tensors")
+    return out
+
+
+def loaders(mnt: Path, size: str) -> dict[str, float]:
+    """``load_times`` of one saved model on local disk and in the mount, as ratios."""
+    import torch
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    model = BertModel(BertConfig(**BERTS[size]))
+    local = Path(tempfile.mkdtemp(prefix="irdmafs-bench-read-", dir="/var/tmp"))
+    try:
+        model.save_pretrained(local)
+        shutil.copytree(local, mnt / "bert")  # cp -r, as a user publishes a checkpoint
+        want = model.state_dict()
+        back = BertModel.from_pretrained(str(mnt / "bert")).state_dict()
+        if any(not torch.equal(want[k], back[k]) for k in want):
+            raise RuntimeError("the model loaded from the mount differs from the one saved")
+        disk, mount = load_times(local), load_times(mnt / "bert")
+    finally:
+        shutil.rmtree(local)
+    res = {f"{k}_time_vs_disk": mount[k] / disk[k] for k in disk}
+    res["model_bytes"] = float((mnt / "bert" / "model.safetensors").stat().st_size)
     return res
 
 
@@ -69,10 +143,11 @@ def main() -> int:
     ap.add_argument("--mib", type=int, default=256, help="the file's size in MiB")
     ap.add_argument("--reps", type=int, default=3, help="reads after the first, their median counts")
     ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--bert", choices=["base", "tiny", "none"], default="base", help="the model loaded by safe_open and from_pretrained")
     ap.add_argument("--json", help="write the flat JSON object here")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="irdmafs-bench-read-") as tmp:
-        res = run(Path(tmp), args.mib * MiB, args.reps, args.replicas)
+        res = run(Path(tmp), args.mib * MiB, args.reps, args.replicas, args.bert)
     for k, v in res.items():
         print(f"{k:32s} {v:8.3f}")
     if args.json:

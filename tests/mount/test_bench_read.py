@@ -14,9 +14,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_bench_read_quick(tmp_path):
     out = tmp_path / "read.json"
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_read.py"), "--mib", "8", "--reps", "1", "--json", str(out)],
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_read.py"), "--mib", "8", "--reps", "1", "--bert", "tiny", "--json", str(out)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
-    for key in ("snapshot_reread_vs_tmpfs", "live_reread_vs_tmpfs", "snapshot_first_read_vs_tmpfs", "tmpfs_reread_gbps"):
+    for key in ("snapshot_reread_vs_tmpfs", "live_reread_vs_tmpfs", "snapshot_first_read_vs_tmpfs", "tmpfs_reread_gbps", "model_bytes"):
         assert res[key] > 0, key
+    for loader in ("safe_open", "from_pretrained"):
+        for temp in ("cold", "warm"):
+            assert res[f"{loader}_{temp}_time_vs_disk"] > 0
