@@ -197,6 +197,10 @@ class Cluster:
         """A stripe's header alone: how a pull waits for a step (peers.py)."""
         return await self.peers.read_header(name, rkey, inc)
 
+    async def read_headers(self, name: str, keys: list[tuple[int, int]]) -> list[Header]:
+        """Several stripes' headers from one node in one burst (peers.py)."""
+        return await self.peers.read_headers(name, keys)
+
     async def conn(self, name: str) -> Connection:
         return await self.peers.conn(name)
 

@@ -211,6 +211,22 @@ class Peers:
             raise NodeDown(name, str(exc) or "read timed out") from None
         return read_header(buf)
 
+    async def read_headers(self, name: str, keys: list[tuple[int, int]]) -> list[Header]:
+        """The headers of several stripes of one node in one pipelined burst, each key with the
+        incarnation it came from (StaleKey if the node restarted since)."""
+        begun = trio.current_time()
+        conn = await self.conn(name)
+        if any(inc and conn.incarnation and conn.incarnation != inc for _, inc in keys):
+            raise StaleKey(f"node {name}: a key from an older incarnation than {conn.incarnation:08x}")
+        bufs = [bytearray(HEADER) for _ in keys]
+        try:
+            with _AbortOnDown(self, name), trio.fail_after(self.cfg.op_timeout):
+                await conn.read_many([(rkey, 0, buf) for (rkey, _), buf in zip(keys, bufs)])
+        except (PeerLost, TimeoutError, trio.TooSlowError) as exc:
+            self._failed(name, exc, begun)
+            raise NodeDown(name, str(exc) or "read timed out") from None
+        return [read_header(buf) for buf in bufs]
+
     async def aclose(self) -> None:
         for conn in list(self._conns.values()):
             await conn.aclose()

@@ -149,15 +149,39 @@ class StripeIO:
         for key in [k for k in self._keys if k[0] == node]:
             del self._keys[key]
 
-    async def versions(self, fid: int, size: int, unit: int) -> tuple[int, ...] | None:
-        """The version of every stripe of live file ``fid`` (0: a hole), each read one-sidedly
-        from a home that serves it (fs/pagecache.py): a stripe's version moves at every install,
-        a write's or a training step's, and never back. None if one could not be read."""
-        idxs = list(range(-(-size // unit)))
-        await self._prefetch(fid, idxs, 0)
-        out: list[int | None] = [None] * len(idxs)
+    async def versions(self, files: list[tuple[int, int, int]]) -> list[tuple[int, ...] | None]:
+        """For each live file (fid, size, unit), the version of every stripe of it (0: a hole),
+        read one-sidedly from a home that serves it (fs/pagecache.py): a stripe's version moves at
+        every install, a write's or a training step's, and never back. None for a file one of
+        whose stripes could not be read. The headers of one node go in one pipelined burst."""
+        stripes = [(fid, idx) for fid, size, unit in files for idx in range(-(-size // unit))]
+        by_file: dict[int, list[int]] = {}
+        for fid, idx in stripes:
+            by_file.setdefault(fid, []).append(idx)
+        async with trio.open_nursery() as n:
+            for fid, idxs in by_file.items():
+                n.start_soon(self._prefetch, fid, idxs, 0)
+        got: dict[tuple[int, int], int] = {}
+        burst: dict[str, list[tuple[int, int]]] = {}
+        for fid, idx in stripes:
+            node = next((c for c in self.cluster.read_candidates(fid, idx) if self._cached(c, fid, idx, 0)), None)
+            if node is None:
+                continue
+            if self._keys[(node, fid, idx, 0)] is None:  # a hole there, known for this once (see ``read``)
+                del self._keys[(node, fid, idx, 0)]
+                got[(fid, idx)] = 0
+            else:
+                burst.setdefault(node, []).append((fid, idx))
 
-        async def one(idx: int) -> None:
+        async def headers(node: str, which: list[tuple[int, int]]) -> None:
+            keys = [self._keys[(node, fid, idx, 0)] for fid, idx in which]
+            try:
+                heads = await self.cluster.read_headers(node, [(k.rkey, k.inc) for k in keys])
+            except (NodeDown, AccessError):  # one stale key fails the burst: those go one by one
+                return
+            got.update({s: h.version for s, h in zip(which, heads)})
+
+        async def one(fid: int, idx: int) -> None:
             for node in self.cluster.read_candidates(fid, idx):
                 for _ in range(2):  # a key gone stale (the stripe freed, the node restarted): asked again once
                     if not self._cached(node, fid, idx, 0):
@@ -165,22 +189,30 @@ class StripeIO:
                         if not self._cached(node, fid, idx, 0):
                             break
                     key = self._keys[(node, fid, idx, 0)]
-                    if key is None:  # a hole there, known for this once (see ``read``)
+                    if key is None:
                         del self._keys[(node, fid, idx, 0)]
-                        out[idx] = 0
+                        got[(fid, idx)] = 0
                         return
                     try:
-                        out[idx] = (await self.cluster.read_header(node, key.rkey, key.inc)).version
+                        got[(fid, idx)] = (await self.cluster.read_header(node, key.rkey, key.inc)).version
                         return
                     except AccessError:
                         self._keys.pop((node, fid, idx, 0), None)
-                    except NodeDown:  # another home, or None
+                    except NodeDown:  # another home, or none
                         break
 
         async with trio.open_nursery() as n:
-            for idx in idxs:
-                n.start_soon(one, idx)
-        return None if None in out else tuple(out)  # type: ignore[return-value]
+            for node, which in burst.items():
+                n.start_soon(headers, node, which)
+        async with trio.open_nursery() as n:
+            for fid, idx in stripes:
+                if (fid, idx) not in got:
+                    n.start_soon(one, fid, idx)
+        out: list[tuple[int, ...] | None] = []
+        for fid, _, _ in files:
+            v = [got.get((fid, idx)) for idx in by_file.get(fid, [])]
+            out.append(None if None in v else tuple(v))  # type: ignore[arg-type]
+        return out
 
     # -- reads ---------------------------------------------------------------------------------
     async def read(

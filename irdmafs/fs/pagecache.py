@@ -25,8 +25,6 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-import trio
-
 from ..peers import NodeDown
 from ..transport.base import RemoteError, TransportError
 from . import models
@@ -80,14 +78,7 @@ class PageCache:
                 return None
             files += [(p.ino, p.attr["size"], p.attr["unit"]) for p in layout.parts]
         epoch = self.client.cluster.view_epoch
-        versions: list = [None] * len(files)
-
-        async def one(i: int, ino: int, size: int, unit: int) -> None:
-            versions[i] = await self.client.io.versions(ino, size, unit)
-
-        async with trio.open_nursery() as n:
-            for i, f in enumerate(files):
-                n.start_soon(one, i, *f)
+        versions = await self.client.io.versions(files)
         if any(v is None for v in versions):
             return None
         return (epoch, attr["version"], attr["size"], tuple(versions))
