@@ -6,8 +6,11 @@
 A local cluster (etcd, 3 nodes on tcp, R as given) and a mount; a file of ``--mib`` MiB written
 through it and a snapshot taken; the same bytes in a file on tmpfs (/dev/shm). Each file is read
 whole with 1 MiB requests, as a loader reads a checkpoint: once, then again (the median of
-``--reps`` reads). The reference is the second read of the tmpfs file: the page cache at its best
-here, measured in this run. Printed and written as a flat JSON object:
+``--reps`` reads). The references are the fastest read of the same bytes in a file on tmpfs, and
+in a file on local disk (/var/tmp) once cached, of ``--reps`` + 1 reads before the mount's and as
+many after, measured in this run: the issue's is tmpfs, but a cached local disk file reads faster
+here (ext4's reads take the page cache's pages in batches, tmpfs's one by one), so the limit of a
+read from the page cache is the faster of the two (``*_vs_page_cache``). Printed and written as a flat JSON object:
 
 - ``snapshot_reread_vs_tmpfs``: a snapshot read again (its pages stay cached: it never changes);
 - ``live_reread_vs_tmpfs``: a live file read again, unchanged (an open keeps its pages when the
@@ -53,11 +56,17 @@ def run(tmp: Path, nbytes: int, reps: int, replicas: int, bert: str = "none") ->
     data = np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8)
     buf = memoryview(bytearray(nbytes))
     res: dict[str, float] = {}
-    with tempfile.NamedTemporaryFile(dir="/dev/shm", prefix="irdmafs-bench-read-") as shm:
-        shm.write(data.tobytes())
-        shm.flush()
-        _, res["tmpfs_reread_gbps"] = reads(Path(shm.name), nbytes, reps, buf)
-    with local_cluster(tmp / "ps", replicas, tmp) as lc, mounted(lc, tmp / "mnt") as mnt:
+    shm = tempfile.NamedTemporaryFile(dir="/dev/shm", prefix="irdmafs-bench-read-")
+    disk = tempfile.NamedTemporaryFile(dir="/var/tmp", prefix="irdmafs-bench-read-")
+    for f in (shm, disk):
+        f.write(data.tobytes())
+        f.flush()
+
+    def references() -> tuple[list[float], list[float]]:
+        return [read_file(Path(shm.name), nbytes, MiB, buf) for _ in range(reps + 1)], [read_file(Path(disk.name), nbytes, MiB, buf) for _ in range(reps + 1)]
+
+    tmpfs, local = references()
+    with shm, disk, local_cluster(tmp / "ps", replicas, tmp) as lc, mounted(lc, tmp / "mnt") as mnt:
         (mnt / "ckpt.bin").write_bytes(data.tobytes())
         os.mkdir(mnt / ".snapshots" / "bench")
         snap = mnt / ".snapshots" / "bench" / "ckpt.bin"
@@ -69,10 +78,13 @@ def run(tmp: Path, nbytes: int, reps: int, replicas: int, bert: str = "none") ->
             raise RuntimeError("the live file read back other bytes")
         if bert != "none":
             res |= loaders(mnt, bert)
-    ref = res["tmpfs_reread_gbps"]
-    res["snapshot_reread_vs_tmpfs"] = res["snapshot_reread_gbps"] / ref
-    res["live_reread_vs_tmpfs"] = res["live_reread_gbps"] / ref
-    res["snapshot_first_read_vs_tmpfs"] = res["snapshot_first_read_gbps"] / ref
+        again = references()
+        tmpfs, local = tmpfs + again[0], local + again[1]
+    res["tmpfs_reread_gbps"] = ref = gbps(nbytes, min(tmpfs))  # the best, before and after
+    res["page_cache_reread_gbps"] = best = max(ref, gbps(nbytes, min(local)))  # tmpfs or a local disk's file: the limit
+    for name in ("snapshot_reread", "live_reread", "snapshot_first_read"):
+        res[f"{name}_vs_tmpfs"] = res[f"{name}_gbps"] / ref
+        res[f"{name}_vs_page_cache"] = res[f"{name}_gbps"] / best
     return res
 
 
