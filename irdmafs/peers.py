@@ -2,7 +2,8 @@
 
 ``Peers`` connects to a node lazily (its address from ``spec(name)``: a member, or a node known to
 be joining), makes control calls (``call_on``) and one-sided READs and WRITEs (``write``,
-``write_imm``, ``read_stripe``, ``read_header``), and counts what it makes (``calls``, ``load``).
+``write_imm``, ``read_stripe``, ``read_header``), and counts what it makes (``calls``, ``load``,
+``served``).
 Any of them that cannot reach its node (lost connection, timeout) calls ``lost(name, why,
 since)`` (cluster.py: drop the connection, count the node down) and raises ``NodeDown``. An
 operation under way on a node that liveness counts down is cancelled at once (``abort``) and
@@ -74,6 +75,7 @@ class Peers:
         self._connecting: dict[str, trio.Lock] = defaultdict(trio.Lock)
         self._inflight: dict[str, set[trio.CancelScope]] = defaultdict(set)  # see _AbortOnDown
         self.load: dict[str, int] = defaultdict(int)  # one-sided reads under way, per node
+        self.served: dict[str, int] = defaultdict(int)  # bytes read from each node so far
         self.calls = 0  # control calls made (the steady state of training should make none)
         self.calls_by_method: dict[str, int] = defaultdict(int)
         # node -> the incarnation of it this process last talked to; on_restart(node) callbacks
@@ -185,10 +187,11 @@ class Peers:
             raise NodeDown(name, str(exc) or "write timed out") from None
 
     async def read_stripe(self, name: str, rkey: int, offset: int, into: memoryview, inc: int | None = None) -> Header:
-        """``read_verified`` against one node, counted in its load."""
+        """``read_verified`` against one node, counted in its load and what it served."""
         begun = trio.current_time()
         conn = await self._conn_for(name, inc)
         self.load[name] += 1
+        self.served[name] += len(into)
         try:
             with _AbortOnDown(self, name), trio.fail_after(self.cfg.op_timeout):
                 return await read_verified(conn, rkey, offset, into)

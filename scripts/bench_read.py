@@ -2,6 +2,7 @@
 """Reading a checkpoint again: a snapshot and a live file through the mount against tmpfs, in one run.
 
     .venv/bin/python scripts/bench_read.py [--mib 256] [--reps 3] [--replicas 2] [--bert base|tiny|none] [--json FILE]
+    sudo .venv/bin/python scripts/bench_read.py --link 500mbit [--readers 4] [--nodes 4] [--mib 256] [--json FILE]
 
 A local cluster (etcd, 3 nodes on tcp, R as given) and a mount; a file of ``--mib`` MiB written
 through it and a snapshot taken; the same bytes in a file on tmpfs (/dev/shm). Each file is read
@@ -17,6 +18,15 @@ read from the page cache is the faster of the two (``*_vs_page_cache``). Printed
   file's stamp is the one its last open took: irdmafs/fs/pagecache.py);
 - ``snapshot_first_read_vs_tmpfs``: the snapshot's first read (from the nodes).
 
+With ``--link RATE`` (root), the fan-out instead: ``--readers`` hosts and ``--nodes`` PS nodes,
+each a network namespace behind its own veth link shaped by tbf to RATE (bench_step.py's bed,
+scripts/netns.py), each reader host with its own mount. A file of ``--mib`` MiB is written through
+the first and published as a snapshot; then every reader reads it whole at once (1 MiB reads,
+every byte checked). ``fanout_vs_links``: the readers' aggregate (readers x bytes / the slowest
+reader's time) over readers x RATE, the most their links can take; ``fanout_node<j>_share``: the
+part of the bytes each node sent; ``link_single_stream_vs_rate``: one TCP stream between two of
+the namespaces, over RATE (the links are real if it is near 1).
+
 Then loading as users load (``--bert base``, the default: a BERT-base-shaped model of 110 M
 parameters, 438 MB of fp32, built by ``transformers`` with random weights and saved with
 ``save_pretrained``; ``--bert tiny`` for a smoke run, ``none`` to skip): the same directory on
@@ -29,12 +39,15 @@ local disk's, in this run (1.0: as fast as a local disk; larger: slower).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
@@ -150,16 +163,71 @@ def loaders(mnt: Path, size: str) -> dict[str, float]:
     return res
 
 
+def fanout(tmp: Path, rate: str, readers: int, nodes: int, replicas: int, nbytes: int) -> dict[str, float]:
+    """``--link``: one published version read by ``readers`` hosts at once, each through its own
+    mount, from ``nodes`` nodes, every host behind its own shaped link (bench_step.py's bed)."""
+    from bench_step import LinkBed, bed
+    from netns import link_bytes
+
+    data = np.random.default_rng(2).integers(0, 255, nbytes, dtype=np.uint8).tobytes()
+    digest = hashlib.sha256(data).digest()
+    res: dict[str, float] = {"fanout_readers": readers, "fanout_nodes": nodes, "fanout_replicas": replicas}
+    with ExitStack() as stack:
+        link = LinkBed(max(readers, nodes), rate, stack)
+        res["link_single_stream_vs_rate"] = link.single_stream(2.0)
+        b = stack.enter_context(bed(tmp, readers, replicas, link, nodes=nodes))
+        (b.mounts[0] / "ckpt.bin").write_bytes(data)  # published as a snapshot: a version that stays
+        os.mkdir(b.mounts[0] / ".snapshots" / "v1")
+        paths = [m / ".snapshots" / "v1" / "ckpt.bin" for m in b.mounts]
+        start = threading.Barrier(readers + 1)
+        took: list[float | None] = [None] * readers
+        same = [False] * readers
+
+        def reader(i: int) -> None:
+            buf, h = bytearray(MiB), hashlib.sha256()
+            start.wait(timeout=60)
+            t0 = time.perf_counter()
+            with open(paths[i], "rb", buffering=0) as f:
+                while n := f.readinto(buf):
+                    h.update(memoryview(buf)[:n])
+            took[i] = time.perf_counter() - t0
+            same[i] = h.digest() == digest
+
+        threads = [threading.Thread(target=reader, args=(i,), daemon=True) for i in range(readers)]
+        for t in threads:
+            t.start()
+        before = [link_bytes(link.ps_dev(j))[1] for j in range(nodes)]  # rx at the root end: what a node sent
+        start.wait(timeout=60)
+        for t in threads:
+            t.join(timeout=600)
+        sent = [link_bytes(link.ps_dev(j))[1] - before[j] for j in range(nodes)]
+    if not all(same) or None in took:
+        raise RuntimeError(f"readers that read other bytes or did not finish: {[i for i in range(readers) if not same[i]]}")
+    slowest = max(took)  # type: ignore[type-var]
+    res["fanout_aggregate_gbps"] = readers * nbytes / slowest / 1e9
+    res["fanout_vs_links"] = readers * nbytes / slowest / (readers * link.rate_bits / 8)
+    res["fanout_fastest_reader_vs_link"] = nbytes / min(took) / (link.rate_bits / 8)  # type: ignore[type-var]
+    for j, n in enumerate(sent):
+        res[f"fanout_node{j + 1}_share"] = n / max(1, sum(sent))
+    return res
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mib", type=int, default=256, help="the file's size in MiB")
     ap.add_argument("--reps", type=int, default=3, help="reads after the first, their median counts")
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--bert", choices=["base", "tiny", "none"], default="base", help="the model loaded by safe_open and from_pretrained")
+    ap.add_argument("--link", metavar="RATE", help="(root) the fan-out instead: reader hosts and nodes behind links shaped to RATE, e.g. 500mbit")
+    ap.add_argument("--readers", type=int, default=4, help="--link: reader hosts, each with its own mount")
+    ap.add_argument("--nodes", type=int, default=4, help="--link: PS nodes, each on its own host")
     ap.add_argument("--json", help="write the flat JSON object here")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="irdmafs-bench-read-") as tmp:
-        res = run(Path(tmp), args.mib * MiB, args.reps, args.replicas, args.bert)
+        if args.link:
+            res = fanout(Path(tmp), args.link, args.readers, args.nodes, args.replicas, args.mib * MiB)
+        else:
+            res = run(Path(tmp), args.mib * MiB, args.reps, args.replicas, args.bert)
     for k, v in res.items():
         print(f"{k:32s} {v:8.3f}")
     if args.json:

@@ -20,7 +20,11 @@ from __future__ import annotations
 import numpy as np
 import trio
 
-AHEAD = 3  # stripes fetched ahead of a sequential reader
+# stripes fetched ahead of a sequential reader: 48 MiB at the default 4 MiB unit. Four readers
+# of one snapshot on four nodes behind 500 Mbit/s links reached 0.78 of their links with 3 (a
+# node's link idled whenever no reader had a stripe of it in flight), 0.90 with 8, 0.92-0.94
+# with 12 (scripts/bench_read.py --link).
+AHEAD = 12
 
 
 class _Fetch:

@@ -420,7 +420,8 @@ async def test_reads_ask_a_stripes_active_homes_by_load_and_one_not_heard_last(c
         homes, stand_in = rank[: cfg.replicas], rank[cfg.replicas]
         for _ in range(20):  # whatever the load counts say
             c.cluster.peers.load[stand_in] = -100
-            assert c.cluster.read_candidates(7, 0)[: cfg.replicas] == sorted(homes, key=lambda n: c.cluster.peers.load[n])
+            order = lambda n: (c.cluster.peers.load[n], c.cluster.peers.served[n])  # noqa: E731
+            assert c.cluster.read_candidates(7, 0)[: cfg.replicas] == sorted(homes, key=order)
         c.cluster.mark_down(homes[0], "test")
         assert c.cluster.read_candidates(7, 0) == [homes[1], homes[0]]
 
@@ -1069,3 +1070,22 @@ async def test_an_op_whose_primary_resynced_while_it_waited_for_its_backups_is_n
         primary.serving.taken_over.set()
         release.set()
     assert len(answer) == 1 and isinstance(answer[0], RemoteError) and answer[0].code == "EAGAIN", answer
+
+
+async def test_a_files_reads_spread_over_its_homes_by_bytes(nursery):
+    """One reader, one stripe at a time (no load to tell the homes apart): each stripe is read
+    from the home that served the reader the fewest bytes, so every node serves within a stripe
+    of an even share of a file's bytes, whatever the ranking made its primaries."""
+    cfg = config(n=4, r=2)
+    await start_cluster(nursery, cfg)
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
+        unit = cfg.stripe_unit
+        await c.paths.write_file("/f", os.urandom(64 * unit))
+        attr = await c.paths.resolve("/f")
+        primaries = [c.cluster.stripe_primary(attr["ino"], i) for i in range(64)]
+        before = dict(c.cluster.peers.served)
+        for i in range(64):
+            await c.read(attr["ino"], i * unit, unit, attr)
+        served = {n: c.cluster.peers.served[n] - before.get(n, 0) for n in cfg.names}
+        assert sum(served.values()) == 64 * unit
+        assert max(served.values()) - min(served.values()) <= 2 * unit, (served, {n: primaries.count(n) for n in cfg.names})
