@@ -8,7 +8,8 @@ from irdmafs.fs.readahead import AHEAD, ReadAhead
 from irdmafs.transport.base import RemoteError
 
 UNIT = 1024
-DATA = bytes(range(256)) * 40  # 10 KiB: 10 stripes
+STRIPES = AHEAD + 8  # more than a read-ahead's worth
+DATA = bytes(range(256)) * 4 * STRIPES  # a stripe of UNIT bytes each
 
 
 class FakeClient:
@@ -36,7 +37,7 @@ async def test_a_sequential_reader_gets_whole_stripes_fetched_ahead():
     for off in range(0, len(DATA), 512):
         got += bytes(await r.read(off, 512, *ATTR))
     assert got == DATA
-    assert sorted(c.reads) == [(i * UNIT, UNIT) for i in range(10)]  # each stripe once, whole
+    assert sorted(c.reads) == [(i * UNIT, UNIT) for i in range(STRIPES)]  # each stripe once, whole
     r2 = ReadAhead(c.fetch)
     c.reads.clear()
     await r2.read(0, 512, *ATTR)
