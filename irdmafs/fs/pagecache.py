@@ -44,7 +44,6 @@ class PageCache:
     def __init__(self, client: "Client") -> None:
         self.client = client
         self._stamps: dict[int, Stamp] = {}  # inode -> the stamp its last open for reading took
-        self.kept = 0  # opens that kept the kernel's pages (the mount's figures)
 
     def forget(self, ino: int) -> None:
         """An open for writing: the next open for reading drops the pages."""
@@ -64,9 +63,7 @@ class PageCache:
         before = self._stamps.pop(ino, None)
         if stamp is not None:
             self._stamps[ino] = stamp
-        kept = stamp is not None and stamp == before
-        self.kept += kept
-        return kept
+        return stamp is not None and stamp == before
 
     async def stamp(self, attr: dict) -> Stamp | None:
         """The file's stamp (see above); None if a stripe's version could not be read."""
