@@ -163,14 +163,9 @@ class StripeIO:
                 n.start_soon(self._prefetch, fid, idxs, 0)
         got: dict[tuple[int, int], int] = {}
         burst: dict[str, list[tuple[int, int]]] = {}
-        for fid, idx in stripes:
+        for fid, idx in stripes:  # a stripe with no key cached, or a hole, goes one by one (``one``)
             node = next((c for c in self.cluster.read_candidates(fid, idx) if self._cached(c, fid, idx, 0)), None)
-            if node is None:
-                continue
-            if self._keys[(node, fid, idx, 0)] is None:  # a hole there, known for this once (see ``read``)
-                del self._keys[(node, fid, idx, 0)]
-                got[(fid, idx)] = 0
-            else:
+            if node is not None and self._keys[(node, fid, idx, 0)] is not None:
                 burst.setdefault(node, []).append((fid, idx))
 
         async def headers(node: str, which: list[tuple[int, int]]) -> None:
@@ -189,7 +184,7 @@ class StripeIO:
                         if not self._cached(node, fid, idx, 0):
                             break
                     key = self._keys[(node, fid, idx, 0)]
-                    if key is None:
+                    if key is None:  # a hole there, known for this once (see ``read``)
                         del self._keys[(node, fid, idx, 0)]
                         got[(fid, idx)] = 0
                         return

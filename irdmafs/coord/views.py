@@ -144,9 +144,9 @@ class ViewReader:
                 callback(view)
 
 
-def too_many_out(active: set[str], members: Members) -> bool:
-    """V7: would a view whose active nodes are ``active`` leave more than R-1 members out?"""
-    return sum(n not in active for n in members.names) > members.replicas - 1
+def members_out(active: set[str], members: Members) -> int:
+    """V7: how many members a view whose active nodes are ``active`` leaves out."""
+    return sum(n not in active for n in members.names)
 
 
 @dataclass
@@ -258,7 +258,7 @@ class ViewKeeper:
         if len(members.intersection(view.active)) - 1 < len(members) // 2 + 1:
             log.warning("node %s does not expel %s: view %d would keep less than a majority active", self.name, peer, view.epoch)
             return False
-        if too_many_out(set(view.active) - {peer}, config):
+        if members_out(set(view.active) - {peer}, config) > config.replicas - 1:
             log.warning("node %s does not expel %s: with %d replicas its stripes would have no copy left (V7)", self.name, peer, config.replicas)
             return False
         proposal = View(0, view.serving, tuple(sorted({*view.expelled, peer})))
@@ -319,7 +319,7 @@ class ViewKeeper:
                 serving[name] = lease
         gone = [n for n in view.active if n in members and n not in serving]
         expelled = {n for n in view.expelled if serving.get(n) == view.lease_of(n)}  # as ``propose`` keeps them
-        out = sum(n not in serving or n in expelled for n in members)
+        out = members_out(set(serving) - expelled, config)
         kept = gone[: max(0, out - (config.replicas - 1))]  # V7: the first in name order stay
         if kept != self._kept:
             if kept:

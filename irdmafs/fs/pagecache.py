@@ -25,8 +25,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from ..peers import NodeDown
-from ..transport.base import RemoteError, TransportError
+from ..transport.base import TransportError
 from . import models
 from .errors import FsError
 
@@ -57,7 +56,7 @@ class PageCache:
             return False
         try:
             stamp = await self.stamp(attr)
-        except (NodeDown, RemoteError, TransportError) as exc:
+        except TransportError as exc:  # a node lost, a read refused: no stamp
             log.info("inode %d: no stamp (%s): its cached pages are dropped", ino, exc)
             stamp = None
         before = self._stamps.pop(ino, None)
