@@ -205,6 +205,10 @@ class Cluster:
         """Several stripes' headers from one node in one burst (peers.py)."""
         return await self.peers.read_headers(name, keys)
 
+    async def read_stripes(self, name: str, items: list[tuple[int, int, int, memoryview]]) -> list[Header | None]:
+        """Several stripes of one node, each verified, in one burst (peers.py)."""
+        return await self.peers.read_stripes(name, items)
+
     async def conn(self, name: str) -> Connection:
         return await self.peers.conn(name)
 

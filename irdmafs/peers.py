@@ -230,6 +230,32 @@ class Peers:
             raise NodeDown(name, str(exc) or "read timed out") from None
         return [read_header(buf) for buf in bufs]
 
+    async def read_stripes(self, name: str, items: list[tuple[int, int, int, memoryview]]) -> list[Header | None]:
+        """Several stripes of one node, each (rkey, the key's incarnation, data offset, into)
+        read as ``read_verified`` reads one (its header, its data, its header again), all in
+        one pipelined burst that the node serves in order; for each its header, or None if an
+        install overlapped its read (the caller reads it again). StaleKey if a key is from an
+        older incarnation."""
+        begun = trio.current_time()
+        conn = await self.conn(name)
+        if any(inc and conn.incarnation and conn.incarnation != inc for _, inc, _, _ in items):
+            raise StaleKey(f"node {name}: a key from an older incarnation than {conn.incarnation:08x}")
+        heads = [(bytearray(HEADER), bytearray(HEADER)) for _ in items]
+        ops: list = []
+        for (rkey, _, offset, into), (before, after) in zip(items, heads):
+            ops += [(rkey, 0, before), (rkey, HEADER + offset, into), (rkey, 0, after)]
+        self.load[name] += 1
+        self.served[name] += sum(len(into) for *_, into in items)
+        try:
+            with _AbortOnDown(self, name), trio.fail_after(self.cfg.op_timeout):
+                await conn.read_many(ops)
+        except (PeerLost, TimeoutError, trio.TooSlowError) as exc:
+            self._failed(name, exc, begun)
+            raise NodeDown(name, str(exc) or "read timed out") from None
+        finally:
+            self.load[name] -= 1
+        return [read_header(before) if before == after and not before[0] & 1 else None for before, after in heads]
+
     async def aclose(self) -> None:
         for conn in list(self._conns.values()):
             await conn.aclose()

@@ -143,7 +143,20 @@ def tiny_shapes() -> list[tuple[str, tuple[int, ...]]]:
     return [("fc1.weight", (1024, 256)), ("fc1.bias", (1024,)), ("fc2.weight", (1024, 1024)), ("fc2.bias", (1024,))]
 
 
-MODELS = {"resnet50": resnet50_shapes, "transformer": transformer_shapes, "tiny": tiny_shapes}
+def many_shapes() -> list[tuple[str, tuple[int, ...]]]:
+    """What a step costs per tensor: 1,000 small tensors (2,048 floats, as batch-norm and bias
+    vectors) beside 4 large ones (2,048 x 1,024): 10.4 M parameters (41.7 MB)."""
+    return [(f"small.{i}", (2048,)) for i in range(1000)] + [(f"large.{i}", (2048, 1024)) for i in range(4)]
+
+
+def few_shapes() -> list[tuple[str, tuple[int, ...]]]:
+    """The bytes of ``many_shapes`` in 10 tensors: its reference in the same run."""
+    total = sum(int(np.prod(s)) for _, s in many_shapes())
+    sizes = [total // 10] * 9 + [total - 9 * (total // 10)]
+    return [(f"part.{i}", (n,)) for i, n in enumerate(sizes)]
+
+
+MODELS = {"resnet50": resnet50_shapes, "transformer": transformer_shapes, "tiny": tiny_shapes, "many": many_shapes, "few": few_shapes}
 
 
 def make_module(shapes, seed: int = 0):

@@ -210,6 +210,48 @@ class StripeIO:
         return out
 
     # -- reads ---------------------------------------------------------------------------------
+    def at_hand(self, fid: int, idx: int) -> tuple[str, Key] | None:
+        """The node a read of live stripe (fid, idx) would ask first and its cached key, if
+        that key may be used as it is and the stripe has a region there (not a hole); else
+        None (``read`` looks it up)."""
+        candidates = self.cluster.read_candidates(fid, idx)
+        if not candidates or not self._cached(candidates[0], fid, idx, 0):
+            return None
+        key = self._keys[(candidates[0], fid, idx, 0)]
+        return None if key is None else (candidates[0], key)
+
+    async def read_burst(self, node: str, wants: list[tuple[Key, int, memoryview]], min_clock: int, give_up: float) -> list[bool]:
+        """Read each (key, data offset, into) of ``node`` once its clock reaches ``min_clock``:
+        their headers in one burst, those whose clocks reached it in one verified burst, the
+        rest waited for (one header polled for all, backing off) until ``give_up``. True for
+        each read whole at such a clock; False for one that was not (still behind, or changing
+        under every read): the caller reads it as ``read`` does. NodeDown, AccessError (a
+        key gone stale) as the burst raised them. Counted in ``bytes_read``."""
+        done = [False] * len(wants)
+        pending = list(range(len(wants)))
+        delay = 0.0005
+        while pending:
+            heads = await self.cluster.read_headers(node, [(wants[i][0].rkey, wants[i][0].inc) for i in pending])
+            ready = [i for i, h in zip(pending, heads) if h.clock >= min_clock]
+            if ready:
+                got = await self.cluster.read_stripes(node, [(wants[i][0].rkey, wants[i][0].inc, wants[i][1], wants[i][2]) for i in ready])
+                for i, head in zip(ready, got):
+                    if head is not None and head.clock >= min_clock:
+                        done[i] = True
+                        self.bytes_read += len(wants[i][2])
+            moved = len(pending)
+            pending = [i for i in pending if not done[i]]
+            if not pending or trio.current_time() >= give_up:
+                break
+            if len(pending) == moved:  # nothing read: wait for the last of them (its round closes last)
+                key = wants[pending[-1]][0]
+                while trio.current_time() < give_up:
+                    await trio.sleep(delay)
+                    delay = min(delay * 2, 0.02)
+                    if (await self.cluster.read_header(node, key.rkey, key.inc)).clock >= min_clock:
+                        break
+        return done
+
     async def read(
         self,
         fid: int,

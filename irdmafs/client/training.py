@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from typing import Awaitable, Callable
 
 import numpy as np
@@ -36,7 +37,7 @@ from ..slots import StagingPool, staging_gone
 from ..transport.base import AccessError, RemoteError
 from ..util import single_exception
 from . import compress
-from .stripe import StripeIO, split
+from .stripe import CLOCK_SLICE, StripeIO, split
 
 log = logging.getLogger(__name__)
 
@@ -90,13 +91,19 @@ class PushPull:
         # a restarted node lost its push bookkeeping: fetch policies and counts afresh
         self.cluster.peers.on_restart.append(lambda node: self._train.clear())
 
-    async def train_info(self, ino: int, rank: int) -> dict:
+    async def train_info(self, ino: int, rank: int, *, pushing: bool = False) -> dict:
         """Policy, workers, pull timeout and this rank's push count for tensor ``ino``, from the
         primary of its first stripe; cached for TRAIN_INFO_TTL seconds so that a policy changed
-        anywhere is seen within that time at the cost of one control call per tensor and rank."""
+        anywhere is seen within that time at the cost of one control call per tensor and rank.
+
+        A push (``pushing``) takes the cached info at any age: the primary decides everything
+        a push is checked against (ranks, shapes, the policy's rounds) and answers with the
+        policy as it is now, which refreshes the cache before the pull that follows. Without
+        that, a step slower than the TTL (a large model behind a network link) paid two calls
+        per tensor before every push."""
         key = (ino, rank)
         cached = self._train.get(key)
-        if cached is None or trio.current_time() - cached["fetched"] > TRAIN_INFO_TTL:
+        if cached is None or (trio.current_time() - cached["fetched"] > TRAIN_INFO_TTL and not (pushing and cached["fetched"] > -math.inf)):
             attr = await self.getattr(ino)
             t = attr.get("tensor")
             if not t:
@@ -146,7 +153,7 @@ class PushPull:
         closes, to be sent again if the primary is lost first (``_repush_open``): as a view of
         ``grad`` when the caller names an ``owner`` that lets it know before it reuses the
         memory (``detach``), else as a copy."""
-        info = await self.train_info(ino, rank)
+        info = await self.train_info(ino, rank, pushing=True)
         grad = np.asarray(grad)
         if grad.dtype != np.dtype(info["tensor"]["dtype"]) or grad.shape != tuple(info["tensor"]["shape"]):
             self.forget_training(ino)  # the tensor may have been written anew since it was cached
@@ -235,10 +242,13 @@ class PushPull:
             if entry[2] is owner:
                 entry[1], entry[2] = memoryview(bytes(entry[1])), None
 
-    def _closed(self, ino: int, rank: int, clock: int) -> None:
-        """Every stripe of ``ino`` has applied ``clock`` steps: rounds before it are closed."""
-        for key in [k for k, e in self._open.items() if k[0] == ino and k[2] == rank and e[0]["step"] < clock]:
-            del self._open[key]
+    def _closed(self, ino: int, rank: int, clock: int, idxs) -> None:
+        """Every stripe ``idxs`` of ``ino`` has applied ``clock`` steps: rounds before it are
+        closed (looked up by key: a model's pull closes each tensor's, not a scan per tensor)."""
+        for idx in idxs:
+            entry = self._open.get((ino, idx, rank))
+            if entry is not None and entry[0]["step"] < clock:
+                del self._open[(ino, idx, rank)]
 
     async def _repush_open(self, fid: int, idx: int) -> None:
         """A pull waits on stripe ``idx`` of ``fid`` longer than it should: if a round this
@@ -388,10 +398,10 @@ class PushPull:
                 raise RemoteError("EIO", f"{node} answered {len(results)} of {len(batch)} pushes")
             info = reply.get("info")
             if info:
-                now = trio.current_time()
-                for (ino, _), cached in self._train.items():
-                    pinfo = info.get(str(ino))
-                    if pinfo is None:
+                now, rank = trio.current_time(), batch[0][0]["rank"]  # a queue's batch is one rank's
+                for fid, pinfo in info.items():
+                    cached = self._train.get((int(fid), rank)) if fid.isdigit() else None
+                    if cached is None or not isinstance(pinfo, dict):
                         continue
                     if pinfo.get("version", cached["attr"]["version"]) != cached["attr"]["version"]:
                         cached["fetched"] = -float("inf")  # written anew: shape and counts refetched
@@ -416,9 +426,63 @@ class PushPull:
         # a stripe whose round this rank's push closed (nothing kept open) is there already
         closed = lambda idx: (ino, idx, rank) not in self._open and self._pushed_to.get((ino, rank)) == need  # noqa: E731
         await self.io.read(ino, t["offset"] + len(view), attr["unit"], t["offset"], view, 0, need, info["timeout"], closed)
-        self._closed(ino, rank, need)
+        self._closed(ino, rank, need, (p.idx for p in split(t["offset"], len(view), attr["unit"])))
         self._pulled_at[(ino, rank)] = trio.current_time()
         return out
+
+    async def pull_many(self, rank: int, items: list[tuple[int, np.ndarray]]) -> None:
+        """``pull_into`` of every (tensor, out) of ``items`` at once, for many small tensors:
+        the stripes one node serves are read in bursts (their headers in one, then their data,
+        verified, in one) once their clocks allow, so a model's thousand batch-norm vectors
+        cost a few round trips per node, not two each. A tensor not at hand that way (a stripe
+        whose region key is not cached yet, a hole, a node lost, a clock still behind after
+        CLOCK_SLICE) is pulled by ``pull_into``, which deals with each of those cases; the
+        same rules decide what either returns."""
+        slow: list[tuple[int, np.ndarray]] = []
+        groups: dict[tuple[str, int], list] = {}  # (node, clock needed) -> [(key, offset, view, item)]
+        plans = []  # (ino, need, stripes, pieces left): a tensor read in bursts
+        deadline = trio.current_time() + CLOCK_SLICE
+        for ino, out in items:
+            info = await self.train_info(ino, rank)
+            if rank not in info["active"]:
+                raise RemoteError("EINVAL", f"rank {rank} is not one of the active workers {info['active']}")
+            attr, t = info["attr"], info["tensor"]
+            need = required_clock(parse_policy(info["sync"]), self.next_step(ino, rank, info))
+            view = memoryview(out.reshape(-1)).cast("B")
+            pieces = split(t["offset"], len(view), attr["unit"])
+            homes = [self.io.at_hand(ino, p.idx) for p in pieces]
+            if any(h is None or p.offset + p.length > h[1].capacity for h, p in zip(homes, pieces)):
+                slow.append((ino, out))
+                continue
+            deadline = min(deadline, trio.current_time() + info["timeout"])
+            plan = [ino, out, need, [p.idx for p in pieces], len(pieces)]
+            plans.append(plan)
+            for (node, key), p in zip(homes, pieces):
+                groups.setdefault((node, need), []).append((key, p.offset, view[p.pos : p.pos + p.length], plan))
+
+        async def burst(node: str, need: int, wants: list) -> None:
+            try:
+                done = await self.io.read_burst(node, [w[:3] for w in wants], need, deadline)
+            except (NodeDown, AccessError):  # pull_into finds another replica, or the key anew
+                done = [False] * len(wants)
+            for ok, w in zip(done, wants):
+                w[3][4] -= ok
+
+        async with trio.open_nursery() as n:
+            for (node, need), wants in groups.items():
+                n.start_soon(burst, node, need, wants)
+        now = trio.current_time()
+        for ino, out, need, idxs, left in plans:
+            if left:
+                slow.append((ino, out))
+            else:
+                self._closed(ino, rank, need, idxs)
+                self._pulled_at[(ino, rank)] = now
+        if slow:
+            with single_exception(RemoteError):
+                async with trio.open_nursery() as n:
+                    for ino, out in slow:
+                        n.start_soon(self.pull_into, ino, rank, out)
 
     async def wait_applied(self, ino: int, rank: int) -> None:
         """Until every push of ``rank`` to ``ino`` so far has been applied (under bsp, its
@@ -431,7 +495,7 @@ class PushPull:
             out = np.empty(t["shape"], t["dtype"])
             view = memoryview(out.reshape(-1)).cast("B")
             await self.io.read(ino, t["offset"] + len(view), attr["unit"], t["offset"], view, 0, pushed, info["timeout"])
-            self._closed(ino, rank, pushed)
+            self._closed(ino, rank, pushed, (p.idx for p in split(t["offset"], len(view), attr["unit"])))
         elif info["sync"] == "r2sp" and pushed:  # a held push shows in no clock: ask
             nbytes = int(np.prod(t["shape"], dtype=np.int64)) * np.dtype(t["dtype"]).itemsize
             async with trio.open_nursery() as n:

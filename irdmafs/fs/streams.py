@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LAYOUT_SECONDS = 60.0  # as long as the kernel caches .workers entries (inodes.WORK_CACHE_SECONDS)
+GROUP_BYTES = 256 << 10  # parameters up to this size are pulled together (PushPull.pull_many)
 
 
 @dataclass
@@ -121,12 +122,21 @@ async def push_stream(streams: Streams, rank: int, model: int, data: memoryview,
                 n.start_soon(partial(streams.client.training.push, ino, rank, grad, owner=owner))
 
 
+def _small(layout: Layout) -> tuple[list, list]:
+    """The parts of ``layout`` pulled together (``_pull_group``), and the others."""
+    small = [(e, a) for e, a in layout.parts if e.end - e.begin <= GROUP_BYTES]
+    return small, [(e, a) for e, a in layout.parts if e.end - e.begin > GROUP_BYTES]
+
+
 async def pull_stream(streams: Streams, rank: int, layout: Layout, buf: memoryview) -> None:
     """Every parameter of ``layout`` as ``rank`` may see it now, into ``buf`` (at least the
-    stream's size; its header is the caller's), concurrently."""
+    stream's size; its header is the caller's), concurrently: the small ones together."""
+    small, large = _small(layout)
     with single_exception(alike=FsError):  # every tensor changed alike: one ESTALE
         async with trio.open_nursery() as n:
-            for e, attr in layout.parts:
+            if small:
+                n.start_soon(_pull_group, streams, rank, layout, buf, small)
+            for e, attr in large:
                 n.start_soon(_pull_one, streams, rank, layout, buf, e, attr)
 
 
@@ -139,17 +149,51 @@ async def step_stream(
     ``pull_stream``; on a network, pushes fill the nodes' inbound links while pulls use their
     outbound ones (BytePS overlaps a step the same way)."""
     pushes = await _validate(streams, rank, model, data, only)
+    push = partial(streams.client.training.push, rank=rank, owner=owner)
 
     async def one(e, attr) -> None:
         pushed = pushes.get(e.name)
         if pushed is not None:
-            await streams.client.training.push(pushed[0], rank, pushed[1], owner=owner)
+            await push(pushed[0], grad=pushed[1])
         await _pull_one(streams, rank, layout, buf, e, attr)
 
+    async def together(parts: list) -> None:  # the small ones: pushed, then pulled in bursts
+        async with trio.open_nursery() as n:
+            for e, _ in parts:
+                if e.name in pushes:
+                    n.start_soon(partial(push, pushes[e.name][0], grad=pushes[e.name][1]))
+        await _pull_group(streams, rank, layout, buf, parts)
+
+    small, large = _small(layout)
     with single_exception(alike=FsError):
         async with trio.open_nursery() as n:
-            for e, attr in layout.parts:
+            if small:
+                n.start_soon(together, small)
+            for e, attr in large:
                 n.start_soon(one, e, attr)
+
+
+async def _pull_group(streams: Streams, rank: int, layout: Layout, buf: memoryview, parts: list) -> None:
+    """The parameters ``parts`` of a pull stream in one ``PushPull.pull_many`` (stripes read in
+    bursts per node); one whose tensor no longer fits its entry goes through ``_pull_one``
+    (asked again, or ESTALE)."""
+    training = streams.client.training
+    together, apart = [], []
+    for e, attr in parts:
+        t = (await training.train_info(attr["ino"], rank))["tensor"]
+        if _fits(t, e):
+            together.append((attr["ino"], _param(layout, buf, e)))
+        else:
+            apart.append((e, attr))
+    async with trio.open_nursery() as n:
+        n.start_soon(training.pull_many, rank, together)
+        for e, attr in apart:
+            n.start_soon(_pull_one, streams, rank, layout, buf, e, attr)
+
+
+def _fits(t: dict, e) -> bool:
+    """Whether tensor info ``t`` is what stream entry ``e`` says (dtype and shape)."""
+    return list(t["shape"]) == list(e.shape) and np.dtype(t["dtype"]) == np.dtype(e.dtype)
 
 
 async def _pull_one(streams: Streams, rank: int, layout: Layout, buf: memoryview, e, attr: dict) -> None:
@@ -159,12 +203,11 @@ async def _pull_one(streams: Streams, rank: int, layout: Layout, buf: memoryview
     old, and fetched again when the two disagree), and its bytes read by the old layout would
     be the new tensor cut or padded."""
     training = streams.client.training
-    fits = lambda t: list(t["shape"]) == list(e.shape) and np.dtype(t["dtype"]) == np.dtype(e.dtype)  # noqa: E731
     t = (await training.train_info(attr["ino"], rank))["tensor"]
-    if not fits(t):  # the layout may be the newer one (read again for a door): ask again
+    if not _fits(t, e):  # the layout may be the newer one (read again for a door): ask again
         training.forget_training(attr["ino"])
         t = (await training.train_info(attr["ino"], rank))["tensor"]
-    if not fits(t):
+    if not _fits(t, e):
         streams.layouts.forget()
         now, was = f"{np.dtype(t['dtype'])}{list(t['shape'])}", f"{np.dtype(e.dtype)}{list(e.shape)}"
         raise FsError(errno.ESTALE, f"tensor {e.name!r} is {now} now, not {was}: open the stream again")

@@ -197,6 +197,26 @@ class Node:
         finally:
             self.latency.observe(method, time.perf_counter() - t0)
 
+    async def rpc_apply_batch(self, updates: list, sender: str = "", epoch: int = 0) -> dict:
+        """Several ``apply`` calls of one primary in one message (server/replicator.py,
+        ``_fused``): each run as its own call would be (checked, counted, at once), each with
+        its own answer in ``results``, ``{"error", "message"}`` for one refused; EINVAL for the
+        whole if ``updates`` is not a list of argument objects."""
+        if not isinstance(updates, list) or not all(isinstance(u, dict) and "sender" not in u and "epoch" not in u for u in updates):
+            raise RemoteError("EINVAL", "apply_batch: updates is a list of apply arguments (without sender and epoch)")
+        results: list[dict] = [{} for _ in updates]
+
+        async def one(i: int, args: dict) -> None:
+            try:
+                results[i] = await self.handle("apply", args | {"sender": sender, "epoch": epoch})
+            except RemoteError as exc:
+                results[i] = {"error": exc.code, "message": exc.message}
+
+        async with trio.open_nursery() as n:
+            for i, args in enumerate(updates):
+                n.start_soon(one, i, args)
+        return {"results": results}
+
     def _signature(self, method: str, fn) -> inspect.Signature:
         sig = self._signatures.get(method)
         if sig is None:  # (inspect.signature costs more than many a call it checks)
