@@ -413,11 +413,12 @@ class PushPull:
             entry[3] = result
             entry[2].set()
 
-    async def pull_into(self, ino: int, rank: int, out: np.ndarray) -> np.ndarray:
+    async def pull_into(self, ino: int, rank: int, out: np.ndarray, info: dict | None = None) -> np.ndarray:
         """The tensor's parameters into ``out`` once the model's policy allows ``rank`` to see
         them (bsp: every rank's push of this rank's last step applied; ssp:S: the slowest rank
-        within S steps; asp: at once). ETIMEDOUT after the model's ``user.irdma.timeout``."""
-        info = await self.train_info(ino, rank)
+        within S steps; asp: at once). ETIMEDOUT after the model's ``user.irdma.timeout``.
+        ``info``: ``train_info`` as the caller just had it (``pull_many``)."""
+        info = info or await self.train_info(ino, rank)
         if rank not in info["active"]:
             raise RemoteError("EINVAL", f"rank {rank} is not one of the active workers {info['active']}")
         attr, t = info["attr"], info["tensor"]
@@ -438,7 +439,7 @@ class PushPull:
         whose region key is not cached yet, a hole, a node lost, a clock still behind after
         CLOCK_SLICE) is pulled by ``pull_into``, which deals with each of those cases; the
         same rules decide what either returns."""
-        slow: list[tuple[int, np.ndarray]] = []
+        slow: list[tuple[int, np.ndarray, dict | None]] = []
         groups: dict[tuple[str, int], list] = {}  # (node, clock needed) -> [(key, offset, view, item)]
         plans = []  # (ino, need, stripes, pieces left): a tensor read in bursts
         deadline = trio.current_time() + CLOCK_SLICE
@@ -452,10 +453,10 @@ class PushPull:
             pieces = split(t["offset"], len(view), attr["unit"])
             homes = [self.io.at_hand(ino, p.idx) for p in pieces]
             if any(h is None or p.offset + p.length > h[1].capacity for h, p in zip(homes, pieces)):
-                slow.append((ino, out))
+                slow.append((ino, out, info))
                 continue
             deadline = min(deadline, trio.current_time() + info["timeout"])
-            plan = [ino, out, need, [p.idx for p in pieces], len(pieces)]
+            plan = [ino, out, need, [p.idx for p in pieces], len(pieces), info]
             plans.append(plan)
             for (node, key), p in zip(homes, pieces):
                 groups.setdefault((node, need), []).append((key, p.offset, view[p.pos : p.pos + p.length], plan))
@@ -472,17 +473,17 @@ class PushPull:
             for (node, need), wants in groups.items():
                 n.start_soon(burst, node, need, wants)
         now = trio.current_time()
-        for ino, out, need, idxs, left in plans:
+        for ino, out, need, idxs, left, info in plans:
             if left:
-                slow.append((ino, out))
+                slow.append((ino, out, info))
             else:
                 self._closed(ino, rank, need, idxs)
                 self._pulled_at[(ino, rank)] = now
         if slow:
             with single_exception(RemoteError):
                 async with trio.open_nursery() as n:
-                    for ino, out in slow:
-                        n.start_soon(self.pull_into, ino, rank, out)
+                    for ino, out, info in slow:  # the info as it was: a fallback asks nothing again
+                        n.start_soon(self.pull_into, ino, rank, out, info)
 
     async def wait_applied(self, ino: int, rank: int) -> None:
         """Until every push of ``rank`` to ``ino`` so far has been applied (under bsp, its

@@ -71,7 +71,7 @@ PUSH_TYPES = {
     "fid": int, "idx": int, "offset": int, "count": int, "rank": int, "step": int, "unit": int,
     "wire": str, "spans": list, "busy": _NUMBER, "paced": _NUMBER, "epoch": int,
 }
-PUSH_SIGNATURE = inspect.signature(Push)
+PUSH_REQUIRED = frozenset(k for k, p in inspect.signature(Push).parameters.items() if p.default is inspect.Parameter.empty)
 
 
 def pull_timeout(x: dict[str, str]) -> float:
@@ -93,6 +93,8 @@ class Training:
         self.records: dict[tuple[int, int], StripeTraining] = defaultdict(StripeTraining)
         self.apply_seconds = 0.0  # optimizer steps and installs of pushed gradients
         self.pushes_applied = trio.Event()  # set (and replaced) whenever pushes may have been applied
+        self._found: dict = {}  # ("model" | "policy", fid) -> what model_of / policy_info found (``_cache``)
+        self._cached_for: tuple = (None, None)  # the namespace (object, stamp) they were found in
 
     @property
     def meta(self) -> Meta:
@@ -105,9 +107,26 @@ class Training:
         for key in [k for k in self.records if k[0] == fid and from_idx <= k[1] < below]:
             del self.records[key]
 
+    def _cache(self) -> dict:
+        """What ``model_of`` and ``policy_info`` found, for the namespace as it is now: every
+        namespace op moves its stamp, and a resync replaces it, either of which empties it (a
+        step's thousand pushes of one model walk its directories' xattrs once, not per push)."""
+        meta = self.meta
+        if self._cached_for[0] is not meta or self._cached_for[1] != meta.stamp:
+            self._cached_for = (meta, meta.stamp)
+            self._found.clear()
+        return self._found
+
     def model_of(self, fid: int) -> tuple[Model, optim.Optimizer, dict]:
         """The sync policy, worker count and optimizer in force for tensor ``fid``, from the
         user.irdma.* xattrs of its directories; EINVAL naming the accepted forms if malformed."""
+        cache = self._cache()
+        found = cache.get(("model", fid))
+        if found is None:
+            found = cache[("model", fid)] = self._model_of(fid)
+        return found
+
+    def _model_of(self, fid: int) -> tuple[Model, optim.Optimizer, dict]:
         tensor = self.meta.inode(fid).get("tensor")
         if not tensor:
             raise RemoteError("EINVAL", f"inode {fid} is not a tensor")
@@ -177,6 +196,13 @@ class Training:
 
     def policy_info(self, fid: int) -> dict:
         """What a pushing client caches about a tensor's model; sent back with every push."""
+        cache = self._cache()
+        found = cache.get(("policy", fid))
+        if found is None:
+            found = cache[("policy", fid)] = self._policy_info(fid)
+        return found
+
+    def _policy_info(self, fid: int) -> dict:
         model, _, _ = self.model_of(fid)
         x = self.meta.inherited_xattrs(fid)
         version = self.meta.inode(fid)["version"]  # changed: the client's cached tensor is stale
@@ -230,10 +256,9 @@ class Training:
         at = d.pop("at", None)
         if not isinstance(at, int) or not 0 <= at <= len(data):
             raise RemoteError("EINVAL", f"bad push descriptor: gradient at {at!r} of {len(data)} bytes pushed")
-        try:
-            PUSH_SIGNATURE.bind(**d)
-        except TypeError as exc:
-            raise RemoteError("EINVAL", f"bad push descriptor: {exc}") from None
+        if not PUSH_REQUIRED <= d.keys() <= PUSH_TYPES.keys():
+            missing, unknown = sorted(PUSH_REQUIRED - d.keys()), sorted(d.keys() - PUSH_TYPES.keys())
+            raise RemoteError("EINVAL", f"bad push descriptor: missing {missing}, unknown {unknown}")
         wrong = [k for k, v in d.items() if not isinstance(v, PUSH_TYPES[k]) and not (v is None and k in ("spans", "busy"))]
         if wrong:
             raise RemoteError("EINVAL", f"bad push descriptor: {', '.join(wrong)} of the wrong type")
