@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 TRAIN_INFO_TTL = 1.0
 PUSH_BATCH = 4 << 20  # bytes of gradients fused into one WRITE with immediate
+PIECE_TIMEOUTS = 3  # a push's pieces are sent (and sent again) for this many op_timeouts at most
 
 
 def _runs_in(chosen: np.ndarray, chunk: int, e0: int, count: int) -> list[list[int]]:
@@ -187,26 +188,33 @@ class PushPull:
         isz = grad.dtype.itemsize
         sent = 0
         replies: list[dict] = []
-        with single_exception(RemoteError):  # a push refused (by every stripe alike): one error
-            async with trio.open_nursery() as n:
-                for p in split(t["offset"], flat.size * isz, attr["unit"]):
-                    e0, count = p.pos // isz, p.length // isz
-                    desc = {
-                        "fid": ino, "idx": p.idx, "offset": p.offset, "count": count, "rank": rank, "step": step,
-                        "wire": wire.str, "unit": attr["unit"], "busy": busy, "paced": paced,
-                    }
-                    if chosen is None:
-                        values = flat[e0 : e0 + count]
-                    else:
-                        runs = _runs_in(chosen, mode.chunk, e0, count)
-                        desc["spans"] = runs
-                        values = np.concatenate([flat[e0 + a : e0 + a + k] for a, k in runs]) if runs else flat[:0]
-                        sent += 8 * len(runs)  # the span list travels too
-                    payload = np.ascontiguousarray(values.astype(wire, copy=False))
-                    sent += payload.nbytes
-                    # a payload made here (fp16, sparse) is ours to keep; a view of ``grad`` is the owner's
-                    keeper = payload if payload.base is None else owner
-                    n.start_soon(self._push_kept, desc, memoryview(payload).cast("B"), replies, keeper, info["sync"] == "bsp", again)
+        pieces: list = []
+        for p in split(t["offset"], flat.size * isz, attr["unit"]):
+            e0, count = p.pos // isz, p.length // isz
+            desc = {
+                "fid": ino, "idx": p.idx, "offset": p.offset, "count": count, "rank": rank, "step": step,
+                "wire": wire.str, "unit": attr["unit"], "busy": busy, "paced": paced,
+            }
+            if chosen is None:
+                values = flat[e0 : e0 + count]
+            else:
+                runs = _runs_in(chosen, mode.chunk, e0, count)
+                desc["spans"] = runs
+                values = np.concatenate([flat[e0 + a : e0 + a + k] for a, k in runs]) if runs else flat[:0]
+                sent += 8 * len(runs)  # the span list travels too
+            payload = np.ascontiguousarray(values.astype(wire, copy=False))
+            sent += payload.nbytes
+            # a payload made here (fp16, sparse) is ours to keep; a view of ``grad`` is the owner's
+            keeper = payload if payload.base is None else owner
+            pieces.append((desc, memoryview(payload).cast("B"), replies, keeper, info["sync"] == "bsp", again))
+        # every piece at once, within one deadline (a piece follows a moving primary meanwhile)
+        with trio.fail_after(self.cfg.op_timeout * PIECE_TIMEOUTS), single_exception(RemoteError):  # refused alike: one error
+            if len(pieces) == 1:  # most tensors: no nursery
+                await self._push_kept(*pieces[0])
+            else:
+                async with trio.open_nursery() as n:
+                    for piece in pieces:
+                        n.start_soon(self._push_kept, *piece)
         self._steps[(ino, rank)] = (attr["version"], step + 1)
         if info["sync"] == "bsp":
             self._pushed_to[(ino, rank)] = step + 1  # pieces kept in _open are the rounds left open
@@ -285,7 +293,8 @@ class PushPull:
                         rank,
                     )
                     # a copy: the owner may reuse its memory while this send waits (rare: failover)
-                    await self._push_piece(desc, memoryview(bytes(payload)), [], resent=True)
+                    with trio.fail_after(self.cfg.op_timeout * PIECE_TIMEOUTS):
+                        await self._push_piece(desc, memoryview(bytes(payload)), [], resent=True)
             except (NodeDown, RemoteError, AccessError, trio.TooSlowError) as exc:
                 log.info("stripe %d:%d: open push of rank %d not checked with %s: %s", fid, idx, rank, primary, exc)
             finally:
@@ -299,47 +308,46 @@ class PushPull:
         of this gradient."""
         fid, idx = desc["fid"], desc["idx"]
         first = not resent
-        with trio.fail_after(self.cfg.op_timeout * 3):
-            while True:
-                primary = self.cluster.stripe_primary(fid, idx)
-                if primary is None:
-                    await self.cluster.wait_changed(0.5)
-                    await self.cluster.refresh()
-                    continue
-                desc["epoch"] = self.cluster.view_epoch  # as it is now: a retry may follow a newer view
-                try:
-                    r = await self._fused(primary, desc, payload)
-                except (NodeDown, AccessError) as exc:  # down, or restarted (with_slot dropped its staging)
-                    first = False  # it may have arrived: a duplicate now is this push's own
-                    if isinstance(exc, NodeDown):
-                        await self.cluster.after_lost()
-                    continue
-                except RemoteError as exc:
-                    if not staging_gone(exc):
-                        raise
-                    # its staging region was replaced under it (another call there was given up:
-                    # slots.py): the node took nothing of it; sent again in the new region
-                    first = False
-                    continue
-                code = r.get("error")
-                if code is None and r.get("duplicate") and first:
-                    raise RemoteError(
-                        "EINVAL",
-                        f"push {desc['step']} of rank {desc['rank']} to stripe {fid}:{idx} was taken before this client sent it"
-                        " (another process pushes as this rank)",
-                    )
-                if code is None:
-                    replies.append(r)
-                    return r
-                if code in ("ENOTPRIMARY", "EAGAIN", "ESTALE"):
-                    # EAGAIN: the primary may have taken it and not got it to every replica (then a
-                    # duplicate on the retry is this push's own); ENOTPRIMARY, ESTALE (another view:
-                    # refresh it): refused before anything was taken
-                    first = first and code != "EAGAIN"
-                    await trio.sleep(0.1)
-                    await self.cluster.refresh()
-                    continue
-                raise RemoteError(code, f"{r.get('message', '')} (stripe {fid}:{idx} on {primary})")
+        while True:  # bounded by the caller's deadline (``push``, ``_repush_open``: PIECE_TIMEOUTS)
+            primary = self.cluster.stripe_primary(fid, idx)
+            if primary is None:
+                await self.cluster.wait_changed(0.5)
+                await self.cluster.refresh()
+                continue
+            desc["epoch"] = self.cluster.view_epoch  # as it is now: a retry may follow a newer view
+            try:
+                r = await self._fused(primary, desc, payload)
+            except (NodeDown, AccessError) as exc:  # down, or restarted (with_slot dropped its staging)
+                first = False  # it may have arrived: a duplicate now is this push's own
+                if isinstance(exc, NodeDown):
+                    await self.cluster.after_lost()
+                continue
+            except RemoteError as exc:
+                if not staging_gone(exc):
+                    raise
+                # its staging region was replaced under it (another call there was given up:
+                # slots.py): the node took nothing of it; sent again in the new region
+                first = False
+                continue
+            code = r.get("error")
+            if code is None and r.get("duplicate") and first:
+                raise RemoteError(
+                    "EINVAL",
+                    f"push {desc['step']} of rank {desc['rank']} to stripe {fid}:{idx} was taken before this client sent it"
+                    " (another process pushes as this rank)",
+                )
+            if code is None:
+                replies.append(r)
+                return r
+            if code in ("ENOTPRIMARY", "EAGAIN", "ESTALE"):
+                # EAGAIN: the primary may have taken it and not got it to every replica (then a
+                # duplicate on the retry is this push's own); ENOTPRIMARY, ESTALE (another view:
+                # refresh it): refused before anything was taken
+                first = first and code != "EAGAIN"
+                await trio.sleep(0.1)
+                await self.cluster.refresh()
+                continue
+            raise RemoteError(code, f"{r.get('message', '')} (stripe {fid}:{idx} on {primary})")
 
     async def _fused(self, node: str, desc: dict, payload: memoryview) -> dict:
         """Send a push piece to ``node``: at once if fewer transfers to it are under way than

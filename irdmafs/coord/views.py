@@ -58,6 +58,7 @@ Only nodes holding their lease propose views; clients read them (``ViewReader``)
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -88,9 +89,10 @@ class View:
     def names(self) -> tuple[str, ...]:
         return tuple(name for name, _ in self.serving)
 
-    @property
+    @functools.cached_property
     def active(self) -> tuple[str, ...]:
-        """The nodes this view names and does not mark expelled: those that serve in it."""
+        """The nodes this view names and does not mark expelled: those that serve in it (a
+        view never changes: asked for every stripe a read or a push routes, found once)."""
         return tuple(name for name, _ in self.serving if name not in self.expelled)
 
     def lease_of(self, name: str) -> int:
