@@ -2,7 +2,7 @@
 """A whole training step's communication through the mount, against PyTorch DDP, in one run.
 
     .venv/bin/python scripts/bench_step.py [--json FILE] [--plot PNG] [--steps N] [--quick]
-        [--models resnet50,transformer] [--workers 2,4] [--mounts per-worker|shared]
+        [--models resnet50,transformer,many,few] [--workers 2,4] [--mounts per-worker|shared]
     sudo .venv/bin/python scripts/bench_step.py --link [RATE] [--quick] ...   # cluster-shaped
 
 (``./scripts/bench_step`` installs the ``bench`` extra and runs it.)
@@ -29,7 +29,10 @@ Both sides train the same parameter shapes with W worker processes on this machi
 
 Keys: ``step_vs_ddp_<model>_w<W>`` (irdmafs step / DDP communication; target <= 1.0) and
 ``step_vs_ddp_fp16_<model>_w<W>``; ``irdmafs_<phase>_s_...`` and ``ddp_comm_s_...`` the medians
-behind them. Every figure is from this run; the ratios are between figures of this run only.
+behind them. ``--models many,few``: a model of 1,004 tensors (1,000 of 8 KB beside 4 of 8 MB)
+against the same bytes in 10 tensors, ``many_vs_few_w<W>`` their steps' ratio (what a step pays
+per tensor; target <= 1.2). Every figure is from this run; the ratios are between figures of
+this run only.
 Every worker checks that the parameters it pulled are what SGD over the pushed gradients gives,
 and every DDP rank that its all-reduced gradients are the ranks' mean, so a fast wrong answer
 fails the run.
@@ -762,6 +765,12 @@ def main() -> int:
     else:
         run_loopback(args, models, workers, rows, res)
         res["mounts_per_worker"] = float(args.mounts == "per-worker")
+    prefix = "link_irdmafs_" if args.link else "irdmafs_"
+    for w in workers if {"many", "few"} <= set(models) else []:  # what a step pays per tensor
+        many, few = res[f"{prefix}step_s_many_w{w}"], res[f"{prefix}step_s_few_w{w}"]
+        res[f"many_vs_few_w{w}"] = many / few
+        print(f"W={w}: 1,004 tensors step in {many * 1000:.1f} ms, the same bytes in 10 tensors in {few * 1000:.1f} ms"
+              f"  -> many_vs_few_w{w} = {many / few:.2f} (target <= 1.2)", flush=True)  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1, sort_keys=True) + "\n")
     if args.plot:
