@@ -49,8 +49,8 @@ runs in worker namespace i, gloo on its veth, MASTER_ADDR rank 0's namespace add
 direction is a RATE pipe of its own), divided by RATE: the veths' counters (headers included, as
 tbf counts them) read before and after the timed steps, with every rank held at the edges of
 that window. Printed and written: ``link_step_vs_bound_<model>_w<W>`` (irdmafs step / its own link
-bound; target <= 1.15), ``link_step_vs_ddp_<model>_w<W>`` (irdmafs step / DDP's communication;
-target <= 1.0), the bounds and steps behind them (``link_irdmafs_bound_s_...``,
+bound; target <= 1.10), ``link_step_vs_ddp_<model>_w<W>`` (irdmafs step / DDP's communication;
+target <= 0.90 at W=4, 0.80 at W=8), the bounds and steps behind them (``link_irdmafs_bound_s_...``,
 ``link_ddp_bound_s_...``), and ``link_single_stream_vs_rate``: one TCP stream between two of the
 namespaces at the start of the run, over the rate (below ~0.95 the bound is not real: the links
 or the CPU cap below RATE). The CPU busy fraction of each side is printed beside its step.
@@ -779,7 +779,7 @@ def main() -> int:
         print("targets: not judged (--no-ddp: no DDP figures, no ratios)")
         return 0
     if args.link:
-        targets = [("link_step_vs_bound_", 1.15), ("link_step_vs_ddp_", 1.0)]
+        targets = [("link_step_vs_bound_", 1.10), ("link_step_vs_ddp_", 0.90)]  # issue 32 (W=8: 0.80 against DDP)
     else:
         # the issue's targets: one host with the door and shared memory <= 1.0; tcp <= 2.0
         targets = [("step_vs_ddp_", 1.0 if args.transport == "auto" and not args.no_door else 2.0)]

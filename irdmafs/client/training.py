@@ -11,9 +11,10 @@ push that failed is sent again with the same id by calling ``push`` again with t
 Under bsp a piece that joined a round still open is kept (``_open``) until the round closes, and
 sent again if the primary is lost first (``_repush_open``, called by StripeIO when a pull's
 stripe clock stops moving). A pull reads the parameters one-sidedly once the stripes' clocks
-allow it (``pull_into``). Policies and push counts are cached per tensor and rank
-(``train_info``), refreshed every TRAIN_INFO_TTL seconds or by push replies, and dropped when a
-node restarts.
+allow it (``pull_into``; ``pull_many`` for many small tensors at once, their stripes read in
+bursts per node). Policies and push counts are cached per tensor and rank (``train_info``),
+refreshed every TRAIN_INFO_TTL seconds (a push takes them at any age) or by push replies, and
+dropped when a node restarts.
 
 Collaborators, handed in by the Client: the cluster view, its staging pool and StripeIO, its
 ``getattr`` and its ``call_following`` (a control call that follows a moving primary).

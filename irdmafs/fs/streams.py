@@ -6,7 +6,9 @@ the model's sync policy lets ``rank`` see them. One open, one stream of 1 MiB re
 close per direction and step, instead of an open, writes or reads, a flush and a close per
 tensor: the per-file work of the mount costs more than the bytes for real models. The pieces
 travel as the per-tensor paths send them (``Client.push`` and ``Client.pull_into``), all at
-once, so pushes to one node fuse into few WRITEs with immediate.
+once, so pushes to one node fuse into few WRITEs with immediate; parameters up to GROUP_BYTES
+are pulled together (``PushPull.pull_many``: per node, one burst of headers and one of data),
+so a model's hundreds of small tensors cost a few round trips, not two each.
 
 - **Push** (``PushStreamHandle``): the bytes are gathered at their offsets into one buffer (the
   one copy the mount makes); at flush the header is parsed and every entry checked against the
