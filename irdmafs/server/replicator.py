@@ -117,7 +117,8 @@ class Replicator:
         """The ``apply`` arguments of ``u``, its bytes staged at ``staged`` ([rkey, offset])."""
         args = {"where": u.range.wire(), "staged": staged, "version": u.version, "clock": u.clock_sent}
         args |= {"full": u.full, "tag": u.source.tag, "base_tag": u.base_tag}
-        return args | ({"record": u.record} if u.record is not None else {}) | ({"pending": True} if u.pending else {}) | ({"state": u.state} if u.state else {})
+        args |= {"record": u.record} if u.record is not None else {}
+        return args | ({"pending": True} if u.pending else {}) | ({"state": u.state} if u.state else {})
 
     async def _apply(self, peer: str, updates: list[Update], slot: Slot) -> list:
         """``updates`` to ``peer`` through one slot: their bytes back to back in one WRITE, then
