@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import math
+import stat as S
 from typing import Awaitable, Callable
 
 import trio
@@ -39,6 +40,7 @@ from ..cluster import now_ns
 from ..peers import NodeDown
 from ..transport.base import RemoteError
 from ..util import single_exception
+from .allocation import balanced_ino
 from .barrier import FREEZE_SECONDS
 from .core import NodeCore
 from .datapath import VERSION_SHIFT
@@ -99,9 +101,21 @@ class Namespace:
                     await self._settle()
                 return self.meta.done[rid]
             op = self.meta.prepare(op, now_ns())
+            if op["op"] == "create" and op.get("unit"):  # a regular file: its number places its first stripe
+                op["ino"] = balanced_ino(op["ino"], self._files_in(op["parent"]), self.cluster.members.names)
             if op["op"] == "snapshot":
                 return await self._take_snapshot(op)
             return await self._apply_and_forward(op)
+
+    def _files_in(self, parent: int) -> list[tuple[int, int, int]]:
+        """(file id, size, stripe unit) of each regular file in directory ``parent`` (none if it
+        is not one: the op is refused when applied)."""
+        try:
+            children = self.meta.directory(parent).values()
+        except RemoteError:
+            return []
+        nodes = (self.meta.inodes.get(ino) for ino in children)
+        return [(ino, n["size"], n["unit"]) for ino, n in zip(children, nodes) if n is not None and n.get("unit") and S.S_ISREG(n["mode"])]
 
     async def _apply_and_forward(self, op: dict) -> dict:
         """Apply ``op`` here and answer once every other live node holds it (the replicator's
