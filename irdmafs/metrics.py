@@ -69,7 +69,9 @@ def node_samples(node) -> list[Sample]:
             s.append(("irdmafs_node_peers", "gauge", "peers by state, as this node sees them", {"state": st}, states.count(st)))
         s.append(("irdmafs_node_replicas_behind", "gauge", "peers whose replicas are behind (syncing or down)", {}, sum(st != "ready" for st in states)))
         s.append(("irdmafs_node_caught_up", "gauge", "1 once the node serves and has taken its stripes back", {}, int(node.caught_up)))
-        s.append(("irdmafs_node_stripes_degraded", "gauge", "stripes this node leads with a home that does not serve (not whole)", {}, node.degraded()))
+        leading = node.leading()
+        s.append(("irdmafs_node_stripes_degraded", "gauge", "stripes this node leads with a home that does not serve (not whole)", {}, leading["degraded"]))
+        s.append(("irdmafs_node_led_bytes", "gauge", "bytes of the live stripes this node leads (their primary)", {}, leading["led_bytes"]))
     s += latency_samples("irdmafs_node_call_seconds", "control call latency on the node", node.latency, "method")
     s += training_samples(node)
     return s

@@ -261,7 +261,7 @@ class Node:
             **self.lease.status(),
             "replicas_behind": sum(self.cluster.node_state(n) != READY for n in self.cluster.members.names if n != self.name),
             "caught_up": self.caught_up,
-            **({"degraded": self.degraded()} if args.get("from") == "status" else {}),
+            **(self.leading() if args.get("from") == "status" else {}),
         }
 
     @property
@@ -269,20 +269,24 @@ class Node:
         """Serving, and its stripes taken back from its stand-ins (membership.py, the hand-over)."""
         return self.serving.state == READY and self.serving.taken_over.is_set()
 
-    def degraded(self) -> int:
-        """The live stripes this node leads with a home that does not serve (health.py): a home
-        serves when the view names it active and, by its last heartbeat, it has caught up."""
+    def leading(self) -> dict:
+        """What ``irdmafs status`` shows of the live stripes this node leads: how many of them
+        have a home that does not serve (``degraded``, health.py: a home serves when the view
+        names it active and, by its last heartbeat, it has caught up), and their bytes
+        (``led_bytes``: how evenly placement spreads the primaries' work)."""
         if not self.caught_up:
-            return 0  # it leads nothing yet: whoever leads its stripes counts them
+            return {"degraded": 0, "led_bytes": 0}  # it leads nothing yet: whoever leads its stripes counts them
         cluster = self.cluster
         led = {(fid, idx) for fid, idx, snap in list(self.store.stripes) if snap == 0 and cluster.stripe_primary(fid, idx) == self.name}
+        held = self.store.stripes
 
         def serving(name: str) -> bool:
             if name == self.name:
                 return True
             return cluster.node_state(name) == READY and bool(cluster.liveness.info.get(name, {}).get("caught_up"))
 
-        return health.degraded(led, lambda fid, idx: cluster.stripe_rank(fid, idx)[: cluster.members.replicas], serving)
+        degraded = health.degraded(led, lambda fid, idx: cluster.stripe_rank(fid, idx)[: cluster.members.replicas], serving)
+        return {"degraded": degraded, "led_bytes": sum(held[(fid, idx, 0)].capacity for fid, idx in led if (fid, idx, 0) in held)}
 
     async def rpc_statfs(self) -> dict:
         return {"capacity": self.cfg.capacity, "used": self.store.bytes_held, "files": len(self.meta.inodes)}
