@@ -351,11 +351,13 @@ def cmd_status(args: argparse.Namespace) -> int:
         for c in coordinator:
             print(f"coordinator {c['endpoint']}: " + ("reachable" if c["reachable"] else f"UNREACHABLE ({c['error']})"))
     print(f"whole:     {whole_line(doc['nodes'])}")
-    print(f"{'node':10} {'address':22} {'pid':>8} {'state':8} {'stripes':>8} {'bytes':>14} {'led':>14} {'calls':>9} {'served':>14} {'behind':>6} {'degraded':>8}")
+    widths = {"stripes": 8, "bytes": 14, "led": 14, "calls": 9, "served": 14, "behind": 6, "degraded": 8}
+    keys = ("stripes", "bytes", "led_bytes", "calls", "served_bytes", "replicas_behind", "degraded")
+    print(f"{'node':10} {'address':22} {'pid':>8} {'state':8} " + " ".join(f"{h:>{w}}" for h, w in widths.items()))
     for n in doc["nodes"]:
-        cols = [str(n.get(k, "-")) for k in ("pid", "stripes", "bytes", "led_bytes", "calls", "served_bytes", "replicas_behind", "degraded")]
         state = n["state"] if n.get("caught_up", True) or n["state"] != "ready" else "catching"  # ready, its hand-over not done
-        print(f"{n['name']:10} {n['address']:22} {cols[0]:>8} {state:8} {cols[1]:>8} {cols[2]:>14} {cols[3]:>14} {cols[4]:>9} {cols[5]:>14} {cols[6]:>6} {cols[7]:>8}")
+        cols = " ".join(f"{str(n.get(k, '-')):>{w}}" for k, w in zip(keys, widths.values()))
+        print(f"{n['name']:10} {n['address']:22} {str(n.get('pid', '-')):>8} {state:8} {cols}")
     return 0 if all(n["alive"] for n in doc["nodes"]) else 1
 
 
