@@ -237,6 +237,17 @@ class ShmConnection(Connection):
 
     async def read(self, rkey: int, offset: int, into: BufferList) -> None:
         await trio.lowlevel.checkpoint()
+        await self._copy_out(rkey, offset, into)
+
+    async def read_many(self, ops) -> None:
+        # In order, in line: the version-checked stripe read relies on it. One checkpoint for
+        # the burst, not one per READ (a pull's burst of a thousand small stripes).
+        await trio.lowlevel.checkpoint()
+        for rkey, offset, into in ops:
+            await self._copy_out(rkey, offset, into)
+
+    async def _copy_out(self, rkey: int, offset: int, into: BufferList) -> None:
+        """One READ's copy (no checkpoint unless it maps the region)."""
         bufs = as_buffers(into)
         m = await self._region(rkey, Access.READ)
         view = self._slice(m, rkey, offset, sum(map(len, bufs)))
@@ -245,20 +256,6 @@ class ShmConnection(Connection):
             b[:] = view[pos : pos + len(b)]
             pos += len(b)
         self._still(m, rkey)
-
-    async def read_many(self, ops) -> None:
-        # In order, in line: the version-checked stripe read relies on it. One checkpoint for
-        # the burst, not one per READ (a pull's burst of a thousand small stripes).
-        await trio.lowlevel.checkpoint()
-        for rkey, offset, into in ops:
-            bufs = as_buffers(into)
-            m = await self._region(rkey, Access.READ)  # no checkpoint unless it maps the region
-            view = self._slice(m, rkey, offset, sum(map(len, bufs)))
-            pos = 0
-            for b in bufs:
-                b[:] = view[pos : pos + len(b)]
-                pos += len(b)
-            self._still(m, rkey)
 
     async def write(self, rkey: int, offset: int, data: BufferList) -> None:
         await trio.lowlevel.checkpoint()
