@@ -157,8 +157,11 @@ class PushPull:
         memory (``detach``), else as a copy."""
         info = await self.train_info(ino, rank, pushing=True)
         grad = np.asarray(grad)
-        if grad.dtype != np.dtype(info["tensor"]["dtype"]) or grad.shape != tuple(info["tensor"]["shape"]):
-            self.forget_training(ino)  # the tensor may have been written anew since it was cached
+        t = info["tensor"]
+        if grad.dtype != np.dtype(t["dtype"]) or grad.shape != tuple(t["shape"]) or rank not in info["active"]:
+            # before refusing by the cache: the tensor may have been written anew, or the rank
+            # taken back, since it was cached (a push takes it at any age: ``train_info``)
+            self.forget_training(ino)
             info = await self.train_info(ino, rank)
         attr, t = info["attr"], info["tensor"]
         if grad.dtype != np.dtype(t["dtype"]) or grad.shape != tuple(t["shape"]):

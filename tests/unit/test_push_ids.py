@@ -274,3 +274,26 @@ async def test_a_node_not_yet_caught_up_answers_train_info_eagain_not_enoent(bed
     with pytest.raises(RemoteError) as err:
         await node.calls["train_info"](fid=ino, rank=0, epoch=node.cluster.view_epoch)
     assert err.value.code == "EAGAIN"
+
+
+async def test_a_rank_taken_back_by_another_client_pushes_again_once_its_info_is_due(bed):
+    """A push takes cached tensor info at any age (the primary's reply refreshes it), but a
+    rank the cache says is not active asks the primary again before refusing: a rank removed
+    and taken back through another mount pushes again (within TRAIN_INFO_TTL, as a policy
+    change is seen), instead of being refused by its own stale cache for good."""
+    c, _, cfg = bed
+    w = np.zeros(10, np.float32)
+    ino = (await c.paths.save("/m/k.npy", w))["ino"]
+    d = (await c.paths.resolve("/m"))["ino"]
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as other:
+        await other.setxattr(d, "user.irdma.workers", "2")
+        await trio.sleep(1.1)  # the TTL: the change is seen
+        await c.training.push(ino, 1, np.ones_like(w))
+        await other.setxattr(d, "user.irdma.removed", "1")
+        with pytest.raises(RemoteError) as err:  # refused by the primary, whose reply says so
+            await c.training.push(ino, 1, np.ones_like(w))
+        assert err.value.code == "EINVAL"
+        await other.setxattr(d, "user.irdma.removed", "")
+        await trio.sleep(1.1)
+        await c.training.push(ino, 1, np.ones_like(w))  # taken back: pushes again
+    assert np.array_equal(await c.paths.load("/m/k.npy"), w - 1)  # two pushes taken, each 1/workers of its gradient
