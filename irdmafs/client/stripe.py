@@ -33,6 +33,7 @@ from ..regions import Header
 from ..slots import StagingPool, staging_gone
 from ..transport.base import AccessError, RemoteError
 from ..util import leaves
+from .clockwait import ClockWaits
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +100,7 @@ class StripeIO:
         self.bytes_pushed = 0  # gradient bytes put on the wire
         # called when a stripe's clock has not moved for CLOCK_SLICE (client/training.py, PushPull._repush_open)
         self.on_behind = None
-        self._watches: dict[str, trio.Event] = {}  # node -> set when its clock poller moves on
+        self.clock_waits = ClockWaits(cluster.call, cluster.cfg.op_timeout)  # the nodes tell when a clock moved
         cluster.peers.on_restart.append(self.forget_node)
 
     # -- stripe keys ---------------------------------------------------------------------------
@@ -246,8 +247,9 @@ class StripeIO:
             if len(pending) == moved:  # nothing read: wait for the last of them (its round closes last)
                 key = wants[pending[-1]][0]
                 while trio.current_time() < give_up:
-                    await trio.sleep(delay)
-                    delay = min(delay * 2, 0.02)
+                    if not await self.clock_waits.wait(node, key.rkey, key.inc or 0, min_clock, False, give_up):
+                        await trio.sleep(delay)  # the node cannot tell: poll
+                        delay = min(delay * 2, 0.02)
                     if (await self.cluster.read_header(node, key.rkey, key.inc)).clock >= min_clock:
                         break
         return done
@@ -336,12 +338,12 @@ class StripeIO:
         CLOCK_SLICE seconds raise _Behind so that another replica is asked (this one may have
         missed an update), and trio.TooSlowError at ``deadline``.
 
-        The stripes of a pull waiting on one node do not each poll: one of them polls its own
-        header (backing off) for all, and when it moves on the others look once at theirs
-        (a step's rounds close together, when the last rank's pushes land). A pull of a whole
-        model would otherwise read hundreds of headers every few milliseconds while a slower
-        rank computes, and each of those reads costs both sides CPU on TCP."""
+        Between reads the node is asked to tell when the header moves (``ClockWaits``: one
+        call per node for every stripe waiting there), so a round is read as soon as it
+        closes, whichever of a step's rounds closes first, and a slow rank costs no polling.
+        A node that cannot tell is polled, backing off."""
         give_up = min(deadline, trio.current_time() + CLOCK_SLICE)
+        delay = 0.0005
 
         def reached(head: Header) -> bool:
             return head.clock >= min_clock and not (settled and head.pending)
@@ -351,22 +353,9 @@ class StripeIO:
                 if give_up >= deadline:
                     raise trio.TooSlowError
                 raise _Behind(node)
-            watch = self._watches.get(node)
-            if watch is not None:  # another stripe polls for this node: wait for its news
-                with trio.move_on_at(give_up):
-                    await watch.wait()
-                continue
-            watch = self._watches[node] = trio.Event()
-            try:
-                delay = 0.0005
-                while trio.current_time() < give_up:
-                    await trio.sleep(delay)
-                    delay = min(delay * 2, 0.02)
-                    if reached(await self.cluster.read_header(node, rkey, inc)):
-                        break
-            finally:
-                del self._watches[node]
-                watch.set()  # the others look at their own headers again
+            if not await self.clock_waits.wait(node, rkey, inc or 0, min_clock, settled, give_up):
+                await trio.sleep(min(delay, max(0.0, give_up - trio.current_time())))
+                delay = min(delay * 2, 0.02)
 
     async def _read_piece(
         self,

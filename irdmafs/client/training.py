@@ -1,8 +1,9 @@
 """A client's side of training: pushes, pulls and their bookkeeping (``Client.training``).
 
 A push sends each stripe's part of a gradient to that stripe's primary, fused with the rank's
-other pieces in one WRITE with immediate when transfers queue (``_fused``), and follows the
-primary when it moves; the primary counts each rank's pushes, so a retried push is taken once.
+other pieces in one WRITE with immediate when transfers queue (``_fused``; queued pieces leave
+lowest ``order`` first, a step's pushes in the model's order), and follows the primary when it
+moves; the primary counts each rank's pushes, so a retried push is taken once.
 A push is identified by (tensor, rank, step), the step from this client's own count
 (``next_step``), never renumbered from a server's: a server that has taken fewer refuses it as out
 of order (EINVAL), and a piece of a new step answered "duplicate" on its first send was pushed by
@@ -22,6 +23,8 @@ Collaborators, handed in by the Client: the cluster view, its staging pool and S
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import json
 import logging
 import math
@@ -146,10 +149,16 @@ class PushPull:
         """``train_info`` if this client has it at hand (no call)."""
         return self._train.get((ino, rank))
 
-    async def push(self, ino: int, rank: int, grad: np.ndarray, *, owner: object = None) -> int:
+    async def push(self, ino: int, rank: int, grad: np.ndarray, *, owner: object = None, order: float = math.inf) -> int:
         """Push one gradient of ``rank`` for tensor ``ino``; returns its step. The gradient
         must have the tensor's dtype and shape (EINVAL otherwise, and nothing changes). Returns
         once every stripe's primary has taken its part (the update may still be pending).
+
+        ``order``: where this push goes among the rank's pushes waiting for a node (lowest
+        first; equal ones as they came). A step's pushes started together name their place
+        in the model, so every worker sends them in the same order whatever order the
+        scheduler runs their tasks in: each round then closes as soon as its tensor has come
+        from every rank, and its pull overlaps the later pushes (``_fused``).
 
         Under bsp a part that joined a round still open is kept (``_open``) until the round
         closes, to be sent again if the primary is lost first (``_repush_open``): as a view of
@@ -210,7 +219,7 @@ class PushPull:
             sent += payload.nbytes
             # a payload made here (fp16, sparse) is ours to keep; a view of ``grad`` is the owner's
             keeper = payload if payload.base is None else owner
-            pieces.append((desc, memoryview(payload).cast("B"), replies, keeper, info["sync"] == "bsp", again))
+            pieces.append((desc, memoryview(payload).cast("B"), replies, keeper, info["sync"] == "bsp", again, order))
         # every piece at once, within one deadline (a piece follows a moving primary meanwhile)
         with trio.fail_after(self.cfg.op_timeout * PIECE_TIMEOUTS), single_exception(RemoteError):  # refused alike: one error
             if len(pieces) == 1:  # most tensors: no nursery
@@ -239,9 +248,9 @@ class PushPull:
             await trio.sleep(entry[1])
         return round(entry[1], 6)
 
-    async def _push_kept(self, desc: dict, payload: memoryview, replies: list, owner: object, bsp: bool, again: bool) -> None:
+    async def _push_kept(self, desc: dict, payload: memoryview, replies: list, owner: object, bsp: bool, again: bool, order: float) -> None:
         """``_push_piece``, then, under bsp, keep the piece while its round is open."""
-        r = await self._push_piece(desc, payload, replies, resent=again)
+        r = await self._push_piece(desc, payload, replies, resent=again, order=order)
         if bsp and r.get("clock", 0) <= desc["step"]:
             if owner is None:
                 payload = memoryview(bytes(payload))  # the caller may reuse its array at once
@@ -304,7 +313,7 @@ class PushPull:
             finally:
                 self._repushing.discard((fid, idx, rank, step))
 
-    async def _push_piece(self, desc: dict, payload: memoryview, replies: list, *, resent: bool = False) -> dict:
+    async def _push_piece(self, desc: dict, payload: memoryview, replies: list, *, resent: bool = False, order: float = math.inf) -> dict:
         """One stripe's part of a push, to the stripe's primary; follows the primary when it
         moves. A retried piece that already arrived is answered "duplicate" (exactly once).
         A piece answered "duplicate" the first time this client sends it was taken from
@@ -320,7 +329,7 @@ class PushPull:
                 continue
             desc["epoch"] = self.cluster.view_epoch  # as it is now: a retry may follow a newer view
             try:
-                r = await self._fused(primary, desc, payload)
+                r = await self._fused(primary, desc, payload, order)
             except (NodeDown, AccessError) as exc:  # down, or restarted (with_slot dropped its staging)
                 first = False  # it may have arrived: a duplicate now is this push's own
                 if isinstance(exc, NodeDown):
@@ -353,23 +362,26 @@ class PushPull:
                 continue
             raise RemoteError(code, f"{r.get('message', '')} (stripe {fid}:{idx} on {primary})")
 
-    async def _fused(self, node: str, desc: dict, payload: memoryview) -> dict:
+    async def _fused(self, node: str, desc: dict, payload: memoryview, order: float = math.inf) -> dict:
         """Send a push piece to ``node``: at once if fewer transfers to it are under way than
         the client has staging slots there, otherwise together with every piece of the same
         rank that queued meanwhile, in one WRITE with immediate (fusion with no added latency
         when idle; as many transfers in flight as slots, so a whole model's pushes pipeline).
-        One queue per rank: under r2sp a rank's push may wait on the node for another rank's,
-        which must not queue behind it."""
-        q = self._push_queues.setdefault((node, desc["rank"]), {"queue": [], "senders": 0})
+        The queue goes lowest ``order`` first (``push``): a sender lets every task scheduled
+        with it queue before it takes its first batch, so the order of a step's pushes is the
+        model's, not the scheduler's. One queue per rank: under r2sp a rank's push may wait on
+        the node for another rank's, which must not queue behind it."""
+        q = self._push_queues.setdefault((node, desc["rank"]), {"queue": [], "senders": 0, "seq": itertools.count()})
         entry = [desc, payload, trio.Event(), None]
-        q["queue"].append(entry)
+        heapq.heappush(q["queue"], (order, next(q["seq"]), entry))
         if q["senders"] < self.staging.slots:
             q["senders"] += 1
             try:
+                await trio.lowlevel.checkpoint()  # the pushes started with this one queue first
                 while q["queue"]:
                     batch, size = [], 0
-                    while q["queue"] and (not batch or size + len(q["queue"][0][1]) <= PUSH_BATCH):
-                        e = q["queue"].pop(0)
+                    while q["queue"] and (not batch or size + len(q["queue"][0][2][1]) <= PUSH_BATCH):
+                        e = heapq.heappop(q["queue"])[2]
                         batch.append(e)
                         size += len(e[1])
                     try:
@@ -383,7 +395,7 @@ class PushPull:
             finally:
                 q["senders"] -= 1
                 if not q["senders"]:
-                    for e in q["queue"]:  # the last sender was cancelled: let the others retry
+                    for _, _, e in q["queue"]:  # the last sender was cancelled: let the others retry
                         e[3] = NodeDown(node, "push sender cancelled")
                         e[2].set()
                     q["queue"].clear()

@@ -120,8 +120,8 @@ async def push_stream(streams: Streams, rank: int, model: int, data: memoryview,
     pushes = await _validate(streams, rank, model, data, only)
     with single_exception():
         async with trio.open_nursery() as n:
-            for ino, grad in pushes.values():
-                n.start_soon(partial(streams.client.training.push, ino, rank, grad, owner=owner))
+            for k, (ino, grad) in enumerate(pushes.values()):
+                n.start_soon(partial(streams.client.training.push, ino, rank, grad, owner=owner, order=k))
 
 
 def _small(layout: Layout) -> tuple[list, list]:
@@ -149,26 +149,41 @@ async def step_stream(
     push is taken, so while later tensors are still being pushed, earlier ones (their rounds
     closed) are already coming back. Same checks and results as ``push_stream`` then
     ``pull_stream``; on a network, pushes fill the nodes' inbound links while pulls use their
-    outbound ones (BytePS overlaps a step the same way)."""
+    outbound ones (BytePS overlaps a step the same way). Every worker sends its pushes in the
+    model's order (the small ones first, then the stream's), whatever order the scheduler
+    runs their tasks in, so a round closes as soon as its tensor came from every rank."""
     pushes = await _validate(streams, rank, model, data, only)
-    push = partial(streams.client.training.push, rank=rank, owner=owner)
+    small, large = _small(layout)
+    place = {e.name: k for k, (e, _) in enumerate(small + large)}  # the small ones first: their pulls go together
+
+    def push(e):  # every worker sends a step's pushes in this order (PushPull.push)
+        ino, grad = pushes[e.name]
+        return streams.client.training.push(ino, rank, grad, owner=owner, order=place[e.name])
 
     async def one(e, attr) -> None:
-        pushed = pushes.get(e.name)
-        if pushed is not None:
-            await push(pushed[0], grad=pushed[1])
+        if e.name in pushes:
+            await push(e)
         await _pull_one(streams, rank, layout, buf, e, attr)
 
+    pushed = [e for e, _ in small if e.name in pushes]
+    left = [len(pushed)]
+    all_pushed = trio.Event()
+
+    async def push_small(e) -> None:  # started beside the large ones: their order is one
+        await push(e)
+        left[0] -= 1
+        if not left[0]:
+            all_pushed.set()
+
     async def together(parts: list) -> None:  # the small ones: pushed, then pulled in bursts
-        async with trio.open_nursery() as n:
-            for e, _ in parts:
-                if e.name in pushes:
-                    n.start_soon(partial(push, pushes[e.name][0], grad=pushes[e.name][1]))
+        if pushed:
+            await all_pushed.wait()
         await _pull_group(streams, rank, layout, buf, parts)
 
-    small, large = _small(layout)
     with single_exception(alike=FsError):
         async with trio.open_nursery() as n:
+            for e in pushed:
+                n.start_soon(push_small, e)
             if small:
                 n.start_soon(together, small)
             for e, attr in large:

@@ -9,7 +9,8 @@ functions.
 
 - datapath.py: ``commit`` (a stripe's primary), ``apply`` (a backup), ``stripe_info``;
 - namespace.py: namespace ops, their replication, snapshots;
-- training.py: pushes, sync policies, optimizer steps, push bookkeeping;
+- training.py: pushes, sync policies, optimizer steps, push bookkeeping; clocks.py: a pull told
+  when its round closed (``clock_wait``);
 - membership.py: joining, the hand-over, fencing, membership changes; resync.py: how a node
   that was away catches up; leases.py: the coordination lease and view;
 - replicator.py: the one path that sends a change to the other replicas, and the one place of
@@ -52,6 +53,7 @@ from ..transport.base import RemoteError, Transport
 from ..util import keep_freed_memory
 from . import health
 from .barrier import CommitBarrier
+from .clocks import ClockWaits
 from .core import NodeCore
 from .datapath import VERSION_SHIFT, DataPath
 from .leases import ServingLease
@@ -116,8 +118,9 @@ class Node:
         self.membership = Membership(core, self.namespace.lock, self.barrier, self.training, self.resync, self.lease, self.namespace.drop_freed)
         self.data = DataPath(core, self.barrier, self.replicator, self.staging, self.training)
         self.cluster.on_adopt = self.membership.adopted  # a membership learnt from a peer's heartbeat
+        self.clocks = ClockWaits(transport, self.store)
         self.calls: dict[str, Callable] = {}  # method -> its handler (``handle``)
-        for part in (self, self.data, self.namespace, self.training, self.membership):
+        for part in (self, self.data, self.namespace, self.training, self.membership, self.clocks):
             for attr in dir(part):
                 if attr.startswith("rpc_"):
                     assert attr[4:] not in self.calls, f"two handlers of {attr}"

@@ -22,6 +22,9 @@ placement as the stripe it copied.
 Capacity grows in GROW-byte steps up to the stripe unit; growing moves the stripe to a new region
 (new rkey), and peers holding the old rkey get AccessError and look it up again.
 
+``changed`` is a trio Event set whenever a stripe's clock word may have moved or a region
+gone (server/clocks.py waits on it for the pulls that asked to be told).
+
 Concurrency: called from the node's trio thread only; nothing here awaits.
 """
 
@@ -29,6 +32,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
+
+import trio
 
 from ..regions import CLOCK_AT, HEADER, PENDING, VERSION_AT, WORD
 from ..transport.base import Access, Region, Transport
@@ -90,6 +95,13 @@ class Store:
         # resyncs (the node derives it from its namespace's sequence number).
         self.version_base = version_base
         self.epoch = epoch  # the view epoch a version given here (a primary's) is tagged with
+        # set (and renewed) whenever a stripe's header may have changed or its region gone:
+        # what clock waits wait on (server/clocks.py)
+        self.changed = trio.Event()
+
+    def _changed(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
 
     def _saved(self, key: tuple[int, int, int], start: int = 0, end: int | None = None) -> None:
         if self.persist is not None:
@@ -100,6 +112,7 @@ class Store:
         region = self._alloc(len(raw) - HEADER)
         region.buf[:] = raw
         self.stripes[key] = Stripe(region)
+        self._changed()
 
     def get(self, fid: int, idx: int, snap: int = 0) -> Stripe | None:
         return self.stripes.get((fid, idx, snap))
@@ -127,6 +140,7 @@ class Store:
             # Carry data and version over; the old region dies with its rkey.
             region.buf[: stripe.region.length] = stripe.region.buf
             self._free(stripe.region)
+            self._changed()  # the old region's readers must look again
         stripe = Stripe(region, stripe.tag if stripe is not None else 0)
         self.stripes[(fid, idx, snap)] = stripe
         self._saved((fid, idx, snap))  # the file takes the new size (zeros past the old data)
@@ -149,6 +163,8 @@ class Store:
             WORD.pack_into(buf, CLOCK_AT, clock)
         WORD.pack_into(buf, VERSION_AT, 2 * new)
         stripe.tag = self.epoch() if version is None else tag
+        if clock is not None:
+            self._changed()
         self._saved((fid, idx, snap), HEADER + offset, HEADER + offset + len(data))
         return new
 
@@ -174,6 +190,8 @@ class Store:
         finally:
             WORD.pack_into(buf, VERSION_AT, 2 * new)  # never left odd: readers would wait forever
         stripe.tag = self.epoch()
+        if clock is not None or pending:
+            self._changed()
         self._saved((fid, idx, 0), HEADER + offset, HEADER + offset + length)
         return new
 
@@ -186,6 +204,7 @@ class Store:
             return
         WORD.pack_into(stripe.region.buf, CLOCK_AT, clock)
         self._saved((fid, idx, 0), CLOCK_AT, CLOCK_AT + WORD.size)
+        self._changed()
 
     def replace(self, fid: int, idx: int, data: memoryview, unit: int, version: int, snap: int = 0, clock: int = 0, tag: int = 0) -> None:
         """Set the whole stripe content (resync, or a backup found behind). ``clock`` is the
@@ -199,6 +218,7 @@ class Store:
         WORD.pack_into(buf, VERSION_AT, 2 * version)
         stripe.tag = tag
         self._saved((fid, idx, snap))
+        self._changed()
 
     def drop(self, fid: int, from_idx: int = 0) -> int:
         """Free the live stripes ``from_idx`` and up of a file (with their optimizer state,
@@ -217,6 +237,8 @@ class Store:
             self._free(self.stripes.pop(key).region)
             if self.persist is not None:
                 self.persist.remove(key)
+        if keys:
+            self._changed()
         return len(keys)
 
     def copy_snapshot(self, snap: int) -> int:

@@ -74,9 +74,9 @@ async def test_a_retried_push_is_taken_once(bed):
     sent = []
     real = c.training._fused
 
-    async def twice(node, desc, payload):
+    async def twice(node, desc, payload, *more):
         sent.append(desc["step"])
-        r = await real(node, desc, payload)
+        r = await real(node, desc, payload, *more)
         if len(sent) == 1:  # the answer is lost: the client retries the same piece
             from irdmafs.peers import NodeDown
 
