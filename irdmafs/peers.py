@@ -110,6 +110,11 @@ class Peers:
                 self.seen(name, conn.incarnation)
         return conn
 
+    def over_wire(self, name: str) -> bool:
+        """Whether operations on ``name`` cross a network (True while not connected)."""
+        conn = self._conns.get(name)
+        return conn is None or conn.wire
+
     def drop(self, name: str) -> None:
         """Close the connection to ``name`` (the next operation connects again)."""
         conn = self._conns.pop(name, None)

@@ -40,7 +40,7 @@ from ..transport.base import RemoteError, Transport, TransportError
 from ..util import single_exception
 from .paths import Paths
 from .stripe import StripeIO
-from .training import PUSH_BATCH, PushPull
+from .training import LOCAL_BATCH, PUSH_BATCH, PushPull
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class Client:
         self.cluster = Cluster(cfg, transport, nursery)
         self.cluster.heartbeat_args["owner"] = self.owner  # keeps our staging leased on the nodes
         # a slot holds a stripe (commit), or fused pushes plus their descriptors
-        self.staging = StagingPool(self.cluster, self.owner, max(cfg.stripe_unit, PUSH_BATCH) + (64 << 10))
+        self.staging = StagingPool(self.cluster, self.owner, max(cfg.stripe_unit, PUSH_BATCH, LOCAL_BATCH) + (64 << 10))
         self.io = StripeIO(self.cluster, self.staging)
         self.meta_calls = 0
         self._rids = 0

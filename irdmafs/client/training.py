@@ -46,7 +46,11 @@ from .stripe import CLOCK_SLICE, StripeIO, split
 log = logging.getLogger(__name__)
 
 TRAIN_INFO_TTL = 1.0
-PUSH_BATCH = 4 << 20  # bytes of gradients fused into one WRITE with immediate
+# bytes of gradients fused into one WRITE with immediate: over a network a batch's rounds are
+# answered only once all of it has arrived, so smaller batches let rounds close (and pulls
+# start) sooner; in shared memory a batch is one copy, and fewer of them cost less
+PUSH_BATCH = 1 << 20
+LOCAL_BATCH = 4 << 20
 PIECE_TIMEOUTS = 3  # a push's pieces are sent (and sent again) for this many op_timeouts at most
 
 
@@ -378,9 +382,10 @@ class PushPull:
             q["senders"] += 1
             try:
                 await trio.lowlevel.checkpoint()  # the pushes started with this one queue first
+                limit = PUSH_BATCH if self.cluster.peers.over_wire(node) else LOCAL_BATCH
                 while q["queue"]:
                     batch, size = [], 0
-                    while q["queue"] and (not batch or size + len(q["queue"][0][2][1]) <= PUSH_BATCH):
+                    while q["queue"] and (not batch or size + len(q["queue"][0][2][1]) <= limit):
                         e = heapq.heappop(q["queue"])[2]
                         batch.append(e)
                         size += len(e[1])

@@ -185,6 +185,9 @@ class Connection(abc.ABC):
     peer: str
     # the serving process's incarnation, learnt in the handshake (0: the peer did not say)
     incarnation: int = 0
+    # whether its bytes cross a network (tcp, verbs) or are copies in this host's memory (shm,
+    # memory): what a sender sizes its batches by (client/training.py, PUSH_BATCH)
+    wire: bool = True
 
     @abc.abstractmethod
     async def read(self, rkey: int, offset: int, into: BufferList) -> None:

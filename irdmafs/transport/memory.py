@@ -53,6 +53,7 @@ LINKS: Links | None = None
 
 
 class MemoryConnection(Connection):
+    wire = False
     def __init__(self, server: "MemoryTransport", handler: Handler, address: tuple[str, int], on_imm: ImmHandler | None = None, src: str = ""):
         self.server = server
         self.src = src  # the connecting endpoint's name ("": links never fail)

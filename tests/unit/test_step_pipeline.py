@@ -191,3 +191,22 @@ async def test_the_node_answers_a_clock_wait_when_the_clock_moves_or_the_key_is_
         with trio.fail_after(2):
             node.store.publish_clock(inos[0], 0, clock + 1)
     assert got == [{"reached": [0]}]
+
+
+@pytest.mark.parametrize("wire", [True, False])
+async def test_pushes_are_fused_in_smaller_batches_over_a_network(bed, monkeypatch, wire):
+    """Over a network a batch's rounds are answered once all of it has arrived: smaller batches
+    there (PUSH_BATCH), larger in shared memory (LOCAL_BATCH)."""
+    import irdmafs.client.training as training
+
+    c, _, inos = bed
+    await _push_all(c, inos, 1, 1.0)
+    monkeypatch.setattr(training, "PUSH_BATCH", 2 * SIZE * 4)  # two tensors' gradients
+    monkeypatch.setattr(training, "LOCAL_BATCH", 6 * SIZE * 4)
+    monkeypatch.setattr(c.cluster.peers, "over_wire", lambda node: wire)
+    sent = Counted(monkeypatch, c.training, "_send_batch")
+    await _push_all(c, inos, 0, 1.0)
+    sizes = [sum(len(e[1]) for e in batch) for _, batch in sent.calls]
+    limit = 2 * SIZE * 4 if wire else 6 * SIZE * 4
+    assert max(sizes) <= limit
+    assert max(sizes) > 2 * SIZE * 4 or wire, "in shared memory the larger batches were used"
