@@ -371,9 +371,11 @@ class PushPull:
         the client has staging slots there, otherwise together with every piece of the same
         rank that queued meanwhile, in one WRITE with immediate (fusion with no added latency
         when idle; as many transfers in flight as slots, so a whole model's pushes pipeline).
-        The queue goes lowest ``order`` first (``push``): a sender lets every task scheduled
-        with it queue before it takes its first batch, so the order of a step's pushes is the
-        model's, not the scheduler's. One queue per rank: under r2sp a rank's push may wait on
+        The queue goes lowest ``order`` first (``push``): the sender of an ordered push lets
+        the pushes that reach the queue in the same scheduler pass queue before it takes its
+        first batch, so the order of a step's pushes is the model's, not the scheduler's (best
+        effort for the first batches: a piece of a tensor of several stripes comes a pass
+        later). A lone push (no order) is sent at once, as before. One queue per rank: under r2sp a rank's push may wait on
         the node for another rank's, which must not queue behind it."""
         q = self._push_queues.setdefault((node, desc["rank"]), {"queue": [], "senders": 0, "seq": itertools.count()})
         entry = [desc, payload, trio.Event(), None]
@@ -381,7 +383,8 @@ class PushPull:
         if q["senders"] < self.staging.slots:
             q["senders"] += 1
             try:
-                await trio.lowlevel.checkpoint()  # the pushes started with this one queue first
+                if order != math.inf:  # a step's pushes: those started with this one queue first
+                    await trio.lowlevel.checkpoint()
                 limit = PUSH_BATCH if self.cluster.peers.over_wire(node) else LOCAL_BATCH
                 while q["queue"]:
                     batch, size = [], 0

@@ -10,28 +10,9 @@ import numpy as np
 import pytest
 import trio
 
-from irdmafs.client.client import Client
 from irdmafs.transport.base import RemoteError
-from irdmafs.transport.memory import MemoryTransport
 
-from .test_cluster_inprocess import config, start_cluster
-from .test_pull_many import Counted
-
-TENSORS = 24
-SIZE = 300
-
-
-@pytest.fixture
-async def bed(nursery):
-    cfg = config(unit=64 << 10)
-    nodes = await start_cluster(nursery, cfg)
-    async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
-        await c.paths.makedirs("/m")
-        d = (await c.paths.resolve("/m"))["ino"]
-        for k, v in (("sync", "bsp"), ("workers", "2"), ("optimizer", "sgd lr=1")):
-            await c.setxattr(d, f"user.irdma.{k}", v)
-        inos = [(await c.paths.save(f"/m/t{i}.npy", np.zeros(SIZE, np.float32)))["ino"] for i in range(TENSORS)]
-        yield c, nodes, inos
+from .test_pull_many import SIZE, TENSORS, Counted, bed  # noqa: F401  (bed: the same cluster and model)
 
 
 async def _push_all(c, inos, rank: int, value: float, order=None) -> None:
@@ -65,6 +46,24 @@ async def test_without_an_order_pushes_leave_as_they_came(bed, monkeypatch):
     assert [desc["fid"] for _, batch in sent.calls for desc, *_ in batch] == inos
 
 
+async def _pull_while_open(c, ino: int, out: np.ndarray, seconds: float, close) -> None:
+    """Rank 0 pulls ``ino`` while its round stays open ``seconds`` (it must still wait then);
+    ``close()`` closes the round, and the pull must land within 2 s."""
+    done = trio.Event()
+
+    async def pull():
+        await c.training.pull_into(ino, 0, out)
+        done.set()
+
+    async with trio.open_nursery() as n:
+        n.start_soon(pull)
+        await trio.sleep(seconds)
+        assert not done.is_set()
+        await close()
+        with trio.fail_after(2):
+            await done.wait()
+
+
 async def test_a_pull_waiting_for_its_round_is_told_when_it_closes_not_polling(bed, monkeypatch):
     c, _, inos = bed
     out = np.empty(SIZE, np.float32)
@@ -74,19 +73,8 @@ async def test_a_pull_waiting_for_its_round_is_told_when_it_closes_not_polling(b
     await c.training.push(inos[0], 0, np.full(SIZE, 1.0, np.float32))
     headers = Counted(monkeypatch, c.cluster, "read_header")
     calls = c.io.clock_waits.calls
-    done = trio.Event()
-
-    async def pull():
-        await c.training.pull_into(inos[0], 0, out)
-        done.set()
-
-    async with trio.open_nursery() as n:
-        n.start_soon(pull)
-        await trio.sleep(0.6)  # rank 1 computes: the round stays open (below CLOCK_SLICE)
-        assert not done.is_set()
-        await c.training.push(inos[0], 1, np.full(SIZE, 3.0, np.float32))
-        with trio.fail_after(2):
-            await done.wait()
+    # rank 1 computes for 0.6 s (below CLOCK_SLICE), then pushes
+    await _pull_while_open(c, inos[0], out, 0.6, lambda: c.training.push(inos[0], 1, np.full(SIZE, 3.0, np.float32)))
     assert np.array_equal(out, np.full(SIZE, -4.0, np.float32))
     assert c.io.clock_waits.calls - calls >= 1
     # polling (backing off from 0.5 ms to 20 ms) read the header about 35 times in 0.6 s
@@ -107,7 +95,7 @@ async def test_the_pulls_of_a_step_waiting_together_share_their_calls(bed, monke
         for ino, out in zip(inos, outs):
             n.start_soon(c.training.pull_into, ino, 0, out)
         await trio.sleep(0.3)
-        await _push_all(c, inos, 1, 3.0)
+        await _push_all(c, inos, 1, 3.0, order=list(range(TENSORS)))  # as a step pushes (step_stream)
     assert all(np.array_equal(o, np.full(SIZE, -4.0, np.float32)) for o in outs)
     nodes = len(c.cluster.members.names)
     assert 1 <= c.io.clock_waits.calls - calls <= 3 * nodes, "a call per node (and per wake-up), not per tensor"
@@ -119,18 +107,7 @@ async def test_a_node_that_cannot_tell_is_polled_and_the_pull_still_lands(bed, m
         monkeypatch.delitem(node.calls, "clock_wait")
     out = np.empty(SIZE, np.float32)
     await c.training.push(inos[0], 0, np.full(SIZE, 1.0, np.float32))
-    done = trio.Event()
-
-    async def pull():
-        await c.training.pull_into(inos[0], 0, out)
-        done.set()
-
-    async with trio.open_nursery() as n:
-        n.start_soon(pull)
-        await trio.sleep(0.3)
-        await c.training.push(inos[0], 1, np.full(SIZE, 3.0, np.float32))
-        with trio.fail_after(2):
-            await done.wait()
+    await _pull_while_open(c, inos[0], out, 0.3, lambda: c.training.push(inos[0], 1, np.full(SIZE, 3.0, np.float32)))
     assert np.array_equal(out, np.full(SIZE, -2.0, np.float32))
     assert c.io.clock_waits._untold, "the node that answered ENOSYS is polled for a while"
 
