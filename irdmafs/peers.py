@@ -76,7 +76,7 @@ class Peers:
         self._inflight: dict[str, set[trio.CancelScope]] = defaultdict(set)  # see _AbortOnDown
         self.load: dict[str, int] = defaultdict(int)  # one-sided reads under way, per node
         self.served: dict[str, int] = defaultdict(int)  # bytes read from each node so far
-        self.calls = 0  # control calls made (the steady state of training should make none)
+        self.calls = 0  # control calls made (the steady state of training makes none but clock waits)
         self.calls_by_method: dict[str, int] = defaultdict(int)
         # node -> the incarnation of it this process last talked to; on_restart(node) callbacks
         # run (synchronously, before the new connection is used) when it changes

@@ -24,6 +24,7 @@ WORD = struct.Struct("<Q")
 VERSION_AT = 0  # offset of the version word
 CLOCK_AT = 8  # offset of the clock word
 PENDING = 1 << 63  # in the clock word: the data holds a step whose clock is not published yet
+CLOCK_WAITS = 4096  # stripes one ``clock_wait`` names at most (server/clocks.py, client/clockwait.py)
 
 
 class Header(NamedTuple):

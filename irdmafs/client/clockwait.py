@@ -9,7 +9,8 @@ Invariants (server/clocks.py keeps the node's side):
 - Being woken proves nothing: a wait's only effect is when the caller looks again, so a late,
   lost or wrong answer delays a pull but never lets it read a round that has not closed.
 - Every waiting stripe is in at most one call at a time, and one not in any is put in one
-  within a scheduler pass: the waits that start together (a step's pulls as their pushes are
+  within GATHER scheduler passes (by its own waiter, if no other takes it): the waits that
+  start together (a step's pulls as their pushes are
   taken) share one call per node, and a call's answer releases those it names, the others
   joining the next call together with the waits that came meanwhile.
 - A node that cannot answer (down, or too old to know the call: ENOSYS) is polled instead, the
@@ -28,6 +29,7 @@ from typing import Awaitable, Callable
 import trio
 
 from ..peers import NodeDown
+from ..regions import CLOCK_WAITS
 from ..transport.base import TransportError
 
 log = logging.getLogger(__name__)
@@ -72,7 +74,7 @@ class ClockWaits:
                         continue
                     await self._gather(node)
                     if not (w.asking or w.told):
-                        await self._ask(node, until)
+                        await self._ask(node, until, w)
         finally:
             w.gone = True
             waiting = self._waiting.get(node)
@@ -91,9 +93,14 @@ class ClockWaits:
             before = waiting
             await trio.lowlevel.checkpoint()
 
-    async def _ask(self, node: str, until: float) -> None:
-        """One call for every wait on ``node`` in no call now; each told or back in the queue."""
-        batch = self._waiting.pop(node, [])
+    async def _ask(self, node: str, until: float, mine: _Wait) -> None:
+        """One call for the waits on ``node`` in no call now, ``mine`` (the caller's) first
+        (CLOCK_WAITS of them; the others make their own); each told or back in the queue."""
+        waiting = self._waiting.get(node, [])
+        if mine in waiting:
+            waiting.remove(mine)
+            waiting.insert(0, mine)
+        batch, waiting[:] = waiting[:CLOCK_WAITS], waiting[CLOCK_WAITS:]
         if not batch:
             return
         for w in batch:

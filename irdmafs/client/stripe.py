@@ -224,7 +224,8 @@ class StripeIO:
     async def read_burst(self, node: str, wants: list[tuple[Key, int, memoryview]], min_clock: int, give_up: float) -> list[bool]:
         """Read each (key, data offset, into) of ``node`` once its clock reaches ``min_clock``:
         their headers in one burst, those whose clocks reached it in one verified burst, the
-        rest waited for (one header polled for all, backing off) until ``give_up``. True for
+        rest waited for (the node asked to tell when the last of them moves: ``ClockWaits``;
+        polled, backing off, if it cannot) until ``give_up``. True for
         each read whole at such a clock; False for one that was not (still behind, or changing
         under every read): the caller reads it as ``read`` does. NodeDown, AccessError (a
         key gone stale) as the burst raised them. Counted in ``bytes_read``."""

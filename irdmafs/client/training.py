@@ -51,6 +51,7 @@ TRAIN_INFO_TTL = 1.0
 # start) sooner; in shared memory a batch is one copy, and fewer of them cost less
 PUSH_BATCH = 1 << 20
 LOCAL_BATCH = 4 << 20
+DESC_SLACK = 32  # bytes a descriptor may grow by in the batch's head (its "at", a comma)
 PIECE_TIMEOUTS = 3  # a push's pieces are sent (and sent again) for this many op_timeouts at most
 
 
@@ -310,8 +311,8 @@ class PushPull:
                         rank,
                     )
                     # a copy: the owner may reuse its memory while this send waits (rare: failover)
-                    with trio.fail_after(self.cfg.op_timeout * PIECE_TIMEOUTS):
-                        await self._push_piece(desc, memoryview(bytes(payload)), [], resent=True)
+                    with trio.fail_after(self.cfg.op_timeout * PIECE_TIMEOUTS):  # ahead of any queued push: pulls wait on it
+                        await self._push_piece(desc, memoryview(bytes(payload)), [], resent=True, order=-math.inf)
             except (NodeDown, RemoteError, AccessError, trio.TooSlowError) as exc:
                 log.info("stripe %d:%d: open push of rank %d not checked with %s: %s", fid, idx, rank, primary, exc)
             finally:
@@ -378,7 +379,7 @@ class PushPull:
         later). A lone push (no order) is sent at once, as before. One queue per rank: under r2sp a rank's push may wait on
         the node for another rank's, which must not queue behind it."""
         q = self._push_queues.setdefault((node, desc["rank"]), {"queue": [], "senders": 0, "seq": itertools.count()})
-        entry = [desc, payload, trio.Event(), None]
+        entry = [desc, payload, trio.Event(), None, len(payload) + len(json.dumps(desc, separators=(",", ":"))) + DESC_SLACK]
         heapq.heappush(q["queue"], (order, next(q["seq"]), entry))
         if q["senders"] < self.staging.slots:
             q["senders"] += 1
@@ -388,10 +389,10 @@ class PushPull:
                 limit = PUSH_BATCH if self.cluster.peers.over_wire(node) else LOCAL_BATCH
                 while q["queue"]:
                     batch, size = [], 0
-                    while q["queue"] and (not batch or size + len(q["queue"][0][2][1]) <= limit):
+                    while q["queue"] and (not batch or size + q["queue"][0][2][4] <= limit):
                         e = heapq.heappop(q["queue"])[2]
                         batch.append(e)
-                        size += len(e[1])
+                        size += e[4]
                     try:
                         await self._send_batch(node, batch)
                     except BaseException:
@@ -414,7 +415,7 @@ class PushPull:
 
     async def _send_batch(self, node: str, batch: list) -> None:
         descs, bufs, at = [], [], 0
-        for desc, payload, _, _ in batch:
+        for desc, payload, _, _, _ in batch:
             descs.append(dict(desc, at=at))
             bufs.append(payload)
             at += len(payload)

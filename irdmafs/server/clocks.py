@@ -25,12 +25,11 @@ from __future__ import annotations
 
 import trio
 
-from ..regions import HEADER, PENDING, read_header
+from ..regions import CLOCK_WAITS, HEADER, PENDING, read_header
 from ..transport.base import Access, AccessError, RemoteError, Transport
 from .store import Store
 
 MAX_WAIT = 5.0  # seconds a clock wait may hold a call
-MAX_STRIPES = 65536  # stripes one clock wait may name
 GATHER = 4  # scheduler passes an answer waits for more stripes to reach their clocks
 
 
@@ -44,14 +43,17 @@ class ClockWaits:
         """Until one of ``stripes`` ([rkey, incarnation, clock, settled]) is as its waiter
         wants, or must be looked at again: ``{"reached": [indices]}``; none after ``timeout``."""
         waits = _checked(stripes, timeout)
+        reached: list[int] = []
         with trio.move_on_after(timeout):
             while True:
                 changed = self.store.changed  # taken before looking: a change after the look sets it
                 reached = [i for i, w in enumerate(waits) if self._reached(*w)]
                 if reached:
-                    return {"reached": await self._more(waits, reached)}
+                    break
                 await changed.wait()
-        return {"reached": []}
+        if reached:  # outside the timeout: what was found is answered, not lost at its edge
+            reached = await self._more(waits, reached)
+        return {"reached": reached}
 
     async def _more(self, waits: list, reached: list[int]) -> list[int]:
         """``reached``, and those that reach it within GATHER scheduler passes: the rounds of
@@ -78,8 +80,8 @@ class ClockWaits:
 def _checked(stripes, timeout) -> list[tuple[int, int, int, bool]]:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout <= MAX_WAIT:
         raise RemoteError("EINVAL", f"clock_wait: timeout {timeout!r} is not a number of seconds from 0 to {MAX_WAIT}")
-    if not isinstance(stripes, list) or len(stripes) > MAX_STRIPES:
-        raise RemoteError("EINVAL", f"clock_wait: stripes must be a list of at most {MAX_STRIPES}")
+    if not isinstance(stripes, list) or len(stripes) > CLOCK_WAITS:  # each is looked at on every clock change
+        raise RemoteError("EINVAL", f"clock_wait: stripes must be a list of at most {CLOCK_WAITS}")
     out = []
     for w in stripes:
         if (

@@ -203,8 +203,8 @@ class Store:
         if stripe is None:  # freed meanwhile (a truncate, an unlink)
             return
         WORD.pack_into(stripe.region.buf, CLOCK_AT, clock)
+        self._changed()  # before persisting: a write that fails there must not leave waiters asleep
         self._saved((fid, idx, 0), CLOCK_AT, CLOCK_AT + WORD.size)
-        self._changed()
 
     def replace(self, fid: int, idx: int, data: memoryview, unit: int, version: int, snap: int = 0, clock: int = 0, tag: int = 0) -> None:
         """Set the whole stripe content (resync, or a backup found behind). ``clock`` is the
@@ -217,8 +217,8 @@ class Store:
         WORD.pack_into(buf, CLOCK_AT, clock)
         WORD.pack_into(buf, VERSION_AT, 2 * version)
         stripe.tag = tag
-        self._saved((fid, idx, snap))
         self._changed()
+        self._saved((fid, idx, snap))
 
     def drop(self, fid: int, from_idx: int = 0) -> int:
         """Free the live stripes ``from_idx`` and up of a file (with their optimizer state,
@@ -233,12 +233,14 @@ class Store:
         return self._drop([k for k in keys if k in self.stripes])
 
     def _drop(self, keys: list) -> int:
-        for key in keys:
-            self._free(self.stripes.pop(key).region)
-            if self.persist is not None:
-                self.persist.remove(key)
-        if keys:
-            self._changed()
+        try:
+            for key in keys:
+                self._free(self.stripes.pop(key).region)
+                if self.persist is not None:
+                    self.persist.remove(key)
+        finally:
+            if keys:
+                self._changed()
         return len(keys)
 
     def copy_snapshot(self, snap: int) -> int:

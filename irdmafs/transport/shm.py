@@ -141,8 +141,9 @@ class _Mapped:
 
 
 class ShmConnection(Connection):
-    wire = False
     """Copies to and from a same-host peer's regions; control calls over its TCP connection."""
+
+    wire = False
 
     def __init__(self, tcp: TcpConnection, sock: trio.socket.SocketType, table: mmap.mmap, slots: int):
         self.tcp = tcp

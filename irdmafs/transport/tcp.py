@@ -109,11 +109,14 @@ async def _drain(sock: trio.socket.SocketType, n: int) -> None:
         n -= k
 
 
-async def _sendv(sock: trio.socket.SocketType, buffers: list) -> None:
-    """Send every buffer, in order, with as few syscalls as the kernel allows (scatter-gather)."""
+async def _sendv(sock: trio.socket.SocketType, buffers: list, sent: list[int] | None = None) -> None:
+    """Send every buffer, in order, with as few syscalls as the kernel allows (scatter-gather);
+    ``sent[0]`` counts the bytes gone so far (what a caller cancelled midway has put out)."""
     bufs = [memoryview(b).cast("B") for b in buffers if len(b)]
     while bufs:
         n = await sock.sendmsg(bufs[:IOV_MAX])
+        if sent is not None:
+            sent[0] += n
         while n:
             first = bufs[0]
             if n >= len(first):
@@ -179,13 +182,22 @@ class TcpConnection(Connection):
             wire.append(P.pack(h._replace(req_id=req_id)))
             wire.extend(payload)
         sock, lock = (self.bulk, self._bulk_lock) if bulk else (self.sock, self._send_lock)
+        sent = [0]
         try:
             async with lock:
-                await _sendv(sock, wire)
+                await _sendv(sock, wire, sent)
         except SOCKET_ERRORS as exc:
             for req_id, _ in pendings:
                 self._pending.pop(req_id, None)
             raise PeerLost(f"{self.peer}: send failed: {exc}") from None
+        except BaseException:  # cancelled: nothing sent is harmless, part of a frame is not
+            for req_id, _ in pendings:
+                self._pending.pop(req_id, None)
+            if sent[0]:  # the peer would read the next frame from the middle of this one
+                self._fail_all(PeerLost("a send was cancelled midway"))
+                self.sock.close()
+                self.bulk.close()
+            raise
         return pendings  # type: ignore[return-value]
 
     async def _wait(self, pendings: list, timeout: float | None) -> list[_Pending]:
@@ -276,6 +288,9 @@ class TcpConnection(Connection):
                             await _recv_into(sock, view)
                     else:
                         p.payload = await _recv_bytes(sock, size)
+                except BaseException as exc:  # cut off mid-answer: never a success with part of it
+                    p.error = p.error or PeerLost(f"{self.peer}: connection lost in an answer: {exc!r}")
+                    raise
                 finally:
                     p.event.set()
         except _EOF:

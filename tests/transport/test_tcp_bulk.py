@@ -28,10 +28,10 @@ async def test_reads_and_calls_go_on_while_a_large_write_is_stuck(served, monkey
     assert conn.bulk is not conn.sock
     stuck, real = trio.Event(), tcp._sendv
 
-    async def sendv(sock, buffers):
+    async def sendv(sock, buffers, sent=None):
         if sock is conn.bulk:  # the bulk socket's link is full: its send does not finish
             await stuck.wait()
-        await real(sock, buffers)
+        await real(sock, buffers, sent)
 
     monkeypatch.setattr(tcp, "_sendv", sendv)
     data = os.urandom(4 << 20)
@@ -75,6 +75,42 @@ async def test_either_socket_broken_fails_the_connection(served):
     with pytest.raises(PeerLost):
         with trio.fail_after(5):
             await conn.write(region.rkey, 0, bytes(tcp.BULK))
+    with pytest.raises(PeerLost):
+        with trio.fail_after(5):
+            await conn.call("echo", {})
+
+
+async def test_an_answer_cut_off_midway_is_an_error_not_a_success(served, monkeypatch):
+    """The connection breaks while a READ's bytes arrive: the read fails (PeerLost), never
+    returns with part of the bytes."""
+    _, region, conn = served
+    real = tcp._recv_into
+
+    async def recv_into(sock, view, **kw):
+        if len(view) >= 1 << 20:  # the READ's payload: the peer vanishes in it
+            raise trio.ClosedResourceError("cut off (test)")
+        return await real(sock, view, **kw)
+
+    monkeypatch.setattr(tcp, "_recv_into", recv_into)
+    with pytest.raises(PeerLost):
+        with trio.fail_after(5):
+            await conn.read(region.rkey, 0, bytearray(2 << 20))
+
+
+async def test_a_send_cancelled_midway_breaks_the_connection(served, monkeypatch):
+    """Part of a frame went out and the sender was cancelled: the peer would read the next
+    frame from the middle of this one, so the connection is dropped instead."""
+    _, region, conn = served
+
+    async def sendv(sock, buffers, sent=None):
+        if sent is not None:
+            sent[0] += 100  # some bytes left, then the link stalls
+        await trio.sleep_forever()
+
+    monkeypatch.setattr(tcp, "_sendv", sendv)
+    with trio.move_on_after(0.1):
+        await conn.write(region.rkey, 0, bytes(tcp.BULK))
+    monkeypatch.undo()
     with pytest.raises(PeerLost):
         with trio.fail_after(5):
             await conn.call("echo", {})

@@ -120,7 +120,7 @@ async def test_an_open_push_is_sent_again_once_per_id(bed):
         await trio.sleep(0.05)  # the primary answers after a while: both checks are under way
         return {"next": 4}
 
-    async def push_piece(desc, payload, replies, *, resent=False):
+    async def push_piece(desc, payload, replies, *, resent=False, order=None):
         sends.append((desc["step"], resent))
         return {}
 
