@@ -376,8 +376,9 @@ class PushPull:
         the pushes that reach the queue in the same scheduler pass queue before it takes its
         first batch, so the order of a step's pushes is the model's, not the scheduler's (best
         effort for the first batches: a piece of a tensor of several stripes comes a pass
-        later). A lone push (no order) is sent at once, as before. One queue per rank: under r2sp a rank's push may wait on
-        the node for another rank's, which must not queue behind it."""
+        later). A lone push (no order) is sent at once, as before. One queue per rank: under
+        r2sp a rank's push may wait on the node for another rank's, which must not queue
+        behind it."""
         q = self._push_queues.setdefault((node, desc["rank"]), {"queue": [], "senders": 0, "seq": itertools.count()})
         entry = [desc, payload, trio.Event(), None, len(payload) + len(json.dumps(desc, separators=(",", ":"))) + DESC_SLACK]
         heapq.heappush(q["queue"], (order, next(q["seq"]), entry))
