@@ -7,17 +7,21 @@
 
 Limits: the socket limit (the larger of a raw loopback socket between two processes and iperf3
 on loopback, this run); memcpy; the pyfuse3 ceiling (scripts/memfs.py, a minimal FUSE file
-system serving a buffer from memory with direct_io, its fastest option) read and written with
-1 MiB and 4 MiB requests: a read answered with a view of its buffer, a write copied once into it
-(pyfuse3's own copy of each request aside, nothing else). ``push_vs_fuse_ceiling`` (and
-``_4m``, ``push_direct_...``) divide irdmafs's writes by that write figure of this run, the
-``pull_...`` ratios its reads by the read figure. irdmafs's pulls and pushes are measured
-through the page cache (as any program reads a file) and with O_DIRECT. Peers (scripts/peers.py): torch.distributed gloo broadcast and all_reduce between 2
-processes; a gRPC parameter server's unary get and put. irdmafs: pull (read) and push (write) of
-a 64 MiB and a 256 MiB tensor through the mount over 3 local node processes, R=1 and R=2, the
-page cache out of the way (every open starts cold); the same through the Client API; a
-ResNet-50-shaped model (161 tensors, 25.6 M float32 parameters) pulled through the
-``<model>.safetensors`` view and file by file, against one tensor of the same bytes. Link
+system serving a buffer from memory, mounted with direct_io and through the page cache: the
+faster of the two counts) read and written with 1 MiB and 4 MiB requests: a read answered with a
+view of its buffer, a write copied once into it (pyfuse3's own copy of each request aside,
+nothing else). The ceiling is timed in turn with each of the mount's figures, rep by rep, and
+each ``{pull,push}[_4m|_direct]_vs_fuse_ceiling_<transport and R>`` ratio is between those
+interleaved medians; ``pull_vs_fuse_ceiling`` and ``push_vs_fuse_ceiling`` (the targets) are
+the worse of R=1 and R=2 on shared memory (what a mount uses with nodes on its own host), the
+``_tcp`` ones the same over TCP. irdmafs's pulls are reads through the page cache (as any
+program reads a file), cold (the file's cached pages are dropped before each), and with
+O_DIRECT. Peers (scripts/peers.py): torch.distributed gloo broadcast and all_reduce between 2
+processes; a gRPC parameter server's unary get and put. irdmafs: pull (read) and push (write)
+of a 64 MiB and a 256 MiB file through the mount over 3 local node processes, on TCP and on
+shared memory, R=1 and R=2; the same through the Client API on TCP; a ResNet-50-shaped model
+(161 tensors, 25.6 M float32 parameters) pulled through the ``<model>.safetensors`` view and
+file by file, against one tensor of the same bytes (shared memory, R=1, cold). Link
 utilisation (root only): 4 PS nodes in network namespaces behind 1 Gbit/s tbf links, a client in
 its own namespace reading a striped 1 GiB file. Native kernels against their numpy fallbacks.
 
@@ -61,6 +65,8 @@ TARGETS = {  # key: (comparison, bound)
     "pull_vs_grpc": (">=", 6.0),
     "pull_vs_fuse_ceiling": (">=", 0.8),
     "push_vs_fuse_ceiling": (">=", 0.8),
+    "pull_vs_fuse_ceiling_tcp": (">=", 0.8),
+    "push_vs_fuse_ceiling_tcp": (">=", 0.8),
     "model_files_vs_tensor_pull": ("<=", 2.0),
     "client_pull_vs_socket": (">=", 0.8),
     "link_utilisation": (">=", 0.95),
@@ -103,6 +109,14 @@ def gbps(nbytes: int, seconds: float) -> float:
 
 # -- through a mount: reads and writes with a given request size ---------------------------------
 def read_file(path: Path, nbytes: int, bs: int, buf: memoryview, flags: int = 0) -> float:
+    """Seconds to read ``path`` whole in ``bs`` requests, cold: the kernel's cached pages of it
+    are dropped first (an unchanged file keeps them across opens now: a warm read would time
+    the page cache, not the mount). The open and the close are timed, the dropping is not."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
     t0 = time.perf_counter()
     fd = os.open(path, os.O_RDONLY | flags)
     try:
@@ -128,27 +142,70 @@ def write_file(path: Path, data: memoryview, bs: int, flags: int = 0) -> float:
     return time.perf_counter() - t0
 
 
-def fuse_ceiling(tmp: Path, nbytes: int, reps: int) -> dict[str, float]:
-    mnt = tmp / "memfs"
-    mnt.mkdir()
-    proc = subprocess.Popen([sys.executable, str(HERE / "memfs.py"), str(mnt), str(nbytes)], start_new_session=True)
-    try:
-        wait_for_mount(str(mnt), proc)
-        data = memoryview(np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8))
-        buf = memoryview(bytearray(nbytes))
-        res = {}
-        for bs in (MiB, 4 * MiB):
-            write_file(mnt / "data", data, bs)
-            res[f"fuse_ceiling_write_{bs // MiB}mib_gbps"] = gbps(nbytes, med([write_file(mnt / "data", data, bs) for _ in range(reps)]))
-            read_file(mnt / "data", nbytes, bs, buf)
-            res[f"fuse_ceiling_read_{bs // MiB}mib_gbps"] = gbps(nbytes, med([read_file(mnt / "data", nbytes, bs, buf) for _ in range(reps)]))
-        if not np.array_equal(np.frombuffer(buf, np.uint8), np.frombuffer(data, np.uint8)):
-            raise RuntimeError("memfs returned different bytes")  # what was written, read back whole
-        return res
-    finally:
-        unmount(str(mnt), lazy=True)
-        proc.terminate()
-        proc.wait(10)
+class Ceiling:
+    """The pyfuse3 ceiling, scripts/memfs.py, mounted in both its modes (``direct_io``, and
+    through the page cache) for the whole run, so that each of the mount's figures is timed
+    interleaved with it, rep by rep: these machines are shared, and a ceiling measured minutes
+    before would compare two different machines. A rep of the ceiling times both modes and
+    counts the faster (neither is the faster for every request here)."""
+
+    MODES = ("direct", "cached")
+
+    def __init__(self, tmp: Path, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.data = memoryview(np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8))
+        self.buf = memoryview(bytearray(nbytes))
+        self.mounts: dict[str, tuple[Path, subprocess.Popen]] = {}
+        self.samples: dict[tuple[str, int], list[float]] = {}  # (read|write, bs) -> GB/s of each rep
+        try:
+            for mode in self.MODES:
+                mnt = tmp / f"memfs-{mode}"
+                mnt.mkdir()
+                cmd = [sys.executable, str(HERE / "memfs.py"), str(mnt), str(nbytes)] + (["--cached"] if mode == "cached" else [])
+                proc = subprocess.Popen(cmd, start_new_session=True)
+                self.mounts[mode] = (mnt, proc)
+                wait_for_mount(str(mnt), proc)
+                write_file(mnt / "data", self.data, MiB)
+                read_file(mnt / "data", nbytes, MiB, self.buf)
+                if bytes(self.buf) != bytes(self.data):
+                    raise RuntimeError("memfs returned different bytes")  # what was written, read back whole
+        except BaseException:
+            self.close()
+            raise
+
+    def time(self, op: str, nbytes: int, bs: int, flags: int = 0) -> float:
+        """Seconds for one ``op`` (read|write) of ``nbytes`` in ``bs`` requests: the faster mode."""
+        best = []
+        for mnt, _ in self.mounts.values():
+            if op == "read":
+                best.append(read_file(mnt / "data", nbytes, bs, self.buf, flags))
+            else:
+                best.append(write_file(mnt / "data", self.data[:nbytes], bs, flags))
+        t = min(best)
+        self.samples.setdefault((op, bs), []).append(gbps(nbytes, t))
+        return t
+
+    def figures(self) -> dict[str, float]:
+        return {f"fuse_ceiling_{op}_{bs // MiB}mib_gbps": med(v) for (op, bs), v in self.samples.items()}
+
+    def close(self) -> None:
+        for mnt, proc in self.mounts.values():
+            unmount(str(mnt), lazy=True)
+            proc.terminate()
+            proc.wait(10)
+        self.mounts.clear()
+
+
+def interleaved(reps: int, mine, ceiling) -> tuple[float, float]:
+    """Median seconds of ``mine()`` and ``ceiling()``, called in turn ``reps`` times after one
+    warm-up of each; and the ratio of their throughputs (the ceiling's median over mine)."""
+    mine()
+    ceiling()
+    ts, cs = [], []
+    for _ in range(reps):
+        ts.append(mine())
+        cs.append(ceiling())
+    return med(ts), med(cs) / med(ts)
 
 
 # -- irdmafs -------------------------------------------------------------------------------------
@@ -177,24 +234,30 @@ async def client_figures(cfg: C.ClusterConfig, sizes: list[int], reps: int, tag:
     return res
 
 
-def mount_figures(mnt: Path, sizes: list[int], reps: int, tag: str) -> dict[str, float]:
+def mount_figures(mnt: Path, sizes: list[int], reps: int, tag: str, ceiling: Ceiling) -> dict[str, float]:
+    """Pushes (writes) and pulls (reads, cold) of a file through the mount with 1 MiB and 4 MiB
+    requests, and with O_DIRECT, each interleaved with the same on the ceiling; the ratios of
+    the largest size: ``{pull,push}[_4m|_direct]_vs_fuse_ceiling_<tag>``."""
     res = {}
     (mnt / "bench").mkdir(exist_ok=True)
     for nbytes in sizes:
         data = memoryview(np.random.default_rng(nbytes).integers(0, 255, nbytes, dtype=np.uint8))
         buf = memoryview(bytearray(nbytes))
         path = mnt / "bench" / f"t{nbytes // MiB}.bin"
-        for bs in (MiB, 4 * MiB):
-            write_file(path, data, bs)  # warm-up: allocates every stripe
-            res[f"push_{nbytes // MiB}mib_{bs // MiB}m_{tag}_gbps"] = gbps(nbytes, med([write_file(path, data, bs) for _ in range(reps)]))
-            read_file(path, nbytes, bs, buf)
-            res[f"pull_{nbytes // MiB}mib_{bs // MiB}m_{tag}_gbps"] = gbps(nbytes, med([read_file(path, nbytes, bs, buf) for _ in range(reps)]))
-        # the same with O_DIRECT: what a stream that needs no page cache gets (the step
-        # streams under .workers are always opened so)
-        res[f"push_{nbytes // MiB}mib_1m_direct_{tag}_gbps"] = gbps(nbytes, med([write_file(path, data, MiB, os.O_DIRECT) for _ in range(reps)]))
-        res[f"pull_{nbytes // MiB}mib_1m_direct_{tag}_gbps"] = gbps(nbytes, med([read_file(path, nbytes, MiB, buf, os.O_DIRECT) for _ in range(reps)]))
-        if bytes(buf) != bytes(data):
-            raise RuntimeError("pull through the mount returned different bytes")
+        write_file(path, data, MiB)  # allocates every stripe
+        # (what, request size, flags): O_DIRECT is what a stream that needs no page cache gets
+        # (the step streams under .workers are always opened so)
+        for suffix, bs, flags in ((f"{MiB // MiB}m", MiB, 0), ("4m", 4 * MiB, 0), ("1m_direct", MiB, os.O_DIRECT)):
+            t, push = interleaved(reps, lambda: write_file(path, data, bs, flags), lambda: ceiling.time("write", nbytes, bs, flags & ~os.O_DIRECT))
+            res[f"push_{nbytes // MiB}mib_{suffix}_{tag}_gbps"] = gbps(nbytes, t)
+            t, pull = interleaved(reps, lambda: read_file(path, nbytes, bs, buf, flags), lambda: ceiling.time("read", nbytes, bs, flags & ~os.O_DIRECT))
+            res[f"pull_{nbytes // MiB}mib_{suffix}_{tag}_gbps"] = gbps(nbytes, t)
+            if bytes(buf) != bytes(data):
+                raise RuntimeError("pull through the mount returned different bytes")
+            if nbytes == sizes[-1]:
+                kind = {"1m": "", "4m": "_4m", "1m_direct": "_direct"}[suffix]
+                res[f"push{kind}_vs_fuse_ceiling_{tag}"] = push
+                res[f"pull{kind}_vs_fuse_ceiling_{tag}"] = pull
     return res
 
 
@@ -248,13 +311,13 @@ def model_figures(mnt: Path, reps: int) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def local_cluster(state: Path, replicas: int, log_dir: Path):
-    """etcd (the views' coordinator) and 3 nodes on tcp, R=``replicas``, settled, for the block
-    (the LocalCluster); everything is stopped afterwards."""
+def local_cluster(state: Path, replicas: int, log_dir: Path, transport: str = "tcp"):
+    """etcd (the views' coordinator) and 3 nodes on ``transport``, R=``replicas``, settled, for
+    the block (the LocalCluster); everything is stopped afterwards."""
     etcd = LocalEtcd(state / "etcd", log_path=log_dir / f"etcd-{state.name}.log")
     etcd.start()
     try:
-        lc = LocalCluster(write_config(state, 3, replicas, transport=["tcp"], coordinator=[etcd.endpoint]))
+        lc = LocalCluster(write_config(state, 3, replicas, transport=[transport], coordinator=[etcd.endpoint]))
         lc.start_all()
         try:
             trio.run(wait_settled, lc.cfg)
@@ -278,12 +341,14 @@ def mounted(lc: LocalCluster, mnt: Path):
         mount.wait(10)
 
 
-def irdmafs_figures(tmp: Path, replicas: int, sizes: list[int], reps: int, with_model: bool) -> dict[str, float]:
-    tag = f"r{replicas}"
-    with local_cluster(tmp / tag, replicas, tmp) as lc:
-        res = trio.run(client_figures, lc.cfg, sizes, reps, tag)
+def irdmafs_figures(tmp: Path, replicas: int, transport: str, sizes: list[int], reps: int, with_model: bool, ceiling: Ceiling) -> dict[str, float]:
+    """The Client's and the mount's figures on 3 local nodes; keys end ``_r<R>`` on tcp and
+    ``_shm_r<R>`` on shared memory (what a mount uses with nodes on its own host)."""
+    tag = f"r{replicas}" if transport == "tcp" else f"{transport}_r{replicas}"
+    with local_cluster(tmp / tag, replicas, tmp, transport) as lc:
+        res = trio.run(client_figures, lc.cfg, sizes, reps, tag) if transport == "tcp" else {}
         with mounted(lc, tmp / tag / "mnt") as mnt:
-            res |= mount_figures(mnt, sizes, reps, tag)
+            res |= mount_figures(mnt, sizes, reps, tag, ceiling)
             if with_model:
                 res |= model_figures(mnt, reps)
         return res
@@ -304,12 +369,11 @@ def ratios(res: dict) -> None:
     res["pull_vs_gloo"] = pull / res[f"gloo_broadcast_{big}_gbps"]
     res["push_vs_gloo"] = push / res[f"gloo_broadcast_{big}_gbps"]
     res["pull_vs_grpc"] = pull / res[f"grpc_get_{big}_gbps"]
-    res["pull_vs_fuse_ceiling"] = res[f"pull_{big}_1m_r1_gbps"] / res["fuse_ceiling_read_1mib_gbps"]
-    res["pull_vs_fuse_ceiling_4m"] = res[f"pull_{big}_4m_r1_gbps"] / res["fuse_ceiling_read_4mib_gbps"]
-    res["push_vs_fuse_ceiling"] = res[f"push_{big}_1m_r1_gbps"] / res["fuse_ceiling_write_1mib_gbps"]
-    res["push_vs_fuse_ceiling_4m"] = res[f"push_{big}_4m_r1_gbps"] / res["fuse_ceiling_write_4mib_gbps"]
-    res["pull_direct_vs_fuse_ceiling"] = res[f"pull_{big}_1m_direct_r1_gbps"] / res["fuse_ceiling_read_1mib_gbps"]
-    res["push_direct_vs_fuse_ceiling"] = res[f"push_{big}_1m_direct_r1_gbps"] / res["fuse_ceiling_write_1mib_gbps"]
+    # Through the files with 1 MiB requests against the pyfuse3 ceiling (mount_figures gives
+    # each transport and R): the target's figure is the worse of R=1 and R=2, per transport.
+    for op in ("pull", "push"):
+        res[f"{op}_vs_fuse_ceiling"] = min(res[f"{op}_vs_fuse_ceiling_shm_r{r}"] for r in (1, 2))
+        res[f"{op}_vs_fuse_ceiling_tcp"] = min(res[f"{op}_vs_fuse_ceiling_r{r}"] for r in (1, 2))
     res["client_pull_vs_socket"] = res[f"client_pull_{big}_r1_gbps"] / res["socket_limit_gbps"]
     res["client_push_vs_socket"] = res[f"client_push_{big}_r1_gbps"] / res["socket_limit_gbps"]
 
@@ -338,8 +402,13 @@ def plot(res: dict, path: str) -> None:
         "gloo_broadcast_256mib_gbps",
         "grpc_get_256mib_gbps",
         "client_pull_256mib_r1_gbps",
+        "fuse_ceiling_write_1mib_gbps",
+        "pull_256mib_1m_shm_r1_gbps",
+        "pull_256mib_1m_shm_r2_gbps",
         "pull_256mib_1m_r1_gbps",
         "pull_256mib_1m_r2_gbps",
+        "push_256mib_1m_shm_r1_gbps",
+        "push_256mib_1m_shm_r2_gbps",
         "push_256mib_1m_r1_gbps",
         "push_256mib_1m_r2_gbps",
         "model_pull_view_gbps",
@@ -380,17 +449,23 @@ def main() -> int:
     res["memcpy_gbps"] = gbps(big, med([_timed(np.copyto, b, a) for _ in range(args.reps)]))
 
     with tempfile.TemporaryDirectory(prefix="irdmafs-bench-") as tmp:
-        step("limits: pyfuse3 ceiling")
-        res |= fuse_ceiling(Path(tmp), big, args.reps)
         step("peers: gloo")
         for k, v in peers.gloo(sizes, args.reps).items():
             res[f"gloo_{k}mib_gbps"] = gbps(int(k.rsplit("_", 1)[1]) * MiB, v)
         step("peers: gRPC")
         for k, v in peers.grpc_ps(sizes, args.reps).items():
             res[f"grpc_{k}mib_gbps"] = gbps(int(k.rsplit("_", 1)[1]) * MiB, v)
-        for r in (1, 2):
-            step(f"irdmafs: 3 nodes, R={r}")
-            res |= irdmafs_figures(Path(tmp), r, sizes, args.reps, with_model=(r == 1 and not args.quick))
+        step("limits: pyfuse3 ceiling (measured with each of the mount's figures below)")
+        ceiling = Ceiling(Path(tmp), big)
+        try:
+            for transport in ("tcp", "shm"):
+                for r in (1, 2):
+                    step(f"irdmafs: 3 nodes on {transport}, R={r}")
+                    with_model = r == 1 and transport == "shm" and not args.quick
+                    res |= irdmafs_figures(Path(tmp), r, transport, sizes, args.reps, with_model, ceiling)
+            res |= ceiling.figures()
+        finally:
+            ceiling.close()
         if not args.quick:
             if os.geteuid() == 0:
                 step("link utilisation: 4 nodes behind 1 Gbit/s links")

@@ -36,7 +36,7 @@ from ..cluster import Cluster
 from ..peers import NodeDown
 from ..config import ClusterConfig
 from ..slots import StagingPool
-from ..transport.base import RemoteError, Transport, TransportError
+from ..transport.base import Gather, RemoteError, Transport, TransportError
 from ..util import single_exception
 from .paths import Paths
 from .stripe import StripeIO
@@ -219,16 +219,17 @@ class Client:
         return bytes(buf)
 
     async def write(self, ino: int, offset: int, data: Any, attr: dict | None = None, *, extend: bool = True) -> dict | None:
-        """Write bytes at ``offset``. When it returns, the data is on every live replica; with
-        ``extend`` (the default) the new size is visible to every client too and the new
-        attributes are returned. The file system passes extend=False and calls ``extend`` once
-        at flush, which is when POSIX close-to-open consistency needs it."""
+        """Write bytes (a buffer, or a ``Gather`` of them) at ``offset``. When it returns, the
+        data is on every live replica; with ``extend`` (the default) the new size is visible to
+        every client too and the new attributes are returned. The file system passes
+        extend=False and calls ``extend`` once at flush, which is when POSIX close-to-open
+        consistency needs it."""
         if offset < 0:
             raise RemoteError("EINVAL", f"negative offset {offset}")
         attr = attr or await self.getattr(ino)
         if S.S_ISDIR(attr["mode"]):
             raise RemoteError("EISDIR", "is a directory")
-        view = memoryview(data).cast("B")
+        view = data if isinstance(data, Gather) else memoryview(data).cast("B")
         await self.io.write(ino, attr["unit"], offset, view)
         return await self.extend(ino, offset + len(view)) if extend else None
 

@@ -31,7 +31,7 @@ from ..cluster import READY, Cluster, Unavailable
 from ..peers import NodeDown, TornRead
 from ..regions import Header
 from ..slots import StagingPool, staging_gone
-from ..transport.base import AccessError, RemoteError
+from ..transport.base import AccessError, Gather, RemoteError
 from ..util import leaves
 from .clockwait import ClockWaits
 
@@ -458,7 +458,9 @@ class StripeIO:
                 await trio.sleep(0.01)
 
     # -- writes --------------------------------------------------------------------------------
-    async def write(self, fid: int, unit: int, offset: int, data: memoryview) -> None:
+    async def write(self, fid: int, unit: int, offset: int, data: memoryview | Gather) -> None:
+        """``data`` at ``offset`` of file ``fid``, each stripe's piece staged and committed on
+        its primary at once (a ``Gather``'s pieces are its buffers' views: no copy here)."""
         pieces = split(offset, len(data), unit)
         async with trio.open_nursery() as nursery:
             for p in pieces:

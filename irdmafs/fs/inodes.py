@@ -42,9 +42,16 @@ REMOVED_XATTR = "user.irdma.removed"
 # through the mount run without a single metadata call.
 WORK_CACHE_SECONDS = 60.0
 # Directory attributes (mode, owner: what the kernel checks on every path walk) may be cached
-# this long; file attributes and names are not, so sizes and renames by other mounts show at
-# the next open (while a file is open here, its attributes come from the open: see getattr).
+# this long. Names are not cached (entry_timeout 0): every path walk looks each name up, and the
+# lookup's answer carries fresh attributes, so an open or a stat by name sees sizes and renames
+# by other mounts at once (close-to-open).
 DIR_ATTR_SECONDS = 10.0
+# A regular file's attributes may be cached this long between lookups. The kernel asks for them
+# before every read(2) of a file (libfuse turns auto_inval_data on): uncached, that was a round
+# trip through the mount per 1 MiB read, which halved a cold sequential read. What the cache can
+# hold back is only what fstat(2) of a file open here sees, and that came from the open anyway
+# (live.py, getattr); this mount's own writes, truncates and chmods refresh it in the kernel.
+FILE_ATTR_SECONDS = 1.0
 HIDDEN_PREFIX = ".irdmafs-"
 UNLINKED = HIDDEN_PREFIX + "unlinked-"  # + inode: the hidden name of a file unlinked while open
 TENSOR_DIR = HIDDEN_PREFIX + "model-"  # + inode: a model file's tensor directory (models.py)
@@ -132,12 +139,16 @@ def writes(flags: int) -> bool:
     return bool(flags & WRITE_FLAGS)
 
 
+def write_only(flags: int) -> bool:
+    return flags & os.O_ACCMODE == os.O_WRONLY
+
+
 def stat_of(attr: dict, f=None, ino: int | None = None, readonly: bool = False) -> dict:
     """The kernel's attributes of a namespace inode; ``f``, its ``OpenFile`` in this mount if
     open (its unflushed size shows, and a hidden name kept for an unlink does not count)."""
     mode = attr["mode"] & ~0o222 if readonly else attr["mode"]
     size = max(attr["size"], f.pending) if f else attr["size"]
-    cache = {"attr_timeout": DIR_ATTR_SECONDS} if S.S_ISDIR(mode) else {}
+    cache = {"attr_timeout": DIR_ATTR_SECONDS} if S.S_ISDIR(mode) else {"attr_timeout": FILE_ATTR_SECONDS} if S.S_ISREG(mode) else {}
     return cache | {
         "st_ino": ino or attr["ino"],
         "st_mode": mode,

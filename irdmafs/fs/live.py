@@ -21,13 +21,15 @@ import os
 import stat as S
 from typing import TYPE_CHECKING, Any
 
+import trio
+
 from .. import formats
 from ..namespace import ROOT
 from ..transport.base import RemoteError
 from . import models
 from .errors import FsError
 from .handles import FileHandle
-from .inodes import DERIVED_XATTRS, HIDDEN, RESERVED, SNAP, SUFFIX, UNLINKED, Family, is_cluster, namespace_ino, stat_of, writes
+from .inodes import DERIVED_XATTRS, HIDDEN, RESERVED, SNAP, SUFFIX, UNLINKED, Family, is_cluster, namespace_ino, stat_of, write_only, writes
 from .openfiles import OpenFiles
 from .pagecache import PageCache
 
@@ -39,9 +41,36 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+class JustLookedUp:
+    """The attributes of regular files as this mount's latest lookups fetched them, for an open
+    that follows at once. Every open by path looks its name up first (names are not cached:
+    inodes.py), so that lookup's attributes are as fresh as the open's own call for them would
+    be; taking them spares a metadata round trip per open. Older than ``FRESH`` (an open by a
+    path walked earlier, or a slow loop), the open asks as before."""
+
+    FRESH = 0.2  # seconds
+    KEEP = 256  # entries before the stale ones are swept (lookups with no open: stat, ls -l)
+
+    def __init__(self) -> None:
+        self._seen: dict[int, tuple[float, dict]] = {}
+
+    def note(self, attr: dict) -> None:
+        if not S.S_ISREG(attr["mode"]):
+            return
+        now = trio.current_time()
+        if len(self._seen) >= self.KEEP:
+            self._seen = {i: e for i, e in self._seen.items() if now - e[0] < self.FRESH}
+        self._seen[attr["ino"]] = (now, attr)
+
+    def take(self, ino: int) -> dict | None:
+        seen = self._seen.pop(ino, None)
+        return seen[1] if seen and trio.current_time() - seen[0] < self.FRESH else None
+
+
 class LiveFiles(Family):
     def __init__(self, client: "Client", files: OpenFiles, models_: models.ModelFiles, layouts: "Layouts", views: "Views") -> None:
         self.client = client
+        self.looked = JustLookedUp()  # what the last lookups fetched, for the opens that follow
         self.pages = PageCache(client)  # which files' cached pages an open keeps
         self.files = files  # what the mount knows of each file it has open
         self.models = models_  # model files: conversions, tensor directories, kept names
@@ -55,14 +84,17 @@ class LiveFiles(Family):
         return stat_of(attr, self.files.get(attr["ino"]))
 
     async def getattr(self, ino: int) -> dict:
-        # The kernel asks before every read (libfuse turns auto_inval_data on); while this
-        # mount has the file open, what the open fetched answers (close-to-open, as NFS does)
+        # The kernel asks before a read once its copy is older than FILE_ATTR_SECONDS (libfuse
+        # turns auto_inval_data on); while this mount has the file open, what the open fetched
+        # answers (close-to-open, as NFS does)
         f = self.files.get(ino)
         return self.stat(f.attr if f else await self.client.getattr(ino))
 
     async def lookup(self, parent: int, name: str) -> dict:
         try:
-            return self.stat(await self.models.entry(parent, name))
+            attr = await self.models.entry(parent, name)
+            self.looked.note(attr)
+            return self.stat(attr)
         except RemoteError as exc:
             if exc.code != "ENOENT" or not name.endswith(SUFFIX) or len(name) == len(SUFFIX):
                 raise
@@ -73,7 +105,7 @@ class LiveFiles(Family):
 
     # -- files ---------------------------------------------------------------------------------
     async def open(self, ino: int, flags: int, uid: int) -> FileHandle:
-        attr = await self.client.getattr(ino)
+        attr = self.looked.take(ino) or await self.client.getattr(ino)
         if S.S_ISDIR(attr["mode"]):
             raise FsError(errno.EISDIR)
         if flags & os.O_TRUNC and writes(flags) and attr["size"]:
@@ -81,22 +113,24 @@ class LiveFiles(Family):
             attr = await self.resize(ino, {"size": 0})
         if writes(flags):
             self.pages.forget(ino)
-            return self.file_handle(ino, attr, 0)
+            return self.file_handle(ino, attr, 0, write_only=write_only(flags))
         return self.file_handle(ino, attr, 0, pages_current=await self.pages.keep(ino, attr))
 
-    async def create(self, parent: int, name: str, mode: int, uid: int, gid: int) -> tuple[FileHandle, dict]:
+    async def create(self, parent: int, name: str, mode: int, flags: int, uid: int, gid: int) -> tuple[FileHandle, dict]:
         self.check_create(parent, name)
         attr = await self.client.create(parent, name, mode, uid, gid)
-        return self.file_handle(attr["ino"], attr, 0, name), self.stat(attr)
+        return self.file_handle(attr["ino"], attr, 0, name, write_only=write_only(flags)), self.stat(attr)
 
-    def file_handle(self, ino: int, attr: dict, snap: int, name: str = "", pages_current: bool = False) -> FileHandle:
+    def file_handle(self, ino: int, attr: dict, snap: int, name: str = "", pages_current: bool = False, write_only: bool = False) -> FileHandle:
         """A handle of a cluster file, referring to what the mount knows of it (openfiles.py);
         the attributes fetched by this open are the file's from now on (close-to-open).
-        ``pages_current``: the kernel's cached pages of it are its bytes now (pagecache.py)."""
+        ``pages_current``: the kernel's cached pages of it are its bytes now (pagecache.py);
+        ``write_only``: opened for writing only (its writes go around the page cache)."""
         f = self.files.open(ino, attr, snap)
         f.update(attr)
         slots = self.files.write_slots
-        h = FileHandle(ino, file=f, client=self.client, models=self.models, slots=slots, snap=snap, size=attr["size"], name=name, pages_current=pages_current)
+        h = FileHandle(ino, file=f, client=self.client, models=self.models, slots=slots, snap=snap, size=attr["size"], name=name)
+        h.pages_current, h.write_only = pages_current, write_only
         h.on_flushed, h.on_changed = self.detect, self.changed
         if not snap:
             f.handles.add(h)
@@ -317,6 +351,10 @@ class LiveFiles(Family):
 
     # -- extended attributes ---------------------------------------------------------------------
     async def getxattr(self, ino: int, name: str) -> bytes:
+        if not name.startswith("user."):
+            # none is ever kept (setxattr refuses them). The kernel asks for security.capability
+            # before every write(2) of a file: answered here, not with a metadata call each.
+            raise FsError(errno.ENODATA)
         attr = await self.client.getattr(*namespace_ino(ino, errno.ENODATA))
         tensor = attr.get("tensor")
         if name == "user.irdma.version":
@@ -325,7 +363,7 @@ class LiveFiles(Family):
             return tensor["dtype"].encode()
         if name == "user.irdma.shape" and tensor:
             return json.dumps(tensor["shape"]).encode()
-        if name not in attr["xattrs"] or not name.startswith("user."):  # the rest is the mount's
+        if name not in attr["xattrs"]:  # the rest is the mount's
             raise FsError(errno.ENODATA)
         return attr["xattrs"][name].encode("utf-8", "surrogateescape")
 

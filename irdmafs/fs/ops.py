@@ -21,8 +21,8 @@ from .vfs import Vfs
 
 log = logging.getLogger(__name__)
 
-ATTR_TIMEOUT = 0.0  # other mounts change files: attributes are asked for every time (see vfs.py)
-ENTRY_TIMEOUT = 0.0
+ATTR_TIMEOUT = 0.0  # unless a stat says otherwise (inodes.py: directories and files cache theirs)
+ENTRY_TIMEOUT = 0.0  # other mounts rename and unlink: every path walk looks names up again
 
 
 def fuse_errors(fn):
@@ -60,6 +60,14 @@ def entry(st: dict) -> pyfuse3.EntryAttributes:
     e.entry_timeout = st.get("entry_timeout", ENTRY_TIMEOUT)
     e.attr_timeout = st.get("attr_timeout", ATTR_TIMEOUT)
     return e
+
+
+def file_info(fh: int, h) -> pyfuse3.FileInfo:
+    """How the kernel treats an open handle's pages. keep_cache=False: the kernel drops cached
+    pages at this open (close-to-open consistency), except of files that have not changed
+    (FileHandle.keep_cache); direct_io: no page cache at all, for status files (their size
+    changes between the stat and the read) and write-only opens (FileHandle.direct)."""
+    return pyfuse3.FileInfo(fh=fh, keep_cache=getattr(h, "keep_cache", False), direct_io=getattr(h, "direct", False))
 
 
 def name_of(raw: bytes) -> str:
@@ -164,16 +172,12 @@ class Operations(pyfuse3.Operations):
     @fuse_errors
     async def open(self, inode, flags, ctx):
         fh = await self.vfs.open(inode, flags, ctx.uid)
-        h = self.vfs.handles.get(fh)
-        # keep_cache=False: the kernel drops cached pages at this open (close-to-open
-        # consistency), except of files that never change (snapshots: FileHandle.keep_cache);
-        # direct_io for status files: their size changes between the stat and the read
-        return pyfuse3.FileInfo(fh=fh, keep_cache=getattr(h, "keep_cache", False), direct_io=getattr(h, "direct", False))
+        return file_info(fh, self.vfs.handles.get(fh))
 
     @fuse_errors
     async def create(self, parent_inode, name, mode, flags, ctx):
         fh, st = await self.vfs.create(parent_inode, name_of(name), mode & 0o7777, flags, ctx.uid, ctx.gid)
-        return pyfuse3.FileInfo(fh=fh, keep_cache=False, direct_io=False), entry(st)
+        return file_info(fh, self.vfs.handles.get(fh)), entry(st)
 
     @fuse_errors
     async def read(self, fh, off, size):

@@ -141,7 +141,7 @@ class Vfs:
         return self._register(await self.family(ino).open(ino, flags, uid))
 
     async def create(self, parent: int, name: str, mode: int, flags: int, uid: int, gid: int) -> tuple[int, dict]:
-        handle, st = await self.live.create(parent, name, mode, uid, gid)
+        handle, st = await self.live.create(parent, name, mode, flags, uid, gid)
         return self._register(handle), st
 
     def handle(self, fh: int) -> Handle:

@@ -24,7 +24,7 @@ from .. import formats
 from ..util import single_exception
 from .errors import FsError
 from .handles import BufferedHandle, Handle
-from .inodes import SUFFIX, VIEW, Family, file_stat, writes
+from .inodes import FILE_ATTR_SECONDS, SUFFIX, VIEW, Family, file_stat, writes
 from .readahead import ReadAhead
 
 if TYPE_CHECKING:
@@ -155,7 +155,8 @@ class Views(Family):
     async def stat(self, ino: int, header: bytes, parts: list) -> dict:
         d = await self.client.getattr(ino & ~VIEW)
         size = len(header) + (parts[-1][0].end if parts else 0)
-        return file_stat(ino, size, d["mode"] & 0o666, d["mtime_ns"], d["uid"], d["gid"])
+        st = file_stat(ino, size, d["mode"] & 0o666, d["mtime_ns"], d["uid"], d["gid"])
+        return st | {"attr_timeout": FILE_ATTR_SECONDS}  # as a file's (inodes.py)
 
     async def getattr(self, ino: int) -> dict:
         # open for reading here: the layout made at open answers (the kernel asks per read)

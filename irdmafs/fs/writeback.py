@@ -3,7 +3,9 @@
 The kernel hands a FUSE file system writes of at most 1 MiB. Sending each as it comes and
 answering only once it is committed and replicated leaves the network idle between writes, so
 a file's writes are gathered here into runs cut at stripe boundaries, and each complete stripe
-leaves in the background, several in flight at once (bounded per mount). A write that overlaps
+leaves in the background, several in flight at once (bounded per mount). A run holds the
+writes' own buffers (``Gather``): their bytes are copied once, by the WRITE that stages them on
+the primary, not first into a run as well (a third of the mount's copying per byte written). A write that overlaps
 one still in flight waits for it, so the cluster sees overlapping writes in the order they were
 made. An error of a background write is kept and raised by every later write, read, flush and
 fsync of the file; flush and fsync wait for everything in flight, so a successful close() still
@@ -13,6 +15,8 @@ means the data is on every live replica (close-to-open consistency, as before).
 from __future__ import annotations
 
 import trio
+
+from ..transport.base import Gather
 
 # Stripes in flight per mount: with the default 4 MiB unit, 64 MiB of written data held at most.
 SLOTS = 16
@@ -28,7 +32,7 @@ class WriteBehind:
         self.unit = attr["unit"]
         self.slots = slots
         self.start = 0  # file offset of the run being gathered
-        self.run = bytearray()
+        self.run = Gather()
         self.inflight: list[tuple[int, int, trio.Event]] = []
         self.error: BaseException | None = None
 
@@ -40,16 +44,16 @@ class WriteBehind:
     async def write(self, off: int, data: bytes) -> None:
         self.check()
         if self.run and off == self.start + len(self.run):
-            self.run += data
+            self.run.append(data)
         else:
             await self._send_run()
-            self.start, self.run = off, bytearray(data)
+            self.start, self.run = off, Gather([data])
         cut = (self.start + len(self.run)) // self.unit * self.unit
         if cut > self.start:  # whole stripes are complete: send them now
-            buf, n = self.run, cut - self.start
-            self.run = buf[n:]
+            whole = self.run
+            self.run = whole.split(cut - self.start)
             start, self.start = self.start, cut
-            await self._send(start, memoryview(buf)[:n])
+            await self._send(start, whole)
 
     async def drain(self) -> None:
         """Send what is gathered and wait until nothing is in flight; raises a write's error."""
@@ -60,11 +64,11 @@ class WriteBehind:
 
     async def _send_run(self) -> None:
         if self.run:
-            buf, self.run = self.run, bytearray()
-            await self._send(self.start, memoryview(buf))
+            run, self.run = self.run, Gather()
+            await self._send(self.start, run)
 
-    async def _send(self, start: int, view: memoryview) -> None:
-        end = start + len(view)
+    async def _send(self, start: int, run: Gather) -> None:
+        end = start + len(run)
         entry = (start, end, trio.Event())
         earlier = [done for s, e, done in self.inflight if s < end and start < e]
         # In flight from now on, also while it waits below: a drain meanwhile must wait for it
@@ -79,11 +83,11 @@ class WriteBehind:
             entry[2].set()
             raise
         # A system task: it outlives the FUSE request that made it, which is the point.
-        trio.lowlevel.spawn_system_task(self._write, start, view, entry)
+        trio.lowlevel.spawn_system_task(self._write, start, run, entry)
 
-    async def _write(self, start: int, view: memoryview, entry: tuple) -> None:
+    async def _write(self, start: int, run: Gather, entry: tuple) -> None:
         try:
-            await self.client.write(self.ino, start, view, self.attr, extend=False)
+            await self.client.write(self.ino, start, run, self.attr, extend=False)
         except trio.Cancelled:
             self.error = self.error or OSError("write cancelled: the mount is shutting down")
             raise

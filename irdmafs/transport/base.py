@@ -112,6 +112,71 @@ def as_buffers(data: BufferList) -> list[memoryview]:
     return out
 
 
+class Gather:
+    """Bytes kept as the buffers they arrived in, not joined: a write-behind's run of writes.
+
+    ``len(g)`` is its size; ``g[a:b]`` is those bytes as a list of memoryviews of the buffers (a
+    ``BufferList``, what every transport's WRITE takes), with no copy. Buffers appended are
+    referenced, not copied, so they must not change afterwards (pyfuse3 hands writes over as
+    ``bytes``). Small ones (under ``SMALL``) are copied together into a buffer of their own, so a
+    run of small writes is a few large buffers and not thousands of tiny ones."""
+
+    SMALL = 256 << 10
+
+    __slots__ = ("parts", "size", "_tail")
+
+    def __init__(self, parts: Sequence[Buffer] = ()) -> None:
+        self.parts: list[Buffer] = []
+        self.size = 0
+        self._tail: bytearray | None = None  # the last part, while small writes still go into it
+        for b in parts:
+            self.append(b)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __bytes__(self) -> bytes:
+        return b"".join(self[0 : self.size])
+
+    def append(self, data: Buffer) -> None:
+        mv = memoryview(data).cast("B")
+        if not len(mv):
+            return
+        self.size += len(mv)
+        if len(mv) >= self.SMALL:
+            self.parts.append(mv)
+            self._tail = None
+        elif self._tail is not None and len(self._tail) + len(mv) <= self.SMALL:
+            self._tail += mv
+        else:
+            self._tail = bytearray(mv)
+            self.parts.append(self._tail)
+
+    def __getitem__(self, s: slice) -> list[memoryview]:
+        start, stop, step = s.indices(self.size)
+        if step != 1:
+            raise ValueError("a Gather slices with step 1 only")
+        out, pos = [], 0
+        for p in self.parts:
+            end = pos + len(p)
+            if pos >= stop:
+                break
+            if end > start:
+                if p is self._tail:
+                    self._tail = None  # viewed now: a bytearray with views cannot grow
+                out.append(memoryview(p)[max(start - pos, 0) : min(stop, end) - pos])
+            pos = end
+        return out
+
+    def split(self, n: int) -> "Gather":
+        """Keep the first ``n`` bytes here; return the rest as a new Gather (no copy)."""
+        n = min(max(n, 0), self.size)
+        rest = Gather()
+        rest.parts, rest.size = self[n : self.size], self.size - n
+        self.parts, self.size = self[0:n], n
+        return rest
+
+
 class RegionTable:
     """rkey -> Region, with the serving-side bounds and access check every transport uses."""
 

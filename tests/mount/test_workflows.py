@@ -274,6 +274,59 @@ async def test_two_mounts_see_each_others_writes(local_cluster, mount):
     assert os.listdir(a / ".snapshots") == ["s"]
 
 
+def _stats(m) -> dict:
+    return json.loads((m / ".irdma" / "stats").read_text())
+
+
+def _grew(before: dict, after: dict, group: str, key: str) -> int:
+    return after[group].get(key, 0) - before[group].get(key, 0)
+
+
+async def test_reads_and_writes_cost_no_metadata_round_trip_each(ps):
+    """The kernel asks for a file's attributes before every read(2) unless it may cache them,
+    and for its security.capability xattr before every buffered write(2): each was a request
+    through the mount per MiB (and the xattr a metadata call to a node), which halved what a
+    sequential read or write moved. The attributes are cached a moment (names are not), and
+    security.* is answered by the mount."""
+    _, m = ps
+    data = os.urandom(32 * MiB)
+    before = _stats(m)
+    fd = os.open(m / "big", os.O_RDWR | os.O_CREAT, 0o644)  # may read: buffered writes
+    for off in range(0, len(data), MiB):
+        os.pwrite(fd, data[off : off + MiB], off)
+    os.close(fd)
+    after = _stats(m)
+    assert _grew(before, after, "fuse", "write") >= 32
+    assert _grew(before, after, "control_calls_by_method", "getattr") <= 6  # not one per write
+    fd = os.open(m / "big", os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # cold: every byte from the cluster
+    got = bytearray()
+    while chunk := os.read(fd, MiB):
+        got += chunk
+    os.close(fd)
+    assert got == data
+    done = _stats(m)
+    assert _grew(after, done, "fuse", "read") >= 8
+    assert _grew(after, done, "fuse", "getattr") <= 8  # 32 read(2) calls
+
+
+async def test_a_stat_by_name_sees_another_mounts_change_while_this_one_caches_attributes(local_cluster, mount):
+    """Attributes cached by the kernel never hide another mount's change from a path walk: each
+    looks the name up again, and the answer carries the attributes (close-to-open)."""
+    lc = await local_cluster(nodes=3, replicas=2, stripe_unit=MiB)
+    a, b = mount(lc, "a"), mount(lc, "b")
+    (a / "f").write_bytes(b"x" * 1000)
+    with open(b / "f", "rb") as f:
+        assert f.read() == b"x" * 1000 and os.fstat(f.fileno()).st_size == 1000  # cached now
+        (a / "f").write_bytes(b"y" * 5000)
+        assert os.stat(b / "f").st_size == 5000  # by name: at once, while b holds it open
+    assert (b / "f").read_bytes() == b"y" * 5000
+    os.rename(a / "f", a / "g")
+    assert not (b / "f").exists() and os.stat(b / "g").st_size == 5000
+    os.truncate(a / "g", 10)
+    assert os.stat(b / "g").st_size == 10 and (b / "g").read_bytes() == b"y" * 10
+
+
 async def test_reads_never_mix_within_a_stripe(ps):
     """A reader racing another client's whole-stripe writes sees each stripe all-old or all-new.
 

@@ -14,7 +14,7 @@ from irdmafs import formats
 from irdmafs.client.client import Client
 from irdmafs.fs import inodes as I
 from irdmafs.fs import vfs as V
-from irdmafs.fs.ops import Operations
+from irdmafs.fs.ops import Operations, entry, file_info
 from irdmafs.transport.base import RemoteError
 from irdmafs.transport.memory import MemoryTransport
 
@@ -377,3 +377,33 @@ async def test_links_and_special_files_through_the_vfs_and_the_client(fs):
 
 def split_sid(ino):
     return I.split_snap(ino)[0]
+
+
+async def test_what_the_kernel_may_cache_of_a_file_and_of_its_opens(fs):
+    """A regular file's attributes are cached a moment (the kernel asks before every read(2)
+    otherwise); names are not (a path walk looks each up: close-to-open). A write-only open
+    goes around the page cache; one that may read does not. security.* names are answered
+    here: the kernel asks for security.capability before every buffered write(2)."""
+    fh, st = await fs.create(1, "f", 0o644, W, 0, 0)
+    assert file_info(fh, fs.handles.get(fh)).direct_io  # created write-only
+    await fs.write(fh, 0, b"x" * 1000)
+    await fs.release(fh)
+    ino = st["st_ino"]
+    e = entry(await fs.getattr(ino))
+    assert e.attr_timeout == I.FILE_ATTR_SECONDS > 0 and e.entry_timeout == 0
+    assert entry(await fs.lookup(1, "f")).entry_timeout == 0
+    d = await fs.mkdir(1, "d", 0o755, 0, 0)
+    assert entry(d).attr_timeout == I.DIR_ATTR_SECONDS
+    for flags, direct in ((os.O_WRONLY, True), (os.O_WRONLY | os.O_TRUNC, True), (os.O_RDWR, False), (os.O_RDONLY, False)):
+        fh = await fs.open(ino, flags)
+        assert file_info(fh, fs.handles.get(fh)).direct_io is direct, flags
+        await fs.release(fh)
+    calls = fs.client.cluster.peers.calls
+    for _ in range(5):
+        with pytest.raises(V.FsError) as err:
+            await fs.getxattr(ino, "security.capability")
+        assert err.value.errno == errno.ENODATA
+    assert fs.client.cluster.peers.calls == calls  # no metadata call for them
+    await fs.setxattr(ino, "user.k", b"v")
+    assert await fs.getxattr(ino, "user.k") == b"v"
+

@@ -27,7 +27,7 @@ class FakeClient:
             await trio.sleep(self.slow.get(offset, 0))
             if offset == self.fail_at:
                 raise RemoteError("ENOSPC", "node full")
-            self.data[offset : offset + len(view)] = view
+            self.data[offset : offset + len(view)] = bytes(view)  # a Gather of the writes' buffers
             self.writes.append((offset, len(view)))
         finally:
             self.active -= 1
