@@ -94,7 +94,7 @@ class FileHandle(Handle):
     # read or map such an open, so cached pages would serve nobody, and filling them cost the
     # writer a page allocation and a copy per byte (its kernel time was 10x that of writing
     # to the pyfuse3 ceiling). Other opens' pages of the file are dropped at their next open,
-    # as after any write (pagecache.py).
+    # as after any write (pagecache.py). Not for a set-user-ID file (inodes.write_only).
     write_only: bool = False
     _read_attr: dict = field(default_factory=dict)
     _model_lock: trio.Lock = field(default_factory=trio.Lock)

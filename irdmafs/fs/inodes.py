@@ -139,8 +139,12 @@ def writes(flags: int) -> bool:
     return bool(flags & WRITE_FLAGS)
 
 
-def write_only(flags: int) -> bool:
-    return flags & os.O_ACCMODE == os.O_WRONLY
+def write_only(flags: int, mode: int) -> bool:
+    """An open whose writes may go around the page cache (handles.py, ``FileHandle.direct``):
+    for writing only, of a file without set-user-ID or set-group-ID bits. A write that goes
+    around it leaves clearing those bits to the file system (FUSE_WRITE_KILL_SUIDGID), a flag
+    pyfuse3 does not pass on; through the page cache the kernel clears them itself."""
+    return flags & os.O_ACCMODE == os.O_WRONLY and not mode & (S.S_ISUID | S.S_ISGID)
 
 
 def stat_of(attr: dict, f=None, ino: int | None = None, readonly: bool = False) -> dict:

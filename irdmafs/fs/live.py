@@ -113,13 +113,13 @@ class LiveFiles(Family):
             attr = await self.resize(ino, {"size": 0})
         if writes(flags):
             self.pages.forget(ino)
-            return self.file_handle(ino, attr, 0, write_only=write_only(flags))
+            return self.file_handle(ino, attr, 0, write_only=write_only(flags, attr["mode"]))
         return self.file_handle(ino, attr, 0, pages_current=await self.pages.keep(ino, attr))
 
     async def create(self, parent: int, name: str, mode: int, flags: int, uid: int, gid: int) -> tuple[FileHandle, dict]:
         self.check_create(parent, name)
         attr = await self.client.create(parent, name, mode, uid, gid)
-        return self.file_handle(attr["ino"], attr, 0, name, write_only=write_only(flags)), self.stat(attr)
+        return self.file_handle(attr["ino"], attr, 0, name, write_only=write_only(flags, attr["mode"])), self.stat(attr)
 
     def file_handle(self, ino: int, attr: dict, snap: int, name: str = "", pages_current: bool = False, write_only: bool = False) -> FileHandle:
         """A handle of a cluster file, referring to what the mount knows of it (openfiles.py);

@@ -398,6 +398,10 @@ async def test_what_the_kernel_may_cache_of_a_file_and_of_its_opens(fs):
         fh = await fs.open(ino, flags)
         assert file_info(fh, fs.handles.get(fh)).direct_io is direct, flags
         await fs.release(fh)
+    await fs.setattr(ino, {"mode": S.S_IFREG | 0o4777})  # set-user-ID: the kernel clears it at a
+    fh = await fs.open(ino, os.O_WRONLY)  # write only through the page cache (pjdfstest chmod/12)
+    assert not file_info(fh, fs.handles.get(fh)).direct_io
+    await fs.release(fh)
     calls = fs.client.cluster.peers.calls
     for _ in range(5):
         with pytest.raises(V.FsError) as err:
