@@ -108,15 +108,21 @@ def gbps(nbytes: int, seconds: float) -> float:
 
 
 # -- through a mount: reads and writes with a given request size ---------------------------------
-def read_file(path: Path, nbytes: int, bs: int, buf: memoryview, flags: int = 0) -> float:
-    """Seconds to read ``path`` whole in ``bs`` requests, cold: the kernel's cached pages of it
-    are dropped first (an unchanged file keeps them across opens now: a warm read would time
-    the page cache, not the mount). The open and the close are timed, the dropping is not."""
+def drop_cached(path: Path) -> None:
+    """Drop the kernel's cached pages of ``path``: an unchanged file keeps them across opens, so
+    a read timed without this would time the page cache, not the mount."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+def read_file(path: Path, nbytes: int, bs: int, buf: memoryview, flags: int = 0, cold: bool = True) -> float:
+    """Seconds to read ``path`` whole in ``bs`` requests, cold unless told (``drop_cached``
+    first, not timed); its open and close are timed."""
+    if cold:
+        drop_cached(path)
     t0 = time.perf_counter()
     fd = os.open(path, os.O_RDONLY | flags)
     try:
@@ -284,10 +290,14 @@ def model_figures(mnt: Path, reps: int) -> dict[str, float]:
     def by_view() -> float:
         return read_file(view, size, 4 * MiB, buf)
 
+    sizes = {f: f.stat().st_size for f in files}
+
     def by_files() -> float:
+        for f in files:
+            drop_cached(f)
         t0 = time.perf_counter()
         for f in files:
-            read_file(f, f.stat().st_size, 4 * MiB, buf)
+            read_file(f, sizes[f], 4 * MiB, buf, cold=False)
         return time.perf_counter() - t0
 
     def one_tensor() -> float:
@@ -296,7 +306,7 @@ def model_figures(mnt: Path, reps: int) -> dict[str, float]:
     for fn in (by_view, by_files, one_tensor):
         fn()  # warm-up
     times = {"view": [], "files": [], "tensor": []}
-    for _ in range(reps):  # interleaved, so noise lands on each alike
+    for _ in range(2 * reps + 1):  # interleaved, so noise lands on each alike; short: more of them
         times["view"].append(by_view())
         times["files"].append(by_files())
         times["tensor"].append(one_tensor())

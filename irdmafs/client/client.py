@@ -212,6 +212,12 @@ class Client:
             raise RemoteError("EISDIR", "is a directory")
         return await self.io.read(ino, attr["size"], attr["unit"], offset, into, snap)
 
+    async def read_many(self, reads: list[tuple[int, int, memoryview, dict]]) -> None:
+        """Fill each ``into`` of (ino, offset, into, attr) from its live file, all at once (many
+        small files in a burst per node: StripeIO.read_small); each ``into`` lies within its
+        file."""
+        await self.io.read_small([(ino, attr["size"], attr["unit"], offset, into) for ino, offset, into, attr in reads])
+
     async def read(self, ino: int, offset: int, length: int, attr: dict | None = None, snap: int = 0) -> bytes:
         buf = bytearray(length)
         n = await self.read_into(ino, offset, memoryview(buf), attr, snap)

@@ -255,6 +255,43 @@ class StripeIO:
                         break
         return done
 
+    async def read_small(self, items: list[tuple[int, int, int, int, memoryview]]) -> None:
+        """Fill each ``into`` of (fid, size, unit, offset, into) from live files, many small
+        reads at once (a safetensors view's hundreds of tensors): the stripes one node serves
+        are read in two bursts (their headers, then their data, verified as ``read`` verifies
+        each), not in two round trips each. A read not at hand that way (no key cached, a hole,
+        a node lost, a stripe torn under the burst) is made by ``read``. Each ``into`` must lie
+        within its file (a short read is the caller's to cut)."""
+        slow: list[tuple[int, int, int, int, memoryview]] = []
+        groups: dict[str, list] = {}  # node -> [(key, data offset, into, item)]
+        left: dict[int, int] = {}  # item -> pieces not read yet
+        for n, (fid, size, unit, offset, into) in enumerate(items):
+            pieces = split(offset, len(into), unit)
+            homes = [self.at_hand(fid, p.idx) for p in pieces]
+            if offset + len(into) > size or any(h is None or p.offset + p.length > h[1].capacity for h, p in zip(homes, pieces)):
+                slow.append(items[n])
+                continue
+            left[n] = len(pieces)
+            for (node, key), p in zip(homes, pieces):
+                groups.setdefault(node, []).append((key, p.offset, into[p.pos : p.pos + p.length], n))
+
+        async def burst(node: str, wants: list) -> None:
+            try:
+                done = await self.read_burst(node, [w[:3] for w in wants], 0, trio.current_time())
+            except (NodeDown, AccessError):  # read finds another replica, or the key anew
+                done = [False] * len(wants)
+            for ok, w in zip(done, wants):
+                left[w[3]] -= ok
+
+        async with trio.open_nursery() as nursery:
+            for node, wants in groups.items():
+                nursery.start_soon(burst, node, wants)
+        slow += [items[n] for n, pieces in left.items() if pieces]
+        if slow:
+            async with trio.open_nursery() as nursery:
+                for fid, size, unit, offset, into in slow:
+                    nursery.start_soon(self.read, fid, size, unit, offset, into)
+
     async def read(
         self,
         fid: int,
