@@ -60,8 +60,8 @@ from bench import MiB, gbps, local_cluster, med, mounted, read_file  # noqa: E40
 
 def reads(path: Path, nbytes: int, reps: int, buf: memoryview) -> tuple[float, float]:
     """(first read, median of ``reps`` reads after it), in GB/s."""
-    first = gbps(nbytes, read_file(path, nbytes, MiB, buf))
-    again = gbps(nbytes, med([read_file(path, nbytes, MiB, buf) for _ in range(reps)]))
+    first = gbps(nbytes, read_file(path, nbytes, MiB, buf, cold=False))
+    again = gbps(nbytes, med([read_file(path, nbytes, MiB, buf, cold=False) for _ in range(reps)]))
     return first, again
 
 
@@ -76,7 +76,7 @@ def run(tmp: Path, nbytes: int, reps: int, replicas: int, bert: str = "none") ->
         f.flush()
 
     def references() -> tuple[list[float], list[float]]:
-        return [read_file(Path(shm.name), nbytes, MiB, buf) for _ in range(reps + 1)], [read_file(Path(disk.name), nbytes, MiB, buf) for _ in range(reps + 1)]
+        return [read_file(Path(shm.name), nbytes, MiB, buf, cold=False) for _ in range(reps + 1)], [read_file(Path(disk.name), nbytes, MiB, buf, cold=False) for _ in range(reps + 1)]
 
     tmpfs, local = references()
     with shm, disk, local_cluster(tmp / "ps", replicas, tmp) as lc, mounted(lc, tmp / "mnt") as mnt:
