@@ -76,7 +76,8 @@ def run(tmp: Path, nbytes: int, reps: int, replicas: int, bert: str = "none") ->
         f.flush()
 
     def references() -> tuple[list[float], list[float]]:
-        return [read_file(Path(shm.name), nbytes, MiB, buf, cold=False) for _ in range(reps + 1)], [read_file(Path(disk.name), nbytes, MiB, buf, cold=False) for _ in range(reps + 1)]
+        shm_times = [read_file(Path(shm.name), nbytes, MiB, buf, cold=False) for _ in range(reps + 1)]
+        return shm_times, [read_file(Path(disk.name), nbytes, MiB, buf, cold=False) for _ in range(reps + 1)]
 
     tmpfs, local = references()
     with shm, disk, local_cluster(tmp / "ps", replicas, tmp) as lc, mounted(lc, tmp / "mnt") as mnt:

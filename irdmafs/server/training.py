@@ -521,17 +521,31 @@ class Training:
 
     def wire_records(self, keys: set[tuple[int, int]] | None = None) -> list:
         """The push bookkeeping of every stripe that took pushes (of ``keys`` only, if given)
-        as it travels: ``[fid, idx, record]`` each."""
-        return [[fid, idx, st.record()] for (fid, idx), st in list(self.records.items()) if st.span[2] and (keys is None or (fid, idx) in keys)]
+        as it travels: ``[fid, idx, record, stamp]`` each, ``stamp`` the (tag, version) of the
+        bytes here that the record describes (None if this node holds none)."""
+        out = []
+        for (fid, idx), st in list(self.records.items()):
+            if st.span[2] and (keys is None or (fid, idx) in keys):
+                stripe = self.store.get(fid, idx)
+                out.append([fid, idx, st.record(), list(stripe.stamp) if stripe is not None else None])
+        return out
 
     async def take_records(self, records: list, mine: Callable[[int, int], bool] = lambda fid, idx: True) -> None:
         """A peer's ``wire_records`` (a resync, a hand-over's catch-up): each stripe's
-        bookkeeping for which ``mine`` holds, only if that peer has taken more pushes of it
-        (never go back: unlike ``take_replicated``, no peer here decides for this node)."""
-        for fid, idx, rec in records:
+        bookkeeping for which ``mine`` holds, only if it describes the bytes this node holds
+        (the same stamp: a record goes with its bytes, never without them) and that peer has
+        taken more pushes of it (never go back: unlike ``take_replicated``, no peer here decides
+        for this node). A peer's record of other bytes may count a push its old primary took
+        and never got acknowledged: taken with this node's bytes, which lack that push, the
+        client's retry of it was answered as a duplicate and the gradient lost (fault
+        simulator, mixed seed 1988, a primary held while it applied a push)."""
+        for fid, idx, rec, *stamp in records:
             if mine(fid, idx):
                 incoming = StripeTraining.from_record(rec)
                 async with self.stripe_locks((fid, idx)):
+                    held = self.store.get(fid, idx)
+                    if held is None or not stamp or stamp[0] is None or tuple(stamp[0]) != held.stamp:
+                        continue
                     if incoming.progress > self.records[(fid, idx)].progress:
                         self.records[(fid, idx)].restore(incoming)
 
