@@ -94,7 +94,9 @@ class FileHandle(Handle):
     # read or map such an open, so cached pages would serve nobody, and filling them cost the
     # writer a page allocation and a copy per byte (its kernel time was 10x that of writing
     # to the pyfuse3 ceiling). Other opens' pages of the file are dropped at their next open,
-    # as after any write (pagecache.py). Not for a set-user-ID file (inodes.write_only).
+    # as after any write (pagecache.py). Not for a set-user-ID file (inodes.write_only), nor
+    # when the file is open here already: kernels before 6.6 leave other opens' cached (or
+    # mapped, dirty) pages of the range as they were after a write that goes around them.
     write_only: bool = False
     _read_attr: dict = field(default_factory=dict)
     _model_lock: trio.Lock = field(default_factory=trio.Lock)
@@ -135,14 +137,17 @@ class FileHandle(Handle):
         while True:
             seen = f.writes_seen
             await f.drain()
-            if off >= self.attr["size"] and not self.dirty:
+            if off >= max(self.attr["size"], f.pending) and not self.dirty:
                 # a read from the end (O_DIRECT: the kernel does not stop it at the size it
                 # knows): another mount may have grown the file since we opened it. A read
                 # that merely runs past the end, as the last of every file's does, ends there.
                 self.file.update(await self.client.getattr(self.ino, self.snap))
             if f.writes_seen == seen:
                 break  # and no await from here until the read-ahead has started its fetches
-        attr = dict(self.attr, size=max(self.attr["size"], self.size))
+        # what this mount's other handles wrote and have not flushed counts too (drained above):
+        # a read cut at the flushed size is a short read, and the kernel then takes the file for
+        # that short, under an O_APPEND writer of it (whose next write would land there)
+        attr = dict(self.attr, size=max(self.attr["size"], self.size, f.pending))
         if self.reader is None:
             self.reader = ReadAhead(self._fetch)
         self._read_attr = attr

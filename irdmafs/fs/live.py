@@ -21,14 +21,13 @@ import os
 import stat as S
 from typing import TYPE_CHECKING, Any
 
-import trio
-
 from .. import formats
 from ..namespace import ROOT
 from ..transport.base import RemoteError
 from . import models
 from .errors import FsError
 from .handles import FileHandle
+from .lookups import Lookups
 from .inodes import DERIVED_XATTRS, HIDDEN, RESERVED, SNAP, SUFFIX, UNLINKED, Family, is_cluster, namespace_ino, stat_of, write_only, writes
 from .openfiles import OpenFiles
 from .pagecache import PageCache
@@ -41,36 +40,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class JustLookedUp:
-    """The attributes of regular files as this mount's latest lookups fetched them, for an open
-    that follows at once. Every open by path looks its name up first (names are not cached:
-    inodes.py), so that lookup's attributes are as fresh as the open's own call for them would
-    be; taking them spares a metadata round trip per open. Older than ``FRESH`` (an open by a
-    path walked earlier, or a slow loop), the open asks as before."""
-
-    FRESH = 0.2  # seconds
-    KEEP = 256  # entries before the stale ones are swept (lookups with no open: stat, ls -l)
-
-    def __init__(self) -> None:
-        self._seen: dict[int, tuple[float, dict]] = {}
-
-    def note(self, attr: dict) -> None:
-        if not S.S_ISREG(attr["mode"]):
-            return
-        now = trio.current_time()
-        if len(self._seen) >= self.KEEP:
-            self._seen = {i: e for i, e in self._seen.items() if now - e[0] < self.FRESH}
-        self._seen[attr["ino"]] = (now, attr)
-
-    def take(self, ino: int) -> dict | None:
-        seen = self._seen.pop(ino, None)
-        return seen[1] if seen and trio.current_time() - seen[0] < self.FRESH else None
-
-
 class LiveFiles(Family):
-    def __init__(self, client: "Client", files: OpenFiles, models_: models.ModelFiles, layouts: "Layouts", views: "Views") -> None:
+    def __init__(self, client: "Client", files: OpenFiles, models_: models.ModelFiles, layouts: "Layouts", views: "Views", lookups: Lookups) -> None:
         self.client = client
-        self.looked = JustLookedUp()  # what the last lookups fetched, for the opens that follow
+        self.lookups = lookups  # what the last lookups fetched, for the opens that follow
         self.pages = PageCache(client)  # which files' cached pages an open keeps
         self.files = files  # what the mount knows of each file it has open
         self.models = models_  # model files: conversions, tensor directories, kept names
@@ -92,8 +65,10 @@ class LiveFiles(Family):
 
     async def lookup(self, parent: int, name: str) -> dict:
         try:
+            begun = self.lookups.begin()
             attr = await self.models.entry(parent, name)
-            self.looked.note(attr)
+            if S.S_ISREG(attr["mode"]):
+                self.lookups.note(("attr", attr["ino"]), attr, begun)
             return self.stat(attr)
         except RemoteError as exc:
             if exc.code != "ENOENT" or not name.endswith(SUFFIX) or len(name) == len(SUFFIX):
@@ -105,7 +80,7 @@ class LiveFiles(Family):
 
     # -- files ---------------------------------------------------------------------------------
     async def open(self, ino: int, flags: int, uid: int) -> FileHandle:
-        attr = self.looked.take(ino) or await self.client.getattr(ino)
+        attr = self.lookups.take(("attr", ino)) or await self.client.getattr(ino)
         if S.S_ISDIR(attr["mode"]):
             raise FsError(errno.EISDIR)
         if flags & os.O_TRUNC and writes(flags) and attr["size"]:
@@ -113,7 +88,8 @@ class LiveFiles(Family):
             attr = await self.resize(ino, {"size": 0})
         if writes(flags):
             self.pages.forget(ino)
-            return self.file_handle(ino, attr, 0, write_only=write_only(flags, attr["mode"]))
+            alone = self.files.get(ino) is None  # no other open of it here (handles.py, write_only)
+            return self.file_handle(ino, attr, 0, write_only=alone and write_only(flags, attr["mode"]))
         return self.file_handle(ino, attr, 0, pages_current=await self.pages.keep(ino, attr))
 
     async def create(self, parent: int, name: str, mode: int, flags: int, uid: int, gid: int) -> tuple[FileHandle, dict]:

@@ -25,6 +25,7 @@ updated without awaiting in between.
 from __future__ import annotations
 
 import errno
+import functools
 import itertools
 import logging
 
@@ -37,6 +38,7 @@ from .errors import FsError
 from .handles import FileHandle, Handle
 from .inodes import HIDDEN, RANKS_DIR, SNAPSHOTS_DIR, WORK, Family
 from .live import LiveFiles
+from .lookups import Lookups
 from .openfiles import OpenFiles
 from .snapshots import Snapshots
 from .status import StatusFiles, mount_samples
@@ -45,6 +47,20 @@ from .views import Views
 from .workers import WorkerFiles
 
 log = logging.getLogger(__name__)
+
+
+def changes(fn):
+    """A VFS operation that changes the namespace: what lookups fetched before it completed may
+    be old (lookups.py), whether it succeeded or not."""
+
+    @functools.wraps(fn)
+    async def wrapper(self, *args):
+        try:
+            return await fn(self, *args)
+        finally:
+            self.lookups.changed()
+
+    return wrapper
 
 
 class Vfs:
@@ -60,8 +76,9 @@ class Vfs:
         self.streams = Streams(client, Layouts(client))  # the step streams' client and layouts
         self.layouts = self.streams.layouts
         self.door = None  # the shared-memory door (fs/door.py), when the mount serves one
-        self.views = Views(client, self.open_handles)
-        self.live = LiveFiles(client, self.files, self.models, self.layouts, self.views)
+        self.lookups = Lookups()  # what lookups just fetched, for the opens that follow
+        self.views = Views(client, self.open_handles, self.lookups)
+        self.live = LiveFiles(client, self.files, self.models, self.layouts, self.views, self.lookups)
         self.snapshots = Snapshots(client, self.models, self.live.file_handle, self.files.drain)
         self.workers = WorkerFiles(self.streams, self.models, lambda: self.door)
         figures = lambda: nodes.figures(self.client) | {"fuse": self.counters, "metrics": as_dict(mount_samples(self))}  # noqa: E731
@@ -92,6 +109,7 @@ class Vfs:
     async def readdir(self, ino: int) -> list[tuple[str, dict]]:
         return await self.family(ino).readdir(ino)
 
+    @changes
     async def setattr(self, ino: int, changes: dict) -> dict:
         return await self.family(ino).setattr(ino, changes)
 
@@ -99,21 +117,26 @@ class Vfs:
         return await self.live.readlink(ino)
 
     # -- directories -------------------------------------------------------------------------------
+    @changes
     async def mkdir(self, parent: int, name: str, mode: int, uid: int, gid: int) -> dict:
         self.layouts.forget()  # tensors may come or go
         if parent == SNAPSHOTS_DIR:
             return await self.snapshots.take(name)
         return await self.live.mkdir(parent, name, mode, uid, gid)
 
+    @changes
     async def symlink(self, parent: int, name: str, target: str, uid: int, gid: int) -> dict:
         return await self.live.symlink(parent, name, target, uid, gid)
 
+    @changes
     async def mknod(self, parent: int, name: str, mode: int, rdev: int, uid: int, gid: int) -> dict:
         return await self.live.mknod(parent, name, mode, rdev, uid, gid)
 
+    @changes
     async def link(self, ino: int, new_parent: int, new_name: str) -> dict:
         return await self.live.link(ino, new_parent, new_name)
 
+    @changes
     async def rmdir(self, parent: int, name: str) -> None:
         self.layouts.forget()  # tensors may come or go
         if parent == SNAPSHOTS_DIR:
@@ -123,10 +146,12 @@ class Vfs:
         else:
             await self.live.rmdir(parent, name)
 
+    @changes
     async def unlink(self, parent: int, name: str) -> None:
         self.layouts.forget()  # tensors may come or go
         await self.live.unlink(parent, name)
 
+    @changes
     async def rename(self, parent: int, name: str, new_parent: int, new_name: str, flags: int) -> None:
         self.layouts.forget()  # tensors may come or go
         await self.live.rename(parent, name, new_parent, new_name, flags)
@@ -140,6 +165,7 @@ class Vfs:
     async def open(self, ino: int, flags: int, uid: int = 0) -> int:
         return self._register(await self.family(ino).open(ino, flags, uid))
 
+    @changes
     async def create(self, parent: int, name: str, mode: int, flags: int, uid: int, gid: int) -> tuple[int, dict]:
         handle, st = await self.live.create(parent, name, mode, flags, uid, gid)
         return self._register(handle), st
@@ -157,10 +183,24 @@ class Vfs:
         return await self.handle(fh).write(off, data)
 
     async def flush(self, fh: int) -> None:
-        await self.handle(fh).flush()
+        h = self.handle(fh)
+        try:
+            await h.flush()
+        finally:
+            self._wrote(h)
 
     async def fsync(self, fh: int) -> None:
-        await self.handle(fh).fsync()
+        h = self.handle(fh)
+        try:
+            await h.fsync()
+        finally:
+            self._wrote(h)
+
+    def _wrote(self, h: Handle) -> None:
+        """After a flush: a handle that wrote may have changed its file (size, a tensor or a
+        model now), so what lookups fetched before may be old (lookups.py)."""
+        if getattr(h, "writes", 0) or getattr(h, "dirty", False):
+            self.lookups.changed()
 
     async def fsyncdir(self, ino: int) -> None:
         """On a ``.workers/<rank>/...`` directory: until every push this mount made for that
@@ -181,7 +221,12 @@ class Vfs:
             if isinstance(h, (PushStreamHandle, PullStreamHandle)):
                 h.close()  # its buffer serves the next step
             if isinstance(h, FileHandle):
-                await self.live.closed(h)
+                gone = h.file is not None and h.file.unlinked
+                try:
+                    await self.live.closed(h)  # the last close of a file unlinked while open: it goes
+                finally:
+                    if gone or h.writes:
+                        self.lookups.changed()
 
     # -- extended attributes and the rest ----------------------------------------------------------
     async def getxattr(self, ino: int, name: str) -> bytes:
@@ -190,6 +235,7 @@ class Vfs:
     async def listxattr(self, ino: int) -> list[str]:
         return await self.live.listxattr(ino)
 
+    @changes
     async def setxattr(self, ino: int, name: str, value: bytes | None) -> None:
         await self.live.setxattr(ino, name, value)
 

@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
-import trio
 
 from .. import formats
 from ..util import single_exception
 from .errors import FsError
 from .handles import BufferedHandle, Handle
 from .inodes import FILE_ATTR_SECONDS, SUFFIX, VIEW, Family, file_stat, writes
+from .lookups import Lookups
 from .readahead import ReadAhead
 
 if TYPE_CHECKING:
@@ -144,22 +144,12 @@ class Views(Family):
     """``VIEW | d``: ``<name>.safetensors`` beside a directory ``d`` of at least one tensor
     (when no real entry has that name): read, the model as one stream; written, applied whole."""
 
-    # How long the layout a lookup of ``X.safetensors`` made serves the open that follows it
-    # (every open by path looks the name up first: see live.JustLookedUp); read twice, it was a
-    # quarter of a view read's time for a 161-tensor model.
-    FRESH = 0.2
-
-    def __init__(self, client: "Client", opened) -> None:
+    def __init__(self, client: "Client", opened, lookups: Lookups) -> None:
         self.client = client
         self.opened = opened  # open handles of an inode, by kind
-        self._laid: dict[int, tuple[float, tuple[bytes, list]]] = {}  # model -> (when, layout)
-
-    async def _layout(self, model: int, fresh: bool = False) -> tuple[bytes, list]:
-        """The view's layout; ``fresh``: the one a lookup just made, if there is one."""
-        seen = self._laid.pop(model, None)
-        if fresh and seen and trio.current_time() - seen[0] < self.FRESH:
-            return seen[1]
-        return await layout(self.client, model)
+        # the layout a lookup of X.safetensors made, for the open that follows (lookups.py):
+        # made twice, it was a quarter of a view read's time for a 161-tensor model
+        self.lookups = lookups
 
     def owns(self, ino: int) -> bool:
         return bool(ino & VIEW)
@@ -179,21 +169,21 @@ class Views(Family):
 
     async def beside(self, parent: int, name: str) -> dict:
         """``name`` (``X.safetensors``, missing in ``parent``) as the view of directory ``X``."""
+        begun = self.lookups.begin()
         model = await self.client.lookup(parent, name[: -len(SUFFIX)])
         if not S.S_ISDIR(model["mode"]):
             raise FsError(errno.ENOENT)
-        header, parts = await self._layout(model["ino"])
+        header, parts = await layout(self.client, model["ino"])
         if not parts:  # a directory of no tensors has no model view
             raise FsError(errno.ENOENT)
-        self._laid = {m: e for m, e in self._laid.items() if trio.current_time() - e[0] < self.FRESH}
-        self._laid[model["ino"]] = (trio.current_time(), (header, parts))
+        self.lookups.note(("view", model["ino"]), (header, parts), begun)
         return await self.stat(VIEW | model["ino"], header, parts)
 
     async def open(self, ino: int, flags: int, uid: int):
         model = ino & ~VIEW
         if writes(flags):
             return ViewWriteHandle(ino, client=self.client, model=model)
-        header, parts = await self._layout(model, fresh=True)
+        header, parts = self.lookups.take(("view", model)) or await layout(self.client, model)
         return ViewReadHandle(ino, self.client, header, parts, await self.stat(ino, header, parts))
 
     async def setattr(self, ino: int, changes: dict) -> dict:

@@ -310,6 +310,22 @@ async def test_reads_and_writes_cost_no_metadata_round_trip_each(ps):
     assert _grew(after, done, "fuse", "getattr") <= 8  # 32 read(2) calls
 
 
+async def test_a_reader_sees_what_an_appender_of_this_mount_has_not_flushed_and_the_appends_stay(ps):
+    """A log appended to (O_APPEND, write-only: around the page cache) and read meanwhile in the
+    same mount: the reader gets every byte written so far, not a short read at the size last
+    flushed, after which the kernel took the file for that short and the next append landed
+    over the first bytes."""
+    _, m = ps
+    fd = os.open(m / "log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, b"a" * 5000)
+        assert (m / "log").read_bytes() == b"a" * 5000
+        os.write(fd, b"b" * 100)
+    finally:
+        os.close(fd)
+    assert (m / "log").read_bytes() == b"a" * 5000 + b"b" * 100
+
+
 async def test_a_stat_by_name_sees_another_mounts_change_while_this_one_caches_attributes(local_cluster, mount):
     """Attributes cached by the kernel never hide another mount's change from a path walk: each
     looks the name up again, and the answer carries the attributes (close-to-open)."""

@@ -398,6 +398,11 @@ async def test_what_the_kernel_may_cache_of_a_file_and_of_its_opens(fs):
         fh = await fs.open(ino, flags)
         assert file_info(fh, fs.handles.get(fh)).direct_io is direct, flags
         await fs.release(fh)
+    reader = await fs.open(ino, os.O_RDONLY)  # open here already: its pages would go stale
+    fh = await fs.open(ino, os.O_WRONLY)
+    assert not file_info(fh, fs.handles.get(fh)).direct_io
+    await fs.release(fh)
+    await fs.release(reader)
     await fs.setattr(ino, {"mode": S.S_IFREG | 0o4777})  # set-user-ID: the kernel clears it at a
     fh = await fs.open(ino, os.O_WRONLY)  # write only through the page cache (pjdfstest chmod/12)
     assert not file_info(fh, fs.handles.get(fh)).direct_io
