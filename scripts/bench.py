@@ -180,7 +180,8 @@ class Ceiling:
             raise
 
     def time(self, op: str, nbytes: int, bs: int, flags: int = 0) -> float:
-        """Seconds for one ``op`` (read|write) of ``nbytes`` in ``bs`` requests: the faster mode."""
+        """Seconds for one ``op`` (read|write) of ``nbytes`` in ``bs`` requests: the faster mode
+        (recorded for ``figures`` at the largest size only: the headline ceiling)."""
         best = []
         for mnt, _ in self.mounts.values():
             if op == "read":
@@ -188,7 +189,8 @@ class Ceiling:
             else:
                 best.append(write_file(mnt / "data", self.data[:nbytes], bs, flags))
         t = min(best)
-        self.samples.setdefault((op, bs), []).append(gbps(nbytes, t))
+        if nbytes == self.nbytes:
+            self.samples.setdefault((op, bs), []).append(gbps(nbytes, t))
         return t
 
     def figures(self) -> dict[str, float]:
@@ -204,13 +206,18 @@ class Ceiling:
 
 def interleaved(reps: int, mine, ceiling) -> tuple[float, float]:
     """Median seconds of ``mine()`` and ``ceiling()``, called in turn ``reps`` times after one
-    warm-up of each; and the ratio of their throughputs (the ceiling's median over mine)."""
+    warm-up of each, in ABBA order (what one leaves behind lands on the other alike); and the
+    ratio of their throughputs (the ceiling's median over mine)."""
     mine()
     ceiling()
     ts, cs = [], []
-    for _ in range(reps):
-        ts.append(mine())
-        cs.append(ceiling())
+    for i in range(reps):
+        if i % 2:
+            cs.append(ceiling())
+            ts.append(mine())
+        else:
+            ts.append(mine())
+            cs.append(ceiling())
     return med(ts), med(cs) / med(ts)
 
 
