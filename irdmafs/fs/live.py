@@ -27,8 +27,8 @@ from ..transport.base import RemoteError
 from . import models
 from .errors import FsError
 from .handles import FileHandle
-from .lookups import Lookups
 from .inodes import DERIVED_XATTRS, HIDDEN, RESERVED, SNAP, SUFFIX, UNLINKED, Family, is_cluster, namespace_ino, stat_of, write_only, writes
+from .lookups import Lookups
 from .openfiles import OpenFiles
 from .pagecache import PageCache
 

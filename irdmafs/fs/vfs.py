@@ -28,6 +28,7 @@ import errno
 import functools
 import itertools
 import logging
+import os
 
 from ..client import nodes
 from ..client.client import Client
@@ -36,7 +37,7 @@ from ..namespace import ROOT
 from . import models
 from .errors import FsError
 from .handles import FileHandle, Handle
-from .inodes import HIDDEN, RANKS_DIR, SNAPSHOTS_DIR, WORK, Family
+from .inodes import HIDDEN, RANKS_DIR, SNAPSHOTS_DIR, WORK, Family, writes
 from .live import LiveFiles
 from .lookups import Lookups
 from .openfiles import OpenFiles
@@ -49,7 +50,7 @@ from .workers import WorkerFiles
 log = logging.getLogger(__name__)
 
 
-def changes(fn):
+def changing(fn):
     """A VFS operation that changes the namespace: what lookups fetched before it completed may
     be old (lookups.py), whether it succeeded or not."""
 
@@ -109,7 +110,7 @@ class Vfs:
     async def readdir(self, ino: int) -> list[tuple[str, dict]]:
         return await self.family(ino).readdir(ino)
 
-    @changes
+    @changing
     async def setattr(self, ino: int, changes: dict) -> dict:
         return await self.family(ino).setattr(ino, changes)
 
@@ -117,26 +118,26 @@ class Vfs:
         return await self.live.readlink(ino)
 
     # -- directories -------------------------------------------------------------------------------
-    @changes
+    @changing
     async def mkdir(self, parent: int, name: str, mode: int, uid: int, gid: int) -> dict:
         self.layouts.forget()  # tensors may come or go
         if parent == SNAPSHOTS_DIR:
             return await self.snapshots.take(name)
         return await self.live.mkdir(parent, name, mode, uid, gid)
 
-    @changes
+    @changing
     async def symlink(self, parent: int, name: str, target: str, uid: int, gid: int) -> dict:
         return await self.live.symlink(parent, name, target, uid, gid)
 
-    @changes
+    @changing
     async def mknod(self, parent: int, name: str, mode: int, rdev: int, uid: int, gid: int) -> dict:
         return await self.live.mknod(parent, name, mode, rdev, uid, gid)
 
-    @changes
+    @changing
     async def link(self, ino: int, new_parent: int, new_name: str) -> dict:
         return await self.live.link(ino, new_parent, new_name)
 
-    @changes
+    @changing
     async def rmdir(self, parent: int, name: str) -> None:
         self.layouts.forget()  # tensors may come or go
         if parent == SNAPSHOTS_DIR:
@@ -146,12 +147,12 @@ class Vfs:
         else:
             await self.live.rmdir(parent, name)
 
-    @changes
+    @changing
     async def unlink(self, parent: int, name: str) -> None:
         self.layouts.forget()  # tensors may come or go
         await self.live.unlink(parent, name)
 
-    @changes
+    @changing
     async def rename(self, parent: int, name: str, new_parent: int, new_name: str, flags: int) -> None:
         self.layouts.forget()  # tensors may come or go
         await self.live.rename(parent, name, new_parent, new_name, flags)
@@ -163,9 +164,13 @@ class Vfs:
         return fh
 
     async def open(self, ino: int, flags: int, uid: int = 0) -> int:
-        return self._register(await self.family(ino).open(ino, flags, uid))
+        try:
+            return self._register(await self.family(ino).open(ino, flags, uid))
+        finally:
+            if flags & os.O_TRUNC and writes(flags):
+                self.lookups.changed()  # it truncated the file
 
-    @changes
+    @changing
     async def create(self, parent: int, name: str, mode: int, flags: int, uid: int, gid: int) -> tuple[int, dict]:
         handle, st = await self.live.create(parent, name, mode, flags, uid, gid)
         return self._register(handle), st
@@ -235,7 +240,7 @@ class Vfs:
     async def listxattr(self, ino: int) -> list[str]:
         return await self.live.listxattr(ino)
 
-    @changes
+    @changing
     async def setxattr(self, ino: int, name: str, value: bytes | None) -> None:
         await self.live.setxattr(ino, name, value)
 
