@@ -269,7 +269,14 @@ class Peers:
 
 class _AbortOnDown:
     """Runs an operation on a node so that it fails (NodeDown) as soon as the node is counted
-    down (``Peers.abort``), instead of waiting out its own timeout."""
+    down (``Peers.abort``), instead of waiting out its own timeout.
+
+    Its scope is cancelled by ``abort`` alone, so a cancellation it caught always raises
+    NodeDown, whatever liveness says by the time the task resumes. It raised only while the node
+    was still counted down: one that answered a heartbeat meanwhile, or that membership forgot,
+    let the cancelled operation return as if done (a call without its reply, a WRITE never
+    made, zeroed headers read as a verified read), and a node died of it rejoining
+    (``UnboundLocalError`` in ``call_on``, issue 41)."""
 
     def __init__(self, peers: Peers, name: str):
         self.peers, self.name = peers, name
@@ -284,7 +291,7 @@ class _AbortOnDown:
             handled = self.scope.__exit__(*exc)
         finally:
             self.peers._inflight[self.name].discard(self.scope)
-        if self.scope.cancelled_caught and self.peers.is_down(self.name):
+        if self.scope.cancelled_caught:
             raise NodeDown(self.name, "counted down while the operation waited")
         return handled
 

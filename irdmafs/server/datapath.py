@@ -10,7 +10,7 @@ backup), and what readers and resyncing peers ask of its stripes.
 - ``apply`` (on a backup): install what a primary sent, in version order, with the push
   bookkeeping and the optimizer state (sent ahead, held aside until then) that go with it.
 - ``stripe_info``, ``stripes``, ``snap_copy``: a stripe's region key and version, every stripe
-  held, a snapshot's copy of every live stripe.
+  held, a snapshot of every live stripe (copy-on-write: store.py).
 
 A new stripe's versions start above any earlier stripe's of the same index (the store's
 ``version_base``: ``VERSION_SHIFT``).
@@ -49,12 +49,12 @@ class DataPath:
         return {"stripes": self.store.listing()}
 
     async def rpc_snap_copy(self, snap: int) -> dict:
-        """Copy every live stripe under snapshot id ``snap`` (a snapshot's coordinator asks
+        """Freeze every live stripe under snapshot id ``snap`` (a snapshot's coordinator asks
         every node, commits frozen), only once this node serves and has caught up (EAGAIN at
         once otherwise: the snapshot is taken again): a node just named by a view copied what
         it held before its hand-over, and the snapshot read a write back old (chaos, seed 7)."""
         self.serving.require_caught_up()
-        return {"bytes": self.store.copy_snapshot(snap)}
+        return {"bytes": self.store.take_snapshot(snap)}
 
     async def rpc_stripe_info(self, fid: int, idxs: list[int], snap: int = 0, resync: bool = False) -> dict:
         """Where stripes of ``fid`` are held here, for a one-sided read. A client reads only a

@@ -149,8 +149,8 @@ class Node:
         meta, stripes = self.persist.load()
         if meta is not None:
             self.namespace.meta = Meta.restore(meta)
-        for key, raw in stripes:
-            self.store.load(key, raw)
+        for key, raw, same_as in stripes:
+            self.store.load(key, raw, same_as)
         what = "the namespace" if meta else "no namespace"
         log.info("node %s: loaded %d stripes (%d bytes) and %s from %s", self.name, len(stripes), self.store.bytes_held, what, self.persist.root)
 

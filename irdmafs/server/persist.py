@@ -48,21 +48,42 @@ class Persist:
         except FileNotFoundError:
             pass
 
+    def link(self, key: tuple[int, int, int], to: tuple[int, int, int]) -> None:
+        """``to``'s file becomes a hard link to ``key``'s (a snapshot's entry shares the live
+        stripe's memory: server/store.py). The store writes ``key``'s file anew before it
+        changes it in place, so the link keeps the bytes as they were."""
+        self.remove(to)
+        try:
+            os.link(self._path(key), self._path(to))
+        except FileNotFoundError:  # never written (an empty stripe): nothing to share yet
+            pass
+
     def save_meta(self, snapshot: dict) -> None:
         tmp = self.root / "meta.json.tmp"
         tmp.write_text(json.dumps(snapshot, separators=(",", ":")))
         os.replace(tmp, self.root / "meta.json")
 
-    def load(self) -> tuple[dict | None, list[tuple[tuple[int, int, int], bytes]]]:
-        """The namespace (None if never saved) and every stripe file's bytes."""
+    def load(self) -> tuple[dict | None, list[tuple[tuple[int, int, int], bytes | None, tuple[int, int, int] | None]]]:
+        """The namespace (None if never saved) and every stripe file: its key, and its bytes or
+        (None and) the key of an earlier file that is the same file (hard linked: a snapshot
+        sharing a live stripe's bytes). Live stripes come first."""
         meta_path = self.root / "meta.json"
         meta = json.loads(meta_path.read_text()) if meta_path.exists() else None
-        stripes = []
-        for f in sorted(self.dir.iterdir()):
+        found = []
+        for f in self.dir.iterdir():
             try:
                 fid, idx, snap = (int(x) for x in f.name.split("."))
             except ValueError:
                 log.warning("persist: %s is not a stripe file; left alone", f)
                 continue
-            stripes.append(((fid, idx, snap), f.read_bytes()))
+            found.append(((fid, idx, snap), f))
+        found.sort(key=lambda kf: (kf[0][0], kf[0][1], kf[0][2] != 0, kf[0][2]))
+        stripes: list = []
+        first: dict[tuple[int, int], tuple[int, int, int]] = {}  # (device, inode) -> the key loaded with it
+        for key, f in found:
+            st = f.stat()
+            same = first.get((st.st_dev, st.st_ino)) if st.st_nlink > 1 else None
+            if same is None:
+                first[(st.st_dev, st.st_ino)] = key
+            stripes.append((key, None if same else f.read_bytes(), same))
         return meta, stripes

@@ -15,9 +15,26 @@ coordinator). Replicas compare ``(tag, version)``: two primaries of different ep
 same version number to different bytes, and the later epoch's is the one that counts (the
 acknowledgement rule of server/replicator.py makes the earlier one unacknowledged).
 
-Stripes are keyed (file id, stripe index, snapshot id); snapshot 0 is the live data, and a
-snapshot is a local copy of every live stripe, kept on the same node, so it has the same
-placement as the stripe it copied.
+Stripes are keyed (file id, stripe index, snapshot id); snapshot 0 is the live data (ids below
+0 are a live stripe's optimizer state). A snapshot is copy-on-write, kept on the same node as the
+stripe it froze, so it has the same placement. The rules (docs/design.md, "Snapshots"):
+
+- **Taking one is metadata.** ``take_snapshot`` gives every live stripe an entry under the
+  snapshot id that is a second registration (its own rkey: ``Transport.alias_region``) of the
+  same memory; nothing is copied. The memory is counted once (``Memory``).
+- **A snapshot's bytes never change.** Before anything changes a live stripe's memory in place
+  (an install, a training step's update, a replace, a clock published), the snapshots that share
+  it move to one copy of it (``_writable``): the live stripe keeps its region and rkey, the
+  snapshots get new rkeys, and their old ones are freed, so a reader holding one gets
+  AccessError and asks again (as for a grown stripe). A live stripe that moves to a new region
+  (it grew) or is freed (unlink, truncate) leaves its memory to the snapshots sharing it: no copy.
+- **A snapshot holds what changed since.** Memory is freed when its last registration goes; a
+  copy made for several snapshots is one copy. ``used`` counts memory, not registrations.
+- **Full is an answer.** A copy that does not fit is ``NoSpace`` (ENOSPC) before the live stripe
+  is touched, naming the snapshots that hold the memory: the write fails whole, nothing changes.
+- **Persisted alike.** With ``--persist`` a snapshot's file is a hard link to the live stripe's
+  file; the live stripe's first write after it writes a new file, so the link keeps the old bytes
+  (``Persist.unlink_live``); at load, linked files share memory again.
 
 Capacity grows in GROW-byte steps up to the stripe unit; growing moves the stripe to a new region
 (new rkey), and peers holding the old rkey get AccessError and look it up again.
@@ -45,10 +62,22 @@ class NoSpace(Exception):
     """The node's capacity would be exceeded."""
 
 
+class Memory:
+    """The bytes behind one or more registrations: counted in ``Store.used`` until the last
+    registration of them is freed."""
+
+    __slots__ = ("capacity", "users")
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.users = 1
+
+
 @dataclass
 class Stripe:
-    region: Region
+    region: Region  # this entry's own registration (a snapshot's is an alias while it shares)
     tag: int = 0  # the view epoch its version was given in
+    memory: Memory | None = None  # set by the store: what ``region`` registers
 
     @property
     def stamp(self) -> tuple[int, int]:
@@ -87,8 +116,10 @@ class Store:
     ):
         self.transport = transport
         self.capacity = capacity
-        self.used = 0
+        self.used = 0  # bytes of memory held (each ``Memory`` once, however many share it)
         self.stripes: dict[tuple[int, int, int], Stripe] = {}
+        # live (fid, idx) -> the snapshot ids whose entry shares the live stripe's memory
+        self.sharers: dict[tuple[int, int], set[int]] = {}
         self.persist = persist  # a server.persist.Persist: every change written through
         # Where a new stripe's versions start: above every version an earlier stripe of the same
         # (file, index) had, freed since (a truncate), so "newer" stays "higher" for replicas and
@@ -107,43 +138,104 @@ class Store:
         if self.persist is not None:
             self.persist.write(key, self.stripes[key].region.buf, start, end)
 
-    def load(self, key: tuple[int, int, int], raw: bytes) -> None:
-        """A stripe as persisted: its region byte for byte (header, then data)."""
-        region = self._alloc(len(raw) - HEADER)
-        region.buf[:] = raw
-        self.stripes[key] = Stripe(region)
+    # -- memory and registrations --------------------------------------------------------------
+    def _alloc(self, capacity: int, why: str = "") -> tuple[Region, Memory]:
+        if self.used + capacity > self.capacity:
+            raise NoSpace(f"node full: {self.used} + {capacity} > {self.capacity} bytes{why}")
+        self.used += capacity
+        return self.transport.alloc_region(HEADER + capacity, Access.READ), Memory(capacity)
+
+    def _forget(self, key: tuple[int, int, int], stripe: Stripe) -> None:
+        """``key``'s entry and registration go (the caller removes or replaces it in
+        ``stripes``); its memory stays while another entry uses it (a snapshot)."""
+        fid, idx, snap = key
+        if snap == 0:
+            self.sharers.pop((fid, idx), None)  # they keep the memory, theirs alone now
+        elif snap > 0 and snap in self.sharers.get((fid, idx), ()):
+            self.sharers[(fid, idx)].discard(snap)
+            if not self.sharers[(fid, idx)]:
+                del self.sharers[(fid, idx)]
+        self.transport.free_region(stripe.region)
+        memory = stripe.memory
+        memory.users -= 1
+        if not memory.users:
+            self.used -= memory.capacity
+
+    def _share(self, key: tuple[int, int, int], of: Stripe) -> None:
+        """``key`` (a snapshot's) becomes an entry of ``of``'s memory under a key of its own."""
+        region = self.transport.alias_region(of.region)
+        of.memory.users += 1
+        self.stripes[key] = Stripe(region, of.tag, of.memory)
+
+    def _writable(self, fid: int, idx: int, snap: int = 0) -> None:
+        """Before ``(fid, idx, snap)``'s memory changes in place, nobody else may see it: the
+        snapshots sharing a live stripe move to one copy of it (the live stripe keeps its rkey),
+        and a snapshot's entry that shares takes a copy of its own. NoSpace before anything
+        changed if the copy does not fit."""
+        key = (fid, idx, snap)
+        stripe = self.stripes.get(key)
+        if stripe is None or stripe.memory.users == 1:
+            return
+        movers = sorted(self.sharers.get((fid, idx), ())) if snap == 0 else [snap]
+        assert movers, f"stripe {key} shares its memory with no snapshot"
+        held = f"; snapshots {movers} hold this stripe's bytes as they were" if snap == 0 else ""
+        region, memory = self._alloc(stripe.capacity, held)
+        region.buf[:] = stripe.region.buf
+        memory.users = 0
+        for s in movers:
+            old = self.stripes[(fid, idx, s)]
+            self._forget((fid, idx, s), old)
+            self.stripes[(fid, idx, s)] = Stripe(region if not memory.users else self.transport.alias_region(region), old.tag, memory)
+            memory.users += 1
+            if self.persist is not None and snap != 0:
+                self._rewrite((fid, idx, s))
+        if snap == 0 and self.persist is not None:
+            self._rewrite(key)  # the snapshots' files keep the old inode
+        self._changed()  # readers holding the snapshots' old keys look again
+
+    def _rewrite(self, key: tuple[int, int, int]) -> None:
+        """A new file for ``key``, whole: a hard link to its old one keeps the old bytes."""
+        self.persist.remove(key)
+        self._saved(key)
+
+    # -- stripes ---------------------------------------------------------------------------------
+    def load(self, key: tuple[int, int, int], raw: bytes | None, same_as: tuple[int, int, int] | None = None) -> None:
+        """A stripe as persisted: its region byte for byte (header, then data), or with
+        ``same_as`` an entry of that stripe's memory (their files were one, hard linked)."""
+        if same_as is not None and same_as in self.stripes:
+            self._share(key, self.stripes[same_as])
+            if same_as[2] == 0 and key[2] > 0:
+                self.sharers.setdefault(key[:2], set()).add(key[2])
+        else:
+            region, memory = self._alloc(len(raw) - HEADER)
+            region.buf[:] = raw
+            self.stripes[key] = Stripe(region, 0, memory)
         self._changed()
 
     def get(self, fid: int, idx: int, snap: int = 0) -> Stripe | None:
         return self.stripes.get((fid, idx, snap))
 
-    def _alloc(self, capacity: int) -> Region:
-        if self.used + capacity > self.capacity:
-            raise NoSpace(f"node full: {self.used} + {capacity} > {self.capacity} bytes")
-        self.used += capacity
-        return self.transport.alloc_region(HEADER + capacity, Access.READ)
-
-    def _free(self, region: Region) -> None:
-        self.used -= region.length - HEADER
-        self.transport.free_region(region)
-
     def ensure(self, fid: int, idx: int, needed: int, unit: int, snap: int = 0) -> Stripe:
         """The stripe, created or grown so that ``needed`` data bytes fit (at most ``unit``)."""
         if needed > unit:
             raise ValueError(f"{needed} bytes do not fit a stripe unit of {unit}")
-        stripe = self.stripes.get((fid, idx, snap))
+        key = (fid, idx, snap)
+        stripe = self.stripes.get(key)
         if stripe is not None and stripe.capacity >= needed:
             return stripe
         cap = min(unit, max(GROW, -(-needed // GROW) * GROW))
-        region = self._alloc(cap)
+        region, memory = self._alloc(cap)
         if stripe is not None:
-            # Carry data and version over; the old region dies with its rkey.
+            # Carry data and version over; the old region dies with its rkey (its memory stays
+            # with the snapshots sharing it).
             region.buf[: stripe.region.length] = stripe.region.buf
-            self._free(stripe.region)
+            self._forget(key, stripe)
             self._changed()  # the old region's readers must look again
-        stripe = Stripe(region, stripe.tag if stripe is not None else 0)
-        self.stripes[(fid, idx, snap)] = stripe
-        self._saved((fid, idx, snap))  # the file takes the new size (zeros past the old data)
+            if self.persist is not None:
+                self.persist.remove(key)  # a snapshot's link to the old file keeps it
+        stripe = Stripe(region, stripe.tag if stripe is not None else 0, memory)
+        self.stripes[key] = stripe
+        self._saved(key)  # the file takes the new size (zeros past the old data)
         return stripe
 
     def install(
@@ -154,6 +246,7 @@ class Store:
         ``version`` and ``tag`` when a primary dictates them to a backup)."""
         fresh = (fid, idx, snap) not in self.stripes
         stripe = self.ensure(fid, idx, offset + len(data), unit, snap)
+        self._writable(fid, idx, snap)
         buf = stripe.region.buf
         word = WORD.unpack_from(buf, VERSION_AT)[0]
         new = (self.version_base() + 1 if fresh else word // 2 + 1) if version is None else version
@@ -176,6 +269,7 @@ class Store:
         a step whose clock ``publish_clock`` sets later; readers see both in one header."""
         fresh = (fid, idx, 0) not in self.stripes
         stripe = self.ensure(fid, idx, offset + length, unit)
+        self._writable(fid, idx)
         buf = stripe.region.buf
         word = WORD.unpack_from(buf, VERSION_AT)[0]
         new = self.version_base() + 1 if fresh else word // 2 + 1
@@ -198,7 +292,9 @@ class Store:
     def publish_clock(self, fid: int, idx: int, clock: int) -> None:
         """Set a live stripe's clock alone: a primary's training step, once every backup holds
         it (server/training.py, ``_settle``); the data is no longer pending. Readers compare
-        the whole header before and after the data, so one that straddles this retries."""
+        the whole header before and after the data, so one that straddles this retries.
+        Snapshots sharing the stripe see the clock move: it describes the same bytes and
+        version (the step they hold, now published), and nothing reads a snapshot's clock."""
         stripe = self.stripes.get((fid, idx, 0))
         if stripe is None:  # freed meanwhile (a truncate, an unlink)
             return
@@ -208,7 +304,26 @@ class Store:
 
     def replace(self, fid: int, idx: int, data: memoryview, unit: int, version: int, snap: int = 0, clock: int = 0, tag: int = 0) -> None:
         """Set the whole stripe content (resync, or a backup found behind). ``clock`` is the
-        whole clock word: a copy of a stripe whose step is not yet published stays pending."""
+        whole clock word: a copy of a stripe whose step is not yet published stays pending. A
+        snapshot's stripe of the very stamp and clock the live stripe here has shares its memory
+        (a resync or a rebalance of a snapshot costs no copy of what is unchanged)."""
+        key = (fid, idx, snap)
+        held = self.stripes.get(key)
+        if held is not None and held.memory.users > 1:  # written whole: the others keep the old
+            self._forget(key, held)
+            del self.stripes[key]
+            if self.persist is not None:
+                self.persist.remove(key)
+        live = self.stripes.get((fid, idx, 0))
+        if snap > 0 and live is not None and live.stamp == (tag, version) and WORD.unpack_from(live.region.buf, CLOCK_AT)[0] == clock:
+            if key in self.stripes:
+                self._drop([key])
+            self._share(key, live)
+            self.sharers.setdefault((fid, idx), set()).add(snap)
+            if self.persist is not None:
+                self.persist.link((fid, idx, 0), key)
+            self._changed()
+            return
         stripe = self.ensure(fid, idx, len(data), unit, snap)
         buf = stripe.region.buf
         WORD.pack_into(buf, VERSION_AT, WORD.unpack_from(buf, VERSION_AT)[0] | 1)
@@ -218,11 +333,11 @@ class Store:
         WORD.pack_into(buf, VERSION_AT, 2 * version)
         stripe.tag = tag
         self._changed()
-        self._saved((fid, idx, snap))
+        self._saved(key)
 
     def drop(self, fid: int, from_idx: int = 0) -> int:
         """Free the live stripes ``from_idx`` and up of a file (with their optimizer state,
-        snapshot ids < 0); returns how many went."""
+        snapshot ids < 0); returns how many went. Snapshots sharing them keep their bytes."""
         return self._drop([k for k in self.stripes if k[0] == fid and k[1] >= from_idx and k[2] <= 0])
 
     def drop_snapshot(self, snap: int) -> int:
@@ -235,7 +350,7 @@ class Store:
     def _drop(self, keys: list) -> int:
         try:
             for key in keys:
-                self._free(self.stripes.pop(key).region)
+                self._forget(key, self.stripes.pop(key))
                 if self.persist is not None:
                     self.persist.remove(key)
         finally:
@@ -243,21 +358,19 @@ class Store:
                 self._changed()
         return len(keys)
 
-    def copy_snapshot(self, snap: int) -> int:
-        """Copy every live stripe (data and version word) under snapshot id ``snap``, in place of
-        any copy held under it (an attempt whose coordinator died before the snapshot was
-        named); returns the bytes copied. Synchronous: nothing can commit in between."""
+    def take_snapshot(self, snap: int) -> int:
+        """Freeze every live stripe under snapshot id ``snap``, copying nothing: each gets an
+        entry of its memory under a key of its own (in place of any entry held under ``snap``:
+        an attempt whose coordinator died before the snapshot was named); returns the bytes
+        frozen. Synchronous: nothing can commit in between."""
         self._drop([k for k in self.stripes if k[2] == snap])
         live = [(k, s) for k, s in self.stripes.items() if k[2] == 0]
-        need = sum(s.capacity for _, s in live)
-        if self.used + need > self.capacity:
-            raise NoSpace(f"snapshot needs {need} bytes; node has {self.capacity - self.used} free")
-        for (fid, idx, _), s in live:
-            region = self._alloc(s.capacity)
-            region.buf[:] = s.region.buf
-            self.stripes[(fid, idx, snap)] = Stripe(region, s.tag)
-            self._saved((fid, idx, snap))
-        return need
+        for (fid, idx, _), stripe in live:
+            self._share((fid, idx, snap), stripe)
+            self.sharers.setdefault((fid, idx), set()).add(snap)
+            if self.persist is not None:
+                self.persist.link((fid, idx, 0), (fid, idx, snap))
+        return sum(s.capacity for _, s in live)
 
     def listing(self) -> list[list[int]]:
         """Every stripe held: [fid, idx, snap, version, capacity, tag]."""
@@ -266,3 +379,10 @@ class Store:
     @property
     def bytes_held(self) -> int:
         return self.used
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """Memory only snapshots hold: what changed (or went) since they were taken."""
+        live = {id(s.memory) for k, s in self.stripes.items() if k[2] <= 0}
+        held = {id(s.memory): s.memory.capacity for k, s in self.stripes.items() if k[2] > 0 and id(s.memory) not in live}
+        return sum(held.values())

@@ -308,6 +308,13 @@ class Transport(abc.ABC):
         """A new zeroed region this transport will serve."""
         return self.regions.add(page_aligned(nbytes), access)
 
+    def alias_region(self, region: Region) -> Region:
+        """Another registration of ``region``'s memory, under a key of its own and with its
+        access: the same bytes through both keys. Each is freed on its own (``free_region``);
+        a freed key answers AccessError while the other still reads, and the memory lives while
+        any registration of it does (a snapshot shares a live stripe this way: server/store.py)."""
+        return self.regions.add(region.buf, region.access)
+
     def free_region(self, region: Region) -> None:
         self.regions.remove(region.rkey)
 

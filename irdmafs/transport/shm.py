@@ -300,13 +300,16 @@ class ShmTransport(TcpTransport):
         self.socket_name = f"irdmafs-shm-{secrets.token_hex(12)}"
 
     # -- regions -------------------------------------------------------------------------------
-    def alloc_region(self, nbytes: int, access: Access) -> Region:
+    def _take_slot(self) -> int:
         if self._free_slots:
-            slot = self._free_slots.pop()
-        elif self._next_slot < TABLE_SLOTS:
+            return self._free_slots.pop()
+        if self._next_slot < TABLE_SLOTS:
             slot, self._next_slot = self._next_slot, self._next_slot + 1
-        else:
-            raise MemoryError(f"more than {TABLE_SLOTS - 1} regions")
+            return slot
+        raise MemoryError(f"more than {TABLE_SLOTS - 1} regions")
+
+    def alloc_region(self, nbytes: int, access: Access) -> Region:
+        slot = self._take_slot()
         fd, m = _memfd(nbytes, "irdmafs-region")
         if not access & Access.WRITE:  # nobody else may ever map it writable
             seals = F_SEAL_FUTURE_WRITE | F_SEAL_SHRINK | F_SEAL_GROW
@@ -318,6 +321,16 @@ class ShmTransport(TcpTransport):
         self._slot_of[region.rkey] = slot
         self._table[slot] = region.rkey
         return region
+
+    def alias_region(self, region: Region) -> Region:
+        """A second key of the same memfd (a descriptor of its own, a slot of its own): peers
+        map the same pages, and freeing either key zeroes only its slot."""
+        slot = self._take_slot()
+        alias = self.regions.add(region.buf, region.access)
+        self._fds[alias.rkey] = os.dup(self._fds[region.rkey])
+        self._slot_of[alias.rkey] = slot
+        self._table[slot] = alias.rkey
+        return alias
 
     def free_region(self, region: Region) -> None:
         super().free_region(region)

@@ -47,6 +47,7 @@ from .base import (
     TimeoutError,
     as_buffers,
     notify_by_call,
+    page_aligned,
     serve_imm_call,
 )
 from .tcp import TcpConnection, TcpTransport
@@ -112,10 +113,14 @@ class _Device:
         self.port_attr = self.ctx.query_port(PORT)
         self.gid = self.ctx.query_gid(PORT, GID_INDEX)
 
-    def register(self, length: int, remote: int):
+    def register(self, length: int, remote: int, address: int | None = None):
+        """An MR of ``length`` bytes; at ``address`` (memory this process owns and keeps
+        alive), or over a buffer pyverbs allocates and frees with it."""
         from pyverbs.mr import MR
 
-        return MR(self.pd, length, self.e.IBV_ACCESS_LOCAL_WRITE | remote)
+        if address is None:
+            return MR(self.pd, length, self.e.IBV_ACCESS_LOCAL_WRITE | remote)
+        return MR(self.pd, length, self.e.IBV_ACCESS_LOCAL_WRITE | remote, address=address)
 
     def new_qp(self):
         from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
@@ -338,10 +343,22 @@ class VerbsTransport(TcpTransport):
 
     # -- regions -------------------------------------------------------------------------------
     def alloc_region(self, nbytes: int, access: Access) -> Region:
+        """Memory this process owns (an anonymous mapping, page-aligned), registered: the
+        memory outlives the MR while an alias (``alias_region``) still uses it."""
+        buf = page_aligned(max(nbytes, 1))
+        return self._register(buf[:nbytes], access)
+
+    def alias_region(self, region: Region) -> Region:
+        """A second MR over the same memory (RDMA allows several registrations of one range):
+        its own rkey, deregistered on its own."""
+        return self._register(region.buf, region.access)
+
+    def _register(self, buf: memoryview, access: Access) -> Region:
         e = self.device.e
         remote = (e.IBV_ACCESS_REMOTE_READ if access & Access.READ else 0) | (e.IBV_ACCESS_REMOTE_WRITE if access & Access.WRITE else 0)
-        mr = self.device.register(max(nbytes, 1), remote)
-        region = self.regions.add(_view(mr.buf, nbytes), access)
+        address = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+        mr = self.device.register(max(len(buf), 1), remote, address)
+        region = self.regions.add(buf, access)
         self._mrs[region.rkey] = mr
         return region
 

@@ -36,6 +36,36 @@ async def test_read_only_region_is_readable_not_writable(served, nursery):
     assert out == before[:4096]
 
 
+async def test_an_alias_is_the_same_memory_under_a_key_of_its_own(served, nursery):
+    """``alias_region``: a second registration of a region's memory (a snapshot shares a live
+    stripe this way). Both keys read the same bytes; freeing one refuses it alone; the memory
+    lives while either key does."""
+    conn = await served.client().connect(served.host, served.port, nursery=nursery)
+    region = served.server.alloc_region(1 << 20, served.ro.access)
+    region.buf[:] = os.urandom(len(region.buf))
+    alias = served.server.alias_region(region)
+    assert alias.rkey != region.rkey and alias.length == region.length
+    out = bytearray(4096)
+    await conn.read(alias.rkey, 8192, out)
+    assert out == bytes(region.buf[8192 : 8192 + 4096])
+    region.buf[8192:8196] = b"live"  # one memory: a change through either is seen through both
+    await conn.read(alias.rkey, 8192, out)
+    assert out[:4] == b"live"
+    served.server.free_region(alias)
+    with pytest.raises(AccessError):
+        await conn.read(alias.rkey, 0, out)
+    await conn.read(region.rkey, 8192, out)  # the other key reads on
+    assert out[:4] == b"live"
+    second = served.server.alias_region(region)
+    served.server.free_region(region)  # the first key goes first: the memory stays for the alias
+    with pytest.raises(AccessError):
+        await conn.read(region.rkey, 0, out)
+    await conn.read(second.rkey, 8192, out)
+    assert out[:4] == b"live"
+    served.server.free_region(second)
+    await conn.aclose()
+
+
 async def test_scatter_gather(served, nursery):
     conn = await served.client().connect(served.host, served.port, nursery=nursery)
     parts = [os.urandom(n) for n in (1, 4096, 100_000)]

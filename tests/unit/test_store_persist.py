@@ -12,8 +12,8 @@ UNIT = 4096
 def reloaded(persist: Persist) -> Store:
     store = Store(MemoryTransport("test-token-123"), 1 << 20)
     _, stripes = persist.load()
-    for key, raw in stripes:
-        store.load(key, raw)
+    for key, raw, same_as in stripes:
+        store.load(key, raw, same_as)
     return store
 
 

@@ -1,0 +1,144 @@
+"""Copy-on-write snapshots in a node's store (server/store.py; docs/design.md, "Snapshots").
+
+Each test breaks one rule if the store breaks it: taking a snapshot copies nothing; a snapshot's
+bytes never change and its old key is refused once the live stripe moved on; a change copies a
+stripe once, for every snapshot sharing it; a freed or grown live stripe leaves its memory to the
+snapshots; a copy that does not fit is ENOSPC before anything changed; memory is counted once;
+persisted snapshots share again after a reload. Reads go through the serving side's own check
+(``RegionTable.check``), as a peer's one-sided READ would.
+"""
+
+import pytest
+
+from irdmafs.regions import HEADER
+from irdmafs.server.persist import Persist
+from irdmafs.server.store import NoSpace, Store
+from irdmafs.transport.base import Access, AccessError
+from irdmafs.transport.memory import MemoryTransport
+
+UNIT = 64 << 10
+
+
+def store(capacity=1 << 20, persist=None) -> Store:
+    return Store(MemoryTransport("test-token-123"), capacity, persist)
+
+
+def remote_read(s: Store, fid: int, idx: int, snap: int = 0, n: int = 8) -> bytes:
+    """What a peer reads through the key ``stripe_info`` hands out now."""
+    rkey = s.get(fid, idx, snap).region.rkey
+    return bytes(s.transport.regions.check(rkey, HEADER, n, Access.READ))
+
+
+def filled(n_stripes=4, capacity=1 << 20, persist=None) -> Store:
+    s = store(capacity, persist)
+    for i in range(n_stripes):
+        s.install(1, i, 0, memoryview(bytes([65 + i]) * UNIT), UNIT)
+    return s
+
+
+def test_taking_a_snapshot_copies_nothing_and_gives_keys_of_its_own():
+    s = filled()
+    used = s.used
+    assert s.take_snapshot(7) == 4 * UNIT
+    assert s.used == used and s.snapshot_bytes == 0
+    for i in range(4):
+        live, snap = s.get(1, i), s.get(1, i, 7)
+        assert snap.region.rkey != live.region.rkey
+        assert snap.version == live.version
+        assert remote_read(s, 1, i, 7) == bytes([65 + i]) * 8
+
+
+def test_a_write_after_a_snapshot_copies_that_stripe_once_and_its_old_key_is_refused():
+    s = filled()
+    s.take_snapshot(7)
+    s.take_snapshot(8)
+    live_key = s.get(1, 2).region.rkey
+    old_snap_key = s.get(1, 2, 7).region.rkey
+    used = s.used
+    s.install(1, 2, 0, memoryview(b"new!"), UNIT)
+    assert s.used == used + UNIT, "one copy for both snapshots"
+    assert s.snapshot_bytes == UNIT
+    assert s.get(1, 2).region.rkey == live_key, "the live stripe keeps its key"
+    assert remote_read(s, 1, 2) == b"new!CCCC"
+    for snap in (7, 8):
+        assert remote_read(s, 1, 2, snap) == b"CCCCCCCC"
+        assert s.get(1, 2, snap).version == 1
+    with pytest.raises(AccessError):
+        s.transport.regions.check(old_snap_key, 0, 8, Access.READ)
+    s.install(1, 2, 0, memoryview(b"more"), UNIT)  # the second write copies nothing
+    assert s.used == used + UNIT
+    assert remote_read(s, 1, 3, 7) == b"DDDDDDDD"  # the others still share
+    s.drop_snapshot(7)
+    assert s.used == used + UNIT  # snapshot 8 still holds the copy
+    s.drop_snapshot(8)
+    assert s.used == used and s.snapshot_bytes == 0
+
+
+def test_a_training_step_in_place_is_a_change_like_any_other():
+    s = filled()
+    s.take_snapshot(3)
+    s.update(1, 0, 0, 4, UNIT, lambda view: view.__setitem__(slice(None), b"step"), pending=True)
+    assert remote_read(s, 1, 0) == b"stepAAAA"
+    assert remote_read(s, 1, 0, 3) == b"AAAAAAAA"
+    assert not s.get(1, 0, 3).pending
+
+
+def test_a_freed_or_grown_live_stripe_leaves_its_memory_to_the_snapshot():
+    s = store()
+    s.install(1, 0, 0, memoryview(b"a" * 1000), UNIT)  # smaller than the unit: it grows later
+    s.install(1, 1, 0, memoryview(b"b" * UNIT), UNIT)
+    s.take_snapshot(5)
+    used = s.used
+    small = s.get(1, 0).capacity
+    s.install(1, 0, 60000, memoryview(b"c" * 100), UNIT)  # grows into a new region
+    assert s.used == used + s.get(1, 0).capacity, "the grown stripe's region, and no copy"
+    assert remote_read(s, 1, 0, 5) == b"aaaaaaaa" and s.get(1, 0, 5).capacity == small
+    s.drop(1)  # unlink: the live stripes go, the snapshot keeps their bytes
+    assert s.get(1, 0) is None and s.get(1, 1) is None
+    assert remote_read(s, 1, 1, 5) == b"bbbbbbbb"
+    assert s.used == used
+    s.drop_snapshot(5)
+    assert s.used == 0 and not s.stripes and not s.sharers
+
+
+def test_a_copy_that_does_not_fit_is_no_space_and_changes_nothing():
+    s = filled(n_stripes=4, capacity=4 * UNIT)
+    s.take_snapshot(2)
+    version = s.get(1, 1).version
+    with pytest.raises(NoSpace, match="snapshots \\[2\\] hold"):
+        s.install(1, 1, 0, memoryview(b"zzzz"), UNIT)
+    assert remote_read(s, 1, 1) == b"BBBBBBBB" and s.get(1, 1).version == version
+    assert remote_read(s, 1, 1, 2) == b"BBBBBBBB"
+    s.drop_snapshot(2)
+    s.install(1, 1, 0, memoryview(b"zzzz"), UNIT)  # room again once the snapshot went
+    assert remote_read(s, 1, 1) == b"zzzzBBBB"
+
+
+def test_a_snapshot_stripe_of_the_live_stamp_is_shared_not_copied():
+    """A resync or rebalance bringing a snapshot's stripe that is the live one here."""
+    s = filled(n_stripes=1)
+    live = s.get(1, 0)
+    used = s.used
+    s.replace(1, 0, memoryview(bytes(live.data)), UNIT, live.version, snap=9, clock=0, tag=live.tag)
+    assert s.used == used and 9 in s.sharers[(1, 0)]
+    s.replace(1, 0, memoryview(b"x" * 10), UNIT, live.version + 5, snap=9, clock=0, tag=live.tag)  # another stamp: its own
+    assert s.used == used + s.get(1, 0, 9).capacity
+    assert remote_read(s, 1, 0) == b"AAAAAAAA" and remote_read(s, 1, 0, 9) == b"xxxxxxxx"
+
+
+def test_persisted_snapshots_share_again_after_a_reload(tmp_path):
+    persist = Persist(tmp_path)
+    s = filled(n_stripes=3, persist=persist)
+    s.take_snapshot(4)
+    s.install(1, 0, 0, memoryview(b"live"), UNIT)
+    s.drop(1, 2)  # the last stripe freed live, kept by the snapshot
+    back = store()
+    _, stripes = persist.load()
+    for key, raw, same_as in stripes:
+        back.load(key, raw, same_as)
+    assert back.used == s.used == 4 * UNIT  # 2 live (one shared), 1 copy, 1 kept by the snapshot alone
+    assert remote_read(back, 1, 0) == b"liveAAAA" and remote_read(back, 1, 0, 4) == b"AAAAAAAA"
+    assert remote_read(back, 1, 1, 4) == b"BBBBBBBB" and back.get(1, 1, 4).memory is back.get(1, 1).memory
+    assert remote_read(back, 1, 2, 4) == b"CCCCCCCC" and back.get(1, 2) is None
+    back.install(1, 1, 0, memoryview(b"next"), UNIT)  # still copy-on-write after the reload
+    assert remote_read(back, 1, 1, 4) == b"BBBBBBBB"
