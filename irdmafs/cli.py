@@ -358,7 +358,20 @@ def cmd_status(args: argparse.Namespace) -> int:
         state = n["state"] if n.get("caught_up", True) or n["state"] != "ready" else "catching"  # ready, its hand-over not done
         cols = " ".join(f"{str(n.get(k, '-')):>{w}}" for k, w in zip(keys, widths.values()))
         print(f"{n['name']:10} {n['address']:22} {str(n.get('pid', '-')):>8} {state:8} {cols}")
+    for n in doc["nodes"]:
+        if "held" in n:
+            print(memory_line(n))
     return 0 if all(n["alive"] for n in doc["nodes"]) else 1
+
+
+def memory_line(n: dict) -> str:
+    """What holds a node's memory against its capacity (server/budget.py), and its loop's worst
+    lag; FULL once writes would get ENOSPC soon."""
+    held, cap = n["held"], n.get("capacity") or 1
+    used = sum(v for k, v in held.items() if k != "snapshots")  # snapshots' bytes are stripes too
+    parts = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in sorted(held.items()))
+    full = "  FULL: writes get ENOSPC (free space: rmdir a snapshot, delete files)" if used >= 0.95 * cap else ""
+    return f"memory {n['name']}: {used / 2**20:.0f} of {cap / 2**20:.0f} MiB ({parts} MiB); loop lag worst {n.get('loop_lag', 0):.3f} s{full}"
 
 
 def add_degraded(doc: dict) -> None:

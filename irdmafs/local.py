@@ -20,6 +20,7 @@ from pathlib import Path
 import trio
 
 from . import config as C
+from .server.budget import machine_capacity
 from .transport.base import TransportError
 from .transport.tcp import TcpTransport
 from .util import single_exception
@@ -55,6 +56,7 @@ def write_config(
     if not token.exists():
         token.write_text(secrets.token_hex(32))
         token.chmod(0o600)
+    extra.setdefault("capacity", machine_capacity(nodes))  # the nodes of this host fit in its memory
     doc = {
         "nodes": [{"name": f"n{i + 1}", "host": host, "port": p} for i, p in enumerate(free_ports(nodes, host))],
         "token_file": "token",

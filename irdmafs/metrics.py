@@ -57,7 +57,12 @@ def node_samples(node) -> list[Sample]:
         ("irdmafs_node_stripes", "gauge", "stripes held (live, snapshots, optimizer state)", {}, len(node.store.stripes)),
         ("irdmafs_node_bytes", "gauge", "bytes of stripe data held", {}, node.store.bytes_held),
         ("irdmafs_node_capacity_bytes", "gauge", "configured capacity", {}, node.cfg.capacity),
+        ("irdmafs_node_snapshot_bytes", "gauge", "memory only snapshots hold (what changed since they were taken)", {}, node.store.snapshot_bytes),
+        ("irdmafs_node_loop_lag_worst_seconds", "gauge", "the longest the node's loop ran late since start", {}, node.loop_lag.worst),
+        ("irdmafs_node_loop_lag_recent_seconds", "gauge", "the longest the node's loop ran late in the last 10 s", {}, node.loop_lag.recent),
     ]
+    for kind, nbytes in list(node.budget.held.items()):
+        s.append(("irdmafs_node_held_bytes", "gauge", "memory held against the capacity, by kind", {"kind": kind}, nbytes))
     for method, n in list(node.counters.items()):
         s.append(("irdmafs_node_calls_total", "counter", "control calls served, by method", {"method": method}, n))
     for op, (count, nbytes) in list(node.transport.served.items()):

@@ -13,7 +13,10 @@ if TYPE_CHECKING:
     from .client import Client
 
 # what a node's heartbeat reports that status tables show
-NODE_FIGURES = ("pid", "stripes", "bytes", "capacity", "transport", "uptime", "calls", "served_bytes", "replicas_behind", "caught_up", "degraded")
+NODE_FIGURES = (
+    *("pid", "stripes", "bytes", "capacity", "held", "loop_lag", "transport", "uptime"),
+    *("calls", "served_bytes", "replicas_behind", "caught_up", "degraded"),
+)
 
 
 def table(client: "Client") -> list[dict]:

@@ -45,6 +45,7 @@ import trio
 from ..cluster import READY, Cluster
 from ..config import NO_COORDINATOR, ClusterConfig, ConfigError, load
 from ..coord.contract import Coordinator
+from ..looplag import LoopLag
 from ..metrics import Latency, node_samples
 from ..metrics import serve as serve_metrics
 from ..notify import notify
@@ -53,6 +54,7 @@ from ..transport.base import RemoteError, Transport
 from ..util import keep_freed_memory
 from . import health
 from .barrier import CommitBarrier
+from .budget import Budget
 from .clocks import ClockWaits
 from .core import NodeCore
 from .datapath import VERSION_SHIFT, DataPath
@@ -93,7 +95,10 @@ class Node:
             raise ConfigError(NO_COORDINATOR)
         self.cluster.on_view.append(keeper_learns)
         self.serving = Serving(cfg, name, self.cluster, self.lease, transport.incarnation)
-        self.staging = StagingRegions(transport)
+        # every byte this node holds for others, against its capacity (budget.py)
+        self.budget = Budget(cfg.capacity)
+        self.staging = StagingRegions(transport, self.budget)
+        self.loop_lag = LoopLag()  # how late this node's loop runs (looplag.py)
         self.stripe_locks = KeyedLocks()
         # a snapshot's freeze (token "<node>:<id>") lifts once the view no longer names its
         # coordinator active; a rebalance's ("rebalance:...") only by its thaw or its deadline
@@ -109,7 +114,7 @@ class Node:
         # has applied the truncate before the write that recreates the stripe is sent.
         # Versions a primary gives are tagged with its view epoch (store.py: replicas compare both).
         self.store = Store(
-            transport, cfg.capacity, self.persist, version_base=lambda: self.namespace.meta.seq << VERSION_SHIFT, epoch=lambda: self.cluster.view_epoch
+            transport, self.budget, self.persist, version_base=lambda: self.namespace.meta.seq << VERSION_SHIFT, epoch=lambda: self.cluster.view_epoch
         )
         core = NodeCore(name, cfg, self.cluster, self.store, self.stripe_locks, self.serving)
         self.training = Training(core, lambda: self.namespace.meta, self.barrier, self.replicator, self.staging, self.latency)
@@ -165,6 +170,7 @@ class Node:
             self.cluster.heartbeat_args["owner"] = self.replicator.slots.owner
             nursery.start_soon(self.cluster.heartbeat_loop)
             nursery.start_soon(self.staging.expire_loop)
+            nursery.start_soon(self.loop_lag.run)
             nursery.start_soon(self.lease.run)
             task_status.started(address)
             await self.membership.join()
@@ -251,6 +257,8 @@ class Node:
             "stripes": len(self.store.stripes),
             "bytes": self.store.bytes_held,
             "capacity": self.cfg.capacity,
+            "held": dict(self.budget.held, snapshots=self.store.snapshot_bytes),  # what holds the memory (budget.py)
+            "loop_lag": round(self.loop_lag.worst, 4),
             "transport": self.transport.name,
             "pid": os.getpid(),
             "incarnation": self.transport.incarnation,
@@ -292,7 +300,7 @@ class Node:
         return {"degraded": degraded, "led_bytes": sum(held[(fid, idx, 0)].capacity for fid, idx in led if (fid, idx, 0) in held)}
 
     async def rpc_statfs(self) -> dict:
-        return {"capacity": self.cfg.capacity, "used": self.store.bytes_held, "files": len(self.meta.inodes)}
+        return {"capacity": self.cfg.capacity, "used": self.budget.used, "files": len(self.meta.inodes)}
 
     # -- the commit barrier (snapshots, rebalance) -------------------------------------------
     def _freezer_gone(self, token: str) -> bool:

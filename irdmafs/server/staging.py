@@ -23,6 +23,7 @@ from typing import NamedTuple
 import trio
 
 from ..transport.base import Access, AccessError, Region, RemoteError, Transport
+from .budget import Budget, NoSpace
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +44,10 @@ class Staged(NamedTuple):
 
 
 class StagingRegions:
-    def __init__(self, transport: Transport):
+    def __init__(self, transport: Transport, budget: Budget | None = None):
+        """``budget``: the node's (budget.py): staging counts against its capacity."""
         self.transport = transport
+        self.budget = budget if budget is not None else Budget(1 << 62)
         self.by_owner: dict[str, list] = defaultdict(list)
         self.owner_seen: dict[str, float] = {}  # owner -> when last heard (trio clock)
         self.draining: list[tuple[float, Region]] = []  # (when replaced, region): freed later
@@ -61,10 +64,14 @@ class StagingRegions:
                 self.transport.regions.remove(old.rkey)  # refused from now on; freed later
                 self.draining.append((trio.current_time(), old))
             while len(self.draining) > MAX_DRAINING:  # an owner replacing in a loop: the oldest go now
-                self.transport.free_region(self.draining.pop(0)[1])
+                self._free(self.draining.pop(0)[1])
         held = sum(r.length for r in self.by_owner[owner])
         if held + size > MAX_STAGING_PER_OWNER:
             raise RemoteError("ENOSPC", f"owner {owner} holds {held} bytes of staging already")
+        try:
+            self.budget.take("staging", size, f"; staging for {owner}")
+        except NoSpace as exc:
+            raise RemoteError("ENOSPC", str(exc)) from None
         region = self.transport.alloc_region(size, Access.WRITE)
         self.by_owner[owner].append(region)
         self.seen(owner)
@@ -72,8 +79,12 @@ class StagingRegions:
 
     def release(self, owner: str) -> None:
         for region in self.by_owner.pop(owner, []):
-            self.transport.free_region(region)
+            self._free(region)
         self.owner_seen.pop(owner, None)
+
+    def _free(self, region: Region) -> None:
+        self.transport.free_region(region)
+        self.budget.give("staging", region.length)
 
     def seen(self, owner: str) -> None:
         """``owner`` was heard from: its regions stay leased."""
@@ -85,7 +96,7 @@ class StagingRegions:
             await trio.sleep(min(STAGING_LEASE / 4, 5.0))
             now = trio.current_time()
             while self.draining and now - self.draining[0][0] > STAGING_LEASE:
-                self.transport.free_region(self.draining.pop(0)[1])
+                self._free(self.draining.pop(0)[1])
             for owner in [o for o in self.by_owner if now - self.owner_seen.get(o, now) > STAGING_LEASE]:
                 log.info("staging of %s freed: not heard from in %.0f s", owner, STAGING_LEASE)
                 self.release(owner)

@@ -54,12 +54,12 @@ import trio
 
 from ..regions import CLOCK_AT, HEADER, PENDING, VERSION_AT, WORD
 from ..transport.base import Access, Region, Transport
+from .budget import Budget, NoSpace
+
+__all__ = ["Memory", "NoSpace", "Store", "Stripe"]
 
 GROW = 64 << 10
-
-
-class NoSpace(Exception):
-    """The node's capacity would be exceeded."""
+KIND = "stripes"  # what the budget counts stripe memory as
 
 
 class Memory:
@@ -112,11 +112,11 @@ class Stripe:
 
 class Store:
     def __init__(
-        self, transport: Transport, capacity: int, persist=None, version_base: Callable[[], int] = lambda: 0, epoch: Callable[[], int] = lambda: 0
+        self, transport: Transport, budget: Budget | int, persist=None, version_base: Callable[[], int] = lambda: 0, epoch: Callable[[], int] = lambda: 0
     ):
+        """``budget``: the node's (budget.py), or a capacity for a store of its own."""
         self.transport = transport
-        self.capacity = capacity
-        self.used = 0  # bytes of memory held (each ``Memory`` once, however many share it)
+        self.budget = budget if isinstance(budget, Budget) else Budget(budget)
         self.stripes: dict[tuple[int, int, int], Stripe] = {}
         # live (fid, idx) -> the snapshot ids whose entry shares the live stripe's memory
         self.sharers: dict[tuple[int, int], set[int]] = {}
@@ -139,10 +139,13 @@ class Store:
             self.persist.write(key, self.stripes[key].region.buf, start, end)
 
     # -- memory and registrations --------------------------------------------------------------
+    @property
+    def used(self) -> int:
+        """Bytes of stripe memory held (each ``Memory`` once, however many share it)."""
+        return self.budget.held[KIND]
+
     def _alloc(self, capacity: int, why: str = "") -> tuple[Region, Memory]:
-        if self.used + capacity > self.capacity:
-            raise NoSpace(f"node full: {self.used} + {capacity} > {self.capacity} bytes{why}")
-        self.used += capacity
+        self.budget.take(KIND, capacity, why)
         return self.transport.alloc_region(HEADER + capacity, Access.READ), Memory(capacity)
 
     def _forget(self, key: tuple[int, int, int], stripe: Stripe) -> None:
@@ -159,7 +162,7 @@ class Store:
         memory = stripe.memory
         memory.users -= 1
         if not memory.users:
-            self.used -= memory.capacity
+            self.budget.give(KIND, memory.capacity)
 
     def _share(self, key: tuple[int, int, int], of: Stripe) -> None:
         """``key`` (a snapshot's) becomes an entry of ``of``'s memory under a key of its own."""
