@@ -368,7 +368,7 @@ def memory_line(n: dict) -> str:
     """What holds a node's memory against its capacity (server/budget.py), and its loop's worst
     lag; FULL once writes would get ENOSPC soon."""
     held, cap = n["held"], n.get("capacity") or 1
-    used = sum(v for k, v in held.items() if k != "snapshots")  # snapshots' bytes are stripes too
+    used = sum(held.values())
     parts = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in sorted(held.items()))
     full = "  FULL: writes get ENOSPC (free space: rmdir a snapshot, delete files)" if used >= 0.95 * cap else ""
     return f"memory {n['name']}: {used / 2**20:.0f} of {cap / 2**20:.0f} MiB ({parts} MiB); loop lag worst {n.get('loop_lag', 0):.3f} s{full}"

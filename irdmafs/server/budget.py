@@ -1,7 +1,7 @@
 """A PS node's memory budget: every byte it holds for others, counted against its capacity.
 
-What a node holds grows with what others ask of it: stripe data (live, what snapshots keep,
-optimizer state: ``kind`` "stripes", server/store.py) and staging regions where peers' WRITEs
+What a node holds grows with what others ask of it: stripe data (``kind`` "stripes": live and
+optimizer state; "snapshots": what only snapshots still hold, server/store.py) and staging regions where peers' WRITEs
 land (``kind`` "staging", server/staging.py). Both take from one budget, so a node answers ENOSPC
 (``NoSpace``, mapped by the node's dispatcher) with a message saying what holds the memory, before
 the kernel's OOM killer would decide instead: a node is never killed for memory. A resync or a
@@ -44,6 +44,11 @@ class Budget:
 
     def give(self, kind: str, nbytes: int) -> None:
         self.held[kind] -= nbytes
+
+    def move(self, kind: str, to: str, nbytes: int) -> None:
+        """The same bytes, counted as ``to`` now (live memory left to snapshots)."""
+        self.held[kind] -= nbytes
+        self.held[to] += nbytes
 
 
 def machine_capacity(nodes: int, meminfo: str = "/proc/meminfo", ceiling: int = 8 << 30) -> int:

@@ -257,7 +257,7 @@ class Node:
             "stripes": len(self.store.stripes),
             "bytes": self.store.bytes_held,
             "capacity": self.cfg.capacity,
-            "held": dict(self.budget.held, snapshots=self.store.snapshot_bytes),  # what holds the memory (budget.py)
+            "held": dict(self.budget.held),  # what holds the memory (budget.py)
             "loop_lag": round(self.loop_lag.worst, 4),
             "transport": self.transport.name,
             "pid": os.getpid(),

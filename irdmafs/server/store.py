@@ -59,18 +59,20 @@ from .budget import Budget, NoSpace
 __all__ = ["Memory", "NoSpace", "Store", "Stripe"]
 
 GROW = 64 << 10
-KIND = "stripes"  # what the budget counts stripe memory as
+LIVE, FROZEN = "stripes", "snapshots"  # what the budget counts stripe memory as (``Memory.kind``)
 
 
 class Memory:
-    """The bytes behind one or more registrations: counted in ``Store.used`` until the last
-    registration of them is freed."""
+    """The bytes behind one or more registrations: counted in the budget until the last
+    registration of them is freed, as ``kind``: "stripes" while a live stripe (or its optimizer
+    state) uses them, "snapshots" once only snapshots do."""
 
-    __slots__ = ("capacity", "users")
+    __slots__ = ("capacity", "users", "kind")
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, kind: str):
         self.capacity = capacity
         self.users = 1
+        self.kind = kind
 
 
 @dataclass
@@ -142,11 +144,11 @@ class Store:
     @property
     def used(self) -> int:
         """Bytes of stripe memory held (each ``Memory`` once, however many share it)."""
-        return self.budget.held[KIND]
+        return self.budget.held[LIVE] + self.budget.held[FROZEN]
 
-    def _alloc(self, capacity: int, why: str = "") -> tuple[Region, Memory]:
-        self.budget.take(KIND, capacity, why)
-        return self.transport.alloc_region(HEADER + capacity, Access.READ), Memory(capacity)
+    def _alloc(self, capacity: int, kind: str, why: str = "") -> tuple[Region, Memory]:
+        self.budget.take(kind, capacity, why)
+        return self.transport.alloc_region(HEADER + capacity, Access.READ), Memory(capacity, kind)
 
     def _forget(self, key: tuple[int, int, int], stripe: Stripe) -> None:
         """``key``'s entry and registration go (the caller removes or replaces it in
@@ -162,7 +164,10 @@ class Store:
         memory = stripe.memory
         memory.users -= 1
         if not memory.users:
-            self.budget.give(KIND, memory.capacity)
+            self.budget.give(memory.kind, memory.capacity)
+        elif snap == 0 and memory.kind == LIVE:  # snapshots alone hold it now
+            self.budget.move(LIVE, FROZEN, memory.capacity)
+            memory.kind = FROZEN
 
     def _share(self, key: tuple[int, int, int], of: Stripe) -> None:
         """``key`` (a snapshot's) becomes an entry of ``of``'s memory under a key of its own."""
@@ -182,7 +187,7 @@ class Store:
         movers = sorted(self.sharers.get((fid, idx), ())) if snap == 0 else [snap]
         assert movers, f"stripe {key} shares its memory with no snapshot"
         held = f"; snapshots {movers} hold this stripe's bytes as they were" if snap == 0 else ""
-        region, memory = self._alloc(stripe.capacity, held)
+        region, memory = self._alloc(stripe.capacity, FROZEN, held)
         region.buf[:] = stripe.region.buf
         memory.users = 0
         for s in movers:
@@ -210,7 +215,7 @@ class Store:
             if same_as[2] == 0 and key[2] > 0:
                 self.sharers.setdefault(key[:2], set()).add(key[2])
         else:
-            region, memory = self._alloc(len(raw) - HEADER)
+            region, memory = self._alloc(len(raw) - HEADER, FROZEN if key[2] > 0 else LIVE)
             region.buf[:] = raw
             self.stripes[key] = Stripe(region, 0, memory)
         self._changed()
@@ -227,7 +232,7 @@ class Store:
         if stripe is not None and stripe.capacity >= needed:
             return stripe
         cap = min(unit, max(GROW, -(-needed // GROW) * GROW))
-        region, memory = self._alloc(cap)
+        region, memory = self._alloc(cap, FROZEN if snap > 0 else LIVE)
         if stripe is not None:
             # Carry data and version over; the old region dies with its rkey (its memory stays
             # with the snapshots sharing it).
@@ -386,6 +391,4 @@ class Store:
     @property
     def snapshot_bytes(self) -> int:
         """Memory only snapshots hold: what changed (or went) since they were taken."""
-        live = {id(s.memory) for k, s in self.stripes.items() if k[2] <= 0}
-        held = {id(s.memory): s.memory.capacity for k, s in self.stripes.items() if k[2] > 0 and id(s.memory) not in live}
-        return sum(held.values())
+        return self.budget.held[FROZEN]

@@ -49,7 +49,7 @@ def test_machine_capacity_leaves_the_host_room(tmp_path):
 
 
 def test_status_names_what_holds_a_full_node():
-    line = memory_line({"name": "n1", "capacity": 100 << 20, "held": {"stripes": 97 << 20, "staging": 0, "snapshots": 40 << 20}, "loop_lag": 0.012})
+    line = memory_line({"name": "n1", "capacity": 100 << 20, "held": {"stripes": 57 << 20, "staging": 0, "snapshots": 40 << 20}, "loop_lag": 0.012})
     assert "97 of 100 MiB" in line and "snapshots 40" in line and "FULL" in line and "0.012 s" in line
     assert "FULL" not in memory_line({"name": "n1", "capacity": 100 << 20, "held": {"stripes": 10 << 20}})
 
