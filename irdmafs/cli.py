@@ -468,12 +468,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     setup_logging("irdmafs", logging.DEBUG if args.verbose else logging.INFO)
     try:
-        return args.fn(args)
+        code = args.fn(args)
+        sys.stdout.flush()  # here, not at exit: a reader gone is a BrokenPipeError caught below
+        return code
     except QuietError as exc:
         print(f"irdmafs: {exc}", file=sys.stderr)
         return exc.code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # the reader of our output went away (``irdmafs status | head``): quiet, as a Unix tool
+        # is. Not SIGPIPE's default, which would also kill ``irdmafs serve``'s node mid-write.
+        # Python flushes stdout again at exit: point it at /dev/null so that raises nothing.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool SIGPIPE ended
 
 
 if __name__ == "__main__":

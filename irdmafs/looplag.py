@@ -7,15 +7,26 @@ data must run in slices or off the loop (issue 41: at most 0.2 s). ``worst`` is 
 since start; ``recent`` the worst within the last ``WINDOW`` seconds. Shown by heartbeats,
 ``irdmafs status`` and the metrics (``irdmafs_node_loop_lag_worst_seconds``).
 
+To find what held it: ``IRDMAFS_SLOW_STEPS=0.1`` in a node's environment logs every task step
+that ran that long, with the task's name and where it stopped (``SlowSteps``, a trio instrument;
+off by default: it times every step).
+
 Concurrency: one task in the process's trio loop; readers on the same thread.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import time
+
 import trio
+
+log = logging.getLogger(__name__)
 
 INTERVAL = 0.02
 WINDOW = 10.0
+WARN = 0.2  # a lag this long is logged: the node's log then says what ran around it
 
 
 class LoopLag:
@@ -29,6 +40,8 @@ class LoopLag:
         return max((lag for when, lag in self._recent if now - when <= WINDOW), default=0.0)
 
     def observe(self, lag: float, now: float) -> None:
+        if lag >= WARN:
+            log.warning("this process's loop ran %.3f s late (something held it without yielding)", lag)
         self.worst = max(self.worst, lag)
         if lag > 0.001:
             self._recent = [(w, g) for w, g in self._recent if now - w <= WINDOW] + [(now, lag)]
@@ -39,3 +52,27 @@ class LoopLag:
             await trio.sleep_until(asked)
             now = trio.current_time()
             self.observe(now - asked, now)
+
+
+class SlowSteps(trio.abc.Instrument):
+    """Logs each task step that held the loop ``threshold`` seconds or more."""
+
+    def __init__(self, threshold: float):
+        self.threshold = threshold
+        self._began = 0.0
+
+    def before_task_step(self, task) -> None:
+        self._began = time.perf_counter()
+
+    def after_task_step(self, task) -> None:
+        took = time.perf_counter() - self._began
+        if took >= self.threshold:
+            frame = task.coro.cr_frame
+            where = f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "done"
+            log.warning("task %s held the loop %.3f s (stopped at %s)", task.name, took, where)
+
+
+def instruments() -> list[trio.abc.Instrument]:
+    """What ``trio.run`` takes for ``IRDMAFS_SLOW_STEPS`` (none when unset)."""
+    threshold = os.environ.get("IRDMAFS_SLOW_STEPS")
+    return [SlowSteps(float(threshold))] if threshold else []

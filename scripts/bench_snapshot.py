@@ -105,6 +105,15 @@ def fenced(log_dir: Path) -> int:
     return sum(len(re.findall(r"fenced", p.read_text(errors="replace"))) for p in log_dir.glob("*.log"))
 
 
+def report_slow_steps(log_dir: Path) -> None:
+    """The nodes' lines on a late loop (and, with IRDMAFS_SLOW_STEPS set, the task steps that
+    held it: looplag.py), to stderr."""
+    for p in sorted(log_dir.glob("n*.log")):
+        for line in p.read_text(errors="replace").splitlines():
+            if "held the loop" in line or "ran " in line and " late" in line:
+                print(f"{p.stem}: {line}", file=sys.stderr)
+
+
 def timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
@@ -147,6 +156,7 @@ def scale(tmp: Path, sizes: list[float], replicas: int) -> dict[str, float]:
             res["loop_lag_worst_s"] = loop_lag(lc.cfg)
             res["fenced"] = fenced(Path(logs))
             res["whole"] = int(all(s.get("caught_up") for s in nodes_status(lc.cfg)))
+            report_slow_steps(Path(logs))
         finally:
             writer.stop.set()
             writer.join()
@@ -197,8 +207,10 @@ def train(tmp: Path, model_gib: float, steps: int, replicas: int) -> dict[str, f
                 times.append(time.perf_counter() - t0)
             return times
 
+        res["loop_lag_after_publish_s"] = loop_lag(lc.cfg)
         run(2, False)  # warm: doors open, caches filled
         plain = run(steps, False)
+        res["loop_lag_after_plain_steps_s"] = loop_lag(lc.cfg)
         snap = run(steps, True)
         res["step_plain_median_s"] = round(statistics.median(plain), 3)
         res["step_snapshot_median_s"] = round(statistics.median(snap), 3)
@@ -207,6 +219,7 @@ def train(tmp: Path, model_gib: float, steps: int, replicas: int) -> dict[str, f
         res["loop_lag_worst_s"] = loop_lag(lc.cfg)
         res["fenced"] = fenced(tmp / "c")
         S.close_doors()
+        report_slow_steps(tmp / "c")
     return res
 
 

@@ -20,7 +20,8 @@
   truncated stripes are dropped with their push bookkeeping (``forget``), a change of a model's
   workers rechecks its training rounds (``recheck``).
 - A snapshot freezes commits on every live node (the commit barrier), records the namespace,
-  copies every live stripe under the snapshot id on every node, and thaws.
+  freezes every live stripe under the snapshot id on every node (copy-on-write, store.py: no
+  byte is copied), and thaws.
 - Reads of the namespace: ``lookup``, ``getattr``, ``readdir``, ``snapshots``.
 
 The namespace itself is ``meta.Meta``, a deterministic state machine; with ``--persist`` it is
@@ -147,8 +148,9 @@ class Namespace:
             raise RemoteError("ENOTPRIMARY", primary or "")
 
     async def _take_snapshot(self, op: dict) -> dict:
-        """Freeze commits on every live node, copy every live stripe on every node under the
-        snapshot id, record the snapshot in the namespace, thaw. Every commit is either wholly
+        """Freeze commits on every live node, freeze every live stripe on every node under the
+        snapshot id (copy-on-write: metadata only, store.py), record the snapshot in the
+        namespace, thaw. Every commit is either wholly
         in or out. The copies come first: a snapshot is named (and a retry of its request
         answered from the record) only once they exist. Named first, a coordinator killed
         before the copies left a snapshot that read as zeros, and the retry was told it was

@@ -45,6 +45,7 @@ import trio
 from ..cluster import READY, Cluster
 from ..config import NO_COORDINATOR, ClusterConfig, ConfigError, load
 from ..coord.contract import Coordinator
+from .. import looplag
 from ..looplag import LoopLag
 from ..metrics import Latency, node_samples
 from ..metrics import serve as serve_metrics
@@ -171,6 +172,7 @@ class Node:
             nursery.start_soon(self.cluster.heartbeat_loop)
             nursery.start_soon(self.staging.expire_loop)
             nursery.start_soon(self.loop_lag.run)
+            nursery.start_soon(self.store.reap)  # freed memory released off the loop
             nursery.start_soon(self.lease.run)
             task_status.started(address)
             await self.membership.join()
@@ -367,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     keep_freed_memory()  # stripe-sized buffers come and go every step: reuse, do not fault
     try:
-        trio.run(node.run)
+        trio.run(node.run, instruments=looplag.instruments())
     except KeyboardInterrupt:
         pass
     return 0

@@ -42,7 +42,8 @@ Capacity grows in GROW-byte steps up to the stripe unit; growing moves the strip
 ``changed`` is a trio Event set whenever a stripe's clock word may have moved or a region
 gone (server/clocks.py waits on it for the pulls that asked to be told).
 
-Concurrency: called from the node's trio thread only; nothing here awaits.
+Concurrency: called from the node's trio thread only; nothing here awaits but ``reap``, the task
+that releases freed memory off the loop.
 """
 
 from __future__ import annotations
@@ -131,6 +132,25 @@ class Store:
         # set (and renewed) whenever a stripe's header may have changed or its region gone:
         # what clock waits wait on (server/clocks.py)
         self.changed = trio.Event()
+        # memory whose last registration went, released off the loop by ``reap`` (freeing a
+        # snapshot of 800 MiB unmapped its pages for 0.12 s on the loop); inline without it
+        self.reaping = False
+        self._dying: list[memoryview] = []
+        self._dying_ready = trio.Event()
+
+    async def reap(self) -> None:
+        """Release freed memory in a worker thread (munmap releases the GIL), batch by batch,
+        for as long as it runs; the node runs it. Without it (a store of the fault simulator or
+        a test) memory is released where it is freed, so their runs stay alike."""
+        self.reaping = True
+        try:
+            while True:
+                await self._dying_ready.wait()
+                self._dying_ready = trio.Event()
+                batch, self._dying = self._dying, []
+                await trio.to_thread.run_sync(batch.clear)
+        finally:
+            self.reaping = False
 
     def _changed(self) -> None:
         self.changed.set()
@@ -165,6 +185,9 @@ class Store:
         memory.users -= 1
         if not memory.users:
             self.budget.give(memory.kind, memory.capacity)
+            if self.reaping:
+                self._dying.append(stripe.region.buf)
+                self._dying_ready.set()
         elif snap == 0 and memory.kind == LIVE:  # snapshots alone hold it now
             self.budget.move(LIVE, FROZEN, memory.capacity)
             memory.kind = FROZEN

@@ -454,3 +454,40 @@ async def test_a_live_file_keeps_its_pages_until_a_mount_or_a_training_step_chan
     np.save(a / ".workers" / "0" / "net" / "w.npy", np.ones_like(w))
     assert np.array_equal(np.load(b / "net" / "w.npy"), w - 1)
     assert os.stat(b / "net" / "w.npy").st_mtime_ns == version  # the namespace did not move
+
+
+async def test_a_snapshot_copies_nothing_until_the_live_file_changes(ps):
+    """Copy-on-write through a real mount and real nodes (docs/design.md, S1-S4): taking a
+    snapshot holds no memory of its own on any node; overwriting a file makes the snapshots hold
+    that file's stripes (R copies), once, however many snapshots share them; the snapshots still
+    read the old bytes; dropping them frees it all."""
+    from irdmafs.local import node_status
+
+    lc, m = ps
+    old, new = os.urandom(8 * MiB), os.urandom(8 * MiB)
+    (m / "ckpt").write_bytes(old)
+    (m / "other").write_bytes(os.urandom(4 * MiB))
+
+    async def held() -> dict[str, int]:
+        out: dict[str, int] = {}
+        for name in lc.cfg.names:
+            for kind, n in (await node_status(lc.cfg, name, timeout=10.0))["held"].items():
+                out[kind] = out.get(kind, 0) + n
+        return out
+
+    before = await held()
+    os.mkdir(m / ".snapshots" / "a")
+    os.mkdir(m / ".snapshots" / "b")
+    after = await held()
+    assert after.get("snapshots", 0) == 0 and after["stripes"] == before["stripes"]
+    (m / "ckpt").write_bytes(new)
+    changed = await held()
+    assert changed["snapshots"] == 2 * len(old), "each of ckpt's stripes copied once on each of R=2 nodes"
+    assert changed["stripes"] == before["stripes"]
+    for snap in ("a", "b"):
+        assert (m / ".snapshots" / snap / "ckpt").read_bytes() == old
+    assert (m / "ckpt").read_bytes() == new
+    os.rmdir(m / ".snapshots" / "a")
+    assert (await held())["snapshots"] == 2 * len(old)  # b still holds the copy
+    os.rmdir(m / ".snapshots" / "b")
+    assert (await held())["snapshots"] == 0

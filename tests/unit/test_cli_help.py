@@ -60,3 +60,19 @@ def test_irdmafs_help_lists_every_subcommand_with_one_line(capsys, monkeypatch):
     lines = out.splitlines()
     for name, text in described.items():
         assert any(ln.split() == [name, *text.split()] for ln in lines), (name, out)
+
+
+def test_a_command_whose_reader_went_away_exits_quietly(tmp_path):
+    """``irdmafs status | head -n 1``: the pipe's reader gone is no traceback (issue 44); the
+    exit code is a shell's for a tool that SIGPIPE ended."""
+    import subprocess
+    import sys
+
+    from irdmafs.local import write_config
+
+    cfg = write_config(tmp_path, 3, 2, coordinator=["http://127.0.0.1:9"])
+    proc = subprocess.Popen([sys.executable, "-m", "irdmafs.cli", "status", "--config", str(cfg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before the first line is written
+    err = proc.stderr.read().decode()
+    assert proc.wait(60) == 141, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err

@@ -142,3 +142,28 @@ def test_persisted_snapshots_share_again_after_a_reload(tmp_path):
     assert remote_read(back, 1, 2, 4) == b"CCCCCCCC" and back.get(1, 2) is None
     back.install(1, 1, 0, memoryview(b"next"), UNIT)  # still copy-on-write after the reload
     assert remote_read(back, 1, 1, 4) == b"BBBBBBBB"
+
+
+async def test_freed_memory_is_released_off_the_loop_while_the_reaper_runs():
+    """With ``reap`` running (a node), dropping a snapshot hands its memory to a worker thread:
+    the loop only unregisters. Without it, the memory goes at once, as before."""
+    import trio
+    import trio.testing
+
+    s = filled()
+    s.take_snapshot(1)
+    for i in range(4):
+        s.install(1, i, 0, memoryview(b"copy"), UNIT)  # the snapshot holds 4 copies alone
+    async with trio.open_nursery() as n:
+        n.start_soon(s.reap)
+        await trio.testing.wait_all_tasks_blocked()
+        assert s.reaping
+        s.drop_snapshot(1)
+        assert len(s._dying) == 4 and s.snapshot_bytes == 0  # handed over, not released here
+        with trio.fail_after(30):
+            while s._dying:  # until the reaper took them
+                await trio.sleep(0.001)
+        n.cancel_scope.cancel()
+    assert not s.reaping
+    s.drop(1)
+    assert not s._dying and s.used == 0  # without the reaper: released where freed
