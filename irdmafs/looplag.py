@@ -36,10 +36,12 @@ class LoopLag:
 
     @property
     def recent(self) -> float:
-        now = trio.current_time()
-        return max((lag for when, lag in self._recent if now - when <= WINDOW), default=0.0)
+        """Any thread may ask (the metrics are collected in one of their own)."""
+        now = time.monotonic()
+        return max((lag for when, lag in list(self._recent) if now - when <= WINDOW), default=0.0)
 
     def observe(self, lag: float, now: float) -> None:
+        """``lag`` seconds late at ``now`` (``time.monotonic()``)."""
         if lag >= WARN:
             log.warning("this process's loop ran %.3f s late (something held it without yielding)", lag)
         self.worst = max(self.worst, lag)
@@ -50,8 +52,7 @@ class LoopLag:
         while True:
             asked = trio.current_time() + INTERVAL
             await trio.sleep_until(asked)
-            now = trio.current_time()
-            self.observe(now - asked, now)
+            self.observe(trio.current_time() - asked, time.monotonic())
 
 
 class SlowSteps(trio.abc.Instrument):

@@ -7,7 +7,9 @@ Workers check content continuously through the mount, each in its own directory 
 a file must hold is known exactly: files of random sizes written at random offsets, truncated,
 renamed, read back byte for byte; tensors saved with ``np.save`` and loaded with ``np.load``;
 snapshots taken and read back; a training job (2 ranks, bsp, SGD, through the step streams)
-whose every pull must equal SGD's result. Meanwhile a scheduler applies faults drawn from the
+whose every pull must equal SGD's result; with ``--model-gib G``, a model of G GiB trained the
+same way while a snapshot is taken every 3 steps and copied out by ``cp -a`` and ``rsync -a``,
+every copy checked against the parameters of its step. Meanwhile a scheduler applies faults drawn from the
 seed, one at a time, waiting until the cluster has settled (every node ready and resynced)
 before the next, so never more than R-1 nodes are out at once:
 
@@ -73,6 +75,7 @@ import trio
 from irdmafs import config as C
 from irdmafs.coord.etcd_process import LocalEtcd, LocalEtcdCluster
 from irdmafs.local import LocalCluster, free_ports, wait_settled
+from irdmafs.server.budget import machine_capacity
 from irdmafs.mount import clear_dead_mount, is_mounted, mount_background, stop_background
 from irdmafs.steps import pull_arrays, push_arrays
 
@@ -554,6 +557,130 @@ class TrainingJob:
         pass  # every step was checked as it went
 
 
+class BigModelJob:
+    """A model of ``gib`` GiB (float32 tensors of 16 MiB) trained by 2 ranks (bsp, SGD) through
+    the step streams, run after run, with a snapshot taken every ``SNAP_EVERY`` steps (the one
+    before it dropped) and copied out of the mount, by ``cp -a`` and ``rsync -a`` in turn: every
+    pull must equal SGD's result and every copy the parameters at its step, tensor by tensor
+    (``--model-gib``; issue 41: a soak at a model's size). A tensor's start values are a ramp
+    that differs from stripe to stripe and from tensor to tensor, so bytes of another stripe,
+    tensor or step never pass for the right ones."""
+
+    LR, SNAP_EVERY, TENSOR = 0.01, 3, 16 * MiB
+
+    def __init__(self, tally: Tally, mnt: Path, root: Path, seed: int, gib: float, scratch: Path) -> None:
+        self.t, self.mnt, self.root, self.seed, self.scratch = tally, mnt, root, seed, scratch
+        self.names = [f"layer{i}" for i in range(max(1, int(gib * (1 << 30)) // self.TENSOR))]
+        self.runs = self.steps = self.snapshots = 0
+
+    def start(self, i: int) -> np.ndarray:
+        n = self.TENSOR // 4
+        return (np.arange(n, dtype=np.float32) % 1013) * np.float32(1e-3) + np.float32(i)
+
+    def expected(self, i: int, total: float) -> np.ndarray:
+        return self.start(i) - np.float32(self.LR * total)
+
+    def check(self, what: str, got: np.ndarray, i: int, total: float) -> bool:
+        bad = ~np.isclose(got, self.expected(i, total), rtol=0, atol=5e-4)
+        with self.t.lock:
+            self.t.checked += got.nbytes
+            self.t.lost += int(bad.sum()) * 4
+        if bad.any():
+            self.t.error(what, f"{int(bad.sum())} parameters of {self.names[i]} differ from SGD's (step total {total:g})")
+        return not bad.any()
+
+    def step(self) -> None:
+        self.runs += 1
+        d = self.root / f"big{self.runs}"
+
+        def publish() -> None:
+            os.mkdir(d)
+            for key, value in {"sync": "bsp", "workers": "2", "optimizer": f"sgd lr={self.LR}", "timeout": "120"}.items():
+                os.setxattr(d, f"user.irdma.{key}", value.encode())
+            for i, name in enumerate(self.names):
+                np.save(d / f"{name}.npy", self.start(i))
+
+        if not self.t.attempt("big_publish", publish):
+            self._drop(d, [])
+            return
+        model = str(d.relative_to(self.mnt))
+        outs = [{name: np.empty(self.TENSOR // 4, np.float32) for name in self.names} for _ in range(2)]
+        grads = [np.full(self.TENSOR // 4, 1e-3 * (r + 1), np.float32) for r in range(2)]  # one array per rank, every tensor
+        total, k, held = 0.0, 0, []
+        while not self.t.stop.is_set():
+            ok = [False, False]
+
+            def rank(r: int) -> None:
+                g = {name: grads[r] for name in self.names}
+                ok[r] = bool(self.t.attempt("big_push", lambda: push_arrays(self.mnt, model, r, g))) and bool(
+                    self.t.attempt("big_pull", lambda: pull_arrays(self.mnt, model, r, outs[r]))
+                )
+
+            threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(2)]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
+            if not all(ok):
+                break  # a fault's window: this run ends, the next publishes again
+            k += 1
+            total += 3e-3  # both ranks' gradients, summed by the PS (bsp)
+            self.steps += 1
+            if not all(self.check(f"big model {d.name} rank {r} step {k}", outs[r][name], i, total) for r in range(2) for i, name in enumerate(self.names)):
+                break
+            if k % self.SNAP_EVERY == 0 and not self.snapshot(d, k, total, held):
+                break
+        self._drop(d, held)
+
+    def snapshot(self, d: Path, k: int, total: float, held: list[str]) -> bool:
+        """One snapshot of the model after step ``k``, copied out and checked; the one before it
+        dropped."""
+        name = f"{d.name}-step{k}"
+        ok = self.t.attempt("big_snapshot", lambda: os.mkdir(self.mnt / ".snapshots" / name))
+        if ok is None and os.path.isdir(self.mnt / ".snapshots" / name):
+            held.append(name)
+        if not ok:
+            return False
+        held.append(name)
+        self.snapshots += 1
+        src = self.mnt / ".snapshots" / name / d.relative_to(self.mnt)
+        copy = self.scratch / name
+        tool = ["cp", "-a", str(src), str(copy)] if self.snapshots % 2 else ["rsync", "-a", f"{src}/", f"{copy}/"]
+        try:
+            if not self.t.attempt(f"big_copy_{tool[0]}", lambda: subprocess.run(tool, check=True, capture_output=True)):
+                return False
+            for i, n in enumerate(self.names):
+                got: list[np.ndarray] = []
+                if not self.t.attempt("big_copy_load", lambda: got.append(np.load(copy / f"{n}.npy"))):
+                    return False
+                if not self.check(f"snapshot {name} copied by {tool[0]}", got[0], i, total):
+                    return False
+        finally:
+            shutil.rmtree(copy, ignore_errors=True)
+        while len(held) > 1:
+            old = held.pop(0)
+            self.t.attempt("big_snapshot_drop", lambda: os.rmdir(self.mnt / ".snapshots" / old))
+        return True
+
+    def _drop(self, d: Path, held: list[str]) -> None:
+        self.t.mount_up.wait()
+        for name in held:
+            self.t.attempt("big_snapshot_drop", lambda: os.rmdir(self.mnt / ".snapshots" / name) if os.path.isdir(self.mnt / ".snapshots" / name) else None)
+        try:
+            shutil.rmtree(d)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            if not (exc.errno in WINDOW_ERRNOS and not self.t.mount_up.is_set()):
+                self.t.error(f"removing {d.name}", exc)
+
+    def verify_all(self) -> None:
+        pass  # every step and every copy was checked as it went
+
+    def figures(self) -> dict:
+        return {"model_gib": len(self.names) * self.TENSOR / (1 << 30), "big_runs": self.runs, "big_steps": self.steps, "big_snapshots": self.snapshots}
+
+
 def loop(tally: Tally, worker) -> None:
     while not tally.stop.is_set():
         tally.mount_up.wait()
@@ -601,6 +728,7 @@ class Bed:
             "down_after": 1.0,
             "op_timeout": 3.0,
             "coordinator": self.etcd.endpoints,
+            "capacity": machine_capacity(nodes),  # as irdmafs up sizes them: the host's memory shared
         }
         self.config = tmp / "cluster.toml"
         self.config.write_text(C.dump(C.from_dict(doc, base=tmp)))
@@ -744,6 +872,12 @@ def run(args: argparse.Namespace) -> dict:
             SnapshotWorker(tally, bed.mnt, root / "snap", args.seed * 10 + 4),
             TrainingJob(tally, bed.mnt, root / "train", args.seed * 10 + 5),
         ]
+        if args.model_gib:
+            (root / "big").mkdir()
+            scratch = tmp / "copies"  # where snapshots are copied out to (cp -a, rsync -a)
+            scratch.mkdir()
+            workers.append(BigModelJob(tally, bed.mnt, root / "big", args.seed * 10 + 8, args.model_gib, scratch))
+            print(f"chaos: a model of {len(workers[-1].names) * BigModelJob.TENSOR / (1 << 30):.2f} GiB trained beside the rest", flush=True)
         if bed.minority is not None:  # the same tree through the mount in n1's namespace
             other = bed.minority / "chaos"
             workers += [
@@ -802,6 +936,7 @@ def run(args: argparse.Namespace) -> dict:
             "error_list": tally.errors[:100],
             "fault_log": applied,
             "training_runs": next(w.runs for w in workers if isinstance(w, TrainingJob)),
+            **next((w.figures() for w in workers if isinstance(w, BigModelJob)), {}),
         }
 
 
@@ -817,6 +952,9 @@ def main() -> int:
     ap.add_argument("--keep", action="store_true", help="keep the state directory (logs) afterwards")
     ap.add_argument("--faults", help="only these kinds, comma-separated (to chase one finding)")
     ap.add_argument("--schedule", type=int, metavar="N", help="print the first N faults of the seed and exit")
+    ap.add_argument(
+        "--model-gib", type=float, default=0.0, metavar="G", help="also train a model of G GiB, a snapshot every 3 steps copied out (cp -a, rsync -a)"
+    )
     args = ap.parse_args()
     # SIGTERM (timeout, a CI runner) unwinds like ^C: nodes, mount and namespaces are removed
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

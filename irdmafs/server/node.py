@@ -50,6 +50,7 @@ from ..looplag import LoopLag
 from ..metrics import Latency, node_samples
 from ..metrics import serve as serve_metrics
 from ..notify import notify
+from ..offload import Offload
 from ..slots import StagingPool
 from ..transport.base import RemoteError, Transport
 from ..util import keep_freed_memory
@@ -82,9 +83,13 @@ class Node:
     """A PS node: its services, and its control calls (``rpc_<method>`` of this object and of
     its services, dispatched by ``handle``)."""
 
-    def __init__(self, cfg: ClusterConfig, name: str, transport: Transport, persist: str | None = None, coord: Coordinator | None = None):
-        """``coord``: the coordination service, if not the etcd the config names (the simulator)."""
+    def __init__(
+        self, cfg: ClusterConfig, name: str, transport: Transport, persist: str | None = None, coord: Coordinator | None = None, offload: Offload | None = None
+    ):
+        """``coord``: the coordination service, if not the etcd the config names (the simulator);
+        ``offload``: how work leaves the loop (offload.py; the simulator's runs inline)."""
         self.cfg, self.name, self.spec, self.transport = cfg, name, cfg.node(name), transport
+        self.offload = offload or Offload()
         self.persist = Persist(persist) if persist else None
         self.started = time.time()
         self.counters: dict[str, int] = defaultdict(int)
@@ -172,7 +177,7 @@ class Node:
             nursery.start_soon(self.cluster.heartbeat_loop)
             nursery.start_soon(self.staging.expire_loop)
             nursery.start_soon(self.loop_lag.run)
-            nursery.start_soon(self.store.reap)  # freed memory released off the loop
+            nursery.start_soon(self.store.reap, self.offload)  # freed memory released off the loop
             nursery.start_soon(self.lease.run)
             task_status.started(address)
             await self.membership.join()

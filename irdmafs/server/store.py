@@ -53,6 +53,7 @@ from typing import Callable
 
 import trio
 
+from ..offload import Offload
 from ..regions import CLOCK_AT, HEADER, PENDING, VERSION_AT, WORD
 from ..transport.base import Access, Region, Transport
 from .budget import Budget, NoSpace
@@ -138,17 +139,17 @@ class Store:
         self._dying: list[memoryview] = []
         self._dying_ready = trio.Event()
 
-    async def reap(self) -> None:
-        """Release freed memory in a worker thread (munmap releases the GIL), batch by batch,
-        for as long as it runs; the node runs it. Without it (a store of the fault simulator or
-        a test) memory is released where it is freed, so their runs stay alike."""
+    async def reap(self, offload: Offload) -> None:
+        """Release freed memory through ``offload`` (a worker thread: munmap releases the GIL),
+        batch by batch, for as long as it runs; the node runs it. Without it (a test's store)
+        memory is released where it is freed."""
         self.reaping = True
         try:
             while True:
                 await self._dying_ready.wait()
                 self._dying_ready = trio.Event()
                 batch, self._dying = self._dying, []
-                await trio.to_thread.run_sync(batch.clear)
+                await offload.run(batch.clear)
         finally:
             self.reaping = False
 

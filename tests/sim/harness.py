@@ -49,6 +49,7 @@ from irdmafs.client.client import Client
 from irdmafs.config import from_dict
 from irdmafs.coord.contract import Coordinator, Unavailable
 from irdmafs.coord.memory import MemoryCoord
+from irdmafs.offload import Offload
 from irdmafs.server.node import Node
 from irdmafs.server.replicator import Replicator
 from irdmafs.transport.base import PeerLost, RemoteError, TimeoutError, TransportError
@@ -171,7 +172,7 @@ class World:
 
     async def start(self, name: str) -> None:
         coord = LinkedCoord(self.coord, self.links, name)
-        node = Node(self.cfg, name, memory.MemoryTransport(self.cfg.token, endpoint=name), coord=coord)
+        node = Node(self.cfg, name, memory.MemoryTransport(self.cfg.token, endpoint=name), coord=coord, offload=Offload(inline=True))
 
         async def run(task_status=trio.TASK_STATUS_IGNORED):
             with trio.CancelScope() as scope:

@@ -10,6 +10,7 @@ persisted snapshots share again after a reload. Reads go through the serving sid
 
 import pytest
 
+from irdmafs.offload import Offload
 from irdmafs.regions import HEADER
 from irdmafs.server.persist import Persist
 from irdmafs.server.store import NoSpace, Store
@@ -155,7 +156,7 @@ async def test_freed_memory_is_released_off_the_loop_while_the_reaper_runs():
     for i in range(4):
         s.install(1, i, 0, memoryview(b"copy"), UNIT)  # the snapshot holds 4 copies alone
     async with trio.open_nursery() as n:
-        n.start_soon(s.reap)
+        n.start_soon(s.reap, Offload())
         await trio.testing.wait_all_tasks_blocked()
         assert s.reaping
         s.drop_snapshot(1)
