@@ -4,7 +4,10 @@ A task sleeps ``INTERVAL`` in a loop and records how much later than asked it wo
 something else held the thread without yielding (a copy, a scan, a big install). A node fences
 itself when its own loop did not run for ``down_after`` (server/serving.py), so work over large
 data must run in slices or off the loop (issue 41: at most 0.2 s). ``worst`` is the worst lag
-since start; ``recent`` the worst within the last ``WINDOW`` seconds. Shown by heartbeats,
+since start; ``recent`` the worst within the last ``WINDOW`` seconds; ``worst_busy`` the worst
+part of a lag this thread spent on the CPU (its ``thread_time``): near the lag when the loop's own
+work held it, near zero when the process was not run at all (the host starved it: every node of
+a host late at the same moment). Shown by heartbeats,
 ``irdmafs status`` and the metrics (``irdmafs_node_loop_lag_worst_seconds``).
 
 To find what held it: ``IRDMAFS_SLOW_STEPS=0.1`` in a node's environment logs every task step
@@ -32,6 +35,7 @@ WARN = 0.2  # a lag this long is logged: the node's log then says what ran aroun
 class LoopLag:
     def __init__(self) -> None:
         self.worst = 0.0
+        self.worst_busy = 0.0
         self._recent: list[tuple[float, float]] = []  # (when, lag) of lags over 1 ms, last WINDOW s
 
     @property
@@ -40,19 +44,21 @@ class LoopLag:
         now = time.monotonic()
         return max((lag for when, lag in list(self._recent) if now - when <= WINDOW), default=0.0)
 
-    def observe(self, lag: float, now: float) -> None:
-        """``lag`` seconds late at ``now`` (``time.monotonic()``)."""
+    def observe(self, lag: float, now: float, busy: float | None = None) -> None:
+        """``lag`` seconds late at ``now`` (``time.monotonic()``), ``busy`` of them on the CPU."""
+        busy = lag if busy is None else min(lag, busy)
         if lag >= WARN:
-            log.warning("this process's loop ran %.3f s late (something held it without yielding)", lag)
+            log.warning("this process's loop ran %.3f s late, %.3f s of it running (the rest: not run by the host)", lag, busy)
         self.worst = max(self.worst, lag)
+        self.worst_busy = max(self.worst_busy, busy)
         if lag > 0.001:
             self._recent = [(w, g) for w, g in self._recent if now - w <= WINDOW] + [(now, lag)]
 
     async def run(self) -> None:
         while True:
-            asked = trio.current_time() + INTERVAL
+            asked, cpu = trio.current_time() + INTERVAL, time.thread_time()
             await trio.sleep_until(asked)
-            self.observe(trio.current_time() - asked, time.monotonic())
+            self.observe(trio.current_time() - asked, time.monotonic(), time.thread_time() - cpu)
 
 
 class SlowSteps(trio.abc.Instrument):

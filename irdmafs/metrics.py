@@ -59,6 +59,7 @@ def node_samples(node) -> list[Sample]:
         ("irdmafs_node_capacity_bytes", "gauge", "configured capacity", {}, node.cfg.capacity),
         ("irdmafs_node_snapshot_bytes", "gauge", "memory only snapshots hold (what changed since they were taken)", {}, node.store.snapshot_bytes),
         ("irdmafs_node_loop_lag_worst_seconds", "gauge", "the longest the node's loop ran late since start", {}, node.loop_lag.worst),
+        ("irdmafs_node_loop_busy_worst_seconds", "gauge", "the longest the node's own work held its loop (CPU time of a lag)", {}, node.loop_lag.worst_busy),
         ("irdmafs_node_loop_lag_recent_seconds", "gauge", "the longest the node's loop ran late in the last 10 s", {}, node.loop_lag.recent),
     ]
     for kind, nbytes in list(node.budget.held.items()):

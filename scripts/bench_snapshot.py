@@ -21,7 +21,9 @@ flat JSON object, per size (suffix ``_<GiB>g``):
   bytes they froze (the live data times R) right after the snapshot (target: < 1%); and
   ``held_after_overwrite_fraction``: the same after 512 MiB were overwritten (copy-on-write:
   about 512 MiB x R over what they froze);
-- ``loop_lag_worst_s``: the worst any node's loop ran late so far (looplag.py; target 0.2 s);
+- ``loop_lag_worst_s``: the worst any node's loop ran late so far (looplag.py; target 0.2 s), and
+  ``loop_busy_worst_s``: the part of such a lag the node's own work held its loop (the rest the
+  host did not run it);
 - ``fenced``: how many times any node fenced itself (its log), 0 throughout.
 
 With ``--train``: a model of ``--model-gib`` GiB (float32 tensors of 16 MiB) trained by 2
@@ -97,8 +99,10 @@ def held_by_snapshots(cfg) -> int:
     return sum(s.get("held", {}).get("snapshots", 0) for s in nodes_status(cfg))
 
 
-def loop_lag(cfg) -> float:
-    return max((s.get("loop_lag", 0.0) for s in nodes_status(cfg)), default=0.0)
+def loop_lag(cfg, what: str = "loop_lag") -> float:
+    """The worst any node's loop ran late so far; ``loop_busy``: the part of it the node's own
+    work held the loop (looplag.py)."""
+    return max((s.get(what, 0.0) for s in nodes_status(cfg)), default=0.0)
 
 
 def fenced(log_dir: Path) -> int:
@@ -154,6 +158,7 @@ def scale(tmp: Path, sizes: list[float], replicas: int) -> dict[str, float]:
             res["held_after_overwrite_fraction"] = round(held_by_snapshots(lc.cfg) / (live * replicas), 4)
             res["overwrite_fraction_of_live"] = round(FILE / live, 4)
             res["loop_lag_worst_s"] = loop_lag(lc.cfg)
+            res["loop_busy_worst_s"] = loop_lag(lc.cfg, "loop_busy")
             res["fenced"] = fenced(Path(logs))
             res["whole"] = int(all(s.get("caught_up") for s in nodes_status(lc.cfg)))
             report_slow_steps(Path(logs))
@@ -217,6 +222,7 @@ def train(tmp: Path, model_gib: float, steps: int, replicas: int) -> dict[str, f
         res["step_worst_vs_median"] = round(max(snap) / statistics.median(snap), 2)
         res["step_snapshot_vs_plain"] = round(statistics.median(snap) / statistics.median(plain), 2)
         res["loop_lag_worst_s"] = loop_lag(lc.cfg)
+        res["loop_busy_worst_s"] = loop_lag(lc.cfg, "loop_busy")
         res["fenced"] = fenced(tmp / "c")
         S.close_doors()
         report_slow_steps(tmp / "c")

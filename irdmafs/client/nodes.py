@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 # what a node's heartbeat reports that status tables show
 NODE_FIGURES = (
-    *("pid", "stripes", "bytes", "capacity", "held", "loop_lag", "transport", "uptime"),
+    *("pid", "stripes", "bytes", "capacity", "held", "loop_lag", "loop_busy", "transport", "uptime"),
     *("calls", "served_bytes", "replicas_behind", "caught_up", "degraded"),
 )
 

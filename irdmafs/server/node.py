@@ -266,6 +266,7 @@ class Node:
             "capacity": self.cfg.capacity,
             "held": dict(self.budget.held),  # what holds the memory (budget.py)
             "loop_lag": round(self.loop_lag.worst, 4),
+            "loop_busy": round(self.loop_lag.worst_busy, 4),
             "transport": self.transport.name,
             "pid": os.getpid(),
             "incarnation": self.transport.incarnation,

@@ -63,3 +63,18 @@ async def test_loop_lag_sees_a_loop_held_without_yielding():
         await trio.sleep(0.05)
         n.cancel_scope.cancel()
     assert lag.worst >= 0.25 and lag.recent >= 0.25
+
+
+async def test_loop_lag_tells_its_own_work_from_a_host_that_did_not_run_it():
+    lag = LoopLag()
+    lag.observe(0.9, time.monotonic(), busy=0.01)  # not run: the host starved every process
+    assert lag.worst == 0.9 and lag.worst_busy == 0.01
+    async with trio.open_nursery() as n:
+        n.start_soon(lag.run)
+        await trio.sleep(0.05)
+        end = time.thread_time() + 0.3
+        while time.thread_time() < end:  # the loop's own work, on the CPU
+            pass
+        await trio.sleep(0.05)
+        n.cancel_scope.cancel()
+    assert lag.worst_busy >= 0.25
