@@ -371,7 +371,8 @@ def memory_line(n: dict) -> str:
     used = sum(held.values())
     parts = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in sorted(held.items()))
     full = "  FULL: writes get ENOSPC (free space: rmdir a snapshot, delete files)" if used >= 0.95 * cap else ""
-    return f"memory {n['name']}: {used / 2**20:.0f} of {cap / 2**20:.0f} MiB ({parts} MiB); loop lag worst {n.get('loop_lag', 0):.3f} s ({n.get('loop_busy', 0):.3f} s its own work){full}"
+    lag = f"loop lag worst {n.get('loop_lag', 0):.3f} s ({n.get('loop_busy', 0):.3f} s its own work)"
+    return f"memory {n['name']}: {used / 2**20:.0f} of {cap / 2**20:.0f} MiB ({parts} MiB); {lag}{full}"
 
 
 def add_degraded(doc: dict) -> None:

@@ -88,6 +88,12 @@ class StripeTraining:
         }
 
     @property
+    def payload_bytes(self) -> int:
+        """Bytes of arrays this bookkeeping holds (the bsp rounds' sums, r2sp's held pushes):
+        what its record carries besides counts."""
+        return sum(total.nbytes for total, _ in self.rounds.values()) + sum(g.nbytes for steps in self.held.values() for g in steps.values())
+
+    @property
     def progress(self) -> int:
         """How many pushes this bookkeeping has taken (to tell an older record from a newer)."""
         return sum(self.pushed.values()) + sum(len(s) for s in self.held.values())

@@ -42,6 +42,7 @@ from .store import NoSpace
 from .updates import StripeKey, StripeRange, Update, check_range
 
 log = logging.getLogger(__name__)
+RECORDS_PAGE = 4 << 20  # bytes of arrays (round sums, held pushes) in one train_records answer
 
 _NUMBER = (int, float)
 
@@ -508,27 +509,44 @@ class Training:
 
         await self.replicator.to_every_target(StripeKey(fid, idx), one)
 
-    async def pull_records(self, peers: list[str], mine: Callable[[int, int], bool]) -> None:
+    async def pull_records(self, peers: list[str], mine: Callable[[int, int], bool], for_node: str = "") -> None:
         """The push bookkeeping of the stripes this node holds, from its peers: a node that
-        becomes a stripe's primary again must know how many pushes each rank made."""
+        becomes a stripe's primary again must know how many pushes each rank made. Page by
+        page (``train_records``): a model of GBs in the middle of a bsp round holds its
+        gradients' sums in the records, hundreds of MB, which one answer neither fits (a control
+        frame is at most 16 MiB) nor encodes without holding the loop for seconds (chaos.py
+        --model-gib 1: every resync failed, every node fenced)."""
         for peer in peers:
+            after = None
             try:
-                records = (await self.cluster.call(peer, "train_records"))["records"]
+                while True:
+                    page = await self.cluster.call(peer, "train_records", {"after": after, "for_node": for_node})
+                    await self.take_records(page["records"], mine)
+                    after = page.get("next")
+                    if not after:
+                        break
             except (NodeDown, RemoteError) as exc:
-                log.warning("resync: no training records from %s: %s", peer, exc)
-                continue
-            await self.take_records(records, mine)
+                log.warning("resync: no training records (or not all) from %s: %s", peer, exc)
 
-    def wire_records(self, keys: set[tuple[int, int]] | None = None) -> list:
+    def wire_records(
+        self, keys: set[tuple[int, int]] | None = None, after: tuple[int, int] | None = None, limit: int | None = None
+    ) -> tuple[list, list | None]:
         """The push bookkeeping of every stripe that took pushes (of ``keys`` only, if given)
         as it travels: ``[fid, idx, record, stamp]`` each, ``stamp`` the (tag, version) of the
-        bytes here that the record describes (None if this node holds none)."""
-        out = []
-        for (fid, idx), st in list(self.records.items()):
-            if st.span[2] and (keys is None or (fid, idx) in keys):
-                stripe = self.store.get(fid, idx)
-                out.append([fid, idx, st.record(), list(stripe.stamp) if stripe is not None else None])
-        return out
+        bytes here that the record describes (None if this node holds none). In key order from
+        past ``after``, and once ``limit`` bytes of arrays are in, no more: returns the records
+        and the key to go on after (None when they were the last)."""
+        out, size = [], 0
+        for fid, idx in sorted(k for k in self.records if after is None or k > after):
+            st = self.records.get((fid, idx))
+            if st is None or not st.span[2] or keys is not None and (fid, idx) not in keys:
+                continue
+            if limit is not None and out and size + st.payload_bytes > limit:
+                return out, out[-1][:2]
+            stripe = self.store.get(fid, idx)
+            out.append([fid, idx, st.record(), list(stripe.stamp) if stripe is not None else None])
+            size += st.payload_bytes
+        return out, None
 
     async def take_records(self, records: list, mine: Callable[[int, int], bool] = lambda fid, idx: True) -> None:
         """A peer's ``wire_records`` (a resync, a hand-over's catch-up): each stripe's
@@ -549,5 +567,14 @@ class Training:
                     if incoming.progress > self.records[(fid, idx)].progress:
                         self.records[(fid, idx)].restore(incoming)
 
-    async def rpc_train_records(self) -> dict:
-        return {"records": self.wire_records()}
+    async def rpc_train_records(self, after: list | None = None, for_node: str = "") -> dict:
+        """One page of ``wire_records`` (at most ``RECORDS_PAGE`` bytes of arrays) from past key
+        ``after``; with ``for_node``, only of the stripes that node is a target of (its
+        hand-over); ``next``: the ``after`` of the next page, or None."""
+        if after is not None and not (isinstance(after, list) and len(after) == 2 and all(type(x) is int for x in after)):
+            raise RemoteError("EINVAL", f"train_records: after is [fid, idx], not {after!r}")
+        keys = None
+        if for_node:
+            keys = {(fid, idx) for fid, idx, _ in list(self.store.stripes) if for_node in self.cluster.targets(fid, idx)}
+        records, more = self.wire_records(keys, tuple(after) if after else None, RECORDS_PAGE)
+        return {"records": records, "next": more}

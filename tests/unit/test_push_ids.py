@@ -313,7 +313,7 @@ async def test_a_record_of_other_bytes_is_not_taken_with_these(bed):
     for _ in range(2):
         await c.training.push(ino, 0, np.ones_like(w))
     b = next(n for n in nodes if n.name in c.cluster.targets(ino, 0) and n.name != c.cluster.stripe_primary(ino, 0))
-    fid, idx, rec, stamp = next(r for r in b.training.wire_records() if r[:2] == [ino, 0])
+    fid, idx, rec, stamp = next(r for r in b.training.wire_records()[0] if r[:2] == [ino, 0])
     assert tuple(stamp) == b.store.get(ino, 0).stamp and b.training.records[(ino, 0)].next_step(0) == 2
     ahead = StripeTraining.from_record(rec)
     ahead.pushed[0] += 1  # a third push taken where the bytes moved on to another version
@@ -327,3 +327,37 @@ async def test_a_record_of_other_bytes_is_not_taken_with_these(bed):
     b.training.records[(ino, 0)].pushed[0] = 2  # (as it was, for the push below)
     await c.training.push(ino, 0, np.ones_like(w))
     assert np.array_equal(await c.paths.load("/m/r.npy"), w - 3)
+
+
+async def test_push_bookkeeping_travels_in_pages_that_fit_a_control_frame(bed, monkeypatch):
+    """A model of GBs in the middle of a bsp round holds its gradients' sums in its records:
+    hundreds of MB, which one ``train_records`` answer neither fits (16 MiB a control frame) nor
+    encodes without holding the loop (chaos.py --model-gib 1). Pages of ``RECORDS_PAGE`` bytes
+    of arrays, in key order, cover every record once; a malformed ``after`` is EINVAL."""
+    from irdmafs.server import training as T
+    from irdmafs.transport.base import RemoteError
+
+    c, nodes, _ = bed
+    d = await c.paths.resolve("/m")
+    await c.setxattr(d["ino"], "user.irdma.sync", "bsp")
+    await c.setxattr(d["ino"], "user.irdma.workers", "2")
+    w = np.zeros((4 << 20) // 4, np.float32)  # 64 stripes of 64 KiB
+    ino = (await c.paths.save("/m/big.npy", w))["ino"]
+    await c.training.push(ino, 0, np.ones_like(w))  # rank 0 alone: every round stays open, holding its sum
+    node = max(nodes, key=lambda n: sum(st.payload_bytes for st in n.training.records.values()))
+    held = {k for k, st in node.training.records.items() if st.payload_bytes}
+    assert len(held) > 4
+    monkeypatch.setattr(T, "RECORDS_PAGE", 3 * (64 << 10))
+    seen, pages, after = [], 0, None
+    while True:
+        page = await node.training.rpc_train_records(after=after)
+        pages += 1
+        assert sum(T.StripeTraining.from_record(r[2]).payload_bytes for r in page["records"]) <= 3 * (64 << 10)
+        seen += [tuple(r[:2]) for r in page["records"]]
+        after = page["next"]
+        if not after:
+            break
+    assert pages > 1 and len(seen) == len(set(seen)) and held <= set(seen)
+    with pytest.raises(RemoteError) as exc:
+        await node.training.rpc_train_records(after="3:4")
+    assert exc.value.code == "EINVAL"
