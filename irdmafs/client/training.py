@@ -37,6 +37,7 @@ from ..cluster import Cluster
 from ..peers import NodeDown
 from ..config import ClusterConfig
 from ..policy import parse_policy, required_clock
+from ..silence import SilenceBound
 from ..slots import StagingPool, staging_gone
 from ..transport.base import AccessError, RemoteError
 from ..util import single_exception
@@ -52,7 +53,7 @@ TRAIN_INFO_TTL = 1.0
 PUSH_BATCH = 1 << 20
 LOCAL_BATCH = 4 << 20
 DESC_SLACK = 32  # bytes a descriptor may grow by in the batch's head (its "at", a comma)
-PIECE_TIMEOUTS = 3  # a push's pieces are sent (and sent again) for this many op_timeouts at most
+PIECE_TIMEOUTS = 3  # a push's pieces are sent (and sent again) while this many op_timeouts pass with progress
 
 
 def _runs_in(chosen: np.ndarray, chunk: int, e0: int, count: int) -> list[list[int]]:
@@ -97,6 +98,8 @@ class PushPull:
         self._steps: dict[tuple[int, int], tuple[int, int]] = {}
         self._sent: dict[tuple[int, int], tuple[int, int]] = {}  # (tensor, rank) -> (version, step) of its last push sent
         self._repushing: set[tuple[int, int, int, int]] = set()  # (fid, idx, rank, step) being sent again
+        # a push's deadline: PIECE_TIMEOUTS op timeouts with none of this client's pushes taken
+        self.silence = SilenceBound(cfg.op_timeout * PIECE_TIMEOUTS)
         self.io.on_behind = self._repush_open
         # a restarted node lost its push bookkeeping: fetch policies and counts afresh
         self.cluster.peers.on_restart.append(lambda node: self._train.clear())
@@ -225,8 +228,9 @@ class PushPull:
             # a payload made here (fp16, sparse) is ours to keep; a view of ``grad`` is the owner's
             keeper = payload if payload.base is None else owner
             pieces.append((desc, memoryview(payload).cast("B"), replies, keeper, info["sync"] == "bsp", again, order))
-        # every piece at once, within one deadline (a piece follows a moving primary meanwhile)
-        with trio.fail_after(self.cfg.op_timeout * PIECE_TIMEOUTS), single_exception(RemoteError):  # refused alike: one error
+        # every piece at once, until this client's pushes stop moving (silence.py: a piece
+        # follows a moving primary meanwhile, and waits its turn behind a model's other pushes)
+        with self.silence(), single_exception(RemoteError):  # refused alike: one error
             if len(pieces) == 1:  # most tensors: no nursery
                 await self._push_kept(*pieces[0])
             else:
@@ -311,7 +315,7 @@ class PushPull:
                         rank,
                     )
                     # a copy: the owner may reuse its memory while this send waits (rare: failover)
-                    with trio.fail_after(self.cfg.op_timeout * PIECE_TIMEOUTS):  # ahead of any queued push: pulls wait on it
+                    with self.silence():  # ahead of any queued push: pulls wait on it
                         await self._push_piece(desc, memoryview(bytes(payload)), [], resent=True, order=-math.inf)
             except (NodeDown, RemoteError, AccessError, trio.TooSlowError) as exc:
                 log.info("stripe %d:%d: open push of rank %d not checked with %s: %s", fid, idx, rank, primary, exc)
@@ -443,6 +447,8 @@ class PushPull:
                         cached.update(pinfo, fetched=now)
         except (NodeDown, RemoteError, AccessError) as exc:
             results = [exc] * len(batch)
+        if any(isinstance(r, dict) and "error" not in r for r in results):
+            self.silence.progressed()  # a push taken: every push under way has its time again
         for entry, result in zip(batch, results, strict=True):
             entry[3] = result
             entry[2].set()
