@@ -544,14 +544,7 @@ class TrainingJob:
         self._drop(d)
 
     def _drop(self, d: Path) -> None:
-        self.t.mount_up.wait()
-        try:
-            shutil.rmtree(d)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            if not (exc.errno in WINDOW_ERRNOS and not self.t.mount_up.is_set()):
-                self.t.error(f"removing {d.name}", exc)
+        remove_tree(self.t, d)
 
     def verify_all(self) -> None:
         pass  # every step was checked as it went
@@ -666,19 +659,25 @@ class BigModelJob:
         self.t.mount_up.wait()
         for name in held:
             self.t.attempt("big_snapshot_drop", lambda: os.rmdir(self.mnt / ".snapshots" / name) if os.path.isdir(self.mnt / ".snapshots" / name) else None)
-        try:
-            shutil.rmtree(d)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            if not (exc.errno in WINDOW_ERRNOS and not self.t.mount_up.is_set()):
-                self.t.error(f"removing {d.name}", exc)
+        remove_tree(self.t, d)
 
     def verify_all(self) -> None:
         pass  # every step and every copy was checked as it went
 
     def figures(self) -> dict:
         return {"model_gib": len(self.names) * self.TENSOR / (1 << 30), "big_runs": self.runs, "big_steps": self.steps, "big_snapshots": self.snapshots}
+
+
+def remove_tree(tally: Tally, d: Path) -> None:
+    """A job's directory removed once the mount is up; an error only outside a mount outage."""
+    tally.mount_up.wait()
+    try:
+        shutil.rmtree(d)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        if not (exc.errno in WINDOW_ERRNOS and not tally.mount_up.is_set()):
+            tally.error(f"removing {d.name}", exc)
 
 
 def loop(tally: Tally, worker) -> None:
