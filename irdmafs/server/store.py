@@ -22,19 +22,20 @@ stripe it froze, so it has the same placement. The rules (docs/design.md, "Snaps
 - **Taking one is metadata.** ``take_snapshot`` gives every live stripe an entry under the
   snapshot id that is a second registration (its own rkey: ``Transport.alias_region``) of the
   same memory; nothing is copied. The memory is counted once (``Memory``).
-- **A snapshot's bytes never change.** Before anything changes a live stripe's memory in place
-  (an install, a training step's update, a replace, a clock published), the snapshots that share
-  it move to one copy of it (``_writable``): the live stripe keeps its region and rkey, the
-  snapshots get new rkeys, and their old ones are freed, so a reader holding one gets
-  AccessError and asks again (as for a grown stripe). A live stripe that moves to a new region
-  (it grew) or is freed (unlink, truncate) leaves its memory to the snapshots sharing it: no copy.
+- **A snapshot's bytes never change.** Before a live stripe's data changes in place (an install,
+  a training step's update), the snapshots that share it move to one copy of it (``_writable``):
+  the live stripe keeps its region and rkey, the snapshots get new rkeys, and their old ones are
+  freed, so a reader holding one gets AccessError and asks again (as for a grown stripe). A live
+  stripe that moves to a new region (it grew), is replaced whole (a resync) or is freed (unlink,
+  truncate) leaves its memory to the snapshots sharing it: no copy. Only the header's clock word
+  may move under a snapshot (``publish_clock``: the step of the version it holds, published).
 - **A snapshot holds what changed since.** Memory is freed when its last registration goes; a
   copy made for several snapshots is one copy. ``used`` counts memory, not registrations.
 - **Full is an answer.** A copy that does not fit is ``NoSpace`` (ENOSPC) before the live stripe
   is touched, naming the snapshots that hold the memory: the write fails whole, nothing changes.
 - **Persisted alike.** With ``--persist`` a snapshot's file is a hard link to the live stripe's
   file; the live stripe's first write after it writes a new file, so the link keeps the old bytes
-  (``Persist.unlink_live``); at load, linked files share memory again.
+  (``_rewrite``); at load, linked files share memory again.
 
 Capacity grows in GROW-byte steps up to the stripe unit; growing moves the stripe to a new region
 (new rkey), and peers holding the old rkey get AccessError and look it up again.
