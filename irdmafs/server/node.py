@@ -176,8 +176,9 @@ class Node:
             self.cluster.heartbeat_args["owner"] = self.replicator.slots.owner
             nursery.start_soon(self.cluster.heartbeat_loop)
             nursery.start_soon(self.staging.expire_loop)
-            nursery.start_soon(self.loop_lag.run)
-            nursery.start_soon(self.store.reap, self.offload)  # freed memory released off the loop
+            if not self.offload.inline:  # not in the simulator: its seeds' schedules stay as they were
+                nursery.start_soon(self.loop_lag.run)
+                nursery.start_soon(self.store.reap, self.offload)  # freed memory released off the loop
             nursery.start_soon(self.lease.run)
             task_status.started(address)
             await self.membership.join()
