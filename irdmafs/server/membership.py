@@ -177,10 +177,7 @@ class Membership:
                 mine = self.store.get(fid, idx, snap)
                 if (mine is None or mine.stamp < (tag, version)) and await self.resync.fetch_stripe(fid, idx, snap, peer):
                     fetched += 1
-            # its push bookkeeping of what this node leads, paged (a model of GBs mid-round
-            # holds hundreds of MB of sums): nothing changes it meanwhile, this node not
-            # leading yet and the peer no longer (the view moved on before its answer)
-            await self.training.pull_records([peer], lambda fid, idx: True, for_node=self.name)
+            await self.training.take_records(answer.get("records", []))
         newest = max(handed.items(), key=lambda item: tuple(item[1].get("meta_stamp", (-1, -1))), default=None)
         if newest is not None and tuple(newest[1].get("meta_stamp", (-1, -1))) > self.resync.meta().stamp:
             try:
@@ -219,8 +216,11 @@ class Membership:
         keys = {(fid, idx) for fid, idx, _ in self.store.stripes if name in self.cluster.targets(fid, idx)}
         return {
             "stripes": [[fid, idx, snap, s.version, s.tag] for (fid, idx, snap), s in list(self.store.stripes.items()) if (fid, idx) in keys],
+            # taken at this instant, with the stripes: not paged as a resync's are (a paged fetch
+            # after the answer broke mixed simulator seed 732: a count set back)
+            "records": self.training.wire_records(keys)[0],
             "meta_stamp": list(self.resync.meta().stamp),
-        }  # and the push bookkeeping of those stripes, paged: train_records(for_node=name)
+        }
 
     # -- fencing ---------------------------------------------------------------------------------
     def _may_rejoin(self) -> bool:

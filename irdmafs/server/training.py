@@ -509,7 +509,7 @@ class Training:
 
         await self.replicator.to_every_target(StripeKey(fid, idx), one)
 
-    async def pull_records(self, peers: list[str], mine: Callable[[int, int], bool], for_node: str = "") -> None:
+    async def pull_records(self, peers: list[str], mine: Callable[[int, int], bool]) -> None:
         """The push bookkeeping of the stripes this node holds, from its peers: a node that
         becomes a stripe's primary again must know how many pushes each rank made. Page by
         page (``train_records``): a model of GBs in the middle of a bsp round holds its
@@ -520,7 +520,7 @@ class Training:
             after = None
             try:
                 while True:
-                    page = await self.cluster.call(peer, "train_records", {"after": after, "for_node": for_node})
+                    page = await self.cluster.call(peer, "train_records", {"after": after})
                     await self.take_records(page["records"], mine)
                     after = page.get("next")
                     if not after:
@@ -567,14 +567,10 @@ class Training:
                     if incoming.progress > self.records[(fid, idx)].progress:
                         self.records[(fid, idx)].restore(incoming)
 
-    async def rpc_train_records(self, after: list | None = None, for_node: str = "") -> dict:
+    async def rpc_train_records(self, after: list | None = None) -> dict:
         """One page of ``wire_records`` (at most ``RECORDS_PAGE`` bytes of arrays) from past key
-        ``after``; with ``for_node``, only of the stripes that node is a target of (its
-        hand-over); ``next``: the ``after`` of the next page, or None."""
+        ``after`` (a resync's); ``next``: the ``after`` of the next page, or None."""
         if after is not None and not (isinstance(after, list) and len(after) == 2 and all(type(x) is int for x in after)):
             raise RemoteError("EINVAL", f"train_records: after is [fid, idx], not {after!r}")
-        keys = None
-        if for_node:
-            keys = {(fid, idx) for fid, idx, _ in list(self.store.stripes) if for_node in self.cluster.targets(fid, idx)}
-        records, more = self.wire_records(keys, tuple(after) if after else None, RECORDS_PAGE)
+        records, more = self.wire_records(None, tuple(after) if after else None, RECORDS_PAGE)
         return {"records": records, "next": more}
