@@ -252,7 +252,7 @@ class Peers:
         self.load[name] += 1
         self.served[name] += sum(len(into) for *_, into in items)
         try:
-            with _AbortOnDown(self, name), trio.fail_after(self.cfg.op_timeout):
+            with _AbortOnDown(self, name):  # no deadline on the burst's size: the transport's own bound silence
                 await conn.read_many(ops)
         except (PeerLost, TimeoutError, trio.TooSlowError) as exc:
             self._failed(name, exc, begun)

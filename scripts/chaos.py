@@ -889,7 +889,7 @@ def run(args: argparse.Namespace) -> dict:
         print(f"chaos: seed {args.seed}, {args.minutes} min, {args.nodes} nodes R={args.replicas}, faults {', '.join(kinds)}; logs in {tmp}", flush=True)
         end = tally.t0 + args.minutes * 60
         applied: list[dict] = []
-        for fault in schedule(args.seed, kinds, bed.cfg.names):
+        for fault in schedule(args.seed, kinds, bed.cfg.names) if kinds else ():  # --faults none: a baseline
             if time.monotonic() + fault["gap"] + fault["down"] + 10 > end:
                 break
             time.sleep(fault["gap"])
@@ -949,7 +949,7 @@ def main() -> int:
     ap.add_argument("--no-netns", action="store_true", help="loopback only, even as root (no partitions)")
     ap.add_argument("--coordinators", type=int, default=3, metavar="N", help="etcd members (odd; default 3: member faults too)")
     ap.add_argument("--keep", action="store_true", help="keep the state directory (logs) afterwards")
-    ap.add_argument("--faults", help="only these kinds, comma-separated (to chase one finding)")
+    ap.add_argument("--faults", help="only these kinds, comma-separated (to chase one finding); none: no faults (a baseline)")
     ap.add_argument("--schedule", type=int, metavar="N", help="print the first N faults of the seed and exit")
     ap.add_argument(
         "--model-gib", type=float, default=0.0, metavar="G", help="also train a model of G GiB, a snapshot every 3 steps copied out (cp -a, rsync -a)"

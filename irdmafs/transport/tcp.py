@@ -14,7 +14,10 @@ Requests from many tasks share each socket under its send lock; one receiver tas
 matches responses to requests by id and receives READ payloads straight into the caller's
 buffers. That gives many operations in flight per peer, each socket's served in order; an
 operation that must follow another (a commit after the WRITE of its data) is sent once the
-first has been answered, as every caller does.
+first has been answered, as every caller does. READ answers on their way are bounded by a
+window of bytes (window.py): a burst of any size goes out as earlier answers arrive, so a
+heartbeat or a call never waits behind more than the window, and every wait is bounded by
+silence (op_timeout between answers), never by how much was asked.
 
 Resource handling: a ``TcpConnection`` owns its two sockets and a receiver task for each in the
 nursery given to ``connect``; ``aclose()``, or either socket breaking, ends all of them. The serving side's tasks live in ``serve``'s own nursery.
@@ -58,10 +61,12 @@ from .base import (
     server_proof,
 )
 from .base import NONCE as _NONCE
+from .window import Window
 
 log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT = 10.0
+READ_WINDOW = 8 << 20  # READ answers on their way at once, per connection (window.py)
 BULK = 64 << 10  # a WRITE of this many bytes or more goes on the connection's bulk socket
 SOCKET_BUFFER = 4 << 20  # large kernel buffers: fewer, bigger recv_into calls per MiB
 IOV_MAX = 1024
@@ -139,10 +144,11 @@ def _status_error(h: P.Header, payload: bytes | bytearray) -> TransportError:
 
 
 class _Pending:
-    __slots__ = ("into", "event", "error", "payload", "receiving")
+    __slots__ = ("into", "event", "error", "payload", "receiving", "held")
 
-    def __init__(self, into: list[memoryview] | None):
+    def __init__(self, into: list[memoryview] | None, held: int = 0):
         self.into = into
+        self.held = held  # bytes of the read window this request holds until it is answered
         self.event = trio.Event()
         self.error: TransportError | None = None
         self.payload: bytes | bytearray = b""
@@ -160,6 +166,7 @@ class TcpConnection(Connection):
         self._send_lock = trio.Lock()
         self._bulk_lock = trio.Lock() if bulk is not None else self._send_lock
         self._pending: dict[int, _Pending] = {}
+        self.window = Window(READ_WINDOW)  # READ answers on their way (window.py)
         self._ids = itertools.count(1)
         self._broken: TransportError | None = None
         self._closed = trio.Event()
@@ -170,13 +177,17 @@ class TcpConnection(Connection):
         return self._broken
 
     # -- sending -----------------------------------------------------------------------------
-    async def _submit(self, frames: list[tuple[P.Header, list, list[memoryview] | None]], bulk: bool = False) -> list[_Pending]:
+    async def _submit(self, frames: list[tuple[P.Header, list, list[memoryview] | None]], bulk: bool = False, held: list[int] | None = None) -> list[tuple[int, _Pending]]:
+        """Send ``frames`` in one go; ``held``: the read window's bytes each one took (given
+        back when its answer arrives or it is given up)."""
+        held = held or [0] * len(frames)
         if self._broken:
+            self.window.give(sum(held))
             raise PeerLost(f"{self.peer}: {self._broken}")
         pendings, wire = [], []
-        for h, payload, into in frames:
+        for (h, payload, into), n in zip(frames, held):
             req_id = next(self._ids)
-            p = _Pending(into)
+            p = _Pending(into, n)
             self._pending[req_id] = p
             pendings.append((req_id, p))
             wire.append(P.pack(h._replace(req_id=req_id)))
@@ -188,31 +199,37 @@ class TcpConnection(Connection):
                 await _sendv(sock, wire, sent)
         except SOCKET_ERRORS as exc:
             for req_id, _ in pendings:
-                self._pending.pop(req_id, None)
+                self._forget(req_id)
             raise PeerLost(f"{self.peer}: send failed: {exc}") from None
         except BaseException:  # cancelled: nothing sent is harmless, part of a frame is not
             for req_id, _ in pendings:
-                self._pending.pop(req_id, None)
+                self._forget(req_id)
             if sent[0]:  # the peer would read the next frame from the middle of this one
                 self._fail_all(PeerLost("a send was cancelled midway"))
                 self.sock.close()
                 self.bulk.close()
             raise
-        return pendings  # type: ignore[return-value]
+        return pendings
 
-    async def _wait(self, pendings: list, timeout: float | None) -> list[_Pending]:
+    def _forget(self, req_id: int) -> _Pending | None:
+        """No longer wait for ``req_id``'s answer (it arrived, or it is given up): its window
+        bytes are free again. The request, if it was still waited for."""
+        p = self._pending.pop(req_id, None)
+        if p is not None:
+            self.window.give(p.held)
+            p.held = 0
+        return p
+
+    async def _wait(self, pendings: list[tuple[int, _Pending]], timeout: float | None) -> list[_Pending]:
+        """Each answer in turn, each within ``timeout`` of the one before (answers of a socket
+        come in order: a deadline on silence, not on how many were asked)."""
         timeout = self.op_timeout if timeout is None else timeout
         try:
-            with trio.fail_after(timeout):
-                for _, p in pendings:
+            for _, p in pendings:
+                with trio.fail_after(timeout):
                     await p.event.wait()
         except BaseException as exc:
-            # Give up our requests; a response already streaming into our buffers is allowed to
-            # finish first, so the caller can reuse them once we return.
-            for req_id, p in pendings:
-                if self._pending.pop(req_id, None) is None and p.receiving and not p.event.is_set():
-                    with trio.CancelScope(shield=True), trio.move_on_after(5):
-                        await p.event.wait()
+            await self._abandon(pendings)
             if isinstance(exc, trio.TooSlowError):
                 raise TimeoutError(f"{self.peer}: no answer within {timeout}s") from None
             raise
@@ -221,16 +238,41 @@ class TcpConnection(Connection):
                 raise p.error
         return [p for _, p in pendings]
 
+    async def _abandon(self, pendings: list[tuple[int, _Pending]]) -> None:
+        """Give up these requests; an answer already streaming into a caller's buffers is let
+        finish first, so the caller can reuse them once this returns."""
+        for req_id, p in pendings:
+            if self._forget(req_id) is None and p.receiving and not p.event.is_set():
+                with trio.CancelScope(shield=True), trio.move_on_after(5):
+                    await p.event.wait()
+
     # -- the interface -----------------------------------------------------------------------
     async def read(self, rkey: int, offset: int, into: BufferList) -> None:
         await self.read_many([(rkey, offset, into)])
 
     async def read_many(self, ops) -> None:
+        """The READs sent in order as the read window lets them (window.py): as many at once as
+        fit, the rest as earlier answers arrive; each answer within op_timeout of the last."""
         frames = []
         for rkey, offset, into in ops:
             bufs = as_buffers(into)
             frames.append((P.Header(P.Op.READ, rkey=rkey, offset=offset, length=sum(map(len, bufs))), [], bufs))
-        await self._wait(await self._submit(frames), None)
+        submitted: list[tuple[int, _Pending]] = []
+        try:
+            i = 0
+            while i < len(frames):
+                await self.window.take(frames[i][0].length, self.op_timeout)
+                j = i + 1
+                while j < len(frames) and self.window.try_take(frames[j][0].length):
+                    j += 1
+                submitted += await self._submit(frames[i:j], held=[h.length for h, _, _ in frames[i:j]])
+                i = j
+        except BaseException as exc:
+            await self._abandon(submitted)
+            if isinstance(exc, TimeoutError):
+                raise TimeoutError(f"{self.peer}: {exc}") from None
+            raise
+        await self._wait(submitted, None)
 
     async def write(self, rkey: int, offset: int, data: BufferList) -> None:
         bufs = as_buffers(data)
@@ -258,10 +300,11 @@ class TcpConnection(Connection):
     # -- receiving ---------------------------------------------------------------------------
     def _fail_all(self, error: TransportError) -> None:
         self._broken = self._broken or error
-        for p in self._pending.values():
+        for req_id, p in list(self._pending.items()):
+            self._forget(req_id)
             p.error = PeerLost(f"{self.peer}: {error}")
             p.event.set()
-        self._pending.clear()
+        self.window.close(PeerLost(f"{self.peer}: {error}"))
 
     async def receiver(self, sock: trio.socket.SocketType | None = None, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Answers arriving on ``sock`` (the main socket if None), until it or the other breaks."""
@@ -273,7 +316,7 @@ class TcpConnection(Connection):
                 await _recv_into(sock, hdr, at_boundary=True)
                 h = P.unpack(hdr)
                 size = P.payload_size(h)
-                p = self._pending.pop(h.req_id, None)
+                p = self._forget(h.req_id)  # its window room is free once its bytes are read off
                 if p is None:  # its requester gave up (cancelled or timed out)
                     await _drain(sock, size)
                     continue
