@@ -273,7 +273,9 @@ def cmd_mount(args: argparse.Namespace) -> int:
     options = [o for o in (args.options or "").split(",") if o]
     mp = check_mountpoint(args.mountpoint, options)
     if args.foreground:
-        trio.run(partial(run_mount, cfg, mp, options, metrics=args.metrics))
+        from . import looplag
+
+        trio.run(partial(run_mount, cfg, mp, options, metrics=args.metrics), instruments=looplag.instruments())
         return 0
     log_dir = state_home() / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)

@@ -46,6 +46,8 @@ from .transport.base import Connection, RemoteError, TransportError, Transport
 
 log = logging.getLogger(__name__)
 
+STALLED = 0.1  # a heartbeat's timeout seen this late (a share of down_after): this process stalled, ask again
+
 __all__ = ["DOWN", "READY", "SYNCING", "Cluster", "Unavailable", "now_ns"]
 
 
@@ -237,14 +239,27 @@ class Cluster:
 
     # -- heartbeats ----------------------------------------------------------------------------
     async def _probe(self, name: str) -> None:
-        sent = trio.current_time()
-        try:
-            with trio.fail_after(self.cfg.down_after):
-                args = {"from": self.me or "client", **self.heartbeat_args}
-                info = await self.call(name, "heartbeat", args, timeout=self.cfg.down_after)
-        except (NodeDown, trio.TooSlowError, RemoteError) as exc:
-            self.mark_down(name, str(exc) or "no heartbeat", since=sent)
-            return
+        """One heartbeat to ``name``: its answer is what liveness hears; none within down_after
+        counts it down. Unless this process's own loop ran late past the deadline (a host that
+        did not run it, work that held it): the answer may be in the socket unread, and the
+        node's silence is not proven, so it is asked once more (a mount on a busy host counted
+        working nodes down and dropped their connections with hundreds of reads in flight;
+        issue 41, chaos --model-gib)."""
+        args = {"from": self.me or "client", **self.heartbeat_args}
+        for attempt in (1, 2):
+            sent = trio.current_time()
+            deadline = sent + self.cfg.down_after
+            try:
+                with trio.fail_at(deadline):
+                    info = await self.call(name, "heartbeat", args, timeout=self.cfg.down_after)
+                break
+            except (NodeDown, trio.TooSlowError, RemoteError) as exc:
+                late = trio.current_time() - deadline
+                if attempt == 1 and late > STALLED * self.cfg.down_after:
+                    log.info("heartbeat to %s: this process ran %.2f s past the deadline: asking again", name, late)
+                    continue
+                self.mark_down(name, str(exc) or "no heartbeat", since=sent)
+                return
         self.peers.seen(name, info.get("incarnation", 0))
         if info.get("view", 0) > self.view.epoch and isinstance(info.get("view_serving"), dict):
             serving = tuple(sorted((str(n), int(lease)) for n, lease in info["view_serving"].items()))

@@ -58,6 +58,7 @@ async def run_mount(
 
     from .fs.door import DoorServer
     from .fs.ops import Operations
+    from .looplag import LoopLag
     from .fs.vfs import Vfs
 
     keep_freed_memory()  # request-sized buffers come and go by the hundred per step: reuse them
@@ -83,6 +84,7 @@ async def run_mount(
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_terminate_on_signals)
+                nursery.start_soon(LoopLag().run)  # a stall of this loop is logged (looplag.py)
                 await nursery.start(vfs.door.serve)
                 # stat()s the mount, which only answers once pyfuse3.main() below is serving
                 nursery.start_soon(trio.to_thread.run_sync, _widen_readahead, mountpoint)

@@ -477,8 +477,8 @@ class StripeIO:
                 stale_keys += 1
                 if stale_keys > 10:
                     raise
-            except NodeDown:
-                log.warning("stripe %d:%d: node %s lost; trying the next replica", fid, p.idx, node)
+            except NodeDown as exc:
+                log.warning("stripe %d:%d: node %s lost (%s); trying the next replica", fid, p.idx, node, exc)
                 lost.add(node)
             except RemoteError as exc:
                 if exc.code != "EAGAIN":

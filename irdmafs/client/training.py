@@ -37,6 +37,7 @@ from ..cluster import Cluster
 from ..peers import NodeDown
 from ..config import ClusterConfig
 from ..policy import parse_policy, required_clock
+from ..offload import Offload
 from ..silence import SilenceBound
 from ..slots import StagingPool, staging_gone
 from ..transport.base import AccessError, RemoteError
@@ -53,6 +54,7 @@ TRAIN_INFO_TTL = 1.0
 PUSH_BATCH = 1 << 20
 LOCAL_BATCH = 4 << 20
 DESC_SLACK = 32  # bytes a descriptor may grow by in the batch's head (its "at", a comma)
+DETACH_INLINE = 8 << 20  # kept pushes copied on the loop below this many bytes, in a thread above
 PIECE_TIMEOUTS = 3  # a push's pieces are sent (and sent again) while this many op_timeouts pass with progress
 
 
@@ -100,6 +102,7 @@ class PushPull:
         self._repushing: set[tuple[int, int, int, int]] = set()  # (fid, idx, rank, step) being sent again
         # a push's deadline: PIECE_TIMEOUTS op timeouts with none of this client's pushes taken
         self.silence = SilenceBound(cfg.op_timeout * PIECE_TIMEOUTS)
+        self.offload = Offload()  # large copies leave the loop (detach_off_loop)
         self.io.on_behind = self._repush_open
         # a restarted node lost its push bookkeeping: fetch policies and counts afresh
         self.cluster.peers.on_restart.append(lambda node: self._train.clear())
@@ -271,6 +274,22 @@ class PushPull:
         for entry in self._open.values():
             if entry[2] is owner:
                 entry[1], entry[2] = memoryview(bytes(entry[1])), None
+
+    async def detach_off_loop(self, owner: object) -> None:
+        """``detach`` with large copies made in a worker thread (``offload.py``): a worker that
+        left a door with a GB model's rounds open had its kept pushes copied on the mount's
+        loop for a second and more (issue 41). Until the copies are in place the kept pushes
+        stay views of ``owner``, so its memory must stay as it is until this returns."""
+        views = {key: entry[1] for key, entry in self._open.items() if entry[2] is owner}
+        if sum(len(v) for v in views.values()) < DETACH_INLINE:
+            self.detach(owner)
+            return
+        copies = await self.offload.run(lambda: {key: memoryview(bytes(v)) for key, v in views.items()})
+        for key, copy in copies.items():
+            entry = self._open.get(key)
+            if entry is not None and entry[2] is owner:
+                entry[1], entry[2] = copy, None
+        self.detach(owner)  # any kept meanwhile
 
     def _closed(self, ino: int, rank: int, clock: int, idxs) -> None:
         """Every stripe ``idxs`` of ``ino`` has applied ``clock`` steps: rounds before it are

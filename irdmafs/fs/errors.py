@@ -14,6 +14,7 @@ import trio
 from ..cluster import Unavailable
 from ..peers import NodeDown, TornRead
 from ..transport.base import AccessError, RemoteError, TransportError
+from ..util import leaves
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +35,27 @@ REMOTE_ERRNO = {
 }
 
 
+def _telling(exc: BaseException) -> int:
+    """How much an error of a group says of why the request failed (lower: more). A bug first
+    (its traceback is logged); then an answer of the cluster's; then a node or transport
+    fault; a timeout last (the others are usually why it ran out of time)."""
+    if isinstance(exc, (FsError, RemoteError)):
+        return 1
+    if isinstance(exc, (Unavailable, NodeDown, TornRead, AccessError, TransportError)):
+        return 2
+    if isinstance(exc, trio.TooSlowError):
+        return 3
+    return 0
+
+
 def errno_for(exc: BaseException, what: str) -> int:
     """The errno for what a file system operation ``what`` raised; logs what is not the caller's
     fault (a node down, an unexpected exception with its traceback)."""
-    if isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        return errno_for(exc.exceptions[0], what)
+    if isinstance(exc, BaseExceptionGroup):  # the pieces of one request, failed concurrently
+        inner = list(leaves(exc))
+        if len(inner) > 1:
+            log.info("%s: %d concurrent errors; answered by the most telling", what, len(inner))
+        return errno_for(min(inner, key=_telling), what)
     if isinstance(exc, FsError):
         return exc.errno
     if isinstance(exc, RemoteError):

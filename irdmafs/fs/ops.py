@@ -36,10 +36,7 @@ def fuse_errors(fn):
             return await fn(self, *args)
         except pyfuse3.FUSEError:
             raise
-        except BaseExceptionGroup as group:
-            leaves = group.exceptions
-            raise pyfuse3.FUSEError(errno_for(leaves[0] if len(leaves) == 1 else group, fn.__name__)) from None
-        except Exception as exc:
+        except Exception as exc:  # a group of errors too: errno_for answers with the most telling
             raise pyfuse3.FUSEError(errno_for(exc, fn.__name__)) from None
         finally:
             self.vfs.latency.observe(fn.__name__, time.perf_counter() - t0)

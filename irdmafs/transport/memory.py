@@ -54,7 +54,10 @@ LINKS: Links | None = None
 
 class MemoryConnection(Connection):
     wire = False
-    def __init__(self, server: "MemoryTransport", handler: Handler, address: tuple[str, int], on_imm: ImmHandler | None = None, src: str = ""):
+
+    def __init__(
+        self, server: "MemoryTransport", handler: Handler, address: tuple[str, int], on_imm: ImmHandler | None = None, src: str = "", op_timeout: float = 30.0
+    ):
         self.server = server
         self.src = src  # the connecting endpoint's name ("": links never fail)
         self.handler = handler
@@ -62,6 +65,7 @@ class MemoryConnection(Connection):
         self.address = address
         self.peer = f"{address[0]}:{address[1]}"
         self.incarnation = server.incarnation
+        self.op_timeout = op_timeout  # the connecting side's, as a network transport's
         self._closed = False
 
     def _check_alive(self) -> None:
@@ -74,9 +78,18 @@ class MemoryConnection(Connection):
             await LINKS.cross(self.src, self.server.endpoint, what)
         self._check_alive()
 
+    async def _cross_one_sided(self, what: str) -> None:
+        """A READ's or WRITE's crossing, bounded as a network transport bounds one: a link that
+        holds it past ``op_timeout`` is a TimeoutError (tcp.py: silence between answers)."""
+        try:
+            with trio.fail_after(self.op_timeout):
+                await self._cross(what)
+        except trio.TooSlowError:
+            raise TimeoutError(f"{self.peer}: {what}: no answer within {self.op_timeout}s") from None
+
     async def read(self, rkey: int, offset: int, into: BufferList) -> None:
         await trio.lowlevel.checkpoint()
-        await self._cross("read")
+        await self._cross_one_sided("read")
         bufs = as_buffers(into)
         view = self.server.regions.check(rkey, offset, sum(map(len, bufs)), Access.READ)
         pos = 0
@@ -86,7 +99,7 @@ class MemoryConnection(Connection):
 
     async def write(self, rkey: int, offset: int, data: BufferList) -> None:
         await trio.lowlevel.checkpoint()
-        await self._cross("write")
+        await self._cross_one_sided("write")
         bufs = as_buffers(data)
         view = self.server.regions.check(rkey, offset, sum(map(len, bufs)), Access.WRITE)
         pos = 0
@@ -140,9 +153,10 @@ class MemoryConnection(Connection):
 class MemoryTransport(Transport):
     name = "memory"
 
-    def __init__(self, token: bytes, endpoint: str = ""):
+    def __init__(self, token: bytes, endpoint: str = "", *, op_timeout: float = 30.0):
         super().__init__(token)
         self.endpoint = endpoint  # its name on the simulator's links ("": links never fail)
+        self.op_timeout = op_timeout  # what bounds a one-sided operation a link holds
 
     async def serve(self, host: str, port: int, handler: Handler, *, on_imm: ImmHandler | None = None, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         address = (host, port or next(_ports))
@@ -170,4 +184,4 @@ class MemoryTransport(Transport):
         if not hmac.compare_digest(server.token, self.token):
             log.warning("memory transport %s:%s refused a connection: wrong cluster token", host, port)
             raise AuthError(f"{host}:{port} refused our cluster token: wrong cluster token")
-        return MemoryConnection(server, handler, (host, port), on_imm, src=self.endpoint)
+        return MemoryConnection(server, handler, (host, port), on_imm, src=self.endpoint, op_timeout=self.op_timeout)

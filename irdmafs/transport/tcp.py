@@ -4,13 +4,14 @@ Serving side: one responder task per accepted connection serves READ and WRITE s
 registered regions (``sendmsg`` of the header plus a memoryview of the region; ``recv_into`` the
 region for a WRITE), so no request copies data into Python ``bytes``. Control calls are started as
 tasks of their own so a long call (a pull that waits for its clock) never delays data operations
-behind it; their responses share the connection's send lock.
+behind it; every answer leaves through the connection's one writer (sender.py).
 
 Calling side: a connection is two sockets, each authenticated to the same serving process: WRITEs
 of BULK bytes or more go on one, everything else (reads, calls, small writes) on the other, so a
 read or a call never queues behind megabytes of pushes in a send lock, a kernel buffer or a
 shaped link's queue (on a 500 Mbit/s link a step's pulls waited a second behind its pushes).
-Requests from many tasks share each socket under its send lock; one receiver task per socket
+Requests from many tasks share each socket through its writer task (sender.py: what is queued
+leaves in one sendmsg, so a heartbeat never waits for a hundred senders' turns); one receiver task per socket
 matches responses to requests by id and receives READ payloads straight into the caller's
 buffers. That gives many operations in flight per peer, each socket's served in order; an
 operation that must follow another (a commit after the WRITE of its data) is sent once the
@@ -61,6 +62,7 @@ from .base import (
     server_proof,
 )
 from .base import NONCE as _NONCE
+from .sender import Sender
 from .window import Window
 
 log = logging.getLogger(__name__)
@@ -132,6 +134,11 @@ async def _sendv(sock: trio.socket.SocketType, buffers: list, sent: list[int] | 
                 n = 0
 
 
+async def _send_all(sock: trio.socket.SocketType, buffers: list, sent: list[int] | None) -> None:
+    """What a connection's sender sends with: ``_sendv`` as the module holds it (tests replace it)."""
+    await _sendv(sock, buffers, sent)
+
+
 def _status_error(h: P.Header, payload: bytes | bytearray) -> TransportError:
     text = bytes(payload).decode("utf-8", "replace")
     if h.status == P.Status.ACCESS:
@@ -141,6 +148,9 @@ def _status_error(h: P.Header, payload: bytes | bytearray) -> TransportError:
     if h.status == P.Status.AUTH:
         return AuthError(text)
     return ProtocolError(f"peer refused request: {text}")
+
+
+_Frame = tuple[P.Header, list, "list[memoryview] | None"]  # a request: its header, payload, where its answer goes
 
 
 class _Pending:
@@ -163,8 +173,8 @@ class TcpConnection(Connection):
         self.bulk = bulk if bulk is not None else sock
         self.peer = peer
         self.op_timeout = op_timeout
-        self._send_lock = trio.Lock()
-        self._bulk_lock = trio.Lock() if bulk is not None else self._send_lock
+        self.sender = Sender(self.sock, _send_all, self._torn)  # sender.py: one writer per socket
+        self.bulk_sender = Sender(self.bulk, _send_all, self._torn) if bulk is not None else self.sender
         self._pending: dict[int, _Pending] = {}
         self.window = Window(READ_WINDOW)  # READ answers on their way (window.py)
         self._ids = itertools.count(1)
@@ -177,7 +187,7 @@ class TcpConnection(Connection):
         return self._broken
 
     # -- sending -----------------------------------------------------------------------------
-    async def _submit(self, frames: list[tuple[P.Header, list, list[memoryview] | None]], bulk: bool = False, held: list[int] | None = None) -> list[tuple[int, _Pending]]:
+    async def _submit(self, frames: list[_Frame], bulk: bool = False, held: list[int] | None = None) -> list[tuple[int, _Pending]]:
         """Send ``frames`` in one go; ``held``: the read window's bytes each one took (given
         back when its answer arrives or it is given up)."""
         held = held or [0] * len(frames)
@@ -192,24 +202,24 @@ class TcpConnection(Connection):
             pendings.append((req_id, p))
             wire.append(P.pack(h._replace(req_id=req_id)))
             wire.extend(payload)
-        sock, lock = (self.bulk, self._bulk_lock) if bulk else (self.sock, self._send_lock)
-        sent = [0]
         try:
-            async with lock:
-                await _sendv(sock, wire, sent)
+            await (self.bulk_sender if bulk else self.sender).send(wire)
         except SOCKET_ERRORS as exc:
             for req_id, _ in pendings:
                 self._forget(req_id)
-            raise PeerLost(f"{self.peer}: send failed: {exc}") from None
-        except BaseException:  # cancelled: nothing sent is harmless, part of a frame is not
+            raise PeerLost(f"{self.peer}: {exc}") from None
+        except BaseException:  # cancelled: the sender dropped the connection if it was midway
             for req_id, _ in pendings:
                 self._forget(req_id)
-            if sent[0]:  # the peer would read the next frame from the middle of this one
-                self._fail_all(PeerLost("a send was cancelled midway"))
-                self.sock.close()
-                self.bulk.close()
             raise
         return pendings
+
+    def _torn(self) -> None:
+        """A frame was cut off midway (its sender cancelled) or a send failed: the peer would
+        read the next frame from the middle of this one, so the connection is dropped."""
+        self._fail_all(PeerLost("a send was cut off midway"))
+        self.sock.close()
+        self.bulk.close()
 
     def _forget(self, req_id: int) -> _Pending | None:
         """No longer wait for ``req_id``'s answer (it arrived, or it is given up): its window
@@ -359,7 +369,7 @@ class _Responder:
         self.transport, self.sock, self.peer = transport, sock, peer
         self.handler, self.on_imm = handler, on_imm
         self.regions = transport.regions
-        self.send_lock = trio.Lock()
+        self.sender = Sender(sock, _send_all, sock.close)  # answers, READ data and calls' alike (sender.py)
         self.calls: trio.Nursery | None = None
 
     async def run(self) -> None:
@@ -371,6 +381,7 @@ class _Responder:
                 with trio.fail_after(HANDSHAKE_TIMEOUT):
                     authenticated = await self.transport._authenticate(self.sock, self.peer)
                 if authenticated:
+                    await calls.start(self.sender.run)
                     await self.serve_frames()
             except _EOF:
                 pass
@@ -467,8 +478,7 @@ class _Responder:
 
     async def respond(self, h: P.Header, payload: list, status: int = P.Status.OK) -> None:
         resp = h._replace(opcode=h.opcode | P.RESPONSE, status=status, length=sum(map(len, payload)))
-        async with self.send_lock:
-            await _sendv(self.sock, [P.pack(resp), *payload])
+        await self.sender.send([P.pack(resp), *payload])
 
     async def refuse(self, h: P.Header, status: int, message: str) -> None:
         await self.respond(h, [message.encode()], status)
@@ -543,6 +553,8 @@ class TcpTransport(Transport):
         conn.incarnation = incarnation
         await nursery.start(conn.receiver, sock)
         await nursery.start(conn.receiver, bulk)
+        await nursery.start(conn.sender.run)
+        await nursery.start(conn.bulk_sender.run)
         return conn
 
     async def _open(self, host: str, port: int) -> tuple[trio.socket.SocketType, int]:

@@ -172,7 +172,8 @@ class World:
 
     async def start(self, name: str) -> None:
         coord = LinkedCoord(self.coord, self.links, name)
-        node = Node(self.cfg, name, memory.MemoryTransport(self.cfg.token, endpoint=name), coord=coord, offload=Offload(inline=True))
+        transport = memory.MemoryTransport(self.cfg.token, endpoint=name, op_timeout=self.cfg.op_timeout)
+        node = Node(self.cfg, name, transport, coord=coord, offload=Offload(inline=True))
 
         async def run(task_status=trio.TASK_STATUS_IGNORED):
             with trio.CancelScope() as scope:
@@ -334,7 +335,7 @@ async def _simulate(seed: int, kinds: tuple[str, ...], faults: int, timing: str)
             for n in NODES:
                 await w.start(n)
             await w.settled()
-            async with Client.connect(cfg, memory.MemoryTransport(cfg.token, endpoint="client")) as client:
+            async with Client.connect(cfg, memory.MemoryTransport(cfg.token, endpoint="client", op_timeout=cfg.op_timeout)) as client:
                 await client.paths.makedirs("/files")
                 await client.paths.makedirs("/model")
                 d = await client.paths.resolve("/model")

@@ -1,0 +1,80 @@
+"""A heartbeat whose timeout this process saw late (its own loop held past the deadline) does not
+count the node down: the node is asked once more (cluster.py ``_probe``). A mount on a busy host
+counted working nodes down and dropped their connections with hundreds of reads in flight
+(issue 41, chaos --model-gib 1); a node that is really silent is still counted down."""
+
+import time
+
+import trio
+
+from irdmafs.cluster import Cluster
+from irdmafs.config import from_dict
+from irdmafs.transport.memory import MemoryTransport
+
+DOWN_AFTER = 0.5
+
+
+def config(port):
+    return from_dict(
+        {
+            "nodes": [{"name": "a", "host": "mem", "port": port}],
+            "token": "test-token-123",
+            "replicas": 1,
+            "transport": ["memory"],
+            "coordinator": ["http://127.0.0.1:2379"],  # never reached
+            "heartbeat": 0.05,
+            "down_after": DOWN_AFTER,
+        }
+    )
+
+
+async def test_a_heartbeat_timed_out_while_this_loop_was_held_asks_again():
+    cfg = config(9611)
+    asked = []
+
+    async def node(method, args):
+        asked.append(method)
+        if len(asked) == 2:
+            await trio.sleep(0.05)  # the answer is under way when this process stalls
+        return {"state": "ready"}
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(MemoryTransport(cfg.token).serve, "mem", 9611, node)
+        cluster = Cluster(cfg, MemoryTransport(cfg.token), nursery)
+        downs = []
+        cluster.liveness.on_down.append(downs.append)
+        await cluster.refresh()
+        assert cluster.liveness.state["a"] == "ready"
+
+        async def stall():
+            await trio.sleep(0.01)
+            time.sleep(DOWN_AFTER * 1.5)  # the loop held (the host did not run us): past the deadline
+
+        nursery.start_soon(stall)
+        await cluster.refresh()
+        assert asked == ["heartbeat"] * 3  # asked again, not counted down
+        assert cluster.liveness.state["a"] == "ready" and downs == []
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_node_silent_past_the_deadline_is_still_counted_down():
+    cfg = config(9612)
+
+    silent = trio.Event()
+
+    async def node(method, args):
+        if silent.is_set():
+            await trio.sleep_forever()
+        return {"state": "ready"}
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(MemoryTransport(cfg.token).serve, "mem", 9612, node)
+        cluster = Cluster(cfg, MemoryTransport(cfg.token), nursery)
+        downs = []
+        cluster.liveness.on_down.append(downs.append)
+        await cluster.refresh()
+        assert cluster.liveness.state["a"] == "ready"
+        silent.set()
+        await cluster.refresh()
+        assert downs == ["a"]
+        nursery.cancel_scope.cancel()
