@@ -173,8 +173,8 @@ class TcpConnection(Connection):
         self.bulk = bulk if bulk is not None else sock
         self.peer = peer
         self.op_timeout = op_timeout
-        self.sender = Sender(self.sock, _send_all, self._torn)  # sender.py: one writer per socket
-        self.bulk_sender = Sender(self.bulk, _send_all, self._torn) if bulk is not None else self.sender
+        self.sender = Sender(self.sock, _send_all, self._torn, op_timeout)  # sender.py: one writer per socket
+        self.bulk_sender = Sender(self.bulk, _send_all, self._torn, op_timeout) if bulk is not None else self.sender
         self._pending: dict[int, _Pending] = {}
         self.window = Window(READ_WINDOW)  # READ answers on their way (window.py)
         self._ids = itertools.count(1)
@@ -369,7 +369,7 @@ class _Responder:
         self.transport, self.sock, self.peer = transport, sock, peer
         self.handler, self.on_imm = handler, on_imm
         self.regions = transport.regions
-        self.sender = Sender(sock, _send_all, sock.close)  # answers, READ data and calls' alike (sender.py)
+        self.sender = Sender(sock, _send_all, sock.close, transport.op_timeout)  # answers, READ data and calls' alike (sender.py)
         self.calls: trio.Nursery | None = None
 
     async def run(self) -> None:

@@ -9,7 +9,9 @@ import pytest
 import trio
 import trio.testing
 
-from irdmafs.transport.sender import Sender
+from irdmafs.transport.sender import GROUP, Sender
+
+PATIENCE = 0.2  # how long a cancelled sender waits for its group
 
 
 class FakeSocket:
@@ -30,7 +32,7 @@ class FakeSocket:
 
 async def test_frames_of_many_senders_leave_in_one_batch_in_order(nursery):
     sock, torn = FakeSocket(), []
-    s = Sender(sock, sock.sendv, lambda: torn.append(1))
+    s = Sender(sock, sock.sendv, lambda: torn.append(1), PATIENCE)
     await nursery.start(s.run)
     sock.gate = trio.Event()
     async with trio.open_nursery() as n:
@@ -51,7 +53,7 @@ async def test_frames_of_many_senders_leave_in_one_batch_in_order(nursery):
 
 async def test_a_sender_cancelled_before_its_frames_were_taken_sends_nothing(nursery):
     sock, torn = FakeSocket(), []
-    s = Sender(sock, sock.sendv, lambda: torn.append(1))
+    s = Sender(sock, sock.sendv, lambda: torn.append(1), PATIENCE)
     await nursery.start(s.run)
     sock.gate = trio.Event()
     async with trio.open_nursery() as n:
@@ -67,7 +69,7 @@ async def test_a_sender_cancelled_before_its_frames_were_taken_sends_nothing(nur
 
 async def test_a_sender_cancelled_midway_drops_the_connection(nursery):
     sock, torn = FakeSocket(), []
-    s = Sender(sock, sock.sendv, lambda: torn.append(1))
+    s = Sender(sock, sock.sendv, lambda: torn.append(1), PATIENCE)
     await nursery.start(s.run)
     sock.gate = trio.Event()
     scope = trio.CancelScope()
@@ -86,7 +88,7 @@ async def test_a_sender_cancelled_midway_drops_the_connection(nursery):
 
 async def test_a_broken_socket_fails_every_sender_and_every_later_one(nursery):
     sock, torn = FakeSocket(), []
-    s = Sender(sock, sock.sendv, lambda: torn.append(1))
+    s = Sender(sock, sock.sendv, lambda: torn.append(1), PATIENCE)
     await nursery.start(s.run)
     sock.gate = trio.Event()
     failed = []
@@ -107,26 +109,54 @@ async def test_a_broken_socket_fails_every_sender_and_every_later_one(nursery):
         await s.send([b"later"])
 
 
-async def test_a_queued_sender_cancelled_once_the_writer_took_it_drops_the_connection(nursery):
+@pytest.mark.parametrize("stalls", [False, True])
+async def test_a_sender_cancelled_while_its_group_goes_out_waits_for_it_or_drops_the_connection(nursery, stalls):
+    """Its buffers must stay as they are until the kernel has them: it waits (shielded) for its
+    group; only a group stalled past ``patience`` drops the connection."""
     sock, torn = FakeSocket(), []
-    s = Sender(sock, sock.sendv, lambda: torn.append(1))
+    s = Sender(sock, sock.sendv, lambda: torn.append(1), PATIENCE)
     await nursery.start(s.run)
     first = sock.gate = trio.Event()
     scope = trio.CancelScope()
+    ended = []
 
     async def queued():
         with scope:
             await s.send([b"B"])
+        ended.append(scope.cancelled_caught)
 
     async with trio.open_nursery() as n:
         n.start_soon(s.send, [b"A"])  # sent by its caller: the link stalls
         await trio.testing.wait_all_tasks_blocked()
         n.start_soon(queued)  # queued for the writer
         await trio.testing.wait_all_tasks_blocked()
-        sock.gate = trio.Event()  # the writer's batch (B) stalls in turn
+        sock.gate = trio.Event()  # the writer's group (B) stalls in turn
         first.set()
         await trio.testing.wait_all_tasks_blocked()
         assert sock.sent == [b"A"] and torn == []
         scope.cancel()
+        await trio.testing.wait_all_tasks_blocked()
+        assert ended == []  # still waiting for its group, shielded
+        if not stalls:
+            sock.gate.set()
+    assert ended == [True]  # cancelled all the same
+    assert torn == ([1] if stalls else [])
+    assert sock.sent == ([b"A"] if stalls else [b"A", b"B"])
+
+
+async def test_the_writer_sends_in_groups_of_bounded_size(nursery):
+    sock = FakeSocket()
+    s = Sender(sock, sock.sendv, lambda: None, PATIENCE)
+    await nursery.start(s.run)
+    sock.gate = trio.Event()
+    big = bytes(GROUP // 2 + 1)
+    async with trio.open_nursery() as n:
+        n.start_soon(s.send, [b"A"])
+        await trio.testing.wait_all_tasks_blocked()
+        for _ in range(3):
+            n.start_soon(s.send, [big])
+        await trio.testing.wait_all_tasks_blocked()
+        n.start_soon(s.send, [b"small"])
+        await trio.testing.wait_all_tasks_blocked()
         sock.gate.set()
-    assert torn == [1]
+    assert [len(x) for x in sock.sent] == [1, len(big), len(big), len(big) + 5]  # two bigs never share a group
