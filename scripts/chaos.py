@@ -565,6 +565,7 @@ class BigModelJob:
         self.t, self.mnt, self.root, self.seed, self.scratch = tally, mnt, root, seed, scratch
         self.names = [f"layer{i}" for i in range(max(1, int(gib * (1 << 30)) // self.TENSOR))]
         self.runs = self.steps = self.snapshots = 0
+        self.step_seconds: list[float] = []  # each completed step's push and pull, both ranks
 
     def start(self, i: int) -> np.ndarray:
         n = self.TENSOR // 4
@@ -602,6 +603,7 @@ class BigModelJob:
         total, k, held = 0.0, 0, []
         while not self.t.stop.is_set():
             ok = [False, False]
+            began = time.monotonic()
 
             def rank(r: int) -> None:
                 g = {name: grads[r] for name in self.names}
@@ -619,6 +621,7 @@ class BigModelJob:
             k += 1
             total += 3e-3  # both ranks' gradients, summed by the PS (bsp)
             self.steps += 1
+            self.step_seconds.append(round(time.monotonic() - began, 2))
             if not all(self.check(f"big model {d.name} rank {r} step {k}", outs[r][name], i, total) for r in range(2) for i, name in enumerate(self.names)):
                 break
             if k % self.SNAP_EVERY == 0 and not self.snapshot(d, k, total, held):
@@ -665,7 +668,14 @@ class BigModelJob:
         pass  # every step and every copy was checked as it went
 
     def figures(self) -> dict:
-        return {"model_gib": len(self.names) * self.TENSOR / (1 << 30), "big_runs": self.runs, "big_steps": self.steps, "big_snapshots": self.snapshots}
+        took = sorted(self.step_seconds)
+        return {
+            "model_gib": len(self.names) * self.TENSOR / (1 << 30),
+            "big_runs": self.runs,
+            "big_steps": self.steps,
+            "big_snapshots": self.snapshots,
+            "big_step_seconds": {"median": took[len(took) // 2], "worst": took[-1]} if took else None,
+        }
 
 
 def remove_tree(tally: Tally, d: Path) -> None:

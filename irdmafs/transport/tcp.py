@@ -69,6 +69,9 @@ log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT = 10.0
 READ_WINDOW = 8 << 20  # READ answers on their way at once, per connection (window.py)
+# what a READ counts in the window at least: the node serves each frame with a pass of its loop,
+# so a burst of header reads (64 bytes each) is bounded by count too (256 in flight)
+READ_COST = READ_WINDOW // 256
 BULK = 64 << 10  # a WRITE of this many bytes or more goes on the connection's bulk socket
 SOCKET_BUFFER = 4 << 20  # large kernel buffers: fewer, bigger recv_into calls per MiB
 IOV_MAX = 1024
@@ -270,12 +273,13 @@ class TcpConnection(Connection):
         submitted: list[tuple[int, _Pending]] = []
         try:
             i = 0
+            cost = [max(h.length, READ_COST) for h, _, _ in frames]
             while i < len(frames):
-                await self.window.take(frames[i][0].length, self.op_timeout)
+                await self.window.take(cost[i], self.op_timeout)
                 j = i + 1
-                while j < len(frames) and self.window.try_take(frames[j][0].length):
+                while j < len(frames) and self.window.try_take(cost[j]):
                     j += 1
-                submitted += await self._submit(frames[i:j], held=[h.length for h, _, _ in frames[i:j]])
+                submitted += await self._submit(frames[i:j], held=cost[i:j])
                 i = j
         except BaseException as exc:
             await self._abandon(submitted)

@@ -50,6 +50,28 @@ async def test_a_call_is_answered_while_a_burst_larger_than_the_window_goes_on(n
     assert bytes(into) == bytes(region.buf[7 * MiB :])  # the last READ's bytes, whole
 
 
+async def test_a_burst_of_small_reads_is_bounded_by_count_too(nursery):
+    """A node serves each READ with a pass of its loop: thousands of header reads in flight held
+    a heartbeat behind them as surely as megabytes did."""
+    region, conn = await _served(nursery)
+    outs = [bytearray(64) for _ in range(4000)]
+    order = []
+
+    async def burst():
+        await conn.read_many([(region.rkey, (i % 100) * 64, out) for i, out in enumerate(outs)])
+        order.append("burst")
+
+    async with trio.open_nursery() as n:
+        n.start_soon(burst)
+        while conn.window.used == 0:
+            await trio.sleep(0)
+        assert (await conn.call("echo", {})) == {"echo": {}}
+        order.append("call")
+    assert order == ["call", "burst"]
+    assert conn.window.peak <= tcp.READ_WINDOW  # at most READ_WINDOW // READ_COST reads at once
+    assert all(bytes(out) == bytes(region.buf[(i % 100) * 64 : (i % 100) * 64 + 64]) for i, out in enumerate(outs))
+
+
 async def test_every_read_of_a_burst_lands_in_its_own_buffer(nursery):
     region, conn = await _served(nursery)
     outs = [bytearray(MiB // 2) for _ in range(3 * tcp.READ_WINDOW // (MiB // 2))]
