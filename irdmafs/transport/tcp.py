@@ -6,12 +6,14 @@ region for a WRITE), so no request copies data into Python ``bytes``. Control ca
 tasks of their own so a long call (a pull that waits for its clock) never delays data operations
 behind it; every answer leaves through the connection's one writer (sender.py).
 
-Calling side: a connection is two sockets, each authenticated to the same serving process: WRITEs
-of BULK bytes or more go on one, everything else (reads, calls, small writes) on the other, so a
-read or a call never queues behind megabytes of pushes in a send lock, a kernel buffer or a
-shaped link's queue (on a 500 Mbit/s link a step's pulls waited a second behind its pushes).
-Requests from many tasks share each socket through its writer task (sender.py: what is queued
-leaves in one sendmsg, so a heartbeat never waits for a hundred senders' turns); one receiver task per socket
+Calling side: a connection is three sockets, each authenticated to the same serving process:
+WRITEs of BULK bytes or more go on one, control calls on another, READs and small WRITEs on the
+third, so a read or a call never queues behind megabytes of pushes in a send lock, a kernel
+buffer or a shaped link's queue (on a 500 Mbit/s link a step's pulls waited a second behind its
+pushes), and a call (a heartbeat) never waits behind a burst of reads, which the node serves in
+order (a 1 GiB pull held heartbeats a second and the mount counted working nodes down).
+Requests from many tasks share each socket through its sender (sender.py: a heartbeat never
+waits for a hundred senders' turns); one receiver task per socket
 matches responses to requests by id and receives READ payloads straight into the caller's
 buffers. That gives many operations in flight per peer, each socket's served in order; an
 operation that must follow another (a commit after the WRITE of its data) is sent once the
@@ -169,15 +171,25 @@ class _Pending:
 
 
 class TcpConnection(Connection):
-    def __init__(self, sock: trio.socket.SocketType, peer: str, op_timeout: float, bulk: trio.socket.SocketType | None = None):
-        """``sock`` carries everything but large WRITEs, which go on ``bulk`` (``sock`` too if
-        None)."""
+    def __init__(
+        self,
+        sock: trio.socket.SocketType,
+        peer: str,
+        op_timeout: float,
+        bulk: trio.socket.SocketType | None = None,
+        calls: trio.socket.SocketType | None = None,
+    ):
+        """``sock`` carries READs and small WRITEs, ``bulk`` large WRITEs and ``calls`` the
+        control calls (``sock`` for either if None)."""
         self.sock = sock
         self.bulk = bulk if bulk is not None else sock
+        self.calls = calls if calls is not None else sock
         self.peer = peer
         self.op_timeout = op_timeout
-        self.sender = Sender(self.sock, _send_all, self._torn, op_timeout)  # sender.py: one writer per socket
+        # sender.py: one writer per socket
+        self.sender = Sender(self.sock, _send_all, self._torn, op_timeout)
         self.bulk_sender = Sender(self.bulk, _send_all, self._torn, op_timeout) if bulk is not None else self.sender
+        self.calls_sender = Sender(self.calls, _send_all, self._torn, op_timeout) if calls is not None else self.sender
         self._pending: dict[int, _Pending] = {}
         self.window = Window(READ_WINDOW)  # READ answers on their way (window.py)
         self._ids = itertools.count(1)
@@ -190,7 +202,7 @@ class TcpConnection(Connection):
         return self._broken
 
     # -- sending -----------------------------------------------------------------------------
-    async def _submit(self, frames: list[_Frame], bulk: bool = False, held: list[int] | None = None) -> list[tuple[int, _Pending]]:
+    async def _submit(self, frames: list[_Frame], lane: Sender | None = None, held: list[int] | None = None) -> list[tuple[int, _Pending]]:
         """Send ``frames`` in one go; ``held``: the read window's bytes each one took (given
         back when its answer arrives or it is given up)."""
         held = held or [0] * len(frames)
@@ -206,7 +218,7 @@ class TcpConnection(Connection):
             wire.append(P.pack(h._replace(req_id=req_id)))
             wire.extend(payload)
         try:
-            await (self.bulk_sender if bulk else self.sender).send(wire)
+            await (lane or self.sender).send(wire)
         except SOCKET_ERRORS as exc:
             for req_id, _ in pendings:
                 self._forget(req_id)
@@ -221,8 +233,11 @@ class TcpConnection(Connection):
         """A frame was cut off midway (its sender cancelled) or a send failed: the peer would
         read the next frame from the middle of this one, so the connection is dropped."""
         self._fail_all(PeerLost("a send was cut off midway"))
-        self.sock.close()
-        self.bulk.close()
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for sock in (self.sock, self.bulk, self.calls):
+            sock.close()
 
     def _forget(self, req_id: int) -> _Pending | None:
         """No longer wait for ``req_id``'s answer (it arrived, or it is given up): its window
@@ -291,24 +306,26 @@ class TcpConnection(Connection):
     async def write(self, rkey: int, offset: int, data: BufferList) -> None:
         bufs = as_buffers(data)
         h = P.Header(P.Op.WRITE, rkey=rkey, offset=offset, length=sum(map(len, bufs)))
-        await self._wait(await self._submit([(h, bufs, None)], h.length >= BULK), None)
+        await self._wait(await self._submit([(h, bufs, None)], self._lane_of(h)), None)
 
     async def write_imm(self, rkey: int, offset: int, data: BufferList, imm: int) -> dict:
         bufs = as_buffers(data)
         h = P.Header(P.Op.WRITE_IMM, rkey=rkey, offset=offset, length=sum(map(len, bufs)), imm=imm)
-        [p] = await self._wait(await self._submit([(h, bufs, None)], h.length >= BULK), None)
+        [p] = await self._wait(await self._submit([(h, bufs, None)], self._lane_of(h)), None)
         return P.decode_result(p.payload)
 
     async def call(self, method: str, args: dict[str, Any] | None = None, *, timeout: float | None = None) -> dict:
         doc = P.encode_call(method, args or {})
         h = P.Header(P.Op.CALL, length=len(doc))
-        [p] = await self._wait(await self._submit([(h, [doc], None)]), timeout)
+        [p] = await self._wait(await self._submit([(h, [doc], None)], self.calls_sender), timeout)
         return P.decode_result(p.payload)
+
+    def _lane_of(self, h: P.Header) -> Sender:
+        return self.bulk_sender if h.length >= BULK else self.sender
 
     async def aclose(self) -> None:
         self._fail_all(PeerLost("connection closed"))
-        self.sock.close()
-        self.bulk.close()
+        self._close_sockets()
         await trio.lowlevel.checkpoint()
 
     # -- receiving ---------------------------------------------------------------------------
@@ -358,8 +375,7 @@ class TcpConnection(Connection):
             log.warning("%s: %s; closing the connection", self.peer, exc)
             self._fail_all(exc)
         finally:
-            self.sock.close()
-            self.bulk.close()  # one socket broken breaks the connection: the other's receiver ends too
+            self._close_sockets()  # one socket broken breaks the connection: the others' receivers end too
             self._closed.set()
 
 
@@ -543,22 +559,25 @@ class TcpTransport(Transport):
     # -- calling side ------------------------------------------------------------------------
     async def connect(self, host: str, port: int, *, nursery: trio.Nursery) -> TcpConnection:
         peer = f"{host}:{port}"
-        sock, incarnation = await self._open(host, port)
+        socks: list = []
         try:
-            bulk, again = await self._open(host, port)
+            for _ in range(3):  # reads and small writes; large writes; calls
+                socks.append(await self._open(host, port))
         except BaseException:
-            sock.close()
+            for sock, _ in socks:
+                sock.close()
             raise
-        if again != incarnation:  # it restarted between the two: what we learnt of it is mixed
-            sock.close()
-            bulk.close()
+        if len({inc for _, inc in socks}) > 1:  # it restarted meanwhile: what we learnt of it is mixed
+            for sock, _ in socks:
+                sock.close()
             raise ConnectError(f"{peer}: restarted while connecting")
-        conn = TcpConnection(sock, peer, self.op_timeout, bulk)
+        (sock, incarnation), (bulk, _), (calls, _) = socks
+        conn = TcpConnection(sock, peer, self.op_timeout, bulk, calls)
         conn.incarnation = incarnation
-        await nursery.start(conn.receiver, sock)
-        await nursery.start(conn.receiver, bulk)
-        await nursery.start(conn.sender.run)
-        await nursery.start(conn.bulk_sender.run)
+        for s in (sock, bulk, calls):
+            await nursery.start(conn.receiver, s)
+        for sender in (conn.sender, conn.bulk_sender, conn.calls_sender):
+            await nursery.start(sender.run)
         return conn
 
     async def _open(self, host: str, port: int) -> tuple[trio.socket.SocketType, int]:
