@@ -53,7 +53,7 @@ import trio
 
 from ..transport.base import RemoteError, TransportError
 from ..util import accept_forever, recv_with_fds, send_with_fd
-from .errors import FsError, errno_for
+from .errors import FsError, errno_for, most_telling
 from .streams import pull_stream, push_stream, step_stream
 
 log = logging.getLogger(__name__)
@@ -236,7 +236,7 @@ class _Session:
                 answer = {"ok": 1}
             except Exception as exc:  # noqa: BLE001 -- the errno table decides what it is
                 code = errno_for(exc, f"door {doc.get('op')}")
-                answer = {"errno": code, "error": errno.errorcode.get(code, "EIO"), "message": str(exc)}
+                answer = {"errno": code, "error": errno.errorcode.get(code, "EIO"), "message": str(most_telling(exc))}
             await send_frame(sock, answer)
 
     async def serve(self, op: str, doc: dict) -> None:

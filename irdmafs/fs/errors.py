@@ -48,6 +48,11 @@ def _telling(exc: BaseException) -> int:
     return 0
 
 
+def most_telling(exc: BaseException) -> BaseException:
+    """``exc`` itself, or for a group the error of it that says most of why (``_telling``)."""
+    return min(leaves(exc), key=_telling) if isinstance(exc, BaseExceptionGroup) else exc
+
+
 def errno_for(exc: BaseException, what: str) -> int:
     """The errno for what a file system operation ``what`` raised; logs what is not the caller's
     fault (a node down, an unexpected exception with its traceback)."""
@@ -55,7 +60,7 @@ def errno_for(exc: BaseException, what: str) -> int:
         inner = list(leaves(exc))
         if len(inner) > 1:
             log.info("%s: %d concurrent errors; answered by the most telling", what, len(inner))
-        return errno_for(min(inner, key=_telling), what)
+        return errno_for(most_telling(exc), what)
     if isinstance(exc, FsError):
         return exc.errno
     if isinstance(exc, RemoteError):

@@ -7,7 +7,7 @@ import logging
 
 import trio
 
-from irdmafs.fs.errors import FsError, errno_for
+from irdmafs.fs.errors import FsError, errno_for, most_telling
 from irdmafs.peers import NodeDown
 from irdmafs.transport.base import RemoteError
 
@@ -36,3 +36,12 @@ def test_a_bug_in_a_group_is_logged_with_its_traceback(caplog):
         bug = exc
     assert errno_for(ExceptionGroup("g", [NodeDown("n1", "x"), bug]), "read") == errno.EIO
     assert "unexpected error" in caplog.text and "KeyError" in caplog.text
+
+
+def test_the_message_a_door_answers_is_the_most_telling_errors():
+    down = NodeDown("n2", "counted down")
+    group = ExceptionGroup("Exceptions from Trio nursery", [trio.TooSlowError(), down])
+    assert most_telling(group) is down
+    assert "n2" in str(most_telling(group))
+    plain = FsError(errno.ENOENT)
+    assert most_telling(plain) is plain
