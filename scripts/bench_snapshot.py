@@ -168,14 +168,14 @@ def scale(tmp: Path, sizes: list[float], replicas: int) -> dict[str, float]:
     return res
 
 
-def train(tmp: Path, model_gib: float, steps: int, replicas: int) -> dict[str, float]:
+def train(tmp: Path, model_gib: float, steps: int, replicas: int, transport: str = "shm") -> dict[str, float]:
     from irdmafs import steps as S
 
     tensor = 16 * MiB
     n = max(1, int(model_gib * GiB) // tensor)
     names = [f"t{i}" for i in range(n)]
     res: dict[str, float] = {"model_bytes": n * tensor}
-    with local_cluster(tmp / "c", replicas, tmp, "shm") as lc, mounted(lc, tmp / "mnt") as mnt:
+    with local_cluster(tmp / "c", replicas, tmp, transport) as lc, mounted(lc, tmp / "mnt") as mnt:
         model = mnt / "m"
         model.mkdir()
         os.setxattr(model, "user.irdma.workers", b"2")
@@ -259,12 +259,13 @@ def main() -> int:
     ap.add_argument("--train", action="store_true")
     ap.add_argument("--model-gib", type=float, default=1.0)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--transport", default="shm", help="shm or tcp (--train)")
     ap.add_argument("--json")
     ap.add_argument("--plot")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="irdmafs-bench-snapshot-") as tmp:
         if args.train:
-            res = train(Path(tmp), args.model_gib, args.steps, args.replicas)
+            res = train(Path(tmp), args.model_gib, args.steps, args.replicas, args.transport)
         else:
             sizes = [float(g) for g in args.gib.split(",")]
             res = scale(Path(tmp), sizes, args.replicas)
