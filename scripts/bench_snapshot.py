@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Snapshots at a model's size: what taking one costs against what a plain mkdir costs, in one run.
 
-    .venv/bin/python scripts/bench_snapshot.py [--gib 0.5,1,2,4] [--replicas 2] [--json FILE] [--plot FILE]
+    .venv/bin/python scripts/bench_snapshot.py [--gib 0.5,1,2,4] [--replicas 2] [--recover] [--json FILE] [--plot FILE]
     .venv/bin/python scripts/bench_snapshot.py --train [--model-gib 1] [--steps 8] [--json FILE]
 
 A local cluster (etcd, 3 nodes on shared memory, as ``irdmafs up`` makes on one host, R as
@@ -25,6 +25,11 @@ flat JSON object, per size (suffix ``_<GiB>g``):
   ``loop_busy_worst_s``: the part of such a lag the node's own work held its loop (the rest the
   host did not run it);
 - ``fenced``: how many times any node fenced itself (its log), 0 throughout.
+
+With ``--recover``, then: a node killed (SIGKILL) with the largest size live and started again,
+``recover_whole_s`` until every node has caught up (the restarted one's resync), its loop's
+worst lag over it (``recover_loop_lag_worst_s``, ``recover_loop_busy_worst_s``), the writer's
+worst save meanwhile and the fences.
 
 With ``--train``: a model of ``--model-gib`` GiB (float32 tensors of 16 MiB) trained by 2
 workers through the step streams (bsp, sgd), a snapshot taken after every step and the one before
@@ -124,7 +129,35 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def scale(tmp: Path, sizes: list[float], replicas: int) -> dict[str, float]:
+def recovery(lc, writer: Writer, live: int) -> dict[str, float]:
+    """A node killed (SIGKILL) with ``live`` bytes live and started again: how long until every
+    node has caught up (its resync), the worst lag of the restarted node's loop over all of it
+    (its own worst since it started: the resync), the writer's worst save meanwhile, fences."""
+    victim = lc.cfg.names[1]
+    fences = fenced(lc.log_dir)
+    t0 = time.monotonic()
+    lc.kill(victim)
+    lc.start(victim)
+    deadline = t0 + 600
+    while time.monotonic() < deadline:
+        status = nodes_status(lc.cfg)
+        if all(s.get("caught_up") for s in status):
+            break
+        time.sleep(0.2)
+    whole = time.monotonic() - t0
+    mine = next(s for n, s in zip(lc.cfg.names, status) if n == victim)
+    return {
+        "recover_live_gib": round(live / GiB, 2),
+        "recover_whole_s": round(whole, 2),
+        "recover_loop_lag_worst_s": mine.get("loop_lag", -1.0),
+        "recover_loop_busy_worst_s": mine.get("loop_busy", -1.0),
+        "recover_writer_worst_s": round(max(writer.overlapping(t0, t0 + whole), default=0.0), 4),
+        "recover_fenced": fenced(lc.log_dir) - fences,
+        "recover_whole": int(all(s.get("caught_up") for s in status)),
+    }
+
+
+def scale(tmp: Path, sizes: list[float], replicas: int, recover: bool = False) -> dict[str, float]:
     res: dict[str, float] = {}
     block = memoryview(np.random.default_rng(1).integers(0, 255, 4 * MiB, dtype=np.uint8).tobytes())
     with local_cluster(tmp / "c", replicas, tmp, "shm") as lc, mounted(lc, tmp / "mnt") as mnt:
@@ -161,6 +194,8 @@ def scale(tmp: Path, sizes: list[float], replicas: int) -> dict[str, float]:
             res["loop_busy_worst_s"] = loop_lag(lc.cfg, "loop_busy")
             res["fenced"] = fenced(Path(logs))
             res["whole"] = int(all(s.get("caught_up") for s in nodes_status(lc.cfg)))
+            if recover:
+                res.update(recovery(lc, writer, live))
             report_slow_steps(Path(logs))
         finally:
             writer.stop.set()
@@ -260,6 +295,7 @@ def main() -> int:
     ap.add_argument("--model-gib", type=float, default=1.0)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--transport", default="shm", help="shm or tcp (--train)")
+    ap.add_argument("--recover", action="store_true", help="then a node killed and started again: its resync at the largest size")
     ap.add_argument("--json")
     ap.add_argument("--plot")
     args = ap.parse_args()
@@ -268,7 +304,7 @@ def main() -> int:
             res = train(Path(tmp), args.model_gib, args.steps, args.replicas, args.transport)
         else:
             sizes = [float(g) for g in args.gib.split(",")]
-            res = scale(Path(tmp), sizes, args.replicas)
+            res = scale(Path(tmp), sizes, args.replicas, args.recover)
             if args.plot:
                 plot(res, sizes, args.plot)
     print(json.dumps(res, indent=1))

@@ -49,6 +49,12 @@ class Model:
         return [r for r in range(self.workers) if r not in self.removed]
 
 
+def _own(a: np.ndarray) -> np.ndarray:
+    """``a``, or a copy of it to change when it is frozen: a hand-over's cut refers to it as it
+    was (server/cuts.py C1)."""
+    return a if a.flags.writeable else a.copy()
+
+
 EMA = 0.3  # weight of the newest sample in the moving averages of step and compute times
 
 
@@ -216,10 +222,12 @@ class StripeTraining:
         entry = self.rounds.get(step)
         if entry is None:  # the round's first push: its copy is the sum so far (one pass)
             entry = self.rounds[step] = [grad.astype(work, copy=True), set()]
-        elif grad.dtype == np.float16:
-            native.acc_f16(entry[0], grad)  # one pass, no float32 temporary
         else:
-            entry[0] += grad
+            entry[0] = _own(entry[0])
+            if grad.dtype == np.float16:
+                native.acc_f16(entry[0], grad)  # one pass, no float32 temporary
+            else:
+                entry[0] += grad
         entry[1].add(rank)
         return self.complete_rounds(model)
 
@@ -229,6 +237,7 @@ class StripeTraining:
         active = set(model.active)
         while self.applied in self.rounds and active and active <= self.rounds[self.applied][1]:
             total, ranks = self.rounds.pop(self.applied)
+            total = _own(total)
             # a removed rank's push of this round still counts, so divide by who pushed
             total /= len(ranks)  # in place: the round's sum is ours alone now
             out.append(total)

@@ -529,13 +529,14 @@ class Training:
                 log.warning("resync: no training records (or not all) from %s: %s", peer, exc)
 
     def wire_records(
-        self, keys: set[tuple[int, int]] | None = None, after: tuple[int, int] | None = None, limit: int | None = None
+        self, keys: set[tuple[int, int]] | None = None, after: tuple[int, int] | None = None, limit: int | None = None, blobs: list | None = None
     ) -> tuple[list, list | None]:
         """The push bookkeeping of every stripe that took pushes (of ``keys`` only, if given)
         as it travels: ``[fid, idx, record, stamp]`` each, ``stamp`` the (tag, version) of the
         bytes here that the record describes (None if this node holds none). In key order from
         past ``after``, and once ``limit`` bytes of arrays are in, no more: returns the records
-        and the key to go on after (None when they were the last)."""
+        and the key to go on after (None when they were the last). With ``blobs``, arrays are
+        appended there, not encoded (``StripeTraining.record``)."""
         out, size = [], 0
         for fid, idx in sorted(k for k in self.records if after is None or k > after):
             st = self.records.get((fid, idx))
@@ -544,11 +545,11 @@ class Training:
             if limit is not None and out and size + st.payload_bytes > limit:
                 return out, out[-1][:2]
             stripe = self.store.get(fid, idx)
-            out.append([fid, idx, st.record(), list(stripe.stamp) if stripe is not None else None])
+            out.append([fid, idx, st.record(blobs), list(stripe.stamp) if stripe is not None else None])
             size += st.payload_bytes
         return out, None
 
-    async def take_records(self, records: list, mine: Callable[[int, int], bool] = lambda fid, idx: True) -> None:
+    async def take_records(self, records: list, mine: Callable[[int, int], bool] = lambda fid, idx: True, blobs: list | None = None) -> None:
         """A peer's ``wire_records`` (a resync, a hand-over's catch-up): each stripe's
         bookkeeping for which ``mine`` holds, only if it describes the bytes this node holds
         (the same stamp: a record goes with its bytes, never without them) and that peer has
@@ -559,7 +560,7 @@ class Training:
         simulator, mixed seed 1988, a primary held while it applied a push)."""
         for fid, idx, rec, *stamp in records:
             if mine(fid, idx):
-                incoming = StripeTraining.from_record(rec)
+                incoming = StripeTraining.from_record(rec, blobs)
                 async with self.stripe_locks((fid, idx)):
                     held = self.store.get(fid, idx)
                     if held is None or not stamp or stamp[0] is None or tuple(stamp[0]) != held.stamp:

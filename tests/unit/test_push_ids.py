@@ -3,6 +3,7 @@ client's own count, never renumbered from a server's; a duplicate is answered as
 ahead of the server, and a step someone else pushed, are loud errors; an open push is sent again
 once per id. Over an in-process cluster."""
 
+import base64
 import numpy as np
 import pytest
 import trio
@@ -361,3 +362,47 @@ async def test_push_bookkeeping_travels_in_pages_that_fit_a_control_frame(bed, m
     with pytest.raises(RemoteError) as exc:
         await node.training.rpc_train_records(after="3:4")
     assert exc.value.code == "EINVAL"
+
+
+async def test_a_handover_of_large_records_is_its_instant_fetched_in_pages(bed, monkeypatch):
+    """A hand-over's records are its answer's instant, however large their arrays (a GB model
+    mid-round: hundreds of MB, which encoded into the answer held the loop for seconds and could
+    not fit a control frame, so a node never rejoined; chaos --model-gib 1). Arrays beyond a
+    page stay in a cut on the peer, frozen: a push after the answer into a round of the cut
+    works on a copy, and the joiner fetches exactly what the answer saw, page by page; a
+    released cut is ESTALE (server/cuts.py)."""
+    from irdmafs.server import membership as M
+    from irdmafs.server import training as T
+    from irdmafs.transport.base import RemoteError
+
+    c, nodes, _ = bed
+    d = await c.paths.resolve("/m")
+    await c.setxattr(d["ino"], "user.irdma.sync", "bsp")
+    await c.setxattr(d["ino"], "user.irdma.workers", "2")
+    w = np.zeros((4 << 20) // 4, np.float32)  # 64 stripes of 64 KiB
+    ino = (await c.paths.save("/m/big.npy", w))["ino"]
+    await c.training.push(ino, 0, np.ones_like(w))  # rank 0 alone: every round stays open
+    page = 3 * (64 << 10)
+    monkeypatch.setattr(M, "RECORDS_PAGE", page)
+    peer = max(nodes, key=lambda n: sum(st.payload_bytes for st in n.training.records.values()))
+    joiner = next(n for n in nodes if n is not peer)
+    answer = await peer.membership.rpc_handover(name=joiner.name, epoch=peer.cluster.view_epoch)
+    assert "cut" in answer and "arrays" not in answer
+    assert sum(answer["cut"]["sizes"]) > page
+    await c.training.push(ino, 1, np.full_like(w, 3))  # rank 1: the rounds complete and apply
+    assert not any(st.rounds for st in peer.training.records.values())
+    cut = answer["cut"]["id"]
+    pages, at = 0, [0, 0]
+    while at is not None:
+        got = await peer.membership.rpc_handover_arrays(cut=cut, at=at)
+        assert sum(len(base64.b64decode(p[2])) for p in got["pieces"]) <= page
+        pages, at = pages + 1, got["next"]
+    assert pages > 1
+    arrays = await joiner.membership._arrays_of(peer.name, answer)  # through the transport, released after
+    for _, _, rec, _ in answer["records"]:
+        st = T.StripeTraining.from_record(rec, arrays)
+        assert st.rounds and all(np.array_equal(total, np.ones_like(total)) for total, _ in st.rounds.values())
+    with pytest.raises(RemoteError) as exc:
+        await peer.membership.rpc_handover_arrays(cut=cut, at=[0, 0])
+    assert exc.value.code == "ESTALE"
+    assert np.allclose(await c.training.pull_into(ino, 0, np.empty_like(w)), -2.0)  # (1 + 3) / 2, lr 1
