@@ -18,12 +18,13 @@ matches responses to requests by id and receives READ payloads straight into the
 buffers. That gives many operations in flight per peer, each socket's served in order; an
 operation that must follow another (a commit after the WRITE of its data) is sent once the
 first has been answered, as every caller does. READ answers on their way are bounded by a
-window of bytes (window.py): a burst of any size goes out as earlier answers arrive, so a
-heartbeat or a call never waits behind more than the window, and every wait is bounded by
-silence (op_timeout between answers), never by how much was asked.
+window of bytes and count (window.py): a burst of any size goes out as earlier answers arrive,
+so another read never waits behind more than the window, and every wait is bounded by silence
+(op_timeout between answers), never by how much was asked.
 
-Resource handling: a ``TcpConnection`` owns its two sockets and a receiver task for each in the
-nursery given to ``connect``; ``aclose()``, or either socket breaking, ends all of them. The serving side's tasks live in ``serve``'s own nursery.
+Resource handling: a ``TcpConnection`` owns its three sockets, and a receiver task and a sender
+for each in the nursery given to ``connect``; ``aclose()``, or any socket breaking, ends all of
+them. The serving side's tasks live in ``serve``'s own nursery.
 
 Error handling: ``OSError`` and trio's closed-resource errors (``base.SOCKET_ERRORS``) become
 ``ConnectError`` (before the handshake is done) or ``PeerLost`` (after), exactly once, here. A

@@ -28,6 +28,19 @@ async def _served(nursery, op_timeout=30.0):
     return region, conn
 
 
+def _gate_reads(monkeypatch) -> trio.Event:
+    """Every READ a node serves waits for the event (patched before a connection binds it)."""
+    gate = trio.Event()
+    real = tcp._Responder.on_read
+
+    async def held_read(self, h):
+        await gate.wait()
+        await real(self, h)
+
+    monkeypatch.setattr(tcp._Responder, "on_read", held_read)
+    return gate
+
+
 async def test_a_read_is_answered_while_a_burst_larger_than_the_window_goes_on(nursery):
     region, conn = await _served(nursery)
     into = bytearray(MiB)
@@ -109,14 +122,7 @@ async def test_a_burst_is_bounded_by_silence_between_answers_not_by_its_size(nur
 
 
 async def test_a_connection_that_breaks_wakes_the_burst_waiting_for_room(nursery, monkeypatch):
-    gate = trio.Event()
-    real = tcp._Responder.on_read
-
-    async def held_read(self, h):
-        await gate.wait()
-        await real(self, h)
-
-    monkeypatch.setattr(tcp._Responder, "on_read", held_read)
+    gate = _gate_reads(monkeypatch)
     region, conn = await _served(nursery)
     into = bytearray(MiB)
     failed = []
@@ -176,14 +182,7 @@ async def test_a_waiter_for_room_times_out_only_when_nothing_is_freed():
 async def test_a_call_is_answered_while_the_node_is_stuck_serving_reads(nursery, monkeypatch):
     """Calls have a socket of their own: a heartbeat never waits for the node to get through
     the reads sent before it (a node serves one socket's frames in order)."""
-    gate = trio.Event()
-    real = tcp._Responder.on_read
-
-    async def stuck_read(self, h):
-        await gate.wait()
-        await real(self, h)
-
-    monkeypatch.setattr(tcp._Responder, "on_read", stuck_read)
+    gate = _gate_reads(monkeypatch)
     region, conn = await _served(nursery)
     into = bytearray(MiB)
     async with trio.open_nursery() as n:

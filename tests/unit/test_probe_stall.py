@@ -28,6 +28,18 @@ def config(port):
     )
 
 
+async def heard(nursery, cfg, node):
+    """Node "a" served by ``node``, a Cluster that has heard it once (ready), and the list of
+    nodes it counts down from then on."""
+    await nursery.start(MemoryTransport(cfg.token).serve, "mem", cfg.nodes[0].port, node)
+    cluster = Cluster(cfg, MemoryTransport(cfg.token), nursery)
+    downs: list[str] = []
+    cluster.liveness.on_down.append(downs.append)
+    await cluster.refresh()
+    assert cluster.liveness.state["a"] == "ready"
+    return cluster, downs
+
+
 async def test_a_heartbeat_timed_out_while_this_loop_was_held_asks_again():
     cfg = config(9611)
     asked = []
@@ -39,12 +51,7 @@ async def test_a_heartbeat_timed_out_while_this_loop_was_held_asks_again():
         return {"state": "ready"}
 
     async with trio.open_nursery() as nursery:
-        await nursery.start(MemoryTransport(cfg.token).serve, "mem", 9611, node)
-        cluster = Cluster(cfg, MemoryTransport(cfg.token), nursery)
-        downs = []
-        cluster.liveness.on_down.append(downs.append)
-        await cluster.refresh()
-        assert cluster.liveness.state["a"] == "ready"
+        cluster, downs = await heard(nursery, cfg, node)
 
         async def stall():
             await trio.sleep(0.01)
@@ -68,12 +75,7 @@ async def test_a_node_silent_past_the_deadline_is_still_counted_down():
         return {"state": "ready"}
 
     async with trio.open_nursery() as nursery:
-        await nursery.start(MemoryTransport(cfg.token).serve, "mem", 9612, node)
-        cluster = Cluster(cfg, MemoryTransport(cfg.token), nursery)
-        downs = []
-        cluster.liveness.on_down.append(downs.append)
-        await cluster.refresh()
-        assert cluster.liveness.state["a"] == "ready"
+        cluster, downs = await heard(nursery, cfg, node)
         silent.set()
         await cluster.refresh()
         assert downs == ["a"]

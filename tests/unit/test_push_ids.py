@@ -330,6 +330,18 @@ async def test_a_record_of_other_bytes_is_not_taken_with_these(bed):
     assert np.array_equal(await c.paths.load("/m/r.npy"), w - 3)
 
 
+async def open_rounds(c):
+    """A tensor of 4 MiB (64 stripes of 64 KiB) of a bsp model of 2 workers that rank 0 alone
+    pushed to: every stripe's round stays open, holding its sum."""
+    d = await c.paths.resolve("/m")
+    await c.setxattr(d["ino"], "user.irdma.sync", "bsp")
+    await c.setxattr(d["ino"], "user.irdma.workers", "2")
+    w = np.zeros((4 << 20) // 4, np.float32)
+    ino = (await c.paths.save("/m/big.npy", w))["ino"]
+    await c.training.push(ino, 0, np.ones_like(w))
+    return ino, w
+
+
 async def test_push_bookkeeping_travels_in_pages_that_fit_a_control_frame(bed, monkeypatch):
     """A model of GBs in the middle of a bsp round holds its gradients' sums in its records:
     hundreds of MB, which one ``train_records`` answer neither fits (16 MiB a control frame) nor
@@ -339,12 +351,7 @@ async def test_push_bookkeeping_travels_in_pages_that_fit_a_control_frame(bed, m
     from irdmafs.transport.base import RemoteError
 
     c, nodes, _ = bed
-    d = await c.paths.resolve("/m")
-    await c.setxattr(d["ino"], "user.irdma.sync", "bsp")
-    await c.setxattr(d["ino"], "user.irdma.workers", "2")
-    w = np.zeros((4 << 20) // 4, np.float32)  # 64 stripes of 64 KiB
-    ino = (await c.paths.save("/m/big.npy", w))["ino"]
-    await c.training.push(ino, 0, np.ones_like(w))  # rank 0 alone: every round stays open, holding its sum
+    ino, w = await open_rounds(c)
     node = max(nodes, key=lambda n: sum(st.payload_bytes for st in n.training.records.values()))
     held = {k for k, st in node.training.records.items() if st.payload_bytes}
     assert len(held) > 4
@@ -376,12 +383,7 @@ async def test_a_handover_of_large_records_is_its_instant_fetched_in_pages(bed, 
     from irdmafs.transport.base import RemoteError
 
     c, nodes, _ = bed
-    d = await c.paths.resolve("/m")
-    await c.setxattr(d["ino"], "user.irdma.sync", "bsp")
-    await c.setxattr(d["ino"], "user.irdma.workers", "2")
-    w = np.zeros((4 << 20) // 4, np.float32)  # 64 stripes of 64 KiB
-    ino = (await c.paths.save("/m/big.npy", w))["ino"]
-    await c.training.push(ino, 0, np.ones_like(w))  # rank 0 alone: every round stays open
+    ino, w = await open_rounds(c)
     page = 3 * (64 << 10)
     monkeypatch.setattr(M, "RECORDS_PAGE", page)
     peer = max(nodes, key=lambda n: sum(st.payload_bytes for st in n.training.records.values()))
