@@ -47,7 +47,7 @@ from .barrier import CommitBarrier
 from .cuts import Cuts
 from .core import NodeCore
 from .leases import ServingLease
-from .resync import FETCHES, Resync
+from .resync import Resync
 from .training import RECORDS_PAGE, Training
 
 log = logging.getLogger(__name__)
@@ -177,20 +177,11 @@ class Membership:
         what they hold newer than this node (a replication to it that failed while it synced),
         so it never leads with an old version or old push bookkeeping."""
         fetched = 0
-        fetching = trio.CapacityLimiter(FETCHES)
-
-        async def fetch(fid: int, idx: int, snap: int, peer: str) -> None:
-            nonlocal fetched
-            async with fetching:
-                if await self.resync.fetch_stripe(fid, idx, snap, peer):
-                    fetched += 1
-
         for peer, answer in handed.items():
-            async with trio.open_nursery() as n:
-                for fid, idx, snap, version, tag in answer.get("stripes", []):
-                    mine = self.store.get(fid, idx, snap)
-                    if mine is None or mine.stamp < (tag, version):
-                        n.start_soon(fetch, fid, idx, snap, peer)
+            for fid, idx, snap, version, tag in answer.get("stripes", []):
+                mine = self.store.get(fid, idx, snap)
+                if (mine is None or mine.stamp < (tag, version)) and await self.resync.fetch_stripe(fid, idx, snap, peer):
+                    fetched += 1
             await self.training.take_records(answer.get("records", []), blobs=await self._arrays_of(peer, answer))
         newest = max(handed.items(), key=lambda item: tuple(item[1].get("meta_stamp", (-1, -1))), default=None)
         if newest is not None and tuple(newest[1].get("meta_stamp", (-1, -1))) > self.resync.meta().stamp:

@@ -16,18 +16,13 @@ import sys
 import time
 from typing import Callable
 
-import trio
-
 from ..peers import NodeDown
 from ..notify import notify
 from ..progress import Progress
 from ..transport.base import RemoteError, TransportError
-from ..util import single_exception
 from .core import NodeCore
 from .meta import Meta
 from .training import Training
-
-FETCHES = 8  # stripes fetched at once (a resync, a hand-over's catch-up): a GB's 1 MiB stripes one by one took tens of seconds
 
 log = logging.getLogger(__name__)
 
@@ -146,48 +141,39 @@ class Resync:
                 self.store.drop_keys(gone)
         total_bytes = sum(t[4] for t in todo)
         log.info("%s: %d stripes (%d bytes) to fetch from %d peers", what, len(todo), total_bytes, len(peers))
-        done = {"stripes": 0, "bytes": 0, "logged": time.monotonic()}
+        done_bytes, last_log = 0, time.monotonic()
         missed: list[str] = []  # stripes newer on a peer that no holder gave
         self.work = {"what": what, "done": 0, "total": len(todo), "bytes": 0, "total_bytes": total_bytes}
         bar = Progress(what, total_bytes, unit="B") if sys.stderr.isatty() and todo else None  # in a terminal
-        fetching = trio.CapacityLimiter(FETCHES)
-
-        async def one(fid: int, idx: int, snap: int, holders: list[str], cap: int, instead, had) -> None:
-            async with fetching:
+        try:
+            for i, (fid, idx, snap, holders, cap, instead, had) in enumerate(todo, 1):
                 outcomes = []
                 for peer in holders:
                     outcomes.append(await self.fetch_stripe(fid, idx, snap, peer, instead))
                     if outcomes[-1] is True:
                         break
-            if had is not None and all(o is None for o in outcomes):
-                await self._drop_freed(fid, idx, snap, had)
-            if False in outcomes and True not in outcomes:
-                if strict:
-                    raise RemoteError("EAGAIN", f"{what}: stripe {fid}:{idx} (snapshot {snap}) not fetched from {', '.join(holders)}")
-                if instead is None:  # newer there (a copy to take instead of one as new stays)
-                    missed.append(f"{fid}:{idx} (snapshot {snap})")
-            done["stripes"] += 1
-            done["bytes"] += cap
-            self.work.update(done=done["stripes"], bytes=done["bytes"])
-            if bar is not None:
-                bar.update(done["bytes"])
-            elif time.monotonic() - done["logged"] > 1.0 or done["stripes"] == len(todo):
-                done["logged"] = time.monotonic()
-                log.info("%s: %d/%d stripes, %d/%d bytes", what, done["stripes"], len(todo), done["bytes"], total_bytes)
-                notify(f"STATUS={what} {done['stripes']}/{len(todo)} stripes")
-
-        try:
-            with single_exception(RemoteError):  # strict: one stripe's EAGAIN is the answer
-                async with trio.open_nursery() as n:
-                    for item in todo:
-                        n.start_soon(one, *item)
+                if had is not None and all(o is None for o in outcomes):
+                    await self._drop_freed(fid, idx, snap, had)
+                if False in outcomes and True not in outcomes:
+                    if strict:
+                        raise RemoteError("EAGAIN", f"{what}: stripe {fid}:{idx} (snapshot {snap}) not fetched from {', '.join(holders)}")
+                    if instead is None:  # newer there (a copy to take instead of one as new stays)
+                        missed.append(f"{fid}:{idx} (snapshot {snap})")
+                done_bytes += cap
+                self.work.update(done=i, bytes=done_bytes)
+                if bar is not None:
+                    bar.update(done_bytes)
+                elif time.monotonic() - last_log > 1.0 or i == len(todo):
+                    last_log = time.monotonic()
+                    log.info("%s: %d/%d stripes, %d/%d bytes", what, i, len(todo), done_bytes, total_bytes)
+                    notify(f"STATUS={what} {i}/{len(todo)} stripes")
         finally:
             self.work = {}
             if bar is not None:
                 bar.close()
         if missed and newer_or_fail:
             raise RemoteError("EAGAIN", f"{what}: {len(missed)} stripes newer on a peer not fetched (first {missed[0]})")
-        return {"stripes": len(todo), "bytes": done["bytes"]}
+        return {"stripes": len(todo), "bytes": done_bytes}
 
     async def _drop_freed(self, fid: int, idx: int, snap: int, had: tuple[int, int]) -> None:
         """Every holder of a stripe's newest copy freed it after the listing (a truncate, an
