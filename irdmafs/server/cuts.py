@@ -79,7 +79,3 @@ class Cuts:
             raise RemoteError("ESTALE", f"hand-over cut {cut} is gone (released, expired, or this node restarted)")
         self._cuts[cut] = (entry[0], trio.current_time())
         return entry[0]
-
-    @property
-    def held_bytes(self) -> int:
-        return sum(len(v) for views, _ in self._cuts.values() for v in views)

@@ -78,18 +78,19 @@ class MemoryConnection(Connection):
             await LINKS.cross(self.src, self.server.endpoint, what)
         self._check_alive()
 
-    async def _cross_one_sided(self, what: str) -> None:
-        """A READ's or WRITE's crossing, bounded as a network transport bounds one: a link that
-        holds it past ``op_timeout`` is a TimeoutError (tcp.py: silence between answers)."""
+    async def _cross_within(self, what: str, seconds: float) -> None:
+        """``_cross``, bounded as a network transport bounds an operation: a link that holds it
+        past ``seconds`` is a TimeoutError (a READ's or WRITE's: ``op_timeout``, as tcp.py
+        bounds silence between answers; a call's: its timeout)."""
         try:
-            with trio.fail_after(self.op_timeout):
+            with trio.fail_after(seconds):
                 await self._cross(what)
         except trio.TooSlowError:
-            raise TimeoutError(f"{self.peer}: {what}: no answer within {self.op_timeout}s") from None
+            raise TimeoutError(f"{self.peer}: {what}: no answer within {seconds}s") from None
 
     async def read(self, rkey: int, offset: int, into: BufferList) -> None:
         await trio.lowlevel.checkpoint()
-        await self._cross_one_sided("read")
+        await self._cross_within("read", self.op_timeout)
         bufs = as_buffers(into)
         view = self.server.regions.check(rkey, offset, sum(map(len, bufs)), Access.READ)
         pos = 0
@@ -99,7 +100,7 @@ class MemoryConnection(Connection):
 
     async def write(self, rkey: int, offset: int, data: BufferList) -> None:
         await trio.lowlevel.checkpoint()
-        await self._cross_one_sided("write")
+        await self._cross_within("write", self.op_timeout)
         bufs = as_buffers(data)
         view = self.server.regions.check(rkey, offset, sum(map(len, bufs)), Access.WRITE)
         pos = 0
@@ -118,11 +119,7 @@ class MemoryConnection(Connection):
         return result
 
     async def call(self, method: str, args: dict[str, Any] | None = None, *, timeout: float | None = None) -> dict:
-        try:
-            with trio.fail_after(timeout if timeout is not None else 30.0):
-                await self._cross(method)
-        except trio.TooSlowError:  # a link that held it past the timeout: as a network's timeout
-            raise TimeoutError(f"{self.peer}: no answer") from None
+        await self._cross_within(method, timeout if timeout is not None else 30.0)
         # The JSON round trip keeps the in-process path honest about what can cross a wire.
         args = json.loads(json.dumps(args or {}))
         result = await self._guarded(self.handler(method, args), timeout)

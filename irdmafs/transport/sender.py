@@ -57,7 +57,6 @@ class Sender:
         self._wake = trio.Event()
         self._busy = False  # a send is under way on the socket (a caller's own, or a group)
         self.broken: str | None = None  # why the socket failed, once it did
-        self.batches = 0  # sendmsg groups and callers' own sends so far (tests)
 
     async def send(self, wire: list) -> None:
         """Send ``wire`` (one or more whole frames' buffers) and return once it is in the
@@ -101,7 +100,6 @@ class Sender:
             raise
         finally:
             self._busy = False
-            self.batches += 1
             self._wake.set()  # the writer: what was queued meanwhile
 
     def _next_group(self) -> list[_Frames]:
@@ -138,7 +136,6 @@ class Sender:
                         await self._sendv(self.sock, [b for frames in group for b in frames.wire], None)
                     finally:
                         self._busy = False
-                    self.batches += 1
                     for frames in group:
                         frames.state = SENT
                         frames.done.set()

@@ -30,11 +30,18 @@ class FakeSocket:
         self.sent.append(b"".join(bytes(b) for b in buffers))
 
 
-async def test_frames_of_many_senders_leave_in_one_batch_in_order(nursery):
+async def stalled(nursery) -> tuple[FakeSocket, list, Sender]:
+    """A sender with its writer running, over a socket whose sends wait for ``sock.gate``; and
+    the list its ``torn`` appends to."""
     sock, torn = FakeSocket(), []
     s = Sender(sock, sock.sendv, lambda: torn.append(1), PATIENCE)
     await nursery.start(s.run)
     sock.gate = trio.Event()
+    return sock, torn, s
+
+
+async def test_frames_of_many_senders_leave_in_one_batch_in_order(nursery):
+    sock, torn, s = await stalled(nursery)
     async with trio.open_nursery() as n:
         n.start_soon(s.send, [b"first"])
         await trio.testing.wait_all_tasks_blocked()  # the writer holds "first", the link stalled
@@ -52,10 +59,7 @@ async def test_frames_of_many_senders_leave_in_one_batch_in_order(nursery):
 
 
 async def test_a_sender_cancelled_before_its_frames_were_taken_sends_nothing(nursery):
-    sock, torn = FakeSocket(), []
-    s = Sender(sock, sock.sendv, lambda: torn.append(1), PATIENCE)
-    await nursery.start(s.run)
-    sock.gate = trio.Event()
+    sock, torn, s = await stalled(nursery)
     async with trio.open_nursery() as n:
         n.start_soon(s.send, [b"A"])
         await trio.testing.wait_all_tasks_blocked()
@@ -68,10 +72,7 @@ async def test_a_sender_cancelled_before_its_frames_were_taken_sends_nothing(nur
 
 
 async def test_a_sender_cancelled_midway_drops_the_connection(nursery):
-    sock, torn = FakeSocket(), []
-    s = Sender(sock, sock.sendv, lambda: torn.append(1), PATIENCE)
-    await nursery.start(s.run)
-    sock.gate = trio.Event()
+    sock, torn, s = await stalled(nursery)
     scope = trio.CancelScope()
 
     async def send():
@@ -87,10 +88,7 @@ async def test_a_sender_cancelled_midway_drops_the_connection(nursery):
 
 
 async def test_a_broken_socket_fails_every_sender_and_every_later_one(nursery):
-    sock, torn = FakeSocket(), []
-    s = Sender(sock, sock.sendv, lambda: torn.append(1), PATIENCE)
-    await nursery.start(s.run)
-    sock.gate = trio.Event()
+    sock, torn, s = await stalled(nursery)
     failed = []
 
     async def send(x):
@@ -113,10 +111,8 @@ async def test_a_broken_socket_fails_every_sender_and_every_later_one(nursery):
 async def test_a_sender_cancelled_while_its_group_goes_out_waits_for_it_or_drops_the_connection(nursery, stalls):
     """Its buffers must stay as they are until the kernel has them: it waits (shielded) for its
     group; only a group stalled past ``patience`` drops the connection."""
-    sock, torn = FakeSocket(), []
-    s = Sender(sock, sock.sendv, lambda: torn.append(1), PATIENCE)
-    await nursery.start(s.run)
-    first = sock.gate = trio.Event()
+    sock, torn, s = await stalled(nursery)
+    first = sock.gate
     scope = trio.CancelScope()
     ended = []
 
@@ -145,10 +141,7 @@ async def test_a_sender_cancelled_while_its_group_goes_out_waits_for_it_or_drops
 
 
 async def test_the_writer_sends_in_groups_of_bounded_size(nursery):
-    sock = FakeSocket()
-    s = Sender(sock, sock.sendv, lambda: None, PATIENCE)
-    await nursery.start(s.run)
-    sock.gate = trio.Event()
+    sock, _, s = await stalled(nursery)
     big = bytes(GROUP // 2 + 1)
     async with trio.open_nursery() as n:
         n.start_soon(s.send, [b"A"])
