@@ -75,6 +75,13 @@ class Liveness:
         if since is None or self.vouched_at.get(name, -math.inf) < since:
             self.set(name, DOWN, why)
 
+    def work(self, name: str) -> tuple:
+        """What ``name``'s last heartbeat said of its long work (a resync, a catch-up): its
+        kind and how far it got (Nones when none). A wait on that node may last while it moves
+        (silence.py, ``Patience``)."""
+        work = self.info.get(name, {}).get("work") or {}
+        return (work.get("what"), work.get("done"), work.get("bytes"))
+
     def is_down(self, name: str) -> bool:
         return self.state.get(name) == DOWN
 

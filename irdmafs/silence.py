@@ -7,12 +7,21 @@ a fixed deadline per tensor counted its wait in the queue, and tensors late in a
 ETIMEDOUT while the step moved at full speed (chaos.py --model-gib 1; issue 41: "a deadline
 bounds silence, not size").
 
+``Patience(progress, seconds)`` is the same rule for an operation that follows nodes (a
+namespace call, a commit, a read) while one of them does long work it must wait for (a resync,
+a hand-over's catch-up): ``progress(node)`` is what that node last reported of its work (its
+heartbeat's ``work``), and each ``heed(node)`` that finds it moved gives the operation its
+``seconds`` again. A node taking a GB of stripes back made every lookup sent to it ETIMEDOUT
+after a fixed 3 op timeouts while it fetched at full speed (chaos.py --model-gib 1, seed 3);
+one that reports nothing new is waited for ``seconds`` and no more.
+
 Concurrency: one trio thread.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import Callable, Hashable
 
 import trio
 
@@ -39,3 +48,40 @@ class SilenceBound:
         deadline = trio.current_time() + self.seconds
         for scope in self._scopes:
             scope.deadline = deadline
+
+
+class Patience:
+    def __init__(self, progress: Callable[[str], Hashable], seconds: float):
+        self.progress = progress
+        self.seconds = seconds
+        self.deadline = trio.current_time() + seconds
+        self._seen: dict[str, Hashable] = {}
+        self._scope: trio.CancelScope | None = None
+
+    @contextmanager
+    def bound(self):
+        """A block that raises ``trio.TooSlowError`` at the deadline, moved by ``heed``."""
+        self._scope = trio.CancelScope(deadline=self.deadline)
+        try:
+            with self._scope:
+                yield self
+        finally:
+            scope, self._scope = self._scope, None
+        if scope.cancelled_caught:
+            raise trio.TooSlowError
+
+    def heed(self, *nodes: str) -> None:
+        """The deadline is ``seconds`` from now if any of ``nodes`` reported progress since it
+        was last heeded (the first look at a node is where its progress is counted from)."""
+        moved = False
+        for node in nodes:
+            now = self.progress(node)
+            moved |= node in self._seen and self._seen[node] != now
+            self._seen[node] = now
+        if moved:
+            self.deadline = trio.current_time() + self.seconds
+            if self._scope is not None:
+                self._scope.deadline = self.deadline
+
+    def expired(self) -> bool:
+        return trio.current_time() >= self.deadline

@@ -35,6 +35,7 @@ import trio
 from ..cluster import Cluster
 from ..peers import NodeDown
 from ..config import ClusterConfig
+from ..silence import Patience
 from ..slots import StagingPool
 from ..transport.base import Gather, RemoteError, Transport, TransportError
 from ..util import single_exception
@@ -95,8 +96,10 @@ class Client:
     async def _call_following(self, choose, method: str, args: dict, *, timeout: float | None = None) -> dict:
         """A control call to the node ``choose()`` names (the metadata primary, a stripe's
         primary), following it when it moves: a node lost or fenced mid-call is not an error
-        the user should see while another can answer."""
-        with trio.fail_after((timeout or self.cfg.op_timeout) + 2 * self.cfg.op_timeout):
+        the user should see while another can answer. Its deadline bounds silence: a target
+        that refuses while its long work moves (a catch-up: EAGAIN) is waited for."""
+        patience = Patience(self.cluster.liveness.work, (timeout or self.cfg.op_timeout) + 2 * self.cfg.op_timeout)
+        with patience.bound():
             while True:
                 target = choose()
                 if target is None:
@@ -115,6 +118,7 @@ class Client:
                         raise
                     await trio.sleep(0.1)
                     await self.cluster.refresh()
+                    patience.heed(target)
 
     async def _op(self, **op: Any) -> dict:
         # a request id, so a retry after a lost answer is not applied twice (server/meta.py)

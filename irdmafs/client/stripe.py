@@ -30,6 +30,7 @@ import trio
 from ..cluster import READY, Cluster, Unavailable
 from ..peers import NodeDown, TornRead
 from ..regions import Header
+from ..silence import Patience
 from ..slots import StagingPool, staging_gone
 from ..transport.base import AccessError, Gather, RemoteError
 from ..util import leaves
@@ -413,7 +414,8 @@ class StripeIO:
         behind: list[str] = []  # replicas whose clock did not move while waited on: asked last
         stale_keys = 0
         looked_up: set[str] = set()  # nodes whose key this read asked for (not from the cache)
-        give_up = trio.current_time() + self.cluster.cfg.op_timeout
+        begun = trio.current_time()
+        patience = Patience(self.cluster.liveness.work, self.cluster.cfg.op_timeout)
         clock_deadline = trio.current_time() + wait
         while True:
             candidates = [c for c in self.cluster.read_candidates(fid, p.idx) if c not in missing | lost | syncing]
@@ -425,11 +427,18 @@ class StripeIO:
                 if set(homes) <= missing:  # every home replica answered: nothing there, a hole
                     view[:] = bytes(len(view))
                     return
-                if trio.current_time() < give_up:
+                if not patience.expired():
                     # Our view of the nodes may be behind (a node just finished its resync):
-                    # ask them again before calling the data unavailable.
-                    await trio.sleep(0.05)
-                    await self.cluster.refresh()
+                    # ask them again before calling the data unavailable; a home that refused
+                    # while it takes its stripes back is waited for as long as it moves (past
+                    # the first op timeout, woken by a change the heartbeats see rather than
+                    # asking every node again each 50 ms, for each of a pull's stripes)
+                    if trio.current_time() - begun < self.cluster.cfg.op_timeout:
+                        await trio.sleep(0.05)
+                        await self.cluster.refresh()
+                    else:  # the heartbeat loop keeps what each node said fresh
+                        await self.cluster.wait_changed(0.5)
+                    patience.heed(*syncing)
                     missing.clear()
                     lost.clear()
                     syncing.clear()
@@ -489,7 +498,7 @@ class StripeIO:
             except TornRead:
                 # Writes keep landing on this stripe: back off and read again (bounded by the
                 # deadline below). Never treat it as missing, which could read as a hole.
-                if trio.current_time() > give_up:
+                if patience.expired():
                     raise
                 log.warning("stripe %d:%d on %s kept changing; reading again", fid, p.idx, node)
                 await trio.sleep(0.01)
@@ -512,7 +521,8 @@ class StripeIO:
         answers); follows the primary when it moves. Gradient pushes do not come this way: they
         travel fused, as one WRITE with immediate per batch (client/training.py, ``_fused``)."""
         begun, told, last = trio.current_time(), False, None
-        with trio.fail_after(self.write_deadline):
+        patience = Patience(self.cluster.liveness.work, self.write_deadline)  # silence, not size
+        with patience.bound():
             while True:
                 if not told and last is not None and trio.current_time() - begun > self.cluster.cfg.op_timeout:
                     # said once: its retries are silent, and a write that then runs out of time
@@ -544,5 +554,6 @@ class StripeIO:
                         # the newest view, for a node that said ESTALE).
                         await trio.sleep(0.1)
                         await self.cluster.refresh()
+                        patience.heed(primary)
                     elif not staging_gone(exc):  # else with_slot dropped it: a new one now
                         raise

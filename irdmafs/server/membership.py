@@ -177,12 +177,17 @@ class Membership:
         what they hold newer than this node (a replication to it that failed while it synced),
         so it never leads with an old version or old push bookkeeping."""
         fetched = 0
-        for peer, answer in handed.items():
-            for fid, idx, snap, version, tag in answer.get("stripes", []):
-                mine = self.store.get(fid, idx, snap)
-                if (mine is None or mine.stamp < (tag, version)) and await self.resync.fetch_stripe(fid, idx, snap, peer):
-                    fetched += 1
-            await self.training.take_records(answer.get("records", []), blobs=await self._arrays_of(peer, answer))
+        work = self.resync.work = {"what": "catch-up", "done": 0, "total": sum(len(a.get("stripes", [])) for a in handed.values())}
+        try:  # its progress in heartbeats: what waits on this node waits while it moves (silence.py)
+            for peer, answer in handed.items():
+                for fid, idx, snap, version, tag in answer.get("stripes", []):
+                    mine = self.store.get(fid, idx, snap)
+                    if (mine is None or mine.stamp < (tag, version)) and await self.resync.fetch_stripe(fid, idx, snap, peer):
+                        fetched += 1
+                    work["done"] += 1
+                await self.training.take_records(answer.get("records", []), blobs=await self._arrays_of(peer, answer))
+        finally:
+            self.resync.work = {}
         newest = max(handed.items(), key=lambda item: tuple(item[1].get("meta_stamp", (-1, -1))), default=None)
         if newest is not None and tuple(newest[1].get("meta_stamp", (-1, -1))) > self.resync.meta().stamp:
             try:
@@ -265,6 +270,8 @@ class Membership:
             for k, off, data in page["pieces"]:
                 raw = b64decode(data)
                 arrays[k][off : off + len(raw)] = raw
+                if self.resync.work:  # a catch-up's progress (heartbeats show it)
+                    self.resync.work["bytes"] = self.resync.work.get("bytes", 0) + len(raw)
             at = page["next"]
         try:
             await self.cluster.call(peer, "handover_release", {"cut": cut["id"]})
