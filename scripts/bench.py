@@ -328,13 +328,14 @@ def model_figures(mnt: Path, reps: int) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def local_cluster(state: Path, replicas: int, log_dir: Path, transport: str = "tcp"):
+def local_cluster(state: Path, replicas: int, log_dir: Path, transport: str = "tcp", persist: Path | None = None):
     """etcd (the views' coordinator) and 3 nodes on ``transport``, R=``replicas``, settled, for
-    the block (the LocalCluster); everything is stopped afterwards."""
+    the block (the LocalCluster; ``persist``: nodes keep their data under it, persist.py);
+    everything is stopped afterwards."""
     etcd = LocalEtcd(state / "etcd", log_path=log_dir / f"etcd-{state.name}.log")
     etcd.start()
     try:
-        lc = LocalCluster(write_config(state, 3, replicas, transport=[transport], coordinator=[etcd.endpoint]))
+        lc = LocalCluster(write_config(state, 3, replicas, transport=[transport], coordinator=[etcd.endpoint]), persist=persist)
         lc.start_all()
         try:
             trio.run(wait_settled, lc.cfg)

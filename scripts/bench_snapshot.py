@@ -31,6 +31,15 @@ With ``--recover``, then: a node killed (SIGKILL) with the largest size live and
 worst lag over it (``recover_loop_lag_worst_s``, ``recover_loop_busy_worst_s``), the writer's
 worst save meanwhile and the fences.
 
+With ``--rebalance``, then: a fourth node started and added by ``irdmafs rebalance`` with the
+largest size live: ``rebalance_s`` (the command), ``rebalance_loop_lag_worst_s`` (the worst of
+every node's loop so far, the new node's included), the writer's worst save meanwhile, fences,
+and ``rebalance_whole`` (every node of the new membership caught up after it).
+
+With ``--persist``, every node writes its stripes through to disk (``irdmafs serve --persist``):
+the same figures with the data persisted, and with ``--recover`` the killed node loads its data
+from disk before it resyncs.
+
 With ``--train``: a model of ``--model-gib`` GiB (float32 tensors of 16 MiB) trained by 2
 workers through the step streams (bsp, sgd), a snapshot taken after every step and the one before
 it dropped. ``step_worst_vs_median``: the worst step over the median (target <= 2.0);
@@ -50,6 +59,7 @@ import sys
 import tempfile
 import threading
 import time
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -157,10 +167,46 @@ def recovery(lc, writer: Writer, live: int) -> dict[str, float]:
     }
 
 
-def scale(tmp: Path, sizes: list[float], replicas: int, recover: bool = False) -> dict[str, float]:
+def grown(lc, writer: Writer, live: int) -> dict[str, float]:
+    """A fourth node started and added by ``irdmafs rebalance`` with ``live`` bytes live: how
+    long the command took, every node's worst loop lag so far (the new one's included), the
+    writer's worst save meanwhile, fences, and whether the new membership is whole after it."""
+    from irdmafs import config as C
+    from irdmafs.local import LocalCluster, free_ports, wait_settled
+
+    [port] = free_ports(1)
+    doc = tomllib.loads(lc.config_path.read_text())  # the same cluster with a node more
+    doc["nodes"].append({"name": "n4", "host": lc.cfg.nodes[0].host, "port": port})
+    new = lc.config_path.parent / "grown.toml"
+    new.write_text(C.dump(C.from_dict(doc, base=new.parent)))
+    lc4 = LocalCluster(new, log_dir=lc.log_dir, persist=lc.persist)
+    lc4.start("n4")
+    fences = fenced(lc.log_dir)
+    try:
+        trio.run(lambda: wait_settled(lc4.cfg, ["n4"], timeout=120, whole_too=False))
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "irdmafs.cli", "rebalance", "--quiet", "--from", str(lc.config_path), "--to", str(new)], capture_output=True, text=True, timeout=1200)
+        took = time.monotonic() - t0
+        if r.returncode != 0:
+            raise RuntimeError(f"rebalance failed: {r.stderr.strip()[-2000:]}")
+        trio.run(lambda: wait_settled(lc4.cfg, timeout=300))
+        return {
+            "rebalance_live_gib": round(live / GiB, 2),
+            "rebalance_s": round(took, 2),
+            "rebalance_loop_lag_worst_s": loop_lag(lc4.cfg),
+            "rebalance_loop_busy_worst_s": loop_lag(lc4.cfg, "loop_busy"),
+            "rebalance_writer_worst_s": round(max(writer.overlapping(t0, t0 + took), default=0.0), 4),
+            "rebalance_fenced": fenced(lc.log_dir) - fences,
+            "rebalance_whole": int(all(s.get("caught_up") for s in nodes_status(lc4.cfg))),
+        }
+    finally:
+        lc4.stop_all()
+
+
+def scale(tmp: Path, sizes: list[float], replicas: int, recover: bool = False, rebalance: bool = False, persist: bool = False) -> dict[str, float]:
     res: dict[str, float] = {}
     block = memoryview(np.random.default_rng(1).integers(0, 255, 4 * MiB, dtype=np.uint8).tobytes())
-    with local_cluster(tmp / "c", replicas, tmp, "shm") as lc, mounted(lc, tmp / "mnt") as mnt:
+    with local_cluster(tmp / "c", replicas, tmp, "shm", tmp / "disk" if persist else None) as lc, mounted(lc, tmp / "mnt") as mnt:
         logs = tmp / "c"
         (mnt / "data").mkdir()
         writer = Writer(mnt / "writer.npy")
@@ -196,6 +242,8 @@ def scale(tmp: Path, sizes: list[float], replicas: int, recover: bool = False) -
             res["whole"] = int(all(s.get("caught_up") for s in nodes_status(lc.cfg)))
             if recover:
                 res.update(recovery(lc, writer, live))
+            if rebalance:
+                res.update(grown(lc, writer, live))
             report_slow_steps(Path(logs))
         finally:
             writer.stop.set()
@@ -296,6 +344,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--transport", default="shm", help="shm or tcp (--train)")
     ap.add_argument("--recover", action="store_true", help="then a node killed and started again: its resync at the largest size")
+    ap.add_argument("--rebalance", action="store_true", help="then a fourth node added by irdmafs rebalance at the largest size")
+    ap.add_argument("--persist", action="store_true", help="nodes write their data through to disk (serve --persist)")
     ap.add_argument("--json")
     ap.add_argument("--plot")
     args = ap.parse_args()
@@ -304,7 +354,7 @@ def main() -> int:
             res = train(Path(tmp), args.model_gib, args.steps, args.replicas, args.transport)
         else:
             sizes = [float(g) for g in args.gib.split(",")]
-            res = scale(Path(tmp), sizes, args.replicas, args.recover)
+            res = scale(Path(tmp), sizes, args.replicas, args.recover, args.rebalance, args.persist)
             if args.plot:
                 plot(res, sizes, args.plot)
     print(json.dumps(res, indent=1))
