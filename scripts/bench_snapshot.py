@@ -185,7 +185,8 @@ def grown(lc, writer: Writer, live: int) -> dict[str, float]:
     try:
         trio.run(lambda: wait_settled(lc4.cfg, ["n4"], timeout=120, whole_too=False))
         t0 = time.monotonic()
-        r = subprocess.run([sys.executable, "-m", "irdmafs.cli", "rebalance", "--quiet", "--from", str(lc.config_path), "--to", str(new)], capture_output=True, text=True, timeout=1200)
+        cmd = [sys.executable, "-m", "irdmafs.cli", "rebalance", "--quiet", "--from", str(lc.config_path), "--to", str(new)]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
         took = time.monotonic() - t0
         if r.returncode != 0:
             raise RuntimeError(f"rebalance failed: {r.stderr.strip()[-2000:]}")
