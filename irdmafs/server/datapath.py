@@ -46,7 +46,9 @@ class DataPath:
         self.state_ahead: dict[tuple[int, int, int], tuple[bytes, int, int, int, int]] = {}
 
     async def rpc_stripes(self) -> dict:
-        return {"stripes": self.store.listing()}
+        """Every stripe held, and whether this process holds all it should (``complete``:
+        resync.py counts a stripe missing here as freed only then)."""
+        return {"stripes": self.store.listing(), "complete": self.serving.complete}
 
     async def rpc_snap_copy(self, snap: int) -> dict:
         """Freeze every live stripe under snapshot id ``snap`` (a snapshot's coordinator asks

@@ -47,7 +47,7 @@ from .barrier import CommitBarrier
 from .cuts import Cuts
 from .core import NodeCore
 from .leases import ServingLease
-from .resync import Resync
+from .resync import FETCHES, Resync
 from .training import RECORDS_PAGE, Training
 
 log = logging.getLogger(__name__)
@@ -125,6 +125,7 @@ class Membership:
         named = trio.current_time()
         handed = await self._hand_over()
         await self._catch_up(handed)
+        self.serving.complete = True
         self.serving.taken_over.set()
         # the window in which its stripes have one serving copy fewer (server/health.py)
         log.info("node %s caught up %.2f s after a view named it (hand-over from %d peers)", self.name, trio.current_time() - named, len(handed))
@@ -177,14 +178,25 @@ class Membership:
         what they hold newer than this node (a replication to it that failed while it synced),
         so it never leads with an old version or old push bookkeeping."""
         fetched = 0
+        fetching = trio.CapacityLimiter(FETCHES)
         work = self.resync.work = {"what": "catch-up", "done": 0, "total": sum(len(a.get("stripes", [])) for a in handed.values())}
+
+        async def fetch(fid: int, idx: int, snap: int, peer: str) -> None:
+            nonlocal fetched
+            async with fetching:
+                if await self.resync.fetch_stripe(fid, idx, snap, peer):
+                    fetched += 1
+            work["done"] += 1
+
         try:  # its progress in heartbeats: what waits on this node waits while it moves (silence.py)
             for peer, answer in handed.items():
-                for fid, idx, snap, version, tag in answer.get("stripes", []):
-                    mine = self.store.get(fid, idx, snap)
-                    if (mine is None or mine.stamp < (tag, version)) and await self.resync.fetch_stripe(fid, idx, snap, peer):
-                        fetched += 1
-                    work["done"] += 1
+                async with trio.open_nursery() as n:
+                    for fid, idx, snap, version, tag in answer.get("stripes", []):
+                        mine = self.store.get(fid, idx, snap)
+                        if mine is None or mine.stamp < (tag, version):
+                            n.start_soon(fetch, fid, idx, snap, peer)
+                        else:
+                            work["done"] += 1
                 await self.training.take_records(answer.get("records", []), blobs=await self._arrays_of(peer, answer))
         finally:
             self.resync.work = {}

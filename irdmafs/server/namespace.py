@@ -325,7 +325,14 @@ class Namespace:
                 self.store.drop_keys([(fid, idx, snap)])
                 self.forget(fid, idx, idx + 1)
 
-    async def rpc_meta_snapshot(self) -> dict:
+    async def rpc_meta_snapshot(self, whole: bool = False) -> dict:
+        """This node's namespace. ``whole`` (a resync, which takes it in place of its own and
+        drops the stripes of files it lacks): EAGAIN unless this process has caught up once
+        since it started (``Serving.complete``): a primary restarted empty while a view made
+        before its crash still names it would have every file's stripes dropped (read from
+        the code beside fault simulator seed 1663, where the order of two resyncs spared it)."""
+        if whole and not self.serving.complete:
+            raise RemoteError("EAGAIN", f"node {self.serving.name} has not caught up since it started: its namespace is not the cluster's")
         return self.meta.snapshot()
 
     async def _caught_up(self) -> None:

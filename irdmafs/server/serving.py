@@ -52,6 +52,11 @@ class Serving:
         self.last_tick = 0.0  # when this process last ran its fence ticker or a heartbeat (trio clock)
         self.must_rejoin = False  # fenced by a stall or its lease: its fence loop resyncs it
         self.taken_over = trio.Event()  # set once peers have handed this node its stripes back
+        # this process has taken its stripes back once (a hand-over's catch-up done): from then
+        # on it holds every acknowledged stripe of its homes, or a view expels it. Until then a
+        # restarted process holds none (or what it loaded), while a view made before its crash
+        # may still name it: its ``stripes`` listing is no evidence that a stripe was freed
+        self.complete = False
         # (fid, idx, snap) -> when this node last gave the stripe a version as its primary. A
         # node fenced by a stall or its lease may have given versions whose replication never
         # finished (nor was acknowledged) while the next primary gave the same numbers to other
