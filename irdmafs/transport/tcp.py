@@ -489,7 +489,12 @@ class _Responder:
 
     async def run_imm(self, h: P.Header) -> None:
         try:
-            result = await self.on_imm(self.regions.get(h.rkey), h.offset, h.length, h.imm)
+            region = self.regions.get(h.rkey)
+            if region is None:  # freed after the data landed (a staging slot given up): the
+                # sender's slot is gone, it asks for a new one (slots.py staging_gone); the
+                # handler never ran, so nothing of it happened (chaos --model-gib 2: EINVAL)
+                raise RemoteError("EINVAL", f"unknown rkey {h.rkey}: freed since its WRITE landed")
+            result = await self.on_imm(region, h.offset, h.length, h.imm)
             await self.answer(h, [P.encode_result(result)])
         except RemoteError as exc:
             await self.answer(h, [P.encode_remote_error(exc.code, exc.message)], P.Status.REMOTE)

@@ -186,3 +186,36 @@ async def test_write_with_immediate_notifies_after_the_data_landed(nursery):
             await conn.write_imm(region.rkey, 0, b"x", 0)
         with pytest.raises(AccessError):
             await conn.write_imm(region.rkey, 4095, b"xy", 1)
+
+
+async def test_a_notification_whose_region_was_freed_after_its_data_landed_is_staging_gone(nursery, monkeypatch):
+    """TCP lands a WRITE_IMM's data, then runs its notification as a task of its own: a region
+    freed in between (a client's staging slot given up) reached the handler as None, and the
+    push failed EINVAL "notification without a descriptor" to the user (chaos --model-gib 2).
+    It is "unknown rkey" (slots.py ``staging_gone``: the sender takes a new slot and sends
+    again), and the handler never runs."""
+    from irdmafs.slots import staging_gone
+    from irdmafs.transport import tcp
+
+    server = tcp.TcpTransport(TOKEN)
+    region = server.alloc_region(4096, 3)
+    seen = []
+
+    async def on_imm(r, offset, length, imm):
+        seen.append(r)
+        return {}
+
+    land = tcp._Responder.land
+
+    async def land_then_free(self, h):
+        landed = await land(self, h)
+        server.free_region(region)  # released before the notification's task runs
+        return landed
+
+    monkeypatch.setattr(tcp._Responder, "land", land_then_free)
+    host, port = await nursery.start(lambda task_status: server.serve("127.0.0.1", 0, handlerless, on_imm=on_imm, task_status=task_status))
+    conn = await tcp.TcpTransport(TOKEN).connect(host, port, nursery=nursery)
+    with pytest.raises(RemoteError) as caught:
+        await conn.write_imm(region.rkey, 0, b"descriptor", 5)
+    assert staging_gone(caught.value) and seen == []
+    await conn.aclose()
