@@ -43,6 +43,7 @@ from .peers import NodeDown, Peers
 from .placement import rank, stripe_key
 from .regions import Header
 from .transport.base import Connection, RemoteError, TransportError, Transport
+from .util import Shared
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class Cluster:
         self.heartbeat_args: dict = {}
         self.view: View = View()  # the newest view known (see above); epoch 0: none yet
         self.on_view: list[Callable[[View], None]] = []  # called with each newer view learnt
+        self._probes = Shared()  # one heartbeat probe of a node at a time (``refresh``)
 
     @property
     def nursery(self) -> trio.Nursery | None:
@@ -277,10 +279,13 @@ class Cluster:
                     self.on_adopt(m["epoch"])
 
     async def refresh(self) -> None:
-        """Probe every other node once, in parallel."""
+        """Probe every other node once, in parallel; a probe of a node already under way is
+        waited for, not sent again (a pull's thousand reads each asking while a node was out
+        sent thousands of heartbeats at once, which timed out behind one another and counted
+        the working nodes down: chaos --model-gib 2)."""
         async with trio.open_nursery() as n:
             for name in list(self.liveness.state):
-                n.start_soon(self._probe, name)
+                n.start_soon(self._probes.run, name, self._probe, name)
 
     async def heartbeat_loop(self) -> None:
         while True:

@@ -50,12 +50,30 @@ class SilenceBound:
             scope.deadline = deadline
 
 
+class Moves:
+    """What nodes last reported of their long work (``progress(node)``), and whether it moved
+    since it was last looked at (the first look at a node is where its progress is counted
+    from). A client's pushes refused by a primary taking a GB back count its moves as their own
+    progress (client/training.py): they timed out while it fetched (chaos --model-gib 2)."""
+
+    def __init__(self, progress: Callable[[str], Hashable]):
+        self.progress = progress
+        self._seen: dict[str, Hashable] = {}
+
+    def moved(self, *nodes: str) -> bool:
+        moved = False
+        for node in nodes:
+            now = self.progress(node)
+            moved |= node in self._seen and self._seen[node] != now
+            self._seen[node] = now
+        return moved
+
+
 class Patience:
     def __init__(self, progress: Callable[[str], Hashable], seconds: float):
-        self.progress = progress
+        self.moves = Moves(progress)
         self.seconds = seconds
         self.deadline = trio.current_time() + seconds
-        self._seen: dict[str, Hashable] = {}
         self._scope: trio.CancelScope | None = None
 
     @contextmanager
@@ -73,12 +91,7 @@ class Patience:
     def heed(self, *nodes: str) -> None:
         """The deadline is ``seconds`` from now if any of ``nodes`` reported progress since it
         was last heeded (the first look at a node is where its progress is counted from)."""
-        moved = False
-        for node in nodes:
-            now = self.progress(node)
-            moved |= node in self._seen and self._seen[node] != now
-            self._seen[node] = now
-        if moved:
+        if self.moves.moved(*nodes):
             self.deadline = trio.current_time() + self.seconds
             if self._scope is not None:
                 self._scope.deadline = self.deadline

@@ -111,3 +111,24 @@ def keep_freed_memory() -> bool:
         return False
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
     return bool(mallopt(M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(M_TRIM_THRESHOLD, 1 << 30))
+
+
+class Shared:
+    """One run at a time for each key: a caller that finds a run of its key under way waits for
+    that one to end instead of starting another (what it learns is in the shared state it
+    updates). Concurrency: one trio thread."""
+
+    def __init__(self) -> None:
+        self._running: dict[Any, trio.Event] = {}
+
+    async def run(self, key: Any, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
+        done = self._running.get(key)
+        if done is not None:
+            await done.wait()
+            return
+        done = self._running[key] = trio.Event()
+        try:
+            await fn(*args)
+        finally:
+            del self._running[key]
+            done.set()

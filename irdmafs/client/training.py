@@ -38,7 +38,7 @@ from ..peers import NodeDown
 from ..config import ClusterConfig
 from ..policy import parse_policy, required_clock
 from ..offload import Offload
-from ..silence import SilenceBound
+from ..silence import Moves, SilenceBound
 from ..slots import StagingPool, staging_gone
 from ..transport.base import AccessError, RemoteError
 from ..util import single_exception
@@ -102,6 +102,7 @@ class PushPull:
         self._repushing: set[tuple[int, int, int, int]] = set()  # (fid, idx, rank, step) being sent again
         # a push's deadline: PIECE_TIMEOUTS op timeouts with none of this client's pushes taken
         self.silence = SilenceBound(cfg.op_timeout * PIECE_TIMEOUTS)
+        self.catching_up = Moves(cluster.liveness.work)  # a refusing primary's catch-up moving is progress
         self.offload = Offload()  # large copies leave the loop (detach_off_loop)
         self.io.on_behind = self._repush_open
         # a restarted node lost its push bookkeeping: fetch policies and counts afresh
@@ -387,6 +388,8 @@ class PushPull:
                 first = first and code != "EAGAIN"
                 await trio.sleep(0.1)
                 await self.cluster.refresh()
+                if self.catching_up.moved(primary):  # taking its stripes back: waited for
+                    self.silence.progressed()
                 continue
             raise RemoteError(code, f"{r.get('message', '')} (stripe {fid}:{idx} on {primary})")
 

@@ -87,6 +87,7 @@ class Membership:
         self.meta_lock, self.barrier, self.training, self.resync, self.lease = meta_lock, barrier, training, resync, lease
         self.drop_freed = drop_freed
         self.cuts = Cuts()  # hand-overs' arrays kept for their joiners (cuts.py)
+        self.precopied: set[tuple[int, int, int]] = set()  # a rebalance's pre-copy (rpc_rebalance_pull)
 
     # -- joining: resync, then the hand-over -----------------------------------------------------
     async def join(self) -> None:
@@ -354,9 +355,13 @@ class Membership:
         m = self.cluster.members
         return {"epoch": m.epoch, "replicas": m.replicas, "nodes": [asdict(n) for n in m.nodes]}
 
-    async def rpc_rebalance_pull(self, nodes: list[dict], replicas: int) -> dict:
-        """Rebalance, step 1 (the cluster frozen): fetch every stripe this node holds under the
-        new membership ``nodes`` and lacks, from any node of the old or the new membership."""
+    async def rpc_rebalance_pull(self, nodes: list[dict], replicas: int, settle: bool = True) -> dict:
+        """Rebalance, the copy: fetch every stripe this node holds under the new membership
+        ``nodes`` and lacks or holds older, from any node of the old or the new membership.
+        First while writes go on (``settle`` false: the pre-copy, best effort; the stripes it
+        copied are remembered), then with the cluster frozen (``settle``: every copy or an
+        error; only what changed since moves, and a pre-copied stripe that no node lists any
+        more was freed meanwhile and goes, unless this node is one of its homes now)."""
         specs = _node_specs(nodes)
         self.cluster.know(specs)
         names = [s.name for s in specs]
@@ -365,7 +370,18 @@ class Membership:
         def mine(fid: int, idx: int) -> bool:
             return self.name in placement(fid, idx, names, replicas)
 
-        return await self.resync.pull_stripes("rebalance", peers, mine, strict=True)
+        if not settle:
+            done = await self.resync.pull_stripes("rebalance pre-copy", peers, mine)
+            self.precopied.update(done["fetched"])
+            return {"stripes": done["stripes"], "bytes": done["bytes"]}
+        done = await self.resync.pull_stripes("rebalance", peers, mine, strict=True)
+        homes = self.cluster.members
+        freed = [k for k in self.precopied if k not in done["listed"] and self.name not in placement(k[0], k[1], homes.names, homes.replicas)]
+        if freed:
+            log.info("rebalance: %d pre-copied stripes freed since: dropped", len(freed))
+            self.store.drop_keys(freed)
+        self.precopied.clear()
+        return {"stripes": done["stripes"], "bytes": done["bytes"]}
 
     async def rpc_reconfigure(self, nodes: list[dict], replicas: int, epoch: int) -> dict:
         """Rebalance, step 2: switch to the new membership; after a grace period (clients learn

@@ -84,7 +84,10 @@ class Resync:
         mixed seed 15, once resyncs listed syncing peers too).
 
         With ``newer_or_fail``, a stripe listed newer on a peer than here that no holder gave is
-        an error (EAGAIN) once every stripe was tried, whatever ``strict`` says of the rest."""
+        an error (EAGAIN) once every stripe was tried, whatever ``strict`` says of the rest.
+
+        Answers how many stripes it tried and their bytes; ``fetched``, the keys it copied, and
+        ``listed``, every key a peer listed (a rebalance's pre-copy: membership.py)."""
         before = {key: s.stamp for key, s in self.store.stripes.items()} if converge else {}
         listed: set[str] = set()  # peers whose listing says what they lack (``complete``)
         # (fid, idx, snap) -> its newest (tag, version) among the peers, who hold it, capacity
@@ -154,6 +157,7 @@ class Resync:
         log.info("%s: %d stripes (%d bytes) to fetch from %d peers", what, len(todo), total_bytes, len(peers))
         done = {"stripes": 0, "bytes": 0, "logged": time.monotonic()}
         missed: list[str] = []  # stripes newer on a peer that no holder gave
+        fetched: list[tuple[int, int, int]] = []
         self.work = {"what": what, "done": 0, "total": len(todo), "bytes": 0, "total_bytes": total_bytes}
         bar = Progress(what, total_bytes, unit="B") if sys.stderr.isatty() and todo else None  # in a terminal
         fetching = trio.CapacityLimiter(FETCHES)
@@ -165,6 +169,8 @@ class Resync:
                     outcomes.append(await self.fetch_stripe(fid, idx, snap, peer, instead))
                     if outcomes[-1] is True:
                         break
+            if True in outcomes:
+                fetched.append((fid, idx, snap))
             if had is not None and all(o is None for o in outcomes):
                 await self._drop_freed(fid, idx, snap, had)
             if False in outcomes and True not in outcomes:
@@ -193,7 +199,7 @@ class Resync:
                 bar.close()
         if missed and newer_or_fail:
             raise RemoteError("EAGAIN", f"{what}: {len(missed)} stripes newer on a peer not fetched (first {missed[0]})")
-        return {"stripes": len(todo), "bytes": done["bytes"]}
+        return {"stripes": len(todo), "bytes": done["bytes"], "fetched": fetched, "listed": newest.keys()}
 
     async def _drop_freed(self, fid: int, idx: int, snap: int, had: tuple[int, int]) -> None:
         """Every holder of a stripe's newest copy freed it after the listing (a truncate, an

@@ -301,6 +301,41 @@ async def test_a_strict_pull_skips_a_stripe_freed_between_listing_and_copy(clust
     assert result["stripes"] >= 1 and puller.store.get(fid, 0) is None
 
 
+async def test_a_rebalance_pre_copy_settles_to_what_changed_and_what_was_freed_meanwhile(cluster):
+    """A rebalance copies while writes go on, then freezes and copies what changed since
+    (rebalance.py): a writer beside a rebalance of 0.5 GiB waited 1.6 s, for the whole copy.
+    The settling copy takes a stripe overwritten after the pre-copy (its newer version), and a
+    pre-copied stripe freed meanwhile (an unlink) goes: nothing old is served after the switch."""
+    cfg, nodes = cluster
+    unit = cfg.stripe_unit
+    members = [{"name": s.name, "host": s.host, "port": s.port} for s in cfg.nodes]
+    wider = cfg.replicas + 1  # the new membership: every node a home of every stripe
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
+        a = (await c.paths.write_file("/a", os.urandom(4 * unit)))["ino"]
+        b = (await c.paths.write_file("/b", os.urandom(4 * unit)))["ino"]
+        copied = 0
+        for n in nodes:  # the pre-copy, while writes go on
+            copied += (await n.calls["rebalance_pull"](nodes=members, replicas=wider, settle=False))["stripes"]
+        assert copied == 8  # each stripe of /a and /b to the one node that lacked it
+        newer = os.urandom(4 * unit)
+        await c.write(a, 0, newer)  # after the pre-copy: its copies are old now
+        homes = {i: c.cluster.stripe_rank(b, i)[: cfg.replicas] for i in range(4)}
+        precopied = {(n, i): n.store.get(b, i) for n in nodes for i in range(4) if n.name not in homes[i]}
+        kept = {k: (bytes(s.data), s.version, s.tag) for k, s in precopied.items()}
+        assert len(kept) == 4
+        await c.paths.remove("/b")  # and /b freed: its pre-copied stripes are of nothing
+    for (n, i), (raw, version, tag) in kept.items():  # a node added by a rebalance is no member
+        n.store.replace(b, i, memoryview(raw), unit, version, tag=tag)  # yet: it hears no namespace op
+    for n in nodes:  # frozen (the commits are over): what changed since
+        await n.calls["rebalance_pull"](nodes=members, replicas=wider)
+    for n in nodes:
+        for i in range(4):
+            held = n.store.get(a, i)
+            assert held is not None and bytes(held.data[:unit]) == newer[i * unit : (i + 1) * unit], (n.name, i)
+            assert n.store.get(b, i) is None, (n.name, i)
+        assert not n.membership.precopied
+
+
 async def test_staging_of_an_owner_whose_heartbeats_stopped_is_freed(nursery, monkeypatch):
     """A killed mount never releases its staging: the node frees it once the owner's
     heartbeats stop for STAGING_LEASE; a live client's heartbeats keep its own."""

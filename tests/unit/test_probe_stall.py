@@ -80,3 +80,28 @@ async def test_a_node_silent_past_the_deadline_is_still_counted_down():
         await cluster.refresh()
         assert downs == ["a"]
         nursery.cancel_scope.cancel()
+
+
+async def test_refreshes_at_once_send_one_heartbeat_a_node():
+    """A pull's reads each ask every node again while a replica is out (stripe.py); a refresh
+    that finds a probe of the node under way waits for it instead of sending another. Hundreds
+    of heartbeats at once timed out behind one another and counted working nodes down
+    (chaos --model-gib 2)."""
+    cfg = config(9613)
+    asked = []
+
+    async def node(method, args):
+        asked.append(method)
+        await trio.sleep(0.05)
+        return {"state": "ready"}
+
+    async with trio.open_nursery() as nursery:
+        cluster, downs = await heard(nursery, cfg, node)
+        asked.clear()
+        async with trio.open_nursery() as n:
+            for _ in range(200):
+                n.start_soon(cluster.refresh)
+        assert asked == ["heartbeat"]  # one probe, every refresh waited for it
+        await cluster.refresh()  # and the next refresh asks again
+        assert asked == ["heartbeat"] * 2 and downs == []
+        nursery.cancel_scope.cancel()
