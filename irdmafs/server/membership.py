@@ -94,7 +94,8 @@ class Membership:
         """(Re)join the cluster without ever having two primaries for a stripe.
 
         While this node was away, stand-ins were primaries of its stripes. It tells every peer
-        it is ``joining`` (they replicate to it from then on, without waiting for a heartbeat),
+        it is ``joining`` (they count it alive, syncing; they do not replicate to it: a view
+        does not name it, so what changes while it resyncs is fetched again by its catch-up),
         resyncs, turns ready, and asks each peer to ``handover``: the peer counts it ready, so
         stops taking commits and pushes for those stripes, and waits for the ones under way
         (which replicate here before they finish), and answers with the versions and push
