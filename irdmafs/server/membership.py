@@ -127,7 +127,7 @@ class Membership:
         named = trio.current_time()
         handed = await self._hand_over()
         await self._catch_up(handed)
-        self.serving.complete = True
+        self.serving.caught_up()
         self.serving.taken_over.set()
         # the window in which its stripes have one serving copy fewer (server/health.py)
         log.info("node %s caught up %.2f s after a view named it (hand-over from %d peers)", self.name, trio.current_time() - named, len(handed))

@@ -327,12 +327,17 @@ class Namespace:
 
     async def rpc_meta_snapshot(self, whole: bool = False) -> dict:
         """This node's namespace. ``whole`` (a resync, which takes it in place of its own and
-        drops the stripes of files it lacks): EAGAIN unless this process has caught up once
-        since it started (``Serving.complete``): a primary restarted empty while a view made
-        before its crash still names it would have every file's stripes dropped (read from
-        the code beside fault simulator seed 1663, where the order of two resyncs spared it)."""
-        if whole and not self.serving.complete:
-            raise RemoteError("EAGAIN", f"node {self.serving.name} has not caught up since it started: its namespace is not the cluster's")
+        drops the stripes of files it lacks): EAGAIN unless this node holds every acknowledged
+        op (``Serving.holds_all``). A primary restarted empty while a view made before its
+        crash still names it would have every file's stripes dropped (read from the code beside
+        fault simulator seed 1663, where the order of two resyncs spared it). One expelled and
+        named again under a new lease, still in its hand-over, lacks the ops acknowledged while
+        it was out: a resync took that namespace whole, the primary's catch-up then read it
+        back from the node just resynced, and its next op, stamped with the newer epoch,
+        replaced the namespace of the node that held them (mixed seed 208: an acknowledged
+        write's extend lost)."""
+        if whole and not self.serving.holds_all():
+            raise RemoteError("EAGAIN", f"node {self.serving.name} has not caught up since it last rejoined: its namespace is not the cluster's")
         return self.meta.snapshot()
 
     async def _caught_up(self) -> None:

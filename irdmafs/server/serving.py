@@ -57,6 +57,7 @@ class Serving:
         # restarted process holds none (or what it loaded), while a view made before its crash
         # may still name it: its ``stripes`` listing is no evidence that a stripe was freed
         self.complete = False
+        self.complete_term = 0  # the lease this node served under when it last caught up (``holds_all``)
         # (fid, idx, snap) -> when this node last gave the stripe a version as its primary. A
         # node fenced by a stall or its lease may have given versions whose replication never
         # finished (nor was acknowledged) while the next primary gave the same numbers to other
@@ -123,6 +124,23 @@ class Serving:
     def _check_taken_over(self) -> None:
         if not self.taken_over.is_set():
             raise RemoteError("EAGAIN", f"node {self.name} is taking over from its stand-ins")
+
+    def caught_up(self) -> None:
+        """Its hand-over's catch-up is done: it holds every acknowledged change of what it
+        serves, under the lease it serves with now (none: 0, which no view names)."""
+        self.complete = True
+        self.complete_term = self.lease.term() if self.lease.holds() else 0
+
+    def holds_all(self) -> bool:
+        """Whether this node still holds every acknowledged change (``complete`` and more): it
+        caught up under the lease the newest view it knows names it active with. A view never
+        names a lease active again once one dropped or expelled it (coord/views.py V2, V6), so
+        no view since left it out, and every change acknowledged since reached it (views that
+        keep a node whose lease ended named, V7, keep this true through a coordinator outage).
+        A node expelled and named again under a new lease lacks what was acknowledged while it
+        was out until its next catch-up (mixed seed 208)."""
+        view = self.cluster.view
+        return self.complete and self.name in view.active and view.lease_of(self.name) == self.complete_term
 
     def led_now(self, key: tuple[int, int, int]) -> None:
         """This node gave stripe ``key`` a version as its primary, now."""
