@@ -515,6 +515,27 @@ async def test_a_resync_takes_no_namespace_whole_from_a_primary_restarted_empty_
         assert await c.paths.read_file("/f") == data
 
 
+async def test_a_namespace_is_given_whole_only_by_a_node_caught_up_under_the_lease_it_serves_with(cluster):
+    """A primary expelled and named again under a new lease, still in its hand-over, lacks the
+    ops acknowledged while it was out: a resync that took its namespace whole spread it, and the
+    next op replaced the namespace of the node that held them (mixed seed 208: a write's extend
+    lost). It gives its namespace whole only once it caught up under the lease the newest view
+    names it with; to anyone else, and as a whole to a node that did, it still answers."""
+    cfg, nodes = cluster
+    await caught_up(nodes)
+    node = nodes[0]
+    view = node.cluster.view
+    assert node.serving.holds_all() and node.serving.complete_term == view.lease_of(node.name)
+    assert (await node.calls["meta_snapshot"](whole=True))["seq"] == node.namespace.meta.seq
+    node.serving.complete_term -= 1  # it caught up under an older lease: named again since
+    with pytest.raises(RemoteError) as refused:
+        await node.calls["meta_snapshot"](whole=True)
+    assert refused.value.code == "EAGAIN"
+    assert (await node.calls["meta_snapshot"]())["seq"] == node.namespace.meta.seq  # a catch-up's compare by stamp
+    node.serving.caught_up()  # its next catch-up, under the lease it serves with
+    assert node.serving.holds_all()
+
+
 async def test_a_staging_region_asked_for_again_replaces_the_owners_old_one(cluster):
     """A client forgets a node's staging region after a failed transfer and asks again; the
     node must not keep the old one too (found by scripts/chaos.py: after enough failovers every
