@@ -8,26 +8,16 @@ import pytest
 import trio
 
 from irdmafs.client.client import Client
-from irdmafs.config import from_dict
 from irdmafs.transport.base import RemoteError
 from irdmafs.transport.memory import MemoryTransport
+
+from .onenode import one_node_config
 
 OP_TIMEOUT = 0.2  # a call's bound: 3 op timeouts of silence
 
 
 def config(port):
-    return from_dict(
-        {
-            "nodes": [{"name": "a", "host": "mem", "port": port}],
-            "token": "test-token-123",
-            "replicas": 1,
-            "transport": ["memory"],
-            "coordinator": ["http://127.0.0.1:2379"],  # never reached
-            "heartbeat": 0.05,
-            "down_after": 1.0,
-            "op_timeout": OP_TIMEOUT,
-        }
-    )
+    return one_node_config(port, down_after=1.0, op_timeout=OP_TIMEOUT)
 
 
 def catching_up_node(seconds: float, moves: bool):

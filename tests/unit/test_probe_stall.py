@@ -8,24 +8,15 @@ import time
 import trio
 
 from irdmafs.cluster import Cluster
-from irdmafs.config import from_dict
 from irdmafs.transport.memory import MemoryTransport
+
+from .onenode import one_node_config
 
 DOWN_AFTER = 0.5
 
 
 def config(port):
-    return from_dict(
-        {
-            "nodes": [{"name": "a", "host": "mem", "port": port}],
-            "token": "test-token-123",
-            "replicas": 1,
-            "transport": ["memory"],
-            "coordinator": ["http://127.0.0.1:2379"],  # never reached
-            "heartbeat": 0.05,
-            "down_after": DOWN_AFTER,
-        }
-    )
+    return one_node_config(port, down_after=DOWN_AFTER)
 
 
 async def heard(nursery, cfg, node):
