@@ -14,8 +14,7 @@ config; keep a removed node running until the rebalance is done). Then, as a coo
    (``rebalance_pull``, ``settle``: a stripe newer on a peer, and a pre-copied one no node lists
    any more, freed meanwhile, dropped); if any copy fails, nothing switches: the cluster thaws on
    the old membership, nothing lost. Writers wait for this copy only, not for the whole data
-   (a rebalance with 0.5 GiB live froze a writer 1.6 s, and the freeze grew with the data:
-   scripts/bench_snapshot.py --rebalance);
+   (the freeze once lasted the whole copy, and grew with the data);
 3. every node switches to the new membership (``reconfigure``, with a new epoch); clients and
    mounts learn it from their next heartbeat, and the coordinator waits for that before it
 4. thaws. Waiting writes find their stripe's new primary and go on. Nodes drop the stripes they
