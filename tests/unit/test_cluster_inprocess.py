@@ -303,7 +303,8 @@ async def test_a_strict_pull_skips_a_stripe_freed_between_listing_and_copy(clust
 
 async def test_a_rebalance_pre_copy_settles_to_what_changed_and_what_was_freed_meanwhile(cluster):
     """A rebalance copies while writes go on, then freezes and copies what changed since
-    (rebalance.py; the freeze once lasted the whole copy, growing with the data). The settling copy takes a stripe overwritten after the pre-copy (its newer version), and a
+    (rebalance.py; the freeze once lasted the whole copy, growing with the data). The
+    settling copy takes a stripe overwritten after the pre-copy (its newer version), and a
     pre-copied stripe freed meanwhile (an unlink) goes: nothing old is served after the switch."""
     cfg, nodes = cluster
     unit = cfg.stripe_unit
