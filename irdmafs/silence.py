@@ -70,6 +70,10 @@ class Moves:
 
 
 class Patience:
+    """One operation's deadline on silence while it follows nodes (see the module's docstring):
+    ``bound()`` around it, ``heed(node)`` after each refusal, ``expired()`` for a loop that
+    checks rather than being cancelled."""
+
     def __init__(self, progress: Callable[[str], Hashable], seconds: float):
         self.moves = Moves(progress)
         self.seconds = seconds
