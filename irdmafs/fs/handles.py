@@ -183,7 +183,11 @@ class FileHandle(Handle):
         mid-write, as every ``subprocess`` call in a writing process does) leaves the handle
         dirty for the next flush. Marked clean regardless, the writer's own close then flushed
         nothing: the file kept the size of that early flush, the later bytes never extended it,
-        and ``np.save`` returned with a file cut short (chaos soak: a tensor "not in this model")."""
+        and ``np.save`` returned with a file cut short (chaos soak: a tensor "not in this model").
+        Likewise a flush whose decision of what the file holds failed (``on_flushed``: the
+        metadata primary stalled) leaves it dirty: that flush may be a child's, whose error
+        nobody reads, and the writer's own close must decide again (1 GiB chaos soak: the file
+        was whole, but no tensor, so not in its model's layout)."""
         if not self.dirty:
             return
         seen = self.writes
@@ -194,7 +198,11 @@ class FileHandle(Handle):
         self.dirty = False
         if self.file.pending <= self.attr["size"]:
             self.file.pending = 0
-        await self.on_flushed(self)
+        try:
+            await self.on_flushed(self)
+        except BaseException:
+            self.dirty = True
+            raise
 
 
 @dataclass

@@ -14,6 +14,7 @@ from irdmafs import formats
 from irdmafs.client.client import Client
 from irdmafs.fs import inodes as I
 from irdmafs.fs import vfs as V
+from irdmafs.fs import views
 from irdmafs.fs.ops import Operations, entry, file_info
 from irdmafs.transport.base import RemoteError
 from irdmafs.transport.memory import MemoryTransport
@@ -335,6 +336,34 @@ async def test_a_write_that_comes_while_an_early_flush_waits_is_flushed_at_the_c
     assert (await fs.client.getattr(ino))["size"] == len(data)
     assert await read_all(fs, ino) == data
     assert json.loads(await fs.getxattr(ino, "user.irdma.shape")) == [30, 100]  # a tensor
+
+
+async def test_a_flush_whose_tensor_detection_failed_decides_again_at_the_next_close(fs):
+    """A forked child's close of a dup'd fd is a FLUSH whose error nobody reads. When its
+    bytes were sent but recording what the file holds failed (the metadata primary stalled:
+    set_tensor timed out), the handle must stay dirty so that the writer's own close decides
+    again: marked clean, that close flushed nothing and succeeded, and the model's layout
+    lacked the tensor for good (1 GiB chaos soak: "tensor 'b' is not in this model")."""
+    d = await fs.mkdir(1, "m", 0o755, 0, 0)
+    arr = np.arange(300, dtype=np.float32)
+    data = npy(arr)
+    fh, st = await fs.create(d["st_ino"], "b.npy", 0o644, W, 0, 0)
+    await fs.write(fh, 0, data)
+    set_tensor = fs.client.set_tensor
+
+    async def timed_out(ino, tensor):
+        raise TimeoutError("the metadata primary did not answer")
+
+    fs.client.set_tensor = timed_out
+    with pytest.raises(TimeoutError):
+        await fs.flush(fh)  # the child's close: its error is lost
+    fs.client.set_tensor = set_tensor
+    await fs.flush(fh)  # the writer's own close
+    await fs.release(fh)
+    ino = st["st_ino"]
+    assert json.loads(await fs.getxattr(ino, "user.irdma.shape")) == [300]  # a tensor after all
+    _, parts = await views.layout(fs.client, d["st_ino"])
+    assert [e.name for e, _ in parts] == ["b"]  # the step streams' layout names it
 
 
 async def test_links_and_special_files_through_the_vfs_and_the_client(fs):
