@@ -4,6 +4,7 @@ The nodes keep their leases and views in the coordination service's model (coord
 one per cluster; the config's endpoint only satisfies the rule that a config names one."""
 
 import os
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -633,6 +634,39 @@ async def test_a_node_not_yet_caught_up_refuses_region_keys_at_once_and_the_read
         with trio.fail_after(cfg.op_timeout / 4):
             assert await c.read(f["ino"], 0, 1000) == data
         home.serving.taken_over.set()
+
+
+async def test_work_sent_to_a_primary_catching_up_for_many_call_timeouts_is_answered_and_the_node_never_counted_down(nursery):
+    """A node named again takes its stripes back (a GB catch-up: 15 s in the 1 GiB chaos soak);
+    commits and namespace ops sent to it meanwhile must be refused inside the caller's call
+    timeout (EAGAIN), never held until it: held the whole op timeout, every call timed out, the
+    client counted the node down, and a flush ended in ETIMEDOUT once the catch-up outlasted
+    the commit's deadline. The catch-up here lasts four times a call's bound and moves."""
+    cfg = replace(config(), op_timeout=0.3, down_after=1.0)
+    nodes = await start_cluster(nursery, cfg)
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
+        await c.paths.write_file("/before", b"x")
+        node = next(n for n in nodes if n.name == c.cluster.meta_primary())
+        downs = []
+        c.cluster.liveness.on_down.append(downs.append)
+        node.serving.taken_over = trio.Event()  # rejoining: its hand-over's catch-up under way
+        seconds = 4 * 3 * cfg.op_timeout  # four times a call's bound (3 op timeouts of silence)
+
+        async def catch_up():
+            begun = trio.current_time()
+            while trio.current_time() - begun < seconds:
+                node.resync.work = {"what": "catch-up", "done": int((trio.current_time() - begun) * 100), "bytes": 0}
+                await trio.sleep(0.05)
+            node.resync.work = {}
+            node.serving.taken_over.set()
+
+        nursery.start_soon(catch_up)
+        begun = trio.current_time()
+        data = os.urandom(5 * cfg.stripe_unit)  # stripes led by every node, this one included
+        await c.paths.write_file("/after", data)
+        assert trio.current_time() - begun >= seconds * 0.9  # it was answered once caught up
+        assert await c.paths.read_file("/after") == data
+        assert downs == []
 
 
 async def test_a_rejoin_whose_resync_loses_its_peer_begins_again_and_the_node_lives_on(cluster):
