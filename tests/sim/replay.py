@@ -57,6 +57,18 @@ def search(
     return sorted(failing)
 
 
+def search_for(seconds: float, start: int, kinds: tuple[str, ...] = KINDS, faults: int = 6, jobs: int | None = None) -> tuple[range, list[tuple[int, str]]]:
+    """Seeds from ``start`` on, in batches over ``jobs`` processes, until ``seconds`` have
+    passed (a batch begun is finished) or a batch had a failing seed: the range searched, and
+    the failing ones (CI's fresh seeds: a search of the same seeds every run finds nothing new)."""
+    jobs = jobs or os.cpu_count() or 1
+    began, end, failing = time.monotonic(), start, []
+    while not failing and time.monotonic() - began < seconds:
+        failing = search(range(end, end + 40 * jobs), kinds, faults, jobs)
+        end += 40 * jobs
+    return range(start, end), failing
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"fault kinds, of {', '.join(KINDS)}")

@@ -4,16 +4,18 @@ Nodes keep leases and views in the coordinator's model; schedules mixing every f
 (crashes, dropped, delayed and held link operations, a node cut off from everything or from the
 other nodes only, the coordinator out) keep every invariant; a seed replays exactly. Many seeds
 run as one search over every core (tests/sim/replay.py ``search``): 40 mixed schedules here,
-2,000 with ``scripts/test --long`` (CI); a failing seed is named with the invariant it broke,
+2,000 with ``scripts/test --long`` (CI), and then ten minutes of seeds from one drawn at random
+that run (printed with the range searched); a failing seed is named with the invariant it broke,
 and ``python -m tests.sim.replay --seed N`` replays it."""
 
 import os
+import random
 
 import hypothesis  # noqa: F401  (its trio plugin makes trio's scheduling deterministic)
 import pytest
 
 from .harness import KINDS, simulate
-from .replay import search
+from .replay import search, search_for
 
 LONG = os.environ.get("IRDMAFS_LONG") == "1"
 
@@ -36,6 +38,18 @@ def test_mixed_fault_schedules_keep_every_acknowledged_write_and_push():
     seeds = range(2000 if LONG else 40)
     failing = search(seeds, KINDS, faults=6)
     assert failing == [], f"{len(failing)} of {len(seeds)} schedules broke an invariant:\n" + "\n".join(f"seed {s}: {e}" for s, e in failing)
+
+
+@pytest.mark.skipif(not LONG, reason="CI's long run: about ten minutes of seeds never run before")
+def test_fresh_mixed_seeds_drawn_this_run_keep_every_acknowledged_write_and_push(capsys):
+    """Seeds from one drawn at random (past the fixed ones), for ``IRDMAFS_SIM_MINUTES`` (10);
+    ``IRDMAFS_SIM_FROM`` searches a run's range again. A failing seed, once fixed, joins the
+    fixed list above."""
+    start = int(os.environ.get("IRDMAFS_SIM_FROM") or random.SystemRandom().randrange(10_000, 2**31))
+    searched, failing = search_for(60 * float(os.environ.get("IRDMAFS_SIM_MINUTES", "10")), start)
+    with capsys.disabled():  # in CI's log whatever the outcome
+        print(f"\nfault simulator: fresh mixed seeds {searched.start}-{searched.stop - 1} ({len(searched)} schedules; IRDMAFS_SIM_FROM={start} runs them again)")
+    assert failing == [], "\n".join(f"seed {s}: {e}\n  replay: python -m tests.sim.replay --seed {s}" for s, e in failing)
 
 
 def test_a_seed_replays_exactly():
