@@ -70,7 +70,7 @@ def node_samples(node) -> list[Sample]:
         s.append(("irdmafs_node_served_total", "counter", "one-sided operations served (tcp; verbs ones bypass the CPU)", {"op": op}, count))
         s.append(("irdmafs_node_served_bytes_total", "counter", "bytes moved by one-sided operations served", {"op": op}, nbytes))
     if node.cluster is not None:
-        states = [node.cluster.node_state(n) for n in node.cluster.members.names if n != node.name]
+        states = [node.cluster.roles.node_state(n) for n in node.cluster.roles.members.names if n != node.name]
         for st in ("ready", "syncing", "down"):
             s.append(("irdmafs_node_peers", "gauge", "peers by state, as this node sees them", {"state": st}, states.count(st)))
         s.append(("irdmafs_node_replicas_behind", "gauge", "peers whose replicas are behind (syncing or down)", {}, sum(st != "ready" for st in states)))

@@ -13,7 +13,8 @@ config; keep a removed node running until the rebalance is done). Then, as a coo
    reads go on, writes wait, and each node copies what changed since its pre-copy
    (``rebalance_pull``, ``settle``: a stripe newer on a peer, and a pre-copied one no node lists
    any more, freed meanwhile, dropped); if any copy fails, nothing switches: the cluster thaws on
-   the old membership, nothing lost. Writers wait for this copy only, not for the whole data
+   the old membership, nothing lost, and each node drops what the pre-copy brought that it does
+   not hold there (``rebalance_abort``). Writers wait for this copy only, not for the whole data
    (the freeze once lasted the whole copy, and grew with the data);
 3. every node switches to the new membership (``reconfigure``, with a new epoch); clients and
    mounts learn it from their next heartbeat, and the coordinator waits for that before it
@@ -68,22 +69,24 @@ async def _run(old, new, union, members, transport, token: str, epoch: int, show
     names = union.names
     async with trio.open_nursery() as nursery:
         cluster = Cluster(union, transport, nursery)
-        cluster.follow_membership = False
-        await cluster.refresh()
-        missing = [n for n in names if cluster.node_state(n) != READY]
+        cluster.heartbeats.follow_membership = False
+        await cluster.heartbeats.refresh()
+        missing = [n for n in names if cluster.roles.node_state(n) != READY]
         if missing:
             raise RebalanceError(f"not running and ready: {', '.join(missing)} (start added nodes with the new config first)")
         frozen: list[str] = []
+        switched = False
         try:
             for _ in range(PRECOPIES):
                 if (await _copy(cluster, new, members, show_progress, settle=False))["bytes"] < SETTLED:
                     break
             for n in names:
-                await cluster.call(n, "freeze", {"token": token, "seconds": 30.0, "epoch": cluster.view_epoch})
+                await cluster.call(n, "freeze", {"token": token, "seconds": 30.0, "epoch": cluster.roles.view_epoch})
                 frozen.append(n)
             nursery.start_soon(_keep_frozen, cluster, names, token)
             moved = await _copy(cluster, new, members, show_progress)
             for n in names:
+                switched = True  # (a node told to switch may have: nothing is abandoned from here)
                 await cluster.call(n, "reconfigure", {"nodes": members, "replicas": new.replicas, "epoch": epoch})
             # clients switch at their next heartbeat; writes waiting on old primaries then
             # find the new ones
@@ -98,9 +101,22 @@ async def _run(old, new, union, members, transport, token: str, epoch: int, show
                     except (NodeDown, RemoteError) as exc:  # it thaws by itself
                         if n in frozen:
                             log.warning("thaw of %s failed: %s", n, exc)
+                if not switched:
+                    await _abandon(cluster, new.names)
             nursery.cancel_scope.cancel()
     log.info("rebalance done: membership %d, %d stripes (%d bytes) copied", epoch, moved["stripes"], moved["bytes"])
     return {"epoch": epoch, **moved}
+
+
+async def _abandon(cluster: Cluster, names: list[str]) -> None:
+    """The rebalance ends on the old membership: each node drops what the pre-copy brought it
+    that it does not hold under that membership (``rebalance_abort``). Best effort: a node not
+    reached keeps those copies until the next rebalance (it says so in its log)."""
+    for n in names:
+        try:
+            await cluster.call(n, "rebalance_abort", {}, timeout=60.0)
+        except (NodeDown, RemoteError) as exc:
+            log.warning("%s keeps the copies of the abandoned rebalance: %s", n, exc)
 
 
 async def _keep_frozen(cluster: Cluster, names: list[str], token: str) -> None:
@@ -111,7 +127,7 @@ async def _keep_frozen(cluster: Cluster, names: list[str], token: str) -> None:
         await trio.sleep(KEEPALIVE)
         for n in names:
             try:
-                await cluster.call(n, "freeze", {"token": token, "seconds": 30.0, "epoch": cluster.view_epoch})
+                await cluster.call(n, "freeze", {"token": token, "seconds": 30.0, "epoch": cluster.roles.view_epoch})
             except (NodeDown, RemoteError) as exc:
                 raise RebalanceError(f"the freeze of {n} could not be kept ({exc}); the cluster stays on its old membership") from None
 

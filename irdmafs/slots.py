@@ -4,7 +4,7 @@ write in flight so that concurrent writes never share one.
 
 A writer asks each node once for a staging region (``staging`` call) of ``slots`` slots of
 ``slot_size`` bytes. A region belongs to the node's incarnation: a restart drops it
-(``Cluster.on_restart``), and so does a slot found gone (EINVAL naming the staging, or
+(``Peers.on_restart``), and so does a slot found gone (EINVAL naming the staging, or
 AccessError). Only the region that failed is dropped: several sends to a restarted node fail at
 once, and the first to ask for a new region (which replaces the old one on the node) must not
 have it dropped again by the others' failures on the old one -- that made the next send to it

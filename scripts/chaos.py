@@ -227,7 +227,7 @@ def replica_report(config: Path, ino: int, first: int, last: int, want: bytes, b
                             out.append(f"{ino}:{idx} on {node}: none")
                             continue
                         buf = bytearray(max(info["capacity"], hi - idx * unit))
-                        head = await cluster.read_stripe(node, info["rkey"], 0, memoryview(buf)[: info["capacity"]], inc)
+                        head = await cluster.peers.read_stripe(node, info["rkey"], 0, memoryview(buf)[: info["capacity"]], inc)
                         got = bytes(buf[lo - idx * unit : hi - idx * unit])
                         out.append(f"{ino}:{idx} on {node}: ({info['tag']}, {head.version}) {kind(got, lo, hi)}")
                     except Exception as exc:  # a diagnostic: whatever it meets is part of the answer

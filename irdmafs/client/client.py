@@ -55,7 +55,7 @@ class Client:
         self.cfg = cfg
         self.owner = f"client:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.cluster = Cluster(cfg, transport, nursery)
-        self.cluster.heartbeat_args["owner"] = self.owner  # keeps our staging leased on the nodes
+        self.cluster.heartbeats.args["owner"] = self.owner  # keeps our staging leased on the nodes
         # a slot holds a stripe (commit), or fused pushes plus their descriptors
         self.staging = StagingPool(self.cluster, self.owner, max(cfg.stripe_unit, PUSH_BATCH, LOCAL_BATCH) + (64 << 10))
         self.io = StripeIO(self.cluster, self.staging)
@@ -74,14 +74,14 @@ class Client:
         with single_exception():
             async with trio.open_nursery() as nursery:
                 client = cls(cfg, transport, nursery)
-                await client.cluster.refresh()
-                nursery.start_soon(client.cluster.heartbeat_loop)
+                await client.cluster.heartbeats.refresh()
+                nursery.start_soon(client.cluster.heartbeats.loop)
                 try:
                     yield client
                 finally:
                     with trio.CancelScope(shield=True), trio.move_on_after(2):
                         # the staging regions this client leased on the nodes go back
-                        for node in client.cluster.ready():
+                        for node in client.cluster.roles.ready():
                             with contextlib.suppress(TransportError, RemoteError):
                                 await client.cluster.call(node, "release", {"owner": client.owner}, timeout=1)
                         await client.cluster.aclose()
@@ -91,7 +91,7 @@ class Client:
     async def _meta_call(self, method: str, args: dict) -> dict:
         """A namespace call to the metadata primary (first ready node), following it."""
         self.meta_calls += 1
-        return await self._call_following(self.cluster.meta_primary, method, args)
+        return await self._call_following(self.cluster.roles.meta_primary, method, args)
 
     async def _call_following(self, choose, method: str, args: dict, *, timeout: float | None = None) -> dict:
         """A control call to the node ``choose()`` names (the metadata primary, a stripe's
@@ -103,21 +103,21 @@ class Client:
             while True:
                 target = choose()
                 if target is None:
-                    await self.cluster.wait_changed(0.5)
-                    await self.cluster.refresh()
+                    await self.cluster.liveness.wait_changed(0.5)
+                    await self.cluster.heartbeats.refresh()
                     continue
                 if method in EPOCH_METHODS:
-                    args = dict(args, epoch=self.cluster.view_epoch)  # as it is now (see cluster.py)
+                    args = dict(args, epoch=self.cluster.roles.view_epoch)  # as it is now (see cluster.py)
                 try:
                     return await self.cluster.call(target, method, args, timeout=timeout)
                 except NodeDown:
-                    await self.cluster.after_lost()
+                    await self.cluster.heartbeats.after_lost()
                     continue
                 except RemoteError as exc:
                     if exc.code not in ("ENOTPRIMARY", "EAGAIN", "ESTALE"):
                         raise
                     await trio.sleep(0.1)
-                    await self.cluster.refresh()
+                    await self.cluster.heartbeats.refresh()
                     patience.heed(target)
 
     async def _op(self, **op: Any) -> dict:

@@ -22,14 +22,14 @@ NODE_FIGURES = (
 def table(client: "Client") -> list[dict]:
     """Every node as this client sees it (state from its last heartbeat)."""
     cluster, out = client.cluster, []
-    for spec in client.cluster.members.nodes:
-        alive = cluster.node_state(spec.name) != "down"
+    for spec in client.cluster.roles.members.nodes:
+        alive = cluster.roles.node_state(spec.name) != "down"
         info = cluster.liveness.info.get(spec.name, {}) if alive else {}  # no stale figures
         out.append(
             {
                 "name": spec.name,
                 "address": f"{spec.host}:{spec.port}",
-                "state": cluster.node_state(spec.name),
+                "state": cluster.roles.node_state(spec.name),
                 "alive": alive,
                 **{k: info[k] for k in NODE_FIGURES if k in info},
                 # the process last heard from, even when down now: what 'irdmafs down' stops
@@ -43,12 +43,12 @@ def table(client: "Client") -> list[dict]:
 async def statfs(client: "Client") -> dict:
     """The cluster's capacity and use, divided by R (what a file system can hold)."""
     total = used = 0
-    for node in client.cluster.ready():
+    for node in client.cluster.roles.ready():
         with contextlib.suppress(NodeDown, RemoteError):
             r = await client.cluster.call(node, "statfs")
             total += r["capacity"]
             used += r["used"]
-    replicas = client.cluster.members.replicas
+    replicas = client.cluster.roles.members.replicas
     return {"capacity": total // replicas, "used": used // replicas}
 
 
@@ -61,7 +61,7 @@ def figures(client: "Client") -> dict:
         "metadata_calls": client.meta_calls,
         "control_calls": client.cluster.peers.calls,
         "control_calls_by_method": dict(client.cluster.peers.calls_by_method),
-        "replicas": client.cluster.members.replicas,
+        "replicas": client.cluster.roles.members.replicas,
         "stripe_unit": client.cfg.stripe_unit,
         "transport": client.cluster.peers.transport.name,
     }

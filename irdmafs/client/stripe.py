@@ -23,7 +23,7 @@ the one the client's view names for that node is looked up again, and that looku
 from __future__ import annotations
 
 import logging
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import trio
 
@@ -55,6 +55,22 @@ def _unsettled(heads: dict[int, Header]) -> dict[int, int]:
         return {}
     newest = max(h.clock for h in heads.values())
     return {i: newest for i, h in heads.items() if h.pending or h.clock < newest}
+
+
+class StepWait(NamedTuple):
+    """What a read of a trained file waits for, stripe by stripe (a pull): its clock (training
+    steps applied) at ``min_clock`` within ``wait`` seconds (trio.TooSlowError after that), and
+    with ``settled`` not pending either (regions.PENDING). ``eager(idx)`` True says the stripe
+    is likely there already (this client's push closed its round): it is read at once, its
+    clock checked in the same burst, instead of its header first (one round trip less)."""
+
+    min_clock: int = 0
+    wait: float = 0.0
+    eager: Callable[[int], bool] | None = None
+    settled: bool = False
+
+
+NO_WAIT = StepWait()  # a plain read: whatever each stripe holds now
 
 
 class _Behind(Exception):
@@ -94,7 +110,7 @@ class StripeIO:
         self.staging = staging
         self.write_deadline = write_deadline
         # (node, fid, idx, snap) -> its Key, or None for a hole; a node's entries go when it
-        # restarts (Cluster.on_restart)
+        # restarts (Peers.on_restart)
         self._keys: dict[tuple[str, int, int, int], Key | None] = {}
         self.bytes_read = 0
         self.bytes_written = 0
@@ -115,7 +131,7 @@ class StripeIO:
         """Whether a cached ``key`` may read ``node`` now (see the module's docstring). A hole
         is known for one read only (``read``), and a snapshot's stripes never change (one
         freed answers AccessError), so those are."""
-        view = self.cluster.view
+        view = self.cluster.roles.view
         return key is None or snap != 0 or key.lease == view.lease_of(node)
 
     def _cached(self, node: str, fid: int, idx: int, snap: int) -> bool:
@@ -126,10 +142,10 @@ class StripeIO:
     async def _prefetch(self, fid: int, idxs: list[int], snap: int) -> None:
         """One stripe_info call per node for every stripe whose key is not cached."""
         wanted: dict[str, list[int]] = {}
-        replicas = self.cluster.members.replicas
+        replicas = self.cluster.roles.members.replicas
         for idx in idxs:
             # every home replica: load balancing may pick any of them for this stripe
-            for node in self.cluster.read_candidates(fid, idx)[:replicas]:
+            for node in self.cluster.roles.read_candidates(fid, idx)[:replicas]:
                 if not self._cached(node, fid, idx, snap):
                     wanted.setdefault(node, []).append(idx)
         async with trio.open_nursery() as n:
@@ -166,20 +182,20 @@ class StripeIO:
         got: dict[tuple[int, int], int] = {}
         burst: dict[str, list[tuple[int, int]]] = {}
         for fid, idx in stripes:  # a stripe with no key cached, or a hole, goes one by one (``one``)
-            node = next((c for c in self.cluster.read_candidates(fid, idx) if self._cached(c, fid, idx, 0)), None)
+            node = next((c for c in self.cluster.roles.read_candidates(fid, idx) if self._cached(c, fid, idx, 0)), None)
             if node is not None and self._keys[(node, fid, idx, 0)] is not None:
                 burst.setdefault(node, []).append((fid, idx))
 
         async def headers(node: str, which: list[tuple[int, int]]) -> None:
             keys = [self._keys[(node, fid, idx, 0)] for fid, idx in which]
             try:
-                heads = await self.cluster.read_headers(node, [(k.rkey, k.inc) for k in keys])
+                heads = await self.cluster.peers.read_headers(node, [(k.rkey, k.inc) for k in keys])
             except (NodeDown, AccessError):  # one stale key fails the burst: those go one by one
                 return
             got.update({s: h.version for s, h in zip(which, heads)})
 
         async def one(fid: int, idx: int) -> None:
-            for node in self.cluster.read_candidates(fid, idx):
+            for node in self.cluster.roles.read_candidates(fid, idx):
                 for _ in range(2):  # a key gone stale (the stripe freed, the node restarted): asked again once
                     if not self._cached(node, fid, idx, 0):
                         await self._lookup_quietly(node, fid, [idx], 0)
@@ -191,7 +207,7 @@ class StripeIO:
                         got[(fid, idx)] = 0
                         return
                     try:
-                        got[(fid, idx)] = (await self.cluster.read_header(node, key.rkey, key.inc)).version
+                        got[(fid, idx)] = (await self.cluster.peers.read_header(node, key.rkey, key.inc)).version
                         return
                     except AccessError:
                         self._keys.pop((node, fid, idx, 0), None)
@@ -216,7 +232,7 @@ class StripeIO:
         """The node a read of live stripe (fid, idx) would ask first and its cached key, if
         that key may be used as it is and the stripe has a region there (not a hole); else
         None (``read`` looks it up)."""
-        candidates = self.cluster.read_candidates(fid, idx)
+        candidates = self.cluster.roles.read_candidates(fid, idx)
         if not candidates or not self._cached(candidates[0], fid, idx, 0):
             return None
         key = self._keys[(candidates[0], fid, idx, 0)]
@@ -234,10 +250,10 @@ class StripeIO:
         pending = list(range(len(wants)))
         delay = 0.0005
         while pending:
-            heads = await self.cluster.read_headers(node, [(wants[i][0].rkey, wants[i][0].inc) for i in pending])
+            heads = await self.cluster.peers.read_headers(node, [(wants[i][0].rkey, wants[i][0].inc) for i in pending])
             ready = [i for i, h in zip(pending, heads) if h.clock >= min_clock]
             if ready:
-                got = await self.cluster.read_stripes(node, [(wants[i][0].rkey, wants[i][0].inc, wants[i][1], wants[i][2]) for i in ready])
+                got = await self.cluster.peers.read_stripes(node, [(wants[i][0].rkey, wants[i][0].inc, wants[i][1], wants[i][2]) for i in ready])
                 for i, head in zip(ready, got):
                     if head is not None and head.clock >= min_clock:
                         done[i] = True
@@ -252,7 +268,7 @@ class StripeIO:
                     if not await self.clock_waits.wait(node, key.rkey, key.inc or 0, min_clock, False, give_up):
                         await trio.sleep(delay)  # the node cannot tell: poll
                         delay = min(delay * 2, 0.02)
-                    if (await self.cluster.read_header(node, key.rkey, key.inc)).clock >= min_clock:
+                    if (await self.cluster.peers.read_header(node, key.rkey, key.inc)).clock >= min_clock:
                         break
         return done
 
@@ -301,27 +317,20 @@ class StripeIO:
         offset: int,
         into: memoryview,
         snap: int = 0,
-        min_clock: int = 0,
-        wait: float = 0.0,
-        eager=None,
+        step: StepWait = NO_WAIT,
         clocks: dict | None = None,
-        settled: bool = False,
     ) -> int:
         """Fill ``into`` from ``offset`` (clipped at ``size``) of the live file or of snapshot
-        ``snap``; returns the byte count. With ``min_clock``, each stripe is read once its clock
-        (training steps applied) has reached it, waiting up to ``wait`` seconds
-        (trio.TooSlowError after that). ``eager(idx)`` True says the stripe is likely there
-        already (this client's push closed its round): it is read at once, its clock checked
-        in the same burst, instead of its header first (one round trip less per stripe). With
-        ``clocks``, each stripe read records its header there by stripe index (a hole none).
-        ``settled``: the wait is also for the stripe not to be pending (regions.PENDING)."""
+        ``snap``; returns the byte count. ``step``: what each stripe is read after (its clock
+        at a training step: a pull). With ``clocks``, each stripe read records its header there
+        by stripe index (a hole none)."""
         n = max(0, min(len(into), size - offset))
         pieces = split(offset, n, unit)
         await self._prefetch(fid, [p.idx for p in pieces], snap)
         try:
             async with trio.open_nursery() as nursery:
                 for p in pieces:
-                    nursery.start_soon(self._read_piece, fid, p, into[p.pos : p.pos + p.length], snap, min_clock, wait, eager, clocks, settled)
+                    nursery.start_soon(self._read_piece, fid, p, into[p.pos : p.pos + p.length], snap, step, clocks)
         except BaseExceptionGroup as group:
             # every piece ran out of the same wait (a pull's timeout): that is one timeout
             if all(isinstance(e, trio.TooSlowError) for e in leaves(group)):
@@ -331,7 +340,7 @@ class StripeIO:
             # A hole is known only for this read: any client's next write may fill it (a region
             # key stays valid until its stripe moves, which the read notices: AccessError).
             for p in pieces:
-                for node in self.cluster.stripe_rank(fid, p.idx):
+                for node in self.cluster.roles.stripe_rank(fid, p.idx):
                     if self._keys.get((node, fid, p.idx, snap), 0) is None:
                         del self._keys[(node, fid, p.idx, snap)]
         self.bytes_read += n
@@ -360,7 +369,7 @@ class StripeIO:
             async def catch_up(p: Piece, want: int) -> None:
                 piece = into[p.pos : p.pos + p.length]
                 try:
-                    await self.read(fid, size, unit, offset + p.pos, piece, snap, min_clock=want, wait=SETTLE, clocks=heads, settled=True)
+                    await self.read(fid, size, unit, offset + p.pos, piece, snap, StepWait(want, SETTLE, settled=True), heads)
                 except trio.TooSlowError:  # not there yet: where is it now (moved, or at rest)?
                     await self.read(fid, size, unit, offset + p.pos, piece, snap, clocks=heads)
 
@@ -387,7 +396,7 @@ class StripeIO:
         def reached(head: Header) -> bool:
             return head.clock >= min_clock and not (settled and head.pending)
 
-        while not reached(await self.cluster.read_header(node, rkey, inc)):
+        while not reached(await self.cluster.peers.read_header(node, rkey, inc)):
             if trio.current_time() >= give_up:
                 if give_up >= deadline:
                     raise trio.TooSlowError
@@ -402,43 +411,47 @@ class StripeIO:
         p: Piece,
         view: memoryview,
         snap: int,
-        min_clock: int = 0,
-        wait: float = 0.0,
-        eager=None,
-        clocks: dict | None = None,
-        settled: bool = False,
+        step: StepWait,
+        clocks: dict | None,
     ) -> None:
+        min_clock, settled = step.min_clock, step.settled
         missing: set[str] = set()
         lost: set[str] = set()  # replicas that could not be reached by this read
         syncing: set[str] = set()  # replicas that answered EAGAIN (resyncing): not trusted, not absent
         behind: list[str] = []  # replicas whose clock did not move while waited on: asked last
         stale_keys = 0
         looked_up: set[str] = set()  # nodes whose key this read asked for (not from the cache)
-        begun = trio.current_time()
-        patience = Patience(self.cluster.liveness.work, self.cluster.cfg.op_timeout)
-        clock_deadline = trio.current_time() + wait
+        patience = Patience(self.cluster.liveness.work, self.cluster.cfg.op_timeout)  # a stripe that keeps changing (TornRead)
+        # No replica to ask: counted from the moment none is left, not from the read's start. A
+        # pull's read queued for seconds behind a GB of others, its one home counted down for a
+        # second (a false alarm of a busy mount) while the other resynced, ended in EIO at once
+        # (1 GiB chaos soak).
+        unavailable: Patience | None = None
+        clock_deadline = trio.current_time() + step.wait
         while True:
-            candidates = [c for c in self.cluster.read_candidates(fid, p.idx) if c not in missing | lost | syncing]
+            candidates = [c for c in self.cluster.roles.read_candidates(fid, p.idx) if c not in missing | lost | syncing]
             candidates.sort(key=lambda c: behind.index(c) + 1 if c in behind else 0)
             if not candidates:
-                homes = self.cluster.stripe_rank(fid, p.idx)[: self.cluster.members.replicas]
+                homes = self.cluster.roles.stripe_rank(fid, p.idx)[: self.cluster.roles.members.replicas]
                 # the homes the view names active hold every acknowledged write
-                homes = [n for n in homes if self.cluster.node_state(n) == READY] or homes
+                homes = [n for n in homes if self.cluster.roles.node_state(n) == READY] or homes
                 if set(homes) <= missing:  # every home replica answered: nothing there, a hole
                     view[:] = bytes(len(view))
                     return
-                if not patience.expired():
+                if unavailable is None:
+                    unavailable, none_since = Patience(self.cluster.liveness.work, self.cluster.cfg.op_timeout), trio.current_time()
+                if not unavailable.expired():
                     # Our view of the nodes may be behind (a node just finished its resync):
                     # ask them again before calling the data unavailable; a home that refused
                     # while it takes its stripes back is waited for as long as it moves (past
                     # the first op timeout, woken by a change the heartbeats see rather than
                     # asking every node again each 50 ms, for each of a pull's stripes)
-                    if trio.current_time() - begun < self.cluster.cfg.op_timeout:
+                    if trio.current_time() - none_since < self.cluster.cfg.op_timeout:
                         await trio.sleep(0.05)
-                        await self.cluster.refresh()
+                        await self.cluster.heartbeats.refresh()
                     else:  # the heartbeat loop keeps what each node said fresh
-                        await self.cluster.wait_changed(0.5)
-                    patience.heed(*syncing)
+                        await self.cluster.liveness.wait_changed(0.5)
+                    unavailable.heed(*syncing)
                     missing.clear()
                     lost.clear()
                     syncing.clear()
@@ -463,14 +476,14 @@ class StripeIO:
                     del self._keys[(node, fid, p.idx, snap)]
                     continue
                 k = max(0, min(len(view), capacity - p.offset))
-                guess = bool(min_clock and k and eager is not None and eager(p.idx))
+                guess = bool(min_clock and k and step.eager is not None and step.eager(p.idx))
                 if (min_clock or settled) and not guess:
                     await self._wait_clock(node, rkey, inc, min_clock, clock_deadline, settled)
                 if k:
-                    head = await self.cluster.read_stripe(node, rkey, p.offset, view[:k], inc)
+                    head = await self.cluster.peers.read_stripe(node, rkey, p.offset, view[:k], inc)
                     if guess and head.clock < min_clock:  # guessed wrong: wait, then read again
                         await self._wait_clock(node, rkey, inc, min_clock, clock_deadline)
-                        head = await self.cluster.read_stripe(node, rkey, p.offset, view[:k], inc)
+                        head = await self.cluster.peers.read_stripe(node, rkey, p.offset, view[:k], inc)
                     if clocks is not None:
                         clocks[p.idx] = head
                 view[k:] = bytes(len(view) - k)
@@ -530,30 +543,30 @@ class StripeIO:
                     took = trio.current_time() - begun
                     log.warning("stripe %d:%d: %s not done after %.0f s (last: %s); trying until %.0f s", fid, idx, method, took, last, self.write_deadline)
                     told = True
-                primary = self.cluster.stripe_primary(fid, idx)
+                primary = self.cluster.roles.stripe_primary(fid, idx)
                 if primary is None:
                     log.warning("stripe %d:%d: no ready node to write to; waiting", fid, idx)
-                    await self.cluster.wait_changed(0.5)
-                    await self.cluster.refresh()
+                    await self.cluster.liveness.wait_changed(0.5)
+                    await self.cluster.heartbeats.refresh()
                     continue
 
                 async def send(slot) -> dict:
-                    await self.cluster.write(primary, slot.rkey, slot.offset, view, slot.inc)
-                    return await self.cluster.call(primary, method, dict(args, rkey=slot.rkey, soff=slot.offset, epoch=self.cluster.view_epoch))
+                    await self.cluster.peers.write(primary, slot.rkey, slot.offset, view, slot.inc)
+                    return await self.cluster.call(primary, method, dict(args, rkey=slot.rkey, soff=slot.offset, epoch=self.cluster.roles.view_epoch))
 
                 try:
                     return await self.staging.with_slot(primary, send)
                 except (NodeDown, AccessError) as exc:  # down, or restarted since its staging was given (with_slot dropped it)
                     last = exc
                     if isinstance(exc, NodeDown):
-                        await self.cluster.after_lost()
+                        await self.cluster.heartbeats.after_lost()
                 except RemoteError as exc:
                     last = exc
                     if exc.code in ("ENOTPRIMARY", "EAGAIN", "ESTALE"):
                         # Views of who is up differ for a moment; heartbeats settle it (and carry
                         # the newest view, for a node that said ESTALE).
                         await trio.sleep(0.1)
-                        await self.cluster.refresh()
+                        await self.cluster.heartbeats.refresh()
                         patience.heed(primary)
                     elif not staging_gone(exc):  # else with_slot dropped it: a new one now
                         raise

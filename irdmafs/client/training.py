@@ -43,7 +43,7 @@ from ..slots import StagingPool, staging_gone
 from ..transport.base import AccessError, RemoteError
 from ..util import single_exception
 from . import compress
-from .stripe import CLOCK_SLICE, StripeIO, split
+from .stripe import CLOCK_SLICE, StepWait, StripeIO, split
 
 log = logging.getLogger(__name__)
 
@@ -309,7 +309,7 @@ class PushPull:
             f, i, rank = key
             if (f, i) != (fid, idx):
                 continue
-            primary = self.cluster.stripe_primary(fid, idx)
+            primary = self.cluster.roles.stripe_primary(fid, idx)
             if primary is None:
                 return
             entry = self._open.get(key)
@@ -351,18 +351,18 @@ class PushPull:
         fid, idx = desc["fid"], desc["idx"]
         first = not resent
         while True:  # bounded by the caller's deadline (``push``, ``_repush_open``: PIECE_TIMEOUTS)
-            primary = self.cluster.stripe_primary(fid, idx)
+            primary = self.cluster.roles.stripe_primary(fid, idx)
             if primary is None:
-                await self.cluster.wait_changed(0.5)
-                await self.cluster.refresh()
+                await self.cluster.liveness.wait_changed(0.5)
+                await self.cluster.heartbeats.refresh()
                 continue
-            desc["epoch"] = self.cluster.view_epoch  # as it is now: a retry may follow a newer view
+            desc["epoch"] = self.cluster.roles.view_epoch  # as it is now: a retry may follow a newer view
             try:
                 r = await self._fused(primary, desc, payload, order)
             except (NodeDown, AccessError) as exc:  # down, or restarted (with_slot dropped its staging)
                 first = False  # it may have arrived: a duplicate now is this push's own
                 if isinstance(exc, NodeDown):
-                    await self.cluster.after_lost()
+                    await self.cluster.heartbeats.after_lost()
                 continue
             except RemoteError as exc:
                 if not staging_gone(exc):
@@ -387,7 +387,7 @@ class PushPull:
                 # refresh it): refused before anything was taken
                 first = first and code != "EAGAIN"
                 await trio.sleep(0.1)
-                await self.cluster.refresh()
+                await self.cluster.heartbeats.refresh()
                 if self.catching_up.moved(primary):  # taking its stripes back: waited for
                     self.silence.progressed()
                 continue
@@ -488,7 +488,7 @@ class PushPull:
         view = memoryview(out.reshape(-1)).cast("B")
         # a stripe whose round this rank's push closed (nothing kept open) is there already
         closed = lambda idx: (ino, idx, rank) not in self._open and self._pushed_to.get((ino, rank)) == need  # noqa: E731
-        await self.io.read(ino, t["offset"] + len(view), attr["unit"], t["offset"], view, 0, need, info["timeout"], closed)
+        await self.io.read(ino, t["offset"] + len(view), attr["unit"], t["offset"], view, 0, StepWait(need, info["timeout"], closed))
         self._closed(ino, rank, need, (p.idx for p in split(t["offset"], len(view), attr["unit"])))
         self._pulled_at[(ino, rank)] = trio.current_time()
         return out
@@ -557,7 +557,7 @@ class PushPull:
         if info["sync"] == "bsp":  # the stripes' clocks say it: one-sided reads
             out = np.empty(t["shape"], t["dtype"])
             view = memoryview(out.reshape(-1)).cast("B")
-            await self.io.read(ino, t["offset"] + len(view), attr["unit"], t["offset"], view, 0, pushed, info["timeout"])
+            await self.io.read(ino, t["offset"] + len(view), attr["unit"], t["offset"], view, 0, StepWait(pushed, info["timeout"]))
             self._closed(ino, rank, pushed, (p.idx for p in split(t["offset"], len(view), attr["unit"])))
         elif info["sync"] == "r2sp" and pushed:  # a held push shows in no clock: ask
             nbytes = int(np.prod(t["shape"], dtype=np.int64)) * np.dtype(t["dtype"]).itemsize
@@ -571,7 +571,7 @@ class PushPull:
 
     async def _stripe_call(self, fid: int, idx: int, method: str, args: dict, *, timeout: float | None = None) -> dict:
         """A control call to the stripe's primary, following it when it moves."""
-        return await self._call_following(lambda: self.cluster.stripe_primary(fid, idx), method, args, timeout=timeout)
+        return await self._call_following(lambda: self.cluster.roles.stripe_primary(fid, idx), method, args, timeout=timeout)
 
     def forget_training(self, ino: int | None = None) -> None:
         """Drop cached policy/push counts (a policy xattr changed, or a rank was removed)."""

@@ -73,7 +73,7 @@ class PageCache:
             except FsError:  # a model file gone bad: its reads say so
                 return None
             files += [(p.ino, p.attr["size"], p.attr["unit"]) for p in layout.parts]
-        epoch = self.client.cluster.view_epoch
+        epoch = self.client.cluster.roles.view_epoch
         versions = await self.client.io.versions(files)
         if any(v is None for v in versions):
             return None

@@ -19,6 +19,7 @@ A new stripe's versions start above any earlier stripe's of the same index (the 
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 from ..transport.base import RemoteError
 from .barrier import CommitBarrier
@@ -32,6 +33,36 @@ from .updates import StripeKey, StripeRange, Update, check_range
 log = logging.getLogger(__name__)
 
 VERSION_SHIFT = 32  # a stripe takes 2**32 writes before its versions reach the next base
+
+
+class Apply(NamedTuple):
+    """One ``apply`` message: install range ``where`` (or with ``full`` the whole stripe) a
+    primary staged here at ``staged`` ([rkey, offset]), in order, with the push bookkeeping
+    (``record``) and the ``state`` optimizer-state stripes sent ahead (``pending``) that go with
+    it (training) in the same step. ``(tag, version)``: the stamp the primary gave it
+    (store.py); a range applies only on top of the stamp it was made on, ``(base_tag, version -
+    1)``; a backup that holds an older stamp answers ``stale`` and gets the whole stripe.
+    ``sender`` and ``epoch``: who sent it, in which view (serving.py)."""
+
+    where: list
+    staged: list
+    version: int
+    clock: int
+    full: bool
+    record: dict | None = None
+    pending: bool = False
+    state: int = 0
+    sender: str = ""
+    epoch: int = 0
+    tag: int = 0
+    base_tag: int = 0
+
+    @classmethod
+    def parse(cls, message: dict) -> "Apply":
+        try:
+            return cls(**message)
+        except TypeError as exc:  # a field missing, or one it does not have
+            raise RemoteError("EINVAL", f"apply: {exc}") from None
 
 
 class DataPath:
@@ -70,7 +101,7 @@ class DataPath:
 
     async def rpc_commit(self, fid: int, idx: int, offset: int, length: int, rkey: int, soff: int, unit: int, epoch: int = 0) -> dict:
         """Install a staged range as the stripe's primary, replicate it, answer with its version
-        and the view epoch it was acknowledged in (``acked_in``: cluster.py, ``follow_acked``)."""
+        and the view epoch it was acknowledged in (``acked_in``: heartbeats.py, ``follow_acked``)."""
         await self.serving.check_epoch(epoch)
         self.serving.require_ready()
         check_range(offset, length, unit, self.cfg.stripe_unit)
@@ -91,33 +122,17 @@ class DataPath:
                 self.serving.led_now((fid, idx, 0))
                 update = Update(StripeRange(StripeKey(fid, idx), offset, length, unit), version, self.store.get(fid, idx), base_tag=base_tag)
                 await self.replicator.to_every_target(update.range.key, lambda peer: self.replicator.update(peer, update))
-        return {"version": version, "acked_in": self.cluster.view_epoch}
+        return {"version": version, "acked_in": self.cluster.roles.view_epoch}
 
-    async def rpc_apply(
-        self,
-        where: list,
-        staged: list,
-        version: int,
-        clock: int,
-        full: bool,
-        record: dict | None = None,
-        pending: bool = False,
-        state: int = 0,
-        sender: str = "",
-        epoch: int = 0,
-        tag: int = 0,
-        base_tag: int = 0,
-    ) -> dict:
-        """Install range ``where`` (or with ``full`` the whole stripe) a primary sent
-        (replicator.py) in order, with the push bookkeeping (``record``) and the ``state``
-        optimizer-state stripes sent ahead (``pending``) that go with it (training) in the same
-        step. ``(tag, version)``: the stamp the primary gave it (store.py); a range applies only
-        on top of the stamp it was made on, ``(base_tag, version - 1)``; a backup that holds an
-        older stamp answers ``stale`` and gets the whole stripe."""
+    async def rpc_apply(self, **message) -> dict:
+        """Install what a primary sent (replicator.py), an ``Apply`` (see there); EINVAL for a
+        message that is not one."""
+        m = Apply.parse(message)
+        where, staged, version, clock, full, record, pending, state, sender, epoch, tag, base_tag = m
         await self.serving.check_epoch(epoch)
         r = StripeRange.parse(where)
         (fid, idx, snap), offset, length, unit = r
-        self.serving.check_sender(sender, lambda: self.cluster.stripe_primary(fid, idx))
+        self.serving.check_sender(sender, lambda: self.cluster.roles.stripe_primary(fid, idx))
         check_range(offset, length, unit, self.cfg.stripe_unit)
         if not (isinstance(staged, list) and len(staged) == 2 and all(type(v) is int for v in staged)):
             raise RemoteError("EINVAL", f"staged is [rkey, offset], not {staged!r}")
@@ -144,7 +159,7 @@ class DataPath:
             elif held == (base_tag, version - 1) or (stripe is None and version & ((1 << VERSION_SHIFT) - 1) == 1):
                 # on top of what it was made on, or the first version of a stripe the primary
                 # just created (its other bytes are zeros, as a missing stripe's are here)
-                self.store.install(fid, idx, offset, data, unit, version, clock, snap, tag)
+                self.store.install(fid, idx, offset, data, unit, stamp=(tag, version), clock=clock, snap=snap)
             elif held < (tag, version):
                 return {"stale": True}
             if snap == 0 and held == (tag, version) and (clock > stripe.clock or stripe.pending and clock >= stripe.clock):

@@ -119,9 +119,9 @@ class Membership:
                 break
             except TransportError as exc:
                 log.warning("node %s: resync failed (%s); it begins again", self.name, exc)
-            await self.cluster.wait_changed(self.cfg.heartbeat * 5)
+            await self.cluster.liveness.wait_changed(self.cfg.heartbeat * 5)
             while not self._may_rejoin():
-                await self.cluster.wait_changed(self.cfg.heartbeat * 5)
+                await self.cluster.liveness.wait_changed(self.cfg.heartbeat * 5)
         await self.lease.announce()  # until a view names it (server/leases.py)
         self.serving.became_ready()
         named = trio.current_time()
@@ -136,7 +136,7 @@ class Membership:
         """The ``handover`` answer of every node the view names active (see above)."""
         answers: dict[str, dict] = {}
         while self.serving.state == READY:
-            view = self.cluster.view
+            view = self.cluster.roles.view
             todo = [p for p in view.active if p != self.name and p not in answers]
             if not todo:
                 break
@@ -170,7 +170,7 @@ class Membership:
                 log.info("%s not told to %s: %s", method, peer, exc)
 
         async with trio.open_nursery() as n:
-            for peer in self.cluster.members.names:
+            for peer in self.cluster.roles.members.names:
                 if peer != self.name:
                     n.start_soon(one, peer)
         return answers
@@ -217,7 +217,7 @@ class Membership:
         self.drop_freed()
 
     def _check_member(self, name: str) -> None:
-        if name == self.name or name not in self.cluster.members.names:
+        if name == self.name or name not in self.cluster.roles.members.names:
             raise RemoteError("EINVAL", f"{name!r} is not another member of the cluster")
 
     async def rpc_joining(self, name: str) -> dict:
@@ -237,7 +237,7 @@ class Membership:
                 pass
         async with self.meta_lock:
             pass
-        keys = {(fid, idx) for fid, idx, _ in self.store.stripes if name in self.cluster.targets(fid, idx)}
+        keys = {(fid, idx) for fid, idx, _ in self.store.stripes if name in self.cluster.roles.targets(fid, idx)}
         # taken at this instant, with the stripes: not paged as a resync's are (a paged fetch
         # after the answer broke mixed simulator seed 732: a count set back). Arrays beyond a
         # page stay here in a cut of this instant, fetched by the joiner (cuts.py)
@@ -310,7 +310,7 @@ class Membership:
             if not self.serving.take_rejoin():
                 continue
             while not self._may_rejoin():
-                await self.cluster.wait_changed(self.cfg.heartbeat * 5)
+                await self.cluster.liveness.wait_changed(self.cfg.heartbeat * 5)
             await self.join()
             log.info("node %s ready again after resync", self.name)
 
@@ -335,14 +335,14 @@ class Membership:
             # a process that was itself stopped finds every peer silent: it fences first
             self.serving.check_stall()
             self.serving.check_lease()
-            view = self.cluster.view
+            view = self.cluster.roles.view
             if self.serving.state != READY:
                 continue
             now = trio.current_time()
             due = [p for p in view.active if p != self.name and quiet(p) >= silent and now - tried.get(p, -math.inf) >= silent]
             if not due:
                 continue
-            await self.cluster.refresh()  # heartbeats as they are now, not as they were
+            await self.cluster.heartbeats.refresh()  # heartbeats as they are now, not as they were
             for peer in due:
                 if self.serving.state != READY or not self.cluster.heard_majority() or quiet(peer) < silent:
                     continue
@@ -353,7 +353,7 @@ class Membership:
     # -- membership changes (rebalance.py) -------------------------------------------------------
     async def rpc_members(self) -> dict:
         """The membership this node works with, and its epoch (0: as its config file says)."""
-        m = self.cluster.members
+        m = self.cluster.roles.members
         return {"epoch": m.epoch, "replicas": m.replicas, "nodes": [asdict(n) for n in m.nodes]}
 
     async def rpc_rebalance_pull(self, nodes: list[dict], replicas: int, settle: bool = True) -> dict:
@@ -364,9 +364,9 @@ class Membership:
         error; only what changed since moves, and a pre-copied stripe that no node lists any
         more was freed meanwhile and goes, unless this node is one of its homes now)."""
         specs = _node_specs(nodes)
-        self.cluster.know(specs)
+        self.cluster.roles.know(specs)
         names = [s.name for s in specs]
-        peers = sorted((set(names) | set(self.cluster.members.names)) - {self.name})
+        peers = sorted((set(names) | set(self.cluster.roles.members.names)) - {self.name})
 
         def mine(fid: int, idx: int) -> bool:
             return self.name in placement(fid, idx, names, replicas)
@@ -376,7 +376,7 @@ class Membership:
             self.precopied.update(done["fetched"])
             return {"stripes": done["stripes"], "bytes": done["bytes"]}
         done = await self.resync.pull_stripes("rebalance", peers, mine, strict=True)
-        homes = self.cluster.members
+        homes = self.cluster.roles.members
         freed = [k for k in self.precopied if k not in done["listed"] and self.name not in placement(k[0], k[1], homes.names, homes.replicas)]
         if freed:
             log.info("rebalance: %d pre-copied stripes freed since: dropped", len(freed))
@@ -384,25 +384,39 @@ class Membership:
         self.precopied.clear()
         return {"stripes": done["stripes"], "bytes": done["bytes"]}
 
+    async def rpc_rebalance_abort(self) -> dict:
+        """A rebalance ended without switching (rebalance.py): what its pre-copy brought here
+        that this node does not hold under the membership it stays on (no home of it, not a
+        write's target now: a stand-in keeps its copy) goes; it held memory nobody reads. The
+        count dropped."""
+        m = self.cluster.roles.members
+        stray = [
+            k for k in self.precopied if self.name not in placement(k[0], k[1], m.names, m.replicas) and self.name not in self.cluster.roles.targets(k[0], k[1])
+        ]
+        self.precopied.clear()
+        if stray:
+            log.info("rebalance abandoned: %d pre-copied stripes this node does not hold dropped", len(stray))
+        return {"dropped": self.store.drop_keys(stray)}
+
     async def rpc_reconfigure(self, nodes: list[dict], replicas: int, epoch: int) -> dict:
         """Rebalance, step 2: switch to the new membership; after a grace period (clients learn
         it from heartbeats meanwhile) drop the stripes this node no longer holds."""
-        if epoch <= self.cluster.epoch:
-            return {"epoch": self.cluster.epoch}
+        if epoch <= self.cluster.roles.epoch:
+            return {"epoch": self.cluster.roles.epoch}
         specs = _node_specs(nodes)
         self.cluster.adopt(specs, replicas, epoch)
         self.adopted(epoch)
         return {"epoch": epoch}
 
     def adopted(self, epoch: int) -> None:
-        if self.name in self.cluster.members.names:
+        if self.name in self.cluster.roles.members.names:
             self.cluster.nursery.start_soon(self._drop_unhomed, epoch)
         else:
             log.warning("node %s is not a member any more (membership %d): it can be stopped", self.name, epoch)
 
     async def _drop_unhomed(self, epoch: int) -> None:
         await trio.sleep(GRACE_HEARTBEATS * self.cfg.heartbeat + self.cfg.down_after)
-        m = self.cluster.members
+        m = self.cluster.roles.members
         if m.epoch != epoch:
             return  # another change came meanwhile: it drops for itself
         names, r = m.names, m.replicas

@@ -81,7 +81,7 @@ class Namespace:
     async def rpc_meta(self, op: dict, epoch: int = 0) -> dict:
         """Apply a namespace op as the metadata primary and replicate it to every live node."""
         Meta.check(op)  # EINVAL for an op no client sends (unknown kind, missing fields)
-        return dict(await self._meta(op, epoch), acked_in=self.cluster.view_epoch)  # cluster.py, follow_acked
+        return dict(await self._meta(op, epoch), acked_in=self.cluster.roles.view_epoch)  # heartbeats.py, follow_acked
 
     async def _meta(self, op: dict, epoch: int) -> dict:
         rid = op.get("rid")
@@ -103,7 +103,7 @@ class Namespace:
                 return self.meta.done[rid]
             op = self.meta.prepare(op, now_ns())
             if op["op"] == "create" and op.get("unit"):  # a regular file: its number places its first stripe
-                op["ino"] = balanced_ino(op["ino"], self._files_in(op["parent"]), self.cluster.members.names)
+                op["ino"] = balanced_ino(op["ino"], self._files_in(op["parent"]), self.cluster.roles.members.names)
             if op["op"] == "snapshot":
                 return await self._take_snapshot(op)
             return await self._apply_and_forward(op)
@@ -121,10 +121,10 @@ class Namespace:
     async def _apply_and_forward(self, op: dict) -> dict:
         """Apply ``op`` here and answer once every other live node holds it (the replicator's
         acknowledgement rule: every node the view names active)."""
-        result = self.apply(op, self.cluster.view_epoch)
+        result = self.apply(op, self.cluster.roles.view_epoch)
         seq, _, prev = self.last
         stamp = self.meta.stamp
-        await self.replicator.to_every("metadata op", self.cluster.live, lambda peer: self.replicator.meta(peer, seq, op, self.meta.tag, prev), self._leads)
+        await self.replicator.to_every("metadata op", self.cluster.roles.live, lambda peer: self.replicator.meta(peer, seq, op, self.meta.tag, prev), self._leads)
         self.settled = stamp
         return result
 
@@ -139,11 +139,11 @@ class Namespace:
             send = lambda peer: self.replicator.meta(peer, seq, op, self.meta.tag, prev)  # noqa: E731
         else:
             send = self.replicator.namespace
-        await self.replicator.to_every("metadata op", self.cluster.live, send, self._leads)
+        await self.replicator.to_every("metadata op", self.cluster.roles.live, send, self._leads)
         self.settled = stamp
 
     def _leads(self) -> None:
-        primary = self.cluster.meta_primary()
+        primary = self.cluster.roles.meta_primary()
         if primary != self.name:
             raise RemoteError("ENOTPRIMARY", primary or "")
 
@@ -162,8 +162,8 @@ class Namespace:
         seconds expels nobody, and a snapshot taken then on its coordinator alone read as zeros
         from the other nodes (chaos, seed 7)."""
         self.meta.check_snapshot_name(op["name"])
-        nodes = self.cluster.live()
-        epoch = self.cluster.view_epoch
+        nodes = self.cluster.roles.live()
+        epoch = self.cluster.roles.view_epoch
         token = f"{self.name}:{op['id']}"
         frozen: list[str] = []
         try:
@@ -199,7 +199,7 @@ class Namespace:
 
     async def _freeze_one(self, node: str, token: str, frozen: list[str]) -> None:
         try:
-            await self.call_node(node, "freeze", {"token": token, "seconds": FREEZE_SECONDS, "epoch": self.cluster.view_epoch})
+            await self.call_node(node, "freeze", {"token": token, "seconds": FREEZE_SECONDS, "epoch": self.cluster.roles.view_epoch})
             frozen.append(node)
         except NodeDown as exc:
             log.warning("snapshot: %s is down, it gets the snapshot at resync: %s", node, exc)
@@ -263,7 +263,7 @@ class Namespace:
         if not (prev is None or isinstance(prev, list) and len(prev) == 2 and all(type(x) is int for x in prev)) or type(tag) is not int:
             raise RemoteError("EINVAL", f"meta_apply: a stamp is two integers, not {prev!r} ({tag!r})")
         await self.serving.check_epoch(epoch)
-        self.serving.check_sender(sender, self.cluster.meta_primary)
+        self.serving.check_sender(sender, self.cluster.roles.meta_primary)
         have = self.meta.stamp
         if (tag, seq) == have or seq < have[1] and tag == have[0]:
             return {}  # this op, or it and later ops of the same primary (one per epoch)

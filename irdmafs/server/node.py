@@ -95,11 +95,11 @@ class Node:
         self.counters: dict[str, int] = defaultdict(int)
         self.latency = Latency()
         self.cluster = Cluster(cfg, transport, None, me=name, my_state=lambda: self.serving.state)
-        self.lease = ServingLease(cfg, name, lambda: self.cluster.members, coord)  # its lease and views
-        keeper_learns = self.lease.follow(self.cluster.learn_view)  # views decide who serves (cluster.py)
+        self.lease = ServingLease(cfg, name, lambda: self.cluster.roles.members, coord)  # its lease and views
+        keeper_learns = self.lease.follow(self.cluster.roles.learn_view)  # views decide who serves (cluster.py)
         if keeper_learns is None:
             raise ConfigError(NO_COORDINATOR)
-        self.cluster.on_view.append(keeper_learns)
+        self.cluster.roles.on_view.append(keeper_learns)
         self.serving = Serving(cfg, name, self.cluster, self.lease, transport.incarnation)
         # every byte this node holds for others, against its capacity (budget.py)
         self.budget = Budget(cfg.capacity)
@@ -120,7 +120,7 @@ class Node:
         # has applied the truncate before the write that recreates the stripe is sent.
         # Versions a primary gives are tagged with its view epoch (store.py: replicas compare both).
         self.store = Store(
-            transport, self.budget, self.persist, version_base=lambda: self.namespace.meta.seq << VERSION_SHIFT, epoch=lambda: self.cluster.view_epoch
+            transport, self.budget, self.persist, version_base=lambda: self.namespace.meta.seq << VERSION_SHIFT, epoch=lambda: self.cluster.roles.view_epoch
         )
         core = NodeCore(name, cfg, self.cluster, self.store, self.stripe_locks, self.serving)
         self.training = Training(core, lambda: self.namespace.meta, self.barrier, self.replicator, self.staging, self.latency)
@@ -128,7 +128,7 @@ class Node:
         self.resync = Resync(core, self.training, self.namespace.current, self.namespace.restore)
         self.membership = Membership(core, self.namespace.lock, self.barrier, self.training, self.resync, self.lease, self.namespace.drop_freed)
         self.data = DataPath(core, self.barrier, self.replicator, self.staging, self.training)
-        self.cluster.on_adopt = self.membership.adopted  # a membership learnt from a peer's heartbeat
+        self.cluster.heartbeats.on_adopt = self.membership.adopted  # a membership learnt from a peer's heartbeat
         self.clocks = ClockWaits(transport, self.store)
         self.calls: dict[str, Callable] = {}  # method -> its handler (``handle``)
         for part in (self, self.data, self.namespace, self.training, self.membership, self.clocks):
@@ -153,7 +153,7 @@ class Node:
 
     @property
     def sees_all_ready(self) -> bool:
-        return self.cluster.nursery is not None and self.cluster.ready() == self.cluster.members.names
+        return self.cluster.nursery is not None and self.cluster.roles.ready() == self.cluster.roles.members.names
 
     # -- lifetime ----------------------------------------------------------------------------
     def _load_persisted(self) -> None:
@@ -172,9 +172,9 @@ class Node:
             self.cluster.nursery = nursery
             address = await nursery.start(partial(self.transport.serve, self.spec.host, self.spec.port, self.handle, on_imm=self.training.on_imm))
             log.info("node %s listening on %s:%s (transport %s)", self.name, *address, self.transport.name)
-            await self.cluster.refresh()
-            self.cluster.heartbeat_args["owner"] = self.replicator.slots.owner
-            nursery.start_soon(self.cluster.heartbeat_loop)
+            await self.cluster.heartbeats.refresh()
+            self.cluster.heartbeats.args["owner"] = self.replicator.slots.owner
+            nursery.start_soon(self.cluster.heartbeats.loop)
             nursery.start_soon(self.staging.expire_loop)
             if not self.offload.inline:  # not in the simulator: its seeds' schedules stay as they were
                 nursery.start_soon(self.loop_lag.run)
@@ -260,7 +260,7 @@ class Node:
         return {
             "name": self.name,
             "state": serving.state,
-            "sees_ready": self.cluster.ready(),
+            "sees_ready": self.cluster.roles.ready(),
             "meta_seq": self.meta.seq,
             "stripes": len(self.store.stripes),
             "bytes": self.store.bytes_held,
@@ -273,13 +273,13 @@ class Node:
             "incarnation": self.transport.incarnation,
             "gen": serving.gen,
             "uptime": round(time.time() - self.started, 3),
-            "epoch": self.cluster.epoch,
+            "epoch": self.cluster.roles.epoch,
             "work": self.resync.work,
             "calls": sum(self.counters.values()),
             "served_bytes": sum(b for _, b in self.transport.served.values()),
             "apply_seconds": round(self.training.apply_seconds, 6),
             **self.lease.status(),
-            "replicas_behind": sum(self.cluster.node_state(n) != READY for n in self.cluster.members.names if n != self.name),
+            "replicas_behind": sum(self.cluster.roles.node_state(n) != READY for n in self.cluster.roles.members.names if n != self.name),
             "caught_up": self.caught_up,
             **(self.leading() if args.get("from") == "status" else {}),
         }
@@ -297,15 +297,15 @@ class Node:
         if not self.caught_up:
             return {"degraded": 0, "led_bytes": 0}  # it leads nothing yet: whoever leads its stripes counts them
         cluster = self.cluster
-        led = {(fid, idx) for fid, idx, snap in list(self.store.stripes) if snap == 0 and cluster.stripe_primary(fid, idx) == self.name}
+        led = {(fid, idx) for fid, idx, snap in list(self.store.stripes) if snap == 0 and cluster.roles.stripe_primary(fid, idx) == self.name}
         held = self.store.stripes
 
         def serving(name: str) -> bool:
             if name == self.name:
                 return True
-            return cluster.node_state(name) == READY and bool(cluster.liveness.info.get(name, {}).get("caught_up"))
+            return cluster.roles.node_state(name) == READY and bool(cluster.liveness.info.get(name, {}).get("caught_up"))
 
-        degraded = health.degraded(led, lambda fid, idx: cluster.stripe_rank(fid, idx)[: cluster.members.replicas], serving)
+        degraded = health.degraded(led, lambda fid, idx: cluster.roles.stripe_rank(fid, idx)[: cluster.roles.members.replicas], serving)
         return {"degraded": degraded, "led_bytes": sum(held[(fid, idx, 0)].capacity for fid, idx in led if (fid, idx, 0) in held)}
 
     async def rpc_statfs(self) -> dict:
@@ -314,7 +314,7 @@ class Node:
     # -- the commit barrier (snapshots, rebalance) -------------------------------------------
     def _freezer_gone(self, token: str) -> bool:
         holder = token.split(":")[0]
-        return holder in self.cluster.members.names and holder not in self.cluster.view.active
+        return holder in self.cluster.roles.members.names and holder not in self.cluster.roles.view.active
 
     async def rpc_freeze(self, token: str, seconds: float, epoch: int = 0) -> dict:
         """Hold new commits and pushes and wait for those in flight (barrier.py); ESTALE from a

@@ -29,7 +29,7 @@ refused (ESTALE: it holds another view; EAGAIN) is not expelled: this node reads
 decides again.
 
 ``to_every_target(key, one)`` is the acknowledgement rule of a stripe's change: answered only once
-every node the stripe now targets (``Cluster.targets``) holds it, and while this node still leads
+every node the stripe now targets (``Roles.targets``, roles.py) holds it, and while this node still leads
 the stripe in the view it then holds; else EAGAIN, and the change is not acknowledged. A backup
 that fails leaves the targets (expelled by a new view), which brings the
 stripe's stand-in in, and the stand-in gets it too (one that lacks the stripe answers "stale" and
@@ -88,7 +88,7 @@ class Replicator:
 
     @property
     def epoch(self) -> int:
-        return self.cluster.view.epoch
+        return self.cluster.roles.view.epoch
 
     def lost(self, peer: str, exc: BaseException) -> None:
         """A send to ``peer`` failed for good: it lacks what it was sent, so it must not serve
@@ -129,7 +129,7 @@ class Replicator:
             bufs.append(data)
             each.append(self._apply_args(u, [slot.rkey, at]))
             at += len(data)
-        await self.cluster.write(peer, slot.rkey, slot.offset, bufs, slot.inc)
+        await self.cluster.peers.write(peer, slot.rkey, slot.offset, bufs, slot.inc)
         who = {"sender": self.name, "epoch": self.epoch}
         if len(updates) == 1:
             return [await self.cluster.call(peer, "apply", each[0] | who)]
@@ -206,7 +206,7 @@ class Replicator:
         args = {"fid": key.fid, "idx": key.idx, "record": record, "lengths": [len(v) for v in blobs], "sender": self.name, "epoch": self.epoch}
 
         async def staged(slot: Slot) -> dict:
-            await self.cluster.write(peer, slot.rkey, slot.offset, blobs, slot.inc)
+            await self.cluster.peers.write(peer, slot.rkey, slot.offset, blobs, slot.inc)
             return await self.cluster.call(peer, "train_record", dict(args, rkey=slot.rkey, soff=slot.offset))
 
         async def send() -> None:
@@ -243,14 +243,14 @@ class Replicator:
         """Return once every node stripe ``key`` now targets holds the change ``one(peer)``
         sends (True: ``peer`` holds it); EAGAIN if the targets kept changing."""
         what = f"stripe {key.fid}:{key.idx}"
-        await self.to_every(what, lambda: self.cluster.targets(key.fid, key.idx), one, lambda: self.serving.check_primary(key.fid, key.idx))
+        await self.to_every(what, lambda: self.cluster.roles.targets(key.fid, key.idx), one, lambda: self.serving.check_primary(key.fid, key.idx))
 
     async def to_every(self, what: str, targets: Callable[[], list[str]], one: Callable[[str], Awaitable[bool]], leads: Callable[[], None]) -> None:
         """``to_every_target`` for any set of replicas: ``targets()`` as they are now, ``leads()``
         raising unless this node still leads what is sent (a view may have moved it)."""
         have = {self.name}
         made_in = self.serving.gen
-        for _ in range(2 * len(self.cluster.members.names) + 2):
+        for _ in range(2 * len(self.cluster.roles.members.names) + 2):
             try:
                 self.serving.require_ready()  # expelled, or its lease ended
                 leads()  # or a new view moved the stripe
@@ -282,7 +282,7 @@ class Replicator:
         for peer in failed:
             if peer in self.unreached:
                 self.unreached.discard(peer)
-                await self.cluster.refresh()  # its heartbeats as they are now, not as they were
+                await self.cluster.heartbeats.refresh()  # its heartbeats as they are now, not as they were
                 if not self.cluster.heard_majority() or not await self.serving.lease.expel(peer):
                     await self.serving.lease.refresh()
                     await trio.sleep(self.cluster.cfg.heartbeat)

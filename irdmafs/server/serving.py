@@ -80,16 +80,16 @@ class Serving:
             raise RemoteError("EAGAIN", f"node {self.name} is {self.state}")
 
     def check_primary(self, fid: int, idx: int) -> None:
-        primary = self.cluster.stripe_primary(fid, idx)
+        primary = self.cluster.roles.stripe_primary(fid, idx)
         if primary != self.name:
             raise RemoteError("ENOTPRIMARY", primary or "")
 
     async def check_epoch(self, epoch: int) -> None:
         """ESTALE for a message of an older view epoch; a newer one is read first (see above)."""
-        view = self.cluster.view
+        view = self.cluster.roles.view
         if epoch > view.epoch:
             await self.lease.refresh()
-            view = self.cluster.view
+            view = self.cluster.roles.view
         if epoch != view.epoch:
             code = "ESTALE" if epoch < view.epoch else "EAGAIN"
             raise RemoteError(code, f"sent in view {epoch}; node {self.name} is in view {view.epoch}")
@@ -99,7 +99,7 @@ class Serving:
         view came while the message waited here (for a lock, a freeze, the hand-over). Its
         sender may have given it up and sent it again in that view: installed late, it would
         go over what the new view acknowledged since."""
-        view = self.cluster.view
+        view = self.cluster.roles.view
         if epoch != view.epoch:
             raise RemoteError("ESTALE", f"sent in view {epoch}; node {self.name} moved to view {view.epoch} while it waited")
 
@@ -112,7 +112,7 @@ class Serving:
             return
         primary = leads()
         if sender != primary:
-            raise RemoteError("ESTALE", f"{sender} does not lead this in view {self.cluster.view.epoch} ({primary} does)")
+            raise RemoteError("ESTALE", f"{sender} does not lead this in view {self.cluster.roles.view.epoch} ({primary} does)")
 
     async def await_takeover(self) -> None:
         """Primary work waits (briefly: see above) while this node takes its stripes back."""
@@ -145,7 +145,7 @@ class Serving:
         keep a node whose lease ended named, V7, keep this true through a coordinator outage).
         A node expelled and named again under a new lease lacks what was acknowledged while it
         was out until its next catch-up (mixed seed 208)."""
-        view = self.cluster.view
+        view = self.cluster.roles.view
         return self.complete and self.name in view.active and view.lease_of(self.name) == self.complete_term
 
     def led_now(self, key: tuple[int, int, int]) -> None:

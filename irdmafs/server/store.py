@@ -272,16 +272,17 @@ class Store:
         return stripe
 
     def install(
-        self, fid: int, idx: int, offset: int, data: memoryview, unit: int, version: int | None = None, clock: int | None = None, snap: int = 0, tag: int = 0
+        self, fid: int, idx: int, offset: int, data: memoryview, unit: int, *, stamp: tuple[int, int] | None = None, clock: int | None = None, snap: int = 0
     ) -> int:
         """Copy ``data`` into the stripe at ``offset`` under the seqlock, and set its clock if
-        given; returns the new version (the next one, tagged with this node's epoch, or
-        ``version`` and ``tag`` when a primary dictates them to a backup)."""
+        given; returns the new version (the next one, tagged with this node's epoch, or the
+        ``stamp`` (tag, version) a primary dictates to a backup)."""
         fresh = (fid, idx, snap) not in self.stripes
         stripe = self.ensure(fid, idx, offset + len(data), unit, snap)
         self._writable(fid, idx, snap)
         buf = stripe.region.buf
         word = WORD.unpack_from(buf, VERSION_AT)[0]
+        tag, version = stamp if stamp is not None else (0, None)
         new = (self.version_base() + 1 if fresh else word // 2 + 1) if version is None else version
         WORD.pack_into(buf, VERSION_AT, word | 1)
         buf[HEADER + offset : HEADER + offset + len(data)] = data

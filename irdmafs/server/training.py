@@ -249,7 +249,7 @@ class Training:
                 info[str(fid)] = self.policy_info(fid)
             except RemoteError:  # not a tensor (its push said so)
                 pass
-        return {"results": results, "info": info, "acked_in": self.cluster.view_epoch}  # cluster.py, follow_acked
+        return {"results": results, "info": info, "acked_in": self.cluster.roles.view_epoch}  # heartbeats.py, follow_acked
 
     def _push_args(self, data: memoryview, d: dict) -> tuple[memoryview, Push]:
         """A push descriptor, checked: where its gradient starts in the pushed bytes (``at``)
@@ -419,7 +419,7 @@ class Training:
         """A backup keeps the primary's push bookkeeping for a stripe (to take over with it);
         its arrays, if ``lengths`` are given, were staged at ``rkey``/``soff`` in that order."""
         await self.serving.check_epoch(epoch)
-        self.serving.check_sender(sender, lambda: self.cluster.stripe_primary(fid, idx))
+        self.serving.check_sender(sender, lambda: self.cluster.roles.stripe_primary(fid, idx))
         blobs = None
         if lengths:
             if not all(isinstance(n, int) and n >= 0 for n in lengths):
@@ -454,7 +454,7 @@ class Training:
         """The set of active ranks changed: rounds waiting for a removed rank complete, clocks
         move on, and r2sp turns skip it."""
         for (fid, idx), st in list(self.records.items()):
-            if self.cluster.stripe_primary(fid, idx) != self.name or not st.span[2]:
+            if self.cluster.roles.stripe_primary(fid, idx) != self.name or not st.span[2]:
                 continue
             try:
                 model, opt, tensor = self.model_of(fid)
@@ -462,7 +462,7 @@ class Training:
                 continue
             try:
                 async with self.stripe_locks((fid, idx)):
-                    if self.cluster.stripe_primary(fid, idx) != self.name:
+                    if self.cluster.roles.stripe_primary(fid, idx) != self.name:
                         continue  # handed over meanwhile
                     updates = st.release(model) + st.complete_rounds(model)
                     await self._settle(fid, idx, st, model, opt, np.dtype(tensor["dtype"]), updates)

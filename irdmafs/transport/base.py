@@ -293,7 +293,7 @@ class Transport(abc.ABC):
         self.token = token
         self.regions = RegionTable()
         # New at every start of a serving process: every key it hands out belongs to it, and a
-        # peer that sees it change drops what it cached (cluster.py, Cluster.on_restart).
+        # peer that sees it change drops what it cached (peers.py, Peers.on_restart).
         self.incarnation = secrets.randbits(32) or 1  # 32 bits: it travels in a header's imm word
         # one-sided operations this process served: op -> [count, bytes] (for metrics; a
         # transport whose one-sided operations bypass the CPU, as verbs', cannot count them)

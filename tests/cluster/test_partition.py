@@ -83,7 +83,7 @@ async def stripe_from(c: Client, node: str, fid: int, idx: int) -> tuple[int, by
     """(version, data) of one stripe read straight from ``node``."""
     info = (await c.cluster.call(node, "stripe_info", {"fid": fid, "idxs": [idx]}))[str(idx)]
     buf = bytearray(info["capacity"])
-    version = (await read_verified(await c.cluster.conn(node), info["rkey"], 0, memoryview(buf))).version
+    version = (await read_verified(await c.cluster.peers.conn(node), info["rkey"], 0, memoryview(buf))).version
     return version, bytes(buf)
 
 
@@ -96,7 +96,7 @@ async def test_a_partitioned_node_fences_itself_and_resyncs_before_it_serves(net
         attr = await c.paths.write_file("/w", v1)
         ino = attr["ino"]
         # stripes for which n1 is a home: those it must not serve stale
-        homed = [i for i in range(4) if "n1" in c.cluster.stripe_rank(ino, i)[: cfg.replicas]]
+        homed = [i for i in range(4) if "n1" in c.cluster.roles.stripe_rank(ino, i)[: cfg.replicas]]
         assert homed
 
         link(1, "down")

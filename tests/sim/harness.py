@@ -197,8 +197,8 @@ class World:
     def _settled(self, node: Node) -> bool:
         if not (node.sees_all_ready and node.state == "ready" and node.serving.taken_over.is_set()):
             return False
-        view = node.cluster.view
-        newest = max(n.cluster.view.epoch for n in self.nodes.values())
+        view = node.cluster.roles.view
+        newest = max(n.cluster.roles.view.epoch for n in self.nodes.values())
         return sorted(view.active) == NODES and view.epoch == newest
 
     def note(self, what: str) -> None:

@@ -29,7 +29,7 @@ def _held_everywhere(nodes, c, inos: list[int]) -> None:
     by_name = {n.name: n for n in nodes}
     for ino in inos:
         first = None
-        for name in c.cluster.targets(ino, 0):
+        for name in c.cluster.roles.targets(ino, 0):
             s = by_name[name].store.get(ino, 0)
             assert s is not None and s.clock == 1, (ino, name)
             assert by_name[name].training.records[(ino, 0)].next_step(0) == 1, (ino, name)

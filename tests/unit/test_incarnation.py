@@ -61,7 +61,7 @@ async def test_a_key_from_an_earlier_incarnation_is_refused_before_it_is_sent():
         reply, inc = await cluster.call_on("a", "staging", {})
         assert inc == old.incarnation
         await pool._region("a")
-        await cluster.write("a", region.rkey, 0, b"old", inc)  # the right incarnation: lands
+        await cluster.peers.write("a", region.rkey, 0, b"old", inc)  # the right incarnation: lands
         assert bytes(region.buf[:3]) == b"old"
 
         scope.cancel()  # the process dies ...
@@ -73,12 +73,12 @@ async def test_a_key_from_an_earlier_incarnation_is_refused_before_it_is_sent():
         cluster.mark_down("a", "gone")  # as a failed operation or a heartbeat would
 
         with pytest.raises(StaleKey):
-            await cluster.write("a", region.rkey, 0, b"stale", inc)
+            await cluster.peers.write("a", region.rkey, 0, b"stale", inc)
         assert bytes(new.regions.get(region.rkey).buf[:5]) == bytes(5)  # nothing reached it
         assert dropped == ["a"] and cluster.peers.restarts_seen == 1
         assert "a" not in pool._regions  # the staging region of the old process is forgotten
         assert isinstance(StaleKey("x"), AccessError)  # every path that refreshes on AccessError does here
-        await cluster.write("a", region.rkey, 0, b"new", cluster.peers.incarnation["a"])  # a key of the new one lands
+        await cluster.peers.write("a", region.rkey, 0, b"new", cluster.peers.incarnation["a"])  # a key of the new one lands
         assert bytes(new.regions.get(region.rkey).buf[:3]) == b"new"
         nursery.cancel_scope.cancel()
 
@@ -189,8 +189,8 @@ async def test_an_answer_acknowledged_in_a_newer_view_brings_that_view_before_it
     async with trio.open_nursery() as nursery:
         await nursery.start(MemoryTransport(cfg.token).serve, "mem", 9501, views_node)
         cluster = Cluster(cfg, MemoryTransport(cfg.token), nursery)  # no heartbeat loop: only what calls bring
-        await cluster.refresh()
-        assert cluster.view_epoch == 6
+        await cluster.heartbeats.refresh()
+        assert cluster.roles.view_epoch == 6
         assert (await cluster.call("a", "commit", {}))["version"] == 3
-        assert cluster.view_epoch == 7
+        assert cluster.roles.view_epoch == 7
         nursery.cancel_scope.cancel()

@@ -70,7 +70,7 @@ async def test_a_key_cached_before_a_node_went_away_does_not_read_it_once_a_view
     for spec in cfg.nodes:
         await nursery.start(nodes[spec.name].transport.serve, spec.host, spec.port, nodes[spec.name].handle)
     cluster = Cluster(cfg, MemoryTransport(cfg.token), nursery)
-    await cluster.refresh()
+    await cluster.heartbeats.refresh()
     io = StripeIO(cluster, StagingPool(cluster, "test", UNIT))
     got = bytearray(UNIT)
     await io.read(fid, UNIT, UNIT, 0, memoryview(got))
@@ -82,8 +82,8 @@ async def test_a_key_cached_before_a_node_went_away_does_not_read_it_once_a_view
     nodes["a"].caught_up = False
     nodes["a"].lease = 12
     view.update(epoch=7, serving={"a": 12, "b": 21})
-    await cluster.refresh()
-    assert cluster.view_epoch == 7 and cluster.view.lease_of("a") == 12
+    await cluster.heartbeats.refresh()
+    assert cluster.roles.view_epoch == 7 and cluster.roles.view.lease_of("a") == 12
     await io.read(fid, UNIT, UNIT, 0, memoryview(got))
     assert got == new
 

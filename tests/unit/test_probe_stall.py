@@ -1,5 +1,5 @@
 """A heartbeat whose timeout this process saw late (its own loop held past the deadline) does not
-count the node down: the node is asked once more (cluster.py ``_probe``). A mount on a busy host
+count the node down: the node is asked once more (heartbeats.py ``_probe``). A mount on a busy host
 counted working nodes down and dropped their connections with hundreds of reads in flight
 (issue 41, chaos --model-gib 1); a node that is really silent is still counted down."""
 
@@ -26,7 +26,7 @@ async def heard(nursery, cfg, node):
     cluster = Cluster(cfg, MemoryTransport(cfg.token), nursery)
     downs: list[str] = []
     cluster.liveness.on_down.append(downs.append)
-    await cluster.refresh()
+    await cluster.heartbeats.refresh()
     assert cluster.liveness.state["a"] == "ready"
     return cluster, downs
 
@@ -49,7 +49,7 @@ async def test_a_heartbeat_timed_out_while_this_loop_was_held_asks_again():
             time.sleep(DOWN_AFTER * 1.5)  # the loop held (the host did not run us): past the deadline
 
         nursery.start_soon(stall)
-        await cluster.refresh()
+        await cluster.heartbeats.refresh()
         assert asked == ["heartbeat"] * 3  # asked again, not counted down
         assert cluster.liveness.state["a"] == "ready" and downs == []
         nursery.cancel_scope.cancel()
@@ -68,7 +68,7 @@ async def test_a_node_silent_past_the_deadline_is_still_counted_down():
     async with trio.open_nursery() as nursery:
         cluster, downs = await heard(nursery, cfg, node)
         silent.set()
-        await cluster.refresh()
+        await cluster.heartbeats.refresh()
         assert downs == ["a"]
         nursery.cancel_scope.cancel()
 
@@ -91,8 +91,8 @@ async def test_refreshes_at_once_send_one_heartbeat_a_node():
         asked.clear()
         async with trio.open_nursery() as n:
             for _ in range(200):
-                n.start_soon(cluster.refresh)
+                n.start_soon(cluster.heartbeats.refresh)
         assert asked == ["heartbeat"]  # one probe, every refresh waited for it
-        await cluster.refresh()  # and the next refresh asks again
+        await cluster.heartbeats.refresh()  # and the next refresh asks again
         assert asked == ["heartbeat"] * 2 and downs == []
         nursery.cancel_scope.cancel()

@@ -68,7 +68,7 @@ async def test_a_model_pulled_in_bursts_reads_what_the_rounds_made(bed, monkeypa
     await _step(c, inos, outs)
     assert all(np.array_equal(o, np.full(SIZE, -4, np.float32)) for o in outs)
     assert not each.calls, "every tensor was at hand: none pulled one by one"
-    assert 1 <= len(bursts.calls) <= 2 * len(c.cluster.members.names), "one burst (or two) per node, not one per tensor"
+    assert 1 <= len(bursts.calls) <= 2 * len(c.cluster.roles.members.names), "one burst (or two) per node, not one per tensor"
     one = np.empty(SIZE, np.float32)
     await c.training.pull_into(inos[0], 0, one)  # the per-tensor pull agrees
     assert np.array_equal(one, outs[0])
@@ -101,7 +101,7 @@ async def test_a_node_lost_under_a_burst_leaves_its_tensors_to_the_per_tensor_pu
     outs = [np.empty(SIZE, np.float32) for _ in inos]
     await _step(c, inos, outs)
     lost = c.training.io.at_hand(inos[0], 0)[0]
-    real = c.cluster.read_stripes
+    real = c.cluster.peers.read_stripes
 
     async def failing(node, items):
         if node == lost:
@@ -121,7 +121,7 @@ async def test_a_stripe_torn_under_every_burst_is_pulled_alone(bed, monkeypatch)
     c, _, inos = bed
     outs = [np.empty(SIZE, np.float32) for _ in inos]
     await _step(c, inos, outs)
-    real = c.cluster.read_stripes
+    real = c.cluster.peers.read_stripes
     victim = c.training.io.at_hand(inos[1], 0)[1].rkey
 
     async def tearing(node, items):

@@ -145,9 +145,9 @@ async def test_a_pull_sees_a_round_closed_only_once_every_backup_holds_it(bed):
     await c.setxattr(d, "user.irdma.workers", "2")
     w = np.zeros(1000, np.float32)
     ino = (await c.paths.save("/m/b.npy", w))["ino"]
-    primary_name = c.cluster.stripe_primary(ino, 0)
+    primary_name = c.cluster.roles.stripe_primary(ino, 0)
     primary = next(n for n in nodes if n.name == primary_name)
-    backups = [n for n in nodes if n.name in c.cluster.targets(ino, 0) and n.name != primary_name]
+    backups = [n for n in nodes if n.name in c.cluster.roles.targets(ino, 0) and n.name != primary_name]
     assert backups, "a stripe of R=2 has a backup"
     release, held = trio.Event(), trio.Event()
     real_apply = {b.name: b.calls["apply"] for b in backups}
@@ -186,9 +186,9 @@ async def test_a_push_answered_eagain_is_on_every_replica_before_its_retry_is_an
     c, nodes, _ = bed
     w = np.zeros(1000, np.float32)
     ino = (await c.paths.save("/m/e.npy", w))["ino"]
-    primary_name = c.cluster.stripe_primary(ino, 0)
+    primary_name = c.cluster.roles.stripe_primary(ino, 0)
     primary = next(n for n in nodes if n.name == primary_name)
-    backups = [n for n in nodes if n.name in c.cluster.targets(ino, 0) and n.name != primary_name]
+    backups = [n for n in nodes if n.name in c.cluster.roles.targets(ino, 0) and n.name != primary_name]
     refused = []
     for b in backups:
         real = b.calls["apply"]
@@ -223,7 +223,7 @@ async def test_a_recheck_whose_step_is_not_replicated_does_not_end_the_node(bed)
     w = np.zeros(100, np.float32)
     ino = (await c.paths.save("/m/k.npy", w))["ino"]
     await c.training.push(ino, 0, np.ones_like(w))
-    primary = next(n for n in nodes if n.name == c.cluster.stripe_primary(ino, 0))
+    primary = next(n for n in nodes if n.name == c.cluster.roles.stripe_primary(ino, 0))
 
     async def not_replicated(*args):
         raise RemoteError("EAGAIN", "not on every replica (test)")
@@ -244,7 +244,7 @@ async def test_a_push_whose_staging_region_was_replaced_meanwhile_is_sent_again(
     w = np.zeros(1000, np.float32)
     ino = (await c.paths.save("/m/w.npy", w))["ino"]
     await c.training.push(ino, 0, np.ones_like(w))
-    primary = c.cluster.stripe_primary(ino, 0)
+    primary = c.cluster.roles.stripe_primary(ino, 0)
     node = next(n for n in nodes if n.name == primary)
     write_imm, refused = c.cluster.write_imm, []
 
@@ -268,12 +268,12 @@ async def test_a_node_not_yet_caught_up_answers_train_info_eagain_not_enoent(bed
     c, nodes, cfg = bed
     w = np.zeros(100, np.float32)
     ino = (await c.paths.save("/m/w.npy", w))["ino"]
-    node = next(n for n in nodes if n.name == c.cluster.stripe_primary(ino, 0))
+    node = next(n for n in nodes if n.name == c.cluster.roles.stripe_primary(ino, 0))
     node.serving.taken_over = trio.Event()  # rejoining: the hand-over not done
     node.namespace.meta.inodes.pop(ino)  # its namespace from before the tensor was made
     cfg.op_timeout = 0.2
     with pytest.raises(RemoteError) as err:
-        await node.calls["train_info"](fid=ino, rank=0, epoch=node.cluster.view_epoch)
+        await node.calls["train_info"](fid=ino, rank=0, epoch=node.cluster.roles.view_epoch)
     assert err.value.code == "EAGAIN"
 
 
@@ -313,7 +313,7 @@ async def test_a_record_of_other_bytes_is_not_taken_with_these(bed):
     ino = (await c.paths.save("/m/r.npy", w))["ino"]
     for _ in range(2):
         await c.training.push(ino, 0, np.ones_like(w))
-    b = next(n for n in nodes if n.name in c.cluster.targets(ino, 0) and n.name != c.cluster.stripe_primary(ino, 0))
+    b = next(n for n in nodes if n.name in c.cluster.roles.targets(ino, 0) and n.name != c.cluster.roles.stripe_primary(ino, 0))
     fid, idx, rec, stamp = next(r for r in b.training.wire_records()[0] if r[:2] == [ino, 0])
     assert tuple(stamp) == b.store.get(ino, 0).stamp and b.training.records[(ino, 0)].next_step(0) == 2
     ahead = StripeTraining.from_record(rec)
@@ -388,7 +388,7 @@ async def test_a_handover_of_large_records_is_its_instant_fetched_in_pages(bed, 
     monkeypatch.setattr(M, "RECORDS_PAGE", page)
     peer = max(nodes, key=lambda n: sum(st.payload_bytes for st in n.training.records.values()))
     joiner = next(n for n in nodes if n is not peer)
-    answer = await peer.membership.rpc_handover(name=joiner.name, epoch=peer.cluster.view_epoch)
+    answer = await peer.membership.rpc_handover(name=joiner.name, epoch=peer.cluster.roles.view_epoch)
     assert "cut" in answer and "arrays" not in answer
     assert sum(answer["cut"]["sizes"]) > page
     await c.training.push(ino, 1, np.full_like(w, 3))  # rank 1: the rounds complete and apply

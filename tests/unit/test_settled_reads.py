@@ -65,7 +65,7 @@ def install_pending(nodes, fid: int, idx: int, value: float) -> None:
     it replicates it (server/training.py, ``_settle``)."""
     data = np.full(UNIT // 4, value, np.float32)
     for node in nodes:
-        if node.store.get(fid, idx) is not None and node.cluster.stripe_primary(fid, idx) == node.name:
+        if node.store.get(fid, idx) is not None and node.cluster.roles.stripe_primary(fid, idx) == node.name:
             node.store.update(fid, idx, 0, UNIT, UNIT, lambda view: view.cast("B").__setitem__(slice(None), memoryview(data).cast("B")), pending=True)
             return
     raise AssertionError(f"no primary holds stripe {idx}")
@@ -75,7 +75,7 @@ def only_primaries(nodes, client, fid: int) -> None:
     """Every read goes to the primaries, which hold a step first: backups drop their copies."""
     for idx in range(3):
         for node in nodes:
-            if node.store.get(fid, idx) is not None and node.cluster.stripe_primary(fid, idx) != node.name:
+            if node.store.get(fid, idx) is not None and node.cluster.roles.stripe_primary(fid, idx) != node.name:
                 node.store.drop_keys([(fid, idx, 0)])
     client.io.forget(fid)
 
@@ -114,7 +114,7 @@ async def test_a_push_that_leaves_the_clock_is_waited_for_until_published(nurser
     nodes, client, attr = await tensor(nursery)
     fid = attr["ino"]
     only_primaries(nodes, client, fid)
-    primary0 = next(n for n in nodes if n.store.get(fid, 0) is not None and n.cluster.stripe_primary(fid, 0) == n.name)
+    primary0 = next(n for n in nodes if n.store.get(fid, 0) is not None and n.cluster.roles.stripe_primary(fid, 0) == n.name)
     stop = trio.Event()
 
     async def pushes():

@@ -21,7 +21,7 @@ from .test_cluster_inprocess import config, start_cluster
 
 
 def primary_of(c, nodes, ino, idx=0):
-    name = c.cluster.stripe_primary(ino, idx)
+    name = c.cluster.roles.stripe_primary(ino, idx)
     return next(n for n in nodes if n.name == name)
 
 
@@ -33,9 +33,9 @@ async def abandon_a_commit(nursery, c, primary, ino, offset, data, go_on: trio.E
     done = trio.Event()
 
     async def stage_then_give_up(slot):
-        await c.cluster.write(primary.name, slot.rkey, slot.offset, data, slot.inc)
+        await c.cluster.peers.write(primary.name, slot.rkey, slot.offset, data, slot.inc)
         args = {"fid": ino, "idx": 0, "offset": offset, "length": len(data), "unit": c.cfg.stripe_unit}
-        args |= {"rkey": slot.rkey, "soff": slot.offset, "epoch": c.cluster.view_epoch}
+        args |= {"rkey": slot.rkey, "soff": slot.offset, "epoch": c.cluster.roles.view_epoch}
 
         async def on_the_node():
             await go_on.wait()  # waiting there (a freeze, a lock, a view) past the client's timeout
@@ -93,8 +93,8 @@ async def test_a_commit_waiting_for_its_stripe_finds_its_staging_replaced_and_in
         primary = primary_of(c, nodes, f["ino"])
         pool = StagingPool(c.cluster, "given-up", unit)
         region = await pool._region(primary.name)
-        await c.cluster.write(primary.name, region.rkey, 0, b"b" * 100, region.inc)
-        args = {"fid": f["ino"], "idx": 0, "offset": 0, "length": 100, "unit": unit, "rkey": region.rkey, "soff": 0, "epoch": c.cluster.view_epoch}
+        await c.cluster.peers.write(primary.name, region.rkey, 0, b"b" * 100, region.inc)
+        args = {"fid": f["ino"], "idx": 0, "offset": 0, "length": 100, "unit": unit, "rkey": region.rkey, "soff": 0, "epoch": c.cluster.roles.view_epoch}
         outcome, done = [], trio.Event()
 
         async def commit():
@@ -123,20 +123,20 @@ async def cluster_nodes(nursery):
 
 
 async def test_a_commit_and_a_namespace_op_say_the_view_they_were_acknowledged_in(cluster_nodes):
-    """What ``Cluster.follow_acked`` reads (test_incarnation.py has the client's side)."""
+    """What ``Heartbeats.follow_acked`` reads (test_incarnation.py has the client's side)."""
     cfg, nodes = cluster_nodes
     async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
         f = await c.paths.write_file("/f", b"a" * 10)
         primary = primary_of(c, nodes, f["ino"])
         region = await c.staging._region(primary.name)
-        await c.cluster.write(primary.name, region.rkey, 0, b"b" * 10, region.inc)
+        await c.cluster.peers.write(primary.name, region.rkey, 0, b"b" * 10, region.inc)
         args = {"fid": f["ino"], "idx": 0, "offset": 0, "length": 10, "unit": cfg.stripe_unit, "rkey": region.rkey, "soff": 0}
-        args["epoch"] = primary.cluster.view_epoch
-        assert (await primary.calls["commit"](**args))["acked_in"] == primary.cluster.view_epoch
-        meta_primary = next(n for n in nodes if n.name == c.cluster.meta_primary())
+        args["epoch"] = primary.cluster.roles.view_epoch
+        assert (await primary.calls["commit"](**args))["acked_in"] == primary.cluster.roles.view_epoch
+        meta_primary = next(n for n in nodes if n.name == c.cluster.roles.meta_primary())
         op = {"op": "mkdir", "parent": 1, "name": "d", "mode": 0o755, "rid": "t:1"}
-        answer = await meta_primary.calls["meta"](op=op, epoch=meta_primary.cluster.view_epoch)
-        assert answer["acked_in"] == meta_primary.cluster.view_epoch and answer["ino"] > 1
+        answer = await meta_primary.calls["meta"](op=op, epoch=meta_primary.cluster.roles.view_epoch)
+        assert answer["acked_in"] == meta_primary.cluster.roles.view_epoch and answer["ino"] > 1
 
 
 async def test_a_replaced_staging_region_is_refused_at_once_and_freed_after_the_lease(nursery, monkeypatch):

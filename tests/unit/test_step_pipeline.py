@@ -98,7 +98,7 @@ async def test_the_pulls_of_a_step_waiting_together_share_their_calls(bed, monke
         await trio.sleep(0.3)
         await _push_all(c, inos, 1, 3.0, order=list(range(TENSORS)))  # as a step pushes (step_stream)
     assert all(np.array_equal(o, np.full(SIZE, -4.0, np.float32)) for o in outs)
-    nodes = len(c.cluster.members.names)
+    nodes = len(c.cluster.roles.members.names)
     assert 1 <= c.io.clock_waits.calls - calls <= 3 * nodes, "a call per node (and per wake-up), not per tensor"
 
 
