@@ -124,7 +124,8 @@ class Namespace:
         result = self.apply(op, self.cluster.roles.view_epoch)
         seq, _, prev = self.last
         stamp = self.meta.stamp
-        await self.replicator.to_every("metadata op", self.cluster.roles.live, lambda peer: self.replicator.meta(peer, seq, op, self.meta.tag, prev), self._leads)
+        send = lambda peer: self.replicator.meta(peer, seq, op, self.meta.tag, prev)  # noqa: E731
+        await self.replicator.to_every("metadata op", self.cluster.roles.live, send, self._leads)
         self.settled = stamp
         return result
 

@@ -48,7 +48,8 @@ def test_fresh_mixed_seeds_drawn_this_run_keep_every_acknowledged_write_and_push
     start = int(os.environ.get("IRDMAFS_SIM_FROM") or random.SystemRandom().randrange(10_000, 2**31))
     searched, failing = search_for(60 * float(os.environ.get("IRDMAFS_SIM_MINUTES", "10")), start)
     with capsys.disabled():  # in CI's log whatever the outcome
-        print(f"\nfault simulator: fresh mixed seeds {searched.start}-{searched.stop - 1} ({len(searched)} schedules; IRDMAFS_SIM_FROM={start} runs them again)")
+        first, last = searched.start, searched.stop - 1
+        print(f"\nfault simulator: fresh mixed seeds {first}-{last} ({len(searched)} schedules; IRDMAFS_SIM_FROM={start} runs them again)")
     assert failing == [], "\n".join(f"seed {s}: {e}\n  replay: python -m tests.sim.replay --seed {s}" for s, e in failing)
 
 

@@ -63,7 +63,7 @@ async def test_a_model_pulled_in_bursts_reads_what_the_rounds_made(bed, monkeypa
     outs = [np.empty(SIZE, np.float32) for _ in inos]
     await _step(c, inos, outs)  # the first pull looks the region keys up (per tensor)
     assert all(np.array_equal(o, np.full(SIZE, -2, np.float32)) for o in outs)
-    bursts = Counted(monkeypatch, c.cluster, "read_stripes")
+    bursts = Counted(monkeypatch, c.cluster.peers, "read_stripes")
     each = Counted(monkeypatch, c.training, "pull_into")
     await _step(c, inos, outs)
     assert all(np.array_equal(o, np.full(SIZE, -4, np.float32)) for o in outs)
@@ -108,7 +108,7 @@ async def test_a_node_lost_under_a_burst_leaves_its_tensors_to_the_per_tensor_pu
             raise NodeDown(node, "lost under the burst (test)")
         return await real(node, items)
 
-    Counted(monkeypatch, c.cluster, "read_stripes", failing)
+    Counted(monkeypatch, c.cluster.peers, "read_stripes", failing)
     each = Counted(monkeypatch, c.training, "pull_into")
     await _step(c, inos, outs)
     assert all(np.array_equal(o, np.full(SIZE, -4, np.float32)) for o in outs)
@@ -128,7 +128,7 @@ async def test_a_stripe_torn_under_every_burst_is_pulled_alone(bed, monkeypatch)
         heads = await real(node, items)
         return [None if rkey == victim else h for (rkey, *_), h in zip(items, heads)]
 
-    Counted(monkeypatch, c.cluster, "read_stripes", tearing)
+    Counted(monkeypatch, c.cluster.peers, "read_stripes", tearing)
     each = Counted(monkeypatch, c.training, "pull_into")
     await _step(c, inos, outs)
     assert all(np.array_equal(o, np.full(SIZE, -4, np.float32)) for o in outs)

@@ -72,7 +72,7 @@ async def test_a_pull_waiting_for_its_round_is_told_when_it_closes_not_polling(b
     await c.training.push(inos[0], 1, np.full(SIZE, 3.0, np.float32))
     await c.training.pull_into(inos[0], 0, out)  # keys looked up, the first round read
     await c.training.push(inos[0], 0, np.full(SIZE, 1.0, np.float32))
-    headers = Counted(monkeypatch, c.cluster, "read_header")
+    headers = Counted(monkeypatch, c.cluster.peers, "read_header")
     calls = c.io.clock_waits.calls
     # rank 1 computes for 0.6 s (below CLOCK_SLICE), then pushes
     await _pull_while_open(c, inos[0], out, 0.6, lambda: c.training.push(inos[0], 1, np.full(SIZE, 3.0, np.float32)))
