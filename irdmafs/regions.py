@@ -1,5 +1,5 @@
 """The layout of a stripe's region, shared by the node that serves it (server/store.py) and every
-peer that reads it one-sidedly (cluster.py).
+peer that reads it one-sidedly (peers.py).
 
 A region is ``[version: u64][clock: u64][data: capacity bytes]``, little-endian: a 16-byte
 header, then the data. The version word is a seqlock: ``2 * version`` while the stripe is stable,

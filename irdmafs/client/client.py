@@ -107,7 +107,7 @@ class Client:
                     await self.cluster.heartbeats.refresh()
                     continue
                 if method in EPOCH_METHODS:
-                    args = dict(args, epoch=self.cluster.roles.view_epoch)  # as it is now (see cluster.py)
+                    args = dict(args, epoch=self.cluster.roles.view_epoch)  # as it is now (roles.py)
                 try:
                     return await self.cluster.call(target, method, args, timeout=timeout)
                 except NodeDown:

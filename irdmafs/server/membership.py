@@ -1,7 +1,7 @@
 """How a PS node joins, rejoins and leaves the membership: one service of a node (server/node.py
 builds it), moving its ``Serving`` state.
 
-Views decide who serves (coord/views.py, cluster.py); this service moves a node through them:
+Views decide who serves (coord/views.py, roles.py); this service moves a node through them:
 
 - Joining (``join``): a node tells its peers it is ``joining`` (their heartbeats then count it
   alive, so nobody expels it while it syncs), resyncs, announces itself and waits until a view

@@ -96,7 +96,7 @@ class Node:
         self.latency = Latency()
         self.cluster = Cluster(cfg, transport, None, me=name, my_state=lambda: self.serving.state)
         self.lease = ServingLease(cfg, name, lambda: self.cluster.roles.members, coord)  # its lease and views
-        keeper_learns = self.lease.follow(self.cluster.roles.learn_view)  # views decide who serves (cluster.py)
+        keeper_learns = self.lease.follow(self.cluster.roles.learn_view)  # views decide who serves (roles.py)
         if keeper_learns is None:
             raise ConfigError(NO_COORDINATOR)
         self.cluster.roles.on_view.append(keeper_learns)
