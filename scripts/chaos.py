@@ -550,6 +550,22 @@ class TrainingJob:
         pass  # every step was checked as it went
 
 
+def run_tool(tool: list[str]) -> None:
+    """Run a copy tool (``cp``, ``rsync``) on the mount. One that fails because the mount went
+    away under it (a mount fault) fails with that fault's error, as a call of this process
+    would: raised as the errno its message names (ENOTCONN, ECONNABORTED, ENOENT), so that the
+    window's rules decide (``Tally.attempt``); anything else is an error, in the tool's words.
+    (A bare exit status told nothing: rsync's 23, "partial transfer", in seed 13's 30 minutes.)"""
+    done = subprocess.run(tool, capture_output=True, text=True)
+    if done.returncode == 0:
+        return
+    said = done.stderr.strip()[-600:]
+    code = next((c for c in sorted(WINDOW_ERRNOS) if os.strerror(c) in said), None)
+    if code is not None:
+        raise OSError(code, f"{tool[0]} exited {done.returncode}: {said}")
+    raise RuntimeError(f"{tool[0]} exited {done.returncode}: {said}")
+
+
 class BigModelJob:
     """A model of ``gib`` GiB (float32 tensors of 16 MiB) trained by 2 ranks (bsp, SGD) through
     the step streams, run after run, with a snapshot taken every ``SNAP_EVERY`` steps (the one
@@ -643,7 +659,7 @@ class BigModelJob:
         copy = self.scratch / name
         tool = ["cp", "-a", str(src), str(copy)] if self.snapshots % 2 else ["rsync", "-a", f"{src}/", f"{copy}/"]
         try:
-            if not self.t.attempt(f"big_copy_{tool[0]}", lambda: subprocess.run(tool, check=True, capture_output=True)):
+            if not self.t.attempt(f"big_copy_{tool[0]}", lambda: run_tool(tool)):
                 return False
             for i, n in enumerate(self.names):
                 got: list[np.ndarray] = []
