@@ -96,8 +96,11 @@ class Client:
     async def _call_following(self, choose, method: str, args: dict, *, timeout: float | None = None) -> dict:
         """A control call to the node ``choose()`` names (the metadata primary, a stripe's
         primary), following it when it moves: a node lost or fenced mid-call is not an error
-        the user should see while another can answer. Its deadline bounds silence: a target
-        that refuses while its long work moves (a catch-up: EAGAIN) is waited for."""
+        the user should see while another can answer. Its deadline bounds silence: a refusal
+        (EAGAIN) is waited for while the long work of any member moves, the target's own (its
+        catch-up) or another's it waits on (a snapshot is taken only once every node named has
+        caught up: a ``mkdir`` in ``.snapshots`` got ETIMEDOUT while a restarted node took a GB
+        back, 1 GiB chaos soak)."""
         patience = Patience(self.cluster.liveness.work, (timeout or self.cfg.op_timeout) + 2 * self.cfg.op_timeout)
         with patience.bound():
             while True:
@@ -118,7 +121,7 @@ class Client:
                         raise
                     await trio.sleep(0.1)
                     await self.cluster.heartbeats.refresh()
-                    patience.heed(target)
+                    patience.heed(*self.cluster.roles.members.names)
 
     async def _op(self, **op: Any) -> dict:
         # a request id, so a retry after a lost answer is not applied twice (server/meta.py)

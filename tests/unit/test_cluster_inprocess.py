@@ -1056,6 +1056,35 @@ async def test_a_node_not_yet_caught_up_copies_no_snapshot(cluster):
     assert all("s" in n.namespace.meta.snapshots for n in nodes)
 
 
+async def test_a_snapshot_waits_while_a_node_it_waits_on_catches_up_past_the_calls_bound(nursery):
+    """A snapshot is taken only once every node named has caught up (above); the metadata
+    primary answers EAGAIN meanwhile. The client's bound on that refusal followed the target's
+    own progress only, which stood still, so a ``mkdir`` in ``.snapshots`` got ETIMEDOUT while
+    a restarted node took a GB back (1 GiB chaos soak). The catch-up here lasts four times the
+    call's bound and moves: the snapshot is taken once it ends."""
+    cfg = replace(config(), op_timeout=0.3, down_after=1.0)
+    nodes = await start_cluster(nursery, cfg)
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
+        await c.paths.write_file("/f", os.urandom(1000))
+        joining = next(n for n in nodes if n.name != c.cluster.roles.meta_primary())
+        joining.serving.taken_over = trio.Event()
+        seconds = 4 * 3 * cfg.op_timeout
+
+        async def catch_up():
+            begun = trio.current_time()
+            while trio.current_time() - begun < seconds:
+                joining.resync.work = {"what": "catch-up", "done": int((trio.current_time() - begun) * 100), "bytes": 0}
+                await trio.sleep(0.05)
+            joining.resync.work = {}
+            joining.serving.taken_over.set()
+
+        nursery.start_soon(catch_up)
+        begun = trio.current_time()
+        await c.take_snapshot("s")
+        assert trio.current_time() - begun >= seconds * 0.9
+        assert all("s" in n.namespace.meta.snapshots for n in nodes)
+
+
 async def test_a_snapshot_meeting_another_freeze_is_asked_again_not_refused_ebusy(cluster):
     """A node still frozen by a snapshot whose coordinator was killed (it lifts once the view
     drops that node) made the next snapshot fail EBUSY to the user (chaos --views, seed 7). It
