@@ -685,6 +685,17 @@ async def test_a_node_not_yet_caught_up_refuses_region_keys_at_once_and_the_read
         home.serving.taken_over.set()
 
 
+async def catch_up_moving(node, seconds: float) -> None:
+    """``node``'s hand-over catch-up (its ``taken_over`` cleared by the caller) for ``seconds``,
+    its progress moving in its heartbeats' ``work``; then it is done."""
+    begun = trio.current_time()
+    while trio.current_time() - begun < seconds:
+        node.resync.work = {"what": "catch-up", "done": int((trio.current_time() - begun) * 100), "bytes": 0}
+        await trio.sleep(0.05)
+    node.resync.work = {}
+    node.serving.taken_over.set()
+
+
 async def test_work_sent_to_a_primary_catching_up_for_many_call_timeouts_is_answered_and_the_node_never_counted_down(nursery):
     """A node named again takes its stripes back (a GB catch-up: 15 s in the 1 GiB chaos soak);
     commits and namespace ops sent to it meanwhile must be refused inside the caller's call
@@ -700,16 +711,7 @@ async def test_work_sent_to_a_primary_catching_up_for_many_call_timeouts_is_answ
         c.cluster.liveness.on_down.append(downs.append)
         node.serving.taken_over = trio.Event()  # rejoining: its hand-over's catch-up under way
         seconds = 4 * 3 * cfg.op_timeout  # four times a call's bound (3 op timeouts of silence)
-
-        async def catch_up():
-            begun = trio.current_time()
-            while trio.current_time() - begun < seconds:
-                node.resync.work = {"what": "catch-up", "done": int((trio.current_time() - begun) * 100), "bytes": 0}
-                await trio.sleep(0.05)
-            node.resync.work = {}
-            node.serving.taken_over.set()
-
-        nursery.start_soon(catch_up)
+        nursery.start_soon(catch_up_moving, node, seconds)
         begun = trio.current_time()
         data = os.urandom(5 * cfg.stripe_unit)  # stripes led by every node, this one included
         await c.paths.write_file("/after", data)
@@ -1069,16 +1071,7 @@ async def test_a_snapshot_waits_while_a_node_it_waits_on_catches_up_past_the_cal
         joining = next(n for n in nodes if n.name != c.cluster.roles.meta_primary())
         joining.serving.taken_over = trio.Event()
         seconds = 4 * 3 * cfg.op_timeout
-
-        async def catch_up():
-            begun = trio.current_time()
-            while trio.current_time() - begun < seconds:
-                joining.resync.work = {"what": "catch-up", "done": int((trio.current_time() - begun) * 100), "bytes": 0}
-                await trio.sleep(0.05)
-            joining.resync.work = {}
-            joining.serving.taken_over.set()
-
-        nursery.start_soon(catch_up)
+        nursery.start_soon(catch_up_moving, joining, seconds)
         begun = trio.current_time()
         await c.take_snapshot("s")
         assert trio.current_time() - begun >= seconds * 0.9
