@@ -136,7 +136,10 @@ class Membership:
         """The ``handover`` answer of every node the view names active (see above)."""
         answers: dict[str, dict] = {}
         while self.serving.state == READY:
+            self.serving.check_lease()  # a view that no longer names it fences it: no hand-over
             view = self.cluster.roles.view
+            if self.serving.state != READY:
+                break
             todo = [p for p in view.active if p != self.name and p not in answers]
             if not todo:
                 break
@@ -232,6 +235,9 @@ class Membership:
         after this), and answer with what it now holds a copy of (see the module's docstring)."""
         self._check_member(name)
         await self.serving.check_epoch(epoch)  # from now on nothing of an older view is taken here
+        if name not in self.cluster.roles.view.active:  # it leads nothing here: an empty answer
+            # would let it serve with what it held before (fresh simulator seed 1124354834)
+            raise RemoteError("ESTALE", f"view {self.cluster.roles.view.epoch} does not name {name} active")
         for key in self.stripe_locks.busy():
             async with self.stripe_locks(key):
                 pass

@@ -115,10 +115,14 @@ class Serving:
             raise RemoteError("ESTALE", f"{sender} does not lead this in view {self.cluster.roles.view.epoch} ({primary} does)")
 
     async def await_takeover(self) -> None:
-        """Primary work waits (briefly: see above) while this node takes its stripes back."""
+        """Primary work waits (briefly: see above) while this node takes its stripes back, and
+        then finds it ready still: a view that no longer names it may have come meanwhile (its
+        hand-over then hands nothing back; a push that had waited was taken with the node's old
+        push count and refused as out of order: fault simulator, fresh seed 1124354834)."""
         if not self.taken_over.is_set():
             with trio.move_on_after(self.cfg.op_timeout / 3):
                 await self.taken_over.wait()
+            self.require_ready()
             self._check_taken_over()
 
     def require_caught_up(self) -> None:

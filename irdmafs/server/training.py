@@ -288,6 +288,7 @@ class Training:
         st = self.records[key]
         async with self.stripe_locks(key):
             self.serving.check_primary(fid, idx)  # again, under the lock: a hand-over may have moved it
+            self.serving.check_same_epoch(p.epoch)  # and a view may have come while it waited
             done = st.next_step(rank)
             if step < done:  # a retry of a push already taken: exactly once
                 # ... and on every replica before it is answered: its first send may have been
