@@ -26,8 +26,14 @@ LONG = os.environ.get("IRDMAFS_LONG") == "1"
 # answered from an op the metadata primary took with a peer's namespace while a replica lacked
 # it: tests/unit/test_cluster_inprocess.py has it on its own), all with the fast heartbeats; 19
 # with the default ones (the first node back after every lease ended made a view naming itself
-# alone and led stripes it never held: V7, tests/unit/test_views.py has it on its own).
-@pytest.mark.parametrize("seed,timing", [(15, "fast"), (48, "fast"), (64, "fast"), (92, "fast"), (1560, "fast"), (19, "default")])
+# alone and led stripes it never held: V7, tests/unit/test_views.py has it on its own); and
+# 1124354834, a fresh seed of CI's (a joiner expelled during its hand-over was answered by peers
+# that no longer counted it a home, caught up with nothing, and took a push that had waited for
+# the hand-over with its old push count: "push 71 is out of order").
+FIXED = [(15, "fast"), (48, "fast"), (64, "fast"), (92, "fast"), (1560, "fast"), (19, "default"), (1124354834, "default")]
+
+
+@pytest.mark.parametrize("seed,timing", FIXED)
 def test_fault_schedules_once_broken_keep_every_acknowledged_write_and_push(seed, timing):
     w = simulate(seed, KINDS, faults=6, timing=timing)
     assert w.errors == [], "\n".join(w.events + w.errors)
