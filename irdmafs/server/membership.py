@@ -412,7 +412,26 @@ class Membership:
         specs = _node_specs(nodes)
         self.cluster.adopt(specs, replicas, epoch)
         self.adopted(epoch)
+        if self.name in self.cluster.roles.members.names:
+            await self._take_namespace()
         return {"epoch": epoch}
+
+    async def _take_namespace(self) -> None:
+        """A node a rebalance adds heard no namespace op until now: it takes the namespace (a
+        newer one only: the others hold it already) before it leads anything (the cluster is
+        frozen until every node switched), so a stripe it makes has a version base above every
+        truncate acknowledged before (namespace.py, ``drop_freed``). Ops from here on reach it
+        as every member."""
+        primary = self.cluster.roles.meta_primary()
+        if primary is None or primary == self.name:
+            return
+        try:
+            had = self.resync.meta().stamp
+            self.resync.restore_meta(await self.cluster.call(primary, "meta_snapshot"))
+            if self.resync.meta().stamp != had:
+                log.info("node %s took the namespace of %s on joining (at op %d)", self.name, primary, self.resync.meta().seq)
+        except (NodeDown, RemoteError) as exc:  # its first op then brings the namespace whole
+            log.warning("node %s: the namespace of %s not taken on joining: %s", self.name, primary, exc)
 
     def adopted(self, epoch: int) -> None:
         if self.name in self.cluster.roles.members.names:

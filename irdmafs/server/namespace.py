@@ -293,35 +293,43 @@ class Namespace:
         if not isinstance(snapshot, dict) or not all(isinstance(snapshot.get(k), t) for k, t in SNAPSHOT_FIELDS.items()):
             raise RemoteError("EINVAL", "meta_restore: not a namespace snapshot (meta_snapshot's answer)")
         if (snapshot.get("tag", 0), snapshot["seq"]) > self.meta.stamp or whole and snapshot != self.meta.snapshot():
+            had = self.meta.seq
             self.meta = Meta.restore(snapshot)
             self.last = None  # (and not settled by this node: ``settled`` stays as it was)
             self._save()
             known = self.meta.files()
             for fid in {fid for fid, _, snap in self.store.stripes if snap == 0} - known:
                 self.store.drop(fid)
-            if whole:
-                self.drop_freed()
+            # what the truncates freed: all of them for a resync; those of the ops it missed for a
+            # node that took it to catch up (kept, a write that grew the file again landed on
+            # the old bytes on both homes: CI's chaos soak, seed 3)
+            self.drop_freed(None if whole else had)
             snaps = set(self.meta.snapshot_ids().values())
-            for snap in {snap for _, _, snap in self.store.stripes if snap} - snaps:
+            # snapshots it no longer has go (ids below 0 are optimizer state, not snapshots:
+            # dropped here, every namespace taken lost the training state of the node)
+            for snap in {snap for _, _, snap in self.store.stripes if snap > 0} - snaps:
                 self.store.drop_snapshot(snap)
 
-    def drop_freed(self) -> None:
-        """Drop what the truncates in the namespace freed and this node missed: a stripe at or
+    def drop_freed(self, after: int | None = None) -> None:
+        """Drop what the truncates in the namespace (past op ``after``, if given: those a node
+        taking a namespace to catch up missed) freed and this node missed: a stripe at or
         past a cut with a version from before it (a stripe made since has a higher one: its
         version base is the namespace seq it was made at). Kept, a write that grew the file
         again landed on it, and the range before the written one read back the old bytes
         (chaos --views, seeds 2 and 7). A stripe past the size but made since (a write whose
         extend has not come yet) stays.
 
-        Only while a node joins (its resync takes the namespace whole; its hand-over's catch-up,
-        membership.py, calls this after its fetches): a namespace op is acknowledged once every serving node holds it, and a node joins before it serves, so
-        every stripe it holds was made by a node that held every truncate acknowledged before,
-        and its version base says so. A namespace taken to catch up (an op answered stale) may
-        find stripes the node made while it lagged: a node a rebalance added hears no namespace
-        op until it is a member. Dropped, those were acknowledged writes lost
-        (tests/mount/test_rebalance.py, in 3 of 4 runs)."""
+        A namespace op is acknowledged once every serving node holds it, so every stripe a
+        node holds was made by a node that held every truncate acknowledged before, and its
+        version base says so: a resync (whole) and a hand-over's catch-up (membership.py, after
+        its fetches) drop by every cut; a node that takes a newer namespace to catch up (it
+        answered an op stale) by the cuts of the ops it missed. A node a rebalance adds hears
+        no namespace op until it is a member: it takes the namespace then, before it leads
+        anything (membership.py ``_take_namespace``); a stripe it had made with an older base
+        was an acknowledged write dropped (tests/mount/test_rebalance.py, 3 of 4 runs, before)."""
         for (fid, idx, snap), stripe in list(self.store.stripes.items()):
-            if snap <= 0 and any(idx >= cut and stripe.version < seq << VERSION_SHIFT for seq, cut in self.meta.cuts.get(fid, ())):
+            cuts = [(seq, cut) for seq, cut in self.meta.cuts.get(fid, ()) if after is None or seq > after]
+            if snap <= 0 and any(idx >= cut and stripe.version < seq << VERSION_SHIFT for seq, cut in cuts):
                 log.info("stripe %d:%d (snapshot %d) was freed by a truncate this node missed: dropped", fid, idx, snap)
                 self.store.drop_keys([(fid, idx, snap)])
                 self.forget(fid, idx, idx + 1)

@@ -14,6 +14,7 @@ from irdmafs.client.client import Client
 from irdmafs.config import from_dict
 from irdmafs.coord.memory import MemoryCoord
 from irdmafs.peers import NodeDown
+from irdmafs.placement import rank, stripe_key
 from irdmafs.server import staging as staging_mod
 from irdmafs.server.meta import Meta
 from irdmafs.server.node import Node
@@ -1181,13 +1182,11 @@ async def test_a_joining_node_drops_a_stale_copy_a_truncate_freed_during_its_han
     assert below and all(node.store.get(fid, i) is not None for i in below)  # what the cut kept
 
 
-async def test_a_namespace_caught_up_keeps_what_was_written_while_it_lagged(cluster):
-    """A node's namespace may lag behind acknowledged ops when it catches up outside a join (an
-    op answered stale; a node started for a rebalance hears none until it is a member), so a
-    stripe it makes after a truncate it has not seen has a version base from before that
-    truncate. Caught up (not whole), it keeps it: dropped, that was an acknowledged write lost
-    (tests/mount/test_rebalance.py). Taken whole, as a resync does, it is one made before the
-    truncate: dropped."""
+async def test_a_namespace_taken_whole_or_to_catch_up_drops_what_the_truncates_it_missed_freed(cluster):
+    """A node that takes a newer namespace drops the stripes a truncate it missed freed (one with
+    a version base from before that truncate): a resync (whole) by every cut, a node catching
+    up (an op answered stale) by the cuts of the ops it missed; a stripe made since stays.
+    (A node a rebalance adds takes the namespace before it leads anything: membership.py.)"""
     from irdmafs.server.meta import Meta
 
     cfg, nodes = cluster
@@ -1196,21 +1195,20 @@ async def test_a_namespace_caught_up_keeps_what_was_written_while_it_lagged(clus
         attr = await c.paths.write_file("/f", os.urandom(3 * unit))
         fid = attr["ino"]
         primary = next(n for n in nodes if n.name == c.cluster.roles.meta_primary())
-        node = next(n for n in nodes if n.store.get(fid, 0) is not None and n is not primary)
+        node = next(n for n in nodes if n.store.get(fid, 1) is not None and n is not primary)
         lagging = node.namespace.meta.snapshot()
-        await c.truncate(fid, 0)
+        await c.truncate(fid, unit)
         fresh = os.urandom(unit)
-        await c.write(fid, 0, fresh)  # written after the truncate was acknowledged
-        assert await c.read(fid, 0, unit) == fresh
-    node.namespace.meta = Meta.restore(lagging)  # as if it had heard neither op
-    node.store.replace(fid, 0, memoryview(fresh), unit, node.store.version_base() + 1)  # made at its old seq
-    node.namespace.restore(primary.namespace.meta.snapshot(), whole=False)
-    kept = node.store.get(fid, 0)
-    assert kept is not None and bytes(kept.data[:unit]) == fresh
-    node.namespace.restore(lagging, whole=True)
-    node.store.replace(fid, 0, memoryview(fresh), unit, node.store.version_base() + 1)
-    node.namespace.restore(primary.namespace.meta.snapshot(), whole=True)
-    assert node.store.get(fid, 0) is None
+        await c.write(fid, 2 * unit, fresh)  # made after the truncate: a higher version base
+    old = os.urandom(unit)
+    for whole in (False, True):
+        node.namespace.restore(lagging, whole=True)  # as if it had heard neither op
+        node.store.replace(fid, 1, memoryview(old), unit, node.store.version_base() + 1)  # from before
+        node.namespace.meta = Meta.restore(lagging)
+        node.namespace.restore(primary.namespace.meta.snapshot(), whole=whole)
+        assert node.store.get(fid, 1) is None, whole
+        if node.store.get(fid, 2) is not None:
+            assert bytes(node.store.get(fid, 2).data[:unit]) == fresh
 
 
 async def test_a_node_that_rejoins_holds_no_freeze_from_before(cluster):
@@ -1379,3 +1377,40 @@ async def test_a_files_reads_spread_over_its_homes_by_bytes(nursery):
         served = {n: c.cluster.peers.served[n] - before.get(n, 0) for n in cfg.names}
         assert sum(served.values()) == 64 * unit
         assert max(served.values()) - min(served.values()) <= 2 * unit, (served, {n: primaries.count(n) for n in cfg.names})
+
+
+async def test_a_truncate_taken_with_a_whole_namespace_frees_its_stripes_too(cluster):
+    """A node whose namespace stamp is not the op's ``prev`` (an op a former metadata primary
+    applied and never got acknowledged) takes the truncate as the whole namespace
+    (``meta_restore``): the stripes it freed go with it. Kept, the next write that grew the file
+    landed on the old bytes as their primary, and sent the stripe whole to the backup: both homes
+    read the truncated range back as its old bytes (CI's chaos soak, seed 3)."""
+    cfg, nodes = cluster
+    unit, by = cfg.stripe_unit, {n.name: n for n in nodes}
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
+        meta = c.cluster.roles.meta_primary()
+        for i in range(50):  # a file whose stripe 2 is led by a node other than the metadata primary
+            ino = (await c.paths.write_file(f"/f{i}", os.urandom(2 * unit + unit // 2)))["ino"]
+            lead = rank(stripe_key(ino, 2), cfg.names)[0]
+            if lead != meta:
+                break
+        assert lead != meta
+        by[lead].namespace.meta.tag -= 1  # its stamp differs: the truncate reaches it whole
+        await c.truncate(ino, unit + 100)
+        assert [n.name for n in nodes if n.store.get(ino, 2)] == []
+        await c.write(ino, 2 * unit + unit // 2 + 1000, b"new!")  # grows the file again
+        gap = (await c.read(ino, 0, 3 * unit))[unit + 100 : 2 * unit + unit // 2 + 1000]
+        assert gap == bytes(len(gap))
+
+
+async def test_a_whole_namespace_taken_keeps_the_optimizer_state(cluster):
+    """Optimizer state lives under snapshot ids below 0 (store.py): a namespace taken whole
+    (``restore``) drops the snapshots it does not name, never that state."""
+    cfg, nodes = cluster
+    node, unit = nodes[1], cfg.stripe_unit
+    node.store.install(999_999, 0, 0, memoryview(b"\x07" * 64), unit, snap=-1)
+    newer = dict(node.namespace.meta.snapshot(), seq=node.namespace.meta.seq + 1)
+    node.namespace.restore(newer)
+    assert node.namespace.meta.seq == newer["seq"]
+    state = node.store.get(999_999, 0, -1)
+    assert state is not None and bytes(state.data[:64]) == b"\x07" * 64
