@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from typing import NamedTuple
 
+from ..offload import Offload
 from ..transport.base import RemoteError
 from .barrier import CommitBarrier
 from .core import NodeCore
@@ -67,10 +68,12 @@ class Apply(NamedTuple):
 
 class DataPath:
     def __init__(
-        self, core: NodeCore, barrier: CommitBarrier, replicator: Replicator, staging: StagingRegions, training: Training
+        self, core: NodeCore, barrier: CommitBarrier, replicator: Replicator, staging: StagingRegions, training: Training, offload: Offload
     ):
-        """``training``: the owner of the push bookkeeping an apply brings (``take_replicated``)."""
+        """``training``: the owner of the push bookkeeping an apply brings (``take_replicated``);
+        ``offload``: how work leaves the loop (a snapshot's files, with ``--persist``)."""
         self.name, self.cfg, self.cluster, self.store, self.stripe_locks, self.serving = core
+        self.offload = offload
         self.barrier, self.replicator, self.staging, self.training = barrier, replicator, staging, training
         # optimizer state a primary sent ahead of the parameters it goes with: installed by the
         # parameters' apply, never alone (a primary that dies between leaves both as they were)
@@ -87,7 +90,9 @@ class DataPath:
         once otherwise: the snapshot is taken again): a node just named by a view copied what
         it held before its hand-over, and the snapshot read a write back old (chaos, seed 7)."""
         self.serving.require_caught_up()
-        return {"bytes": self.store.take_snapshot(snap)}
+        frozen = self.store.take_snapshot(snap)
+        await self.store.persisted(self.offload)  # with --persist: its links on disk, off the loop
+        return {"bytes": frozen}
 
     async def rpc_stripe_info(self, fid: int, idxs: list[int], snap: int = 0, resync: bool = False) -> dict:
         """Where stripes of ``fid`` are held here, for a one-sided read. A client reads only a

@@ -127,7 +127,7 @@ class Node:
         self.namespace = Namespace(core, self.persist, self.replicator, self._call_node, self.training.forget, self.training.recheck)
         self.resync = Resync(core, self.training, self.namespace.current, self.namespace.restore)
         self.membership = Membership(core, self.namespace.lock, self.barrier, self.training, self.resync, self.lease, self.namespace.drop_freed)
-        self.data = DataPath(core, self.barrier, self.replicator, self.staging, self.training)
+        self.data = DataPath(core, self.barrier, self.replicator, self.staging, self.training, self.offload)
         self.cluster.heartbeats.on_adopt = self.membership.adopted  # a membership learnt from a peer's heartbeat
         self.clocks = ClockWaits(transport, self.store)
         self.calls: dict[str, Callable] = {}  # method -> its handler (``handle``)
@@ -179,6 +179,8 @@ class Node:
             if not self.offload.inline:  # not in the simulator: its seeds' schedules stay as they were
                 nursery.start_soon(self.loop_lag.run)
                 nursery.start_soon(self.store.reap, self.offload)  # freed memory released off the loop
+                if self.persist is not None:
+                    nursery.start_soon(self.store.write_behind, self.offload)  # files of every stripe at once
             nursery.start_soon(self.lease.run)
             task_status.started(address)
             await self.membership.join()

@@ -7,6 +7,13 @@ metadata op. On start the node loads both, then resyncs with its peers as always
 version of a stripe wins). Writes reach the page cache, not the platter: the data survives the
 node processes stopping, crashing or being killed, and the whole cluster restarting; add
 ``fsync`` per commit for power loss, at a price per write.
+
+Work over every stripe at once (a snapshot's hard links, a dropped snapshot's files: 4,096 of
+each at 4 GiB, 0.13 s of ``link`` here) is queued (``later``) and done by ``drain`` in a worker
+thread, never on the node's loop. One order holds for all of it: an operation on a file first
+does every queued one before it that touches the same file (under one lock, which the thread
+takes per operation), so a stripe rewritten while its snapshot's link waits keeps the link's
+old bytes. A snapshot answers once its links are done (``Store.persisted``).
 """
 
 from __future__ import annotations
@@ -14,6 +21,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
+from collections import Counter, deque
 from pathlib import Path
 
 from ..regions import HEADER
@@ -26,13 +35,60 @@ class Persist:
         self.root = Path(root)
         self.dir = self.root / "stripes"
         self.dir.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._queue: deque[tuple[str, tuple[int, int, int], tuple[int, int, int] | None]] = deque()
+        self._queued: Counter = Counter()  # key -> queued operations that touch its file
 
     def _path(self, key: tuple[int, int, int]) -> Path:
         fid, idx, snap = key
         return self.dir / f"{fid}.{idx}.{snap}"
 
+    # -- queued: done in a worker thread, in order --------------------------------------------
+    def later(self, ops: list[tuple[str, tuple[int, int, int], tuple[int, int, int] | None]]) -> None:
+        """Queue ("link", key, to) and ("remove", key, None) operations for ``drain``."""
+        with self._lock:
+            for op in ops:
+                self._queue.append(op)
+                self._queued.update(k for k in op[1:] if k is not None)
+
+    @property
+    def pending(self) -> int:
+        return len(self._queue)
+
+    def drain(self) -> None:
+        """Do every queued operation, one per turn of the lock (a worker thread's: ``link`` and
+        ``unlink`` release the GIL)."""
+        while True:
+            with self._lock:
+                if not self._queue:
+                    return
+                self._do_next()
+
+    def _settle(self, *keys: tuple[int, int, int]) -> None:
+        """With the lock held: the queued operations up to the last that touches ``keys``."""
+        while any(self._queued[k] for k in keys):
+            self._do_next()
+
+    def _do_next(self) -> None:
+        kind, key, to = self._queue.popleft()
+        for k in (key, to):
+            if k is not None:
+                self._queued[k] -= 1
+                if not self._queued[k]:
+                    del self._queued[k]
+        if kind == "link":
+            self._link(key, to)
+        else:
+            self._remove(key)
+
+    # -- at once: on the caller's thread, after what is queued for the same file ---------------
     def write(self, key: tuple[int, int, int], buf: memoryview, start: int = 0, end: int | None = None, header: int = HEADER) -> None:
         """Bytes [start, end) of the stripe's region (and its header) to its file."""
+        with self._lock:
+            self._settle(key)
+            self._write(key, buf, start, end, header)
+
+    def _write(self, key: tuple[int, int, int], buf: memoryview, start: int, end: int | None, header: int) -> None:
         end = len(buf) if end is None else end
         fd = os.open(self._path(key), os.O_WRONLY | os.O_CREAT, 0o600)
         try:
@@ -43,6 +99,11 @@ class Persist:
             os.close(fd)
 
     def remove(self, key: tuple[int, int, int]) -> None:
+        with self._lock:
+            self._settle(key)
+            self._remove(key)
+
+    def _remove(self, key: tuple[int, int, int]) -> None:
         try:
             self._path(key).unlink()
         except FileNotFoundError:
@@ -52,7 +113,12 @@ class Persist:
         """``to``'s file becomes a hard link to ``key``'s (a snapshot's entry shares the live
         stripe's memory: server/store.py). The store writes ``key``'s file anew before it
         changes it in place, so the link keeps the bytes as they were."""
-        self.remove(to)
+        with self._lock:
+            self._settle(key, to)
+            self._link(key, to)
+
+    def _link(self, key: tuple[int, int, int], to: tuple[int, int, int]) -> None:
+        self._remove(to)
         try:
             os.link(self._path(key), self._path(to))
         except FileNotFoundError:  # never written (an empty stripe): nothing to share yet

@@ -139,6 +139,10 @@ class Store:
         self.reaping = False
         self._dying: list[memoryview] = []
         self._dying_ready = trio.Event()
+        # files of every stripe at once (a snapshot's links, what a drop freed) written behind
+        # by ``write_behind`` off the loop, in order (persist.py); inline without it
+        self.writing_behind = False
+        self._behind = trio.Event()
 
     async def reap(self, offload: Offload) -> None:
         """Release freed memory through ``offload`` (a worker thread: munmap releases the GIL),
@@ -153,6 +157,32 @@ class Store:
                 await offload.run(batch.clear)
         finally:
             self.reaping = False
+
+    async def write_behind(self, offload: Offload) -> None:
+        """Do the persist operations queued for every stripe at once (``_later``) through
+        ``offload``, for as long as it runs; the node runs it with ``--persist``."""
+        self.writing_behind = True
+        try:
+            while True:
+                await self._behind.wait()
+                self._behind = trio.Event()
+                await offload.run(self.persist.drain)
+        finally:
+            self.writing_behind = False
+
+    async def persisted(self, offload: Offload) -> None:
+        """Until what ``_later`` queued is on disk (a snapshot answers then)."""
+        if self.persist is not None and self.persist.pending:
+            await offload.run(self.persist.drain)
+
+    def _later(self, ops: list) -> None:
+        if self.persist is None or not ops:
+            return
+        self.persist.later(ops)
+        if self.writing_behind:
+            self._behind.set()
+        else:
+            self.persist.drain()
 
     def _changed(self) -> None:
         self.changed.set()
@@ -382,14 +412,15 @@ class Store:
         return self._drop([k for k in keys if k in self.stripes])
 
     def _drop(self, keys: list) -> int:
+        gone = []
         try:
             for key in keys:
                 self._forget(key, self.stripes.pop(key))
-                if self.persist is not None:
-                    self.persist.remove(key)
+                gone.append(key)
         finally:
             if keys:
                 self._changed()
+            self._later([("remove", key, None) for key in gone])  # their files: off the loop
         return len(keys)
 
     def take_snapshot(self, snap: int) -> int:
@@ -402,8 +433,7 @@ class Store:
         for (fid, idx, _), stripe in live:
             self._share((fid, idx, snap), stripe)
             self.sharers.setdefault((fid, idx), set()).add(snap)
-            if self.persist is not None:
-                self.persist.link((fid, idx, 0), (fid, idx, snap))
+        self._later([("link", key, (key[0], key[1], snap)) for key, _ in live])  # off the loop
         return sum(s.capacity for _, s in live)
 
     def listing(self) -> list[list[int]]:

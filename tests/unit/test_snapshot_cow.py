@@ -168,3 +168,72 @@ async def test_freed_memory_is_released_off_the_loop_while_the_reaper_runs():
     assert not s.reaping
     s.drop(1)
     assert not s._dying and s.used == 0  # without the reaper: released where freed
+
+
+def _files(persist: Persist) -> dict:
+    """What a restarted node would load: each stripe's data bytes by key."""
+    return {key: (raw if raw is not None else None, same) for key, raw, same in persist.load()[1]}
+
+
+async def test_a_snapshots_files_are_written_behind_in_order_with_the_writes_after_it(tmp_path):
+    """With ``--persist`` a snapshot's hard links (one per stripe) and a drop's removals are
+    queued and done in a worker thread (``write_behind``), never on the loop; a stripe written,
+    grown or freed and made again while its link still waits gets the link done first, so the
+    snapshot's file keeps the bytes it froze, while the thread drains the rest concurrently."""
+    import threading
+
+    import trio
+    import trio.testing
+
+    persist = Persist(tmp_path)
+    n = 64
+    s = store(capacity=4 * n * UNIT, persist=persist)
+    for i in range(n):
+        s.install(1, i, 0, memoryview(bytes([i]) * UNIT), UNIT)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(s.write_behind, Offload())
+        await trio.testing.wait_all_tasks_blocked()
+        loop_thread = threading.get_ident()
+        s.take_snapshot(3)
+        assert persist.pending == n  # queued, not done on the loop
+        drained = threading.Thread(target=persist.drain)
+        drained.start()  # a second drainer, as the node's task and a snapshot's answer may be
+        for i in range(n):  # the loop changes every stripe while both threads link
+            if i % 3 == 0:
+                s.install(1, i, 0, memoryview(b"\xff" * UNIT), UNIT)
+            elif i % 3 == 1:
+                s.drop_keys([(1, i, 0)])
+                s.install(1, i, 0, memoryview(b"\xee" * 100), UNIT)  # freed and made again
+            else:
+                s.install(1, i, UNIT - 4, memoryview(b"tail"), UNIT)
+        await s.persisted(Offload())
+        drained.join()
+        assert persist.pending == 0 and threading.get_ident() == loop_thread
+        frozen = {key: raw for key, raw, _ in persist.load()[1] if key[2] == 3}
+        assert all(frozen[(1, i, 3)][HEADER : HEADER + UNIT] == bytes([i]) * UNIT for i in range(n))
+        s.drop_snapshot(3)  # its files removed behind too
+        await s.persisted(Offload())
+        nursery.cancel_scope.cancel()
+    files = {key: raw for key, raw, _ in persist.load()[1]}
+    assert not any(k[2] == 3 for k in files)
+    for i in range(n):
+        live = files[(1, i, 0)][HEADER:]
+        want = b"\xff" * UNIT if i % 3 == 0 else b"\xee" * 100 if i % 3 == 1 else bytes([i]) * (UNIT - 4) + b"tail"
+        assert live[: len(want)] == want, i
+
+
+def test_a_snapshot_written_behind_keeps_what_it_froze_on_disk(tmp_path):
+    """The same without a drainer running: the write that comes first does the link."""
+    persist = Persist(tmp_path)
+    s = filled(n_stripes=3, persist=persist)
+    s.writing_behind = True  # as under a node's write_behind, which has not run yet
+    s.take_snapshot(5)
+    assert persist.pending == 3
+    s.install(1, 0, 0, memoryview(b"new!"), UNIT)  # does stripe 0's link first
+    s.drop(1, 2)
+    assert persist.pending == 3  # stripes 1 and 2's links wait, and the removal queued behind them
+    persist.drain()
+    files = {key: (raw, same) for key, raw, same in persist.load()[1]}
+    assert files[(1, 0, 0)][0][HEADER : HEADER + 4] == b"new!" and files[(1, 0, 5)][0][HEADER : HEADER + 4] == b"AAAA"
+    assert files[(1, 1, 5)][1] == (1, 1, 0)  # still one file: shared
+    assert files[(1, 2, 5)][0][HEADER : HEADER + 4] == b"CCCC" and (1, 2, 0) not in files
