@@ -43,7 +43,9 @@ from ..peers import NodeDown
 from ..config import NodeSpec
 from ..placement import placement
 from ..transport.base import RemoteError, TransportError
+from ..util import leaves
 from .barrier import CommitBarrier
+from .budget import NoSpace
 from .cuts import Cuts
 from .core import NodeCore
 from .leases import ServingLease
@@ -117,8 +119,15 @@ class Membership:
             try:
                 await self.resync.resync()
                 break
-            except TransportError as exc:
-                log.warning("node %s: resync failed (%s); it begins again", self.name, exc)
+            except (TransportError, NoSpace, ExceptionGroup) as exc:  # never the end of the node
+                failed = list(leaves(exc))
+                if not all(isinstance(e, (TransportError, NoSpace)) for e in failed):
+                    raise
+                full = [e for e in failed if isinstance(e, NoSpace)]
+                if full:  # it stays syncing, and says why (status shows its memory)
+                    log.error("node %s: its resync does not fit (%s); it serves nothing and begins again", self.name, full[0])
+                else:
+                    log.warning("node %s: resync failed (%s); it begins again", self.name, failed[0])
             await self.cluster.liveness.wait_changed(self.cfg.heartbeat * 5)
             while not self._may_rejoin():
                 await self.cluster.liveness.wait_changed(self.cfg.heartbeat * 5)

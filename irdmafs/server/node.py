@@ -161,7 +161,7 @@ class Node:
         if meta is not None:
             self.namespace.meta = Meta.restore(meta)
         for key, raw, same_as in stripes:
-            self.store.load(key, raw, same_as)
+            self.store.load(key, raw, same_as, self.persist.tags.get(key, 0))
         what = "the namespace" if meta else "no namespace"
         log.info("node %s: loaded %d stripes (%d bytes) and %s from %s", self.name, len(stripes), self.store.bytes_held, what, self.persist.root)
 

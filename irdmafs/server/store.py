@@ -190,7 +190,8 @@ class Store:
 
     def _saved(self, key: tuple[int, int, int], start: int = 0, end: int | None = None) -> None:
         if self.persist is not None:
-            self.persist.write(key, self.stripes[key].region.buf, start, end)
+            stripe = self.stripes[key]
+            self.persist.write(key, stripe.region.buf, start, end, tag=stripe.tag)
 
     # -- memory and registrations --------------------------------------------------------------
     @property
@@ -262,9 +263,10 @@ class Store:
         self._saved(key)
 
     # -- stripes ---------------------------------------------------------------------------------
-    def load(self, key: tuple[int, int, int], raw: bytes | None, same_as: tuple[int, int, int] | None = None) -> None:
+    def load(self, key: tuple[int, int, int], raw: bytes | None, same_as: tuple[int, int, int] | None = None, tag: int = 0) -> None:
         """A stripe as persisted: its region byte for byte (header, then data), or with
-        ``same_as`` an entry of that stripe's memory (their files were one, hard linked)."""
+        ``same_as`` an entry of that stripe's memory (their files were one, hard linked); its
+        ``tag`` as persisted."""
         if same_as is not None and same_as in self.stripes:
             self._share(key, self.stripes[same_as])
             if same_as[2] == 0 and key[2] > 0:
@@ -272,7 +274,7 @@ class Store:
         else:
             region, memory = self._alloc(len(raw) - HEADER, FROZEN if key[2] > 0 else LIVE)
             region.buf[:] = raw
-            self.stripes[key] = Stripe(region, 0, memory)
+            self.stripes[key] = Stripe(region, tag, memory)
         self._changed()
 
     def get(self, fid: int, idx: int, snap: int = 0) -> Stripe | None:

@@ -1414,3 +1414,26 @@ async def test_a_whole_namespace_taken_keeps_the_optimizer_state(cluster):
     assert node.namespace.meta.seq == newer["seq"]
     state = node.store.get(999_999, 0, -1)
     assert state is not None and bytes(state.data[:64]) == b"\x07" * 64
+
+
+async def test_a_resync_that_does_not_fit_leaves_the_node_syncing_not_dead(cluster, caplog):
+    """A rejoining node whose resync finds its memory full (NoSpace, one or several fetches at
+    once) stays syncing, says why, and begins again; it never exits (a node loaded from disk
+    whose every stripe looked older than its peers' died so: bench_snapshot --persist)."""
+    from irdmafs.server.budget import NoSpace
+
+    cfg, nodes = cluster
+    node = nodes[2]
+    real, tries = node.resync.resync, []
+
+    async def full_once() -> None:
+        tries.append(node.serving.state)
+        if len(tries) == 1:
+            raise ExceptionGroup("fetches", [NoSpace("node full: 1 bytes of stripes do not fit"), NoSpace("node full: 2 bytes")])
+        await real()
+
+    node.resync.resync = full_once
+    with trio.fail_after(30):
+        await node.membership.join()
+    assert tries == ["syncing", "syncing"] and node.serving.state == "ready"
+    assert any("its resync does not fit" in r.getMessage() and r.levelname == "ERROR" for r in caplog.records)
