@@ -160,10 +160,11 @@ class Persist:
         tmp.write_text(json.dumps(snapshot, separators=(",", ":")))
         os.replace(tmp, self.root / "meta.json")
 
-    def load(self) -> tuple[dict | None, list[tuple[tuple[int, int, int], bytes | None, tuple[int, int, int] | None]]]:
-        """The namespace (None if never saved) and every stripe file: its key, and its bytes or
-        (None and) the key of an earlier file that is the same file (hard linked: a snapshot
-        sharing a live stripe's bytes). Live stripes come first; ``tags`` holds their tags."""
+    def load(self) -> tuple[dict | None, list[tuple[tuple[int, int, int], int, tuple[int, int, int] | None]]]:
+        """The namespace (None if never saved) and every stripe file: its key, its size, and
+        the key of an earlier file that is the same file (hard linked: a snapshot sharing a live
+        stripe's bytes) or None. Live stripes come first; ``tags`` holds their tags. The bytes
+        are read by ``read_into`` (a worker thread's, straight into the stripe's region)."""
         meta_path = self.root / "meta.json"
         meta = json.loads(meta_path.read_text()) if meta_path.exists() else None
         self.tags = self._load_tags()
@@ -183,5 +184,15 @@ class Persist:
             same = first.get((st.st_dev, st.st_ino)) if st.st_nlink > 1 else None
             if same is None:
                 first[(st.st_dev, st.st_ino)] = key
-            stripes.append((key, None if same else f.read_bytes(), same))
+            stripes.append((key, st.st_size, same))
         return meta, stripes
+
+    def read_into(self, key: tuple[int, int, int], buf: memoryview) -> None:
+        """``key``'s file into ``buf`` (its size: ``load``'s)."""
+        with open(self._path(key), "rb", buffering=0) as f:
+            done = 0
+            while done < len(buf):
+                n = f.readinto(buf[done:])
+                if not n:
+                    raise OSError(f"persist: {self._path(key)} ended at {done} of {len(buf)} bytes")
+                done += n

@@ -263,19 +263,20 @@ class Store:
         self._saved(key)
 
     # -- stripes ---------------------------------------------------------------------------------
-    def load(self, key: tuple[int, int, int], raw: bytes | None, same_as: tuple[int, int, int] | None = None, tag: int = 0) -> None:
-        """A stripe as persisted: its region byte for byte (header, then data), or with
-        ``same_as`` an entry of that stripe's memory (their files were one, hard linked); its
-        ``tag`` as persisted."""
+    def load(self, key: tuple[int, int, int], nbytes: int, same_as: tuple[int, int, int] | None = None, tag: int = 0) -> memoryview | None:
+        """A stripe as persisted, with its ``tag``: a region of ``nbytes`` (header, then data),
+        returned for the caller to fill byte for byte from its file before the node serves; or
+        with ``same_as`` an entry of that stripe's memory (their files were one, hard linked):
+        None, nothing to read."""
+        self._changed()
         if same_as is not None and same_as in self.stripes:
             self._share(key, self.stripes[same_as])
             if same_as[2] == 0 and key[2] > 0:
                 self.sharers.setdefault(key[:2], set()).add(key[2])
-        else:
-            region, memory = self._alloc(len(raw) - HEADER, FROZEN if key[2] > 0 else LIVE)
-            region.buf[:] = raw
-            self.stripes[key] = Stripe(region, tag, memory)
-        self._changed()
+            return None
+        region, memory = self._alloc(nbytes - HEADER, FROZEN if key[2] > 0 else LIVE)
+        self.stripes[key] = Stripe(region, tag, memory)
+        return region.buf
 
     def get(self, fid: int, idx: int, snap: int = 0) -> Stripe | None:
         return self.stripes.get((fid, idx, snap))

@@ -17,6 +17,8 @@ from irdmafs.server.store import NoSpace, Store
 from irdmafs.transport.base import Access, AccessError
 from irdmafs.transport.memory import MemoryTransport
 
+from .test_store_persist import on_disk, reloaded
+
 UNIT = 64 << 10
 
 
@@ -133,10 +135,7 @@ def test_persisted_snapshots_share_again_after_a_reload(tmp_path):
     s.take_snapshot(4)
     s.install(1, 0, 0, memoryview(b"live"), UNIT)
     s.drop(1, 2)  # the last stripe freed live, kept by the snapshot
-    back = store()
-    _, stripes = persist.load()
-    for key, raw, same_as in stripes:
-        back.load(key, raw, same_as)
+    back = reloaded(persist)
     assert back.used == s.used == 4 * UNIT  # 2 live (one shared), 1 copy, 1 kept by the snapshot alone
     assert remote_read(back, 1, 0) == b"liveAAAA" and remote_read(back, 1, 0, 4) == b"AAAAAAAA"
     assert remote_read(back, 1, 1, 4) == b"BBBBBBBB" and back.get(1, 1, 4).memory is back.get(1, 1).memory
@@ -168,11 +167,6 @@ async def test_freed_memory_is_released_off_the_loop_while_the_reaper_runs():
     assert not s.reaping
     s.drop(1)
     assert not s._dying and s.used == 0  # without the reaper: released where freed
-
-
-def _files(persist: Persist) -> dict:
-    """What a restarted node would load: each stripe's data bytes by key."""
-    return {key: (raw if raw is not None else None, same) for key, raw, same in persist.load()[1]}
 
 
 async def test_a_snapshots_files_are_written_behind_in_order_with_the_writes_after_it(tmp_path):
@@ -209,12 +203,12 @@ async def test_a_snapshots_files_are_written_behind_in_order_with_the_writes_aft
         await s.persisted(Offload())
         drained.join()
         assert persist.pending == 0 and threading.get_ident() == loop_thread
-        frozen = {key: raw for key, raw, _ in persist.load()[1] if key[2] == 3}
+        frozen = {key: raw for key, (raw, _) in on_disk(persist).items() if key[2] == 3}
         assert all(frozen[(1, i, 3)][HEADER : HEADER + UNIT] == bytes([i]) * UNIT for i in range(n))
         s.drop_snapshot(3)  # its files removed behind too
         await s.persisted(Offload())
         nursery.cancel_scope.cancel()
-    files = {key: raw for key, raw, _ in persist.load()[1]}
+    files = {key: raw for key, (raw, _) in on_disk(persist).items()}
     assert not any(k[2] == 3 for k in files)
     for i in range(n):
         live = files[(1, i, 0)][HEADER:]
@@ -233,7 +227,7 @@ def test_a_snapshot_written_behind_keeps_what_it_froze_on_disk(tmp_path):
     s.drop(1, 2)
     assert persist.pending == 3  # stripes 1 and 2's links wait, and the removal queued behind them
     persist.drain()
-    files = {key: (raw, same) for key, raw, same in persist.load()[1]}
+    files = on_disk(persist)
     assert files[(1, 0, 0)][0][HEADER : HEADER + 4] == b"new!" and files[(1, 0, 5)][0][HEADER : HEADER + 4] == b"AAAA"
     assert files[(1, 1, 5)][1] == (1, 1, 0)  # still one file: shared
     assert files[(1, 2, 5)][0][HEADER : HEADER + 4] == b"CCCC" and (1, 2, 0) not in files

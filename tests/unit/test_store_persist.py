@@ -9,12 +9,27 @@ from irdmafs.transport.memory import MemoryTransport
 UNIT = 4096
 
 
-def reloaded(persist: Persist) -> Store:
-    store = Store(MemoryTransport("test-token-123"), 1 << 20)
+def reloaded(persist: Persist, capacity: int = 1 << 20) -> Store:
+    """A store loaded from ``persist`` as a restarted node loads it (node.py)."""
+    store = Store(MemoryTransport("test-token-123"), capacity)
     _, stripes = persist.load()
-    for key, raw, same_as in stripes:
-        store.load(key, raw, same_as, persist.tags.get(key, 0))
+    for key, nbytes, same_as in stripes:
+        buf = store.load(key, nbytes, same_as, persist.tags.get(key, 0))
+        if buf is not None:
+            persist.read_into(key, buf)
     return store
+
+
+def on_disk(persist: Persist) -> dict:
+    """Each stripe file's bytes (None for a hard link to an earlier one) and that one's key."""
+    out = {}
+    for key, nbytes, same_as in persist.load()[1]:
+        raw = None
+        if same_as is None:
+            raw = memoryview(bytearray(nbytes))
+            persist.read_into(key, raw)
+        out[key] = (None if raw is None else bytes(raw), same_as)
+    return out
 
 
 def test_a_change_at_data_offset_zero_persists_its_header(tmp_path):
