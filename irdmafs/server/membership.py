@@ -436,7 +436,9 @@ class Membership:
             return
         try:
             had = self.resync.meta().stamp
-            self.resync.restore_meta(await self.cluster.call(primary, "meta_snapshot"))
+            # briefly: the caller's reconfigure call has the same bound, and the node's first op
+            # brings the namespace whole anyway
+            self.resync.restore_meta(await self.cluster.call(primary, "meta_snapshot", timeout=self.cfg.op_timeout / 3))
             if self.resync.meta().stamp != had:
                 log.info("node %s took the namespace of %s on joining (at op %d)", self.name, primary, self.resync.meta().seq)
         except (NodeDown, RemoteError) as exc:  # its first op then brings the namespace whole

@@ -293,26 +293,34 @@ class Namespace:
         if not isinstance(snapshot, dict) or not all(isinstance(snapshot.get(k), t) for k, t in SNAPSHOT_FIELDS.items()):
             raise RemoteError("EINVAL", "meta_restore: not a namespace snapshot (meta_snapshot's answer)")
         if (snapshot.get("tag", 0), snapshot["seq"]) > self.meta.stamp or whole and snapshot != self.meta.snapshot():
-            had = self.meta.seq
+            had = {fid: [tuple(c) for c in cuts] for fid, cuts in self.meta.cuts.items()}
             self.meta = Meta.restore(snapshot)
             self.last = None  # (and not settled by this node: ``settled`` stays as it was)
             self._save()
-            known = self.meta.files()
-            for fid in {fid for fid, _, snap in self.store.stripes if snap == 0} - known:
-                self.store.drop(fid)
-            # what the truncates freed: all of them for a resync; those of the ops it missed for a
+            # what the truncates freed: all of them for a resync; those it did not hold for a
             # node that took it to catch up (kept, a write that grew the file again landed on
             # the old bytes on both homes: CI's chaos soak, seed 3)
-            self.drop_freed(None if whole else had)
-            snaps = set(self.meta.snapshot_ids().values())
-            # snapshots it no longer has go (ids below 0 are optimizer state, not snapshots:
-            # dropped here, every namespace taken lost the training state of the node)
-            for snap in {snap for _, _, snap in self.store.stripes if snap > 0} - snaps:
-                self.store.drop_snapshot(snap)
+            self.prune(None if whole else had)
 
-    def drop_freed(self, after: int | None = None) -> None:
-        """Drop what the truncates in the namespace (past op ``after``, if given: those a node
-        taking a namespace to catch up missed) freed and this node missed: a stripe at or
+    def prune(self, held: dict | None = None) -> None:
+        """Drop the stripes the namespace no longer has: of files it lacks, of snapshots it
+        does not name (ids below 0 are optimizer state, never dropped here: every namespace
+        taken once lost the training state of the node), and those its truncates freed
+        (``drop_freed``; with ``held``, a node's cuts before it took this namespace, only the
+        cuts it lacked). A node loaded from disk prunes too: a drop's file removals are written
+        behind (persist.py), so a kill may leave them undone."""
+        known = self.meta.files()
+        for fid in {fid for fid, _, snap in self.store.stripes if snap == 0} - known:
+            self.store.drop(fid)
+        self.drop_freed(held)
+        snaps = set(self.meta.snapshot_ids().values())
+        for snap in {snap for _, _, snap in self.store.stripes if snap > 0} - snaps:
+            self.store.drop_snapshot(snap)
+
+    def drop_freed(self, held: dict | None = None) -> None:
+        """Drop what the truncates in the namespace (those not in ``held``, if given: the cuts a
+        node taking a namespace to catch up held before; by cut, not by sequence number, since
+        a diverged history numbers other ops alike) freed and this node missed: a stripe at or
         past a cut with a version from before it (a stripe made since has a higher one: its
         version base is the namespace seq it was made at). Kept, a write that grew the file
         again landed on it, and the range before the written one read back the old bytes
@@ -328,7 +336,7 @@ class Namespace:
         anything (membership.py ``_take_namespace``); a stripe it had made with an older base
         was an acknowledged write dropped (tests/mount/test_rebalance.py, 3 of 4 runs, before)."""
         for (fid, idx, snap), stripe in list(self.store.stripes.items()):
-            cuts = [(seq, cut) for seq, cut in self.meta.cuts.get(fid, ()) if after is None or seq > after]
+            cuts = [(seq, cut) for seq, cut in self.meta.cuts.get(fid, ()) if held is None or (seq, cut) not in held.get(fid, ())]
             if snap <= 0 and any(idx >= cut and stripe.version < seq << VERSION_SHIFT for seq, cut in cuts):
                 log.info("stripe %d:%d (snapshot %d) was freed by a truncate this node missed: dropped", fid, idx, snap)
                 self.store.drop_keys([(fid, idx, snap)])

@@ -166,6 +166,8 @@ class Node:
             buf = self.store.load(key, nbytes, same_as, self.persist.tags.get(key, 0))
             if buf is not None:
                 await self.offload.run(self.persist.read_into, key, buf)
+        if meta is not None:
+            self.namespace.prune()  # a drop's removals a kill left undone (persist.py)
         what = "the namespace" if meta else "no namespace"
         log.info("node %s: loaded %d stripes (%d bytes) and %s from %s", self.name, len(stripes), self.store.bytes_held, what, self.persist.root)
 

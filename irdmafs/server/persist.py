@@ -42,6 +42,7 @@ class Persist:
         self._queue: deque[tuple[str, tuple[int, int, int], tuple[int, int, int] | None]] = deque()
         self._queued: Counter = Counter()  # key -> queued operations that touch its file
         self.tags: dict[tuple[int, int, int], int] = {}  # each file's tag, as tags.log says
+        self._logged = 0  # lines in tags.log
 
     def _path(self, key: tuple[int, int, int]) -> Path:
         fid, idx, snap = key
@@ -80,10 +81,13 @@ class Persist:
                 self._queued[k] -= 1
                 if not self._queued[k]:
                     del self._queued[k]
-        if kind == "link":
-            self._link(key, to)
-        else:
-            self._remove(key)
+        try:
+            if kind == "link":
+                self._link(key, to)
+            else:
+                self._remove(key)
+        except OSError as exc:  # the disk's trouble is logged, never the end of the node
+            log.error("persist: %s of %s failed: %s", kind, self._path(key), exc)
 
     # -- at once: on the caller's thread, after what is queued for the same file ---------------
     def write(self, key: tuple[int, int, int], buf: memoryview, start: int = 0, end: int | None = None, header: int = HEADER, tag: int = 0) -> None:
@@ -98,6 +102,15 @@ class Persist:
             with open(self.root / "tags.log", "a") as f:
                 f.write(f"{key[0]} {key[1]} {key[2]} {tag}\n")
             self.tags[key] = tag
+            self._logged += 1
+            if self._logged > 2 * len(self.tags) + 4096:  # snapshots add a line a stripe: compact
+                self._write_tags()
+
+    def _write_tags(self) -> None:
+        tmp = self.root / "tags.log.tmp"
+        tmp.write_text("".join(f"{k[0]} {k[1]} {k[2]} {t}\n" for k, t in self.tags.items() if t))
+        os.replace(tmp, self.root / "tags.log")
+        self._logged = len(self.tags)
 
     def _write(self, key: tuple[int, int, int], buf: memoryview, start: int, end: int | None, header: int) -> None:
         end = len(buf) if end is None else end
@@ -149,11 +162,9 @@ class Persist:
                 except ValueError:
                     continue
                 tags[(fid, idx, snap)] = tag
-        tags = {k: t for k, t in tags.items() if t and self._path(k).exists()}
-        tmp = self.root / "tags.log.tmp"
-        tmp.write_text("".join(f"{k[0]} {k[1]} {k[2]} {t}\n" for k, t in tags.items()))
-        os.replace(tmp, path)
-        return tags
+        self.tags = {k: t for k, t in tags.items() if t and self._path(k).exists()}
+        self._write_tags()
+        return self.tags
 
     def save_meta(self, snapshot: dict) -> None:
         tmp = self.root / "meta.json.tmp"

@@ -169,10 +169,11 @@ class Store:
                 await offload.run(self.persist.drain)
         finally:
             self.writing_behind = False
+            self.persist.drain()  # a node that stops leaves nothing queued
 
     async def persisted(self, offload: Offload) -> None:
         """Until what ``_later`` queued is on disk (a snapshot answers then)."""
-        if self.persist is not None and self.persist.pending:
+        if self.persist is not None:  # always: drain waits, under the lock, for one in flight
             await offload.run(self.persist.drain)
 
     def _later(self, ops: list) -> None:

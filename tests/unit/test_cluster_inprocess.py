@@ -1201,12 +1201,15 @@ async def test_a_namespace_taken_whole_or_to_catch_up_drops_what_the_truncates_i
         fresh = os.urandom(unit)
         await c.write(fid, 2 * unit, fresh)  # made after the truncate: a higher version base
     old = os.urandom(unit)
-    for whole in (False, True):
+    for whole, diverged in ((False, False), (False, True), (True, False)):
         node.namespace.restore(lagging, whole=True)  # as if it had heard neither op
         node.store.replace(fid, 1, memoryview(old), unit, node.store.version_base() + 1)  # from before
         node.namespace.meta = Meta.restore(lagging)
+        if diverged:  # an op of its own, never acknowledged, numbered as the truncate is
+            node.namespace.meta.apply(node.namespace.meta.prepare({"op": "mkdir", "parent": 1, "name": "mine", "mode": 0o755}, 1))
+            node.namespace.meta.tag -= 1
         node.namespace.restore(primary.namespace.meta.snapshot(), whole=whole)
-        assert node.store.get(fid, 1) is None, whole
+        assert node.store.get(fid, 1) is None, (whole, diverged)
         if node.store.get(fid, 2) is not None:
             assert bytes(node.store.get(fid, 2).data[:unit]) == fresh
 
