@@ -144,11 +144,11 @@ class Membership:
     async def _hand_over(self) -> dict[str, dict]:
         """The ``handover`` answer of every node the view names active (see above)."""
         answers: dict[str, dict] = {}
-        while self.serving.state == READY:
+        while True:
             self.serving.check_lease()  # a view that no longer names it fences it: no hand-over
-            view = self.cluster.roles.view
             if self.serving.state != READY:
                 break
+            view = self.cluster.roles.view
             todo = [p for p in view.active if p != self.name and p not in answers]
             if not todo:
                 break

@@ -3,16 +3,17 @@
 Each stripe is a file ``stripes/<fid>.<idx>.<snap>`` holding its region byte for byte (the 16-byte
 header with version and clock, then the data); a commit writes the header and the range it
 changed, in place. A stripe's tag (the view epoch of its version, which replicas compare with
-it) is a line of ``tags.log`` when it changes (rarely: a stripe's first version in a new view),
-compacted at load: without it a node loaded every stripe as older than its peers' and its
-resync fetched them all again (at 4 GiB, twice the memory of its data: ENOSPC). The namespace is ``meta.json``, replaced atomically (write, rename) after every
-metadata op. On start the node loads both, then resyncs with its peers as always (the newest
+it) is a line of ``tags.log`` whenever it changes or its file is new (a stripe's first version in
+a new view, a snapshot's link, a rewrite), compacted as it grows and at load: without it a node
+loaded every stripe as older than its peers' and its resync fetched them all again (at 4 GiB,
+twice the memory of its data: ENOSPC). The namespace is ``meta.json``, replaced atomically
+(write, rename) after every metadata op. On start the node loads both, then resyncs with its peers as always (the newest
 version of a stripe wins). Writes reach the page cache, not the platter: the data survives the
 node processes stopping, crashing or being killed, and the whole cluster restarting; add
 ``fsync`` per commit for power loss, at a price per write.
 
-Work over every stripe at once (a snapshot's hard links, a dropped snapshot's files: 4,096 of
-each at 4 GiB, 0.13 s of ``link`` here) is queued (``later``) and done by ``drain`` in a worker
+Work over every stripe at once (a snapshot's hard links, a dropped snapshot's files: one per
+stripe; 4,096 ``link`` calls took 0.13 s here) is queued (``later``) and done by ``drain`` in a worker
 thread, never on the node's loop. One order holds for all of it: an operation on a file first
 does every queued one before it that touches the same file (under one lock, which the thread
 takes per operation), so a stripe rewritten while its snapshot's link waits keeps the link's
@@ -150,9 +151,9 @@ class Persist:
             return
         self._tag(to, self.tags.get(key, 0))
 
-    def _load_tags(self) -> dict[tuple[int, int, int], int]:
-        """tags.log read (the last line of a key wins; a torn last line is skipped) and written
-        again with one line per stripe file there is."""
+    def _load_tags(self) -> None:
+        """``tags`` from tags.log (the last line of a key wins; a torn last line is skipped),
+        written again with one line per stripe file there is."""
         tags: dict[tuple[int, int, int], int] = {}
         path = self.root / "tags.log"
         if path.exists():
@@ -164,7 +165,6 @@ class Persist:
                 tags[(fid, idx, snap)] = tag
         self.tags = {k: t for k, t in tags.items() if t and self._path(k).exists()}
         self._write_tags()
-        return self.tags
 
     def save_meta(self, snapshot: dict) -> None:
         tmp = self.root / "meta.json.tmp"
@@ -178,7 +178,7 @@ class Persist:
         are read by ``read_into`` (a worker thread's, straight into the stripe's region)."""
         meta_path = self.root / "meta.json"
         meta = json.loads(meta_path.read_text()) if meta_path.exists() else None
-        self.tags = self._load_tags()
+        self._load_tags()
         found = []
         for f in self.dir.iterdir():
             try:
