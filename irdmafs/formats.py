@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import io
 import json
+import threading
 from typing import NamedTuple
 
 import numpy as np
@@ -17,6 +18,19 @@ import numpy.lib.format as npf
 
 MAGIC = b"\x93NUMPY"
 PREFIX = 4096  # enough bytes to hold any header this code writes; longer ones are read in full
+
+
+_AST = threading.Lock()
+_LITERAL_EVAL = ast.literal_eval
+
+
+def literal_eval(text: str):
+    """``ast.literal_eval``, one thread at a time. CPython 3.11 counts the AST constructor's
+    recursion depth in state shared by the interpreter's threads, so two threads building trees
+    at once can fail with SystemError "AST constructor recursion depth mismatch"
+    (python/cpython#106905; seen in a soak whose threads ran ``np.load`` side by side)."""
+    with _AST:
+        return _LITERAL_EVAL(text)
 
 
 class NpyError(ValueError):
@@ -71,7 +85,7 @@ def parse_header(data: bytes) -> NpyHeader:
         raise NpyError("truncated .npy header")
     text = data[12 if data[6] > 1 else 10 : total].decode("latin1" if data[6] < 3 else "utf8")
     try:
-        d = ast.literal_eval(text)
+        d = literal_eval(text)
         dtype = npf.descr_to_dtype(d["descr"])
         shape = tuple(int(x) for x in d["shape"])
         fortran = bool(d["fortran_order"])

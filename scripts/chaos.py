@@ -53,6 +53,7 @@ closed writes are promised). No other error is allowed, at any time.
 from __future__ import annotations
 
 import argparse
+import ast
 import errno
 import json
 import os
@@ -73,6 +74,7 @@ import numpy as np
 import trio
 
 from irdmafs import config as C
+from irdmafs import formats
 from irdmafs.coord.etcd_process import LocalEtcd, LocalEtcdCluster
 from irdmafs.local import LocalCluster, free_ports, wait_settled
 from irdmafs.server.budget import machine_capacity
@@ -966,6 +968,9 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main() -> int:
+    # np.load parses each header with ast.literal_eval; this driver's workers are threads, and
+    # CPython 3.11's AST constructor is not safe in two threads at once (formats.literal_eval).
+    ast.literal_eval = formats.literal_eval
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=2.0)
     ap.add_argument("--seed", type=int, default=1)

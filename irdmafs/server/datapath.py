@@ -102,6 +102,10 @@ class DataPath:
         if not resync:
             self.serving.require_caught_up()  # the reader asks the other home meanwhile
         held = {str(i): (s.describe() if (s := self.store.get(fid, i, snap)) else None) for i in idxs}
+        if resync and snap == 0:  # the push bookkeeping of those bytes goes with them (resync.py)
+            for i, d in held.items():
+                if d is not None:
+                    d["record"] = self.training.record_of(fid, int(i))
         return held | {"lease": self.serving.lease.term()}  # client/stripe.py: a key reads in its lease
 
     async def rpc_commit(self, fid: int, idx: int, offset: int, length: int, rkey: int, soff: int, unit: int, epoch: int = 0) -> dict:

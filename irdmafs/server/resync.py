@@ -25,6 +25,7 @@ from ..transport.base import AccessError, RemoteError, TransportError
 from ..util import single_exception
 from .core import NodeCore
 from .meta import Meta
+from .policies import RecordError, StripeTraining
 from .training import Training
 
 FETCHES = 8  # stripes fetched at once (a resync, a hand-over's catch-up): a GB's 1 MiB stripes one by one took tens of seconds
@@ -231,7 +232,17 @@ class Resync:
                     return None
                 buf = bytearray(info["capacity"])
                 head = await self.cluster.peers.read_stripe(peer, info["rkey"], 0, memoryview(buf), inc)
-                break
+                if snap != 0 or head.version == info["version"]:
+                    record = StripeTraining.from_record(info["record"]) if snap == 0 and info.get("record") else None
+                    break
+                # the bytes moved on between the answer and the read: the record that came with
+                # the answer is not theirs (it goes with the bytes: Training.take_fetched)
+                if attempt == LOOKS:
+                    log.warning("stripe %d:%d from %s changed under its read %d times", fid, idx, peer, LOOKS)
+                    return False
+            except RecordError as exc:
+                log.warning("stripe %d:%d from %s: its push bookkeeping is not a record: %s", fid, idx, peer, exc)
+                return False
             except AccessError as exc:
                 # its region went between the key and the read: a snapshot dropped, a stripe
                 # grown or copied on write (its old key freed). Ask again: gone, or a new key.
@@ -247,15 +258,13 @@ class Resync:
         async with self.stripe_locks((fid, idx)):
             mine = self.store.get(fid, idx, snap)
             theirs = (info.get("tag", 0), head.version)
-            if instead is not None and mine is not None and mine.stamp == instead:
-                if snap == 0 and theirs != instead:
-                    # its push bookkeeping goes with the bytes: the peers' record comes with theirs.
-                    # The same stamp is the same version of the same primary, and its bookkeeping
-                    # is kept (after a coordinator outage two fenced nodes each took the other's
-                    # copy; both dropped their records, and a stand-in's old count won: fault
-                    # simulator, mixed seed 92).
-                    self.training.drop_record(fid, idx)
-                self.store.replace(fid, idx, memoryview(buf), 2 * self.cfg.stripe_unit, head.version, snap, head.clock_word, theirs[0])
-            elif mine is None or mine.stamp < theirs:  # replication may have brought newer
+            if (instead is not None and mine is not None and mine.stamp == instead) or mine is None or mine.stamp < theirs:
+                # (else replication brought newer meanwhile.) Its push bookkeeping goes with the
+                # bytes: the peer's comes with theirs. The same stamp is the same version of the
+                # same primary, and its bookkeeping is kept (after a coordinator outage two
+                # fenced nodes each took the other's copy; both dropped their records, and a
+                # stand-in's old count won: fault simulator, mixed seed 92).
+                if snap == 0 and (mine is None or mine.stamp != theirs):
+                    self.training.take_fetched(fid, idx, record)
                 self.store.replace(fid, idx, memoryview(buf), 2 * self.cfg.stripe_unit, head.version, snap, head.clock_word, theirs[0])
         return True

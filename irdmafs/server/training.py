@@ -446,6 +446,24 @@ class Training:
         with pushes no view acknowledged (an old primary's), which the primary's word undoes."""
         self.records[(fid, idx)].restore(incoming)
 
+    def record_of(self, fid: int, idx: int) -> dict | None:
+        """The push bookkeeping of a stripe as it travels with the stripe's bytes to a peer that
+        copies them (``DataPath.rpc_stripe_info`` for a resync); None if it took no push."""
+        st = self.records.get((fid, idx))
+        return st.record() if st is not None and st.span[2] else None
+
+    def take_fetched(self, fid: int, idx: int, incoming: StripeTraining | None) -> None:
+        """This node's copy of a stripe was replaced by a peer's copy of another version (a
+        resync, a catch-up): its bookkeeping is that peer's, read with those bytes (None: the
+        peer's took no push), whether it counts more pushes or fewer. Under the stripe lock.
+        Bookkeeping kept from the old bytes, or taken later from a peer whose bytes had moved
+        on, can count fewer pushes than the bytes hold: a round applied before a fence was
+        sent again and applied twice (tests/unit/test_training_resync.py)."""
+        if incoming is None:
+            self.records.pop((fid, idx), None)
+        else:
+            self.records[(fid, idx)].restore(incoming)
+
     def drop_record(self, fid: int, idx: int) -> None:
         """A stripe's bytes were replaced by a peer's other version (a resync): its bookkeeping
         goes with the old bytes; the peers' record comes with theirs (``take_records``)."""
