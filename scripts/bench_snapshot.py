@@ -301,6 +301,8 @@ def train(tmp: Path, model_gib: float, steps: int, replicas: int, transport: str
         plain = run(steps, False)
         res["loop_lag_after_plain_steps_s"] = loop_lag(lc.cfg)
         snap = run(steps, True)
+        res["steps_plain_s"] = [round(t, 3) for t in plain]
+        res["steps_snapshot_s"] = [round(t, 3) for t in snap]  # the first copies on write into memory this step touches first
         res["step_plain_median_s"] = round(statistics.median(plain), 3)
         res["step_snapshot_median_s"] = round(statistics.median(snap), 3)
         res["step_worst_vs_median"] = round(max(snap) / statistics.median(snap), 2)
