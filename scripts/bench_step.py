@@ -97,6 +97,8 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 import peers  # noqa: E402
+import link_trace  # noqa: E402
+from link_trace import LinkTrace  # noqa: E402
 from netns import burst_for, enter, link_bytes, namespaces, rate_bits, setns, single_stream  # noqa: E402
 
 from irdmafs import config as C  # noqa: E402
@@ -326,6 +328,7 @@ def _irdmafs_rank(rank: int, world: int, mount: str, netns: str | None, model: s
     ps.pull(module)  # step 0's parameters (as published)
     published = {k: getattr(module, k).detach().numpy().copy() for k, _ in module.names}
     times = {"push": [], "pull": []}
+    marks = []  # each timed step's (start, end), CLOCK_MONOTONIC: the link trace's clock too
     for i in range(steps + 1):
         if i == 1:
             gate.wait(0)
@@ -333,7 +336,7 @@ def _irdmafs_rank(rank: int, world: int, mount: str, netns: str | None, model: s
         x = torch.tensor(1e-3 * (rank + 1) * (1 + i % 3))
         module.zero_grad(set_to_none=False)
         module(x).backward()
-        t0 = time.perf_counter()
+        t0, m0 = time.perf_counter(), time.monotonic()
         if SEPARATE:
             ps.push(module)
             t1 = time.perf_counter()
@@ -345,13 +348,14 @@ def _irdmafs_rank(rank: int, world: int, mount: str, netns: str | None, model: s
         if i:
             times["push"].append(t1 - t0)
             times["pull"].append(t2 - t1)
+            marks.append((m0, time.monotonic()))
     cpu = (time.process_time() - cpu0) / steps
     gate.wait(1)
     # bsp + sgd: p = p0 - lr * sum over steps of the ranks' mean gradient
     total = sum(np.mean([1e-3 * (r + 1) * (1 + i % 3) for r in range(world)]) for i in range(steps + 1))
     worst = max(float(np.max(np.abs(getattr(module, k).detach().numpy() - (published[k] - LR * total)))) for k, _ in module.names)
     ps.close()
-    out.put((rank, {k: statistics.median(v) for k, v in times.items()}, worst, cpu))
+    out.put((rank, {k: statistics.median(v) for k, v in times.items()}, worst, cpu, marks))
 
 
 def cpu_seconds(pids: list[int]) -> float:
@@ -405,14 +409,27 @@ def irdmafs_step(bed: Bed, world: int, model: str, steps: int, compress: str, li
         p.start()
     node_pids, mount_pids = [p.pid for p in lc.procs.values()], [p.pid for p in bed.procs]
     devs = [link.worker_dev(r) for r in range(world)] + [link.ps_dev(j) for j in range(len(lc.cfg.names))] if link else []
+    trace = LinkTrace(devs)
     ok = False
     try:
 
         def edge():
             return {"applied": apply_seconds(lc.cfg), "nodes": cpu_seconds(node_pids), "mounts": cpu_seconds(mount_pids), "links": counters(devs)}
 
-        before = gate.open(0, procs, edge)
-        after = gate.open(1, procs, lambda: (time.sleep(0.2 if link else 0), edge())[1])  # a last replication lands
+        def first():
+            e = edge()
+            if link:
+                trace.start()
+            return e
+
+        def last():
+            if link:
+                trace.stop()
+                time.sleep(0.2)  # a last replication lands
+            return edge()
+
+        before = gate.open(0, procs, first)
+        after = gate.open(1, procs, last)
         results = sorted(collect(q, world, procs, "irdmafs workers"))
         ok = True
     finally:
@@ -438,6 +455,9 @@ def irdmafs_step(bed: Bed, world: int, model: str, steps: int, compress: str, li
     } | cpu
     if link:
         res |= busiest(before["links"], after["links"], steps, link)
+        marks = [r[4] for r in results]
+        res["trace_steps"] = link_trace.steps(trace, marks, link.rate_bits, link.label)
+        res["trace"] = (trace, marks)
     return res
 
 
@@ -622,6 +642,12 @@ def report_link(res: dict, m: str, w: int, prefix: str, compress: str, d: dict, 
           f"({d['link_bytes'] / 1e6:.1f} MB/step on {d['link_where']}); CPU busy {busy_d:.0%}"
           f"  -> ddp comm / its bound = {res[f'link_ddp_vs_bound_{key}']:.2f}\n"
           f"  link_step_vs_ddp_{key} = {res[f'link_step_vs_ddp_{key}']:.2f}", flush=True)  # fmt: skip
+    res[f"link_trace_steps_{key}"] = r["trace_steps"]
+    if r["trace_steps"]:
+        res[f"link_both_busy_{key}"] = statistics.mean(t["both"] for t in r["trace_steps"])
+    for t in r["trace_steps"]:
+        print(f"    step {t['step']}: {t['seconds'] * 1000:.0f} ms; its busiest link, {t['link']}: in {t['in']:.0%} of the rate, out {t['out']:.0%}; "
+              f"both over half the rate in {t['both']:.0%} of its {link_trace.PERIOD * 1000:.0f} ms bins", flush=True)  # fmt: skip
 
 
 def run_loopback(args, models, workers, rows, res) -> None:
@@ -682,6 +708,13 @@ def run_link(args, models, workers, rows, res) -> None:
                         d = ddp(m, w, args.steps, fp16=bool(prefix), link=link)
                         r = irdmafs_step(b, w, m, args.steps, compress, link=link)
                         report_link(res, m, w, prefix, compress, d, r)
+                        if args.trace_plot:
+                            trace, marks = r["trace"]
+                            kinds = ("ps", "worker")
+                            devs = [(d, link.label(d)) for k in kinds if (d := link_trace.busiest(trace, lambda d, k=k: link.label(d).startswith(k)))]
+                            path = str(Path(args.trace_plot).with_suffix("")) + f"-{prefix}{m}-w{w}.png"
+                            title = f"irdmafs steps, {m}, W={w}, R={min(args.replicas, w)}, {args.link} links: the busiest PS and worker links"
+                            link_trace.plot(trace, devs, marks, link.rate_bits, title, path)
 
 
 def main() -> int:
@@ -709,6 +742,7 @@ def main() -> int:
         metavar="RATE",
         help=f"cluster-shaped: every host in a network namespace behind RATE links (default {DEFAULT_RATE}; root)",
     )
+    ap.add_argument("--trace-plot", metavar="PNG", help="--link: each run's link trace (busiest PS and worker links) to PNG-<model>-w<W>.png")
     ap.add_argument("--quick", action="store_true", help="a smoke run: resnet50 (with --link: tiny), 2 workers, 2 steps")
     ap.add_argument(
         "--safetensors",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
+from typing import Callable
 
 MEMORY_SHARE = 0.6  # of the memory available at start, for all the nodes of one host together
 MIN_CAPACITY = 256 << 20
@@ -30,13 +31,18 @@ class Budget:
     def __init__(self, capacity: int):
         self.capacity = capacity
         self.held: dict[str, int] = defaultdict(int)  # kind -> bytes
+        # given the bytes short, frees what can go at once (spare memory: server/spares.py)
+        self.reclaim: Callable[[int], int] | None = None
 
     @property
     def used(self) -> int:
         return sum(self.held.values())
 
-    def take(self, kind: str, nbytes: int, why: str = "") -> None:
-        """Count ``nbytes`` more of ``kind``; NoSpace, and nothing counted, if they do not fit."""
+    def take(self, kind: str, nbytes: int, why: str = "", reclaim: bool = True) -> None:
+        """Count ``nbytes`` more of ``kind``; NoSpace, and nothing counted, if they do not fit
+        once what ``reclaim`` can free is freed."""
+        if self.used + nbytes > self.capacity and reclaim and self.reclaim is not None:
+            self.reclaim(self.used + nbytes - self.capacity)
         if self.used + nbytes > self.capacity:
             parts = ", ".join(f"{k} {v}" for k, v in sorted(self.held.items()) if v)
             raise NoSpace(f"node full: {nbytes} bytes of {kind} do not fit ({parts or 'nothing'} held of {self.capacity}){why}")

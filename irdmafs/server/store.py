@@ -36,6 +36,8 @@ stripe it froze, so it has the same placement. The rules (docs/design.md, "Snaps
 - **Persisted alike.** With ``--persist`` a snapshot's file is a hard link to the live stripe's
   file; the live stripe's first write after it writes a new file, so the link keeps the old bytes
   (``_rewrite``); at load, linked files share memory again.
+- **Spare memory** (spares.py, while the reaper runs): freed memory is kept for the next copy on
+  write, which overwrites all of it; counted, reclaimed first, released when idle.
 
 Capacity grows in GROW-byte steps up to the stripe unit; growing moves the stripe to a new region
 (new rkey), and peers holding the old rkey get AccessError and look it up again.
@@ -58,11 +60,14 @@ from ..offload import Offload
 from ..regions import CLOCK_AT, HEADER, PENDING, VERSION_AT, WORD
 from ..transport.base import Access, Region, Transport
 from .budget import Budget, NoSpace
+from .spares import Spares
 
 __all__ = ["Memory", "NoSpace", "Store", "Stripe"]
 
 GROW = 64 << 10
 LIVE, FROZEN = "stripes", "snapshots"  # what the budget counts stripe memory as (``Memory.kind``)
+SPARE_SHARE = 4  # at most 1/4 of a node's capacity kept as spare memory (spares.py)
+IDLE_CHECK = 2.0  # how often the reaper looks for idle spares
 
 
 class Memory:
@@ -138,6 +143,10 @@ class Store:
         # snapshot of 800 MiB unmapped its pages for 0.12 s on the loop); inline without it
         self.reaping = False
         self._dying: list[memoryview] = []
+        # memory kept for the copies on write to come (spares.py); only while the reaper runs
+        # (a node: it also releases what is idle)
+        self.spares = Spares(transport, self.budget, self._dispose, self.budget.capacity // SPARE_SHARE)
+        self.budget.reclaim = self.spares.release
         self._dying_ready = trio.Event()
         # files of every stripe at once (a snapshot's links, what a drop freed) written behind
         # by ``write_behind`` off the loop, in order (persist.py); inline without it
@@ -151,12 +160,18 @@ class Store:
         self.reaping = True
         try:
             while True:
-                await self._dying_ready.wait()
+                with trio.move_on_after(IDLE_CHECK):
+                    await self._dying_ready.wait()
+                if self.spares.idle():
+                    self.spares.release()
+                if not self._dying:
+                    continue
                 self._dying_ready = trio.Event()
                 batch, self._dying = self._dying, []
                 await offload.run(batch.clear)
         finally:
             self.reaping = False
+            self.spares.release()
 
     async def write_behind(self, offload: Offload) -> None:
         """Do the persist operations queued for every stripe at once (``_later``) through
@@ -200,9 +215,21 @@ class Store:
         """Bytes of stripe memory held (each ``Memory`` once, however many share it)."""
         return self.budget.held[LIVE] + self.budget.held[FROZEN]
 
-    def _alloc(self, capacity: int, kind: str, why: str = "") -> tuple[Region, Memory]:
+    def _dispose(self, buf: memoryview) -> None:
+        """Memory nobody uses any more: released by the reaper (inline without it)."""
+        if self.reaping:
+            self._dying.append(buf)
+            self._dying_ready.set()
+
+    def _alloc(self, capacity: int, kind: str, why: str = "", whole: bool = False) -> tuple[Region, Memory]:
+        """A region for ``capacity`` data bytes counted as ``kind``; ``whole``: the caller
+        writes every byte of it (a copy on write), so a kept spare will do (spares.py)."""
+        region = self.spares.take(capacity, kind) if whole else None
+        if region is not None:
+            return region, Memory(capacity, kind)
         self.budget.take(kind, capacity, why)
         return self.transport.alloc_region(HEADER + capacity, Access.READ), Memory(capacity, kind)
+
 
     def _forget(self, key: tuple[int, int, int], stripe: Stripe) -> None:
         """``key``'s entry and registration go (the caller removes or replaces it in
@@ -214,15 +241,14 @@ class Store:
             self.sharers[(fid, idx)].discard(snap)
             if not self.sharers[(fid, idx)]:
                 del self.sharers[(fid, idx)]
-        self.transport.free_region(stripe.region)
         memory = stripe.memory
         memory.users -= 1
         if not memory.users:
             self.budget.give(memory.kind, memory.capacity)
-            if self.reaping:
-                self._dying.append(stripe.region.buf)
-                self._dying_ready.set()
-        elif snap == 0 and memory.kind == LIVE:  # snapshots alone hold it now
+            if not (self.reaping and self.spares.keep(stripe.region, memory.capacity)):
+                self._dispose(stripe.region.buf)
+        self.transport.free_region(stripe.region)  # after keep: it keeps the memory under a key of its own
+        if memory.users and snap == 0 and memory.kind == LIVE:  # snapshots alone hold it now
             self.budget.move(LIVE, FROZEN, memory.capacity)
             memory.kind = FROZEN
 
@@ -244,7 +270,7 @@ class Store:
         movers = sorted(self.sharers.get((fid, idx), ())) if snap == 0 else [snap]
         assert movers, f"stripe {key} shares its memory with no snapshot"
         held = f"; snapshots {movers} hold this stripe's bytes as they were" if snap == 0 else ""
-        region, memory = self._alloc(stripe.capacity, FROZEN, held)
+        region, memory = self._alloc(stripe.capacity, FROZEN, held, whole=True)
         region.buf[:] = stripe.region.buf
         memory.users = 0
         for s in movers:

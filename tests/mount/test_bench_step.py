@@ -50,7 +50,7 @@ def test_bench_step_link_quick(tmp_path):
         pytest.skip("ip netns is not available here")
     out = tmp_path / "link.json"
     r = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_step.py"), "--link", "--quick", "--json", str(out)],
+        [sys.executable, str(ROOT / "scripts" / "bench_step.py"), "--link", "--quick", "--json", str(out), "--trace-plot", str(tmp_path / "trace.png")],
         capture_output=True,
         text=True,
         timeout=180,
@@ -71,4 +71,9 @@ def test_bench_step_link_quick(tmp_path):
         assert res[key] > 0, key
     for key in ("link_step_vs_bound_tiny_w2", "link_step_vs_ddp_tiny_w2"):
         assert key in r.stdout, key
+    # the links' trace: each timed step cut out of it, with what its busiest link carried
+    steps = res["link_trace_steps_tiny_w2"]
+    assert [t["step"] for t in steps] == [0, 1]
+    assert all(0 < max(t["in"], t["out"]) <= 1.2 and 0 <= t["both"] <= 1 for t in steps), steps
+    assert (tmp_path / "trace-tiny-w2.png").stat().st_size > 0
     assert not subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.count("irdstep")  # all removed
