@@ -61,6 +61,7 @@ from .clocks import ClockWaits
 from .core import NodeCore
 from .datapath import VERSION_SHIFT, DataPath
 from .leases import ServingLease
+from .spares import SPARE
 from .locks import KeyedLocks
 from .membership import Membership
 from .meta import Meta
@@ -317,7 +318,8 @@ class Node:
         return {"degraded": degraded, "led_bytes": sum(held[(fid, idx, 0)].capacity for fid, idx in led if (fid, idx, 0) in held)}
 
     async def rpc_statfs(self) -> dict:
-        return {"capacity": self.cfg.capacity, "used": self.budget.used, "files": len(self.meta.inodes)}
+        # spare memory goes the moment anything needs it (spares.py): free, as df sees it
+        return {"capacity": self.cfg.capacity, "used": self.budget.used - self.budget.held[SPARE], "files": len(self.meta.inodes)}
 
     # -- the commit barrier (snapshots, rebalance) -------------------------------------------
     def _freezer_gone(self, token: str) -> bool:

@@ -30,6 +30,7 @@ from .training import Training
 
 FETCHES = 8  # stripes fetched at once (a resync, a hand-over's catch-up): a GB's 1 MiB stripes one by one took tens of seconds
 LOOKS = 3  # a stripe's key asked for this many times at most while its region goes before the read (fetch_stripe)
+MOVED_LOOKS = 20  # ... and while a trained stripe's version moves between the answer and the read
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +224,8 @@ class Resync:
         asked for again), False if the copy failed. ``instead``: replace
         this node's copy whatever its stamp, if it is still at that stamp (a resync taking its
         peers' copy of what it led before a fence), its push bookkeeping with it."""
-        for attempt in range(1, LOOKS + 1):
+        gone = moved = 0  # keys found freed before the read; trained bytes that moved under it
+        while True:
             try:
                 reply, inc = await self.cluster.call_on(peer, "stripe_info", {"fid": fid, "idxs": [idx], "snap": snap, "resync": True})
                 info = reply[str(idx)]
@@ -232,13 +234,16 @@ class Resync:
                     return None
                 buf = bytearray(info["capacity"])
                 head = await self.cluster.peers.read_stripe(peer, info["rkey"], 0, memoryview(buf), inc)
-                if snap != 0 or head.version == info["version"]:
-                    record = StripeTraining.from_record(info["record"]) if snap == 0 and info.get("record") else None
+                record = StripeTraining.from_record(info["record"]) if snap == 0 and info.get("record") else None
+                if record is None or head.version == info["version"]:
                     break
-                # the bytes moved on between the answer and the read: the record that came with
-                # the answer is not theirs (it goes with the bytes: Training.take_fetched)
-                if attempt == LOOKS:
-                    log.warning("stripe %d:%d from %s changed under its read %d times", fid, idx, peer, LOOKS)
+                # a trained stripe's bytes moved on between the answer and the read: the record
+                # that came with the answer is not theirs (it goes with the bytes:
+                # Training.take_fetched). Bytes without one are taken at any version (a file
+                # rewritten every few ms failed three reads in a row and the resync with them)
+                moved += 1
+                if moved >= MOVED_LOOKS:
+                    log.warning("stripe %d:%d from %s changed under its read %d times", fid, idx, peer, moved)
                     return False
             except RecordError as exc:
                 log.warning("stripe %d:%d from %s: its push bookkeeping is not a record: %s", fid, idx, peer, exc)
@@ -249,7 +254,8 @@ class Resync:
                 # (Taken as a failed copy, a snapshot dropped mid-resync, as a training job's
                 # rolling snapshots are every few seconds, failed the whole resync again and
                 # again: 77 s for a node stopped 1.3 s, 1 GiB chaos soak.)
-                if attempt == LOOKS:
+                gone += 1
+                if gone >= LOOKS:
                     log.warning("stripe %d:%d from %s failed %d times: %s", fid, idx, peer, LOOKS, exc)
                     return False
             except (TransportError, RemoteError) as exc:

@@ -6,7 +6,9 @@ memory costs a page fault and the kernel clearing each page on the node's loop, 
 the old costs again; on a VM with free page reporting (this project's CI machines) memory freed
 a moment ago has gone back to the host, and touching it again is a host fault. So:
 
-- **Kept, not unmapped.** Memory whose last registration goes is kept here (under a key of its
+- **Kept, not unmapped.** Memory only snapshots held, whose last registration goes (a dropped
+  snapshot's copies; never a live stripe's, which a change being replicated may still read), is
+  kept here (under a key of its
   own that no peer was told: the old key is freed, so a reader holding it gets AccessError, and
   its bytes are never served again) when there is room under ``limit``; ``take`` gives it to the
   next copy on write of the same capacity, which overwrites every byte (header included).
@@ -20,12 +22,15 @@ the first step after the first snapshot no faster (docs/benchmarks.md).
 """
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import trio
 
 from ..transport.base import Region, Transport
-from .budget import Budget, NoSpace
+from .budget import Budget
+
+log = logging.getLogger(__name__)
 
 SPARE = "spare"  # the budget's kind for kept memory
 IDLE = 10.0  # seconds without a take after which every spare is released
@@ -38,20 +43,23 @@ class Spares:
         self.transport, self.budget, self.dispose, self.limit = transport, budget, dispose, limit
         self.free: dict[int, list[Region]] = {}  # capacity -> regions, each under a key nobody knows
         self.held = 0
-        self.last_take = 0.0
+        self.last_use = 0.0  # the last keep or take (loop time)
         self.taken = 0  # how many copies on write took kept memory
 
     def keep(self, region: Region, capacity: int) -> bool:
         """``region``'s memory has no user left: keep it under a fresh key (the caller then frees
         ``region``'s own) if there is room; False if not (the caller releases it)."""
-        if self.held + capacity > self.limit:
+        if self.held + capacity > self.limit or self.budget.used + capacity > self.budget.capacity:
             return False
-        try:
-            self.budget.take(SPARE, capacity, reclaim=False)
-        except NoSpace:
+        try:  # a registration can fail (descriptors, pinned memory): then it is released as before
+            alias = self.transport.alias_region(region)
+        except Exception as exc:  # noqa: BLE001 - any failure to keep is "not kept"
+            log.warning("spare memory not kept: %s", exc)
             return False
-        self.free.setdefault(capacity, []).append(self.transport.alias_region(region))
+        self.budget.take(SPARE, capacity, reclaim=False)  # fits: checked above, nothing between
+        self.free.setdefault(capacity, []).append(alias)
         self.held += capacity
+        self.last_use = trio.current_time()
         return True
 
     def take(self, capacity: int, kind: str) -> Region | None:
@@ -62,7 +70,7 @@ class Spares:
         region = regions.pop()
         self.held -= capacity
         self.budget.move(SPARE, kind, capacity)
-        self.last_take = trio.current_time()
+        self.last_use = trio.current_time()
         self.taken += 1
         return region
 
@@ -80,4 +88,4 @@ class Spares:
         return freed
 
     def idle(self) -> bool:
-        return bool(self.held) and trio.current_time() - self.last_take > IDLE
+        return bool(self.held) and trio.current_time() - self.last_use > IDLE

@@ -245,7 +245,9 @@ class Store:
         memory.users -= 1
         if not memory.users:
             self.budget.give(memory.kind, memory.capacity)
-            if not (self.reaping and self.spares.keep(stripe.region, memory.capacity)):
+            # only what snapshots alone held: a live stripe's memory may still be read by a change
+            # being replicated (``Update.source``), which must not see another stripe's bytes
+            if not (self.reaping and memory.kind == FROZEN and self.spares.keep(stripe.region, memory.capacity)):
                 self._dispose(stripe.region.buf)
         self.transport.free_region(stripe.region)  # after keep: it keeps the memory under a key of its own
         if memory.users and snap == 0 and memory.kind == LIVE:  # snapshots alone hold it now

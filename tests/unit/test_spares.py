@@ -60,6 +60,7 @@ async def test_a_dropped_snapshots_memory_becomes_the_next_copy_on_write(nursery
     for i in range(4):  # each copy is the stripe as snapshot 2 froze it, whole: nothing of snapshot 1's
         assert remote_read(s, 1, i, 2, 4) == b"one!" and remote_read(s, 1, i, 0, 4) == b"two!"
         assert bytes(s.get(1, i, 2).data[:UNIT]) == b"one!" + bytes([65 + i]) * (UNIT - 4)
+        assert s.get(1, i, 2).version == s.get(1, i, 0).version - 1, "the header is the frozen one's too"
     assert s.budget.held[SPARE] == 0 and s.snapshot_bytes == 4 * UNIT
 
 
@@ -77,6 +78,25 @@ async def test_spare_memory_never_makes_a_write_enospc(nursery):
     assert s.spares.held == 0 and s.budget.held[SPARE] == 0 and s.used == 8 * UNIT
     with pytest.raises(NoSpace):  # and full is still full
         s.install(3, 0, 0, memoryview(b"z"), UNIT)
+
+
+async def test_spares_last_while_in_use_on_the_real_clock(nursery):
+    """Kept memory is not idle the moment it is kept (trio's clock starts anywhere)."""
+    s = filled()
+    await _reaping(s, nursery)
+    s.take_snapshot(1)
+    for i in range(4):
+        s.install(1, i, 0, memoryview(b"x"), UNIT)
+    s.drop_snapshot(1)
+    assert s.spares.held == 4 * UNIT and not s.spares.idle(), "kept just now: not idle"
+
+
+async def test_a_live_stripes_memory_is_never_kept(nursery):
+    """A change being replicated may still read a freed live stripe's memory: not reused."""
+    s = filled()
+    await _reaping(s, nursery)
+    s.drop(1)
+    assert s.spares.held == 0 and s.budget.held[SPARE] == 0 and len(s._dying) == 4
 
 
 async def test_idle_spares_are_released(nursery, autojump_clock):
