@@ -38,3 +38,28 @@ async def test_a_cluster_stalled_while_a_round_is_replicated_applies_it_once(bed
         for ino in inos:
             if node.store.get(ino, 0) is not None and (ino, 0) in node.training.records:
                 assert node.training.records[(ino, 0)].pushed == {0: 1, 1: 1}, (node.name, ino)
+
+
+async def test_a_fetch_takes_untrained_bytes_that_moved_under_its_read(bed, monkeypatch):
+    """A file rewritten every few ms moves its version between a resync's ``stripe_info`` and
+    its read: bytes without push bookkeeping are taken at whatever version was read (demanding
+    the answer's version failed three reads in a row, and a node with a writer beside it stayed
+    syncing for 10 minutes: bench_snapshot.py --recover)."""
+    c, nodes, _ = bed
+    attr = await c.paths.write_file("/plain", b"a" * 100)
+    fid = attr["ino"]
+    holder = next(n for n in nodes if n.store.get(fid, 0) is not None)
+    other = next(n for n in nodes if n is not holder)
+    real = other.cluster.peers.read_stripe
+    moves = []
+
+    async def moving(name, rkey, offset, into, inc=None):
+        # the holder's stripe changes after every answer, before the read
+        holder.store.install(fid, 0, 0, memoryview(b"b" * 100), holder.cfg.stripe_unit)
+        moves.append(holder.store.get(fid, 0).version)
+        return await real(name, rkey, offset, into, inc)
+
+    monkeypatch.setattr(other.cluster.peers, "read_stripe", moving)
+    other.store.drop_keys([(fid, 0, 0)])
+    assert await other.resync.fetch_stripe(fid, 0, 0, holder.name) is True
+    assert len(moves) == 1 and other.store.get(fid, 0).version == moves[0]
