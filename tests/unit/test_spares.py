@@ -40,6 +40,17 @@ async def _reaping(s, nursery):
     assert s.reaping
 
 
+async def _kept(nursery):
+    """A reaping store whose dropped snapshot left 4 stripes' copies kept."""
+    s = filled()
+    await _reaping(s, nursery)
+    s.take_snapshot(1)
+    for i in range(4):
+        s.install(1, i, 0, memoryview(b"x"), UNIT)
+    s.drop_snapshot(1)
+    return s
+
+
 async def test_a_dropped_snapshots_memory_becomes_the_next_copy_on_write(nursery, monkeypatch):
     s = filled()
     await _reaping(s, nursery)
@@ -82,12 +93,7 @@ async def test_spare_memory_never_makes_a_write_enospc(nursery):
 
 async def test_spares_last_while_in_use_on_the_real_clock(nursery):
     """Kept memory is not idle the moment it is kept (trio's clock starts anywhere)."""
-    s = filled()
-    await _reaping(s, nursery)
-    s.take_snapshot(1)
-    for i in range(4):
-        s.install(1, i, 0, memoryview(b"x"), UNIT)
-    s.drop_snapshot(1)
+    s = await _kept(nursery)
     assert s.spares.held == 4 * UNIT and not s.spares.idle(), "kept just now: not idle"
 
 
@@ -100,12 +106,7 @@ async def test_a_live_stripes_memory_is_never_kept(nursery):
 
 
 async def test_idle_spares_are_released(nursery, autojump_clock):
-    s = filled()
-    await _reaping(s, nursery)
-    s.take_snapshot(1)
-    for i in range(4):
-        s.install(1, i, 0, memoryview(b"x"), UNIT)
-    s.drop_snapshot(1)
+    s = await _kept(nursery)
     assert s.spares.held == 4 * UNIT
     await trio.sleep(spares_mod.IDLE + 5)
     assert s.spares.held == 0 and s.budget.held[SPARE] == 0
