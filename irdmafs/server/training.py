@@ -460,13 +460,13 @@ class Training:
         on, can count fewer pushes than the bytes hold: a round applied before a fence was
         sent again and applied twice (tests/unit/test_training_resync.py)."""
         if incoming is None:
-            self.records.pop((fid, idx), None)
+            self.drop_record(fid, idx)
         else:
             self.records[(fid, idx)].restore(incoming)
 
     def drop_record(self, fid: int, idx: int) -> None:
-        """A stripe's bytes were replaced by a peer's other version (a resync): its bookkeeping
-        goes with the old bytes; the peers' record comes with theirs (``take_records``)."""
+        """A stripe's bookkeeping goes with its bytes: they were freed (a truncate a resync
+        found), or replaced by a peer's copy that took no push (``take_fetched``)."""
         self.records.pop((fid, idx), None)
 
     async def recheck(self) -> None:
