@@ -23,8 +23,6 @@ Collaborators, handed in by the Client: the cluster view, its staging pool and S
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import json
 import logging
 import math
@@ -33,6 +31,7 @@ from typing import Awaitable, Callable
 import numpy as np
 import trio
 
+from ..batching import Batcher, Unsent
 from ..cluster import Cluster
 from ..peers import NodeDown
 from ..config import ClusterConfig
@@ -87,7 +86,7 @@ class PushPull:
         self.getattr, self._call_following = getattr, call_following
         self._train: dict[tuple[int, int], dict] = {}
         self._sparsifiers: dict[tuple[int, int], compress.Sparsifier] = {}
-        self._push_queues: dict[tuple[str, int], dict] = {}
+        self._push_queues: dict[tuple[str, int], Batcher] = {}  # (node, rank) -> its pushes waiting (``_fused``)
         self.busy: dict[str, float] = {}  # rank -> its measured compute time per step (seconds)
         self._pulled_at: dict[tuple[int, int], float] = {}
         self._pacing: dict[int, list] = {}  # r2sp: rank -> [step, its slot wait, next slot time]
@@ -396,53 +395,30 @@ class PushPull:
     async def _fused(self, node: str, desc: dict, payload: memoryview, order: float = math.inf) -> dict:
         """Send a push piece to ``node``: at once if fewer transfers to it are under way than
         the client has staging slots there, otherwise together with every piece of the same
-        rank that queued meanwhile, in one WRITE with immediate (fusion with no added latency
-        when idle; as many transfers in flight as slots, so a whole model's pushes pipeline).
-        The queue goes lowest ``order`` first (``push``): the sender of an ordered push lets
-        the pushes that reach the queue in the same scheduler pass queue before it takes its
-        first batch, so the order of a step's pushes is the model's, not the scheduler's (best
-        effort for the first batches: a piece of a tensor of several stripes comes a pass
-        later). A lone push (no order) is sent at once, as before. One queue per rank: under
-        r2sp a rank's push may wait on the node for another rank's, which must not queue
-        behind it."""
-        q = self._push_queues.setdefault((node, desc["rank"]), {"queue": [], "senders": 0, "seq": itertools.count()})
-        entry = [desc, payload, trio.Event(), None, len(payload) + len(json.dumps(desc, separators=(",", ":"))) + DESC_SLACK]
-        heapq.heappush(q["queue"], (order, next(q["seq"]), entry))
-        if q["senders"] < self.staging.slots:
-            q["senders"] += 1
-            try:
-                if order != math.inf:  # a step's pushes: those started with this one queue first
-                    await trio.lowlevel.checkpoint()
-                limit = PUSH_BATCH if self.cluster.peers.over_wire(node) else LOCAL_BATCH
-                while q["queue"]:
-                    batch, size = [], 0
-                    while q["queue"] and (not batch or size + q["queue"][0][2][4] <= limit):
-                        e = heapq.heappop(q["queue"])[2]
-                        batch.append(e)
-                        size += e[4]
-                    try:
-                        await self._send_batch(node, batch)
-                    except BaseException:
-                        for e in batch:  # cancelled mid-send: nobody must wait for an answer
-                            if not e[2].is_set():
-                                e[3] = NodeDown(node, "push sender cancelled")
-                                e[2].set()
-                        raise
-            finally:
-                q["senders"] -= 1
-                if not q["senders"]:
-                    for _, _, e in q["queue"]:  # the last sender was cancelled: let the others retry
-                        e[3] = NodeDown(node, "push sender cancelled")
-                        e[2].set()
-                    q["queue"].clear()
-        await entry[2].wait()
-        if isinstance(entry[3], BaseException):
-            raise entry[3]
-        return entry[3]
+        rank that queued meanwhile, in one WRITE with immediate (batching.py: fusion with no
+        added latency when idle; as many transfers in flight as slots, so a whole model's
+        pushes pipeline; each piece's task returns as soon as its own batch is answered).
+        The queue goes lowest ``order`` first (``push``), so the order of a step's pushes is
+        the model's, not the scheduler's (best effort for the first batches: a piece of a
+        tensor of several stripes comes a pass later). A lone push (no order) is sent at once,
+        as before. One queue per rank: under r2sp a rank's push may wait on the node for
+        another rank's, which must not queue behind it."""
+        key = (node, desc["rank"])
+        q = self._push_queues.get(key)
+        if q is None:
+            limit = PUSH_BATCH if self.cluster.peers.over_wire(node) else LOCAL_BATCH
+            q = self._push_queues[key] = Batcher(self.staging.slots, limit, lambda batch: self._send_batch(node, batch))
+        size = len(payload) + len(json.dumps(desc, separators=(",", ":"))) + DESC_SLACK
+        try:
+            return await q.put((desc, payload), size, order)
+        except Unsent:  # it may have arrived: sent again, a duplicate is this push's own
+            raise NodeDown(node, "push sender cancelled") from None
 
-    async def _send_batch(self, node: str, batch: list) -> None:
+    async def _send_batch(self, node: str, batch: list) -> list:
+        """One WRITE with immediate of ``batch`` ((descriptor, payload) each); each one's
+        answer (a dict, or the error that stopped them all)."""
         descs, bufs, at = [], [], 0
-        for desc, payload, _, _, _ in batch:
+        for desc, payload in batch:
             descs.append(dict(desc, at=at))
             bufs.append(payload)
             at += len(payload)
@@ -471,9 +447,7 @@ class PushPull:
             results = [exc] * len(batch)
         if any(isinstance(r, dict) and "error" not in r for r in results):
             self.silence.progressed()  # a push taken: every push under way has its time again
-        for entry, result in zip(batch, results, strict=True):
-            entry[3] = result
-            entry[2].set()
+        return results
 
     async def pull_into(self, ino: int, rank: int, out: np.ndarray, info: dict | None = None) -> np.ndarray:
         """The tensor's parameters into ``out`` once the model's policy allows ``rank`` to see

@@ -252,7 +252,9 @@ class PushHandle(BufferedHandle):
         except formats.NpyError as exc:
             log.warning("push by rank %d to inode %d refused: %s", self.rank, self.ino, exc)
             raise FsError(errno.EINVAL, str(exc)) from None
-        await client.training.push(self.ino, self.rank, np.ascontiguousarray(grad))
+        # ``data`` is immutable and never reused: a push kept while its round is open stays a
+        # view of it (PushPull.push ``owner``), no copy
+        await client.training.push(self.ino, self.rank, np.ascontiguousarray(grad), owner=data)
         self.dirty = False
 
     async def fsync(self) -> None:

@@ -53,6 +53,7 @@ from typing import Awaitable, Callable
 
 import trio
 
+from ..batching import Batcher, Unsent
 from ..cluster import Cluster
 from ..slots import Slot, StagingPool, staging_gone
 from ..transport.base import AccessError, RemoteError, TransportError
@@ -60,19 +61,6 @@ from .serving import Serving
 from .updates import StripeKey, Update
 
 log = logging.getLogger(__name__)
-
-
-class _Queued:
-    """An update waiting in a peer's queue (``Replicator._fused``) and, once sent, its answer:
-    the ``apply`` result, a TransportError, or ``_AGAIN`` (its sender was cancelled)."""
-
-    __slots__ = ("update", "done", "result")
-
-    def __init__(self, update: Update):
-        self.update, self.done, self.result = update, trio.Event(), None
-
-
-_AGAIN = object()
 
 
 class Replicator:
@@ -83,8 +71,7 @@ class Replicator:
         self.snapshot = snapshot  # the namespace as it is now, for a peer that missed ops
         self.serving = serving
         self.unreached: set[str] = set()  # backups to expel (see above)
-        self._queues: dict[str, list[_Queued]] = {}  # peer -> updates waiting to be sent (``_fused``)
-        self._senders: dict[str, int] = {}  # peer -> tasks sending its queue
+        self._queues: dict[str, Batcher] = {}  # peer -> updates waiting to be sent (``_fused``)
 
     @property
     def epoch(self) -> int:
@@ -144,46 +131,25 @@ class Replicator:
     async def _fused(self, peer: str, u: Update) -> dict:
         """``apply`` of ``u`` on ``peer``: sent at once if fewer sends to it are under way than
         this node has staging slots there, else with every update to ``peer`` that queued
-        meanwhile, up to a slot's bytes (fusion with no added latency when idle). Raises what
-        its send raised (a TransportError, or its own RemoteError)."""
-        queue = self._queues.setdefault(peer, [])
-        while True:
-            entry = _Queued(u)
-            queue.append(entry)
-            if self._senders.get(peer, 0) < self.slots.slots:
-                self._senders[peer] = self._senders.get(peer, 0) + 1
+        meanwhile, up to a slot's bytes (batching.py: fusion with no added latency when idle;
+        each update's task returns as soon as its own batch is answered). Raises what its send
+        raised (a TransportError, or its own RemoteError). An update whose batch was cut off by
+        its sender's cancellation is queued again."""
+        q = self._queues.get(peer)
+        if q is None:
+
+            async def send(batch: list[Update]) -> list:
                 try:
-                    while queue:
-                        batch = [queue.pop(0)]
-                        size = len(batch[0].update.bytes())
-                        while queue and size + len(queue[0].update.bytes()) <= self.slots.slot_size:
-                            size += len(queue[0].update.bytes())
-                            batch.append(queue.pop(0))
-                        try:
-                            results = await self.slots.with_slot(peer, lambda slot, b=batch: self._apply(peer, [e.update for e in b], slot))
-                        except TransportError as exc:
-                            results = [exc] * len(batch)
-                        except BaseException:
-                            for e in batch:  # cancelled mid-send: the others are sent again
-                                e.result = _AGAIN
-                                e.done.set()
-                            raise
-                        for e, r in zip(batch, results, strict=True):
-                            e.result = r
-                            e.done.set()
-                finally:
-                    self._senders[peer] -= 1
-                    if not self._senders[peer]:  # the last sender was cancelled: the rest queue again
-                        for e in queue:
-                            e.result = _AGAIN
-                            e.done.set()
-                        queue.clear()
-            await entry.done.wait()
-            if entry.result is _AGAIN:
+                    return await self.slots.with_slot(peer, lambda slot: self._apply(peer, batch, slot))
+                except TransportError as exc:
+                    return [exc] * len(batch)
+
+            q = self._queues[peer] = Batcher(self.slots.slots, self.slots.slot_size, send)
+        while True:
+            try:
+                return await q.put(u, len(u.bytes()))
+            except Unsent:
                 continue
-            if isinstance(entry.result, BaseException):
-                raise entry.result
-            return entry.result
 
     async def update(self, peer: str, u: Update) -> bool:
         """``u`` to backup ``peer`` (the whole stripe if it is behind); True once it holds it."""

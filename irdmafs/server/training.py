@@ -9,8 +9,10 @@ stripe takes a push under the model's policy (policies.py: bsp, asp, ssp, r2sp),
 (held aside by the backup until then) and the push bookkeeping to every backup in one ``apply``:
 a backup that takes over holds all of one step or none of it, so a client's retry of an
 unanswered push is applied exactly once. A bsp round still open lives on the primary alone; its
-pushers keep their pushes until it closes and send them again to a new primary (``train_next``
-says whether it has them), so a primary lost mid-round loses nothing either. ``train_wait`` waits for held r2sp pushes;
+pushers keep their pushes until they see it closed (its clock published, once every backup holds
+it) and send them again to a new primary (``train_next`` says whether it has them), so a primary
+lost mid-round loses nothing either; the push that closes a round is answered once taken, before
+that copy (``_push_now``). ``train_wait`` waits for held r2sp pushes;
 ``train_records`` hands the bookkeeping to a resyncing peer.
 """
 
@@ -22,6 +24,7 @@ import logging
 import math
 import time
 from collections import defaultdict
+from functools import partial
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -225,23 +228,38 @@ class Training:
         if not isinstance(descs, list) or not all(isinstance(d, dict) for d in descs):
             raise RemoteError("EINVAL", "malformed push descriptor: not a list of objects")
         data = region.buf[offset + imm : offset + length]
-        results: list[dict] = [{} for _ in descs]
+        results: list[dict | None] = [None] * len(descs)
+        answered = [trio.Event() for _ in descs]
+
+        def answer(i: int, result: dict) -> None:
+            if results[i] is None:
+                results[i] = result
+                answered[i].set()
 
         async def one(i: int, d: dict) -> None:
             try:
-                results[i] = await self._push(*self._push_args(data, d))
+                answer(i, await self._push(*self._push_args(data, d), partial(answer, i)))
             except RemoteError as exc:
-                results[i] = {"error": exc.code, "message": exc.message}
+                failed = {"error": exc.code, "message": exc.message}
             except NoSpace as exc:
-                results[i] = {"error": "ENOSPC", "message": str(exc)}
+                failed = {"error": "ENOSPC", "message": str(exc)}
             except Exception as exc:  # a fault here, not in the descriptor (checked above)
                 log.exception("node %s: push to stripe %s:%s failed", self.name, d.get("fid"), d.get("idx"))
-                results[i] = {"error": "EIO", "message": f"{type(exc).__name__}: {exc}"}
+                failed = {"error": "EIO", "message": f"{type(exc).__name__}: {exc}"}
+            else:
+                return
+            if results[i] is None:
+                answer(i, failed)
+            else:  # answered when taken: its pusher keeps it until the round is seen closed
+                log.info("node %s: round of stripe %s:%s taken, not settled: %s", self.name, d.get("fid"), d.get("idx"), failed["message"])
 
         t0 = time.perf_counter()
-        async with trio.open_nursery() as n:
-            for i, d in enumerate(descs):
-                n.start_soon(one, i, dict(d))
+        # in the node's nursery: a push answered once taken (``_push_now``) settles its round
+        # after this answer has gone
+        for i, d in enumerate(descs):
+            self.cluster.nursery.start_soon(one, i, dict(d))
+        for ev_ in answered:
+            await ev_.wait()
         self.latency.observe("push", time.perf_counter() - t0)
         info = {}
         for fid in {d.get("fid") for d in descs if isinstance(d.get("fid"), int)}:
@@ -265,15 +283,26 @@ class Training:
             raise RemoteError("EINVAL", f"bad push descriptor: {', '.join(wrong)} of the wrong type")
         return data[at:], Push(**d)
 
-    async def _push(self, staged: memoryview, p: Push) -> dict:
-        """Push ``p``, its gradient read from ``staged``, applied as the policy says."""
+    async def _push(self, staged: memoryview, p: Push, answer: Callable[[dict], None]) -> dict:
+        """Push ``p``, its gradient read from ``staged``, applied as the policy says;
+        ``answer``: see ``_push_now``."""
         await self.serving.check_epoch(p.epoch)
         self.serving.require_ready()
         await self.serving.await_takeover()
         async with self.barrier.changing():
-            return await self._push_now(staged, p)
+            return await self._push_now(staged, p, answer)
 
-    async def _push_now(self, staged: memoryview, p: Push) -> dict:
+    async def _push_now(self, staged: memoryview, p: Push, answer: Callable[[dict], None]) -> dict:
+        """Take push ``p`` and apply what it completes. A bsp push that closes its round is
+        answered (``answer``) as soon as it is taken, before its round is applied and copied to
+        the backups: its answer names the clock published before it, so its pusher keeps it
+        as it keeps a push to a round still open, and sends it again to a new primary should
+        this one be lost before the round is settled (``_settle``). Its staged bytes are not
+        read after the take (the round's sum is a copy). Without it, the pusher that closed
+        each round waited for the copy to a backup behind a full link before its next batch
+        could use the staging slot, and the ranks drifted apart (issue 42). A lone rank has no
+        others to fall behind: its pushes are answered once settled, with the new clock, so its
+        next pull reads at once, one-sided (no ``clock_wait``)."""
         fid, idx, offset, count, rank, step, unit = p.fid, p.idx, p.offset, p.count, p.rank, p.step, p.unit
         self.serving.check_primary(fid, idx)
         model, opt, tensor = self.model_of(fid)
@@ -303,13 +332,24 @@ class Training:
             st.observe(rank, p.busy)
             now = trio.current_time()
             st.arrive(rank, step, now, p.paced)
-            await self._settle(fid, idx, st, model, opt, dtype, st.take(model, rank, step, grad))
-            clock, held = st.clock(model), step >= st.pushed.get(rank, 0)
+            ups = st.take(model, rank, step, grad)
+            stripe = self.store.get(fid, idx)
+            if ups and model.policy.kind == "bsp" and len(model.active) > 1 and stripe is not None:
+                answer(self._reply(st, model, rank, step, now, published=stripe))
+            await self._settle(fid, idx, st, model, opt, dtype, ups)
+            reply = self._reply(st, model, rank, step, now)
         self._signal_applied()
+        return reply
+
+    @staticmethod
+    def _reply(st: StripeTraining, model: Model, rank: int, step: int, now: float, published=None) -> dict:
+        """The answer to push ``step`` of ``rank``: the stripe's clock (``published``: the
+        clock of that stripe as readers see it, for an answer before the publish), its push
+        count, and under r2sp whether it is held and when its next slot is."""
         return {
-            "clock": clock,
+            "clock": st.clock(model) if published is None else published.clock,
             "pushed": step + 1,
-            "held": held,  # r2sp: taken, applied when its turn comes
+            "held": step >= st.pushed.get(rank, 0),  # r2sp: taken, applied when its turn comes
             "slot_in": round(st.slot_in(model, rank, now), 6),  # r2sp: wait this long before the next push
             "busy": {str(r): round(v, 6) for r, v in st.busy.items()},  # compute time per step
         }

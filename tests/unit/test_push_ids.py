@@ -172,6 +172,8 @@ async def test_a_pull_sees_a_round_closed_only_once_every_backup_holds_it(bed):
         assert primary.store.get(ino, 0).version > saved  # the parameters hold the step here...
         assert primary.store.get(ino, 0).clock == 0  # ...but no pull may see the round closed yet
         release.set()
+    # a push that closes a round is answered once taken, its round settled after: wait for it
+    await c.training.wait_applied(ino, 0)
     assert primary.store.get(ino, 0).clock == 1
     assert all(b.store.get(ino, 0).clock == 1 for b in backups)
     assert np.array_equal(await c.paths.load("/m/b.npy"), w - 1)  # the mean of the round, lr=1
