@@ -179,6 +179,40 @@ async def test_a_pull_sees_a_round_closed_only_once_every_backup_holds_it(bed):
     assert np.array_equal(await c.paths.load("/m/b.npy"), w - 1)  # the mean of the round, lr=1
 
 
+async def test_the_push_closing_a_round_is_answered_before_the_backups_hold_it_and_kept(bed):
+    """The push that closes a bsp round of two ranks is answered once taken, while the round's
+    copy to the backups is still on its way (it waited for that copy, holding its staging slot,
+    and the rank that closed each round fell behind the others: issue 42); its answer names the
+    clock readers see, so its pusher keeps it, as the first pusher does, until a pull sees the
+    round closed, and could send it again to a new primary."""
+    c, nodes, _ = bed
+    d = (await c.paths.resolve("/m"))["ino"]
+    await c.setxattr(d, "user.irdma.sync", "bsp")
+    await c.setxattr(d, "user.irdma.workers", "2")
+    w = np.zeros(1000, np.float32)
+    ino = (await c.paths.save("/m/k.npy", w))["ino"]
+    primary = next(n for n in nodes if n.name == c.cluster.roles.stripe_primary(ino, 0))
+    backups = [n for n in nodes if n.name in c.cluster.roles.targets(ino, 0) and n.name != primary.name]
+    release = trio.Event()
+    for b in backups:
+
+        async def apply(_real=b.calls["apply"], **kw):
+            await release.wait()
+            return await _real(**kw)
+
+        b.calls["apply"] = apply
+    with trio.fail_after(10):  # both answered while every backup's apply is held
+        await c.training.push(ino, 0, np.ones_like(w))
+        await c.training.push(ino, 1, np.ones_like(w))
+    assert primary.store.get(ino, 0).clock == 0  # not readable as closed yet
+    assert {(ino, 0, 0), (ino, 0, 1)} <= set(c.training._open)  # both pushers keep theirs
+    release.set()
+    out = np.empty_like(w)
+    await c.training.pull_into(ino, 1, out)
+    assert np.array_equal(out, w - 1)
+    assert (ino, 0, 1) not in c.training._open  # seen closed: forgotten
+
+
 async def test_a_push_answered_eagain_is_on_every_replica_before_its_retry_is_answered(bed):
     """A backup refuses the step of a push once (ESTALE: it counts the primary down), so the
     primary, which applied it, answers EAGAIN and leaves the step's clock unpublished; the
