@@ -106,6 +106,8 @@ class Batcher:
                     for i in batch:
                         self._answer(i, Unsent("its batch's sender was cancelled"))
                     raise
+                if len(results) != len(batch):  # never leave an item waiting for a missing answer
+                    results = [RuntimeError(f"{len(results)} answers to a batch of {len(batch)}")] * len(batch)
                 self.batches += 1
                 for i, r in zip(batch, results, strict=True):
                     self._answer(i, r)
@@ -115,15 +117,17 @@ class Batcher:
 
     def _take(self) -> list[_Item]:
         batch: list[_Item] = []
-        size = 0
+        size, rehand = 0, False
         while self._queue and (not batch or size + self._queue[0][2].size <= self.limit):
             item = heapq.heappop(self._queue)[2]
             item.taken = True
-            if item.handed:  # it was to send next; it is being sent instead
-                item.handed = False
+            if item.handed:  # it was to send next; it is being sent instead: another is
+                item.handed, rehand = False, True
                 self._handed -= 1
             batch.append(item)
             size += item.size
+        if rehand:
+            self._hand_on()
         return batch
 
     @staticmethod

@@ -68,6 +68,15 @@ class Resync:
         await self.training.pull_records(peers, mine)
         log.info("resync of node %s done in %.2fs", self.name, time.monotonic() - t0)
 
+    def _in_extent(self, fid: int, idx: int, snap: int) -> bool:
+        """Whether stripe ``idx`` of file ``fid`` lies inside the file's size in the namespace
+        (in snapshot ``snap``'s view for a snapshot's copy; optimizer state, snapshots -1 and -2,
+        goes with the live stripe)."""
+        meta = self.meta()
+        view = meta.view(snap) if snap > 0 and snap in meta.snapshot_ids().values() else meta
+        node = view.inodes.get(fid)
+        return bool(node and node.get("unit") and idx * node["unit"] < node.get("size", 0))
+
     async def pull_stripes(self, what: str, peers: list[str], mine, *, strict: bool = False, converge: bool = False, newer_or_fail: bool = False) -> dict:
         """Fetch, from ``peers``, the newest copy of every stripe (live, snapshot, optimizer
         state) for which ``mine(fid, idx)`` holds and that this node lacks or holds older. With
@@ -152,6 +161,12 @@ class Resync:
                 # the other home dropped every stripe they shared: fault simulator, mixed seed
                 # 1663 with parallel fetches)
                 if key not in newest and self.name in homes and others and set(others) <= listed and held is not None and held.stamp == stamp:
+                    if self._in_extent(*key):
+                        # inside its file as the namespace says: no truncate freed it (those
+                        # dropped it by their cuts when the namespace was taken: namespace.py
+                        # ``drop_freed``), so the homes that lack it lost it (mixed seed 1846)
+                        log.warning("%s: stripe %d:%d (snapshot %d) is held by no other home; kept here", what, *key)
+                        continue
                     gone.append(key)
             if gone:
                 log.info("%s: %d stripes freed on every peer while this node was away: dropped here", what, len(gone))

@@ -196,3 +196,31 @@ async def test_an_error_sending_a_batch_is_every_items_answer():
     assert await b.put("good", 1) == "good"
     with pytest.raises(ValueError, match="bad"):
         await b.put("bad", 1)
+
+
+async def test_a_batch_answered_with_too_few_answers_fails_every_item_not_leaves_one_waiting():
+    async def short(values: list) -> list:
+        return values[:1]
+
+    b = Batcher(senders=1, limit=100, send=short)
+    got = {}
+
+    async def put(v: str) -> None:
+        try:
+            got[v] = await b.put(v, 1)
+        except RuntimeError as exc:
+            got[v] = exc
+
+    send = Gated()
+    b.send = send
+    async with trio.open_nursery() as n:
+        n.start_soon(put, "a")
+        await send.wait_batches(1)
+        b.send = short
+        n.start_soon(put, "b")
+        await trio.testing.wait_all_tasks_blocked()
+        n.start_soon(put, "c")
+        await trio.testing.wait_all_tasks_blocked()
+        send.gates[0].set()
+    assert got["a"] == "ok a"
+    assert isinstance(got["b"], RuntimeError) and isinstance(got["c"], RuntimeError)

@@ -465,6 +465,27 @@ async def test_a_resync_drops_stripes_freed_meanwhile_and_takes_its_peers_lower_
     assert held is not None and bytes(held.data[:unit]) == new  # the peers' (lower) version won
 
 
+async def test_a_resync_keeps_a_stripe_inside_its_file_that_its_other_home_lost(cluster):
+    """Fault simulator, mixed seed 1846: a node expelled (a held link) kept the only copy of a
+    stripe once the other home crashed, restarted empty and caught up from the one peer left,
+    which a stand-in never given the stripe; resyncing, the expelled node read "every other
+    home answered and none holds it" as freed while it was away, and dropped the last copy of an
+    acknowledged write. A stripe inside its file's size was freed by no truncate (those drop it
+    by their cuts): it is kept."""
+    cfg, nodes = cluster
+    unit = cfg.stripe_unit
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
+        data = os.urandom(unit + 1)
+        fid = (await c.paths.write_file("/kept", data))["ino"]
+        homes = [n for n in nodes if n.store.get(fid, 1) is not None]
+        assert len(homes) == 2
+        keeper, loser = homes
+        loser.store.drop_keys([(fid, 1, 0)])  # what a crash and a resync from a peer lacking it leave
+        await keeper.resync.resync()
+        assert keeper.store.get(fid, 1) is not None  # its last copy: kept
+        assert await c.paths.read_file("/kept") == data
+
+
 async def caught_up(nodes) -> None:
     """Every node has taken its stripes back once since it started (``Serving.complete``)."""
     with trio.fail_after(5):
