@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench import local_cluster, mounted  # noqa: E402
+from bench import local_cluster, mounted, report  # noqa: E402
 
 TARGET = 2.0  # issue 43: save and load through the mount within 2x of tmpfs
 WAYS = ("torch", "safetensors", "dcp")
@@ -189,13 +189,7 @@ def main() -> int:
         ap.error("--gib and --reps must be positive")
     with tempfile.TemporaryDirectory(prefix="irdmafs-bench-ckpt-") as tmp:
         res = run(Path(tmp), ARGS.gib, ARGS.replicas, ARGS.reps)
-    for k, v in res.items():
-        print(f"{k:28s} {v:10.3f}")
-    ratios = {k: v for k, v in res.items() if k.endswith("_vs_tmpfs")}
-    missed = sorted(k for k, v in ratios.items() if v > TARGET)
-    print(f"target (every *_vs_tmpfs <= {TARGET}): " + ("met" if not missed else f"missed: {', '.join(missed)}"))
-    if ARGS.json:
-        Path(ARGS.json).write_text(json.dumps(res, indent=1, sort_keys=True) + "\n")
+    report(res, [k for k in res if k.endswith("_vs_tmpfs")], TARGET, ARGS.json)
     return 0
 
 

@@ -25,7 +25,6 @@ seconds of each.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -36,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench import local_cluster, mounted  # noqa: E402
+from bench import local_cluster, mounted, report  # noqa: E402
 
 TARGET = 3.0  # issue 43: stat of many files and the no-op rsync within 3x of local disk
 PER_DIR = 1000
@@ -137,12 +136,7 @@ def main() -> int:
         ap.error(f"--files must be at least {PER_DIR} (ls -l reads a directory of {PER_DIR})")
     with tempfile.TemporaryDirectory(prefix="irdmafs-bench-names-") as tmp:
         res = run(Path(tmp), args.files)
-    for k, v in res.items():
-        print(f"{k:28s} {v:10.4f}")
-    missed = sorted(k for k, v in res.items() if k.endswith("_vs_disk") and not k.startswith("ls_l") and v > TARGET)
-    print(f"target (stat and rsync *_vs_disk <= {TARGET}): " + ("met" if not missed else f"missed: {', '.join(missed)}"))
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1, sort_keys=True) + "\n")
+    report(res, [k for k in res if k.endswith("_vs_disk") and not k.startswith("ls_l")], TARGET, args.json, digits=4)
     return 0
 
 

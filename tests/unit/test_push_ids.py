@@ -32,6 +32,20 @@ def records(nodes, ino):
     return [(n.name, idx, st) for n in nodes for (f, idx), st in n.training.records.items() if f == ino]
 
 
+async def bsp_of_two(c, nodes, path: str):
+    """A tensor of 1,000 zeros under bsp with two ranks: (its values, inode, the node primary of
+    its stripe, the stripe's backups)."""
+    d = (await c.paths.resolve("/m"))["ino"]
+    await c.setxattr(d, "user.irdma.sync", "bsp")
+    await c.setxattr(d, "user.irdma.workers", "2")
+    w = np.zeros(1000, np.float32)
+    ino = (await c.paths.save(path, w))["ino"]
+    primary = next(n for n in nodes if n.name == c.cluster.roles.stripe_primary(ino, 0))
+    backups = [n for n in nodes if n.name in c.cluster.roles.targets(ino, 0) and n.name != primary.name]
+    assert backups, "a stripe of R=2 has a backup"
+    return w, ino, primary, backups
+
+
 async def test_a_server_count_set_back_is_a_loud_error_not_a_renumbering(bed):
     """A stale record restored on the primary sets rank 0's count back from 3 to 1: the client
     pushes step 3 anyway and is told EINVAL (out of order); it never sends the gradient as step 1,
@@ -140,15 +154,7 @@ async def test_a_pull_sees_a_round_closed_only_once_every_backup_holds_it(bed):
     primary alone holds it. Without this, a primary killed then took the round with it (CI's
     soak: "push 13 is out of order")."""
     c, nodes, _ = bed
-    d = (await c.paths.resolve("/m"))["ino"]
-    await c.setxattr(d, "user.irdma.sync", "bsp")
-    await c.setxattr(d, "user.irdma.workers", "2")
-    w = np.zeros(1000, np.float32)
-    ino = (await c.paths.save("/m/b.npy", w))["ino"]
-    primary_name = c.cluster.roles.stripe_primary(ino, 0)
-    primary = next(n for n in nodes if n.name == primary_name)
-    backups = [n for n in nodes if n.name in c.cluster.roles.targets(ino, 0) and n.name != primary_name]
-    assert backups, "a stripe of R=2 has a backup"
+    w, ino, primary, backups = await bsp_of_two(c, nodes, "/m/b.npy")
     release, held = trio.Event(), trio.Event()
     real_apply = {b.name: b.calls["apply"] for b in backups}
 
@@ -186,13 +192,7 @@ async def test_the_push_closing_a_round_is_answered_before_the_backups_hold_it_a
     clock readers see, so its pusher keeps it, as the first pusher does, until a pull sees the
     round closed, and could send it again to a new primary."""
     c, nodes, _ = bed
-    d = (await c.paths.resolve("/m"))["ino"]
-    await c.setxattr(d, "user.irdma.sync", "bsp")
-    await c.setxattr(d, "user.irdma.workers", "2")
-    w = np.zeros(1000, np.float32)
-    ino = (await c.paths.save("/m/k.npy", w))["ino"]
-    primary = next(n for n in nodes if n.name == c.cluster.roles.stripe_primary(ino, 0))
-    backups = [n for n in nodes if n.name in c.cluster.roles.targets(ino, 0) and n.name != primary.name]
+    w, ino, primary, backups = await bsp_of_two(c, nodes, "/m/k.npy")
     release = trio.Event()
     for b in backups:
 
