@@ -97,6 +97,8 @@ class Batcher:
             if gather:
                 await trio.lowlevel.checkpoint()
             while self._queue and not mine.done:
+                # a cancelled sender takes no batch: its cancellation would cut off the others' items
+                await trio.lowlevel.checkpoint_if_cancelled()
                 batch = self._take()
                 try:
                     results = await self.send([i.value for i in batch])

@@ -10,6 +10,7 @@ way (``pull_stripes`` with ``strict``), and the hand-over fetches single stripes
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import sys
@@ -20,6 +21,7 @@ import trio
 
 from ..peers import NodeDown
 from ..notify import notify
+from ..namespace import MODEL_XATTR
 from ..progress import Progress
 from ..transport.base import AccessError, RemoteError, TransportError
 from ..util import single_exception
@@ -69,13 +71,22 @@ class Resync:
         log.info("resync of node %s done in %.2fs", self.name, time.monotonic() - t0)
 
     def _in_extent(self, fid: int, idx: int, snap: int) -> bool:
-        """Whether stripe ``idx`` of file ``fid`` lies inside the file's size in the namespace
-        (in snapshot ``snap``'s view for a snapshot's copy; optimizer state, snapshots -1 and -2,
-        goes with the live stripe)."""
+        """Whether stripe ``idx`` of file ``fid`` holds bytes of the file as the namespace says:
+        inside its size, before a model's tensors' start (``setmodel`` drops the stripes past
+        it, with no cut), in snapshot ``snap``'s view for a snapshot's copy (False for a snapshot
+        gone). Never for optimizer state (snapshots -1, -2): it goes with its step's record,
+        which a resync takes from the peers."""
         meta = self.meta()
-        view = meta.view(snap) if snap > 0 and snap in meta.snapshot_ids().values() else meta
-        node = view.inodes.get(fid)
-        return bool(node and node.get("unit") and idx * node["unit"] < node.get("size", 0))
+        if snap < 0 or (snap > 0 and snap not in meta.snapshot_ids().values()):
+            return False
+        node = meta.view(snap).inodes.get(fid)
+        if not node or not node.get("unit"):
+            return False
+        end = node.get("size", 0)
+        model = node.get("xattrs", {}).get(MODEL_XATTR)
+        if model:
+            end = min(end, json.loads(model).get("start", end))
+        return idx * node["unit"] < end
 
     async def pull_stripes(self, what: str, peers: list[str], mine, *, strict: bool = False, converge: bool = False, newer_or_fail: bool = False) -> dict:
         """Fetch, from ``peers``, the newest copy of every stripe (live, snapshot, optimizer
@@ -161,10 +172,11 @@ class Resync:
                 # the other home dropped every stripe they shared: fault simulator, mixed seed
                 # 1663 with parallel fetches)
                 if key not in newest and self.name in homes and others and set(others) <= listed and held is not None and held.stamp == stamp:
-                    if self._in_extent(*key):
+                    if self._in_extent(*key) and self.serving.led.get(key, -math.inf) < self.serving.suspect_since:
                         # inside its file as the namespace says: no truncate freed it (those
                         # dropped it by their cuts when the namespace was taken: namespace.py
-                        # ``drop_freed``), so the homes that lack it lost it (mixed seed 1846)
+                        # ``drop_freed``), so the homes that lack it lost it (mixed seed 1846);
+                        # not one this node led before its fence (maybe never acknowledged)
                         log.warning("%s: stripe %d:%d (snapshot %d) is held by no other home; kept here", what, *key)
                         continue
                     gone.append(key)

@@ -236,25 +236,28 @@ class Training:
                 results[i] = result
                 answered[i].set()
 
+        def failed(i: int, d: dict, result: dict) -> None:
+            if results[i] is None:
+                answer(i, result)
+            else:  # answered once applied here: its pusher keeps it until the round is seen closed
+                log.info("node %s: round of stripe %s:%s applied, not settled: %s", self.name, d.get("fid"), d.get("idx"), result["message"])
+
         async def one(i: int, d: dict) -> None:
             try:
                 answer(i, await self._push(*self._push_args(data, d), partial(answer, i)))
             except RemoteError as exc:
-                failed = {"error": exc.code, "message": exc.message}
+                failed(i, d, {"error": exc.code, "message": exc.message})
             except NoSpace as exc:
-                failed = {"error": "ENOSPC", "message": str(exc)}
+                failed(i, d, {"error": "ENOSPC", "message": str(exc)})
             except Exception as exc:  # a fault here, not in the descriptor (checked above)
                 log.exception("node %s: push to stripe %s:%s failed", self.name, d.get("fid"), d.get("idx"))
-                failed = {"error": "EIO", "message": f"{type(exc).__name__}: {exc}"}
-            else:
-                return
-            if results[i] is None:
-                answer(i, failed)
-            else:  # answered when taken: its pusher keeps it until the round is seen closed
-                log.info("node %s: round of stripe %s:%s taken, not settled: %s", self.name, d.get("fid"), d.get("idx"), failed["message"])
+                failed(i, d, {"error": "EIO", "message": f"{type(exc).__name__}: {exc}"})
+            finally:  # cancelled (the node stopping): never leave the batch waiting for it
+                if results[i] is None:
+                    answer(i, {"error": "EAGAIN", "message": "the node stopped before it took this push"})
 
         t0 = time.perf_counter()
-        # in the node's nursery: a push answered once taken (``_push_now``) settles its round
+        # in the node's nursery: a push answered once applied here (``_push_now``) settles its round
         # after this answer has gone
         for i, d in enumerate(descs):
             self.cluster.nursery.start_soon(one, i, dict(d))
@@ -294,11 +297,12 @@ class Training:
 
     async def _push_now(self, staged: memoryview, p: Push, answer: Callable[[dict], None]) -> dict:
         """Take push ``p`` and apply what it completes. A bsp push that closes its round is
-        answered (``answer``) as soon as it is taken, before its round is applied and copied to
-        the backups: its answer names the clock published before it, so its pusher keeps it
+        answered (``answer``) once its round is applied here, before it is copied to the
+        backups: its answer names the clock published before it, so its pusher keeps it
         as it keeps a push to a round still open, and sends it again to a new primary should
-        this one be lost before the round is settled (``_settle``). Its staged bytes are not
-        read after the take (the round's sum is a copy). Without it, the pusher that closed
+        this one be lost before the round is settled (``_settle``); a failure to apply it here
+        (NoSpace) is still answered as one. Its staged bytes are not read after the take (the
+        round's sum is a copy). Without it, the pusher that closed
         each round waited for the copy to a backup behind a full link before its next batch
         could use the staging slot, and the ranks drifted apart (issue 42). A lone rank has no
         others to fall behind: its pushes are answered once settled, with the new clock, so its
@@ -333,10 +337,10 @@ class Training:
             now = trio.current_time()
             st.arrive(rank, step, now, p.paced)
             ups = st.take(model, rank, step, grad)
-            stripe = self.store.get(fid, idx)
-            if ups and model.policy.kind == "bsp" and len(model.active) > 1 and stripe is not None:
-                answer(self._reply(st, model, rank, step, now, published=stripe))
-            await self._settle(fid, idx, st, model, opt, dtype, ups)
+            early = None
+            if ups and model.policy.kind == "bsp" and len(model.active) > 1:
+                early = lambda: answer(self._reply(st, model, rank, step, now, published=self.store.get(fid, idx)))  # noqa: E731
+            await self._settle(fid, idx, st, model, opt, dtype, ups, applied=early)
             reply = self._reply(st, model, rank, step, now)
         self._signal_applied()
         return reply
@@ -392,9 +396,13 @@ class Training:
             return {"pushed": st.pushed.get(rank, 0)}
         raise RemoteError("ETIMEDOUT", f"rank {rank}'s push {pushed - 1} not applied within {timeout}s")
 
-    async def _settle(self, fid: int, idx: int, st: StripeTraining, model: Model, opt: optim.Optimizer, dtype: np.dtype, updates: list) -> None:
+    async def _settle(
+        self, fid: int, idx: int, st: StripeTraining, model: Model, opt: optim.Optimizer, dtype: np.dtype, updates: list, applied: Callable[[], None] | None = None
+    ) -> None:
         """Apply ``updates`` in one install, replicate them with the stripe's new clock, and
-        only then publish that clock here. Called with the stripe's lock held.
+        only then publish that clock here. Called with the stripe's lock held. ``applied()`` is
+        called once the updates are installed here, before the copy to the backups (the early
+        answer of ``_push_now``): a failure to install them (NoSpace) is still its pusher's.
 
         A pull waits for the clock and then reads the parameters (from any replica), and a
         pusher forgets a round's piece once a pull has seen the round closed: were the clock
@@ -438,6 +446,8 @@ class Training:
         self.serving.led_now((fid, idx, 0))
         self.apply_seconds += time.perf_counter() - t0
         nstate = len(opt.state_names) if updates else 0
+        if applied is not None:
+            applied()
         await self._replicate_training(StripeRange(StripeKey(fid, idx), offset, count * dtype.itemsize, unit), nstate, record, base_tag, clock)
         self.store.publish_clock(fid, idx, clock)
 

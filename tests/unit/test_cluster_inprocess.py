@@ -486,6 +486,21 @@ async def test_a_resync_keeps_a_stripe_inside_its_file_that_its_other_home_lost(
         assert await c.paths.read_file("/kept") == data
 
 
+async def test_what_a_resync_counts_inside_a_file(cluster):
+    """``Resync._in_extent``: a stripe inside its file's size holds its bytes; past the end,
+    optimizer state (kept with its record, not alone) and a snapshot that is gone do not."""
+    cfg, nodes = cluster
+    unit = cfg.stripe_unit
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
+        fid = (await c.paths.write_file("/extent", bytes(unit + 1)))["ino"]
+    r = nodes[0].resync
+    assert r._in_extent(fid, 0, 0) and r._in_extent(fid, 1, 0)
+    assert not r._in_extent(fid, 2, 0)
+    assert not r._in_extent(fid, 0, -1) and not r._in_extent(fid, 0, -2)
+    assert not r._in_extent(fid, 0, 12345)  # no such snapshot
+    assert not r._in_extent(fid + 1000, 0, 0)  # no such file
+
+
 async def caught_up(nodes) -> None:
     """Every node has taken its stripes back once since it started (``Serving.complete``)."""
     with trio.fail_after(5):

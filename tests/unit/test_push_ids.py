@@ -213,6 +213,29 @@ async def test_the_push_closing_a_round_is_answered_before_the_backups_hold_it_a
     assert (ino, 0, 1) not in c.training._open  # seen closed: forgotten
 
 
+async def test_the_push_closing_a_round_that_cannot_be_applied_is_answered_enospc(bed):
+    """The early answer waits for the round's install here: a round that does not fit (NoSpace
+    from the store) is the closing pusher's error, never an OK for a round that was not applied
+    (a later settle would publish its clock over unchanged parameters)."""
+    from irdmafs.server.budget import NoSpace
+
+    c, nodes, _ = bed
+    w, ino, primary, _ = await bsp_of_two(c, nodes, "/m/n.npy")
+    real = primary.store.update
+
+    def full(fid, idx, *args, **kw):
+        if fid == ino:
+            raise NoSpace("no room for the round (test)")
+        return real(fid, idx, *args, **kw)
+
+    primary.store.update = full
+    await c.training.push(ino, 0, np.ones_like(w))  # opens the round: nothing applied yet
+    with pytest.raises(RemoteError) as err:
+        await c.training.push(ino, 1, np.ones_like(w))
+    assert err.value.code == "ENOSPC"
+    assert primary.store.get(ino, 0).clock == 0
+
+
 async def test_a_push_answered_eagain_is_on_every_replica_before_its_retry_is_answered(bed):
     """A backup refuses the step of a push once (ESTALE: it counts the primary down), so the
     primary, which applied it, answers EAGAIN and leaves the step's clock unpublished; the
