@@ -397,7 +397,15 @@ class Training:
         raise RemoteError("ETIMEDOUT", f"rank {rank}'s push {pushed - 1} not applied within {timeout}s")
 
     async def _settle(
-        self, fid: int, idx: int, st: StripeTraining, model: Model, opt: optim.Optimizer, dtype: np.dtype, updates: list, applied: Callable[[], None] | None = None
+        self,
+        fid: int,
+        idx: int,
+        st: StripeTraining,
+        model: Model,
+        opt: optim.Optimizer,
+        dtype: np.dtype,
+        updates: list,
+        applied: Callable[[], None] | None = None,
     ) -> None:
         """Apply ``updates`` in one install, replicate them with the stripe's new clock, and
         only then publish that clock here. Called with the stripe's lock held. ``applied()`` is
