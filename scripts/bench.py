@@ -327,7 +327,6 @@ def model_figures(mnt: Path, reps: int) -> dict[str, float]:
     }
 
 
-@contextlib.contextmanager
 def report(res: dict[str, float], counted: list[str], bound: float, json_path: str | None, digits: int = 3) -> None:
     """Print ``res`` flat, then whether every ratio named in ``counted`` is within ``bound``, and
     write it as JSON to ``json_path`` if given (bench_ckpt.py, bench_names.py)."""
@@ -339,6 +338,7 @@ def report(res: dict[str, float], counted: list[str], bound: float, json_path: s
         Path(json_path).write_text(json.dumps(res, indent=1, sort_keys=True) + "\n")
 
 
+@contextlib.contextmanager
 def local_cluster(state: Path, replicas: int, log_dir: Path, transport: str = "tcp", persist: Path | None = None):
     """etcd (the views' coordinator) and 3 nodes on ``transport``, R=``replicas``, settled, for
     the block (the LocalCluster; ``persist``: nodes keep their data under it, persist.py);
