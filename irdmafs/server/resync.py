@@ -99,7 +99,8 @@ class Resync:
         With ``converge`` (a resync: this node was away, its ready peers hold the truth), a
         stripe of this node that its peers hold at a *lower* version is replaced by theirs,
         and one that no home peer holds any more is dropped, unless it changed since the
-        listing (a write replicated here meanwhile). A stripe freed by a truncate this node
+        listing (a write replicated here meanwhile) or still holds bytes of its file
+        (``_in_extent``: then the homes that lack it lost it). A stripe freed by a truncate this node
         missed and then written again starts over at version 1 on its peers: keeping the old
         copy because its version is higher would serve old bytes (found by scripts/chaos.py).
         Never theirs from an older epoch than this node's copy, though: that is a copy
