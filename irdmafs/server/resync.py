@@ -173,11 +173,15 @@ class Resync:
                 # the other home dropped every stripe they shared: fault simulator, mixed seed
                 # 1663 with parallel fetches)
                 if key not in newest and self.name in homes and others and set(others) <= listed and held is not None and held.stamp == stamp:
-                    if self._in_extent(*key) and self.serving.led.get(key, -math.inf) < self.serving.suspect_since:
+                    if self._in_extent(*key):
                         # inside its file as the namespace says: no truncate freed it (those
                         # dropped it by their cuts when the namespace was taken: namespace.py
-                        # ``drop_freed``), so the homes that lack it lost it (mixed seed 1846);
-                        # not one this node led before its fence (maybe never acknowledged)
+                        # ``drop_freed``), so the homes that lack it lost it (mixed seed 1846:
+                        # the last copy of an acknowledged write, which this node had led just
+                        # before its fence). Kept even if led since this node fell under
+                        # suspicion: at worst the bytes of a write that failed, which a failed
+                        # write may leave; no later acknowledged write is older than them (its
+                        # copies would be listed) and no truncate freed them (cuts)
                         log.warning("%s: stripe %d:%d (snapshot %d) is held by no other home; kept here", what, *key)
                         continue
                     gone.append(key)
