@@ -11,8 +11,8 @@ a backup that takes over holds all of one step or none of it, so a client's retr
 unanswered push is applied exactly once. A bsp round still open lives on the primary alone; its
 pushers keep their pushes until they see it closed (its clock published, once every backup holds
 it) and send them again to a new primary (``train_next`` says whether it has them), so a primary
-lost mid-round loses nothing either; the push that closes a round is answered once taken, before
-that copy (``_push_now``). ``train_wait`` waits for held r2sp pushes;
+lost mid-round loses nothing either; the push that closes a round is answered once the round is
+applied here, before that copy (``_push_now``). ``train_wait`` waits for held r2sp pushes;
 ``train_records`` hands the bookkeeping to a resyncing peer.
 """
 
@@ -302,9 +302,9 @@ class Training:
         as it keeps a push to a round still open, and sends it again to a new primary should
         this one be lost before the round is settled (``_settle``); a failure to apply it here
         (NoSpace) is still answered as one. Its staged bytes are not read after the take (the
-        round's sum is a copy). Without it, the pusher that closed
-        each round waited for the copy to a backup behind a full link before its next batch
-        could use the staging slot, and the ranks drifted apart (issue 42). A lone rank has no
+        round's sum is a copy). Without it, the pusher that closed each round waited for the
+        copy to a backup behind a full link before its next batch could use the staging slot,
+        and the ranks drifted apart (issue 42). A lone rank has no
         others to fall behind: its pushes are answered once settled, with the new clock, so its
         next pull reads at once, one-sided (no ``clock_wait``)."""
         fid, idx, offset, count, rank, step, unit = p.fid, p.idx, p.offset, p.count, p.rank, p.step, p.unit
@@ -339,19 +339,19 @@ class Training:
             ups = st.take(model, rank, step, grad)
             early = None
             if ups and model.policy.kind == "bsp" and len(model.active) > 1:
-                early = lambda: answer(self._reply(st, model, rank, step, now, published=self.store.get(fid, idx)))  # noqa: E731
+                early = lambda: answer(self._reply(st, model, rank, step, now, clock=self.store.get(fid, idx).clock))  # noqa: E731
             await self._settle(fid, idx, st, model, opt, dtype, ups, applied=early)
             reply = self._reply(st, model, rank, step, now)
         self._signal_applied()
         return reply
 
     @staticmethod
-    def _reply(st: StripeTraining, model: Model, rank: int, step: int, now: float, published=None) -> dict:
-        """The answer to push ``step`` of ``rank``: the stripe's clock (``published``: the
-        clock of that stripe as readers see it, for an answer before the publish), its push
-        count, and under r2sp whether it is held and when its next slot is."""
+    def _reply(st: StripeTraining, model: Model, rank: int, step: int, now: float, clock: int | None = None) -> dict:
+        """The answer to push ``step`` of ``rank``: the stripe's clock (``clock``: as readers
+        see it, for an answer before the publish), its push count, and under r2sp whether it is
+        held and when its next slot is."""
         return {
-            "clock": st.clock(model) if published is None else published.clock,
+            "clock": st.clock(model) if clock is None else clock,
             "pushed": step + 1,
             "held": step >= st.pushed.get(rank, 0),  # r2sp: taken, applied when its turn comes
             "slot_in": round(st.slot_in(model, rank, now), 6),  # r2sp: wait this long before the next push
