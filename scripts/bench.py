@@ -14,7 +14,7 @@ nothing else). The ceiling is timed in turn with each of the mount's figures, re
 each ``{pull,push}[_4m|_direct]_vs_fuse_ceiling_<transport and R>`` ratio is between those
 interleaved medians; ``pull_vs_fuse_ceiling`` and ``push_vs_fuse_ceiling`` (the targets) are
 the worse of R=1 and R=2 on shared memory (what a mount uses with nodes on its own host), the
-``_tcp`` ones the same over TCP. irdmafs's pulls are reads through the page cache (as any
+``_tcp`` ones the same over TCP (judged per R there: ``..._r1`` and ``..._r2``). irdmafs's pulls are reads through the page cache (as any
 program reads a file), cold (the file's cached pages are dropped before each), and with
 O_DIRECT. Peers (scripts/peers.py): torch.distributed gloo broadcast and all_reduce between 2
 processes; a gRPC parameter server's unary get and put. irdmafs: pull (read) and push (write)
@@ -63,10 +63,12 @@ TARGETS = {  # key: (comparison, bound)
     "pull_vs_gloo": (">=", 1.0),
     "push_vs_gloo": (">=", 1.0),
     "pull_vs_grpc": (">=", 6.0),
-    "pull_vs_fuse_ceiling": (">=", 0.8),
-    "push_vs_fuse_ceiling": (">=", 0.8),
-    "pull_vs_fuse_ceiling_tcp": (">=", 0.8),
-    "push_vs_fuse_ceiling_tcp": (">=", 0.8),
+    "pull_vs_fuse_ceiling": (">=", 0.85),  # issue 43: shared memory, R=1 and R=2
+    "push_vs_fuse_ceiling": (">=", 0.85),
+    "pull_vs_fuse_ceiling_r1": (">=", 0.7),  # TCP, R=1 and R=2
+    "pull_vs_fuse_ceiling_r2": (">=", 0.7),
+    "push_vs_fuse_ceiling_r1": (">=", 0.7),
+    "push_vs_fuse_ceiling_r2": (">=", 0.5),  # the replica's bytes cross the same two cores
     "model_files_vs_tensor_pull": ("<=", 2.0),
     "client_pull_vs_socket": (">=", 0.8),
     "link_utilisation": (">=", 0.95),

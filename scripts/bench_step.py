@@ -31,7 +31,7 @@ Keys: ``step_vs_ddp_<model>_w<W>`` (irdmafs step / DDP communication; target <= 
 ``step_vs_ddp_fp16_<model>_w<W>``; ``irdmafs_<phase>_s_...`` and ``ddp_comm_s_...`` the medians
 behind them. ``--models many,few``: a model of 1,004 tensors (1,000 of 8 KB beside 4 of 8 MB)
 against the same bytes in 10 tensors, ``many_vs_few_w<W>`` their steps' ratio (what a step pays
-per tensor; target <= 1.2). Every figure is from this run; the ratios are between figures of
+per tensor; target <= 1.5). Every figure is from this run; the ratios are between figures of
 this run only.
 Every worker checks that the parameters it pulled are what SGD over the pushed gradients gives,
 and every DDP rank that its all-reduced gradients are the ranks' mean, so a fast wrong answer
@@ -49,8 +49,9 @@ runs in worker namespace i, gloo on its veth, MASTER_ADDR rank 0's namespace add
 direction is a RATE pipe of its own), divided by RATE: the veths' counters (headers included, as
 tbf counts them) read before and after the timed steps, with every rank held at the edges of
 that window. Printed and written: ``link_step_vs_bound_<model>_w<W>`` (irdmafs step / its own link
-bound; target <= 1.10), ``link_step_vs_ddp_<model>_w<W>`` (irdmafs step / DDP's communication;
-target <= 0.90 at W=4, 0.80 at W=8), the bounds and steps behind them (``link_irdmafs_bound_s_...``,
+bound; target <= 1.15), ``link_step_vs_ddp_<model>_w<W>`` (irdmafs step / DDP's communication;
+target <= 1.0 at W=4, 0.85 at W=8), ``link_cpu_vs_ddp_<model>_w<W>`` (the nodes' and mounts' CPU
+per step / DDP's; target <= 2.0), the bounds and steps behind them (``link_irdmafs_bound_s_...``,
 ``link_ddp_bound_s_...``), and ``link_single_stream_vs_rate``: one TCP stream between two of the
 namespaces at the start of the run, over the rate (below ~0.95 the bound is not real: the links
 or the CPU cap below RATE). The CPU busy fraction of each side is printed beside its step.
@@ -632,6 +633,7 @@ def report_link(res: dict, m: str, w: int, prefix: str, compress: str, d: dict, 
     res[f"link_step_vs_bound_{key}"] = r["step"] / r["link_bound"]
     res[f"link_ddp_vs_bound_{key}"] = d["comm"] / d["link_bound"]
     res[f"link_step_vs_ddp_{key}"] = r["step"] / d["comm"]
+    res[f"link_cpu_vs_ddp_{key}"] = (r["cpu_nodes"] + r["cpu_mounts"]) / d["cpu"]  # nodes' and mounts' CPU / DDP's
     print(f"{m:12s} W={w} {compress:5s} over {res['link_rate']} links:\n"
           f"  irdmafs step {r['step'] * 1000:8.1f} ms (push {r['push'] * 1000:.1f}, pull {r['pull'] * 1000:.1f}, nodes' apply {r['apply'] * 1000:.1f}); "
           f"link bound {r['link_bound'] * 1000:8.1f} ms"
@@ -641,7 +643,8 @@ def report_link(res: dict, m: str, w: int, prefix: str, compress: str, d: dict, 
           f"  DDP comm     {d['comm'] * 1000:8.1f} ms; link bound {d['link_bound'] * 1000:8.1f} ms "
           f"({d['link_bytes'] / 1e6:.1f} MB/step on {d['link_where']}); CPU busy {busy_d:.0%}"
           f"  -> ddp comm / its bound = {res[f'link_ddp_vs_bound_{key}']:.2f}\n"
-          f"  link_step_vs_ddp_{key} = {res[f'link_step_vs_ddp_{key}']:.2f}", flush=True)  # fmt: skip
+          f"  link_step_vs_ddp_{key} = {res[f'link_step_vs_ddp_{key}']:.2f}; "
+          f"link_cpu_vs_ddp_{key} = {res[f'link_cpu_vs_ddp_{key}']:.2f}", flush=True)  # fmt: skip
     res[f"link_trace_steps_{key}"] = r["trace_steps"]
     if r["trace_steps"]:
         res[f"link_both_busy_{key}"] = statistics.mean(t["both"] for t in r["trace_steps"])
@@ -804,7 +807,7 @@ def main() -> int:
         many, few = res[f"{prefix}step_s_many_w{w}"], res[f"{prefix}step_s_few_w{w}"]
         res[f"many_vs_few_w{w}"] = many / few
         print(f"W={w}: 1,004 tensors step in {many * 1000:.1f} ms, the same bytes in 10 tensors in {few * 1000:.1f} ms"
-              f"  -> many_vs_few_w{w} = {many / few:.2f} (target <= 1.2)", flush=True)  # fmt: skip
+              f"  -> many_vs_few_w{w} = {many / few:.2f} (target <= 1.5)", flush=True)  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1, sort_keys=True) + "\n")
     if args.plot:
@@ -813,13 +816,17 @@ def main() -> int:
         print("targets: not judged (--no-ddp: no DDP figures, no ratios)")
         return 0
     if args.link:
-        targets = [("link_step_vs_bound_", 1.10), ("link_step_vs_ddp_", 0.90)]  # issue 32 (W=8: 0.80 against DDP)
+        # issue 42: the step within 1.15x its own link bound and no slower than DDP (W=8: 0.85x);
+        # the nodes' and mounts' CPU at most twice DDP's
+        targets = [("link_step_vs_bound_", 1.15), ("link_step_vs_ddp_", 1.0), ("link_cpu_vs_ddp_", 2.0)]
     else:
         # the issue's targets: one host with the door and shared memory <= 1.0; tcp <= 2.0
         targets = [("step_vs_ddp_", 1.0 if args.transport == "auto" and not args.no_door else 2.0)]
+    targets.append(("many_vs_few_", 1.5))
     for start, bound in targets:
-        missed = [k for k, v in res.items() if k.startswith(start) and not v <= bound]
-        print(f"targets ({start}* <= {bound}):", "all met" if not missed else "missed: " + ", ".join(missed))
+        missed = [k for k, v in res.items() if k.startswith(start) and not v <= (0.85 if start == "link_step_vs_ddp_" and k.endswith("_w8") else bound)]
+        w8 = ", W=8: 0.85" if start == "link_step_vs_ddp_" else ""
+        print(f"targets ({start}* <= {bound}{w8}):", "all met" if not missed else "missed: " + ", ".join(missed))
     return 0
 
 

@@ -40,7 +40,7 @@ from ..slots import StagingPool
 from ..transport.base import Gather, RemoteError, Transport, TransportError
 from ..util import single_exception
 from .paths import Paths
-from .stripe import StripeIO
+from .stripe import Extent, StripeIO
 from .training import LOCAL_BATCH, PUSH_BATCH, PushPull
 
 log = logging.getLogger(__name__)
@@ -217,7 +217,7 @@ class Client:
         attr = attr or await self.getattr(ino, snap)
         if S.S_ISDIR(attr["mode"]):
             raise RemoteError("EISDIR", "is a directory")
-        return await self.io.read(ino, attr["size"], attr["unit"], offset, into, snap)
+        return await self.io.read(Extent(ino, attr["size"], attr["unit"], snap), offset, into)
 
     async def read_many(self, reads: list[tuple[int, int, memoryview, dict]]) -> None:
         """Fill each ``into`` of (ino, offset, into, attr) from its live file, all at once (many

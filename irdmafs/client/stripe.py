@@ -95,6 +95,16 @@ def split(offset: int, length: int, unit: int) -> list[Piece]:
     return pieces
 
 
+class Extent(NamedTuple):
+    """What a read covers: file ``fid`` (or its snapshot ``snap``), ``size`` bytes long in
+    stripes of ``unit`` bytes."""
+
+    fid: int
+    size: int
+    unit: int
+    snap: int = 0
+
+
 class Key(NamedTuple):
     """Where a node holds a stripe, as its ``stripe_info`` said: for one-sided reads."""
 
@@ -307,23 +317,14 @@ class StripeIO:
         if slow:
             async with trio.open_nursery() as nursery:
                 for fid, size, unit, offset, into in slow:
-                    nursery.start_soon(self.read, fid, size, unit, offset, into)
+                    nursery.start_soon(self.read, Extent(fid, size, unit), offset, into)
 
-    async def read(
-        self,
-        fid: int,
-        size: int,
-        unit: int,
-        offset: int,
-        into: memoryview,
-        snap: int = 0,
-        step: StepWait = NO_WAIT,
-        clocks: dict | None = None,
-    ) -> int:
-        """Fill ``into`` from ``offset`` (clipped at ``size``) of the live file or of snapshot
-        ``snap``; returns the byte count. ``step``: what each stripe is read after (its clock
+    async def read(self, extent: Extent, offset: int, into: memoryview, step: StepWait = NO_WAIT, clocks: dict | None = None) -> int:
+        """Fill ``into`` from ``offset`` of ``extent`` (clipped at its size): the live file or
+        a snapshot; returns the byte count. ``step``: what each stripe is read after (its clock
         at a training step: a pull). With ``clocks``, each stripe read records its header there
         by stripe index (a hole none)."""
+        fid, size, unit, snap = extent
         n = max(0, min(len(into), size - offset))
         pieces = split(offset, n, unit)
         await self._prefetch(fid, [p.idx for p in pieces], snap)
@@ -346,7 +347,7 @@ class StripeIO:
         self.bytes_read += n
         return n
 
-    async def read_settled(self, fid: int, size: int, unit: int, offset: int, into: memoryview, snap: int = 0, timeout: float = 30.0) -> int:
+    async def read_settled(self, extent: Extent, offset: int, into: memoryview, timeout: float = 30.0) -> int:
         """``read`` of a range that training updates stripe by stripe (a tensor), all of one
         version: returned once every stripe read shows the same published clock (the same steps
         applied) and none is pending (its bytes already hold a step whose clock its primary
@@ -357,9 +358,10 @@ class StripeIO:
         (trained apart, a file grown after training, a step whose replication failed and that
         nothing trains on: no step under way) and taken as they are. A snapshot is frozen: read
         once. RemoteError EAGAIN if no such read came within ``timeout`` seconds."""
+        fid, _, unit, snap = extent
         deadline = trio.current_time() + timeout
         heads: dict[int, Header] = {}
-        n = await self.read(fid, size, unit, offset, into, snap, clocks=heads)
+        n = await self.read(extent, offset, into, clocks=heads)
         pieces = {p.idx: p for p in split(offset, n, unit)}
         while not snap and (behind := _unsettled(heads)):
             if trio.current_time() > deadline:
@@ -369,9 +371,9 @@ class StripeIO:
             async def catch_up(p: Piece, want: int) -> None:
                 piece = into[p.pos : p.pos + p.length]
                 try:
-                    await self.read(fid, size, unit, offset + p.pos, piece, snap, StepWait(want, SETTLE, settled=True), heads)
+                    await self.read(extent, offset + p.pos, piece, StepWait(want, SETTLE, settled=True), heads)
                 except trio.TooSlowError:  # not there yet: where is it now (moved, or at rest)?
-                    await self.read(fid, size, unit, offset + p.pos, piece, snap, clocks=heads)
+                    await self.read(extent, offset + p.pos, piece, clocks=heads)
 
             async with trio.open_nursery() as nursery:
                 for i, want in behind.items():
@@ -552,7 +554,7 @@ class StripeIO:
 
                 async def send(slot) -> dict:
                     await self.cluster.peers.write(primary, slot.rkey, slot.offset, view, slot.inc)
-                    return await self.cluster.call(primary, method, dict(args, rkey=slot.rkey, soff=slot.offset, epoch=self.cluster.roles.view_epoch))
+                    return await self.cluster.call(primary, method, dict(args, staged=[slot.rkey, slot.offset], epoch=self.cluster.roles.view_epoch))
 
                 try:
                     return await self.staging.with_slot(primary, send)

@@ -42,7 +42,7 @@ from ..slots import StagingPool, staging_gone
 from ..transport.base import AccessError, RemoteError
 from ..util import single_exception
 from . import compress
-from .stripe import CLOCK_SLICE, StepWait, StripeIO, split
+from .stripe import CLOCK_SLICE, Extent, StepWait, StripeIO, split
 
 log = logging.getLogger(__name__)
 
@@ -462,7 +462,7 @@ class PushPull:
         view = memoryview(out.reshape(-1)).cast("B")
         # a stripe whose round this rank's push closed (nothing kept open) is there already
         closed = lambda idx: (ino, idx, rank) not in self._open and self._pushed_to.get((ino, rank)) == need  # noqa: E731
-        await self.io.read(ino, t["offset"] + len(view), attr["unit"], t["offset"], view, 0, StepWait(need, info["timeout"], closed))
+        await self.io.read(Extent(ino, t["offset"] + len(view), attr["unit"]), t["offset"], view, StepWait(need, info["timeout"], closed))
         self._closed(ino, rank, need, (p.idx for p in split(t["offset"], len(view), attr["unit"])))
         self._pulled_at[(ino, rank)] = trio.current_time()
         return out
@@ -531,7 +531,7 @@ class PushPull:
         if info["sync"] == "bsp":  # the stripes' clocks say it: one-sided reads
             out = np.empty(t["shape"], t["dtype"])
             view = memoryview(out.reshape(-1)).cast("B")
-            await self.io.read(ino, t["offset"] + len(view), attr["unit"], t["offset"], view, 0, StepWait(pushed, info["timeout"]))
+            await self.io.read(Extent(ino, t["offset"] + len(view), attr["unit"]), t["offset"], view, StepWait(pushed, info["timeout"]))
             self._closed(ino, rank, pushed, (p.idx for p in split(t["offset"], len(view), attr["unit"])))
         elif info["sync"] == "r2sp" and pushed:  # a held push shows in no clock: ask
             nbytes = int(np.prod(t["shape"], dtype=np.int64)) * np.dtype(t["dtype"]).itemsize

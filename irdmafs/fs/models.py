@@ -59,6 +59,7 @@ import trio
 
 from .. import formats
 from ..client.client import Client
+from ..client.stripe import Extent
 from ..cluster import Unavailable
 from ..peers import NodeDown
 from ..namespace import MODEL_XATTR
@@ -433,7 +434,8 @@ class ModelReader:
             p = self.layout.parts[i]
             buf = bytearray(p.end - p.begin)
             t = p.attr["tensor"]
-            await self.client.io.read_settled(p.ino, t["offset"] + len(buf), p.attr["unit"], t["offset"], memoryview(buf), self.layout.snap, self.timeout)
+            extent = Extent(p.ino, t["offset"] + len(buf), p.attr["unit"], self.layout.snap)
+            await self.client.io.read_settled(extent, t["offset"], memoryview(buf), self.timeout)
             self.cache[i] = buf
             self._evict(keep=i)
         finally:

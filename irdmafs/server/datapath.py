@@ -108,14 +108,15 @@ class DataPath:
                     d["record"] = self.training.record_of(fid, int(i))
         return held | {"lease": self.serving.lease.term()}  # client/stripe.py: a key reads in its lease
 
-    async def rpc_commit(self, fid: int, idx: int, offset: int, length: int, rkey: int, soff: int, unit: int, epoch: int = 0) -> dict:
-        """Install a staged range as the stripe's primary, replicate it, answer with its version
-        and the view epoch it was acknowledged in (``acked_in``: heartbeats.py, ``follow_acked``)."""
+    async def rpc_commit(self, fid: int, idx: int, offset: int, length: int, unit: int, staged: list, epoch: int = 0) -> dict:
+        """Install the range ``staged`` ([rkey, offset] of a staging region here) as the
+        stripe's primary, replicate it, answer with its version and the view epoch it was
+        acknowledged in (``acked_in``: heartbeats.py, ``follow_acked``)."""
         await self.serving.check_epoch(epoch)
         self.serving.require_ready()
         check_range(offset, length, unit, self.cfg.stripe_unit)
         self.serving.check_primary(fid, idx)
-        staged = Staged(rkey, soff, length)
+        staged = Staged.parse(staged, length)
         self.staging.view(staged)  # EINVAL at once for a range that is not staged here
         await self.serving.await_takeover()
         async with self.barrier.changing():
@@ -127,7 +128,7 @@ class DataPath:
                 data = self.staging.view(staged)
                 base = self.store.get(fid, idx)
                 base_tag = base.tag if base is not None else 0
-                version = self.store.install(fid, idx, offset, data, unit)
+                version = self.store.install(StripeKey(fid, idx), offset, data, unit)
                 self.serving.led_now((fid, idx, 0))
                 update = Update(StripeRange(StripeKey(fid, idx), offset, length, unit), version, self.store.get(fid, idx), base_tag=base_tag)
                 await self.replicator.to_every_target(update.range.key, lambda peer: self.replicator.update(peer, update))
@@ -143,9 +144,7 @@ class DataPath:
         (fid, idx, snap), offset, length, unit = r
         self.serving.check_sender(sender, lambda: self.cluster.roles.stripe_primary(fid, idx))
         check_range(offset, length, unit, self.cfg.stripe_unit)
-        if not (isinstance(staged, list) and len(staged) == 2 and all(type(v) is int for v in staged)):
-            raise RemoteError("EINVAL", f"staged is [rkey, offset], not {staged!r}")
-        where = Staged(staged[0], staged[1], length)
+        where = Staged.parse(staged, length)
         data = self.staging.view(where)
         try:  # read before anything is installed: a malformed record changes nothing
             incoming = StripeTraining.from_record(record) if record is not None else None
@@ -164,11 +163,11 @@ class DataPath:
             held = stripe.stamp if stripe else (0, 0)
             if full:
                 if (tag, version) > held:
-                    self.store.replace(fid, idx, data, unit, version, snap, clock, tag)
+                    self.store.replace(r.key, data, unit, (tag, version), clock)
             elif held == (base_tag, version - 1) or (stripe is None and version & ((1 << VERSION_SHIFT) - 1) == 1):
                 # on top of what it was made on, or the first version of a stripe the primary
                 # just created (its other bytes are zeros, as a missing stripe's are here)
-                self.store.install(fid, idx, offset, data, unit, stamp=(tag, version), clock=clock, snap=snap)
+                self.store.install(r.key, offset, data, unit, stamp=(tag, version), clock=clock)
             elif held < (tag, version):
                 return {"stale": True}
             if snap == 0 and held == (tag, version) and (clock > stripe.clock or stripe.pending and clock >= stripe.clock):
@@ -183,7 +182,7 @@ class DataPath:
                 raw, sversion, sclock, sunit, stag = held
                 mine = self.store.get(fid, idx, -k)
                 if mine is None or mine.stamp < (stag, sversion):
-                    self.store.replace(fid, idx, memoryview(raw), sunit, sversion, -k, sclock, stag)
+                    self.store.replace(StripeKey(fid, idx, -k), memoryview(raw), sunit, (stag, sversion), sclock)
             if incoming is not None:
                 self.training.take_replicated(fid, idx, incoming)
         return {}

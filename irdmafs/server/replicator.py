@@ -173,7 +173,7 @@ class Replicator:
 
         async def staged(slot: Slot) -> dict:
             await self.cluster.peers.write(peer, slot.rkey, slot.offset, blobs, slot.inc)
-            return await self.cluster.call(peer, "train_record", dict(args, rkey=slot.rkey, soff=slot.offset))
+            return await self.cluster.call(peer, "train_record", dict(args, staged=[slot.rkey, slot.offset]))
 
         async def send() -> None:
             if not blobs:

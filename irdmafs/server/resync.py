@@ -29,6 +29,7 @@ from .core import NodeCore
 from .meta import Meta
 from .policies import RecordError, StripeTraining
 from .training import Training
+from .updates import StripeKey
 
 FETCHES = 8  # stripes fetched at once (a resync, a hand-over's catch-up): a GB's 1 MiB stripes one by one took tens of seconds
 LOOKS = 3  # a stripe's key asked for this many times at most while its region goes before the read (fetch_stripe)
@@ -304,5 +305,5 @@ class Resync:
                 # stand-in's old count won: fault simulator, mixed seed 92).
                 if snap == 0 and (mine is None or mine.stamp != theirs):
                     self.training.take_fetched(fid, idx, record)
-                self.store.replace(fid, idx, memoryview(buf), 2 * self.cfg.stripe_unit, head.version, snap, head.clock_word, theirs[0])
+                self.store.replace(StripeKey(fid, idx, snap), memoryview(buf), 2 * self.cfg.stripe_unit, theirs, head.clock_word)
         return True

@@ -42,6 +42,14 @@ class Staged(NamedTuple):
     offset: int
     length: int
 
+    @staticmethod
+    def parse(value: object, length: int) -> "Staged":
+        """``length`` bytes staged where a call's ``staged`` says: [rkey, offset]; EINVAL if it
+        is not two integers."""
+        if not (isinstance(value, list) and len(value) == 2 and all(type(v) is int for v in value)):
+            raise RemoteError("EINVAL", f"staged is [rkey, offset], not {value!r}")
+        return Staged(value[0], value[1], length)
+
 
 class StagingRegions:
     def __init__(self, transport: Transport, budget: Budget | None = None):

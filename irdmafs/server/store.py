@@ -61,6 +61,7 @@ from ..regions import CLOCK_AT, HEADER, PENDING, VERSION_AT, WORD
 from ..transport.base import Access, Region, Transport
 from .budget import Budget, NoSpace
 from .spares import Spares
+from .updates import StripeKey, StripeRange
 
 __all__ = ["Memory", "NoSpace", "Store", "Stripe"]
 
@@ -333,13 +334,12 @@ class Store:
         self._saved(key)  # the file takes the new size (zeros past the old data)
         return stripe
 
-    def install(
-        self, fid: int, idx: int, offset: int, data: memoryview, unit: int, *, stamp: tuple[int, int] | None = None, clock: int | None = None, snap: int = 0
-    ) -> int:
-        """Copy ``data`` into the stripe at ``offset`` under the seqlock, and set its clock if
-        given; returns the new version (the next one, tagged with this node's epoch, or the
+    def install(self, key: StripeKey, offset: int, data: memoryview, unit: int, *, stamp: tuple[int, int] | None = None, clock: int | None = None) -> int:
+        """Copy ``data`` into stripe ``key`` at ``offset`` under the seqlock, and set its clock
+        if given; returns the new version (the next one, tagged with this node's epoch, or the
         ``stamp`` (tag, version) a primary dictates to a backup)."""
-        fresh = (fid, idx, snap) not in self.stripes
+        fid, idx, snap = key
+        fresh = key not in self.stripes
         stripe = self.ensure(fid, idx, offset + len(data), unit, snap)
         self._writable(fid, idx, snap)
         buf = stripe.region.buf
@@ -354,15 +354,17 @@ class Store:
         stripe.tag = self.epoch() if version is None else tag
         if clock is not None:
             self._changed()
-        self._saved((fid, idx, snap), HEADER + offset, HEADER + offset + len(data))
+        self._saved(key, HEADER + offset, HEADER + offset + len(data))
         return new
 
-    def update(self, fid: int, idx: int, offset: int, length: int, unit: int, fn, clock: int | None = None, pending: bool = False) -> int:
-        """Change ``length`` bytes at ``offset`` of a live stripe in place: ``fn(view)`` runs
+    def update(self, where: StripeRange, fn, clock: int | None = None, pending: bool = False) -> int:
+        """Change the bytes ``where`` names of a live stripe in place: ``fn(view)`` runs
         under the seqlock (it must not await), then the clock is set if given; returns the new
         version. An optimizer step this way writes the parameters once, where a copy out, the
         step and ``install`` would pass over them three times. ``pending``: the bytes now hold
         a step whose clock ``publish_clock`` sets later; readers see both in one header."""
+        (fid, idx, snap), offset, length, unit = where
+        assert snap == 0, "a live stripe's bytes"
         fresh = (fid, idx, 0) not in self.stripes
         stripe = self.ensure(fid, idx, offset + length, unit)
         self._writable(fid, idx)
@@ -398,12 +400,14 @@ class Store:
         self._changed()  # before persisting: a write that fails there must not leave waiters asleep
         self._saved((fid, idx, 0), CLOCK_AT, CLOCK_AT + WORD.size)
 
-    def replace(self, fid: int, idx: int, data: memoryview, unit: int, version: int, snap: int = 0, clock: int = 0, tag: int = 0) -> None:
-        """Set the whole stripe content (resync, or a backup found behind). ``clock`` is the
+    def replace(self, key: StripeKey, data: memoryview, unit: int, stamp: tuple[int, int], clock: int = 0) -> None:
+        """Set the whole content of stripe ``key`` (resync, or a backup found behind), with
+        version ``stamp`` (tag, version). ``clock`` is the
         whole clock word: a copy of a stripe whose step is not yet published stays pending. A
         snapshot's stripe of the very stamp and clock the live stripe here has shares its memory
         (a resync or a rebalance of a snapshot costs no copy of what is unchanged)."""
-        key = (fid, idx, snap)
+        fid, idx, snap = key
+        tag, version = stamp
         held = self.stripes.get(key)
         if held is not None and held.memory.users > 1:  # written whole: the others keep the old
             self._forget(key, held)

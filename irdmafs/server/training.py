@@ -70,6 +70,15 @@ class Push(NamedTuple):
     epoch: int = 0  # the pusher's view epoch (serving.py, check_epoch)
 
 
+class Trained(NamedTuple):
+    """What a tensor's steps are applied with: its model's policy and ranks, its optimizer and
+    its dtype (``Training.trained``)."""
+
+    model: Model
+    opt: optim.Optimizer
+    dtype: np.dtype
+
+
 # the types of a push descriptor's fields (``_push_args``); ``spans`` and ``busy`` may be null
 PUSH_TYPES = {
     "fid": int, "idx": int, "offset": int, "count": int, "rank": int, "step": int, "unit": int,
@@ -129,6 +138,11 @@ class Training:
         if found is None:
             found = cache[("model", fid)] = self._model_of(fid)
         return found
+
+    def trained(self, fid: int) -> Trained:
+        """``model_of`` as a step applies it (the tensor's dtype for its entry)."""
+        model, opt, tensor = self.model_of(fid)
+        return Trained(model, opt, np.dtype(tensor["dtype"]))
 
     def _model_of(self, fid: int) -> tuple[Model, optim.Optimizer, dict]:
         tensor = self.meta.inode(fid).get("tensor")
@@ -309,10 +323,10 @@ class Training:
         next pull reads at once, one-sided (no ``clock_wait``)."""
         fid, idx, offset, count, rank, step, unit = p.fid, p.idx, p.offset, p.count, p.rank, p.step, p.unit
         self.serving.check_primary(fid, idx)
-        model, opt, tensor = self.model_of(fid)
+        t = self.trained(fid)
+        model, dtype = t.model, t.dtype
         if rank not in model.active:
             raise RemoteError("EINVAL", f"rank {rank} is not one of the active workers {model.active}")
-        dtype = np.dtype(tensor["dtype"])
         check_range(offset, count * dtype.itemsize, unit, self.cfg.stripe_unit)
         if p.wire not in ("<f2", "<f4", "<f8"):
             raise RemoteError("EINVAL", f"gradients travel as float16/32/64, not {p.wire}")
@@ -326,7 +340,7 @@ class Training:
             if step < done:  # a retry of a push already taken: exactly once
                 # ... and on every replica before it is answered: its first send may have been
                 # answered EAGAIN because the step did not reach them (it is sent again here)
-                await self._unsettled(fid, idx, st, model, opt, dtype)
+                await self._unsettled(fid, idx, st, t)
                 stripe = self.store.get(fid, idx)
                 return {"clock": stripe.clock if stripe is not None else st.clock(model), "pushed": done, "duplicate": True}
             if step > done:
@@ -340,7 +354,7 @@ class Training:
             early = None
             if ups and model.policy.kind == "bsp" and len(model.active) > 1:
                 early = lambda: answer(self._reply(st, model, rank, step, now, clock=self.store.get(fid, idx).clock))  # noqa: E731
-            await self._settle(fid, idx, st, model, opt, dtype, ups, applied=early)
+            await self._settle(fid, idx, st, t, ups, applied=early)
             reply = self._reply(st, model, rank, step, now)
         self._signal_applied()
         return reply
@@ -366,18 +380,18 @@ class Training:
         self.serving.check_primary(fid, idx)
         st = self.records[(fid, idx)]
         if st.span[2]:
-            model, opt, tensor = self.model_of(fid)
+            t = self.trained(fid)
             async with self.stripe_locks((fid, idx)):
                 self.serving.check_primary(fid, idx)
-                await self._unsettled(fid, idx, st, model, opt, np.dtype(tensor["dtype"]))
+                await self._unsettled(fid, idx, st, t)
         return {"next": st.next_step(rank)}
 
-    async def _unsettled(self, fid: int, idx: int, st: StripeTraining, model: Model, opt: optim.Optimizer, dtype: np.dtype) -> None:
+    async def _unsettled(self, fid: int, idx: int, st: StripeTraining, t: Trained) -> None:
         """A step applied here whose replication failed (its clock unpublished: ``_settle``) is
         sent to every replica again and published. Called with the stripe's lock held."""
         stripe = self.store.get(fid, idx)
-        if stripe is not None and st.span[2] and (stripe.clock < st.clock(model) or stripe.pending):
-            await self._settle(fid, idx, st, model, opt, dtype, [])
+        if stripe is not None and st.span[2] and (stripe.clock < st.clock(t.model) or stripe.pending):
+            await self._settle(fid, idx, st, t, [])
 
     def _signal_applied(self) -> None:
         """Wake whoever waits for pushes to be applied (``train_wait``)."""
@@ -396,17 +410,7 @@ class Training:
             return {"pushed": st.pushed.get(rank, 0)}
         raise RemoteError("ETIMEDOUT", f"rank {rank}'s push {pushed - 1} not applied within {timeout}s")
 
-    async def _settle(
-        self,
-        fid: int,
-        idx: int,
-        st: StripeTraining,
-        model: Model,
-        opt: optim.Optimizer,
-        dtype: np.dtype,
-        updates: list,
-        applied: Callable[[], None] | None = None,
-    ) -> None:
+    async def _settle(self, fid: int, idx: int, st: StripeTraining, t: Trained, updates: list, applied: Callable[[], None] | None = None) -> None:
         """Apply ``updates`` in one install, replicate them with the stripe's new clock, and
         only then publish that clock here. Called with the stripe's lock held. ``applied()`` is
         called once the updates are installed here, before the copy to the backups (the early
@@ -423,6 +427,7 @@ class Training:
         step again before anything is answered (``_unsettled``); a fence's resync settles it
         otherwise."""
         offset, count, unit = st.span
+        model, opt, dtype = t
         clock = st.clock(model)
         stripe = self.store.get(fid, idx)
         if stripe is None:
@@ -450,13 +455,14 @@ class Training:
 
         # the bytes hold the step before its clock is published: readers that want a tensor
         # all of one step see that in the header (regions.PENDING) and wait for the publish
-        self.store.update(fid, idx, offset, count * dtype.itemsize, unit, step if updates else None, pending=bool(updates))
+        where = StripeRange(StripeKey(fid, idx), offset, count * dtype.itemsize, unit)
+        self.store.update(where, step if updates else None, pending=bool(updates))
         self.serving.led_now((fid, idx, 0))
         self.apply_seconds += time.perf_counter() - t0
         nstate = len(opt.state_names) if updates else 0
         if applied is not None:
             applied()
-        await self._replicate_training(StripeRange(StripeKey(fid, idx), offset, count * dtype.itemsize, unit), nstate, record, base_tag, clock)
+        await self._replicate_training(where, nstate, record, base_tag, clock)
         self.store.publish_clock(fid, idx, clock)
 
     async def _replicate_record(self, fid: int, idx: int, st: StripeTraining) -> None:
@@ -473,17 +479,18 @@ class Training:
         await self.replicator.to_every_target(key, lambda peer: self.replicator.record(peer, key, record, views, st.record))
 
     async def rpc_train_record(
-        self, fid: int, idx: int, record: dict, lengths: list | None = None, rkey: int = 0, soff: int = 0, sender: str = "", epoch: int = 0
+        self, fid: int, idx: int, record: dict, lengths: list | None = None, staged: list | None = None, sender: str = "", epoch: int = 0
     ) -> dict:
         """A backup keeps the primary's push bookkeeping for a stripe (to take over with it);
-        its arrays, if ``lengths`` are given, were staged at ``rkey``/``soff`` in that order."""
+        its arrays, if ``lengths`` are given, were staged at ``staged`` ([rkey, offset] of a
+        staging region here) in that order."""
         await self.serving.check_epoch(epoch)
         self.serving.check_sender(sender, lambda: self.cluster.roles.stripe_primary(fid, idx))
         blobs = None
         if lengths:
             if not all(isinstance(n, int) and n >= 0 for n in lengths):
                 raise RemoteError("EINVAL", "bad record array lengths")
-            data = self.staging.view(Staged(rkey, soff, sum(lengths)))
+            data = self.staging.view(Staged.parse(staged, sum(lengths)))
             blobs, at = [], 0
             for n in lengths:
                 blobs.append(data[at : at + n])
@@ -534,15 +541,15 @@ class Training:
             if self.cluster.roles.stripe_primary(fid, idx) != self.name or not st.span[2]:
                 continue
             try:
-                model, opt, tensor = self.model_of(fid)
+                t = self.trained(fid)
             except RemoteError:
                 continue
             try:
                 async with self.stripe_locks((fid, idx)):
                     if self.cluster.roles.stripe_primary(fid, idx) != self.name:
                         continue  # handed over meanwhile
-                    updates = st.release(model) + st.complete_rounds(model)
-                    await self._settle(fid, idx, st, model, opt, np.dtype(tensor["dtype"]), updates)
+                    updates = st.release(t.model) + st.complete_rounds(t.model)
+                    await self._settle(fid, idx, st, t, updates)
             except RemoteError as exc:  # not on every replica (EAGAIN): sent again by the next push
                 log.warning("stripe %d:%d: rounds completed by the new set of ranks not replicated: %s", fid, idx, exc)
         self._signal_applied()
@@ -564,7 +571,7 @@ class Training:
             t += 1
             optim.step(opt, param, grad, state, t)
         for k, name in enumerate(opt.state_names, 1):
-            self.store.install(fid, idx, 0, memoryview(state[name]).cast("B"), 2 * unit, clock=t, snap=-k)
+            self.store.install(StripeKey(fid, idx, -k), 0, memoryview(state[name]).cast("B"), 2 * unit, clock=t)
 
     async def _replicate_training(self, where: StripeRange, nstate: int, record: dict | None, base_tag: int, clock: int) -> None:
         """Optimizer state (held aside by each backup), then the parameters with version,

@@ -32,15 +32,16 @@ async def test_bad_requests_get_typed_errors_and_the_node_survives(local_cluster
         await conn.read(staging["rkey"], 0, bytearray(10))  # staging is write-only
 
     epoch = (await conn.call("heartbeat", {}))["view"]  # sent with the view it is in: the input is what is checked
-    commit = {"fid": 9, "idx": 0, "offset": 0, "length": 10, "soff": 0, "unit": 4 << 20, "epoch": epoch}
+    commit = {"fid": 9, "idx": 0, "offset": 0, "length": 10, "unit": 4 << 20, "epoch": epoch}
     expected = [
-        ("commit", dict(commit, rkey=staging["rkey"], epoch=epoch - 1), "ESTALE"),  # from an older view
+        ("commit", dict(commit, staged=[staging["rkey"], 0], epoch=epoch - 1), "ESTALE"),  # from an older view
         ("no_such_method", {}, "ENOSYS"),
         ("getattr", {"inode": 1}, "EINVAL"),  # wrong argument name
         ("getattr", {"ino": 999}, "ENOENT"),
         ("staging", {"owner": "t", "size": -5}, "EINVAL"),
-        ("commit", dict(commit, rkey=424242), "EINVAL"),  # staging region that does not exist
-        ("commit", dict(commit, rkey=staging["rkey"], offset=4 << 20), "EINVAL"),  # past the stripe
+        ("commit", dict(commit, staged=[424242, 0]), "EINVAL"),  # staging region that does not exist
+        ("commit", dict(commit, staged=str(staging["rkey"])), "EINVAL"),  # not [rkey, offset]
+        ("commit", dict(commit, staged=[staging["rkey"], 0], offset=4 << 20), "EINVAL"),  # past the stripe
         ("meta", {"op": {"op": "explode"}, "epoch": epoch}, "EINVAL"),
         ("meta", {"op": {"op": "mkdir", "parent": 1, "name": "../x", "mode": 0o755}, "epoch": epoch}, "EINVAL"),
         ("meta", {"op": {"op": "mkdir", "parent": 1, "name": "..", "mode": 0o755}, "epoch": epoch}, "EINVAL"),

@@ -64,12 +64,13 @@ def test_bench_step_link_quick(tmp_path):
         "link_ddp_bound_s_tiny_w2",
         "link_step_vs_bound_tiny_w2",
         "link_step_vs_ddp_tiny_w2",
+        "link_cpu_vs_ddp_tiny_w2",
         "link_irdmafs_step_s_tiny_w2",
         "link_ddp_comm_s_tiny_w2",
         "link_single_stream_vs_rate",
     ):
         assert res[key] > 0, key
-    for key in ("link_step_vs_bound_tiny_w2", "link_step_vs_ddp_tiny_w2"):
+    for key in ("link_step_vs_bound_tiny_w2", "link_step_vs_ddp_tiny_w2", "link_cpu_vs_ddp_tiny_w2"):
         assert key in r.stdout, key
     # the links' trace: each timed step cut out of it, with what its busiest link carried
     steps = res["link_trace_steps_tiny_w2"]

@@ -12,6 +12,7 @@ from irdmafs.looplag import LoopLag
 from irdmafs.server.budget import MIN_CAPACITY, Budget, NoSpace, machine_capacity
 from irdmafs.server.staging import StagingRegions
 from irdmafs.server.store import Store
+from irdmafs.server.updates import StripeKey
 from irdmafs.transport.base import RemoteError
 from irdmafs.transport.memory import MemoryTransport
 
@@ -23,17 +24,17 @@ async def test_stripes_and_staging_share_one_capacity():
     budget = Budget(4 * UNIT)
     store, staging = Store(transport, budget), StagingRegions(transport, budget)
     staging.alloc("mount-1", 2 * UNIT)
-    store.install(1, 0, 0, memoryview(b"a" * UNIT), UNIT)
-    store.install(1, 1, 0, memoryview(b"b" * UNIT), UNIT)
+    store.install(StripeKey(1, 0), 0, memoryview(b"a" * UNIT), UNIT)
+    store.install(StripeKey(1, 1), 0, memoryview(b"b" * UNIT), UNIT)
     assert budget.used == 4 * UNIT
     with pytest.raises(NoSpace, match="bytes of stripes do not fit .staging 131072, stripes 131072 held"):
-        store.install(1, 2, 0, memoryview(b"c"), UNIT)
+        store.install(StripeKey(1, 2), 0, memoryview(b"c"), UNIT)
     with pytest.raises(RemoteError) as exc:
         staging.alloc("mount-2", UNIT)
     assert exc.value.code == "ENOSPC" and "staging for mount-2" in str(exc.value)
     assert store.get(1, 2) is None and budget.used == 4 * UNIT  # nothing half-taken
     staging.release("mount-1")
-    store.install(1, 2, 0, memoryview(b"c"), UNIT)  # room again
+    store.install(StripeKey(1, 2), 0, memoryview(b"c"), UNIT)  # room again
     assert budget.held["staging"] == 0 and budget.held["stripes"] == 3 * UNIT
 
 

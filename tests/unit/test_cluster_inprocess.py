@@ -18,6 +18,7 @@ from irdmafs.placement import rank, stripe_key
 from irdmafs.server import staging as staging_mod
 from irdmafs.server.meta import Meta
 from irdmafs.server.node import Node
+from irdmafs.server.updates import StripeKey
 from irdmafs.transport.base import RemoteError
 from irdmafs.transport.memory import MemoryTransport
 
@@ -227,7 +228,7 @@ async def test_a_handover_waits_for_the_commits_under_way_and_lists_what_the_joi
     # the answer lists what n0 holds a copy of as the peer holds it; n0 fetches what it lacks
     held = peer.store.get(attr["ino"], idx)
     assert [attr["ino"], idx, 0, held.version, held.tag] in answer["stripes"]
-    back.store.replace(attr["ino"], idx, memoryview(bytes(10)), cfg.stripe_unit, 0)  # as if a replication failed
+    back.store.replace(StripeKey(attr["ino"], idx), memoryview(bytes(10)), cfg.stripe_unit, (0, 0))  # as if a replication failed
     await back.membership._catch_up({"n1": answer})
     assert back.store.get(attr["ino"], idx).version == held.version
     assert bytes(back.store.get(attr["ino"], idx).data[: cfg.stripe_unit]) == bytes(held.data[: cfg.stripe_unit])
@@ -328,7 +329,7 @@ async def test_a_rebalance_pre_copy_settles_to_what_changed_and_what_was_freed_m
         assert len(kept) == 4
         await c.paths.remove("/b")  # and /b freed: its pre-copied stripes are of nothing
     for (n, i), (raw, version, tag) in kept.items():  # a node added by a rebalance is no member
-        n.store.replace(b, i, memoryview(raw), unit, version, tag=tag)  # yet: it hears no namespace op
+        n.store.replace(StripeKey(b, i), memoryview(raw), unit, (tag, version))  # yet: it hears no namespace op
     for n in nodes:  # frozen (the commits are over): what changed since
         await n.calls["rebalance_pull"](nodes=members, replicas=wider)
     for n in nodes:
@@ -458,7 +459,7 @@ async def test_a_resync_drops_stripes_freed_meanwhile_and_takes_its_peers_lower_
         assert (await c.paths.read_file("/f"))[unit:] == new
     # put the missed state back on the away node, as if it had been stopped meanwhile
     for i, data in stale.items():
-        away.store.replace(fid, i, memoryview(data), unit, 9)
+        away.store.replace(StripeKey(fid, i), memoryview(data), unit, (0, 9))
     await away.resync.resync()
     assert all(away.store.get(fid, i) is None for i in freed)  # freed on every peer: dropped
     held = away.store.get(fid, 1)
@@ -532,7 +533,7 @@ async def test_a_resync_keeps_the_stripes_whose_other_home_restarted_empty_and_h
         stale = {i: (bytes(node.store.get(gone, i).data[:unit]), node.store.get(gone, i).version) for i in freed}
         await c.truncate(gone, 0)
     for i, (data, version) in stale.items():  # as if the node had been away for the truncate
-        node.store.replace(gone, i, memoryview(data), unit, version)
+        node.store.replace(StripeKey(gone, i), memoryview(data), unit, (0, version))
     # the other home restarted empty; the view still names it active, its catch-up not done
     restarted.store.drop_keys(list(restarted.store.stripes))
     restarted.serving.complete = False
@@ -589,7 +590,7 @@ async def test_a_resync_takes_no_namespace_whole_from_a_primary_restarted_empty_
     # the primary catches up (its namespace and stripes back, as its hand-over brings them)
     primary.namespace.meta = meta
     for (f, i, snap), (raw, version, tag) in stripes.items():
-        primary.store.replace(f, i, memoryview(raw), unit, version, snap, tag=tag)
+        primary.store.replace(StripeKey(f, i, snap), memoryview(raw), unit, (tag, version))
     primary.serving.complete = True
     with trio.fail_after(5):
         while node.state != "ready" or not node.serving.taken_over.is_set():
@@ -955,7 +956,7 @@ async def test_a_stripe_freed_on_its_peers_while_a_resync_fetched_it_is_dropped_
         puller = next(n for n in nodes if n.store.get(fid, 1) is not None)
         old = bytes(puller.store.get(fid, 1).data[:unit])
         await c.write(fid, unit, os.urandom(100))  # newer on its peers than the old copy below
-    puller.store.replace(fid, 1, memoryview(old), unit, 1)  # as if it missed that write
+    puller.store.replace(StripeKey(fid, 1), memoryview(old), unit, (0, 1))  # as if it missed that write
     peers = [n for n in nodes if n is not puller]
     listed = puller.cluster.call_on
 
@@ -1185,8 +1186,8 @@ async def test_a_namespace_taken_whole_drops_the_stripes_a_missed_truncate_freed
         await c.truncate(fid, unit)
     assert node.store.get(fid, 2) is None
     node.namespace.meta = Meta.restore(missed)  # as if it never got the truncate
-    node.store.replace(fid, 2, memoryview(stale), unit, version)
-    node.store.replace(fid, 3, memoryview(os.urandom(unit)), unit, (node.namespace.meta.seq + 1 << VERSION_SHIFT) + 1)  # made since
+    node.store.replace(StripeKey(fid, 2), memoryview(stale), unit, (0, version))
+    node.store.replace(StripeKey(fid, 3), memoryview(os.urandom(unit)), unit, (0, (node.namespace.meta.seq + 1 << VERSION_SHIFT) + 1))  # made since
     node.namespace.restore(primary.namespace.meta.snapshot(), whole=True)
     assert node.store.get(fid, 2) is None
     assert node.store.get(fid, 3) is not None
@@ -1211,7 +1212,7 @@ async def test_a_joining_node_drops_a_stale_copy_a_truncate_freed_during_its_han
         stale, version = bytes(old.data[:unit]), old.version
         await c.truncate(fid, 2 * unit)
     assert node.store.get(fid, 2) is None and version < node.namespace.meta.seq << VERSION_SHIFT
-    node.store.replace(fid, 2, memoryview(stale), unit, version)  # the fetch lands after the truncate
+    node.store.replace(StripeKey(fid, 2), memoryview(stale), unit, (0, version))  # the fetch lands after the truncate
     below = {i for i in (0, 1) if node.store.get(fid, i) is not None}
     await node.membership._catch_up({})  # nothing handed over: nothing awaited
     assert node.store.get(fid, 2) is None
@@ -1239,7 +1240,7 @@ async def test_a_namespace_taken_whole_or_to_catch_up_drops_what_the_truncates_i
     old = os.urandom(unit)
     for whole, diverged in ((False, False), (False, True), (True, False)):
         node.namespace.restore(lagging, whole=True)  # as if it had heard neither op
-        node.store.replace(fid, 1, memoryview(old), unit, node.store.version_base() + 1)  # from before
+        node.store.replace(StripeKey(fid, 1), memoryview(old), unit, (0, node.store.version_base() + 1))  # from before
         node.namespace.meta = Meta.restore(lagging)
         if diverged:  # an op of its own, never acknowledged, numbered as the truncate is
             node.namespace.meta.apply(node.namespace.meta.prepare({"op": "mkdir", "parent": 1, "name": "mine", "mode": 0o755}, 1))
@@ -1447,7 +1448,7 @@ async def test_a_whole_namespace_taken_keeps_the_optimizer_state(cluster):
     (``restore``) drops the snapshots it does not name, never that state."""
     cfg, nodes = cluster
     node, unit = nodes[1], cfg.stripe_unit
-    node.store.install(999_999, 0, 0, memoryview(b"\x07" * 64), unit, snap=-1)
+    node.store.install(StripeKey(999_999, 0, -1), 0, memoryview(b"\x07" * 64), unit)
     newer = dict(node.namespace.meta.snapshot(), seq=node.namespace.meta.seq + 1)
     node.namespace.restore(newer)
     assert node.namespace.meta.seq == newer["seq"]

@@ -8,7 +8,7 @@ read it through the key cached before the outage and got those old bytes (chaos 
 a write read back old right after it returned).
 """
 
-from irdmafs.client.stripe import StripeIO
+from irdmafs.client.stripe import Extent, StripeIO
 from irdmafs.cluster import Cluster
 from irdmafs.config import from_dict
 from irdmafs.placement import rank, stripe_key
@@ -73,7 +73,7 @@ async def test_a_key_cached_before_a_node_went_away_does_not_read_it_once_a_view
     await cluster.heartbeats.refresh()
     io = StripeIO(cluster, StagingPool(cluster, "test", UNIT))
     got = bytearray(UNIT)
-    await io.read(fid, UNIT, UNIT, 0, memoryview(got))
+    await io.read(Extent(fid, UNIT, UNIT), 0, memoryview(got))
     assert got == old and ("a", fid, 0, 0) in io._keys  # read from "a", its key cached
 
     # "a" went away; a write was acknowledged by "b" alone (view 6); "a" came back with a new
@@ -84,11 +84,11 @@ async def test_a_key_cached_before_a_node_went_away_does_not_read_it_once_a_view
     view.update(epoch=7, serving={"a": 12, "b": 21})
     await cluster.heartbeats.refresh()
     assert cluster.roles.view_epoch == 7 and cluster.roles.view.lease_of("a") == 12
-    await io.read(fid, UNIT, UNIT, 0, memoryview(got))
+    await io.read(Extent(fid, UNIT, UNIT), 0, memoryview(got))
     assert got == new
 
     nodes["a"].put(new, version=2)  # its hand-over done: its keys are given again, in lease 12
     nodes["a"].caught_up = True
-    await io.read(fid, UNIT, UNIT, 0, memoryview(got))
+    await io.read(Extent(fid, UNIT, UNIT), 0, memoryview(got))
     assert got == new and io._keys[("a", fid, 0, 0)].lease == 12
     nursery.cancel_scope.cancel()

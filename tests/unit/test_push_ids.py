@@ -223,10 +223,10 @@ async def test_the_push_closing_a_round_that_cannot_be_applied_is_answered_enosp
     w, ino, primary, _ = await bsp_of_two(c, nodes, "/m/n.npy")
     real = primary.store.update
 
-    def full(fid, idx, *args, **kw):
-        if fid == ino:
+    def full(where, *args, **kw):
+        if where.key.fid == ino:
             raise NoSpace("no room for the round (test)")
-        return real(fid, idx, *args, **kw)
+        return real(where, *args, **kw)
 
     primary.store.update = full
     await c.training.push(ino, 0, np.ones_like(w))  # opens the round: nothing applied yet

@@ -29,9 +29,9 @@ async def test_small_files_are_read_in_bursts_and_the_rest_alone(client, monkeyp
     alone = []
     read = c.io.read
 
-    async def counted(fid, *args, **kw):
-        alone.append(fid)
-        return await read(fid, *args, **kw)
+    async def counted(extent, *args, **kw):
+        alone.append(extent.fid)
+        return await read(extent, *args, **kw)
 
     monkeypatch.setattr(c.io, "read", counted)
 

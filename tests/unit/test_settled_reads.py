@@ -7,6 +7,8 @@ import trio
 
 from irdmafs.client.client import Client
 from irdmafs.client import stripe as stripe_io
+from irdmafs.client.stripe import Extent
+from irdmafs.server.updates import StripeKey, StripeRange
 from irdmafs.transport.memory import MemoryTransport
 
 from .test_cluster_inprocess import config, start_cluster
@@ -20,7 +22,7 @@ def set_stripe(nodes, fid: int, idx: int, value: float, clock: int) -> None:
     data = memoryview(np.full(UNIT // 4, value, np.float32)).cast("B")
     for node in nodes:
         if node.store.get(fid, idx) is not None:
-            node.store.install(fid, idx, 0, data, UNIT, clock=clock)
+            node.store.install(StripeKey(fid, idx), 0, data, UNIT, clock=clock)
 
 
 async def tensor(nursery):
@@ -40,7 +42,7 @@ async def _client(cfg, task_status=trio.TASK_STATUS_IGNORED):
 
 
 async def settled(client, attr, out, timeout=5.0):
-    return await client.io.read_settled(attr["ino"], attr["size"], attr["unit"], 0, memoryview(out).cast("B"), timeout=timeout)
+    return await client.io.read_settled(Extent(attr["ino"], attr["size"], attr["unit"]), 0, memoryview(out).cast("B"), timeout=timeout)
 
 
 async def test_a_step_half_applied_is_waited_out(nursery):
@@ -66,7 +68,8 @@ def install_pending(nodes, fid: int, idx: int, value: float) -> None:
     data = np.full(UNIT // 4, value, np.float32)
     for node in nodes:
         if node.store.get(fid, idx) is not None and node.cluster.roles.stripe_primary(fid, idx) == node.name:
-            node.store.update(fid, idx, 0, UNIT, UNIT, lambda view: view.cast("B").__setitem__(slice(None), memoryview(data).cast("B")), pending=True)
+            fill = lambda view: view.cast("B").__setitem__(slice(None), memoryview(data).cast("B"))  # noqa: E731
+            node.store.update(StripeRange(StripeKey(fid, idx), 0, UNIT, UNIT), fill, pending=True)
             return
     raise AssertionError(f"no primary holds stripe {idx}")
 

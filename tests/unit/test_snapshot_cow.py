@@ -14,6 +14,7 @@ from irdmafs.offload import Offload
 from irdmafs.regions import HEADER
 from irdmafs.server.persist import Persist
 from irdmafs.server.store import NoSpace, Store
+from irdmafs.server.updates import StripeKey, StripeRange
 from irdmafs.transport.base import Access, AccessError
 from irdmafs.transport.memory import MemoryTransport
 
@@ -35,7 +36,7 @@ def remote_read(s: Store, fid: int, idx: int, snap: int = 0, n: int = 8) -> byte
 def filled(n_stripes=4, capacity=1 << 20, persist=None) -> Store:
     s = store(capacity, persist)
     for i in range(n_stripes):
-        s.install(1, i, 0, memoryview(bytes([65 + i]) * UNIT), UNIT)
+        s.install(StripeKey(1, i), 0, memoryview(bytes([65 + i]) * UNIT), UNIT)
     return s
 
 
@@ -58,7 +59,7 @@ def test_a_write_after_a_snapshot_copies_that_stripe_once_and_its_old_key_is_ref
     live_key = s.get(1, 2).region.rkey
     old_snap_key = s.get(1, 2, 7).region.rkey
     used = s.used
-    s.install(1, 2, 0, memoryview(b"new!"), UNIT)
+    s.install(StripeKey(1, 2), 0, memoryview(b"new!"), UNIT)
     assert s.used == used + UNIT, "one copy for both snapshots"
     assert s.snapshot_bytes == UNIT
     assert s.get(1, 2).region.rkey == live_key, "the live stripe keeps its key"
@@ -68,7 +69,7 @@ def test_a_write_after_a_snapshot_copies_that_stripe_once_and_its_old_key_is_ref
         assert s.get(1, 2, snap).version == 1
     with pytest.raises(AccessError):
         s.transport.regions.check(old_snap_key, 0, 8, Access.READ)
-    s.install(1, 2, 0, memoryview(b"more"), UNIT)  # the second write copies nothing
+    s.install(StripeKey(1, 2), 0, memoryview(b"more"), UNIT)  # the second write copies nothing
     assert s.used == used + UNIT
     assert remote_read(s, 1, 3, 7) == b"DDDDDDDD"  # the others still share
     s.drop_snapshot(7)
@@ -80,7 +81,7 @@ def test_a_write_after_a_snapshot_copies_that_stripe_once_and_its_old_key_is_ref
 def test_a_training_step_in_place_is_a_change_like_any_other():
     s = filled()
     s.take_snapshot(3)
-    s.update(1, 0, 0, 4, UNIT, lambda view: view.__setitem__(slice(None), b"step"), pending=True)
+    s.update(StripeRange(StripeKey(1, 0), 0, 4, UNIT), lambda view: view.__setitem__(slice(None), b"step"), pending=True)
     assert remote_read(s, 1, 0) == b"stepAAAA"
     assert remote_read(s, 1, 0, 3) == b"AAAAAAAA"
     assert not s.get(1, 0, 3).pending
@@ -88,12 +89,12 @@ def test_a_training_step_in_place_is_a_change_like_any_other():
 
 def test_a_freed_or_grown_live_stripe_leaves_its_memory_to_the_snapshot():
     s = store()
-    s.install(1, 0, 0, memoryview(b"a" * 1000), UNIT)  # smaller than the unit: it grows later
-    s.install(1, 1, 0, memoryview(b"b" * UNIT), UNIT)
+    s.install(StripeKey(1, 0), 0, memoryview(b"a" * 1000), UNIT)  # smaller than the unit: it grows later
+    s.install(StripeKey(1, 1), 0, memoryview(b"b" * UNIT), UNIT)
     s.take_snapshot(5)
     used = s.used
     small = s.get(1, 0).capacity
-    s.install(1, 0, 60000, memoryview(b"c" * 100), UNIT)  # grows into a new region
+    s.install(StripeKey(1, 0), 60000, memoryview(b"c" * 100), UNIT)  # grows into a new region
     assert s.used == used + s.get(1, 0).capacity, "the grown stripe's region, and no copy"
     assert remote_read(s, 1, 0, 5) == b"aaaaaaaa" and s.get(1, 0, 5).capacity == small
     s.drop(1)  # unlink: the live stripes go, the snapshot keeps their bytes
@@ -109,11 +110,11 @@ def test_a_copy_that_does_not_fit_is_no_space_and_changes_nothing():
     s.take_snapshot(2)
     version = s.get(1, 1).version
     with pytest.raises(NoSpace, match="snapshots \\[2\\] hold"):
-        s.install(1, 1, 0, memoryview(b"zzzz"), UNIT)
+        s.install(StripeKey(1, 1), 0, memoryview(b"zzzz"), UNIT)
     assert remote_read(s, 1, 1) == b"BBBBBBBB" and s.get(1, 1).version == version
     assert remote_read(s, 1, 1, 2) == b"BBBBBBBB"
     s.drop_snapshot(2)
-    s.install(1, 1, 0, memoryview(b"zzzz"), UNIT)  # room again once the snapshot went
+    s.install(StripeKey(1, 1), 0, memoryview(b"zzzz"), UNIT)  # room again once the snapshot went
     assert remote_read(s, 1, 1) == b"zzzzBBBB"
 
 
@@ -122,9 +123,9 @@ def test_a_snapshot_stripe_of_the_live_stamp_is_shared_not_copied():
     s = filled(n_stripes=1)
     live = s.get(1, 0)
     used = s.used
-    s.replace(1, 0, memoryview(bytes(live.data)), UNIT, live.version, snap=9, clock=0, tag=live.tag)
+    s.replace(StripeKey(1, 0, 9), memoryview(bytes(live.data)), UNIT, (live.tag, live.version), clock=0)
     assert s.used == used and 9 in s.sharers[(1, 0)]
-    s.replace(1, 0, memoryview(b"x" * 10), UNIT, live.version + 5, snap=9, clock=0, tag=live.tag)  # another stamp: its own
+    s.replace(StripeKey(1, 0, 9), memoryview(b"x" * 10), UNIT, (live.tag, live.version + 5), clock=0)  # another stamp: its own
     assert s.used == used + s.get(1, 0, 9).capacity
     assert remote_read(s, 1, 0) == b"AAAAAAAA" and remote_read(s, 1, 0, 9) == b"xxxxxxxx"
 
@@ -133,14 +134,14 @@ def test_persisted_snapshots_share_again_after_a_reload(tmp_path):
     persist = Persist(tmp_path)
     s = filled(n_stripes=3, persist=persist)
     s.take_snapshot(4)
-    s.install(1, 0, 0, memoryview(b"live"), UNIT)
+    s.install(StripeKey(1, 0), 0, memoryview(b"live"), UNIT)
     s.drop(1, 2)  # the last stripe freed live, kept by the snapshot
     back = reloaded(persist)
     assert back.used == s.used == 4 * UNIT  # 2 live (one shared), 1 copy, 1 kept by the snapshot alone
     assert remote_read(back, 1, 0) == b"liveAAAA" and remote_read(back, 1, 0, 4) == b"AAAAAAAA"
     assert remote_read(back, 1, 1, 4) == b"BBBBBBBB" and back.get(1, 1, 4).memory is back.get(1, 1).memory
     assert remote_read(back, 1, 2, 4) == b"CCCCCCCC" and back.get(1, 2) is None
-    back.install(1, 1, 0, memoryview(b"next"), UNIT)  # still copy-on-write after the reload
+    back.install(StripeKey(1, 1), 0, memoryview(b"next"), UNIT)  # still copy-on-write after the reload
     assert remote_read(back, 1, 1, 4) == b"BBBBBBBB"
 
 
@@ -155,7 +156,7 @@ async def test_freed_memory_is_released_off_the_loop_while_the_reaper_runs():
     s.spares.limit = 0
     s.take_snapshot(1)
     for i in range(4):
-        s.install(1, i, 0, memoryview(b"copy"), UNIT)  # the snapshot holds 4 copies alone
+        s.install(StripeKey(1, i), 0, memoryview(b"copy"), UNIT)  # the snapshot holds 4 copies alone
     async with trio.open_nursery() as n:
         n.start_soon(s.reap, Offload())
         await trio.testing.wait_all_tasks_blocked()
@@ -185,7 +186,7 @@ async def test_a_snapshots_files_are_written_behind_in_order_with_the_writes_aft
     n = 64
     s = store(capacity=4 * n * UNIT, persist=persist)
     for i in range(n):
-        s.install(1, i, 0, memoryview(bytes([i]) * UNIT), UNIT)
+        s.install(StripeKey(1, i), 0, memoryview(bytes([i]) * UNIT), UNIT)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(s.write_behind, Offload())
         await trio.testing.wait_all_tasks_blocked()
@@ -196,12 +197,12 @@ async def test_a_snapshots_files_are_written_behind_in_order_with_the_writes_aft
         drained.start()  # a second drainer, as the node's task and a snapshot's answer may be
         for i in range(n):  # the loop changes every stripe while both threads link
             if i % 3 == 0:
-                s.install(1, i, 0, memoryview(b"\xff" * UNIT), UNIT)
+                s.install(StripeKey(1, i), 0, memoryview(b"\xff" * UNIT), UNIT)
             elif i % 3 == 1:
                 s.drop_keys([(1, i, 0)])
-                s.install(1, i, 0, memoryview(b"\xee" * 100), UNIT)  # freed and made again
+                s.install(StripeKey(1, i), 0, memoryview(b"\xee" * 100), UNIT)  # freed and made again
             else:
-                s.install(1, i, UNIT - 4, memoryview(b"tail"), UNIT)
+                s.install(StripeKey(1, i), UNIT - 4, memoryview(b"tail"), UNIT)
         await s.persisted(Offload())
         drained.join()
         assert persist.pending == 0 and threading.get_ident() == loop_thread
@@ -225,7 +226,7 @@ def test_a_snapshot_written_behind_keeps_what_it_froze_on_disk(tmp_path):
     s.writing_behind = True  # as under a node's write_behind, which has not run yet
     s.take_snapshot(5)
     assert persist.pending == 3
-    s.install(1, 0, 0, memoryview(b"new!"), UNIT)  # does stripe 0's link first
+    s.install(StripeKey(1, 0), 0, memoryview(b"new!"), UNIT)  # does stripe 0's link first
     s.drop(1, 2)
     assert persist.pending == 3  # stripes 1 and 2's links wait, and the removal queued behind them
     persist.drain()

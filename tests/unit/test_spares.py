@@ -13,6 +13,7 @@ from irdmafs.offload import Offload
 from irdmafs.server import spares as spares_mod
 from irdmafs.server.budget import NoSpace
 from irdmafs.server.spares import SPARE
+from irdmafs.server.updates import StripeKey
 from irdmafs.transport.base import Access, AccessError
 
 from .test_snapshot_cow import UNIT, filled, remote_read
@@ -46,7 +47,7 @@ async def _kept(nursery):
     await _reaping(s, nursery)
     s.take_snapshot(1)
     for i in range(4):
-        s.install(1, i, 0, memoryview(b"x"), UNIT)
+        s.install(StripeKey(1, i), 0, memoryview(b"x"), UNIT)
     s.drop_snapshot(1)
     return s
 
@@ -56,7 +57,7 @@ async def test_a_dropped_snapshots_memory_becomes_the_next_copy_on_write(nursery
     await _reaping(s, nursery)
     s.take_snapshot(1)
     for i in range(4):
-        s.install(1, i, 0, memoryview(b"one!"), UNIT)  # snapshot 1 holds 4 copies alone
+        s.install(StripeKey(1, i), 0, memoryview(b"one!"), UNIT)  # snapshot 1 holds 4 copies alone
     old_keys = [s.get(1, i, 1).region.rkey for i in range(4)]
     s.drop_snapshot(1)
     assert s.spares.held == 4 * UNIT == s.budget.held[SPARE] and not s._dying, "kept, not released"
@@ -66,7 +67,7 @@ async def test_a_dropped_snapshots_memory_becomes_the_next_copy_on_write(nursery
     allocs = Allocs(monkeypatch, s)
     s.take_snapshot(2)
     for i in range(4):
-        s.install(1, i, 0, memoryview(b"two!"), UNIT)
+        s.install(StripeKey(1, i), 0, memoryview(b"two!"), UNIT)
     assert allocs.n == 0 and s.spares.taken == 4 and s.spares.held == 0, "the copies took the kept memory"
     for i in range(4):  # each copy is the stripe as snapshot 2 froze it, whole: nothing of snapshot 1's
         assert remote_read(s, 1, i, 2, 4) == b"one!" and remote_read(s, 1, i, 0, 4) == b"two!"
@@ -81,14 +82,14 @@ async def test_spare_memory_never_makes_a_write_enospc(nursery):
     await _reaping(s, nursery)
     s.take_snapshot(1)
     for i in range(4):
-        s.install(1, i, 0, memoryview(b"x"), UNIT)  # 4 live + 4 frozen: the node is full
+        s.install(StripeKey(1, i), 0, memoryview(b"x"), UNIT)  # 4 live + 4 frozen: the node is full
     s.drop_snapshot(1)
     assert s.spares.held == 4 * UNIT
     for i in range(4, 8):  # new stripes (zeroed memory, not spares): the spares make room
-        s.install(2, i, 0, memoryview(b"y"), UNIT)
+        s.install(StripeKey(2, i), 0, memoryview(b"y"), UNIT)
     assert s.spares.held == 0 and s.budget.held[SPARE] == 0 and s.used == 8 * UNIT
     with pytest.raises(NoSpace):  # and full is still full
-        s.install(3, 0, 0, memoryview(b"z"), UNIT)
+        s.install(StripeKey(3, 0), 0, memoryview(b"z"), UNIT)
 
 
 async def test_spares_last_while_in_use_on_the_real_clock(nursery):

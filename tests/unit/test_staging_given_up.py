@@ -35,7 +35,7 @@ async def abandon_a_commit(nursery, c, primary, ino, offset, data, go_on: trio.E
     async def stage_then_give_up(slot):
         await c.cluster.peers.write(primary.name, slot.rkey, slot.offset, data, slot.inc)
         args = {"fid": ino, "idx": 0, "offset": offset, "length": len(data), "unit": c.cfg.stripe_unit}
-        args |= {"rkey": slot.rkey, "soff": slot.offset, "epoch": c.cluster.roles.view_epoch}
+        args |= {"staged": [slot.rkey, slot.offset], "epoch": c.cluster.roles.view_epoch}
 
         async def on_the_node():
             await go_on.wait()  # waiting there (a freeze, a lock, a view) past the client's timeout
@@ -94,7 +94,7 @@ async def test_a_commit_waiting_for_its_stripe_finds_its_staging_replaced_and_in
         pool = StagingPool(c.cluster, "given-up", unit)
         region = await pool._region(primary.name)
         await c.cluster.peers.write(primary.name, region.rkey, 0, b"b" * 100, region.inc)
-        args = {"fid": f["ino"], "idx": 0, "offset": 0, "length": 100, "unit": unit, "rkey": region.rkey, "soff": 0, "epoch": c.cluster.roles.view_epoch}
+        args = {"fid": f["ino"], "idx": 0, "offset": 0, "length": 100, "unit": unit, "staged": [region.rkey, 0], "epoch": c.cluster.roles.view_epoch}
         outcome, done = [], trio.Event()
 
         async def commit():
@@ -130,7 +130,7 @@ async def test_a_commit_and_a_namespace_op_say_the_view_they_were_acknowledged_i
         primary = primary_of(c, nodes, f["ino"])
         region = await c.staging._region(primary.name)
         await c.cluster.peers.write(primary.name, region.rkey, 0, b"b" * 10, region.inc)
-        args = {"fid": f["ino"], "idx": 0, "offset": 0, "length": 10, "unit": cfg.stripe_unit, "rkey": region.rkey, "soff": 0}
+        args = {"fid": f["ino"], "idx": 0, "offset": 0, "length": 10, "unit": cfg.stripe_unit, "staged": [region.rkey, 0]}
         args["epoch"] = primary.cluster.roles.view_epoch
         assert (await primary.calls["commit"](**args))["acked_in"] == primary.cluster.roles.view_epoch
         meta_primary = next(n for n in nodes if n.name == c.cluster.roles.meta_primary())

@@ -4,6 +4,7 @@ had: version, clock and the pending flag (regions.py), whatever range a change t
 from irdmafs.regions import clock_word
 from irdmafs.server.persist import Persist
 from irdmafs.server.store import Store
+from irdmafs.server.updates import StripeKey, StripeRange
 from irdmafs.transport.memory import MemoryTransport
 
 UNIT = 4096
@@ -37,9 +38,9 @@ def test_a_change_at_data_offset_zero_persists_its_header(tmp_path):
     without it, so a node loaded from disk had the old version under the new bytes."""
     persist = Persist(tmp_path)
     store = Store(MemoryTransport("test-token-123"), 1 << 20, persist)
-    store.install(1, 0, 0, memoryview(b"a" * 100), UNIT)
-    store.install(1, 0, 0, memoryview(b"b" * 100), UNIT, clock=3)
-    store.update(1, 0, 0, 100, UNIT, lambda view: view.__setitem__(slice(None), b"c" * 100), pending=True)
+    store.install(StripeKey(1, 0), 0, memoryview(b"a" * 100), UNIT)
+    store.install(StripeKey(1, 0), 0, memoryview(b"b" * 100), UNIT, clock=3)
+    store.update(StripeRange(StripeKey(1, 0), 0, 100, UNIT), lambda view: view.__setitem__(slice(None), b"c" * 100), pending=True)
     live = store.get(1, 0)
     back = reloaded(persist).get(1, 0)
     assert bytes(back.data[:100]) == b"c" * 100
@@ -52,7 +53,7 @@ def test_a_change_at_data_offset_zero_persists_its_header(tmp_path):
 def test_a_whole_copy_keeps_the_clock_word_it_was_given(tmp_path):
     """A resync's copy of a stripe whose step is not yet published stays pending (resync.py)."""
     store = Store(MemoryTransport("test-token-123"), 1 << 20)
-    store.replace(1, 0, memoryview(b"d" * 100), UNIT, 7, clock=clock_word(5, True))
+    store.replace(StripeKey(1, 0), memoryview(b"d" * 100), UNIT, (0, 7), clock=clock_word(5, True))
     copy = store.get(1, 0)
     assert (copy.version, copy.clock, copy.pending) == (7, 5, True)
 
@@ -65,12 +66,12 @@ def test_a_stripe_loads_with_the_tag_of_its_version(tmp_path):
     persist = Persist(tmp_path)
     epoch = [3]
     store = Store(MemoryTransport("test-token-123"), 1 << 20, persist, epoch=lambda: epoch[0])
-    store.install(1, 0, 0, memoryview(b"a" * 100), UNIT)
-    store.install(1, 1, 0, memoryview(b"b" * 100), UNIT, stamp=(9, 4))  # a backup's: the primary's tag
+    store.install(StripeKey(1, 0), 0, memoryview(b"a" * 100), UNIT)
+    store.install(StripeKey(1, 1), 0, memoryview(b"b" * 100), UNIT, stamp=(9, 4))  # a backup's: the primary's tag
     store.take_snapshot(2)
     epoch[0] = 5
-    store.install(1, 0, 0, memoryview(b"c" * 100), UNIT)  # the live stripe's next version, in view 5
-    store.install(1, 0, 0, memoryview(b"d" * 100), UNIT)
+    store.install(StripeKey(1, 0), 0, memoryview(b"c" * 100), UNIT)  # the live stripe's next version, in view 5
+    store.install(StripeKey(1, 0), 0, memoryview(b"d" * 100), UNIT)
     with open(tmp_path / "tags.log", "a") as f:
         f.write("1 0 0")  # torn
     lines = (tmp_path / "tags.log").read_text().count("\n")

@@ -10,6 +10,8 @@ import time
 import numpy as np
 import trio
 
+from irdmafs.server.updates import StripeKey
+
 from .test_pull_many import SIZE, _push, bed  # noqa: F401 (the fixture)
 
 
@@ -55,7 +57,7 @@ async def test_a_fetch_takes_untrained_bytes_that_moved_under_its_read(bed, monk
 
     async def moving(name, rkey, offset, into, inc=None):
         # the holder's stripe changes after every answer, before the read
-        holder.store.install(fid, 0, 0, memoryview(b"b" * 100), holder.cfg.stripe_unit)
+        holder.store.install(StripeKey(fid, 0), 0, memoryview(b"b" * 100), holder.cfg.stripe_unit)
         moves.append(holder.store.get(fid, 0).version)
         return await real(name, rkey, offset, into, inc)
 
