@@ -11,4 +11,13 @@ NAME_MAX = 255  # bytes in one name (encoded as the file system encodes it)
 PATH_MAX = 4096  # bytes in a path, and so in a symbolic link's target (with its terminating NUL)
 # the internal xattr of a safetensors file that is a model (fs/models.py): {"dir": ino, "start": n}
 MODEL_XATTR = "irdmafs.model"
-MODEL_SUFFIX = ".safetensors"  # a model file's name ends so; X.safetensors's tensors are in X
+MODEL_SUFFIX = ".safetensors"
+# Buckets (docs/buckets.md): a model directory's small float tensors packed into one hidden
+# regular file, ``.irdmafs-bucket-<n>``, trained, pushed and pulled as one tensor. A packed
+# tensor's namespace record points into it: ``tensor["bucket"] = {"fid", "at", "size", "unit"}``
+# (with ``"until"``, in ns, while a pack is under way and not yet in force).
+BUCKET_NAME = ".irdmafs-bucket-"  # + inode of the directory's first tensor packed
+BUCKET_UNIT = 256 << 10  # a bucket's stripe unit: its rounds spread over the nodes
+PACK_MAX_BYTES = 256 << 10  # a tensor's data of at most this many bytes may be packed
+PACK_MIN_TENSORS = 16  # fewer packable tensors in a directory: not worth a bucket
+PACK_LEASE_NS = 30 * 10**9  # a pack under way holds its tensors' pushes at most this long  # a model file's name ends so; X.safetensors's tensors are in X

@@ -20,6 +20,7 @@ from typing import Any
 # (the client and the file system import these from irdmafs.namespace, not from here)
 from ..namespace import MODEL_SUFFIX, MODEL_XATTR, NAME_MAX, PATH_MAX, ROOT
 from ..transport.base import RemoteError
+from . import buckets
 
 LINK_MAX = 65000  # names one inode may have (ext4's limit)
 # what an inode may be: files hold data, directories names, symbolic links a target; FIFOs,
@@ -58,6 +59,8 @@ OP_FIELDS: dict[str, dict[str, Any]] = {
     "snapshot": {"name": str},
     "unsnapshot": {"name": str},
     "setxattr": {"ino": int, "name": str},
+    "pack": {"bucket": int, "tensors": list, "count": int, "final": bool},
+    "unpack": {"bucket": int, "tensors": list},
 }
 OP_OPTIONAL: dict[str, dict[str, Any]] = {
     "create": {"target": str, "unit": int, "rdev": int, **_NAMING},
@@ -246,6 +249,7 @@ class Meta:
         """Apply one op; returns its result. Raises RemoteError and changes nothing if invalid.
         Every op is validated before any state changes, so a refused op leaves no trace."""
         self.check(op)
+        buckets.guard(self, op)
         result = getattr(self, f"_op_{op['op']}")(op)
         self.seq += 1
         if op["op"] == "setattr" and "size" in op["attrs"] and self.inodes[op["ino"]]["unit"]:
@@ -253,6 +257,8 @@ class Meta:
             self.cuts[op["ino"]] = [c for c in self.cuts.get(op["ino"], []) if c[1] < cut] + [[self.seq, cut]]
         if result.get("freed"):
             self.cuts.pop(result["freed"], None)
+        for b in result.get("freed_buckets", ()):
+            self.cuts.pop(b, None)
         if op.get("rid"):
             self.done[op["rid"]] = result
             while len(self.done) > DONE_KEPT:
@@ -349,23 +355,26 @@ class Meta:
         del entries[name]
         node["nlink"] -= 1
         node["ctime_ns"] = op["now"]  # its link count changed (seen through its other names)
-        freed = None
+        freed = bucket = None
         if node["nlink"] <= 0:
+            bucket = buckets.release(self, ino, op["now"])
             del self.inodes[ino]
             freed = ino
         self._touch_dir(parent, op["now"])
-        return {"ino": ino, "freed": freed, "nlink": node["nlink"], "model": self._freed_model(node, freed)}
+        result = {"ino": ino, "freed": freed, "nlink": node["nlink"], "model": self._freed_model(node, freed)}
+        return dict(result, freed_buckets=[bucket]) if bucket else result
 
     def _op_rmdir(self, op: dict) -> dict:
         parent, name = op["parent"], op["name"]
         entries, ino = self._child(parent, name)
-        if self.directory(ino):
+        if not buckets.only_orphans(self, ino):  # (what a pack cut short left goes with it)
             raise _err("ENOTEMPTY", f"{name!r} is not empty")
+        freed = buckets.free_orphans(self, ino)
         del entries[name]
         del self.inodes[ino], self.entries[ino]
         self.inodes[parent]["nlink"] -= 1
         self._touch_dir(parent, op["now"])
-        return {"ino": ino}
+        return {"ino": ino, "freed_buckets": freed}
 
     def _is_ancestor(self, maybe_ancestor: int, ino: int) -> bool:
         # Directories have one parent; walk down from maybe_ancestor looking for ino.
@@ -389,7 +398,7 @@ class Meta:
         if moving_dir and self._is_ancestor(ino, op["new_parent"]):
             raise _err("EINVAL", "cannot move a directory into itself")
         replaced = dst_dir.get(new_name)
-        freed = freed_model = None
+        freed = freed_model = bucket = None
         if replaced is not None and replaced != ino:
             target = self.inodes[replaced]
             if S.S_ISDIR(target["mode"]):
@@ -409,6 +418,7 @@ class Meta:
                 target["nlink"] -= 1
                 target["ctime_ns"] = op["now"]
                 if target["nlink"] <= 0:
+                    bucket = buckets.release(self, replaced, op["now"])
                     del self.inodes[replaced]
                     freed = replaced
                     freed_model = self._freed_model(target, freed)
@@ -421,7 +431,7 @@ class Meta:
         self.inodes[ino]["ctime_ns"] = op["now"]
         self._touch_dir(op["parent"], op["now"])
         self._touch_dir(op["new_parent"], op["now"])
-        return {"ino": ino, "freed": freed, "model": freed_model}
+        return {"ino": ino, "freed": freed, "model": freed_model, "freed_buckets": [bucket] if bucket else []}
 
     _SETTABLE = {"mode", "uid", "gid", "atime_ns", "mtime_ns", "size"}
 
@@ -435,13 +445,22 @@ class Meta:
             raise _err("EISDIR" if S.S_ISDIR(node["mode"]) else "EINVAL", "bad size change")
         if "mode" in fields:
             fields = dict(fields, mode=S.S_IFMT(node["mode"]) | S.S_IMODE(fields["mode"]))
+        bucket = None
+        if "size" in fields and buckets.pointer(node) is not None:  # a whole rewrite: its data is its own again
+            bucket = buckets.release(self, op["ino"], op["now"])
         if "size" in fields and fields["size"] != node["size"]:
             node["version"] += 1
             if "mtime_ns" not in fields:
                 node["mtime_ns"] = op["now"]
         node.update(fields)
         node["ctime_ns"] = op["now"]
-        return self.attr(op["ino"])
+        return dict(self.attr(op["ino"]), freed_buckets=[bucket]) if bucket else self.attr(op["ino"])
+
+    def _op_pack(self, op: dict) -> dict:
+        return buckets.pack(self, op)
+
+    def _op_unpack(self, op: dict) -> dict:
+        return buckets.unpack(self, op)
 
     def _op_extend(self, op: dict) -> dict:
         """A write ended at ``size``: grow the file if needed; content changed, so mtime moves."""
@@ -484,7 +503,8 @@ class Meta:
         node = self.inode(op["ino"])
         if S.S_ISDIR(node["mode"]):
             raise _err("EISDIR", "a directory is not a tensor")
-        node["tensor"] = op["tensor"]
+        packed = buckets.in_force(node)  # (the same header again: ``buckets.guard`` let it through)
+        node["tensor"] = dict(op["tensor"], bucket=packed) if packed else op["tensor"]
         return self.attr(op["ino"])
 
     def check_snapshot_name(self, name: str) -> None:

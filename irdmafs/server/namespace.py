@@ -240,6 +240,9 @@ class Namespace:
         if result.get("freed"):
             self.store.drop(result["freed"])
             self.forget(result["freed"])
+        for bucket in result.get("freed_buckets", ()):  # its last tensor gone (server/buckets.py)
+            self.store.drop(bucket)
+            self.forget(bucket)
         if op["op"] == "unsnapshot":
             self.store.drop_snapshot(result["id"])
         if op["op"] == "setxattr" and op["name"] in ("user.irdma.removed", "user.irdma.workers") and self.cluster.nursery:

@@ -34,7 +34,7 @@ from ..peers import NodeDown
 from ..metrics import Latency
 from ..policy import PolicyError, parse_policy
 from ..transport.base import RemoteError
-from . import optim
+from . import buckets, optim
 from .barrier import CommitBarrier
 from .core import NodeCore
 from .meta import Meta
@@ -45,6 +45,7 @@ from .store import NoSpace
 from .updates import StripeKey, StripeRange, Update, check_range
 
 log = logging.getLogger(__name__)
+PACK_MARGIN_NS = 5 * 10**9  # a pack's lease, as a node reads it, lasts this much longer
 RECORDS_PAGE = 4 << 20  # bytes of arrays (round sums, held pushes) in one train_records answer
 
 _NUMBER = (int, float)
@@ -68,6 +69,7 @@ class Push(NamedTuple):
     busy: float | None = None
     paced: float = 0.0
     epoch: int = 0  # the pusher's view epoch (serving.py, check_epoch)
+    layout: int = -1  # a bucket's push: the bucket's version the pusher laid its step out by
 
 
 class Trained(NamedTuple):
@@ -82,7 +84,7 @@ class Trained(NamedTuple):
 # the types of a push descriptor's fields (``_push_args``); ``spans`` and ``busy`` may be null
 PUSH_TYPES = {
     "fid": int, "idx": int, "offset": int, "count": int, "rank": int, "step": int, "unit": int,
-    "wire": str, "spans": list, "busy": _NUMBER, "paced": _NUMBER, "epoch": int,
+    "wire": str, "spans": list, "busy": _NUMBER, "paced": _NUMBER, "epoch": int, "layout": int,
 }
 PUSH_REQUIRED = frozenset(k for k, p in inspect.signature(Push).parameters.items() if p.default is inspect.Parameter.empty)
 
@@ -195,6 +197,26 @@ class Training:
             grad[start : start + length] = values[pos : pos + length]
             pos += length
         return grad
+
+    def _check_layout(self, p: Push) -> None:
+        """ESTALE for a push against a layout that is not the namespace's (B2, docs/buckets.md):
+        to a tensor packed into a bucket, or being packed (its lease, PACK_MARGIN_NS added for
+        clocks that disagree: the primary that ends the pack judges by its own); to a bucket
+        whose version moved since the pusher laid its step out (a tensor of it unpacked)."""
+        node = self.meta.inode(p.fid)
+        ptr = buckets.pointer(node)
+        if ptr is not None and ("until" not in ptr or time.time_ns() < ptr["until"] + PACK_MARGIN_NS):
+            raise RemoteError("ESTALE", f"tensor {p.fid} is packed into bucket {ptr['fid']}: lay the step out again")
+        if p.layout >= 0 and node["version"] != p.layout:
+            raise RemoteError("ESTALE", f"bucket {p.fid} changed since the step was laid out: lay it out again")
+
+    async def rpc_train_busy(self, fids: list) -> dict:
+        """Which of ``fids`` this node holds push bookkeeping of (a pack goes on only for
+        tensors no rank has pushed to: client/buckets.py)."""
+        if not isinstance(fids, list) or not all(type(f) is int for f in fids):
+            raise RemoteError("EINVAL", "train_busy: fids is a list of inode numbers")
+        want = set(fids)
+        return {"busy": sorted({f for f, _ in self.records if f in want})}
 
     async def rpc_train_info(self, fid: int, rank: int, epoch: int = 0) -> dict:
         """The model's policy as this tensor sees it, and how many pushes of ``rank`` this node
@@ -323,6 +345,7 @@ class Training:
         next pull reads at once, one-sided (no ``clock_wait``)."""
         fid, idx, offset, count, rank, step, unit = p.fid, p.idx, p.offset, p.count, p.rank, p.step, p.unit
         self.serving.check_primary(fid, idx)
+        self._check_layout(p)
         t = self.trained(fid)
         model, dtype = t.model, t.dtype
         if rank not in model.active:
