@@ -20,4 +20,8 @@ BUCKET_NAME = ".irdmafs-bucket-"  # + inode of the directory's first tensor pack
 BUCKET_UNIT = 256 << 10  # a bucket's stripe unit: its rounds spread over the nodes
 PACK_MAX_BYTES = 256 << 10  # a tensor's data of at most this many bytes may be packed
 PACK_MIN_TENSORS = 16  # fewer packable tensors in a directory: not worth a bucket
-PACK_LEASE_NS = 30 * 10**9  # a pack under way holds its tensors' pushes at most this long  # a model file's name ends so; X.safetensors's tensors are in X
+PACK_LEASE_NS = 30 * 10**9  # a pack under way holds its tensors' pushes at most this long
+# The error of a push or a write made against a layout that is no longer the namespace's (a
+# tensor packed or unpacked since): the user's ESTALE, under a name of its own because the
+# client takes ESTALE for a newer view and asks again
+LAYOUT_CHANGED = "EREMCHG"  # a model file's name ends so; X.safetensors's tensors are in X

@@ -39,6 +39,8 @@ from ..silence import Patience
 from ..slots import StagingPool
 from ..transport.base import Gather, RemoteError, Transport, TransportError
 from ..util import single_exception
+from ..packing import in_force
+from .buckets import Packer, split_read
 from .paths import Paths
 from .stripe import Extent, StripeIO
 from .training import LOCAL_BATCH, PUSH_BATCH, PushPull
@@ -63,6 +65,7 @@ class Client:
         self._rids = 0
         self.training = PushPull(cfg, self.cluster, self.staging, self.io, self.getattr, self._call_following)
         self.paths = Paths(self)  # the same calls by path, for Python users (paths.py)
+        self.buckets = Packer(self)  # packing small tensors (buckets.py)
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -128,6 +131,11 @@ class Client:
         self._rids += 1
         return await self._meta_call("meta", {"op": dict(op, rid=f"{self.owner}:{self._rids}")})
 
+    async def op(self, **op: Any) -> dict:
+        """A namespace op of a kind with no method of its own here (a bucket's ``pack`` and
+        ``unpack``: buckets.py)."""
+        return await self._op(**op)
+
     async def lookup(self, parent: int, name: str, snap: int = 0, *, alias: bool = False) -> dict:
         """The entry ``name`` of ``parent``; with ``alias``, where it is missing, the tensor
         directory of a model file ``name.safetensors`` (its attributes carry ``alias_of``)."""
@@ -167,8 +175,9 @@ class Client:
     async def mkdir(self, parent: int, name: str, mode: int = 0o755, uid: int = 0, gid: int = 0) -> dict:
         return await self._op(op="mkdir", parent=parent, name=name, mode=mode, uid=uid, gid=gid)
 
-    async def create(self, parent: int, name: str, mode: int = 0o644, uid: int = 0, gid: int = 0) -> dict:
-        return await self._op(op="create", parent=parent, name=name, mode=S.S_IFREG | S.S_IMODE(mode), uid=uid, gid=gid, unit=self.cfg.stripe_unit)
+    async def create(self, parent: int, name: str, mode: int = 0o644, uid: int = 0, gid: int = 0, *, unit: int = 0) -> dict:
+        """A regular file, striped in ``unit`` bytes (the cluster's stripe unit by default)."""
+        return await self._op(op="create", parent=parent, name=name, mode=S.S_IFREG | S.S_IMODE(mode), uid=uid, gid=gid, unit=unit or self.cfg.stripe_unit)
 
     async def symlink(self, parent: int, name: str, target: str, uid: int = 0, gid: int = 0) -> dict:
         return await self._op(op="create", parent=parent, name=name, mode=S.S_IFLNK | 0o777, target=target, uid=uid, gid=gid)
@@ -217,13 +226,24 @@ class Client:
         attr = attr or await self.getattr(ino, snap)
         if S.S_ISDIR(attr["mode"]):
             raise RemoteError("EISDIR", "is a directory")
-        return await self.io.read(Extent(ino, attr["size"], attr["unit"], snap), offset, into)
+        if not in_force(attr):
+            return await self.io.read(Extent(ino, attr["size"], attr["unit"], snap), offset, into)
+        # a packed tensor: its header from its own stripes, its data from its bucket's
+        parts = split_read(attr, offset, len(into))
+        async with trio.open_nursery() as n:
+            for extent, off, pos, length in parts:
+                n.start_soon(self.io.read, extent._replace(snap=snap), off, into[pos : pos + length])
+        return sum(p[3] for p in parts)
 
     async def read_many(self, reads: list[tuple[int, int, memoryview, dict]]) -> None:
         """Fill each ``into`` of (ino, offset, into, attr) from its live file, all at once (many
         small files in a burst per node: StripeIO.read_small); each ``into`` lies within its
         file."""
-        await self.io.read_small([(ino, attr["size"], attr["unit"], offset, into) for ino, offset, into, attr in reads])
+        items = []
+        for ino, offset, into, attr in reads:
+            for extent, off, pos, length in split_read(dict(attr, ino=ino), offset, len(into)):
+                items.append((extent.fid, extent.size, extent.unit, off, into[pos : pos + length]))
+        await self.io.read_small(items)
 
     async def read(self, ino: int, offset: int, length: int, attr: dict | None = None, snap: int = 0) -> bytes:
         buf = bytearray(length)

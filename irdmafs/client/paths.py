@@ -14,6 +14,7 @@ import numpy as np
 import trio
 
 from .. import formats
+from ..packing import in_force
 from ..namespace import ROOT
 from ..transport.base import RemoteError
 
@@ -136,7 +137,9 @@ class Paths:
         array = np.require(array, requirements="C")  # (ascontiguousarray would make 0-d into 1-d)
         header = formats.encode_header(array)
         attr = await self.open_under(parent, name)
-        if attr["size"] > len(header) + array.nbytes:
+        if in_force(attr):  # packed into a bucket: written whole, its data is its own again (docs/buckets.md)
+            attr = await self.client.truncate(attr["ino"], 0)
+        elif attr["size"] > len(header) + array.nbytes:
             attr = await self.client.truncate(attr["ino"], len(header) + array.nbytes)
         body = memoryview(array.reshape(-1)).cast("B") if array.size else memoryview(b"")
         async with trio.open_nursery() as n:

@@ -35,6 +35,7 @@ from ..batching import Batcher, Unsent
 from ..cluster import Cluster
 from ..peers import NodeDown
 from ..config import ClusterConfig
+from ..packing import in_force
 from ..policy import parse_policy, required_clock
 from ..offload import Offload
 from ..silence import Moves, SilenceBound
@@ -160,7 +161,7 @@ class PushPull:
         """``train_info`` if this client has it at hand (no call)."""
         return self._train.get((ino, rank))
 
-    async def push(self, ino: int, rank: int, grad: np.ndarray, *, owner: object = None, order: float = math.inf) -> int:
+    async def push(self, ino: int, rank: int, grad: np.ndarray, *, owner: object = None, order: float = math.inf, layout: int = -1) -> int:
         """Push one gradient of ``rank`` for tensor ``ino``; returns its step. The gradient
         must have the tensor's dtype and shape (EINVAL otherwise, and nothing changes). Returns
         once every stripe's primary has taken its part (the update may still be pending).
@@ -174,7 +175,10 @@ class PushPull:
         Under bsp a part that joined a round still open is kept (``_open``) until the round
         closes, to be sent again if the primary is lost first (``_repush_open``): as a view of
         ``grad`` when the caller names an ``owner`` that lets it know before it reuses the
-        memory (``detach``), else as a copy."""
+        memory (``detach``), else as a copy.
+
+        ``layout``: a bucket's version as the caller laid the step out (the node refuses the
+        push with LAYOUT_CHANGED if it moved: docs/buckets.md B2)."""
         info = await self.train_info(ino, rank, pushing=True)
         grad = np.asarray(grad)
         t = info["tensor"]
@@ -219,6 +223,8 @@ class PushPull:
                 "fid": ino, "idx": p.idx, "offset": p.offset, "count": count, "rank": rank, "step": step,
                 "wire": wire.str, "unit": attr["unit"], "busy": busy, "paced": paced,
             }
+            if layout >= 0:
+                desc["layout"] = layout
             if chosen is None:
                 values = flat[e0 : e0 + count]
             else:
@@ -455,15 +461,21 @@ class PushPull:
         within S steps; asp: at once). ETIMEDOUT after the model's ``user.irdma.timeout``.
         ``info``: ``train_info`` as the caller just had it (``pull_many``)."""
         info = info or await self.train_info(ino, rank)
+        ptr = in_force(info["attr"])
+        if ptr is not None:  # packed: its range of the bucket, as the bucket's policy lets the rank see it
+            ino, start = ptr["fid"], ptr["at"]
+            info = await self.train_info(ino, rank)
+        else:
+            start = info["tensor"]["offset"]
         if rank not in info["active"]:
             raise RemoteError("EINVAL", f"rank {rank} is not one of the active workers {info['active']}")
-        attr, t = info["attr"], info["tensor"]
+        unit = info["attr"]["unit"]
         need = required_clock(parse_policy(info["sync"]), self.next_step(ino, rank, info))
         view = memoryview(out.reshape(-1)).cast("B")
         # a stripe whose round this rank's push closed (nothing kept open) is there already
         closed = lambda idx: (ino, idx, rank) not in self._open and self._pushed_to.get((ino, rank)) == need  # noqa: E731
-        await self.io.read(Extent(ino, t["offset"] + len(view), attr["unit"]), t["offset"], view, StepWait(need, info["timeout"], closed))
-        self._closed(ino, rank, need, (p.idx for p in split(t["offset"], len(view), attr["unit"])))
+        await self.io.read(Extent(ino, start + len(view), unit), start, view, StepWait(need, info["timeout"], closed))
+        self._closed(ino, rank, need, (p.idx for p in split(start, len(view), unit)))
         self._pulled_at[(ino, rank)] = trio.current_time()
         return out
 
@@ -481,6 +493,9 @@ class PushPull:
         deadline = trio.current_time() + CLOCK_SLICE
         for ino, out in items:
             info = await self.train_info(ino, rank)
+            if in_force(info["attr"]):  # packed (a layout older than its pack): pulled from its bucket
+                slow.append((ino, out, info))
+                continue
             if rank not in info["active"]:
                 raise RemoteError("EINVAL", f"rank {rank} is not one of the active workers {info['active']}")
             attr, t = info["attr"], info["tensor"]
@@ -526,6 +541,10 @@ class PushPull:
         rounds are complete; under r2sp, its turns have come; asp and ssp apply a push when
         they take it)."""
         info = await self.train_info(ino, rank)
+        ptr = in_force(info["attr"])
+        if ptr is not None:  # packed: its bucket's pushes
+            ino = ptr["fid"]
+            info = await self.train_info(ino, rank)
         t, attr = info["tensor"], info["attr"]
         pushed = self.next_step(ino, rank, info)
         if info["sync"] == "bsp":  # the stripes' clocks say it: one-sided reads

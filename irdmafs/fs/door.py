@@ -273,6 +273,7 @@ class _Session:
         now = await self.streams.layouts.get(self.model, fresh=reread)
         if now.header != self.layout.header:
             raise FsError(errno.ESTALE, "the model's tensors changed since the door opened: open it again")
+        self.layout = now  # (the same stream, its tensors perhaps packed or unpacked since)
 
     async def aclose(self) -> None:
         """The worker left: the pushes still kept as views of its region are copied and the

@@ -12,6 +12,7 @@ import os
 import trio
 
 from ..cluster import Unavailable
+from ..namespace import LAYOUT_CHANGED
 from ..peers import NodeDown, TornRead
 from ..transport.base import AccessError, RemoteError, TransportError
 from ..util import leaves
@@ -30,9 +31,9 @@ REMOTE_ERRNO = {
     name: getattr(errno, name)
     for name in (
         "ENOENT", "EEXIST", "ENOTDIR", "EISDIR", "ENOTEMPTY", "EINVAL", "ENAMETOOLONG", "EROFS",
-        "ENOSPC", "ENODATA", "EPERM", "EACCES", "EBUSY", "E2BIG", "ETIMEDOUT", "EMLINK", "EAGAIN",
+        "ENOSPC", "ENODATA", "EPERM", "EACCES", "EBUSY", "E2BIG", "ETIMEDOUT", "EMLINK", "EAGAIN", "EXDEV",
     )
-}
+} | {LAYOUT_CHANGED: errno.ESTALE}  # a layout changed under a push or a write (server/buckets.py)
 
 
 def _telling(exc: BaseException) -> int:

@@ -23,7 +23,9 @@ import numpy as np
 import trio
 
 from .. import formats
-from ..namespace import ROOT
+from ..namespace import LAYOUT_CHANGED, ROOT
+from ..packing import in_force
+from ..transport.base import RemoteError
 from . import models
 from .errors import FsError
 from .openfiles import OpenFile
@@ -254,8 +256,24 @@ class PushHandle(BufferedHandle):
             raise FsError(errno.EINVAL, str(exc)) from None
         # ``data`` is immutable and never reused: a push kept while its round is open stays a
         # view of it (PushPull.push ``owner``), no copy
-        await client.training.push(self.ino, self.rank, np.ascontiguousarray(grad), owner=data)
+        for last in (False, True):
+            try:
+                await client.training.push(self.ino, self.rank, np.ascontiguousarray(grad), owner=data)
+                break
+            except RemoteError as exc:  # packed into a bucket (docs/buckets.md): this rank trains it alone
+                if exc.code != LAYOUT_CHANGED or last:
+                    raise
+                await self._alone()
         self.dirty = False
+
+    async def _alone(self) -> None:
+        """The tensor's bucket unpacked: a push of one tensor of a bucket is not the bucket's
+        (B3); from now on its directory's tensors train alone."""
+        client = self.client
+        client.training.forget_training(self.ino)
+        ptr = in_force(await client.getattr(self.ino))
+        if ptr is not None:
+            await client.buckets.unpack(ptr["fid"])
 
     async def fsync(self) -> None:
         await self.flush()

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import formats
 from ..namespace import ROOT
+from ..packing import in_force
 from ..transport.base import RemoteError
 from . import models
 from .errors import FsError
@@ -86,6 +87,8 @@ class LiveFiles(Family):
         if flags & os.O_TRUNC and writes(flags) and attr["size"]:
             # libfuse asks for atomic O_TRUNC: the kernel sends no setattr, the open truncates
             attr = await self.resize(ino, {"size": 0})
+        elif writes(flags):  # written in place: a packed tensor's bytes are its own first
+            attr = await self.alone(ino, attr)
         if writes(flags):
             self.pages.forget(ino)
             alone = self.files.get(ino) is None  # no other open of it here (handles.py, write_only)
@@ -135,7 +138,21 @@ class LiveFiles(Family):
             return await self._set(ino, changes)
         async with self.models.locked(ino):
             await self._plain_if_resized(ino, changes)
+            attr = await self.client.getattr(ino)
+            if changes["size"] > ((attr.get("tensor") or {}).get("offset") or 0):  # a packed tensor's data is kept
+                await self.alone(ino, attr)
             return await self._set(ino, changes)
+
+    async def alone(self, ino: int, attr: dict) -> dict:
+        """A tensor packed into a bucket (docs/buckets.md) about to be written in place, cut
+        short but not away, or given a policy of its own: its bucket is unpacked first (every
+        member's bytes its own again); returns its attributes as they are then."""
+        ptr = in_force(attr)
+        if ptr is None:
+            return attr
+        await self.client.buckets.unpack(ptr["fid"])
+        self.layouts.forget()
+        return await self.client.getattr(ino)
 
     async def _set(self, ino: int, changes: dict[str, Any]) -> dict:
         written = 0
@@ -360,6 +377,8 @@ class LiveFiles(Family):
         if value is not None and len(value) > 65536:
             raise FsError(errno.E2BIG)
         text = None if value is None else value.decode("utf-8", "surrogateescape")
+        if name.startswith("user.irdma."):  # a packed tensor's policy is its bucket's (B6)
+            await self.alone(ino, await self.client.getattr(ino))
         await self.client.setxattr(ino, name, text)
         if name.startswith("user.irdma."):
             await self._mirror_policy(ino, name, text)

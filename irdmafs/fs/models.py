@@ -59,7 +59,7 @@ import trio
 
 from .. import formats
 from ..client.client import Client
-from ..client.stripe import Extent
+from ..client.buckets import data_of
 from ..cluster import Unavailable
 from ..peers import NodeDown
 from ..namespace import MODEL_XATTR
@@ -433,9 +433,8 @@ class ModelReader:
         try:
             p = self.layout.parts[i]
             buf = bytearray(p.end - p.begin)
-            t = p.attr["tensor"]
-            extent = Extent(p.ino, t["offset"] + len(buf), p.attr["unit"], self.layout.snap)
-            await self.client.io.read_settled(extent, t["offset"], memoryview(buf), self.timeout)
+            where = data_of(dict(p.attr, ino=p.ino), self.layout.snap)  # its own stripes or its bucket's
+            await self.client.io.read_settled(where.extent, where.start, memoryview(buf), self.timeout)
             self.cache[i] = buf
             self._evict(keep=i)
         finally:

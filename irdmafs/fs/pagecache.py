@@ -11,7 +11,8 @@ stamp the previous open of that file took:
 - the namespace's version and size of the file (moved by every flush of a write, by any mount);
 - the version of each of its stripes, read one-sidedly from a home that serves it (16 bytes each;
   moved by every install, a write's or a training step's, and never back): of its tensors'
-  stripes too for a model file (models.py), whose bytes are theirs.
+  stripes too for a model file (models.py), whose bytes are theirs, and of the bucket of a
+  packed tensor (docs/buckets.md).
 
 The pages the kernel holds were all read after the earlier open took its stamp; the same stamp now
 means nothing changed since, so they are the file's bytes now. Any difference (or a stamp that
@@ -26,6 +27,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from ..transport.base import TransportError
+from ..packing import in_force
 from . import models
 from .errors import FsError
 
@@ -73,6 +75,11 @@ class PageCache:
             except FsError:  # a model file gone bad: its reads say so
                 return None
             files += [(p.ino, p.attr["size"], p.attr["unit"]) for p in layout.parts]
+            attrs = [attr] + [p.attr for p in layout.parts]
+        else:
+            attrs = [attr]
+        # a packed tensor's bytes are its bucket's (docs/buckets.md): every bucket's stripes too
+        files += sorted({(p["fid"], p["size"], p["unit"]) for p in map(in_force, attrs) if p})
         epoch = self.client.cluster.roles.view_epoch
         versions = await self.client.io.versions(files)
         if any(v is None for v in versions):

@@ -42,6 +42,7 @@ from .. import formats
 from ..util import single_exception
 from . import views
 from .errors import FsError
+from ..packing import in_force
 
 if TYPE_CHECKING:
     from ..client.client import Client
@@ -52,13 +53,27 @@ LAYOUT_SECONDS = 60.0  # as long as the kernel caches .workers entries (inodes.W
 GROUP_BYTES = 256 << 10  # parameters up to this size are pulled together (PushPull.pull_many)
 
 
+@dataclass(eq=False)
+class Bucket:
+    """A bucket of a model's layout (docs/buckets.md): its inode and version as laid out, its
+    elements, and its members as (stream entry, tensor file attributes, element they start at)."""
+
+    fid: int
+    version: int
+    dtype: np.dtype
+    count: int
+    members: list
+
+
 @dataclass
 class Layout:
-    """A model's stream: header bytes and, in data order, (entry, tensor file attributes)."""
+    """A model's stream: header bytes and, in data order, (entry, tensor file attributes); the
+    buckets its small tensors are packed in."""
 
     header: bytes
     parts: list
     at: float
+    buckets: list = field(default_factory=list)
 
     @property
     def size(self) -> int:
@@ -66,6 +81,11 @@ class Layout:
 
     def by_name(self) -> dict:
         return {e.name: (e, a) for e, a in self.parts}
+
+    @property
+    def apart(self) -> list:
+        """The parts that are not packed: pushed and pulled each as its own tensor."""
+        return [(e, a) for e, a in self.parts if not in_force(a)]
 
 
 @dataclass
@@ -86,11 +106,39 @@ class Layouts:
         self._buffers: dict[tuple[str, int, int], bytearray] = {}
 
     async def get(self, model: int, *, fresh: bool = False) -> Layout:
+        """The model's layout (cached); laid out anew, its small tensors are packed first if
+        they can be (a model no rank has pushed to yet: client/buckets.py)."""
         cached = self._cache.get(model)
         if fresh or cached is None or trio.current_time() - cached.at > LAYOUT_SECONDS:
             header, parts = await views.layout(self.client, model)
-            cached = self._cache[model] = Layout(header, parts, trio.current_time())
+            if await self._pack(parts):  # (here or by another mount meanwhile)
+                header, parts = await views.layout(self.client, model)
+            cached = self._cache[model] = Layout(header, parts, trio.current_time(), await self._buckets(parts))
         return cached
+
+    async def _pack(self, parts: list) -> bool:
+        by_dir: dict[int, list[dict]] = {}
+        for _, attr in parts:
+            by_dir.setdefault(attr.get("parent", 0), []).append(attr)
+        packed = False
+        for directory, attrs in by_dir.items():
+            packed = await self.client.buckets.pack(directory, attrs) or packed
+        return packed
+
+    async def _buckets(self, parts: list) -> list[Bucket]:
+        """The buckets the packed ones of ``parts`` live in, as the namespace has them now."""
+        found: dict[int, Bucket] = {}
+        for e, attr in parts:
+            ptr = in_force(attr)
+            if ptr is None:
+                continue
+            b = found.get(ptr["fid"])
+            if b is None:
+                battr = await self.client.getattr(ptr["fid"])
+                t = battr["tensor"]
+                b = found[ptr["fid"]] = Bucket(ptr["fid"], battr["version"], np.dtype(t["dtype"]), t["shape"][0], [])
+            b.members.append((e, attr, ptr["at"] // b.dtype.itemsize))
+        return list(found.values())
 
     def forget(self) -> None:
         """The namespace changed through this mount: tensors may have come or gone."""
@@ -118,16 +166,63 @@ async def push_stream(streams: Streams, rank: int, model: int, data: memoryview,
     then all go at once. The client may keep views of ``data`` for open rounds until ``owner``
     is detached."""
     pushes = await _validate(streams, rank, model, data, only)
+    layout, whole = await _whole_buckets(streams, model, pushes)
     with single_exception():
         async with trio.open_nursery() as n:
-            for k, (ino, grad) in enumerate(pushes.values()):
+            for k, b in enumerate(whole):
+                n.start_soon(_push_bucket, streams, rank, b, pushes, k)
+            singles = [p for name, p in pushes.items() if not in_force(layout.by_name()[name][1])]
+            for k, (ino, grad) in enumerate(singles, len(whole)):
                 n.start_soon(partial(streams.client.training.push, ino, rank, grad, owner=owner, order=k))
+
+
+async def _whole_buckets(streams: Streams, model: int, pushes: dict) -> tuple[Layout, list[Bucket]]:
+    """The layout to push ``pushes`` by, and the buckets they cover whole. A bucket they cover
+    in part (a partial step: frozen layers, a door's ``only``) is unpacked first, so its tensors
+    train alone from now on (B3: a bucket stripe is pushed whole or not at all; zeros are not
+    "no push" under Adam or momentum); nothing has been pushed yet then."""
+    layout = await streams.layouts.get(model)
+    split = [b for b in layout.buckets if 0 < sum(e.name in pushes for e, _, _ in b.members) < len(b.members)]
+    if split:
+        for b in split:
+            await streams.client.buckets.unpack(b.fid)
+        streams.layouts.forget()
+        layout = await streams.layouts.get(model)
+    return layout, [b for b in layout.buckets if any(e.name in pushes for e, _, _ in b.members)]
+
+
+async def _push_bucket(streams: Streams, rank: int, b: Bucket, pushes: dict, order: int) -> None:
+    """The gradients of a bucket's members gathered into one and pushed as the bucket's, against
+    the bucket's version as laid out (B2)."""
+    grad = np.zeros(b.count, b.dtype)  # (a range no member holds any more: nobody reads it)
+    for e, _, at in b.members:
+        g = pushes[e.name][1].reshape(-1)
+        grad[at : at + g.size] = g
+    await streams.client.training.push(b.fid, rank, grad, owner=grad, order=order, layout=b.version)
+
+
+async def _pull_bucket(streams: Streams, rank: int, layout: Layout, buf: memoryview, b: Bucket) -> None:
+    """A bucket pulled as the policy lets ``rank`` see it, and its members' parameters put in
+    their places in ``buf``; ESTALE if the bucket is no longer as laid out."""
+    training = streams.client.training
+    info = await training.train_info(b.fid, rank)
+    if info["attr"]["version"] != b.version:  # the layout may be the newer one: ask again
+        training.forget_training(b.fid)
+        info = await training.train_info(b.fid, rank)
+    if info["attr"]["version"] != b.version:
+        streams.layouts.forget()
+        raise FsError(errno.ESTALE, f"bucket {b.fid} changed since the step was laid out: open the stream again")
+    out = np.empty(b.count, b.dtype)
+    await training.pull_into(b.fid, rank, out, info)
+    for e, _, at in b.members:
+        dst = _param(layout, buf, e)
+        dst[:] = out[at : at + dst.size]
 
 
 def _small(layout: Layout) -> tuple[list, list]:
     """The parts of ``layout`` pulled together (``_pull_group``), and the others."""
-    small = [(e, a) for e, a in layout.parts if e.end - e.begin <= GROUP_BYTES]
-    return small, [(e, a) for e, a in layout.parts if e.end - e.begin > GROUP_BYTES]
+    apart = layout.apart
+    return [(e, a) for e, a in apart if e.end - e.begin <= GROUP_BYTES], [(e, a) for e, a in apart if e.end - e.begin > GROUP_BYTES]
 
 
 async def pull_stream(streams: Streams, rank: int, layout: Layout, buf: memoryview) -> None:
@@ -136,6 +231,8 @@ async def pull_stream(streams: Streams, rank: int, layout: Layout, buf: memoryvi
     small, large = _small(layout)
     with single_exception(alike=FsError):  # every tensor changed alike: one ESTALE
         async with trio.open_nursery() as n:
+            for b in layout.buckets:
+                n.start_soon(_pull_bucket, streams, rank, layout, buf, b)
             if small:
                 n.start_soon(_pull_group, streams, rank, layout, buf, small)
             for e, attr in large:
@@ -153,8 +250,13 @@ async def step_stream(
     model's order (the small ones first, then the stream's), whatever order the scheduler
     runs their tasks in, so a round closes as soon as its tensor came from every rank."""
     pushes = await _validate(streams, rank, model, data, only)
+    now, whole = await _whole_buckets(streams, model, pushes)
+    if now.header != layout.header:
+        raise FsError(errno.ESTALE, "the model's tensors changed since the stream was laid out: open it again")
+    layout = now
     small, large = _small(layout)
-    place = {e.name: k for k, (e, _) in enumerate(small + large)}  # the small ones first: their pulls go together
+    # the buckets first, then the small ones (their pulls go together), then the large
+    place = {e.name: k for k, (e, _) in enumerate(small + large, len(layout.buckets))}
 
     def push(e):  # every worker sends a step's pushes in this order (PushPull.push)
         ino, grad = pushes[e.name]
@@ -180,8 +282,15 @@ async def step_stream(
             await all_pushed.wait()
         await _pull_group(streams, rank, layout, buf, parts)
 
+    async def bucket(k: int, b: Bucket) -> None:
+        if b in whole:
+            await _push_bucket(streams, rank, b, pushes, k)
+        await _pull_bucket(streams, rank, layout, buf, b)
+
     with single_exception(alike=FsError):
         async with trio.open_nursery() as n:
+            for k, b in enumerate(layout.buckets):
+                n.start_soon(bucket, k, b)
             for e in pushed:
                 n.start_soon(push_small, e)
             if small:

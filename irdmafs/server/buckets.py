@@ -29,47 +29,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..namespace import PACK_LEASE_NS, PACK_MAX_BYTES
+from ..namespace import LAYOUT_CHANGED, PACK_LEASE_NS
+from ..packing import in_force, is_bucket, nbytes, packable, pointer
 from ..transport.base import RemoteError
 
 if TYPE_CHECKING:
     from .meta import Meta
-
-
-def pointer(node: dict | None) -> dict | None:
-    """The bucket pointer of a tensor's inode record (in force or under way), or None."""
-    t = (node or {}).get("tensor")
-    return t.get("bucket") if isinstance(t, dict) else None
-
-
-def in_force(node: dict | None) -> dict | None:
-    """The pointer of a packed tensor (its data lives in the bucket), or None."""
-    p = pointer(node)
-    return p if p is not None and "until" not in p else None
-
-
-def is_bucket(node: dict | None) -> bool:
-    t = (node or {}).get("tensor")
-    return isinstance(t, dict) and "members" in t
-
-
-def packable(node: dict) -> bool:
-    """A tensor whose data may live in a bucket: a float tensor of one name, a whole .npy of at
-    most PACK_MAX_BYTES of data, with no ``user.irdma.*`` attribute of its own (B6)."""
-    t = node.get("tensor")
-    if not isinstance(t, dict) or in_force(node) or is_bucket(node) or not S.S_ISREG(node["mode"]) or node["nlink"] != 1:
-        return False
-    try:
-        dtype = np.dtype(t["dtype"])
-    except TypeError:
-        return False
-    nbytes = int(np.prod(t["shape"], dtype=np.int64)) * dtype.itemsize
-    own = any(k.startswith("user.irdma.") for k in node["xattrs"])
-    return dtype.kind == "f" and 0 < nbytes <= PACK_MAX_BYTES and node["size"] == t["offset"] + nbytes and not own
-
-
-def nbytes(t: dict) -> int:
-    return int(np.prod(t["shape"], dtype=np.int64)) * np.dtype(t["dtype"]).itemsize
 
 
 def _err(code: str, msg: str) -> RemoteError:
@@ -106,24 +71,24 @@ def pack(meta: "Meta", op: dict) -> dict:
         if node.get("parent") != bucket.get("parent"):
             raise _err("EXDEV", f"pack: tensor {ino} is not in the bucket's directory")
         if node["version"] != version:
-            raise _err("EAGAIN", f"pack: tensor {ino} changed since it was read")
+            raise _err("EBUSY", f"pack: tensor {ino} changed since it was read")
         if at < end or at % dtype.itemsize:
             raise _err("EINVAL", f"pack: tensor {ino} at {at} overlaps or is misaligned")
         end = at + nbytes(node["tensor"])
         if op["final"]:
             p = pointer(node)
             if p is None or p.get("fid") != b or p.get("at") != at or p.get("until", 0) < op["now"]:
-                raise _err("EAGAIN", f"pack: tensor {ino} is no longer being packed into {b}")
+                raise _err("EBUSY", f"pack: tensor {ino} is no longer being packed into {b}")
         else:
             p = pointer(node)
             if not packable(node) or (p is not None and p.get("until", 0) >= op["now"]):
-                raise _err("EAGAIN", f"pack: tensor {ino} cannot be packed now")
+                raise _err("EBUSY", f"pack: tensor {ino} cannot be packed now")
     if end > count * dtype.itemsize:
         raise _err("EINVAL", f"pack: tensors end at byte {end}, past the bucket's {count} elements")
     if op["final"]:
         t = bucket.get("tensor")
         if not is_bucket(bucket) or t["members"] or bucket["size"] < count * dtype.itemsize:
-            raise _err("EAGAIN", f"pack: bucket {b} is not the one under way, or not written")
+            raise _err("EBUSY", f"pack: bucket {b} is not the one under way, or not written")
     elif bucket.get("tensor") is not None or bucket["size"]:
         raise _err("EINVAL", f"pack: inode {b} is not a new bucket")
     # checked: change
@@ -156,7 +121,7 @@ def unpack(meta: "Meta", op: dict) -> dict:
         if p is None or p.get("fid") != b:
             raise _err("EINVAL", f"unpack: tensor {ino} is not packed into {b}")
         if version >= 0 and node["version"] != version:
-            raise _err("EAGAIN", f"unpack: tensor {ino} changed since it was read")
+            raise _err("EBUSY", f"unpack: tensor {ino} changed since it was read")
     freed = None
     for ino, _ in rows:
         freed = release(meta, ino, op["now"]) or freed
@@ -208,7 +173,8 @@ def only_orphans(meta: "Meta", directory: int) -> bool:
 
 def guard(meta: "Meta", op: dict) -> None:
     """What an op other than pack/unpack may not do to a packed tensor or a bucket (B4, B6, B8):
-    EBUSY where the mount unpacks first and asks again, ESTALE for a write opened before a pack,
+    EBUSY where the mount unpacks first and asks again, LAYOUT_CHANGED (the user's ESTALE) for a
+    write opened before a pack,
     EXDEV for a move out of the directory, EPERM for a bucket touched as a file."""
     kind = op["op"]
     ino = op.get("ino")
@@ -218,7 +184,7 @@ def guard(meta: "Meta", op: dict) -> None:
             raise _err("EPERM", f"inode {ino} is a bucket: the file system keeps it")
     packed = in_force(node)
     if kind == "extend" and packed:
-        raise _err("ESTALE", f"tensor {ino} was packed since it was opened for writing: open it again")
+        raise _err(LAYOUT_CHANGED, f"tensor {ino} was packed since it was opened for writing: open it again")
     if kind == "settensor" and packed:
         same = op["tensor"] is not None and dict(op["tensor"], bucket=packed) == node["tensor"]
         if not same:

@@ -32,9 +32,11 @@ import trio
 
 from ..peers import NodeDown
 from ..metrics import Latency
+from ..namespace import LAYOUT_CHANGED
 from ..policy import PolicyError, parse_policy
 from ..transport.base import RemoteError
-from . import buckets, optim
+from . import optim
+from .. import packing
 from .barrier import CommitBarrier
 from .core import NodeCore
 from .meta import Meta
@@ -199,16 +201,16 @@ class Training:
         return grad
 
     def _check_layout(self, p: Push) -> None:
-        """ESTALE for a push against a layout that is not the namespace's (B2, docs/buckets.md):
-        to a tensor packed into a bucket, or being packed (its lease, PACK_MARGIN_NS added for
+        """LAYOUT_CHANGED (the user's ESTALE) for a push against a layout that is not the
+        namespace's (B2, docs/buckets.md): to a tensor packed into a bucket, or being packed (its lease, PACK_MARGIN_NS added for
         clocks that disagree: the primary that ends the pack judges by its own); to a bucket
         whose version moved since the pusher laid its step out (a tensor of it unpacked)."""
         node = self.meta.inode(p.fid)
-        ptr = buckets.pointer(node)
+        ptr = packing.pointer(node)
         if ptr is not None and ("until" not in ptr or time.time_ns() < ptr["until"] + PACK_MARGIN_NS):
-            raise RemoteError("ESTALE", f"tensor {p.fid} is packed into bucket {ptr['fid']}: lay the step out again")
+            raise RemoteError(LAYOUT_CHANGED, f"tensor {p.fid} is packed into bucket {ptr['fid']}: lay the step out again")
         if p.layout >= 0 and node["version"] != p.layout:
-            raise RemoteError("ESTALE", f"bucket {p.fid} changed since the step was laid out: lay it out again")
+            raise RemoteError(LAYOUT_CHANGED, f"bucket {p.fid} changed since the step was laid out: lay it out again")
 
     async def rpc_train_busy(self, fids: list) -> dict:
         """Which of ``fids`` this node holds push bookkeeping of (a pack goes on only for

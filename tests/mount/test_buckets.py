@@ -1,0 +1,165 @@
+"""Small tensors packed in buckets (docs/buckets.md) through a real mount and real node
+processes: a model's small tensors are packed when its first step is laid out, trained as one
+bucket, and every path that shows a tensor shows the same bytes; a partial step, a whole
+rewrite and a write in place each give the tensor its own bytes back without losing one."""
+
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from irdmafs.client.client import Client
+from irdmafs.namespace import PACK_MIN_TENSORS
+from irdmafs.packing import in_force
+from irdmafs.steps import close_doors, pull_arrays, push_arrays
+
+pytestmark = pytest.mark.mount
+
+SMALL = [f"bn{i}.weight" for i in range(PACK_MIN_TENSORS + 8)]
+SHAPES = {name: (32 + i,) for i, name in enumerate(SMALL)} | {"big": (300_000,)}
+LR = 0.1
+
+
+@pytest.fixture(params=["door", "files"])
+async def model(request, local_cluster, mount, monkeypatch):
+    monkeypatch.setenv("IRDMAFS_DOOR", "1" if request.param == "door" else "0")
+    close_doors()
+    lc = await local_cluster(nodes=3, replicas=2, stripe_unit=1 << 20)
+    m = mount(lc)
+    d = m / "net"
+    d.mkdir()
+    for k, v in (("sync", "bsp"), ("workers", "2"), ("optimizer", f"sgd lr={LR}"), ("timeout", "10")):
+        os.setxattr(d, f"user.irdma.{k}", v.encode())
+    rng = np.random.default_rng(7)
+    values = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in SHAPES.items()}
+    for name, v in values.items():
+        np.save(d / f"{name}.npy", v)
+    yield lc, m, values
+    close_doors()
+
+
+def both_ranks(m: Path, grads: list[dict]) -> None:
+    errors = []
+
+    def rank(r):
+        try:
+            push_arrays(m, "net", r, grads[r])
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    ts = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert not errors, errors
+
+
+def full(value: float, names=SHAPES) -> dict:
+    return {n: np.full(SHAPES[n], value, np.float32) for n in names}
+
+
+def pulled(m: Path, rank: int = 0) -> dict:
+    out = {n: np.empty(s, np.float32) for n, s in SHAPES.items()}
+    pull_arrays(m, "net", rank, out)
+    return out
+
+
+async def packing(lc) -> tuple[dict, dict[str, list]]:
+    """name -> its bucket pointer (None: unpacked); node -> the files it holds pushes of."""
+    async with Client.connect(lc.cfg) as c:
+        attrs = {n: await c.paths.resolve(f"/net/{n}.npy") for n in SHAPES}
+        fids = [a["ino"] for a in attrs.values()] + sorted({in_force(a)["fid"] for a in attrs.values() if in_force(a)})
+        busy = {node: (await c.cluster.call(node, "train_busy", {"fids": fids}))["busy"] for node in c.cluster.roles.live()}
+    return {n: in_force(a) for n, a in attrs.items()}, {"fids": [a["ino"] for a in attrs.values()], **busy}
+
+
+async def test_a_first_step_packs_the_small_tensors_and_they_train_as_one(model):
+    lc, m, values = model
+    both_ranks(m, [full(1.0), full(3.0)])
+    out = pulled(m)
+    for n, v in values.items():
+        assert np.allclose(out[n], v - LR * 2.0), n  # sgd on the mean of 1 and 3
+        assert np.array_equal(np.load(m / "net" / f"{n}.npy"), out[n]), n  # the file shows the bucket's bytes
+    where, busy = await packing(lc)
+    buckets = {p["fid"] for n, p in where.items() if p}
+    assert all(where[n] for n in SMALL) and where["big"] is None and len(buckets) == 1
+    bucket = buckets.pop()
+    trained = set().union(*(set(v) for k, v in busy.items() if k != "fids"))
+    # the step went to the bucket, not to its members' own stripes
+    assert bucket in trained and not trained & {busy["fids"][i] for i in range(len(SMALL))}
+    assert sorted(os.listdir(m / "net")) == sorted(f"{n}.npy" for n in SHAPES)  # never listed
+    from safetensors.numpy import load
+
+    view = load((m / "net.safetensors").read_bytes())
+    assert all(np.array_equal(view[n], out[n]) for n in SHAPES)
+    both_ranks(m, [full(2.0), full(2.0)])
+    again = pulled(m, 1)
+    assert all(np.allclose(again[n], out[n] - LR * 2.0) for n in SHAPES)
+
+
+async def test_a_partial_step_unpacks_the_bucket_and_loses_nothing(model):
+    lc, m, values = model
+    both_ranks(m, [full(1.0), full(1.0)])  # packed, one step
+    some = SMALL[:3] + ["big"]
+    both_ranks(m, [full(1.0, some), full(1.0, some)])  # frozen layers: the rest not pushed
+    out = pulled(m)
+    for n, v in values.items():
+        steps = 2 if n in some else 1
+        assert np.allclose(out[n], v - LR * steps), n
+        assert np.array_equal(np.load(m / "net" / f"{n}.npy"), out[n]), n
+    where, _ = await packing(lc)
+    assert not any(where.values())
+    both_ranks(m, [full(1.0), full(1.0)])  # every tensor alone now
+    assert all(np.allclose(pulled(m)[n], out[n] - LR) for n in SHAPES)
+
+
+async def test_writes_to_a_packed_tensor_keep_every_byte(model):
+    lc, m, values = model
+    both_ranks(m, [full(1.0), full(1.0)])
+    now = pulled(m)
+    d = m / "net"
+    new = np.arange(SHAPES[SMALL[0]][0], dtype=np.float32)
+    np.save(d / f"{SMALL[0]}.npy", new)  # a whole rewrite: the tensor leaves its bucket
+    assert np.array_equal(np.load(d / f"{SMALL[0]}.npy"), new)
+    where, _ = await packing(lc)
+    assert where[SMALL[0]] is None and all(where[n] for n in SMALL[1:])
+    with open(d / f"{SMALL[1]}.npy", "r+b") as f:  # in place: the bucket is unpacked first
+        mm = np.load(d / f"{SMALL[1]}.npy", mmap_mode="r")
+        offset = mm.offset
+        del mm
+        f.seek(offset + 4)
+        f.write(np.float32(42.0).tobytes())
+    now[SMALL[1]][1] = 42.0
+    for n in SMALL[1:] + ["big"]:
+        assert np.array_equal(np.load(d / f"{n}.npy"), now[n]), n
+    where, _ = await packing(lc)
+    assert not any(where.values())
+    os.mkdir(m / "other")
+    shutil.move(str(d / f"{SMALL[2]}.npy"), str(m / "other" / "x.npy"))
+    assert np.array_equal(np.load(m / "other" / "x.npy"), now[SMALL[2]])
+    shutil.rmtree(d)  # the bucket cannot be seen; its last tensor took it along
+    assert not (m / "net").exists()
+
+
+async def test_a_rename_out_of_the_directory_copies_and_rmdir_frees_the_bucket(model):
+    lc, m, values = model
+    both_ranks(m, [full(1.0), full(1.0)])
+    now = pulled(m)
+    d = m / "net"
+    snap = m / ".snapshots" / "s1"
+    os.mkdir(snap)
+    os.mkdir(m / "other")
+    with pytest.raises(OSError) as e:
+        os.rename(d / f"{SMALL[0]}.npy", m / "other" / "x.npy")
+    assert e.value.errno == 18  # EXDEV: mv copies it, written whole
+    shutil.move(str(d / f"{SMALL[0]}.npy"), str(m / "other" / "x.npy"))
+    assert np.array_equal(np.load(m / "other" / "x.npy"), now[SMALL[0]])
+    both_ranks(m, [full(1.0, [n for n in SHAPES if n != SMALL[0]])] * 2)
+    for n in SHAPES:  # the snapshot kept the bucket as it was
+        assert np.array_equal(np.load(snap / "net" / f"{n}.npy"), now[n]), n
+    shutil.rmtree(d)
+    assert not d.exists()
