@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import trio
@@ -32,9 +32,6 @@ from ..peers import NodeDown
 from ..packing import in_force, nbytes, packable, pointer
 from ..transport.base import RemoteError, TransportError
 from .stripe import Extent
-
-if TYPE_CHECKING:
-    from .client import Client
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +76,8 @@ def split_read(attr: dict, offset: int, length: int) -> list[tuple[Extent, int, 
 class Packer:
     """Packs and unpacks the buckets of directories through one client."""
 
-    def __init__(self, client: "Client") -> None:
-        self.client = client
+    def __init__(self, client) -> None:
+        self.client = client  # the Client it packs through (client.py, which makes it)
         self._refused: dict[int, tuple] = {}  # directory -> the tensors (ino, version) a pack gave up on
         self._unpacked: set[int] = set()  # directories this client unpacked: their tensors train alone
 

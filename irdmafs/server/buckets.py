@@ -19,13 +19,14 @@ An ``unpack`` clears pointers (the data copied back first by the mount, or not w
 rewrite clears it in the truncate's own op). The op that drops a bucket's last member frees
 the bucket (``freed_buckets`` in its result: every node drops its stripes).
 
+Every function takes the namespace (``meta.Meta``) it reads and changes as ``meta``.
 Pure: no I/O, no trio.
 """
 
 from __future__ import annotations
 
 import stat as S
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -33,15 +34,12 @@ from ..namespace import LAYOUT_CHANGED, PACK_LEASE_NS
 from ..packing import in_force, is_bucket, nbytes, packable, pointer
 from ..transport.base import RemoteError
 
-if TYPE_CHECKING:
-    from .meta import Meta
-
 
 def _err(code: str, msg: str) -> RemoteError:
     return RemoteError(code, msg)
 
 
-def _members(meta: "Meta", op: dict) -> tuple[dict, list[tuple[int, int, int]]]:
+def _members(meta, op: dict) -> tuple[dict, list[tuple[int, int, int]]]:
     """The bucket's inode record and the op's (ino, at, version) list, shapes checked."""
     bucket = meta.inode(op["bucket"])
     rows = op["tensors"]
@@ -52,7 +50,7 @@ def _members(meta: "Meta", op: dict) -> tuple[dict, list[tuple[int, int, int]]]:
     return bucket, [tuple(r) for r in rows]  # type: ignore[misc]
 
 
-def pack(meta: "Meta", op: dict) -> dict:
+def pack(meta, op: dict) -> dict:
     """Both steps of a pack (see above); every check before any change."""
     bucket, rows = _members(meta, op)
     b = op["bucket"]
@@ -108,7 +106,7 @@ def pack(meta: "Meta", op: dict) -> dict:
     return {"bucket": b, "tensors": [ino for ino, _, _ in rows]}
 
 
-def unpack(meta: "Meta", op: dict) -> dict:
+def unpack(meta, op: dict) -> dict:
     """Clear the pointers of ``tensors`` ([ino, version]: -1 for any) into ``bucket``; frees
     the bucket if no member is left."""
     b = op["bucket"]
@@ -130,7 +128,7 @@ def unpack(meta: "Meta", op: dict) -> dict:
     return {"freed_buckets": [freed] if freed else []}
 
 
-def release(meta: "Meta", ino: int, now: int) -> int | None:
+def release(meta, ino: int, now: int) -> int | None:
     """Tensor ``ino``'s pointer goes (an unpack, a whole rewrite, its last name removed): the
     tensor's data is its own again (its version moves) and the bucket loses a member; returns
     the bucket if that freed it."""
@@ -151,7 +149,7 @@ def release(meta: "Meta", ino: int, now: int) -> int | None:
     return _free(meta, p["fid"]) if not members else None
 
 
-def _free(meta: "Meta", b: int) -> int:
+def _free(meta, b: int) -> int:
     """Remove bucket ``b`` from the namespace (its stripes are dropped by every node)."""
     bucket = meta.inodes.pop(b)
     entries = meta.entries.get(bucket.get("parent"), {})
@@ -161,17 +159,17 @@ def _free(meta: "Meta", b: int) -> int:
     return b
 
 
-def free_orphans(meta: "Meta", directory: int) -> list[int]:
+def free_orphans(meta, directory: int) -> list[int]:
     """Buckets of ``directory`` without members (a pack cut short): freed (an ``rmdir``)."""
     return [_free(meta, i) for i in list(meta.entries.get(directory, {}).values()) if is_bucket(meta.inodes.get(i)) and not meta.inodes[i]["tensor"]["members"]]
 
 
-def only_orphans(meta: "Meta", directory: int) -> bool:
+def only_orphans(meta, directory: int) -> bool:
     """Whether ``directory`` holds nothing but buckets without members (``rmdir`` may go on)."""
     return all(is_bucket(meta.inodes.get(i)) and not meta.inodes[i]["tensor"]["members"] for i in meta.entries.get(directory, {}).values())
 
 
-def guard(meta: "Meta", op: dict) -> None:
+def guard(meta, op: dict) -> None:
     """What an op other than pack/unpack may not do to a packed tensor or a bucket (B4, B6, B8):
     EBUSY where the mount unpacks first and asks again, LAYOUT_CHANGED (the user's ESTALE) for a
     write opened before a pack,

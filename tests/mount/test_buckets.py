@@ -3,6 +3,7 @@ processes: a model's small tensors are packed when its first step is laid out, t
 bucket, and every path that shows a tensor shows the same bytes; a partial step, a whole
 rewrite and a write in place each give the tensor its own bytes back without losing one."""
 
+import json
 import os
 import shutil
 import threading
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 from irdmafs.client.client import Client
-from irdmafs.namespace import PACK_MIN_TENSORS
+from irdmafs.namespace import MODEL_XATTR, PACK_MIN_TENSORS
 from irdmafs.packing import in_force
 from irdmafs.steps import close_doors, pull_arrays, push_arrays
 
@@ -163,3 +164,42 @@ async def test_a_rename_out_of_the_directory_copies_and_rmdir_frees_the_bucket(m
         assert np.array_equal(np.load(snap / "net" / f"{n}.npy"), now[n]), n
     shutil.rmtree(d)
     assert not d.exists()
+
+
+async def test_a_safetensors_model_file_is_packed_and_reads_as_trained(local_cluster, mount):
+    from safetensors.numpy import load, save_file
+
+    close_doors()
+    lc = await local_cluster(nodes=3, replicas=2, stripe_unit=1 << 20)
+    m = mount(lc)
+    rng = np.random.default_rng(3)
+    values = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in SHAPES.items()}
+    save_file(values, str(m / "x.safetensors"))
+    for k, v in (("sync", "bsp"), ("workers", "2"), ("optimizer", f"sgd lr={LR}"), ("timeout", "10")):
+        os.setxattr(m / "x.safetensors", f"user.irdma.{k}", v.encode())
+    errors = []
+
+    def rank(r):
+        try:
+            push_arrays(m, "x", r, full(1.0 + 2 * r))
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    ts = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert not errors, errors
+    out = {n: np.empty(s, np.float32) for n, s in SHAPES.items()}
+    pull_arrays(m, "x", 0, out)
+    read = load((m / "x.safetensors").read_bytes())  # the model file reads its tensors' bytes: the bucket's
+    for n, v in values.items():
+        assert np.allclose(out[n], v - LR * 2.0), n
+        assert np.array_equal(read[n], out[n]), n
+    async with Client.connect(lc.cfg) as c:
+        f = await c.paths.resolve("/x.safetensors")
+        d = json.loads(f["xattrs"][MODEL_XATTR])["dir"]  # its tensor directory (fs/models.py)
+        packed = [n for n, a in await c.readdir(d) if in_force(a)]
+    assert sorted(packed) == sorted(f"{n}.npy" for n in SMALL)
+    close_doors()

@@ -17,9 +17,11 @@ link to the endpoint "etcd" (``LinkedCoord``): a fault of that link (isolate) cu
 from the coordinator too, "cut" drops only the links between a node and the other nodes (the
 client and the coordinator still reach it), and "coord" makes the coordinator unreachable.
 
-The workload, at the same time: a writer saving files of 1 byte to 3 stripes, and a trainer
+The workload, at the same time: a writer saving files of 1 byte to 3 stripes, a trainer
 pushing gradients of a tensor under asp with SGD (lr 1, gradients of small integers, so float32
-sums are exact). Faults come one at a time, each healed and followed by the cluster settling
+sums are exact), and one pushing the bucket of a directory of small tensors packed before the
+faults (docs/buckets.md: the pack's two ops and its copy, pushes against the bucket's version,
+reads of each tensor through its pointer). Faults come one at a time, each healed and followed by the cluster settling
 (as the chaos soak does: never two nodes out).
 
 Checked after every schedule:
@@ -28,7 +30,7 @@ Checked after every schedule:
   next acknowledged write);
 - every gradient was applied exactly once: a failed push is retried with the same gradient
   (the client keeps its step, so a duplicate is answered as one), and the parameters equal a
-  numpy replay of the ledger;
+  numpy replay of the ledger; the same for every packed tensor, read as a file;
 - every node's namespace is identical after healing;
 - at most one node acknowledges changes of a stripe in one view epoch (checked as
   they are acknowledged: ``Replicator.to_every_target`` is watched).
@@ -49,7 +51,9 @@ from irdmafs.client.client import Client
 from irdmafs.config import from_dict
 from irdmafs.coord.contract import Coordinator, Unavailable
 from irdmafs.coord.memory import MemoryCoord
+from irdmafs.namespace import PACK_MIN_TENSORS
 from irdmafs.offload import Offload
+from irdmafs.packing import in_force
 from irdmafs.server.node import Node
 from irdmafs.server.replicator import Replicator
 from irdmafs.transport.base import PeerLost, RemoteError, TimeoutError, TransportError
@@ -165,6 +169,7 @@ class World:
     nodes: dict[str, Node] = field(default_factory=dict)
     files: dict[str, bytes | None] = field(default_factory=dict)  # path -> last acknowledged bytes (None: unknown)
     grads: list[np.ndarray] = field(default_factory=list)  # every gradient pushed, in order
+    bucket_grads: list[np.ndarray] = field(default_factory=list)  # every gradient pushed to the bucket
     events: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     t0: float = 0.0  # when the run began (events are stamped from it)
@@ -254,14 +259,15 @@ async def writer(w: World, client: Client, stop: trio.Event) -> None:
         await trio.sleep(w.rnd.uniform(0, 0.3))
 
 
-async def trainer(w: World, client: Client, ino: int, shape: tuple, stop: trio.Event) -> None:
+async def trainer(w: World, client: Client, ino: int, shape: tuple, stop: trio.Event, layout: int = -1) -> None:
+    ledger = w.grads if layout < 0 else w.bucket_grads
     while not stop.is_set():
         grad = np.full(shape, float(w.rnd.randrange(1, 4)), np.float32)
-        w.grads.append(grad)
+        ledger.append(grad)
         while True:  # the same gradient until it is acknowledged: its step stays the client's
             try:
                 with trio.fail_after(60):
-                    await client.training.push(ino, 0, grad)
+                    await client.training.push(ino, 0, grad, layout=layout)
                 break
             except RemoteError as exc:
                 if exc.code == "EINVAL":  # refused for good: the ledger can no longer be met
@@ -287,11 +293,33 @@ async def check(w: World, client: Client, ino: int, w0: np.ndarray) -> None:
     want = w0 - sum(w.grads) if w.grads else w0
     if not np.array_equal(params, want):
         w.errors.append(f"parameters differ from the replay of {len(w.grads)} pushes: max error {float(np.max(np.abs(params - want)))}")
+    for name, p0 in PACKED.items():
+        params = await client.paths.load(f"/packed/{name}.npy")
+        want = p0 - sum(g[0] for g in w.bucket_grads) if w.bucket_grads else p0
+        if not np.array_equal(params, want):
+            w.errors.append(f"packed {name} differs from the replay of {len(w.bucket_grads)} bucket pushes")
     snaps = {n: node.meta.snapshot() for n, node in w.nodes.items()}
     first = snaps[NODES[0]]
     for n, snap in snaps.items():
         if snap["inodes"] != first["inodes"] or snap["entries"] != first["entries"]:
             w.errors.append(f"namespace of {n} differs from {NODES[0]}'s after healing")
+
+
+# small tensors packed into one bucket of three stripes (UNIT), some across a stripe's end
+PACKED = {f"t{i}": np.arange(i, i + 2500 + 100 * (i % 3), dtype=np.float32) for i in range(PACK_MIN_TENSORS)}
+
+
+async def packed(client: Client) -> tuple[int, int, int]:
+    """PACKED saved in /packed under asp and packed: (bucket, its elements, its version)."""
+    await client.paths.makedirs("/packed")
+    d = await client.paths.resolve("/packed")
+    for k, v in (("sync", "asp"), ("workers", "1"), ("optimizer", "sgd lr=1")):
+        await client.setxattr(d["ino"], f"user.irdma.{k}", v)
+    attrs = [await client.paths.save(f"/packed/{n}.npy", p) for n, p in PACKED.items()]
+    assert await client.buckets.pack(d["ino"], attrs), "the sim's directory was not packed"
+    ptr = in_force(await client.paths.resolve("/packed/t0.npy"))
+    b = await client.getattr(ptr["fid"])
+    return ptr["fid"], b["tensor"]["shape"][0], b["version"]
 
 
 async def _simulate(seed: int, kinds: tuple[str, ...], faults: int, timing: str) -> World:
@@ -343,10 +371,12 @@ async def _simulate(seed: int, kinds: tuple[str, ...], faults: int, timing: str)
                     await client.setxattr(d["ino"], f"user.irdma.{k}", v)
                 w0 = np.zeros((3 * UNIT) // 4, np.float32)  # three stripes
                 ino = (await client.paths.save("/model/w.npy", w0))["ino"]
+                bucket, count, version = await packed(client)
                 stop = trio.Event()
                 async with trio.open_nursery() as work:
                     work.start_soon(writer, w, client, stop)
                     work.start_soon(trainer, w, client, ino, w0.shape, stop)
+                    work.start_soon(trainer, w, client, bucket, (count,), stop, version)
                     await w.faults(faults)
                     stop.set()
                 links.heal()
