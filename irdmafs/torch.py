@@ -168,7 +168,9 @@ class ParameterServer:
             self._adopt(door, params)
             for name, p in params.items():
                 area = door.grads.get(name)
-                if p.grad is not None and area is not None and _fits(p.grad, area):
+                if p.grad is None or area is None or p.grad.data_ptr() == array_address(area):
+                    continue  # (a view of it since an earlier step: a model's thousand tensors cost nothing)
+                if _fits(p.grad, area):
                     p.grad = torch.from_numpy(area)  # holds this step's gradient already
 
         if not through_door(self.mount, model, self.rank, through):
@@ -192,6 +194,8 @@ class ParameterServer:
                 area = door.params.get(name)
                 if area is None:
                     raise KeyError(f"the model has no tensor {name!r}")
+                if p.data_ptr() == array_address(area) and _fits(p, area):
+                    continue  # a view of it already (an earlier pull)
                 if _fits(p, area):
                     p.data = torch.from_numpy(area)
                 else:

@@ -63,6 +63,9 @@ class Bucket:
     dtype: np.dtype
     count: int
     members: list
+    # where the bucket's bytes lie whole in the model's stream (its members back to back, in the
+    # bucket's order: a pack lays them out so), or None: pushed and pulled there, with no copy
+    direct: int | None = None
 
 
 @dataclass
@@ -113,7 +116,7 @@ class Layouts:
             header, parts = await views.layout(self.client, model)
             if await self._pack(parts):  # (here or by another mount meanwhile)
                 header, parts = await views.layout(self.client, model)
-            cached = self._cache[model] = Layout(header, parts, trio.current_time(), await self._buckets(parts))
+            cached = self._cache[model] = Layout(header, parts, trio.current_time(), await self._buckets(parts, len(header)))
         return cached
 
     async def _pack(self, parts: list) -> bool:
@@ -125,8 +128,9 @@ class Layouts:
             packed = await self.client.buckets.pack(directory, attrs) or packed
         return packed
 
-    async def _buckets(self, parts: list) -> list[Bucket]:
-        """The buckets the packed ones of ``parts`` live in, as the namespace has them now."""
+    async def _buckets(self, parts: list, head: int) -> list[Bucket]:
+        """The buckets the packed ones of ``parts`` live in, as the namespace has them now (and
+        where each lies whole in the stream, after its ``head`` bytes of header, if it does)."""
         found: dict[int, Bucket] = {}
         for e, attr in parts:
             ptr = in_force(attr)
@@ -138,6 +142,12 @@ class Layouts:
                 t = battr["tensor"]
                 b = found[ptr["fid"]] = Bucket(ptr["fid"], battr["version"], np.dtype(t["dtype"]), t["shape"][0], [])
             b.members.append((e, attr, ptr["at"] // b.dtype.itemsize))
+        for b in found.values():
+            b.members.sort(key=lambda m: m[2])
+            ends = [(e.begin, e.end, at * b.dtype.itemsize) for e, _, at in b.members]
+            whole = ends[0][2] == 0 and ends[-1][1] - ends[0][0] == b.count * b.dtype.itemsize
+            if whole and all(x[1] == y[0] and y[0] - ends[0][0] == y[2] for x, y in zip(ends, ends[1:])):
+                b.direct = head + ends[0][0]
         return list(found.values())
 
     def forget(self) -> None:
@@ -170,8 +180,9 @@ async def push_stream(streams: Streams, rank: int, model: int, data: memoryview,
     with single_exception():
         async with trio.open_nursery() as n:
             for k, b in enumerate(whole):
-                n.start_soon(_push_bucket, streams, rank, b, pushes, k)
-            singles = [p for name, p in pushes.items() if not in_force(layout.by_name()[name][1])]
+                n.start_soon(_push_bucket, streams, rank, b, (pushes, data, owner, layout.header), k)
+            known = layout.by_name()
+            singles = [p for name, p in pushes.items() if not in_force(known[name][1])]
             for k, (ino, grad) in enumerate(singles, len(whole)):
                 n.start_soon(partial(streams.client.training.push, ino, rank, grad, owner=owner, order=k))
 
@@ -191,14 +202,21 @@ async def _whole_buckets(streams: Streams, model: int, pushes: dict) -> tuple[La
     return layout, [b for b in layout.buckets if any(e.name in pushes for e, _, _ in b.members)]
 
 
-async def _push_bucket(streams: Streams, rank: int, b: Bucket, pushes: dict, order: int) -> None:
-    """The gradients of a bucket's members gathered into one and pushed as the bucket's, against
-    the bucket's version as laid out (B2)."""
-    grad = np.zeros(b.count, b.dtype)  # (a range no member holds any more: nobody reads it)
-    for e, _, at in b.members:
-        g = pushes[e.name][1].reshape(-1)
-        grad[at : at + g.size] = g
-    await streams.client.training.push(b.fid, rank, grad, owner=grad, order=order, layout=b.version)
+async def _push_bucket(streams: Streams, rank: int, b: Bucket, step: tuple, order: int) -> None:
+    """The gradients of a bucket's members pushed as the bucket's, against the bucket's version
+    as laid out (B2). ``step``: the step's (pushes by name, pushed bytes, their owner, the
+    layout's header). Where the pushed bytes are the layout's own stream, which holds the
+    members back to back in the bucket's order (``Bucket.direct``), pushed as they lie; else
+    gathered into one."""
+    pushes, data, owner, header = step
+    if b.direct is not None and data[: len(header)] == header:
+        grad = np.frombuffer(data, b.dtype, b.count, offset=b.direct)
+    else:
+        grad = owner = np.zeros(b.count, b.dtype)  # (a range no member holds any more: nobody reads it)
+        for e, _, at in b.members:
+            g = pushes[e.name][1].reshape(-1)
+            grad[at : at + g.size] = g
+    await streams.client.training.push(b.fid, rank, grad, owner=owner, order=order, layout=b.version)
 
 
 async def _pull_bucket(streams: Streams, rank: int, layout: Layout, buf: memoryview, b: Bucket) -> None:
@@ -212,6 +230,9 @@ async def _pull_bucket(streams: Streams, rank: int, layout: Layout, buf: memoryv
     if info["attr"]["version"] != b.version:
         streams.layouts.forget()
         raise FsError(errno.ESTALE, f"bucket {b.fid} changed since the step was laid out: open the stream again")
+    if b.direct is not None:  # in place
+        await training.pull_into(b.fid, rank, np.frombuffer(buf, b.dtype, b.count, offset=b.direct), info)
+        return
     out = np.empty(b.count, b.dtype)
     await training.pull_into(b.fid, rank, out, info)
     for e, _, at in b.members:
@@ -284,7 +305,7 @@ async def step_stream(
 
     async def bucket(k: int, b: Bucket) -> None:
         if b in whole:
-            await _push_bucket(streams, rank, b, pushes, k)
+            await _push_bucket(streams, rank, b, (pushes, data, owner, layout.header), k)
         await _pull_bucket(streams, rank, layout, buf, b)
 
     with single_exception(alike=FsError):
@@ -350,12 +371,17 @@ async def _validate(streams: Streams, rank: int, model: int, data: memoryview, o
     """name -> (tensor inode, gradient view) for every entry (those named in ``only``, each of
     which must be one), or EINVAL naming what is wrong."""
     end = len(data)
+    layout = await streams.layouts.get(model)
+    if end >= layout.size and data[: len(layout.header)] == layout.header and only is None:
+        # the model's own stream (a door's push area, push_arrays' stream): checked once per layout
+        base = len(layout.header)
+        return {e.name: (a["ino"], np.frombuffer(data, e.dtype, (e.end - e.begin) // np.dtype(e.dtype).itemsize, offset=base + e.begin).reshape(e.shape))
+                for e, a in layout.parts}  # fmt: skip
     try:
         if end < 8:
             raise formats.SafetensorsError("shorter than the 8-byte header length")
         n = int.from_bytes(data[:8], "little")
         start, entries, _ = formats.st_parse(bytes(data[: min(end, 8 + n)]), end)
-        layout = await streams.layouts.get(model)
         known = layout.by_name()
         if any(e.name not in known for e in entries):
             known = (await streams.layouts.get(model, fresh=True)).by_name()
