@@ -169,6 +169,8 @@ class Door:
         since the last pull may still be kept by the mount)."""
         for name, g in grads.items():
             area = self.grads.get(name)
+            if g is area:
+                continue  # the area itself (a gradient adopted by irdmafs.torch): fits
             if area is None:
                 self._misfit(OSError(errno.EINVAL, f"tensor {name!r} is not in this model"))
             if g.dtype != area.dtype or g.shape != area.shape:
@@ -177,7 +179,7 @@ class Door:
             self._ask({"op": "release"})
         for name, g in grads.items():
             area = self.grads[name]
-            if array_address(g) != array_address(area):  # not the area itself: copy it in
+            if g is not area and array_address(g) != array_address(area):  # not the area itself: copy it in
                 np.copyto(area, g)
         self._released = False
 

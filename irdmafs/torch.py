@@ -42,6 +42,19 @@ def _fits(t: torch.Tensor, area: np.ndarray) -> bool:
     return t.device.type == "cpu" and t.dtype == _TORCH.get(area.dtype) and tuple(t.shape) == area.shape
 
 
+def _grads(params: dict, areas: dict | None = None) -> dict[str, np.ndarray]:
+    """Every gradient as an array: the door's push area itself where the gradient lives there
+    already (``step`` made it a view of it), else a view of the gradient's own memory."""
+    out = {}
+    for n, p in params.items():
+        g = p.grad
+        if g is None:
+            continue
+        area = areas.get(n) if areas else None
+        out[n] = area if area is not None and g.data_ptr() == array_address(area) else g.detach().cpu().numpy()
+    return out
+
+
 def shards(mount: Path, model: str) -> list[tuple[str, set[str] | None]]:
     """(model name, the tensor names it holds, None for all) of each part of ``model``: itself,
     or the shards of a sharded safetensors checkpoint (``<model>.safetensors.index.json``).
@@ -155,9 +168,8 @@ class ParameterServer:
             self._step(model, params)
 
     def _step(self, model: str, params: dict) -> None:
-        grads = {n: p.grad.detach().cpu().numpy() for n, p in params.items() if p.grad is not None}
-
         def through(door) -> None:
+            grads = _grads(params, door.grads)
             try:
                 door.step(grads)
             except BaseException:
@@ -194,7 +206,7 @@ class ParameterServer:
                 area = door.params.get(name)
                 if area is None:
                     raise KeyError(f"the model has no tensor {name!r}")
-                if p.data_ptr() == array_address(area) and _fits(p, area):
+                if p.data_ptr() == array_address(area):
                     continue  # a view of it already (an earlier pull)
                 if _fits(p, area):
                     p.data = torch.from_numpy(area)
@@ -206,7 +218,7 @@ class ParameterServer:
             self._push(model, params)
 
     def _push(self, model: str, params: dict) -> None:
-        grads = {n: p.grad.detach().cpu().numpy() for n, p in params.items() if p.grad is not None}
+        grads = _grads(params)
         try:
             push_arrays(self.mount, model, self.rank, grads)
         finally:
