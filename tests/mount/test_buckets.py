@@ -6,7 +6,6 @@ rewrite and a write in place each give the tensor its own bytes back without los
 import json
 import os
 import shutil
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +15,7 @@ from irdmafs.client.client import Client
 from irdmafs.namespace import MODEL_XATTR, PACK_MIN_TENSORS
 from irdmafs.packing import in_force
 from irdmafs.steps import close_doors, pull_arrays, push_arrays
+from .ranks import each_rank
 
 pytestmark = pytest.mark.mount
 
@@ -42,21 +42,8 @@ async def model(request, local_cluster, mount, monkeypatch):
     close_doors()
 
 
-def both_ranks(m: Path, grads: list[dict]) -> None:
-    errors = []
-
-    def rank(r):
-        try:
-            push_arrays(m, "net", r, grads[r])
-        except Exception as exc:  # reported below
-            errors.append(exc)
-
-    ts = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(60)
-    assert not errors, errors
+def both_ranks(m: Path, grads: list[dict], model: str = "net") -> None:
+    each_rank(lambda r: push_arrays(m, model, r, grads[r]))
 
 
 def full(value: float, names=SHAPES) -> dict:
@@ -177,20 +164,7 @@ async def test_a_safetensors_model_file_is_packed_and_reads_as_trained(local_clu
     save_file(values, str(m / "x.safetensors"))
     for k, v in (("sync", "bsp"), ("workers", "2"), ("optimizer", f"sgd lr={LR}"), ("timeout", "10")):
         os.setxattr(m / "x.safetensors", f"user.irdma.{k}", v.encode())
-    errors = []
-
-    def rank(r):
-        try:
-            push_arrays(m, "x", r, full(1.0 + 2 * r))
-        except Exception as exc:  # reported below
-            errors.append(exc)
-
-    ts = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(60)
-    assert not errors, errors
+    both_ranks(m, [full(1.0), full(3.0)], "x")
     out = {n: np.empty(s, np.float32) for n, s in SHAPES.items()}
     pull_arrays(m, "x", 0, out)
     read = load((m / "x.safetensors").read_bytes())  # the model file reads its tensors' bytes: the bucket's

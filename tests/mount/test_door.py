@@ -21,6 +21,7 @@ from irdmafs.door import Door, door_path
 
 from ..conftest import fuse_unavailable
 
+from .ranks import each_rank
 from .test_permissions import as_nobody, public_mount, root_with_setpriv  # noqa: F401 -- fixtures
 
 pytestmark = pytest.mark.mount
@@ -274,25 +275,14 @@ async def test_a_remounted_mount_gets_a_new_door_and_a_dead_one_says_enotconn(lo
 async def test_a_fused_step_is_a_push_then_a_pull(m):
     """Door.step overlaps each tensor's pull with the pushes of the others; the result is
     exactly push-then-pull's, for two ranks under bsp and for a partial step."""
-    import threading
-
     os.setxattr(m / "net", "user.irdma.workers", b"2")
     outs = {r: {n: np.empty(s, np.float32) for n, s in SHAPES.items()} for r in (0, 1)}
-    errors = []
 
     def rank(r):
-        try:
-            for i in range(3):
-                steps.step_arrays(m, "net", r, {n: np.full(s, r + 1 + i, np.float32) for n, s in SHAPES.items()}, outs[r])
-        except Exception as exc:  # reported below
-            errors.append(exc)
+        for i in range(3):
+            steps.step_arrays(m, "net", r, {n: np.full(s, r + 1 + i, np.float32) for n, s in SHAPES.items()}, outs[r])
 
-    ts = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(60)
-    assert not errors, errors
+    each_rank(rank)
     want = -sum((1 + i + 2 + i) / 2 for i in range(3))  # sgd lr=1 on the mean of the ranks
     for r in (0, 1):
         assert all(np.allclose(a, want) for a in outs[r].values()), r

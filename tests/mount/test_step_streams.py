@@ -5,13 +5,13 @@ both doors that push_arrays/pull_arrays use: the mount's shared memory and the s
 import errno
 import json
 import os
-import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from irdmafs.steps import pull_arrays, push_arrays, stream_path
+from .ranks import each_rank
 
 pytestmark = pytest.mark.mount
 
@@ -45,20 +45,7 @@ def grads(value: float) -> dict[str, np.ndarray]:
 
 
 def both_ranks(m: Path, values=(1.0, 3.0)) -> None:
-    errors = []
-
-    def rank(r):
-        try:
-            push_arrays(m, "net", r, grads(values[r]))
-        except Exception as exc:  # reported below
-            errors.append(exc)
-
-    ts = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(30)
-    assert not errors, errors
+    each_rank(lambda r: push_arrays(m, "net", r, grads(values[r])), timeout=30)
 
 
 async def test_a_step_through_the_streams_is_the_average_of_the_ranks(model):
