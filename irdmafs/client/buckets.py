@@ -126,7 +126,7 @@ class Packer:
         except RemoteError as exc:  # another mount packs them, or one changed: left as they are
             log.info("directory %d: not packed here (%s)", directory, exc)
             await self._drop_new(directory, name)
-            return await self._other_pack(group)
+            return await self._other_pack(directory, {a["ino"] for a in group})
         try:
             busy = await self._busy([r[0] for r in rows])
             if busy:
@@ -147,13 +147,13 @@ class Packer:
         log.info("directory %d: %d tensors (%d bytes) packed into bucket %d", directory, len(rows), at, bucket)
         return True
 
-    async def _other_pack(self, group: list[dict]) -> bool:
+    async def _other_pack(self, directory: int, group: set[int]) -> bool:
         """After a first step refused: until no tensor of ``group`` is being packed (another
         mount's pack under way ends or its lease runs out), so that every rank lays its steps
         out by the same packing; whether another mount packed any of them."""
         deadline = trio.current_time() + PACK_LEASE_NS / 1e9
         while True:
-            now = [await self.client.getattr(a["ino"]) for a in group]
+            now = [a for _, a in await self.client.readdir(directory) if a["ino"] in group]
             if not any(pointer(a) is not None and "until" in pointer(a) for a in now) or trio.current_time() > deadline:
                 return any(in_force(a) for a in now)
             await trio.sleep(0.05)
@@ -190,8 +190,8 @@ class Packer:
             battr = await self._bucket(bucket)
             if battr is None:
                 return
-            members = [await client.getattr(ino) for ino in battr["tensor"].get("members", [])]
-            members = [a for a in members if (in_force(a) or {}).get("fid") == bucket]
+            # (its members share its directory: one call, not one per tensor)
+            members = [a for _, a in await client.readdir(battr["parent"]) if (in_force(a) or {}).get("fid") == bucket]
             data = bytearray(battr["size"])
             await client.io.read_settled(Extent(bucket, battr["size"], battr["unit"]), 0, memoryview(data))
             # another mount's unpack may have ended meanwhile, and its members trained alone
@@ -212,7 +212,7 @@ class Packer:
                     raise
                 continue  # a member changed under the copy, or another mount unpacked it: read again
             log.info("bucket %d: %d tensors unpacked", bucket, len(members))
-            self._unpacked.add(battr.get("parent", 0))
+            self._unpacked.add(battr["parent"])
             client.training.forget_training()
             return
         raise RemoteError("EBUSY", f"bucket {bucket}: its tensors kept changing under an unpack")

@@ -19,6 +19,7 @@ from typing import Any
 
 # (the client and the file system import these from irdmafs.namespace, not from here)
 from ..namespace import MODEL_SUFFIX, MODEL_XATTR, NAME_MAX, PATH_MAX, ROOT
+from .. import packing
 from ..transport.base import RemoteError
 from . import buckets
 
@@ -446,7 +447,7 @@ class Meta:
         if "mode" in fields:
             fields = dict(fields, mode=S.S_IFMT(node["mode"]) | S.S_IMODE(fields["mode"]))
         bucket = None
-        if "size" in fields and buckets.pointer(node) is not None:  # a whole rewrite: its data is its own again
+        if "size" in fields and packing.pointer(node) is not None:  # a whole rewrite: its data is its own again
             bucket = buckets.release(self, op["ino"], op["now"])
         if "size" in fields and fields["size"] != node["size"]:
             node["version"] += 1
@@ -503,7 +504,7 @@ class Meta:
         node = self.inode(op["ino"])
         if S.S_ISDIR(node["mode"]):
             raise _err("EISDIR", "a directory is not a tensor")
-        packed = buckets.in_force(node)  # (the same header again: ``buckets.guard`` let it through)
+        packed = packing.in_force(node)  # (the same header again: ``buckets.guard`` let it through)
         node["tensor"] = dict(op["tensor"], bucket=packed) if packed else op["tensor"]
         return self.attr(op["ino"])
 

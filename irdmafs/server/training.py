@@ -35,8 +35,8 @@ from ..metrics import Latency
 from ..namespace import LAYOUT_CHANGED
 from ..policy import PolicyError, parse_policy
 from ..transport.base import RemoteError
-from . import optim
 from .. import packing
+from . import optim
 from .barrier import CommitBarrier
 from .core import NodeCore
 from .meta import Meta
@@ -202,9 +202,10 @@ class Training:
 
     def _check_layout(self, p: Push) -> None:
         """LAYOUT_CHANGED (the user's ESTALE) for a push against a layout that is not the
-        namespace's (B2, docs/buckets.md): to a tensor packed into a bucket, or being packed (its lease, PACK_MARGIN_NS added for
-        clocks that disagree: the primary that ends the pack judges by its own); to a bucket
-        whose version moved since the pusher laid its step out (a tensor of it unpacked)."""
+        namespace's (B2, docs/buckets.md): to a tensor packed into a bucket, or being packed
+        (its lease, PACK_MARGIN_NS added for clocks that disagree: the primary that ends the
+        pack judges by its own); to a bucket whose version moved since the pusher laid its
+        step out (a tensor of it unpacked)."""
         node = self.meta.inode(p.fid)
         ptr = packing.pointer(node)
         if ptr is not None and ("until" not in ptr or time.time_ns() < ptr["until"] + PACK_MARGIN_NS):

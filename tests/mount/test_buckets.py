@@ -177,3 +177,27 @@ async def test_a_safetensors_model_file_is_packed_and_reads_as_trained(local_clu
         packed = [n for n, a in await c.readdir(d) if in_force(a)]
     assert sorted(packed) == sorted(f"{n}.npy" for n in SMALL)
     close_doors()
+
+
+async def test_ranks_on_two_mounts_pack_once_and_step_alike(local_cluster, mount):
+    """Each mount packs at its first layout; the one whose pack is refused (the other's is
+    under way, or done) waits for it and lays the model out again: both step by one bucket."""
+    close_doors()
+    lc = await local_cluster(nodes=3, replicas=2, stripe_unit=1 << 20)
+    mounts = [mount(lc, "a"), mount(lc, "b")]
+    d = mounts[0] / "net"
+    d.mkdir()
+    for k, v in (("sync", "bsp"), ("workers", "2"), ("optimizer", f"sgd lr={LR}"), ("timeout", "10")):
+        os.setxattr(d, f"user.irdma.{k}", v.encode())
+    values = {name: np.full(shape, 1.0, np.float32) for name, shape in SHAPES.items()}
+    for name, v in values.items():
+        np.save(d / f"{name}.npy", v)
+    grads = [full(1.0), full(3.0)]
+    each_rank(lambda r: push_arrays(mounts[r], "net", r, grads[r]))
+    for r in (0, 1):
+        out = {n: np.empty(s, np.float32) for n, s in SHAPES.items()}
+        pull_arrays(mounts[r], "net", r, out)
+        assert all(np.allclose(out[n], 1.0 - LR * 2.0) for n in SHAPES), r
+    where, busy = await packing(lc)
+    assert len({p["fid"] for n, p in where.items() if p}) == 1 and all(where[n] for n in SMALL)
+    close_doors()
