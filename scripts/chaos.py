@@ -79,6 +79,7 @@ from irdmafs.coord.etcd_process import LocalEtcd, LocalEtcdCluster
 from irdmafs.local import LocalCluster, free_ports, wait_settled
 from irdmafs.server.budget import machine_capacity
 from irdmafs.mount import clear_dead_mount, is_mounted, mount_background, stop_background
+from irdmafs.namespace import PACK_MIN_TENSORS
 from irdmafs.steps import pull_arrays, push_arrays
 
 MiB = 1 << 20
@@ -467,7 +468,9 @@ class TrainingJob:
     every step must equal SGD's result exactly (float32 within rounding)."""
 
     LR, STEPS = 0.1, 25
-    SHAPES = {"w": (256, 300), "b": (300,)}
+    # and enough small tensors that the mount packs them into a bucket at the first step
+    # (docs/buckets.md): the bucket's rounds go through every fault too
+    SHAPES = {"w": (256, 300), "b": (300,)} | {f"bn{i}.weight": (64 + i,) for i in range(PACK_MIN_TENSORS)}
 
     def __init__(self, tally: Tally, mnt: Path, root: Path, seed: int) -> None:
         self.t, self.mnt, self.root, self.seed = tally, mnt, root, seed
