@@ -368,6 +368,7 @@ class Meta:
     def _op_rmdir(self, op: dict) -> dict:
         parent, name = op["parent"], op["name"]
         entries, ino = self._child(parent, name)
+        self.directory(ino)  # ENOTDIR for anything else
         if not buckets.only_orphans(self, ino):  # (what a pack cut short left goes with it)
             raise _err("ENOTEMPTY", f"{name!r} is not empty")
         freed = buckets.free_orphans(self, ino)

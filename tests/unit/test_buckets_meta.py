@@ -155,3 +155,5 @@ def test_rmdir_takes_a_bucket_a_cut_short_pack_left_and_nothing_else():
     m2 = Meta()
     d, tensors, b = packed(m2)
     assert code(m2, op="rmdir", parent=ROOT, name="m") == "ENOTEMPTY"
+    run(m2, op="create", parent=ROOT, name="f", mode=S.S_IFREG | 0o644)
+    assert code(m2, op="rmdir", parent=ROOT, name="f") == "ENOTDIR"  # (not taken for an empty directory)
