@@ -192,7 +192,8 @@ def guard(meta, op: dict) -> None:
     if kind == "setxattr" and packed and op["name"].startswith("user.irdma."):
         raise _err("EBUSY", f"tensor {ino} is packed: unpack it before it gets a policy of its own")
     if kind in ("link", "rename"):
-        moving = node if kind == "link" else meta.inodes.get(meta.directory(op["parent"]).get(op["name"]))
+        # (an op the namespace refuses anyway is left to say why itself: no lookup here raises)
+        moving = node if kind == "link" else meta.inodes.get(meta.entries.get(op["parent"], {}).get(op["name"], -1))
         there = op["new_parent"]
         if in_force(moving) and moving.get("parent") != there:
             raise _err("EXDEV", "a packed tensor stays in its directory: copy it")
@@ -200,6 +201,6 @@ def guard(meta, op: dict) -> None:
             raise _err("EPERM", "a bucket is kept by the file system")
     if kind in ("unlink", "rename"):
         parent, name = (op["parent"], op["name"]) if kind == "unlink" else (op["new_parent"], op["new_name"])
-        gone = meta.inodes.get(meta.directory(parent).get(name, -1))
+        gone = meta.inodes.get(meta.entries.get(parent, {}).get(name, -1))
         if is_bucket(gone) and gone["tensor"]["members"]:
             raise _err("EBUSY", "a bucket in use is kept by the file system")
