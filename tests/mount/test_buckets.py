@@ -105,6 +105,7 @@ async def test_a_partial_step_unpacks_the_bucket_and_loses_nothing(model):
     assert all(np.allclose(pulled(m)[n], out[n] - LR) for n in SHAPES)
 
 
+@pytest.mark.parametrize("model", ["door"], indirect=True)  # (writes: the same through either door)
 async def test_writes_to_a_packed_tensor_keep_every_byte(model):
     lc, m, values = model
     both_ranks(m, [full(1.0), full(1.0)])
@@ -133,6 +134,7 @@ async def test_writes_to_a_packed_tensor_keep_every_byte(model):
     assert not (m / "net").exists()
 
 
+@pytest.mark.parametrize("model", ["door"], indirect=True)
 async def test_a_rename_out_of_the_directory_copies_and_rmdir_frees_the_bucket(model):
     lc, m, values = model
     both_ranks(m, [full(1.0), full(1.0)])
