@@ -203,3 +203,22 @@ async def test_ranks_on_two_mounts_pack_once_and_step_alike(local_cluster, mount
     where, busy = await packing(lc)
     assert len({p["fid"] for n, p in where.items() if p}) == 1 and all(where[n] for n in SMALL)
     close_doors()
+
+
+@pytest.mark.parametrize("model", ["door"], indirect=True)
+async def test_a_push_through_a_packed_tensors_own_file_unpacks_and_is_applied_once(model):
+    """``.workers/<rank>/net/<t>.npy`` written for a packed tensor: the node refuses it as a
+    push to a stale layout, the mount unpacks the bucket and pushes it again; the step is
+    applied once, and the bucket's other tensors keep their bytes."""
+    lc, m, values = model
+    both_ranks(m, [full(1.0), full(1.0)])  # packed, one step
+    now = pulled(m)
+    t = SMALL[4]
+    each_rank(lambda r: np.save(m / ".workers" / str(r) / "net" / f"{t}.npy", np.full(SHAPES[t], 2.0, np.float32)))
+    got = np.load(m / ".workers" / "0" / "net" / f"{t}.npy")
+    assert np.allclose(got, now[t] - LR * 2.0)
+    for n in SHAPES:
+        want = now[n] - LR * 2.0 if n == t else now[n]
+        assert np.allclose(np.load(m / "net" / f"{n}.npy"), want), n
+    where, _ = await packing(lc)
+    assert not any(where.values())
