@@ -30,16 +30,19 @@ from __future__ import annotations
 
 import errno
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 
 import numpy as np
 import trio
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 from .. import formats
-from ..util import single_exception
+from ..namespace import LAYOUT_CHANGED
+from ..transport.base import RemoteError
+from ..util import leaves, single_exception
 from . import views
 from .errors import FsError
 from ..packing import in_force
@@ -177,7 +180,7 @@ async def push_stream(streams: Streams, rank: int, model: int, data: memoryview,
     is detached."""
     pushes = await _validate(streams, rank, model, data, only)
     layout, whole = await _whole_buckets(streams, model, pushes)
-    with single_exception():
+    with _layout_held(streams), single_exception():
         async with trio.open_nursery() as n:
             for k, b in enumerate(whole):
                 n.start_soon(_push_bucket, streams, rank, b, (pushes, data, owner, layout.header), k)
@@ -185,6 +188,23 @@ async def push_stream(streams: Streams, rank: int, model: int, data: memoryview,
             singles = [p for name, p in pushes.items() if not in_force(known[name][1])]
             for k, (ino, grad) in enumerate(singles, len(whole)):
                 n.start_soon(partial(streams.client.training.push, ino, rank, grad, owner=owner, order=k))
+
+
+@contextmanager
+def _layout_held(streams: Streams) -> Iterator[None]:
+    """A push of a step refused because the model's layout changed under it (LAYOUT_CHANGED: a
+    tensor packed or unpacked through another mount since this mount laid the model out) is EIO,
+    not ESTALE: other tensors of the same step may have been taken already, and a door's client
+    opens the door again on ESTALE and repeats the step, which would push those twice. The
+    layout is laid out afresh for the next step."""
+    try:
+        yield
+    except BaseException as exc:
+        if not any(isinstance(e, RemoteError) and e.code == LAYOUT_CHANGED for e in leaves(exc)):
+            raise
+        streams.layouts.forget()
+        log.warning("a step's push met a layout changed under it; part of it may have been taken: EIO, not repeated")
+        raise FsError(errno.EIO, "the model's layout changed under this step (packed or unpacked through another mount): part of it may have been taken") from exc
 
 
 async def _whole_buckets(streams: Streams, model: int, pushes: dict) -> tuple[Layout, list[Bucket]]:
@@ -216,7 +236,12 @@ async def _push_bucket(streams: Streams, rank: int, b: Bucket, step: tuple, orde
         for e, _, at in b.members:
             g = pushes[e.name][1].reshape(-1)
             grad[at : at + g.size] = g
-    await streams.client.training.push(b.fid, rank, grad, owner=owner, order=order, layout=b.version)
+    try:
+        await streams.client.training.push(b.fid, rank, grad, owner=owner, order=order, layout=b.version)
+    except RemoteError as exc:
+        if exc.code == "ENOENT":  # freed since it was laid out (its tensors unpacked elsewhere)
+            raise RemoteError(LAYOUT_CHANGED, f"bucket {b.fid} is gone: {exc.message}") from None
+        raise
 
 
 async def _pull_bucket(streams: Streams, rank: int, layout: Layout, buf: memoryview, b: Bucket) -> None:
@@ -308,7 +333,7 @@ async def step_stream(
             await _push_bucket(streams, rank, b, (pushes, data, owner, layout.header), k)
         await _pull_bucket(streams, rank, layout, buf, b)
 
-    with single_exception(alike=FsError):
+    with _layout_held(streams), single_exception(alike=FsError):
         async with trio.open_nursery() as n:
             for k, b in enumerate(layout.buckets):
                 n.start_soon(bucket, k, b)

@@ -206,7 +206,10 @@ class Training:
         (its lease, PACK_MARGIN_NS added for clocks that disagree: the primary that ends the
         pack judges by its own); to a bucket whose version moved since the pusher laid its
         step out (a tensor of it unpacked)."""
-        node = self.meta.inode(p.fid)
+        node = self.meta.inodes.get(p.fid)
+        if node is None and p.layout >= 0:  # a bucket freed since (its last tensor unpacked)
+            raise RemoteError(LAYOUT_CHANGED, f"bucket {p.fid} is gone since the step was laid out: lay it out again")
+        node = self.meta.inode(p.fid)  # (ENOENT for a file gone)
         ptr = packing.pointer(node)
         if ptr is not None and ("until" not in ptr or time.time_ns() < ptr["until"] + PACK_MARGIN_NS):
             raise RemoteError(LAYOUT_CHANGED, f"tensor {p.fid} is packed into bucket {ptr['fid']}: lay the step out again")

@@ -3,6 +3,7 @@ processes: a model's small tensors are packed when its first step is laid out, t
 bucket, and every path that shows a tensor shows the same bytes; a partial step, a whole
 rewrite and a write in place each give the tensor its own bytes back without losing one."""
 
+import errno
 import json
 import os
 import shutil
@@ -222,3 +223,33 @@ async def test_a_push_through_a_packed_tensors_own_file_unpacks_and_is_applied_o
         assert np.allclose(np.load(m / "net" / f"{n}.npy"), want), n
     where, _ = await packing(lc)
     assert not any(where.values())
+
+
+async def test_a_step_whose_bucket_was_unpacked_elsewhere_fails_loudly_once(local_cluster, mount):
+    """A door laid out with a bucket, the bucket unpacked through another mount (a push of one
+    of its tensors there), then the door's next step: the bucket's push is refused
+    (LAYOUT_CHANGED) after the step's other tensors may have been taken, so the step is EIO,
+    not ESTALE (which a door client answers by repeating the step: those would count twice);
+    the step after it is laid out afresh and every tensor holds each push exactly once."""
+    close_doors()
+    lc = await local_cluster(nodes=3, replicas=2, stripe_unit=1 << 20)
+    a, b = mount(lc, "a"), mount(lc, "b")
+    d = a / "net"
+    d.mkdir()
+    for k, v in (("sync", "asp"), ("workers", "1"), ("optimizer", "sgd lr=1"), ("timeout", "10")):
+        os.setxattr(d, f"user.irdma.{k}", v.encode())
+    for name, shape in SHAPES.items():
+        np.save(d / f"{name}.npy", np.zeros(shape, np.float32))
+    push_arrays(a, "net", 0, full(1.0))  # packed by mount a, one step
+    t = SMALL[0]
+    np.save(b / ".workers" / "0" / "net" / f"{t}.npy", np.full(SHAPES[t], 1.0, np.float32))  # unpacks through b
+    with pytest.raises(OSError) as e:
+        push_arrays(a, "net", 0, full(1.0))
+    assert e.value.errno == errno.EIO
+    push_arrays(a, "net", 0, full(1.0))  # laid out afresh: every tensor alone
+    pushes = {n: np.load(d / f"{n}.npy") for n in SHAPES}
+    # each push applied once: the step refused took "big" (its own push went) or not, nothing twice
+    assert np.all(pushes[t] == -3.0), pushes[t][:3]
+    assert all(np.all(pushes[n] == -2.0) for n in SMALL[1:]), {n: pushes[n][0] for n in SMALL[1:]}
+    assert np.all(np.isin(pushes["big"], (-2.0, -3.0))) and len(set(pushes["big"].tolist())) == 1
+    close_doors()
