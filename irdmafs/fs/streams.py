@@ -204,7 +204,8 @@ def _layout_held(streams: Streams) -> Iterator[None]:
             raise
         streams.layouts.forget()
         log.warning("a step's push met a layout changed under it; part of it may have been taken: EIO, not repeated")
-        raise FsError(errno.EIO, "the model's layout changed under this step (packed or unpacked through another mount): part of it may have been taken") from exc
+        why = "the model's layout changed under this step (packed or unpacked through another mount): part of it may have been taken"
+        raise FsError(errno.EIO, why) from exc
 
 
 async def _whole_buckets(streams: Streams, model: int, pushes: dict) -> tuple[Layout, list[Bucket]]:
