@@ -137,8 +137,7 @@ class LiveFiles(Family):
         if "size" not in changes:
             return await self._set(ino, changes)
         async with self.models.locked(ino):
-            await self._plain_if_resized(ino, changes)
-            attr = await self.client.getattr(ino)
+            attr = await self._plain_if_resized(ino, changes)
             if changes["size"] > ((attr.get("tensor") or {}).get("offset") or 0):  # a packed tensor's data is kept
                 await self.alone(ino, attr)
             return await self._set(ino, changes)
@@ -177,14 +176,15 @@ class LiveFiles(Family):
             await self.client.setattr(m["dir"], **mirrored)
         return attr
 
-    async def _plain_if_resized(self, ino: int, changes: dict) -> None:
+    async def _plain_if_resized(self, ino: int, changes: dict) -> dict:
         """A model file about to be truncated to another size is plain bytes first (models.py).
-        Called with the file's model lock held."""
+        Called with the file's model lock held; returns the file's attributes as they are then."""
         attr = await self.client.getattr(ino)
         if models.model_of(attr) is None or changes["size"] == attr["size"]:
-            return
+            return attr
         attr = await (self.models.unmodel if changes["size"] == 0 else self.models.materialize)(attr)
         self.changed(ino, attr)
+        return attr
 
     def changed(self, ino: int, attr: dict) -> None:
         """``ino`` became a model file or stopped being one: open files and layouts follow."""
