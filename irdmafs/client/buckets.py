@@ -127,6 +127,11 @@ class Packer:
             log.info("directory %d: not packed here (%s)", directory, exc)
             await self._drop_new(directory, name)
             return await self._other_pack(directory, {a["ino"] for a in group})
+        except TransportError as exc:  # whether it landed is not known: undone if it did
+            log.info("directory %d: pack of %d tensors given up (%s)", directory, len(rows), exc)
+            await self._undo(directory, bucket, rows)
+            await self._drop_new(directory, name)
+            return False
         try:
             busy = await self._busy([r[0] for r in rows])
             if busy:
@@ -139,10 +144,7 @@ class Packer:
             await client.op(op="pack", final=True, **op)
         except (RemoteError, TransportError) as exc:
             log.info("directory %d: pack of %d tensors given up (%s)", directory, len(rows), exc)
-            try:
-                await client.op(op="unpack", bucket=bucket, tensors=[[r[0], -1] for r in rows])
-            except RemoteError as undo:  # its lease ends it anyway; the bucket goes at rmdir
-                log.warning("directory %d: pack not undone (%s)", directory, undo)
+            await self._undo(directory, bucket, rows)
             return False
         log.info("directory %d: %d tensors (%d bytes) packed into bucket %d", directory, len(rows), at, bucket)
         return True
@@ -158,10 +160,20 @@ class Packer:
                 return any(in_force(a) for a in now)
             await trio.sleep(0.05)
 
+    async def _undo(self, directory: int, bucket: int, rows: list[list[int]]) -> None:
+        """A pack's first step undone (which frees the bucket); if it cannot be, its lease ends
+        it anyway and the bucket goes at rmdir (server/buckets.py ``free_orphans``)."""
+        try:
+            await self.client.op(op="unpack", bucket=bucket, tensors=[[r[0], -1] for r in rows])
+        except (RemoteError, TransportError) as exc:
+            log.warning("directory %d: pack not undone (%s)", directory, exc)
+
     async def _drop_new(self, directory: int, name: str) -> None:
+        """The bucket file of a pack whose first step was refused removed; if it cannot be, it
+        goes at rmdir (server/buckets.py ``free_orphans``)."""
         try:
             await self.client.unlink(directory, name)
-        except RemoteError as exc:
+        except (RemoteError, TransportError) as exc:
             log.warning("bucket %s of directory %d not removed: %s", name, directory, exc)
 
     async def _busy(self, fids: list[int]) -> list[int]:

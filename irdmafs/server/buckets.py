@@ -25,14 +25,17 @@ Pure: no I/O, no trio.
 
 from __future__ import annotations
 
+import re
 import stat as S
 from typing import Any
 
 import numpy as np
 
-from ..namespace import LAYOUT_CHANGED, PACK_LEASE_NS
+from ..namespace import BUCKET_NAME, LAYOUT_CHANGED, PACK_LEASE_NS
 from ..packing import in_force, is_bucket, nbytes, packable, pointer
 from ..transport.base import RemoteError
+
+BUCKET_FILE = re.compile(re.escape(BUCKET_NAME) + "[0-9]+")  # the name a pack gives its bucket (client/buckets.py)
 
 
 def _err(code: str, msg: str) -> RemoteError:
@@ -159,14 +162,25 @@ def _free(meta, b: int) -> int:
     return b
 
 
+def _orphan(meta, name: str, ino: int) -> bool:
+    """Whether entry ``name`` of a directory is what a pack cut short left: a bucket without
+    members (its second step never landed, or it was undone), or the bare file a pack created
+    under the bucket's reserved name before its first step (the mount died, or the first step
+    was refused and the file's removal failed)."""
+    node = meta.inodes.get(ino)
+    if is_bucket(node):
+        return not node["tensor"]["members"]
+    return BUCKET_FILE.fullmatch(name) is not None and node is not None and S.S_ISREG(node["mode"]) and node.get("tensor") is None
+
+
 def free_orphans(meta, directory: int) -> list[int]:
-    """Buckets of ``directory`` without members (a pack cut short): freed (an ``rmdir``)."""
-    return [_free(meta, i) for i in list(meta.entries.get(directory, {}).values()) if is_bucket(meta.inodes.get(i)) and not meta.inodes[i]["tensor"]["members"]]
+    """What packs cut short left in ``directory`` (``_orphan``): freed (an ``rmdir``)."""
+    return [_free(meta, i) for name, i in list(meta.entries.get(directory, {}).items()) if _orphan(meta, name, i)]
 
 
 def only_orphans(meta, directory: int) -> bool:
-    """Whether ``directory`` holds nothing but buckets without members (``rmdir`` may go on)."""
-    return all(is_bucket(meta.inodes.get(i)) and not meta.inodes[i]["tensor"]["members"] for i in meta.entries.get(directory, {}).values())
+    """Whether ``directory`` holds nothing but what packs cut short left (``rmdir`` may go on)."""
+    return all(_orphan(meta, name, i) for name, i in meta.entries.get(directory, {}).items())
 
 
 def guard(meta, op: dict) -> None:

@@ -20,6 +20,7 @@ from irdmafs.local import wait_settled
 pytestmark = pytest.mark.mount
 
 N = 100_000  # float32: 400 KB, 7 stripes of 64 KiB spread over the nodes
+STRIPE = 64 << 10
 LR = 0.1
 
 
@@ -77,11 +78,28 @@ class Training:
         assert not self.errors, self.errors
         assert self.progress == [self.steps, self.steps]
         final = np.load(self.m / "net" / "w.npy")
-        assert np.allclose(final, replay(self.w0, self.steps, self.momentum), rtol=1e-5, atol=1e-6)
+        want = replay(self.w0, self.steps, self.momentum)
+        assert np.allclose(final, want, rtol=1e-5, atol=1e-6), differences(final, want)
+
+
+def differences(got: np.ndarray, want: np.ndarray) -> str:
+    """Which stripes of 64 KiB differ from the replay, and by how many of the last step's
+    updates (a push lost or applied twice shows as about one)."""
+    bad = ~np.isclose(got, want, rtol=1e-5, atol=1e-6)
+    stripes = sorted({(128 + 4 * int(i)) // STRIPE for i in np.flatnonzero(bad)})  # (np.save's header: 128 bytes)
+    step = np.abs(want - replay_step(want)) + np.float32(1e-12)
+    worst = float(np.max(np.abs(got - want)[bad] / step[bad]))
+    return f"{int(bad.sum())} parameters differ, in stripes {stripes} (of {-(-(128 + got.nbytes) // STRIPE)}); worst by {worst:.2f} of a step's update"
+
+
+def replay_step(w: np.ndarray) -> np.ndarray:
+    """``w`` after one more plain SGD step (the size of an update, for ``differences``)."""
+    g = (grad(w, 0, 0) + grad(w, 1, 0)) / np.float32(2)
+    return (w - np.float32(LR) * g).astype(np.float32)
 
 
 async def test_kill_9_a_node_mid_training_and_every_push_counts_once(local_cluster, mount):
-    lc = await local_cluster(nodes=3, replicas=2, stripe_unit=64 << 10)
+    lc = await local_cluster(nodes=3, replicas=2, stripe_unit=STRIPE)
     run = Training(mount(lc), steps=30)
     run.wait_for(8)
     lc.kill("n2")  # kill -9, mid-run: some pushes in flight, partial rounds on its stripes
@@ -91,7 +109,7 @@ async def test_kill_9_a_node_mid_training_and_every_push_counts_once(local_clust
 # n1 is also the metadata primary: its namespace role is handed back too
 @pytest.mark.parametrize(("first", "then"), [("n2", "n3"), ("n1", "n2")])
 async def test_kill_restart_mid_training_then_kill_another(local_cluster, mount, first, then):
-    lc = await local_cluster(nodes=3, replicas=2, stripe_unit=64 << 10)
+    lc = await local_cluster(nodes=3, replicas=2, stripe_unit=STRIPE)
     run = Training(mount(lc), steps=60, momentum=0.9)
     run.wait_for(6)
     lc.kill(first)

@@ -152,6 +152,14 @@ def test_rmdir_takes_a_bucket_a_cut_short_pack_left_and_nothing_else():
         run(m, op="unlink", parent=d, name=f"t{i}.npy")
     assert run(m, op="rmdir", parent=ROOT, name="m")["freed_buckets"] == [b]
     assert b not in m.inodes
+    # the bare file a pack created before its first step (the mount died, or its removal failed)
+    d, tensors, b = model(m, n=1)
+    run(m, op="unlink", parent=d, name="t0.npy")
+    run(m, op="create", parent=d, name="x", mode=S.S_IFREG | 0o644)
+    assert code(m, op="rmdir", parent=ROOT, name="m") == "ENOTEMPTY"  # a file of the user's
+    run(m, op="unlink", parent=d, name="x")
+    assert run(m, op="rmdir", parent=ROOT, name="m")["freed_buckets"] == [b]
+    assert b not in m.inodes
     m2 = Meta()
     d, tensors, b = packed(m2)
     assert code(m2, op="rmdir", parent=ROOT, name="m") == "ENOTEMPTY"
