@@ -161,7 +161,9 @@ class PushPull:
         """``train_info`` if this client has it at hand (no call)."""
         return self._train.get((ino, rank))
 
-    async def push(self, ino: int, rank: int, grad: np.ndarray, *, owner: object = None, order: float = math.inf, layout: int = -1) -> int:
+    async def push(
+        self, ino: int, rank: int, grad: np.ndarray, *, owner: object = None, order: float = math.inf, layout: int = -1, early: bool = False
+    ) -> int:
         """Push one gradient of ``rank`` for tensor ``ino``; returns its step. The gradient
         must have the tensor's dtype and shape (EINVAL otherwise, and nothing changes). Returns
         once every stripe's primary has taken its part (the update may still be pending).
@@ -178,7 +180,12 @@ class PushPull:
         memory (``detach``), else as a copy.
 
         ``layout``: a bucket's version as the caller laid the step out (the node refuses the
-        push with LAYOUT_CHANGED if it moved: docs/buckets.md B2)."""
+        push with LAYOUT_CHANGED if it moved: docs/buckets.md B2).
+
+        ``early``: the caller pulls next (a step stream). A part that closes its round under
+        bsp is then answered once the round is applied on its primary, before the backups hold
+        it (the pull waits for them); without it, once every replica holds the round, so a
+        plain read after every rank's push sees it whole (server/training.py ``_push_now``)."""
         info = await self.train_info(ino, rank, pushing=True)
         grad = np.asarray(grad)
         t = info["tensor"]
@@ -225,6 +232,8 @@ class PushPull:
             }
             if layout >= 0:
                 desc["layout"] = layout
+            if early:
+                desc["early"] = True
             if chosen is None:
                 values = flat[e0 : e0 + count]
             else:

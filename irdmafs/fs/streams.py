@@ -223,12 +223,12 @@ async def _whole_buckets(streams: Streams, model: int, pushes: dict) -> tuple[La
     return layout, [b for b in layout.buckets if any(e.name in pushes for e, _, _ in b.members)]
 
 
-async def _push_bucket(streams: Streams, rank: int, b: Bucket, step: tuple, order: int) -> None:
+async def _push_bucket(streams: Streams, rank: int, b: Bucket, step: tuple, order: int, early: bool = False) -> None:
     """The gradients of a bucket's members pushed as the bucket's, against the bucket's version
     as laid out (B2). ``step``: the step's (pushes by name, pushed bytes, their owner, the
     layout's header). Where the pushed bytes are the layout's own stream, which holds the
     members back to back in the bucket's order (``Bucket.direct``), pushed as they lie; else
-    gathered into one."""
+    gathered into one. ``early``: a pull follows at once (``PushPull.push``)."""
     pushes, data, owner, header = step
     if b.direct is not None and data[: len(header)] == header:
         grad = np.frombuffer(data, b.dtype, b.count, offset=b.direct)
@@ -238,7 +238,7 @@ async def _push_bucket(streams: Streams, rank: int, b: Bucket, step: tuple, orde
             g = pushes[e.name][1].reshape(-1)
             grad[at : at + g.size] = g
     try:
-        await streams.client.training.push(b.fid, rank, grad, owner=owner, order=order, layout=b.version)
+        await streams.client.training.push(b.fid, rank, grad, owner=owner, order=order, layout=b.version, early=early)
     except RemoteError as exc:
         if exc.code == "ENOENT":  # freed since it was laid out (its tensors unpacked elsewhere)
             raise RemoteError(LAYOUT_CHANGED, f"bucket {b.fid} is gone: {exc.message}") from None
@@ -305,9 +305,9 @@ async def step_stream(
     # the buckets first, then the small ones (their pulls go together), then the large
     place = {e.name: k for k, (e, _) in enumerate(small + large, len(layout.buckets))}
 
-    def push(e):  # every worker sends a step's pushes in this order (PushPull.push)
+    def push(e):  # every worker sends a step's pushes in this order (PushPull.push); its pull follows
         ino, grad = pushes[e.name]
-        return streams.client.training.push(ino, rank, grad, owner=owner, order=place[e.name])
+        return streams.client.training.push(ino, rank, grad, owner=owner, order=place[e.name], early=True)
 
     async def one(e, attr) -> None:
         if e.name in pushes:
@@ -331,7 +331,7 @@ async def step_stream(
 
     async def bucket(k: int, b: Bucket) -> None:
         if b in whole:
-            await _push_bucket(streams, rank, b, (pushes, data, owner, layout.header), k)
+            await _push_bucket(streams, rank, b, (pushes, data, owner, layout.header), k, early=True)
         await _pull_bucket(streams, rank, layout, buf, b)
 
     with _layout_held(streams), single_exception(alike=FsError):

@@ -72,6 +72,7 @@ class Push(NamedTuple):
     paced: float = 0.0
     epoch: int = 0  # the pusher's view epoch (serving.py, check_epoch)
     layout: int = -1  # a bucket's push: the bucket's version the pusher laid its step out by
+    early: bool = False  # the pusher pulls next (a step stream): a round it closes may be answered before its backups hold it
 
 
 class Trained(NamedTuple):
@@ -86,7 +87,7 @@ class Trained(NamedTuple):
 # the types of a push descriptor's fields (``_push_args``); ``spans`` and ``busy`` may be null
 PUSH_TYPES = {
     "fid": int, "idx": int, "offset": int, "count": int, "rank": int, "step": int, "unit": int,
-    "wire": str, "spans": list, "busy": _NUMBER, "paced": _NUMBER, "epoch": int, "layout": int,
+    "wire": str, "spans": list, "busy": _NUMBER, "paced": _NUMBER, "epoch": int, "layout": int, "early": bool,
 }
 PUSH_REQUIRED = frozenset(k for k, p in inspect.signature(Push).parameters.items() if p.default is inspect.Parameter.empty)
 
@@ -346,7 +347,12 @@ class Training:
         (NoSpace) is still answered as one. Its staged bytes are not read after the take (the
         round's sum is a copy). Without it, the pusher that closed each round waited for the
         copy to a backup behind a full link before its next batch could use the staging slot,
-        and the ranks drifted apart (issue 42). A lone rank has no
+        and the ranks drifted apart (issue 42). Only a pusher that says it pulls next
+        (``Push.early``: a step stream, whose pull waits for the published clock) is answered
+        so: a push through a rank's file returns once the round it closed is on every replica,
+        so that once every rank's push has returned a plain read of the model, which may go to
+        a backup, sees the whole round (a checkpoint copied after training's last step had
+        stripes one round behind the others). A lone rank has no
         others to fall behind: its pushes are answered once settled, with the new clock, so its
         next pull reads at once, one-sided (no ``clock_wait``)."""
         fid, idx, offset, count, rank, step, unit = p.fid, p.idx, p.offset, p.count, p.rank, p.step, p.unit
@@ -381,7 +387,7 @@ class Training:
             st.arrive(rank, step, now, p.paced)
             ups = st.take(model, rank, step, grad)
             early = None
-            if ups and model.policy.kind == "bsp" and len(model.active) > 1:
+            if ups and p.early and model.policy.kind == "bsp" and len(model.active) > 1:
                 early = lambda: answer(self._reply(st, model, rank, step, now, clock=self.store.get(fid, idx).clock))  # noqa: E731
             await self._settle(fid, idx, st, t, ups, applied=early)
             reply = self._reply(st, model, rank, step, now)

@@ -7,6 +7,7 @@ import base64
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
 from irdmafs.client.client import Client
 from irdmafs.transport.base import RemoteError
@@ -185,25 +186,60 @@ async def test_a_pull_sees_a_round_closed_only_once_every_backup_holds_it(bed):
     assert np.array_equal(await c.paths.load("/m/b.npy"), w - 1)  # the mean of the round, lr=1
 
 
-async def test_the_push_closing_a_round_is_answered_before_the_backups_hold_it_and_kept(bed):
-    """The push that closes a bsp round of two ranks is answered once taken, while the round's
-    copy to the backups is still on its way (it waited for that copy, holding its staging slot,
-    and the rank that closed each round fell behind the others: issue 42); its answer names the
-    clock readers see, so its pusher keeps it, as the first pusher does, until a pull sees the
-    round closed, and could send it again to a new primary."""
-    c, nodes, _ = bed
-    w, ino, primary, backups = await bsp_of_two(c, nodes, "/m/k.npy")
-    release = trio.Event()
+def hold_applies(backups) -> tuple[trio.Event, trio.Event]:
+    """The ``apply`` calls of ``backups`` wait for the first event; the second is set when one
+    came."""
+    release, came = trio.Event(), trio.Event()
     for b in backups:
 
         async def apply(_real=b.calls["apply"], **kw):
+            came.set()
             await release.wait()
             return await _real(**kw)
 
         b.calls["apply"] = apply
+    return release, came
+
+
+async def test_the_push_closing_a_round_is_answered_once_every_replica_holds_it(bed, nursery):
+    """A push that closes a bsp round (not ``early``: through a rank's file) is answered once
+    the backups hold the round, so that once every rank's push returned, a plain read of the
+    model, which may go to a backup, sees the whole round (a checkpoint copied after training's
+    last step had stripes one round behind the others: the kill -9 training test, under load)."""
+    c, nodes, _ = bed
+    w, ino, primary, backups = await bsp_of_two(c, nodes, "/m/s.npy")
+    await c.training.push(ino, 0, np.ones_like(w))  # opens the round: answered at once
+    release, came = hold_applies(backups)
+    answered = trio.Event()
+
+    async def close_round() -> None:
+        await c.training.push(ino, 1, np.full_like(w, 3.0))
+        answered.set()
+
+    nursery.start_soon(close_round)
+    await came.wait()  # the primary applied the round and sends it to a backup
+    await trio.testing.wait_all_tasks_blocked()
+    assert not answered.is_set(), "answered before the backups held the round"
+    release.set()
+    await answered.wait()
+    for node in (primary, *backups):  # no pull: the answer alone says every replica holds it
+        held = np.frombuffer(node.store.get(ino, 0).data, np.float32, w.size, offset=128)
+        assert np.array_equal(held, w - 2.0), node.name  # the mean of 1 and 3, lr=1
+
+
+async def test_the_push_closing_a_round_is_answered_before_the_backups_hold_it_and_kept_when_a_pull_follows(bed):
+    """With ``early`` (a step through the door, whose pull follows at once), the push that
+    closes a bsp round of two ranks is answered once the round is applied on the primary, while
+    its copy to the backups is still on its way (it waited for that copy, holding its staging
+    slot, and the rank that closed each round fell behind the others: issue 42); its answer
+    names the clock readers see, so its pusher keeps it, as the first pusher does, until a pull
+    sees the round closed, and could send it again to a new primary."""
+    c, nodes, _ = bed
+    w, ino, primary, backups = await bsp_of_two(c, nodes, "/m/k.npy")
+    release, _ = hold_applies(backups)
     with trio.fail_after(10):  # both answered while every backup's apply is held
-        await c.training.push(ino, 0, np.ones_like(w))
-        await c.training.push(ino, 1, np.ones_like(w))
+        await c.training.push(ino, 0, np.ones_like(w), early=True)
+        await c.training.push(ino, 1, np.ones_like(w), early=True)
     assert primary.store.get(ino, 0).clock == 0  # not readable as closed yet
     assert {(ino, 0, 0), (ino, 0, 1)} <= set(c.training._open)  # both pushers keep theirs
     release.set()
@@ -229,9 +265,9 @@ async def test_the_push_closing_a_round_that_cannot_be_applied_is_answered_enosp
         return real(where, *args, **kw)
 
     primary.store.update = full
-    await c.training.push(ino, 0, np.ones_like(w))  # opens the round: nothing applied yet
+    await c.training.push(ino, 0, np.ones_like(w), early=True)  # opens the round: nothing applied yet
     with pytest.raises(RemoteError) as err:
-        await c.training.push(ino, 1, np.ones_like(w))
+        await c.training.push(ino, 1, np.ones_like(w), early=True)
     assert err.value.code == "ENOSPC"
     assert primary.store.get(ino, 0).clock == 0
 
