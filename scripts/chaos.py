@@ -708,7 +708,11 @@ def remove_tree(tally: Tally, d: Path) -> None:
         pass
     except OSError as exc:
         if not (exc.errno in WINDOW_ERRNOS and not tally.mount_up.is_set()):
-            tally.error(f"removing {d.name}", exc)
+            try:
+                left = sorted(os.listdir(d))
+            except OSError as again:
+                left = [f"(not listed: {again})"]
+            tally.error(f"removing {d.name}", f"{exc}; it lists {left[:8]}")
 
 
 def loop(tally: Tally, worker) -> None:

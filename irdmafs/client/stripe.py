@@ -179,30 +179,29 @@ class StripeIO:
 
     async def versions(self, files: list[tuple[int, int, int]]) -> list[tuple[int, ...] | None]:
         """For each live file (fid, size, unit), the version of every stripe of it (0: a hole),
-        read one-sidedly from a home that serves it (fs/pagecache.py): a stripe's version moves at
-        every install, a write's or a training step's, and never back. None for a file one of
-        whose stripes could not be read. The headers of one node go in one pipelined burst."""
+        from a home that serves it (fs/pagecache.py): a stripe's version moves at every
+        install, a write's or a training step's, and never back. None for a file one of whose
+        stripes could not be read. The stripes a node would be read from go in one call to it
+        (``stripe_versions``: a model of 199 tensors took 30 ms to stamp one-sidedly, a header
+        read each); those it cannot answer are read one-sidedly, one by one."""
         stripes = [(fid, idx) for fid, size, unit in files for idx in range(-(-size // unit))]
-        by_file: dict[int, list[int]] = {}
+        by_node: dict[str, list[tuple[int, int]]] = {}
         for fid, idx in stripes:
-            by_file.setdefault(fid, []).append(idx)
-        async with trio.open_nursery() as n:
-            for fid, idxs in by_file.items():
-                n.start_soon(self._prefetch, fid, idxs, 0)
+            candidates = self.cluster.roles.read_candidates(fid, idx)
+            if candidates:
+                by_node.setdefault(candidates[0], []).append((fid, idx))
         got: dict[tuple[int, int], int] = {}
-        burst: dict[str, list[tuple[int, int]]] = {}
-        for fid, idx in stripes:  # a stripe with no key cached, or a hole, goes one by one (``one``)
-            node = next((c for c in self.cluster.roles.read_candidates(fid, idx) if self._cached(c, fid, idx, 0)), None)
-            if node is not None and self._keys[(node, fid, idx, 0)] is not None:
-                burst.setdefault(node, []).append((fid, idx))
 
-        async def headers(node: str, which: list[tuple[int, int]]) -> None:
-            keys = [self._keys[(node, fid, idx, 0)] for fid, idx in which]
+        async def ask(node: str, which: list[tuple[int, int]]) -> None:
             try:
-                heads = await self.cluster.peers.read_headers(node, [(k.rkey, k.inc) for k in keys])
-            except (NodeDown, AccessError):  # one stale key fails the burst: those go one by one
+                said = (await self.cluster.call(node, "stripe_versions", {"stripes": [list(s) for s in which]}))["versions"]
+            except (NodeDown, RemoteError) as exc:  # not caught up, down: those go one by one
+                log.debug("stripe versions from %s: %s", node, exc)
                 return
-            got.update({s: h.version for s, h in zip(which, heads)})
+            if len(said) == len(which):
+                got.update(zip(which, said))
+            else:  # (a node that answers otherwise is not believed: those go one by one)
+                log.warning("%s answered stripe_versions of %d stripes with %d", node, len(which), len(said))
 
         async def one(fid: int, idx: int) -> None:
             for node in self.cluster.roles.read_candidates(fid, idx):
@@ -225,12 +224,15 @@ class StripeIO:
                         break
 
         async with trio.open_nursery() as n:
-            for node, which in burst.items():
-                n.start_soon(headers, node, which)
+            for node, which in by_node.items():
+                n.start_soon(ask, node, which)
         async with trio.open_nursery() as n:
             for fid, idx in stripes:
                 if (fid, idx) not in got:
                     n.start_soon(one, fid, idx)
+        by_file: dict[int, list[int]] = {}
+        for fid, idx in stripes:
+            by_file.setdefault(fid, []).append(idx)
         out: list[tuple[int, ...] | None] = []
         for fid, _, _ in files:
             v = [got.get((fid, idx)) for idx in by_file.get(fid, [])]

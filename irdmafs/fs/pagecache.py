@@ -9,10 +9,10 @@ stamp the previous open of that file took:
 - the view epoch (a failover may give a version number of an unacknowledged write to other bytes;
   a new view comes with any failover);
 - the namespace's version and size of the file (moved by every flush of a write, by any mount);
-- the version of each of its stripes, read one-sidedly from a home that serves it (16 bytes each;
-  moved by every install, a write's or a training step's, and never back): of its tensors'
-  stripes too for a model file (models.py), whose bytes are theirs, and of the bucket of a
-  packed tensor (docs/buckets.md).
+- the version of each of its stripes, from a home that serves it (``StripeIO.versions``: one
+  call per node; moved by every install, a write's or a training step's, and never back): of
+  its tensors' stripes too for a model file (models.py), whose bytes are theirs (its own end at
+  its header), and of the bucket of a packed tensor (docs/buckets.md).
 
 The pages the kernel holds were all read after the earlier open took its stamp; the same stamp now
 means nothing changed since, so they are the file's bytes now. Any difference (or a stamp that
@@ -69,7 +69,11 @@ class PageCache:
     async def stamp(self, attr: dict) -> Stamp | None:
         """The file's stamp (see above); None if a stripe's version could not be read."""
         files = [(attr["ino"], attr["size"], attr["unit"])]
-        if models.model_of(attr) is not None:
+        model = models.model_of(attr)
+        if model is not None:
+            # a model file's own stripes end at its header: its tensors' bytes are theirs (its
+            # 110 stripes past the header were holes looked up at every open of a 438 MB one)
+            files = [(attr["ino"], min(attr["size"], model["start"]), attr["unit"])]
             try:
                 layout = await models.layout(self.client, attr)
             except FsError:  # a model file gone bad: its reads say so

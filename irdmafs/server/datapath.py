@@ -108,6 +108,17 @@ class DataPath:
                     d["record"] = self.training.record_of(fid, int(i))
         return held | {"lease": self.serving.lease.term()}  # client/stripe.py: a key reads in its lease
 
+    async def rpc_stripe_versions(self, stripes: list) -> dict:
+        """The version of each live stripe ``[fid, idx]`` of ``stripes`` held here (0: none
+        here, a hole), as its header says (the word a one-sided read of it gives): what a mount
+        stamps a file with at an open (fs/pagecache.py), for every stripe of a model of
+        hundreds of tensors in one call rather than one read each. From a ready node that has
+        caught up only (EAGAIN: the mount asks the stripe's other home)."""
+        if not isinstance(stripes, list) or not all(isinstance(s, list) and len(s) == 2 and all(type(x) is int for x in s) for s in stripes):
+            raise RemoteError("EINVAL", "stripe_versions: stripes is a list of [fid, idx]")
+        self.serving.require_caught_up()
+        return {"versions": [s.version if (s := self.store.get(fid, idx)) is not None else 0 for fid, idx in stripes]}
+
     async def rpc_commit(self, fid: int, idx: int, offset: int, length: int, unit: int, staged: list, epoch: int = 0) -> dict:
         """Install the range ``staged`` ([rkey, offset] of a staging region here) as the
         stripe's primary, replicate it, answer with its version and the view epoch it was

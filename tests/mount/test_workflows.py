@@ -456,6 +456,41 @@ async def test_a_live_file_keeps_its_pages_until_a_mount_or_a_training_step_chan
     assert os.stat(b / "net" / "w.npy").st_mtime_ns == version  # the namespace did not move
 
 
+async def test_a_model_file_keeps_its_pages_until_a_mount_changes_one_of_its_tensors(local_cluster, mount):
+    """A model file (a safetensors file copied in: its bytes are its tensors') read again
+    unchanged comes from the page cache: its stamp takes every stripe of its tensors (one call
+    per node) and of its own header only. A tensor rewritten in place through another mount is
+    seen at the reader's next open, read from the cluster again."""
+    from safetensors.numpy import load, save
+
+    lc = await local_cluster(nodes=3, replicas=2, stripe_unit=MiB)
+    a, b = mount(lc, "a"), mount(lc, "b")
+    rng = np.random.default_rng(5)
+    tensors = {f"layer{i}.weight": rng.standard_normal((300, 1000)).astype(np.float32) for i in range(3)}
+    tensors |= {f"layer{i}.bias": rng.standard_normal(1000).astype(np.float32) for i in range(20)}
+    blob = save(tensors)
+    (a / "model.safetensors").write_bytes(blob)
+    size = len(blob)
+    assert "a model of 23 tensors" in (a.parent / "a.log").read_text()  # converted at the close
+
+    def read_counted(want: bytes) -> int:
+        before = _mount_bytes_read(b)
+        assert (b / "model.safetensors").read_bytes() == want
+        return _mount_bytes_read(b) - before
+
+    assert read_counted(blob) >= size - MiB  # the first read: from the cluster
+    assert read_counted(blob) < 64 << 10  # unchanged: from the page cache
+    tensors["layer1.weight"] += 1  # the same dtype and shape, new values, rewritten in place
+    new = save(tensors)
+    at = new.index(tensors["layer1.weight"].tobytes()[:64])
+    with open(a / "model.safetensors", "r+b") as f:
+        f.seek(at)
+        f.write(tensors["layer1.weight"].tobytes())
+    assert read_counted(new) >= 1_200_000  # that tensor's bytes at least, from the cluster
+    assert read_counted(new) < 64 << 10
+    assert all(np.array_equal(v, tensors[k]) for k, v in load((b / "model.safetensors").read_bytes()).items())
+
+
 async def test_a_snapshot_copies_nothing_until_the_live_file_changes(ps):
     """Copy-on-write through a real mount and real nodes (docs/design.md, S1-S4): taking a
     snapshot holds no memory of its own on any node; overwriting a file makes the snapshots hold

@@ -1477,3 +1477,61 @@ async def test_a_resync_that_does_not_fit_leaves_the_node_syncing_not_dead(clust
         await node.membership.join()
     assert tries == ["syncing", "syncing"] and node.serving.state == "ready"
     assert any("its resync does not fit" in r.getMessage() and r.levelname == "ERROR" for r in caplog.records)
+
+
+async def test_stripe_versions_are_the_headers_one_call_per_node_and_a_node_that_cannot_say_is_read_one_sidedly(cluster):
+    """What a mount stamps a file with at an open (fs/pagecache.py): each stripe's version from
+    ``stripe_versions``, one call per node, equal to what a one-sided read of its header says;
+    a hole 0; moved by a training step, which moves no namespace version. A node that refuses
+    (not caught up) leaves its stripes to the one-sided reads. Bad input is EINVAL."""
+    cfg, nodes = cluster
+    unit = cfg.stripe_unit
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
+        await c.paths.makedirs("/m")
+        d = (await c.paths.resolve("/m"))["ino"]
+        for k, v in (("sync", "asp"), ("workers", "1"), ("optimizer", "sgd lr=1")):
+            await c.setxattr(d, f"user.irdma.{k}", v)
+        a = await c.paths.save("/m/w.npy", np.zeros(3 * unit // 4, np.float32))  # 3 stripes and a header
+        b = await c.paths.stat("/m/w.npy")
+        await c.paths.makedirs("/f")
+        await c.paths.write_file("/f/x", os.urandom(unit))
+        x = await c.paths.stat("/f/x")
+        files = [(b["ino"], b["size"], b["unit"]), (x["ino"], 3 * unit, x["unit"])]  # x: 2 stripes past its end (holes)
+
+        def headers() -> list[tuple[int, ...]]:
+            out = []
+            for fid, size, u in files:
+                v = []
+                for idx in range(-(-size // u)):
+                    held = [n.store.get(fid, idx) for n in nodes if n.store.get(fid, idx) is not None]
+                    assert len({s.version for s in held}) <= 1, "the replicas agree"
+                    v.append(held[0].version if held else 0)
+                out.append(tuple(v))
+            return out
+
+        calls = {n.name: 0 for n in nodes}
+        for n in nodes:
+            real = n.calls["stripe_versions"]
+
+            async def counted(_real=real, _name=n.name, **kw):
+                calls[_name] += 1
+                return await _real(**kw)
+
+            n.calls["stripe_versions"] = counted
+        before = await c.io.versions(files)
+        assert before == headers() and before[1][1:] == (0, 0)
+        assert all(k <= 1 for k in calls.values()), "one call per node"
+        await c.training.push(a["ino"], 0, np.ones(3 * unit // 4, np.float32))  # asp: applied now
+        after = await c.io.versions(files)
+        assert after == headers() and after[0] != before[0] and after[1] == before[1]
+        assert (await c.paths.stat("/m/w.npy"))["version"] == b["version"]  # the namespace did not move
+        with pytest.raises(RemoteError) as err:
+            await c.cluster.call(nodes[0].name, "stripe_versions", {"stripes": [[1, "a"]]})
+        assert err.value.code == "EINVAL"
+
+        async def refuse(**_):
+            raise RemoteError("EAGAIN", "not caught up (test)")
+
+        for n in nodes:  # no node can say: every stripe read one-sidedly, to the same versions
+            n.calls["stripe_versions"] = refuse
+        assert await c.io.versions(files) == after
