@@ -20,6 +20,7 @@ BUCKET_NAME = ".irdmafs-bucket-"  # + a random number (client/buckets.py): a nam
 BUCKET_UNIT = 256 << 10  # a bucket's least stripe unit (client/buckets.py bucket_unit: two stripes a node)
 PACK_MAX_BYTES = 256 << 10  # a tensor's data of at most this many bytes may be packed
 PACK_MIN_TENSORS = 16  # fewer packable tensors in a directory: not worth a bucket
+BUCKET_MAX_BYTES = 64 << 20  # a bucket's data at most (more small tensors: several buckets, as DDP's 25 MB ones)
 PACK_LEASE_NS = 30 * 10**9  # a pack under way holds its tensors' pushes at most this long
 # The error of a push or a write made against a layout that is no longer the namespace's (a
 # tensor packed or unpacked since): the user's ESTALE, under a name of its own because the

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import numpy as np
 import trio
 
-from ..namespace import BUCKET_NAME, BUCKET_UNIT, PACK_LEASE_NS, PACK_MIN_TENSORS
+from ..namespace import BUCKET_MAX_BYTES, BUCKET_NAME, BUCKET_UNIT, PACK_LEASE_NS, PACK_MIN_TENSORS
 from ..peers import NodeDown
 from ..packing import in_force, nbytes, packable, pointer
 from ..transport.base import RemoteError, TransportError
@@ -82,6 +82,23 @@ def bucket_unit(size: int, nodes: int, stripe_unit: int) -> int:
     return min(stripe_unit, 1 << (want - 1).bit_length())
 
 
+def bucket_parts(group: list[dict], limit: int) -> list[list[dict]]:
+    """``group`` (attributes of tensor files of one dtype, in the order their data is to lie)
+    cut into runs of at most ``limit`` bytes of data each, one bucket each: a bucket is pushed,
+    pulled, copied at a pack and an unpack, and unpacked by a partial step, whole, so its size
+    bounds what each of those costs (a directory of gigabytes of small tensors got one bucket)."""
+    parts: list[list[dict]] = []
+    size = limit
+    for a in group:
+        n = nbytes(a["tensor"])
+        if size + n > limit:
+            parts.append([])
+            size = 0
+        parts[-1].append(a)
+        size += n
+    return parts
+
+
 class Packer:
     """Packs and unpacks the buckets of directories through one client."""
 
@@ -92,7 +109,8 @@ class Packer:
 
     async def pack(self, directory: int, tensors: list[dict]) -> bool:
         """Pack the packable ones of ``tensors`` (attributes of tensor files of ``directory``,
-        in the order their data is to lie), one bucket per dtype with PACK_MIN_TENSORS or more;
+        in the order their data is to lie), per dtype into buckets of at most BUCKET_MAX_BYTES
+        (``bucket_parts``), each of PACK_MIN_TENSORS or more;
         whether anything was packed. A directory whose pack gave up is not tried again until
         its tensors change."""
         seen = tuple(sorted((a["ino"], a["version"]) for a in tensors))
@@ -104,8 +122,9 @@ class Packer:
                 by_dtype.setdefault(np.dtype(a["tensor"]["dtype"]).str, []).append(a)
         done = False
         for group in by_dtype.values():
-            if len(group) >= PACK_MIN_TENSORS:
-                done = await self._pack_one(directory, group) or done
+            for part in bucket_parts(group, BUCKET_MAX_BYTES):
+                if len(part) >= PACK_MIN_TENSORS:
+                    done = await self._pack_one(directory, part) or done
         if not done:
             self._refused[directory] = seen
         return done
