@@ -38,6 +38,10 @@ from .clockwait import ClockWaits
 
 log = logging.getLogger(__name__)
 
+# Stripes per ``stripe_versions`` call (about 1 MB of JSON each way): a stamp of a file of TBs
+# stays within a control document (protocol.MAX_CONTROL) and holds the node's loop briefly.
+VERSIONS_PER_CALL = 1 << 16
+
 # A pull waits this long for one replica's clock before asking another (that replica may have
 # missed an update while it restarted); the model's timeout bounds the whole wait.
 CLOCK_SLICE = 1.0
@@ -193,15 +197,17 @@ class StripeIO:
         got: dict[tuple[int, int], int] = {}
 
         async def ask(node: str, which: list[tuple[int, int]]) -> None:
-            try:
-                said = (await self.cluster.call(node, "stripe_versions", {"stripes": [list(s) for s in which]}))["versions"]
-            except (NodeDown, RemoteError) as exc:  # not caught up, down: those go one by one
-                log.debug("stripe versions from %s: %s", node, exc)
-                return
-            if len(said) == len(which):
-                got.update(zip(which, said))
-            else:  # (a node that answers otherwise is not believed: those go one by one)
-                log.warning("%s answered stripe_versions of %d stripes with %d", node, len(which), len(said))
+            for at in range(0, len(which), VERSIONS_PER_CALL):
+                part = which[at : at + VERSIONS_PER_CALL]
+                try:
+                    said = (await self.cluster.call(node, "stripe_versions", {"stripes": [list(s) for s in part]}))["versions"]
+                except (NodeDown, RemoteError) as exc:  # not caught up, down: those go one by one
+                    log.debug("stripe versions from %s: %s", node, exc)
+                    return
+                if len(said) != len(part):  # (a node that answers otherwise is not believed: those go one by one)
+                    log.warning("%s answered stripe_versions of %d stripes with %d", node, len(part), len(said))
+                    return
+                got.update(zip(part, said))
 
         async def one(fid: int, idx: int) -> None:
             for node in self.cluster.roles.read_candidates(fid, idx):

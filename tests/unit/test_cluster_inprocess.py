@@ -1479,9 +1479,10 @@ async def test_a_resync_that_does_not_fit_leaves_the_node_syncing_not_dead(clust
     assert any("its resync does not fit" in r.getMessage() and r.levelname == "ERROR" for r in caplog.records)
 
 
-async def test_stripe_versions_are_the_headers_one_call_per_node_and_a_node_that_cannot_say_is_read_one_sidedly(cluster):
+async def test_stripe_versions_are_the_headers_one_call_per_node_and_a_node_that_cannot_say_is_read_one_sidedly(cluster, monkeypatch):
     """What a mount stamps a file with at an open (fs/pagecache.py): each stripe's version from
-    ``stripe_versions``, one call per node, equal to what a one-sided read of its header says;
+    ``stripe_versions``, one call per node (per VERSIONS_PER_CALL stripes), equal to what a
+    one-sided read of its header says;
     a hole 0; moved by a training step, which moves no namespace version. A node that refuses
     (not caught up) leaves its stripes to the one-sided reads. Bad input is EINVAL."""
     cfg, nodes = cluster
@@ -1525,6 +1526,12 @@ async def test_stripe_versions_are_the_headers_one_call_per_node_and_a_node_that
         after = await c.io.versions(files)
         assert after == headers() and after[0] != before[0] and after[1] == before[1]
         assert (await c.paths.stat("/m/w.npy"))["version"] == b["version"]  # the namespace did not move
+        import irdmafs.client.stripe as stripe_mod
+
+        monkeypatch.setattr(stripe_mod, "VERSIONS_PER_CALL", 2)  # a file of many stripes: several calls a node
+        calls = dict.fromkeys(calls, 0)
+        assert await c.io.versions(files) == after
+        assert sum(calls.values()) == sum(-(-len(w) // 2) for w in _by_first_candidate(c, files).values())
         with pytest.raises(RemoteError) as err:
             await c.cluster.call(nodes[0].name, "stripe_versions", {"stripes": [[1, "a"]]})
         assert err.value.code == "EINVAL"
@@ -1535,3 +1542,12 @@ async def test_stripe_versions_are_the_headers_one_call_per_node_and_a_node_that
         for n in nodes:  # no node can say: every stripe read one-sidedly, to the same versions
             n.calls["stripe_versions"] = refuse
         assert await c.io.versions(files) == after
+
+
+def _by_first_candidate(c, files) -> dict[str, list]:
+    """The stripes of ``files`` by the node a read would ask first (what ``versions`` asks)."""
+    out: dict[str, list] = {}
+    for fid, size, unit in files:
+        for idx in range(-(-size // unit)):
+            out.setdefault(c.cluster.roles.read_candidates(fid, idx)[0], []).append((fid, idx))
+    return out
