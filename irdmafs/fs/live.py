@@ -310,11 +310,18 @@ class LiveFiles(Family):
         if not f or found["nlink"] > 1:  # with other names left, the file lives on anyway
             return False
         hidden = f"{UNLINKED}{found['ino']}"
-        f.unlinked = (parent, hidden)  # before the rename: a last close meanwhile removes it
         await self.client.rename(parent, name, parent, hidden)
-        if self.files.get(found["ino"]) is not f:  # closed while renamed: nobody else will
-            gone = await self.client.unlink(parent, hidden)
-            await self.models.forget(gone.get("model"), gone.get("freed"))  # the tensors of a model file it freed
+        # One remover only. A last close while the rename was on its way found no hidden name
+        # to remove (``unlinked`` is set only now) and left it here; the file's opener now
+        # (that one, or one who opened it again meanwhile) removes it at its last close. Set
+        # before the rename, both removed it: the closer first, then this unlink, answered
+        # ENOENT to the user (chaos soak, seed 3, a write's RELEASE racing the next unlink).
+        now = self.files.get(found["ino"])
+        if now is not None:
+            now.unlinked = (parent, hidden)
+            return True
+        gone = await self.client.unlink(parent, hidden)
+        await self.models.forget(gone.get("model"), gone.get("freed"))  # the tensors of a model file it freed
         return True
 
     async def rename(self, parent: int, name: str, new_parent: int, new_name: str, flags: int) -> None:

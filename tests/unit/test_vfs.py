@@ -445,3 +445,45 @@ async def test_what_the_kernel_may_cache_of_a_file_and_of_its_opens(fs):
     await fs.setxattr(ino, "user.k", b"v")
     assert await fs.getxattr(ino, "user.k") == b"v"
 
+
+
+@pytest.mark.parametrize("closed_after", ["rename applied", "rename sent"])
+async def test_a_last_close_during_an_unlink_of_an_open_file_leaves_it_one_remover(fs, nursery, monkeypatch, closed_after):
+    """An unlink of a file open here renames it out of sight; the kernel's RELEASE of its last
+    handle may come while that rename is on its way (close(2) does not wait for it). Whichever
+    way they cross, the unlink succeeds and the file is gone under both names, once."""
+    ino = await write_file(fs, 1, "f", b"x" * 100)
+    fh = await fs.open(ino, os.O_RDONLY)
+    real, paused, go = fs.client.rename, trio.Event(), trio.Event()
+
+    async def rename(*args):
+        if closed_after == "rename sent":
+            paused.set()
+            await go.wait()
+        r = await real(*args)
+        if closed_after == "rename applied":
+            paused.set()
+            await go.wait()
+        return r
+
+    monkeypatch.setattr(fs.client, "rename", rename)
+    unlinked, failure = trio.Event(), []
+
+    async def unlink():
+        try:
+            await fs.unlink(1, "f")
+        except Exception as exc:  # noqa: BLE001 - the assertion below names it
+            failure.append(exc)
+        unlinked.set()
+
+    nursery.start_soon(unlink)
+    await paused.wait()
+    await fs.release(fh)  # the last close, while the unlink's rename has not answered
+    go.set()
+    await unlinked.wait()
+    assert failure == []
+    assert [n for n, _ in await fs.readdir(1)] == []
+    for name in ("f", f"{I.UNLINKED}{ino}"):
+        with pytest.raises(RemoteError) as err:
+            await fs.client.lookup(1, name)
+        assert err.value.code == "ENOENT", name
