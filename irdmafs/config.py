@@ -90,6 +90,7 @@ class ClusterConfig:
     down_after: float = 2.0  # a node silent this long is down
     op_timeout: float = 10.0  # one data operation against one node
     lease_ttl: float = 10.0  # a node serves this long past its last keepalive (server/leases.py)
+    name_lease: float = 4.0  # a mount may cache names this long between renewals; 0: no caching (server/namecache.py)
     path: str | None = None
 
     def node(self, name: str) -> NodeSpec:
@@ -162,7 +163,7 @@ def load(path: str | os.PathLike) -> ClusterConfig:
 
 def from_dict(doc: dict, *, base: Path = Path("."), where: str | None = None) -> ClusterConfig:
     known = {"nodes", "token", "token_file", "replicas", "stripe_unit", "capacity", "transport", "coordinator", "routing"}
-    known |= {"heartbeat", "down_after", "op_timeout", "lease_ttl"}
+    known |= {"heartbeat", "down_after", "op_timeout", "lease_ttl", "name_lease"}
     unknown = set(doc) - known
     if unknown:
         raise ConfigError(f"unknown key(s) {sorted(unknown)}")
@@ -222,6 +223,11 @@ def from_dict(doc: dict, *, base: Path = Path("."), where: str | None = None) ->
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ConfigError(f"{key}: must be a positive number of seconds")
             setattr(cfg, key, float(value))
+    if "name_lease" in doc:
+        value = doc["name_lease"]
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < cfg.op_timeout:
+            raise ConfigError(f"name_lease: seconds a mount may cache names, from 0 (no caching) to below op_timeout ({cfg.op_timeout}), not {value!r}")
+        cfg.name_lease = float(value)
     return cfg
 
 
@@ -238,6 +244,7 @@ def dump(cfg: ClusterConfig, token_file: str = "token") -> str:
         f"down_after = {cfg.down_after}",
         f"op_timeout = {cfg.op_timeout}",
         f"lease_ttl = {cfg.lease_ttl}",
+        f"name_lease = {cfg.name_lease}",
     ]
     for n in cfg.nodes:
         lines += ["", "[[nodes]]", f"name = {n.name!r}", f"host = {n.host!r}", f"port = {n.port}"]

@@ -48,7 +48,7 @@ from .training import LOCAL_BATCH, PUSH_BATCH, PushPull
 log = logging.getLogger(__name__)
 
 # calls that carry the client's view epoch (server/serving.py, check_epoch)
-EPOCH_METHODS = frozenset({"meta", "train_info"})
+EPOCH_METHODS = frozenset({"meta", "train_info", "cache_wait"})
 
 
 
@@ -135,6 +135,11 @@ class Client:
         """A namespace op of a kind with no method of its own here (a bucket's ``pack`` and
         ``unpack``: buckets.py)."""
         return await self._op(**op)
+
+    async def cache_wait(self, acked: int) -> dict:
+        """This client's long-poll for a name cache lease at the metadata primary
+        (server/namecache.py; the mount's side is fs/namelease.py)."""
+        return await self._call_following(self.cluster.roles.meta_primary, "cache_wait", {"owner": self.owner, "acked": acked})
 
     async def lookup(self, parent: int, name: str, snap: int = 0, *, alias: bool = False) -> dict:
         """The entry ``name`` of ``parent``; with ``alias``, where it is missing, the tensor

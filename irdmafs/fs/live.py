@@ -28,8 +28,9 @@ from ..transport.base import RemoteError
 from . import models
 from .errors import FsError
 from .handles import FileHandle
-from .inodes import DERIVED_XATTRS, HIDDEN, RESERVED, SNAP, SUFFIX, UNLINKED, Family, is_cluster, namespace_ino, stat_of, write_only, writes
+from .inodes import DERIVED_XATTRS, HIDDEN, HIDDEN_PREFIX, RESERVED, SNAP, SUFFIX, UNLINKED, Family, is_cluster, namespace_ino, stat_of, write_only, writes
 from .lookups import Lookups
+from .namelease import NameLease
 from .openfiles import OpenFiles
 from .pagecache import PageCache
 
@@ -42,9 +43,12 @@ log = logging.getLogger(__name__)
 
 
 class LiveFiles(Family):
-    def __init__(self, client: "Client", files: OpenFiles, models_: models.ModelFiles, layouts: "Layouts", views: "Views", lookups: Lookups) -> None:
+    def __init__(
+        self, client: "Client", files: OpenFiles, models_: models.ModelFiles, layouts: "Layouts", views: "Views", lookups: Lookups, names: NameLease
+    ) -> None:
         self.client = client
         self.lookups = lookups  # what the last lookups fetched, for the opens that follow
+        self.names = names  # how long the kernel may cache names and attributes (namelease.py)
         self.pages = PageCache(client)  # which files' cached pages an open keeps
         self.files = files  # what the mount knows of each file it has open
         self.models = models_  # model files: conversions, tensor directories, kept names
@@ -62,22 +66,41 @@ class LiveFiles(Family):
         # turns auto_inval_data on); while this mount has the file open, what the open fetched
         # answers (close-to-open, as NFS does)
         f = self.files.get(ino)
-        return self.stat(f.attr if f else await self.client.getattr(ino))
+        if f:
+            return self.stat(f.attr)
+        leased = self.names.begin()
+        attr = await self.client.getattr(ino)
+        return self.names.attrs(self.stat(attr), leased) if self._cacheable(ino, "", attr) else self.stat(attr)
 
     async def lookup(self, parent: int, name: str) -> dict:
         try:
-            begun = self.lookups.begin()
+            begun, leased = self.lookups.begin(), self.names.begin()
             attr = await self.models.entry(parent, name)
             if S.S_ISREG(attr["mode"]):
                 self.lookups.note(("attr", attr["ino"]), attr, begun)
-            return self.stat(attr)
+            st = self.stat(attr)
+            return self.names.entry(st, parent, name, leased) if self._cacheable(parent, name, attr) else st
         except RemoteError as exc:
             if exc.code != "ENOENT" or not name.endswith(SUFFIX) or len(name) == len(SUFFIX):
                 raise
         return await self.views.beside(parent, name)
 
     async def readdir(self, ino: int) -> list[tuple[str, dict]]:
-        return [(name, self.stat(attr)) for name, attr in await self.models.listed(ino)]
+        leased = self.names.begin()
+        listed = await self.models.listed(ino)
+        return [(name, self.stat(attr) | ({"offer": (ino, name, leased)} if self._cacheable(ino, name, attr) else {})) for name, attr in listed]
+
+    def _cacheable(self, parent: int, name: str, attr: dict) -> bool:
+        """Whether the kernel may cache this entry and its attributes under the lease: a plain
+        name of the namespace (not a model file's tensor directory or its alias, nor a name the
+        mount keeps) of an inode not open here (its size is this mount's own then)."""
+        return not (
+            "alias_of" in attr
+            or name.startswith(HIDDEN_PREFIX)
+            or parent in self.models.tensor_dirs
+            or attr["ino"] in self.models.tensor_dirs
+            or self.files.get(attr["ino"]) is not None
+        )
 
     # -- files ---------------------------------------------------------------------------------
     async def open(self, ino: int, flags: int, uid: int) -> FileHandle:

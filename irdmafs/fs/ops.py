@@ -126,7 +126,7 @@ class Operations(pyfuse3.Operations):
         entries = self._dirs.get(fh, [])
         for i in range(start_id, len(entries)):
             name, st = entries[i]
-            if not pyfuse3.readdir_reply(token, os.fsencode(name), entry(st), i + 1):
+            if not pyfuse3.readdir_reply(token, os.fsencode(name), entry(self.vfs.names.offer(st)), i + 1):
                 break
 
     @fuse_errors

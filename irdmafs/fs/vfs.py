@@ -40,6 +40,7 @@ from .handles import FileHandle, Handle
 from .inodes import HIDDEN, RANKS_DIR, SNAPSHOTS_DIR, WORK, Family, writes
 from .live import LiveFiles
 from .lookups import Lookups
+from .namelease import NameLease
 from .openfiles import OpenFiles
 from .snapshots import Snapshots
 from .status import StatusFiles, mount_samples
@@ -78,11 +79,13 @@ class Vfs:
         self.layouts = self.streams.layouts
         self.door = None  # the shared-memory door (fs/door.py), when the mount serves one
         self.lookups = Lookups()  # what lookups just fetched, for the opens that follow
+        # how long the kernel may cache names: a lease kept by ``names.run`` (mount.py starts it)
+        self.names = NameLease(client.cache_wait, on_drop=self.lookups.changed)
         self.views = Views(client, self.open_handles, self.lookups)
-        self.live = LiveFiles(client, self.files, self.models, self.layouts, self.views, self.lookups)
+        self.live = LiveFiles(client, self.files, self.models, self.layouts, self.views, self.lookups, self.names)
         self.snapshots = Snapshots(client, self.models, self.live.file_handle, self.files.drain)
         self.workers = WorkerFiles(self.streams, self.models, lambda: self.door)
-        figures = lambda: nodes.figures(self.client) | {"fuse": self.counters, "metrics": as_dict(mount_samples(self))}  # noqa: E731
+        figures = lambda: nodes.figures(self.client) | {"fuse": self.counters, "names": self.names.figures(), "metrics": as_dict(mount_samples(self))}  # noqa: E731
         self.status_files = StatusFiles(client, self.status, figures, self.open_handles)
         self.families: list[Family] = [self.live, self.snapshots, self.workers, self.views, self.status_files]
 

@@ -62,6 +62,7 @@ OP_FIELDS: dict[str, dict[str, Any]] = {
     "setxattr": {"ino": int, "name": str},
     "pack": {"bucket": int, "tensors": list, "count": int, "final": bool},
     "unpack": {"bucket": int, "tensors": list},
+    "cacher": {"owner": str, "on": bool},  # a mount that may cache names (server/namecache.py)
 }
 OP_OPTIONAL: dict[str, dict[str, Any]] = {
     "create": {"target": str, "unit": int, "rdev": int, **_NAMING},
@@ -91,6 +92,9 @@ class Meta:
         # again instead of the op applied twice (a second mkdir would say EEXIST). Applied on
         # every node in the same order, so whichever node is primary next knows it.
         self.done: dict[str, dict] = {}
+        # the mounts that took a cache lease and may still hold one: a new metadata primary
+        # waits out a lease before it changes anything while any is recorded (namecache.py)
+        self.cachers: set[str] = set()
         self._new_inode(ROOT, S.S_IFDIR | 0o755, 0, 0, 0, 0)
 
     # -- reading ---------------------------------------------------------------------------
@@ -197,6 +201,7 @@ class Meta:
             "snapshots": self.snapshots,
             "done": self.done,
             "cuts": {str(k): v for k, v in self.cuts.items()},
+            "cachers": sorted(self.cachers),
         }
 
     @classmethod
@@ -211,6 +216,7 @@ class Meta:
         m.snapshots = copy.deepcopy(snap.get("snapshots", {}))
         m.done = dict(snap.get("done", {}))
         m.cuts = {int(k): [list(c) for c in v] for k, v in snap.get("cuts", {}).items()}
+        m.cachers = set(snap.get("cachers", ()))
         return m
 
     # -- the primary's side: turn a request into a deterministic op -----------------------------
@@ -543,4 +549,9 @@ class Meta:
         else:
             node["xattrs"][op["name"]] = op["value"]
         node["ctime_ns"] = op["now"]
+        return {}
+
+    def _op_cacher(self, op: dict) -> dict:
+        """A mount recorded as one that may cache names (on), or dropped from the record."""
+        (self.cachers.add if op["on"] else self.cachers.discard)(op["owner"])
         return {}

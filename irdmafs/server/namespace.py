@@ -46,6 +46,7 @@ from .barrier import FREEZE_SECONDS
 from .core import NodeCore
 from .datapath import VERSION_SHIFT
 from .meta import Meta
+from .namecache import NameLeases, touched_by
 from .persist import Persist
 from .replicator import Replicator
 
@@ -65,7 +66,7 @@ class Namespace:
         forget: Callable[..., None],
         recheck: Callable[[], Awaitable[None]],
     ):
-        self.name, _, self.cluster, self.store, _, self.serving = core
+        self.name, cfg, self.cluster, self.store, _, self.serving = core
         self.persist, self.replicator, self.call_node = persist, replicator, call_node
         self.forget, self.recheck = forget, recheck  # the training service's (training.py)
         self.meta = Meta()
@@ -73,6 +74,7 @@ class Namespace:
         self.last: tuple[int, dict, tuple[int, int]] | None = None  # (seq, op, the stamp before it) of the last op applied here
         # the stamp up to which this node, as primary, saw every live node hold its namespace
         self.settled: tuple[int, int] | None = None
+        self.names = NameLeases(cfg.name_lease)  # the mounts' cache leases, as primary
 
     def current(self) -> Meta:
         """The namespace as it is now (a restore replaces it)."""
@@ -97,10 +99,15 @@ class Namespace:
                 # applied meanwhile, by an earlier attempt of this very call still under way
                 # when its client gave up on it and sent it again (a second mkdir answered
                 # EEXIST, a second rename ENOENT: chaos --views, seed 2); or held here but not
-                # known to be on every live node (see above): brought there first
+                # known to be on every live node (see above): brought there first, and to the
+                # kernels of the mounts that cache names (C1)
                 if self.settled != self.meta.stamp:
                     await self._settle()
+                    await self.names.settle(self.names.owing(self.meta.seq), self.meta.seq)
                 return self.meta.done[rid]
+            self._grace()
+            for owner in self.names.stale(self.meta.cachers):
+                await self._apply_and_forward(self.meta.prepare({"op": "cacher", "owner": owner, "on": False}, now_ns()))
             op = self.meta.prepare(op, now_ns())
             if op["op"] == "create" and op.get("unit"):  # a regular file: its number places its first stripe
                 op["ino"] = balanced_ino(op["ino"], self._files_in(op["parent"]), self.cluster.roles.members.names)
@@ -126,8 +133,45 @@ class Namespace:
         stamp = self.meta.stamp
         send = lambda peer: self.replicator.meta(peer, seq, op, self.meta.tag, prev)  # noqa: E731
         await self.replicator.to_every("metadata op", self.cluster.roles.live, send, self._leads)
+        touch = touched_by(seq, op, result)
+        if touch is not None and self.names.on:
+            # every mount caching names drops what the op made stale before it is answered
+            # (C1); every node holds the op by now, so no lookup answered after this is older
+            rid = op.get("rid")
+            await self.names.settle(self.names.touched(rid.rsplit(":", 1)[0] if rid else None, touch), seq)
         self.settled = stamp
         return result
+
+    def _grace(self) -> None:
+        """EAGAIN while a new lead waits out the cache leases an earlier primary may have
+        granted (C4): only if any mount caches names."""
+        left = self.names.in_grace() if self.names.on else 0.0
+        if left > 0:
+            raise RemoteError("EAGAIN", f"a new metadata primary: changes wait {left:.1f} s more for the mounts' name caches to lapse")
+
+    async def rpc_cache_wait(self, owner: str, acked: int = 0, epoch: int = 0) -> dict:
+        """A mount's long-poll for its name cache lease (namecache.py): acknowledges the
+        invalidations it applied up to ``acked``; answers with those queued for it and a
+        lease. Only the metadata primary grants (ENOTPRIMARY elsewhere); ENOSYS with caching
+        off (``name_lease`` 0)."""
+        if not isinstance(owner, str) or not owner or type(acked) is not int:
+            raise RemoteError("EINVAL", "cache_wait: an owner (a string) and acked (an integer)")
+        if not self.names.on:
+            raise RemoteError("ENOSYS", "name caching is off here (name_lease = 0)")
+        await self.serving.check_epoch(epoch)
+        await self._caught_up()
+        self._leads()
+        if owner not in self.meta.cachers:  # recorded on every node before its first lease (C4)
+            async with self.lock:
+                self._leads()
+                if owner not in self.meta.cachers:
+                    await self._apply_and_forward(self.meta.prepare({"op": "cacher", "owner": owner, "on": True}, now_ns()))
+        try:
+            answer = await self.names.wait(owner, acked, self.meta.seq)
+        except LookupError:
+            raise RemoteError("EAGAIN", "the lease was dropped meanwhile (a new lead); ask again") from None
+        self._leads()  # still the primary as it answers: else this call grants nothing
+        return answer
 
     async def _settle(self) -> None:
         """Under the lock, as primary: every live node brought up to this node's namespace (its
@@ -147,6 +191,7 @@ class Namespace:
         primary = self.cluster.roles.meta_primary()
         if primary != self.name:
             raise RemoteError("ENOTPRIMARY", primary or "")
+        self.names.leads(self.cluster.roles.view_epoch, self.meta.cachers)
 
     async def _take_snapshot(self, op: dict) -> dict:
         """Freeze commits on every live node, freeze every live stripe on every node under the

@@ -1,0 +1,166 @@
+"""This mount's name cache lease: how long the kernel may cache the names and attributes it is
+told, and dropping them when another mount changes them (docs/caching.md, invariants C1-C7;
+the metadata primary's side is server/namecache.py).
+
+- ``run``: one task keeps a long-poll ``cache_wait`` to the metadata primary going. Each answer
+  brings the invalidations queued for this mount and a lease, counted from when the call was
+  sent (so it ends before the primary's count of it). The invalidations are applied to the
+  kernel, and only then acknowledged, by the next call.
+- ``entry``/``attrs``: a stat the VFS is about to answer, with the kernel timeouts it may carry
+  now: what is left of the lease less a margin (C2); none without a lease, or if an
+  invalidation was applied since the call that fetched it began (``begin``: C3), or past
+  ``MAX_GIVEN`` names handed out (C6). What is handed out is remembered, so that "drop
+  everything" can drop it.
+- The kernel's invalidations run in a worker thread: pyfuse3's calls block until the kernel
+  has finished any related request, which this mount's own loop may be serving.
+
+Without a session (the VFS awaited directly in tests) or with caching off on the cluster
+(``name_lease`` 0: the node answers ENOSYS), nothing is cached, as before leases.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import os
+from typing import Callable
+
+import trio
+
+from ..peers import NodeDown
+from ..transport.base import RemoteError, TransportError
+
+log = logging.getLogger(__name__)
+
+MAX_GIVEN = 200_000  # names and inodes handed out with a timeout; beyond, none more
+RETRY = 0.2  # seconds between attempts while the primary cannot be reached
+
+
+def kernel_drop(entries: list[tuple[int, str]], inodes: list[int]) -> None:
+    """Drop ``entries`` (parent, name) and the attributes of ``inodes`` from the kernel's
+    caches (blocking: a worker thread's). Names it does not hold are no error."""
+    import pyfuse3
+
+    for parent, name in entries:
+        try:
+            pyfuse3.invalidate_entry(parent, os.fsencode(name))
+        except OSError as exc:
+            if exc.errno not in (errno.ENOENT, errno.ENOTDIR):
+                log.warning("kernel entry %d/%s not invalidated: %s", parent, name, exc)
+    for ino in inodes:
+        try:
+            pyfuse3.invalidate_inode(ino, attr_only=True)
+        except OSError as exc:
+            if exc.errno != errno.ENOENT:
+                log.warning("kernel inode %d not invalidated: %s", ino, exc)
+
+
+class NameLease:
+    def __init__(self, wait: Callable, drop: Callable[[list, list], None] = kernel_drop, on_drop: Callable[[], None] = lambda: None):
+        """``wait(acked)``: the ``cache_wait`` call to the metadata primary (the client's);
+        ``drop(entries, inodes)``: what drops them in the kernel (blocking); ``on_drop``: what
+        else the mount forgets when told (its lookup notes)."""
+        self._wait, self._drop, self._on_drop = wait, drop, on_drop
+        self.until = -math.inf  # trio clock: the lease ends
+        self.margin = 0.0
+        self.acked = 0  # the highest namespace seq applied
+        self.applied = 0  # invalidations applied so far (C3)
+        self.given: set[tuple[int, str]] = set()
+        self.given_inodes: set[int] = set()
+        self.running = False
+
+    # -- what the VFS asks ---------------------------------------------------------------------
+    def begin(self) -> int:
+        """Called as a call that fetches names or attributes begins: what ``entry`` takes."""
+        return self.applied
+
+    def timeout(self, begun: int) -> float:
+        """Seconds the kernel may cache what a call begun at ``begun`` fetched (0: not at all)."""
+        if begun != self.applied or len(self.given) + len(self.given_inodes) >= MAX_GIVEN:
+            return 0.0
+        return max(0.0, self.until - trio.current_time() - self.margin)
+
+    def entry(self, st: dict, parent: int, name: str, begun: int) -> dict:
+        """``st`` (the stat of ``name`` in ``parent``) with the timeouts it may carry now."""
+        t = self.timeout(begun)
+        if t <= 0:
+            return st
+        self.given.add((parent, name))
+        self.given_inodes.add(st["st_ino"])
+        return st | {"entry_timeout": t, "attr_timeout": max(t, st.get("attr_timeout", 0.0))}
+
+    def offer(self, st: dict) -> dict:
+        """A listing's stat at the moment the kernel gets it (``readdir`` replies come after the
+        listing was fetched): its timeouts as ``entry`` would give them now, if it carries an
+        ``offer`` (parent, name, begun); else as it is."""
+        offer = st.get("offer")
+        if offer is None:
+            return st
+        st = {k: v for k, v in st.items() if k != "offer"}
+        return self.entry(st, *offer)
+
+    def attrs(self, st: dict, begun: int) -> dict:
+        """``st`` (an inode's stat) with the attribute timeout it may carry now."""
+        t = self.timeout(begun)
+        if t <= st.get("attr_timeout", 0.0):
+            return st
+        self.given_inodes.add(st["st_ino"])
+        return st | {"attr_timeout": t}
+
+    def figures(self) -> dict:
+        """For ``.irdma/stats``: seconds left on the lease, names and inodes handed out with a
+        timeout, invalidation batches applied, the last sequence number acknowledged."""
+        left = self.until - trio.current_time()
+        return {"lease_left": round(max(0.0, left), 3), "given": len(self.given), "given_inodes": len(self.given_inodes), "applied": self.applied, "acked": self.acked}
+
+    # -- the lease ---------------------------------------------------------------------------
+    async def run(self) -> None:
+        """The long-poll, for as long as the mount lives."""
+        self.running = True
+        try:
+            while True:
+                sent = trio.current_time()
+                try:
+                    r = await self._wait(self.acked)
+                except RemoteError as exc:
+                    if exc.code == "ENOSYS":
+                        log.info("names are not cached on this mount: %s", exc)
+                        return
+                    await trio.sleep(RETRY)
+                    continue
+                except (NodeDown, TransportError, trio.TooSlowError) as exc:
+                    log.debug("name cache lease: %s", exc)
+                    await trio.sleep(RETRY)
+                    continue
+                if r.get("fresh"):
+                    self.acked = int(r.get("acked", 0))
+                await self.apply(r.get("inval", []))
+                self.margin = float(r["lease"]) / 10
+                self.until = sent + float(r["held"]) + float(r["lease"])
+        finally:
+            self.running = False
+            self.until = -math.inf
+
+    async def apply(self, inval: list) -> None:
+        """Drop what ``inval`` ([seq, entries, inodes, everything], ...) names, in the kernel
+        and here; what is acknowledged next."""
+        if not inval:
+            return
+        self.applied += 1  # an answer in flight may predate these: not cached (C3)
+        entries: set[tuple[int, str]] = set()
+        inodes: set[int] = set()
+        for seq, ents, inos, everything in inval:
+            if everything:
+                entries |= self.given
+                inodes |= self.given_inodes
+            entries |= {(int(p), str(n)) for p, n in ents}
+            inodes |= {int(i) for i in inos}
+            self.acked = max(self.acked, int(seq))
+        self._on_drop()
+        # forgotten before the kernel's calls: one handed out again meanwhile stays known (and
+        # is dropped again by the next invalidation that names it)
+        drop = sorted(entries & self.given), sorted(inodes & self.given_inodes)
+        self.given -= entries
+        self.given_inodes -= inodes
+        await trio.to_thread.run_sync(self._drop, *drop)

@@ -1,0 +1,69 @@
+"""Names and attributes cached by the kernel under a lease, across two real mounts of one
+cluster (docs/caching.md): what one mount's kernel holds is dropped before another mount's
+change returns, so close-to-open holds as it did with nothing cached."""
+
+import errno
+import json
+import os
+import stat as S
+
+import pytest
+import trio
+
+
+def figures(m) -> dict:
+    return json.loads((m / ".irdma" / "stats").read_text())
+
+
+async def holding_a_lease(m) -> None:
+    """Until mount ``m`` holds a name cache lease (its long-poll's first answer)."""
+    with trio.fail_after(30):
+        while figures(m)["names"]["lease_left"] <= 0:
+            await trio.sleep(0.05)
+
+
+def lookups(m) -> int:
+    return figures(m)["fuse"].get("lookup", 0)
+
+
+async def test_a_name_cached_by_one_mount_is_dropped_before_another_mounts_change_returns(local_cluster, mount):
+    lc = await local_cluster()
+    a, b = mount(lc, "a"), mount(lc, "b")
+    await holding_a_lease(a)
+    await holding_a_lease(b)
+    os.mkdir(a / "d")
+    (a / "d" / "f").write_bytes(b"old bytes")
+    (a / "d" / "g").write_bytes(b"the new file's bytes")
+    old = os.stat(b / "d" / "f")
+    assert old.st_size == 9
+    # cached: the kernel asks mount b nothing for the same path again
+    first = lookups(b)
+    reading = lookups(b) - first  # what reading the figures itself looks up (.irdma/stats)
+    before = lookups(b)
+    for _ in range(20):
+        assert os.stat(b / "d" / "f").st_ino == old.st_ino
+    assert lookups(b) - before == reading, "b's kernel looked the cached names up again"
+    assert figures(b)["names"]["given"] >= 2
+    # a rename over it through a: b sees the new file at once, by path and by content
+    os.rename(a / "d" / "g", a / "d" / "f")
+    new = os.stat(b / "d" / "f")
+    assert new.st_ino != old.st_ino and new.st_size == len(b"the new file's bytes")
+    assert (b / "d" / "f").read_bytes() == b"the new file's bytes"
+    assert not os.path.exists(b / "d" / "g")
+    # attributes: a chmod through a shows on b at once
+    os.stat(b / "d" / "f")
+    os.chmod(a / "d" / "f", 0o600)
+    assert S.S_IMODE(os.stat(b / "d" / "f").st_mode) == 0o600
+    # an unlink through a: gone on b at once
+    os.unlink(a / "d" / "f")
+    with pytest.raises(FileNotFoundError):
+        os.stat(b / "d" / "f")
+    # a directory renamed: the old path is gone, its files reachable under the new one
+    (a / "d" / "h").write_bytes(b"h")
+    assert (b / "d" / "h").read_bytes() == b"h"
+    os.rename(a / "d", a / "e")
+    with pytest.raises(OSError) as err:
+        os.stat(b / "d" / "h")
+    assert err.value.errno == errno.ENOENT
+    assert (b / "e" / "h").read_bytes() == b"h"
+    assert figures(b)["names"]["applied"] >= 4
