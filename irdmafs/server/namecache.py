@@ -174,10 +174,11 @@ class NameLeases:
         return [o for o, lease in self.leases.items() if any(t.seq <= seq for t in lease.queue)]
 
     async def settle(self, owners: list[str], seq: int) -> None:
-        """Until each of ``owners`` acknowledged ``seq`` or its lease ended (C1)."""
+        """Until each of ``owners`` acknowledged every invalidation up to ``seq`` queued for it,
+        or its lease ended (C1)."""
         while True:
             now = self.clock()
-            left = [o for o in owners if (lease := self.leases.get(o)) is not None and lease.acked < seq and lease.until >= now]
+            left = [o for o in owners if (lease := self.leases.get(o)) is not None and lease.until >= now and any(t.seq <= seq for t in lease.queue)]
             if not left:
                 return
             self.waits += 1

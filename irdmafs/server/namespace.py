@@ -87,8 +87,10 @@ class Namespace:
 
     async def _meta(self, op: dict, epoch: int) -> dict:
         rid = op.get("rid")
+        changer = rid.rsplit(":", 1)[0] if rid else None  # the client that sent it (its owner)
         if rid in self.meta.done and self.settled == self.meta.stamp:
             # a retry of an op applied and acknowledged already (its answer was lost)
+            await self._told(changer)
             return self.meta.done[rid]
         await self.serving.check_epoch(epoch)
         self.serving.require_ready()
@@ -99,21 +101,28 @@ class Namespace:
                 # applied meanwhile, by an earlier attempt of this very call still under way
                 # when its client gave up on it and sent it again (a second mkdir answered
                 # EEXIST, a second rename ENOENT: chaos --views, seed 2); or held here but not
-                # known to be on every live node (see above): brought there first, and to the
-                # kernels of the mounts that cache names (C1)
+                # known to be on every live node (see above): brought there first
                 if self.settled != self.meta.stamp:
                     await self._settle()
-                    await self.names.settle(self.names.owing(self.meta.seq), self.meta.seq)
-                return self.meta.done[rid]
-            self._grace()
-            for owner in self.names.stale(self.meta.cachers):
-                await self._apply_and_forward(self.meta.prepare({"op": "cacher", "owner": owner, "on": False}, now_ns()))
-            op = self.meta.prepare(op, now_ns())
-            if op["op"] == "create" and op.get("unit"):  # a regular file: its number places its first stripe
-                op["ino"] = balanced_ino(op["ino"], self._files_in(op["parent"]), self.cluster.roles.members.names)
-            if op["op"] == "snapshot":
-                return await self._take_snapshot(op)
-            return await self._apply_and_forward(op)
+                result = self.meta.done[rid]
+            else:
+                self._grace()
+                for owner in self.names.stale(self.meta.cachers):
+                    await self._apply_and_forward(self.meta.prepare({"op": "cacher", "owner": owner, "on": False}, now_ns()))
+                op = self.meta.prepare(op, now_ns())
+                if op["op"] == "create" and op.get("unit"):  # a regular file: its number places its first stripe
+                    op["ino"] = balanced_ino(op["ino"], self._files_in(op["parent"]), self.cluster.roles.members.names)
+                result = await (self._take_snapshot(op) if op["op"] == "snapshot" else self._apply_and_forward(op))
+        await self._told(changer)
+        return result
+
+    async def _told(self, changer: str | None) -> None:
+        """Until every mount caching names, but the changer, dropped what the ops applied so
+        far touched, or lost its lease (C1). Outside the lock: a mount's kernel drops a name
+        only once its own pending change in that directory is answered, and that change may
+        be waiting for this lock; nor does the changer wait for itself (C5)."""
+        seq = self.meta.seq
+        await self.names.settle([o for o in self.names.owing(seq) if o != changer], seq)
 
     def _files_in(self, parent: int) -> list[tuple[int, int, int]]:
         """(file id, size, stripe unit) of each regular file in directory ``parent`` (none if it
@@ -133,13 +142,14 @@ class Namespace:
         stamp = self.meta.stamp
         send = lambda peer: self.replicator.meta(peer, seq, op, self.meta.tag, prev)  # noqa: E731
         await self.replicator.to_every("metadata op", self.cluster.roles.live, send, self._leads)
+        self.settled = stamp
         touch = touched_by(seq, op, result)
         if touch is not None and self.names.on:
-            # every mount caching names drops what the op made stale before it is answered
-            # (C1); every node holds the op by now, so no lookup answered after this is older
+            # every mount caching names is told what the op made stale; its caller answers
+            # once they dropped it (``_told``). Every node holds the op by now, so no lookup
+            # answered after a mount is told can be older than the op.
             rid = op.get("rid")
-            await self.names.settle(self.names.touched(rid.rsplit(":", 1)[0] if rid else None, touch), seq)
-        self.settled = stamp
+            self.names.touched(rid.rsplit(":", 1)[0] if rid else None, touch)
         return result
 
     def _grace(self) -> None:
