@@ -223,7 +223,9 @@ def from_dict(doc: dict, *, base: Path = Path("."), where: str | None = None) ->
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ConfigError(f"{key}: must be a positive number of seconds")
             setattr(cfg, key, float(value))
-    if "name_lease" in doc:
+    if "name_lease" not in doc:  # the default, within what a change may wait for (op_timeout)
+        cfg.name_lease = min(cfg.name_lease, cfg.op_timeout / 2)
+    else:
         value = doc["name_lease"]
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < cfg.op_timeout:
             raise ConfigError(f"name_lease: seconds a mount may cache names, from 0 (no caching) to below op_timeout ({cfg.op_timeout}), not {value!r}")

@@ -112,7 +112,8 @@ class NameLease:
         """For ``.irdma/stats``: seconds left on the lease, names and inodes handed out with a
         timeout, invalidation batches applied, the last sequence number acknowledged."""
         left = self.until - trio.current_time()
-        return {"lease_left": round(max(0.0, left), 3), "given": len(self.given), "given_inodes": len(self.given_inodes), "applied": self.applied, "acked": self.acked}
+        given = {"given": len(self.given), "given_inodes": len(self.given_inodes)}
+        return {"lease_left": round(max(0.0, left), 3), **given, "applied": self.applied, "acked": self.acked}
 
     # -- the lease ---------------------------------------------------------------------------
     async def run(self) -> None:

@@ -85,7 +85,11 @@ class Vfs:
         self.live = LiveFiles(client, self.files, self.models, self.layouts, self.views, self.lookups, self.names)
         self.snapshots = Snapshots(client, self.models, self.live.file_handle, self.files.drain)
         self.workers = WorkerFiles(self.streams, self.models, lambda: self.door)
-        figures = lambda: nodes.figures(self.client) | {"fuse": self.counters, "names": self.names.figures(), "metrics": as_dict(mount_samples(self))}  # noqa: E731
+        figures = lambda: nodes.figures(self.client) | {  # noqa: E731
+            "fuse": self.counters,
+            "names": self.names.figures(),
+            "metrics": as_dict(mount_samples(self)),
+        }
         self.status_files = StatusFiles(client, self.status, figures, self.open_handles)
         self.families: list[Family] = [self.live, self.snapshots, self.workers, self.views, self.status_files]
 

@@ -87,3 +87,16 @@ def test_routing_is_views_only(tmp_path):
     (tmp_path / "token").write_text("longenoughtoken")
     path.write_text(C.dump(cfg(routing="views")))
     assert "routing" not in path.read_text() and C.load(path).coordinator == [ETCD]
+
+
+def test_name_lease_defaults_within_op_timeout_and_refuses_what_a_change_could_not_wait_for():
+    """``name_lease`` (server/namecache.py): 4 s, or half of a shorter ``op_timeout``; 0 turns
+    caching off; a lease a change could not wait out within ``op_timeout`` is refused."""
+    assert cfg().name_lease == 4.0
+    assert cfg(op_timeout=1).name_lease == 0.5
+    assert cfg(name_lease=0).name_lease == 0.0
+    for bad in (-1, 10, 12.5, "4", True):
+        with pytest.raises(C.ConfigError, match="name_lease"):
+            cfg(name_lease=bad)
+    back = C.from_dict({"nodes": NODES, "token": "longenoughtoken", "coordinator": ETCD, "op_timeout": 1, "name_lease": 0.5})
+    assert back.name_lease == 0.5 and "name_lease = 0.5" in C.dump(back)
