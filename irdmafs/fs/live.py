@@ -29,6 +29,7 @@ from . import models
 from .errors import FsError
 from .handles import FileHandle
 from .inodes import DERIVED_XATTRS, HIDDEN, HIDDEN_PREFIX, RESERVED, SNAP, SUFFIX, UNLINKED, Family, is_cluster, namespace_ino, stat_of, write_only, writes
+from .listings import Listings
 from .lookups import Lookups
 from .namelease import NameLease
 from .openfiles import OpenFiles
@@ -44,11 +45,12 @@ log = logging.getLogger(__name__)
 
 class LiveFiles(Family):
     def __init__(
-        self, client: "Client", files: OpenFiles, models_: models.ModelFiles, layouts: "Layouts", views: "Views", lookups: Lookups, names: NameLease
+        self, client: "Client", files: OpenFiles, models_: models.ModelFiles, layouts: "Layouts", views: "Views", lookups: Lookups, names: NameLease, listings: Listings
     ) -> None:
         self.client = client
         self.lookups = lookups  # what the last lookups fetched, for the opens that follow
         self.names = names  # how long the kernel may cache names and attributes (namelease.py)
+        self.listings = listings  # whole directories kept while the lease holds (listings.py)
         self.pages = PageCache(client)  # which files' cached pages an open keeps
         self.files = files  # what the mount knows of each file it has open
         self.models = models_  # model files: conversions, tensor directories, kept names
@@ -69,15 +71,19 @@ class LiveFiles(Family):
         if f:
             return self.stat(f.attr)
         leased = self.names.begin()
-        attr = await self.client.getattr(ino)
+        attr = (self.names.holds() and self.listings.attr(ino)) or await self.client.getattr(ino)
         return self.names.attrs(self.stat(attr), leased) if self._cacheable(ino, "", attr) else self.stat(attr)
 
     async def lookup(self, parent: int, name: str) -> dict:
         try:
             begun, leased = self.lookups.begin(), self.names.begin()
-            attr = await self.models.entry(parent, name)
-            if S.S_ISREG(attr["mode"]):
-                self.lookups.note(("attr", attr["ino"]), attr, begun)
+            attr = self.names.holds() and self.listings.entry(parent, name)
+            if not attr:
+                attr = await self.models.entry(parent, name)
+                if S.S_ISREG(attr["mode"]):  # (a listed one's open asks: listings serve stat only)
+                    self.lookups.note(("attr", attr["ino"]), attr, begun)
+                if self.names.holds() and self._cacheable(parent, name, attr) and self.listings.asked(parent):
+                    await self._list(parent)
             st = self.stat(attr)
             return self.names.entry(st, parent, name, leased) if self._cacheable(parent, name, attr) else st
         except RemoteError as exc:
@@ -86,9 +92,16 @@ class LiveFiles(Family):
         return await self.views.beside(parent, name)
 
     async def readdir(self, ino: int) -> list[tuple[str, dict]]:
-        leased = self.names.begin()
+        leased, listing = self.names.begin(), self.listings.begin()
         listed = await self.models.listed(ino)
+        if self.names.holds() and ino not in self.models.tensor_dirs:
+            self.listings.keep(ino, listed, listing)
         return [(name, self.stat(attr) | ({"offer": (ino, name, leased)} if self._cacheable(ino, name, attr) else {})) for name, attr in listed]
+
+    async def _list(self, parent: int) -> None:
+        """List ``parent`` whole (its next lookups answer from the listing: listings.py)."""
+        begun = self.listings.begin()
+        self.listings.keep(parent, await self.models.listed(parent), begun)
 
     def _cacheable(self, parent: int, name: str, attr: dict) -> bool:
         """Whether the kernel may cache this entry and its attributes under the lease: a plain

@@ -16,7 +16,7 @@ next open, as with the kernel's attribute cache.
 
 from __future__ import annotations
 
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable
 
 import trio
 
@@ -25,12 +25,19 @@ class Lookups:
     FRESH = 0.2  # seconds
     KEEP = 256  # entries kept at most (lookups with no open: stat, ls -l); beyond, none are
 
-    def __init__(self) -> None:
+    def __init__(self, on_change: Callable[[], None] = lambda: None) -> None:
+        """``on_change``: what else goes at each change (the mount's listings: listings.py)."""
         self._seen: dict[Hashable, tuple[float, Any]] = {}
         self.changes = 0  # changes this mount made so far
+        self._on_change = on_change
 
     def changed(self) -> None:
         """This mount changed something (the VFS calls it after each change it makes)."""
+        self.told()
+        self._on_change()
+
+    def told(self) -> None:
+        """Another mount changed something (the name lease's invalidations): every note goes."""
         self.changes += 1
         self._seen.clear()
 

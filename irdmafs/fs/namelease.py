@@ -57,11 +57,12 @@ def kernel_drop(entries: list[tuple[int, str]], inodes: list[int]) -> None:
 
 
 class NameLease:
-    def __init__(self, wait: Callable, drop: Callable[[list, list], None] = kernel_drop, on_drop: Callable[[], None] = lambda: None):
+    def __init__(self, wait: Callable, forget: Callable[[set, set, bool], None], drop: Callable[[list, list], None] = kernel_drop):
         """``wait(acked)``: the ``cache_wait`` call to the metadata primary (the client's);
-        ``drop(entries, inodes)``: what drops them in the kernel (blocking); ``on_drop``: what
-        else the mount forgets when told (its lookup notes)."""
-        self._wait, self._drop, self._on_drop = wait, drop, on_drop
+        ``forget(entries, inodes, everything)``: what else the mount forgets when told (its
+        lookup notes, its listings), called before the acknowledgement; ``drop(entries,
+        inodes)``: what drops them in the kernel (blocking)."""
+        self._wait, self._forget, self._drop = wait, forget, drop
         self.until = -math.inf  # trio clock: the lease ends
         self.margin = 0.0
         self.acked = 0  # the highest namespace seq applied
@@ -74,6 +75,10 @@ class NameLease:
     def begin(self) -> int:
         """Called as a call that fetches names or attributes begins: what ``entry`` takes."""
         return self.applied
+
+    def holds(self) -> bool:
+        """Whether the lease holds now (what the mount keeps besides the kernel may serve)."""
+        return self.until - trio.current_time() > self.margin
 
     def timeout(self, begun: int) -> float:
         """Seconds the kernel may cache what a call begun at ``begun`` fetched (0: not at all)."""
@@ -134,8 +139,9 @@ class NameLease:
                     log.debug("name cache lease: %s", exc)
                     await trio.sleep(RETRY)
                     continue
-                if r.get("fresh"):
+                if r.get("fresh"):  # a lease anew: changes made while there was none were told to nobody
                     self.acked = int(r.get("acked", 0))
+                    self._forget(set(), set(), True)
                 await self.apply(r.get("inval", []))
                 self.margin = float(r["lease"]) / 10
                 self.until = sent + float(r["held"]) + float(r["lease"])
@@ -151,14 +157,16 @@ class NameLease:
         self.applied += 1  # an answer in flight may predate these: not cached (C3)
         entries: set[tuple[int, str]] = set()
         inodes: set[int] = set()
+        drop_all = False
         for seq, ents, inos, everything in inval:
-            if everything:
-                entries |= self.given
-                inodes |= self.given_inodes
+            drop_all = drop_all or bool(everything)
             entries |= {(int(p), str(n)) for p, n in ents}
             inodes |= {int(i) for i in inos}
             self.acked = max(self.acked, int(seq))
-        self._on_drop()
+        self._forget(entries, inodes, drop_all)
+        if drop_all:
+            entries |= self.given
+            inodes |= self.given_inodes
         # forgotten before the kernel's calls: one handed out again meanwhile stays known (and
         # is dropped again by the next invalidation that names it)
         drop = sorted(entries & self.given), sorted(inodes & self.given_inodes)

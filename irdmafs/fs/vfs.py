@@ -39,6 +39,7 @@ from .errors import FsError
 from .handles import FileHandle, Handle
 from .inodes import HIDDEN, RANKS_DIR, SNAPSHOTS_DIR, WORK, Family, writes
 from .live import LiveFiles
+from .listings import Listings
 from .lookups import Lookups
 from .namelease import NameLease
 from .openfiles import OpenFiles
@@ -78,20 +79,28 @@ class Vfs:
         self.streams = Streams(client, Layouts(client))  # the step streams' client and layouts
         self.layouts = self.streams.layouts
         self.door = None  # the shared-memory door (fs/door.py), when the mount serves one
-        self.lookups = Lookups()  # what lookups just fetched, for the opens that follow
+        self.listings = Listings()  # whole directories, answered from while the lease holds
+        # what lookups just fetched, for the opens that follow; a change of this mount's own
+        # drops every listing too (the primary tells no mount of its own changes)
+        self.lookups = Lookups(on_change=self.listings.clear)
         # how long the kernel may cache names: a lease kept by ``names.run`` (mount.py starts it)
-        self.names = NameLease(client.cache_wait, on_drop=self.lookups.changed)
+        self.names = NameLease(client.cache_wait, forget=self._told)
         self.views = Views(client, self.open_handles, self.lookups)
-        self.live = LiveFiles(client, self.files, self.models, self.layouts, self.views, self.lookups, self.names)
+        self.live = LiveFiles(client, self.files, self.models, self.layouts, self.views, self.lookups, self.names, self.listings)
         self.snapshots = Snapshots(client, self.models, self.live.file_handle, self.files.drain)
         self.workers = WorkerFiles(self.streams, self.models, lambda: self.door)
         figures = lambda: nodes.figures(self.client) | {  # noqa: E731
             "fuse": self.counters,
-            "names": self.names.figures(),
+            "names": self.names.figures() | {"listing_hits": self.listings.hits},
             "metrics": as_dict(mount_samples(self)),
         }
         self.status_files = StatusFiles(client, self.status, figures, self.open_handles)
         self.families: list[Family] = [self.live, self.snapshots, self.workers, self.views, self.status_files]
+
+    def _told(self, entries: set, inodes: set, everything: bool) -> None:
+        """Another mount changed these names and inodes (the lease's invalidations)."""
+        self.listings.drop(entries, inodes, everything)
+        self.lookups.told()
 
     def family(self, ino: int) -> Family:
         """The family that serves inode ``ino``; ENOENT for a number none has."""

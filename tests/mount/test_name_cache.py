@@ -67,3 +67,29 @@ async def test_a_name_cached_by_one_mount_is_dropped_before_another_mounts_chang
     assert err.value.errno == errno.ENOENT
     assert (b / "e" / "h").read_bytes() == b"h"
     assert figures(b)["names"]["applied"] >= 4
+
+
+async def test_a_listing_kept_by_one_mount_follows_another_mounts_changes(local_cluster, mount):
+    """Past a few lookups in a directory the mount lists it whole and answers its names from
+    the listing (fs/listings.py); every change through another mount is still seen at once."""
+    lc = await local_cluster()
+    a, b = mount(lc, "a"), mount(lc, "b")
+    await holding_a_lease(a)
+    await holding_a_lease(b)
+    os.mkdir(a / "d")
+    for i in range(20):
+        (a / "d" / f"f{i}").write_bytes(b"x" * i)
+    sizes = [os.stat(b / "d" / f"f{i}").st_size for i in range(20)]
+    assert sizes == list(range(20))
+    assert figures(b)["names"]["listing_hits"] >= 10  # most were answered from the listing
+    (a / "d" / "f3").write_bytes(b"longer now")  # a size changed at a's close
+    os.chmod(a / "d" / "f4", 0o600)
+    os.rename(a / "d" / "f5", a / "d" / "f50")
+    os.unlink(a / "d" / "f6")
+    (a / "d" / "new").write_bytes(b"new")
+    assert os.stat(b / "d" / "f3").st_size == len(b"longer now")
+    assert S.S_IMODE(os.stat(b / "d" / "f4").st_mode) == 0o600
+    assert not os.path.exists(b / "d" / "f5") and os.stat(b / "d" / "f50").st_size == 5
+    assert not os.path.exists(b / "d" / "f6")
+    assert (b / "d" / "new").read_bytes() == b"new"
+    assert sorted(os.listdir(b / "d")) == sorted([f"f{i}" for i in range(20) if i not in (5, 6)] + ["f50", "new"])
