@@ -45,7 +45,15 @@ log = logging.getLogger(__name__)
 
 class LiveFiles(Family):
     def __init__(
-        self, client: "Client", files: OpenFiles, models_: models.ModelFiles, layouts: "Layouts", views: "Views", lookups: Lookups, names: NameLease, listings: Listings
+        self,
+        client: "Client",
+        files: OpenFiles,
+        models_: models.ModelFiles,
+        layouts: "Layouts",
+        views: "Views",
+        lookups: Lookups,
+        names: NameLease,
+        listings: Listings,
     ) -> None:
         self.client = client
         self.lookups = lookups  # what the last lookups fetched, for the opens that follow

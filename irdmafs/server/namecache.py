@@ -22,10 +22,13 @@ Concurrency: one trio thread; the state is only touched between awaits.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
 import trio
+
+log = logging.getLogger(__name__)
 
 MAX_QUEUED = 1000  # invalidations queued for one mount; beyond, it drops everything it cached
 STALE_LEASES = 3  # a recorded owner not heard from for this many leases is dropped (``stale``)
@@ -80,7 +83,7 @@ class NameLeases:
         self.clock = clock
         self.leases: dict[str, _Lease] = {}
         self.acks = trio.Event()  # set (and replaced) whenever a mount acknowledges
-        self._led: tuple[int, float] | None = None  # (view epoch, since when) this node leads
+        self._led: tuple[int, float] | None = None  # (serving generation, since when) this node leads
         self.inherited = False  # mounts recorded before this lead began may hold leases
         self.waits = 0  # changes that waited for an acknowledgement (tests, metrics)
 
@@ -89,17 +92,34 @@ class NameLeases:
         return self.lease > 0
 
     # -- leading ---------------------------------------------------------------------------
-    def leads(self, epoch: int, cachers) -> None:
-        """This node is metadata primary in view ``epoch``, the namespace recording ``cachers``:
-        a lead begins unless it led the epoch before as far as it knows (then the leases it
-        granted are its own, held here). Only owners recorded before a lead began may hold a
-        lease another primary granted: a mount recorded during it took its first lease here."""
-        if self._led is not None and epoch in (self._led[0], self._led[0] + 1):
-            self._led = (epoch, self._led[1])
+    def leads(self, epoch: int, cachers, gen: int) -> None:
+        """This node is metadata primary in view ``epoch``, in its serving generation ``gen``
+        (serving.py: +1 each time it becomes ready), the namespace recording ``cachers``. A
+        lead goes on while the node stays ready (the same generation) and primary in every
+        view it learns (``view``) and at every call (``end`` otherwise); anything else begins
+        a new one: a node that was fenced, expelled or not primary meanwhile may have missed
+        another primary's leases. Only owners recorded before a lead began may hold a lease
+        another primary granted: a mount recorded during it took its first lease here."""
+        if self._led is not None and self._led[0] == gen:
             return
-        self._led = (epoch, self.clock())
+        self._led = (gen, self.clock())
         self.inherited = bool(cachers)
         self.leases.clear()  # any granted in a lead it lost track of end within the grace
+        if self.inherited and self.on:
+            log.info("metadata primary in view %d: changes wait %.1f s for the mounts' name caches to lapse", epoch, self.in_grace())
+
+    def view(self, epoch: int, primary: bool, cachers, gen: int) -> None:
+        """A view learnt: the lead goes on if this node is primary in it, else it ends."""
+        if primary:
+            self.leads(epoch, cachers, gen)
+        else:
+            self.end(epoch)
+
+    def end(self, epoch: int) -> None:
+        """This node found another primary (or none) in view ``epoch``: a later lead starts anew."""
+        if self._led is not None:
+            log.info("view %d names another metadata primary: this node's lead ends", epoch)
+        self._led = None
 
     def in_grace(self) -> float:
         """Seconds left before a new lead may answer changes (0: none): a lease and a margin

@@ -75,6 +75,7 @@ class Namespace:
         # the stamp up to which this node, as primary, saw every live node hold its namespace
         self.settled: tuple[int, int] | None = None
         self.names = NameLeases(cfg.name_lease)  # the mounts' cache leases, as primary
+        self.cluster.roles.on_view.append(self._view)
 
     def current(self) -> Meta:
         """The namespace as it is now (a restore replaces it)."""
@@ -200,8 +201,13 @@ class Namespace:
     def _leads(self) -> None:
         primary = self.cluster.roles.meta_primary()
         if primary != self.name:
+            self.names.end(self.cluster.roles.view_epoch)
             raise RemoteError("ENOTPRIMARY", primary or "")
-        self.names.leads(self.cluster.roles.view_epoch, self.meta.cachers)
+        self.names.leads(self.cluster.roles.view_epoch, self.meta.cachers, self.serving.gen)
+
+    def _view(self, view) -> None:
+        """Each view this node learns: whether its lead of the mounts' leases goes on."""
+        self.names.view(view.epoch, self.cluster.roles.meta_primary() == self.name, self.meta.cachers, self.serving.gen)
 
     async def _take_snapshot(self, op: dict) -> dict:
         """Freeze commits on every live node, freeze every live stripe on every node under the

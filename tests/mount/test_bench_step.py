@@ -28,6 +28,7 @@ async def test_bench_step_quick(tmp_path, mount):  # ``mount``: skips where FUSE
     assert res["tensors_resnet50"] == 161
 
 
+@pytest.mark.long  # 20-33 s: the quick suite stays under ten minutes; CI runs it
 def test_bench_step_link_quick(tmp_path):
     """``--link --quick``: W=2 workers and 2 PS nodes, each in a network namespace behind a
     shaped link, DDP across the same kind of namespaces; the run completes, the workers' SGD

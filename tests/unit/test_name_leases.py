@@ -26,15 +26,19 @@ class Clock:
 def test_a_lead_waits_a_lease_out_only_if_a_mount_recorded_before_it_may_cache():
     clock = Clock()
     names = NameLeases(4.0, clock)
-    names.leads(7, cachers=set())
+    names.leads(7, cachers=set(), gen=1)
     assert names.in_grace() == 0  # nobody cached before this lead: no lease of another primary
-    names.leads(9, cachers={"m"})  # not the epoch after 7: a new lead, and m may hold a lease
+    names.end(8)
+    names.leads(9, cachers={"m"}, gen=1)  # a new lead, and m may hold another primary's lease
     assert names.in_grace() == pytest.approx(4.4)
     clock.now += 2
-    names.leads(10, cachers={"m"})  # the epoch after: the same lead goes on
+    names.leads(12, cachers={"m"}, gen=1)  # still ready and primary: the same lead goes on
     assert names.in_grace() == pytest.approx(2.4)
     clock.now += 2.5
     assert names.in_grace() == 0
+    names.leads(13, cachers={"m"}, gen=2)  # ready anew since (a fence, a rejoin): a new lead
+    assert names.in_grace() == pytest.approx(4.4)
+    clock.now += 5
     assert names.stale({"m"}) == []
     clock.now += 3 * 4.0
     assert names.stale({"m"}) == ["m"]  # never heard from in three leases: its record goes
@@ -43,7 +47,7 @@ def test_a_lead_waits_a_lease_out_only_if_a_mount_recorded_before_it_may_cache()
 async def test_a_change_is_queued_for_every_live_lease_but_its_changers():
     clock = Clock()
     names = NameLeases(4.0, clock)
-    names.leads(1, set())
+    names.leads(1, set(), 1)
     for owner in ("a", "b", "c"):
         with trio.move_on_after(0):  # the first call of each: a lease, nothing to drop
             await names.wait(owner, 0, 0)
@@ -121,7 +125,7 @@ async def test_a_new_lead_refuses_changes_until_a_lease_has_passed(nursery):
         await c.cluster.call(primary.name, "cache_wait", {"owner": "m", "acked": 0, "epoch": c.cluster.roles.view_epoch})
         names = primary.namespace.names
         names._led = None  # as after a restart or a lead it lost track of
-        names.leads(c.cluster.roles.view_epoch, primary.meta.cachers)
+        names.leads(c.cluster.roles.view_epoch, primary.meta.cachers, primary.serving.gen)
         ends = trio.current_time() + names.in_grace()
         with pytest.raises(RemoteError) as err:
             await c.cluster.call(primary.name, "meta", {"op": {"op": "mkdir", "parent": 1, "name": "x", "mode": 0o755}, "epoch": c.cluster.roles.view_epoch})
@@ -151,3 +155,16 @@ async def test_with_caching_off_cache_wait_is_enosys(nursery):
         with pytest.raises(RemoteError) as err:
             await c.cache_wait(0)
         assert err.value.code == "ENOSYS"
+
+
+def test_a_lead_goes_on_across_the_views_it_learns_and_ends_at_one_naming_another():
+    clock = Clock()
+    names = NameLeases(4.0, clock)
+    names.view(3, True, {"m"}, 1)
+    clock.now += 10  # past any grace
+    for epoch in (4, 6, 9):  # views learnt (some skipped), this node primary and ready in each
+        names.view(epoch, True, {"m"}, 1)
+        assert names.in_grace() == 0
+    names.view(10, False, {"m"}, 1)  # another node leads in view 10
+    names.view(11, True, {"m"}, 1)  # primary again: a new lead, which waits out 10's leases
+    assert names.in_grace() == pytest.approx(4.4)
