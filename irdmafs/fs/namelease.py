@@ -172,4 +172,6 @@ class NameLease:
         drop = sorted(entries & self.given), sorted(inodes & self.given_inodes)
         self.given -= entries
         self.given_inodes -= inodes
-        await trio.to_thread.run_sync(self._drop, *drop)
+        # abandoned if the mount stops meanwhile: a kernel waiting on a request nobody serves
+        # any more would hold the unmount for good
+        await trio.to_thread.run_sync(self._drop, *drop, abandon_on_cancel=True)
