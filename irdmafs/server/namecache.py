@@ -53,6 +53,12 @@ class Touch:
 _EVERYTHING = {"snapshot", "unsnapshot", "pack", "unpack"}
 
 
+def changer_of(op: dict) -> str | None:
+    """The owner of the client that sent ``op`` (its request id is "<owner>:<n>")."""
+    rid = op.get("rid")
+    return rid.rsplit(":", 1)[0] if isinstance(rid, str) and ":" in rid else None
+
+
 def touched_by(seq: int, op: dict, result: dict) -> Touch | None:
     """What op ``seq`` made stale, from the op and its result; None for an op that changes
     nothing a mount caches (a cache owner recorded)."""

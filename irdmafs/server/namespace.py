@@ -46,7 +46,7 @@ from .barrier import FREEZE_SECONDS
 from .core import NodeCore
 from .datapath import VERSION_SHIFT
 from .meta import Meta
-from .namecache import NameLeases, touched_by
+from .namecache import NameLeases, changer_of, touched_by
 from .persist import Persist
 from .replicator import Replicator
 
@@ -88,7 +88,7 @@ class Namespace:
 
     async def _meta(self, op: dict, epoch: int) -> dict:
         rid = op.get("rid")
-        changer = rid.rsplit(":", 1)[0] if rid else None  # the client that sent it (its owner)
+        changer = changer_of(op)
         if rid in self.meta.done and self.settled == self.meta.stamp:
             # a retry of an op applied and acknowledged already (its answer was lost)
             await self._told(changer)
@@ -142,15 +142,18 @@ class Namespace:
         seq, _, prev = self.last
         stamp = self.meta.stamp
         send = lambda peer: self.replicator.meta(peer, seq, op, self.meta.tag, prev)  # noqa: E731
-        await self.replicator.to_every("metadata op", self.cluster.roles.live, send, self._leads)
-        self.settled = stamp
-        touch = touched_by(seq, op, result)
-        if touch is not None and self.names.on:
+        try:
+            await self.replicator.to_every("metadata op", self.cluster.roles.live, send, self._leads)
+            self.settled = stamp
+        finally:
             # every mount caching names is told what the op made stale; its caller answers
             # once they dropped it (``_told``). Every node holds the op by now, so no lookup
-            # answered after a mount is told can be older than the op.
-            rid = op.get("rid")
-            self.names.touched(rid.rsplit(":", 1)[0] if rid else None, touch)
+            # answered after a mount is told can be older than the op; told even if the
+            # forward failed, since a retry answers the op once ``_settle`` brought it
+            # everywhere, and nothing would tell the mounts then.
+            touch = touched_by(seq, op, result)
+            if touch is not None and self.names.on:
+                self.names.touched(changer_of(op), touch)
         return result
 
     def _grace(self) -> None:

@@ -8,7 +8,7 @@ import pytest
 import trio
 
 from irdmafs.client.client import Client
-from irdmafs.server.namecache import MAX_QUEUED, NameLeases, Touch, touched_by
+from irdmafs.server.namecache import MAX_QUEUED, NameLeases, Touch, changer_of, touched_by
 from irdmafs.transport.base import RemoteError
 from irdmafs.transport.memory import MemoryTransport
 
@@ -66,6 +66,8 @@ def test_what_each_change_touches():
     assert set(touched_by(4, {"op": "setattr", "ino": 5, "attrs": {"mode": 0o600}}, {}).inodes) == {5}
     assert touched_by(5, {"op": "pack", "bucket": 3, "tensors": [], "count": 0, "final": True}, {}).everything
     assert touched_by(6, {"op": "cacher", "owner": "m", "on": True}, {}) is None
+    assert changer_of({"op": "mkdir", "rid": "client:12:ab12cd34:7"}) == "client:12:ab12cd34"
+    assert changer_of({"op": "mkdir"}) is None and changer_of({"op": "mkdir", "rid": 5}) is None
 
 
 @pytest.fixture
