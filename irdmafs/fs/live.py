@@ -29,9 +29,7 @@ from . import models
 from .errors import FsError
 from .handles import FileHandle
 from .inodes import DERIVED_XATTRS, HIDDEN, HIDDEN_PREFIX, RESERVED, SNAP, SUFFIX, UNLINKED, Family, is_cluster, namespace_ino, stat_of, write_only, writes
-from .listings import Listings
-from .lookups import Lookups
-from .namelease import NameLease
+from .namelease import NameCaches
 from .openfiles import OpenFiles
 from .pagecache import PageCache
 
@@ -44,21 +42,11 @@ log = logging.getLogger(__name__)
 
 
 class LiveFiles(Family):
-    def __init__(
-        self,
-        client: "Client",
-        files: OpenFiles,
-        models_: models.ModelFiles,
-        layouts: "Layouts",
-        views: "Views",
-        lookups: Lookups,
-        names: NameLease,
-        listings: Listings,
-    ) -> None:
+    def __init__(self, client: "Client", files: OpenFiles, models_: models.ModelFiles, layouts: "Layouts", views: "Views", caches: NameCaches) -> None:
         self.client = client
-        self.lookups = lookups  # what the last lookups fetched, for the opens that follow
-        self.names = names  # how long the kernel may cache names and attributes (namelease.py)
-        self.listings = listings  # whole directories kept while the lease holds (listings.py)
+        self.lookups = caches.lookups  # what the last lookups fetched, for the opens that follow
+        self.names = caches.lease  # how long the kernel may cache names and attributes (namelease.py)
+        self.listings = caches.listings  # whole directories kept while the lease holds (listings.py)
         self.pages = PageCache(client)  # which files' cached pages an open keeps
         self.files = files  # what the mount knows of each file it has open
         self.models = models_  # model files: conversions, tensor directories, kept names

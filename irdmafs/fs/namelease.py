@@ -24,12 +24,14 @@ import errno
 import logging
 import math
 import os
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import trio
 
 from ..peers import NodeDown
 from ..transport.base import RemoteError, TransportError
+from .listings import Listings
+from .lookups import Lookups
 
 log = logging.getLogger(__name__)
 
@@ -175,3 +177,13 @@ class NameLease:
         # abandoned if the mount stops meanwhile: a kernel waiting on a request nobody serves
         # any more would hold the unmount for good
         await trio.to_thread.run_sync(self._drop, *drop, abandon_on_cancel=True)
+
+
+class NameCaches(NamedTuple):
+    """What a mount keeps of names, handed around as one: the notes its lookups leave for the
+    opens that follow (lookups.py), its lease (how long the kernel may keep what it is told),
+    and its whole-directory listings (listings.py)."""
+
+    lookups: Lookups
+    lease: NameLease
+    listings: Listings

@@ -41,7 +41,7 @@ from .inodes import HIDDEN, RANKS_DIR, SNAPSHOTS_DIR, WORK, Family, writes
 from .live import LiveFiles
 from .listings import Listings
 from .lookups import Lookups
-from .namelease import NameLease
+from .namelease import NameCaches, NameLease
 from .openfiles import OpenFiles
 from .snapshots import Snapshots
 from .status import StatusFiles, mount_samples
@@ -86,7 +86,7 @@ class Vfs:
         # how long the kernel may cache names: a lease kept by ``names.run`` (mount.py starts it)
         self.names = NameLease(client.cache_wait, forget=self._told)
         self.views = Views(client, self.open_handles, self.lookups)
-        self.live = LiveFiles(client, self.files, self.models, self.layouts, self.views, self.lookups, self.names, self.listings)
+        self.live = LiveFiles(client, self.files, self.models, self.layouts, self.views, NameCaches(self.lookups, self.names, self.listings))
         self.snapshots = Snapshots(client, self.models, self.live.file_handle, self.files.drain)
         self.workers = WorkerFiles(self.streams, self.models, lambda: self.door)
         figures = lambda: nodes.figures(self.client) | {  # noqa: E731
