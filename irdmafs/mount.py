@@ -92,6 +92,7 @@ async def run_mount(
                 task_status.started()
                 notify(f"READY=1\nSTATUS=mounted on {mountpoint}")  # Type=notify units
                 await pyfuse3.main()
+                await vfs.names.release()  # unmounted: no change waits for this mount's lease
                 nursery.cancel_scope.cancel()
         finally:
             pyfuse3.close(unmount=True)

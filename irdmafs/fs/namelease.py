@@ -2,7 +2,8 @@
 told, and dropping them when another mount changes them (docs/caching.md, invariants C1-C7;
 the metadata primary's side is server/namecache.py).
 
-- ``run``: one task keeps a long-poll ``cache_wait`` to the metadata primary going. Each answer
+- ``run``: one task keeps a long-poll ``cache_wait`` to the metadata primary going (and
+  ``release``, at a clean unmount, gives the lease up). Each answer
   brings the invalidations queued for this mount and a lease, counted from when the call was
   sent (so it ends before the primary's count of it). The invalidations are applied to the
   kernel, and only then acknowledged, by the next call.
@@ -59,12 +60,12 @@ def kernel_drop(entries: list[tuple[int, str]], inodes: list[int]) -> None:
 
 
 class NameLease:
-    def __init__(self, wait: Callable, forget: Callable[[set, set, bool], None], drop: Callable[[list, list], None] = kernel_drop):
-        """``wait(acked)``: the ``cache_wait`` call to the metadata primary (the client's);
+    def __init__(self, client, forget: Callable[[set, set, bool], None], drop: Callable[[list, list], None] = kernel_drop):
+        """``client``: whose ``cache_wait`` keeps the lease and whose ``op`` gives it up;
         ``forget(entries, inodes, everything)``: what else the mount forgets when told (its
         lookup notes, its listings), called before the acknowledgement; ``drop(entries,
         inodes)``: what drops them in the kernel (blocking)."""
-        self._wait, self._forget, self._drop = wait, forget, drop
+        self._client, self._forget, self._drop = client, forget, drop
         self.until = -math.inf  # trio clock: the lease ends
         self.margin = 0.0
         self.acked = 0  # the highest namespace seq applied
@@ -130,7 +131,7 @@ class NameLease:
             while True:
                 sent = trio.current_time()
                 try:
-                    r = await self._wait(self.acked)
+                    r = await self._client.cache_wait(self.acked)
                 except RemoteError as exc:
                     if exc.code == "ENOSYS":
                         log.info("names are not cached on this mount: %s", exc)
@@ -150,6 +151,18 @@ class NameLease:
         finally:
             self.running = False
             self.until = -math.inf
+
+    async def release(self) -> None:
+        """At a clean unmount: this mount's record as one that caches goes, so no change waits
+        for its lease and no later failover waits a grace for it (best effort, 2 s at most)."""
+        if not self.running:
+            return
+        self.until = -math.inf
+        with trio.move_on_after(2):
+            try:
+                await self._client.op(op="cacher", owner=self._client.owner, on=False)
+            except (RemoteError, NodeDown, TransportError) as exc:
+                log.info("name cache record not dropped at unmount: %s", exc)
 
     async def apply(self, inval: list) -> None:
         """Drop what ``inval`` ([seq, entries, inodes, everything], ...) names, in the kernel

@@ -84,7 +84,7 @@ class Vfs:
         # drops every listing too (the primary tells no mount of its own changes)
         self.lookups = Lookups(on_change=self.listings.clear)
         # how long the kernel may cache names: a lease kept by ``names.run`` (mount.py starts it)
-        self.names = NameLease(client.cache_wait, forget=self._told)
+        self.names = NameLease(client, forget=self._told)
         self.views = Views(client, self.open_handles, self.lookups)
         self.live = LiveFiles(client, self.files, self.models, self.layouts, self.views, NameCaches(self.lookups, self.names, self.listings))
         self.snapshots = Snapshots(client, self.models, self.live.file_handle, self.files.drain)

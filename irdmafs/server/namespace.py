@@ -309,6 +309,8 @@ class Namespace:
             self.forget(bucket)
         if op["op"] == "unsnapshot":
             self.store.drop_snapshot(result["id"])
+        if op["op"] == "cacher" and not op["on"]:
+            self.names.leases.pop(op["owner"], None)  # gone (a clean unmount): no change waits for it
         if op["op"] == "setxattr" and op["name"] in ("user.irdma.removed", "user.irdma.workers") and self.cluster.nursery:
             self.cluster.nursery.start_soon(self.recheck)
         if op["op"] == "setattr" and "size" in op["attrs"]:

@@ -170,3 +170,18 @@ def test_a_lead_goes_on_across_the_views_it_learns_and_ends_at_one_naming_anothe
     names.view(10, False, {"m"}, 1)  # another node leads in view 10
     names.view(11, True, {"m"}, 1)  # primary again: a new lead, which waits out 10's leases
     assert names.in_grace() == pytest.approx(4.4)
+
+
+async def test_a_mount_that_gives_its_lease_up_holds_no_change_up_and_leaves_no_record(leased):
+    """A clean unmount (fs/namelease.py, ``release``): the ``cacher`` op drops the owner's
+    record on every node and its lease on the primary, so the next change waits for nobody."""
+    cfg, nodes = leased
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
+        primary = next(n for n in nodes if n.name == c.cluster.roles.meta_primary())
+        await c.cluster.call(primary.name, "cache_wait", {"owner": "m", "acked": 0, "epoch": c.cluster.roles.view_epoch})
+        assert "m" in primary.namespace.names.leases
+        await c.op(op="cacher", owner="m", on=False)
+        assert all("m" not in n.meta.cachers for n in nodes) and "m" not in primary.namespace.names.leases
+        waits = primary.namespace.names.waits
+        await c.mkdir(1, "d", 0o755)
+        assert primary.namespace.names.waits == waits  # nobody to wait for
