@@ -28,7 +28,7 @@ import stat as S
 import threading
 import uuid
 from functools import partial
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import trio
 
@@ -63,6 +63,9 @@ class Client:
         self.io = StripeIO(self.cluster, self.staging)
         self.meta_calls = 0
         self._rids = 0
+        # called after each namespace op this client sends, whatever its outcome: a mount drops
+        # what it keeps of names then (the primary tells no mount of its own changes)
+        self.on_change: list[Callable[[], None]] = []
         self.training = PushPull(cfg, self.cluster, self.staging, self.io, self.getattr, self._call_following)
         self.paths = Paths(self)  # the same calls by path, for Python users (paths.py)
         self.buckets = Packer(self)  # packing small tensors (buckets.py)
@@ -129,7 +132,11 @@ class Client:
     async def _op(self, **op: Any) -> dict:
         # a request id, so a retry after a lost answer is not applied twice (server/meta.py)
         self._rids += 1
-        return await self._meta_call("meta", {"op": dict(op, rid=f"{self.owner}:{self._rids}")})
+        try:
+            return await self._meta_call("meta", {"op": dict(op, rid=f"{self.owner}:{self._rids}")})
+        finally:
+            for changed in self.on_change:
+                changed()
 
     async def op(self, **op: Any) -> dict:
         """A namespace op of a kind with no method of its own here (a bucket's ``pack`` and

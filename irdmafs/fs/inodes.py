@@ -42,9 +42,10 @@ REMOVED_XATTR = "user.irdma.removed"
 # through the mount run without a single metadata call.
 WORK_CACHE_SECONDS = 60.0
 # Directory attributes (mode, owner: what the kernel checks on every path walk) may be cached
-# this long. Names are not cached (entry_timeout 0): every path walk looks each name up, and the
-# lookup's answer carries fresh attributes, so an open or a stat by name sees sizes and renames
-# by other mounts at once (close-to-open).
+# this long. Names (and longer attribute timeouts) are cached only under the mount's name lease,
+# which another mount's change revokes before it returns (namelease.py, docs/caching.md); else
+# every path walk looks each name up, so an open or a stat by name sees sizes and renames by
+# other mounts at once (close-to-open) either way.
 DIR_ATTR_SECONDS = 10.0
 # A regular file's attributes may be cached this long between lookups. The kernel asks for them
 # before every read(2) of a file (libfuse turns auto_inval_data on): uncached, that was a round

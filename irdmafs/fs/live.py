@@ -113,7 +113,11 @@ class LiveFiles(Family):
 
     # -- files ---------------------------------------------------------------------------------
     async def open(self, ino: int, flags: int, uid: int) -> FileHandle:
-        attr = self.lookups.take(("attr", ino)) or await self.client.getattr(ino)
+        # close-to-open: the attributes as the primary has them now; a listing kept under the
+        # lease is that (another mount's change drops it before it returns; this mount's own
+        # drop every listing), for a read: a write asks (what it unpacks or truncates)
+        listed = not writes(flags) and self.names.holds() and self.listings.attr(ino)
+        attr = self.lookups.take(("attr", ino)) or listed or await self.client.getattr(ino)
         if S.S_ISDIR(attr["mode"]):
             raise FsError(errno.EISDIR)
         if flags & os.O_TRUNC and writes(flags) and attr["size"]:

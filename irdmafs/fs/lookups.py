@@ -1,7 +1,7 @@
 """What this mount's lookups just fetched, for the open that follows.
 
-Every open by path looks its name up first (names are not cached: inodes.py), and the kernel
-sends the open right after. What that lookup fetched (a file's attributes, a safetensors view's
+An open by a path the kernel does not hold looks its name up first (names are cached only under
+the name lease: namelease.py), and the kernel sends the open right after. What that lookup fetched (a file's attributes, a safetensors view's
 layout) is as fresh as the open's own call for it would be, so the open takes it instead of
 asking again: a metadata round trip per open, a listing of every tensor for a view.
 

@@ -22,7 +22,7 @@ from .vfs import Vfs
 log = logging.getLogger(__name__)
 
 ATTR_TIMEOUT = 0.0  # unless a stat says otherwise (inodes.py: directories and files cache theirs)
-ENTRY_TIMEOUT = 0.0  # other mounts rename and unlink: every path walk looks names up again
+ENTRY_TIMEOUT = 0.0  # unless the name lease allows more (namelease.py): other mounts rename and unlink
 
 
 def fuse_errors(fn):

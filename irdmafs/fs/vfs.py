@@ -83,6 +83,7 @@ class Vfs:
         # what lookups just fetched, for the opens that follow; a change of this mount's own
         # drops every listing too (the primary tells no mount of its own changes)
         self.lookups = Lookups(on_change=self.listings.clear)
+        client.on_change.append(self.lookups.changed)  # any namespace op of this mount's (a bucket's pack too)
         # how long the kernel may cache names: a lease kept by ``names.run`` (mount.py starts it)
         self.names = NameLease(client, forget=self._told)
         self.views = Views(client, self.open_handles, self.lookups)

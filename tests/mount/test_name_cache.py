@@ -88,6 +88,9 @@ async def test_a_listing_kept_by_one_mount_follows_another_mounts_changes(local_
     os.unlink(a / "d" / "f6")
     (a / "d" / "new").write_bytes(b"new")
     assert os.stat(b / "d" / "f3").st_size == len(b"longer now")
+    assert (b / "d" / "f3").read_bytes() == b"longer now"  # an open answered from the listing: its size now
+    (a / "d" / "f7").write_bytes(b"seven, rewritten")  # changed again, not looked at on b since
+    assert (b / "d" / "f7").read_bytes() == b"seven, rewritten"
     assert S.S_IMODE(os.stat(b / "d" / "f4").st_mode) == 0o600
     assert not os.path.exists(b / "d" / "f5") and os.stat(b / "d" / "f50").st_size == 5
     assert not os.path.exists(b / "d" / "f6")
