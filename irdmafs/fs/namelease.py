@@ -142,10 +142,16 @@ class NameLease:
                     log.debug("name cache lease: %s", exc)
                     await trio.sleep(RETRY)
                     continue
-                if r.get("fresh"):  # a lease anew: changes made while there was none were told to nobody
-                    self.acked = int(r.get("acked", 0))
-                    self._forget(set(), set(), True)
-                await self.apply(r.get("inval", []))
+                try:
+                    if r.get("fresh"):  # a lease anew: changes made while there was none were told to nobody
+                        self.acked = int(r.get("acked", 0))
+                        self._forget(set(), set(), True)
+                    await self.apply(r.get("inval", []))
+                except Exception:  # a fault here: nothing more is handed out; acknowledged only once applied
+                    log.exception("name cache: invalidations not applied; names are not cached until they are")
+                    self.until = -math.inf
+                    await trio.sleep(RETRY)
+                    continue
                 self.margin = float(r["lease"]) / 10
                 self.until = sent + float(r["held"]) + float(r["lease"])
         finally:
@@ -172,12 +178,12 @@ class NameLease:
         self.applied += 1  # an answer in flight may predate these: not cached (C3)
         entries: set[tuple[int, str]] = set()
         inodes: set[int] = set()
-        drop_all = False
+        drop_all, acked = False, self.acked
         for seq, ents, inos, everything in inval:
             drop_all = drop_all or bool(everything)
             entries |= {(int(p), str(n)) for p, n in ents}
             inodes |= {int(i) for i in inos}
-            self.acked = max(self.acked, int(seq))
+            acked = max(acked, int(seq))
         self._forget(entries, inodes, drop_all)
         if drop_all:
             entries |= self.given
@@ -190,6 +196,7 @@ class NameLease:
         # abandoned if the mount stops meanwhile: a kernel waiting on a request nobody serves
         # any more would hold the unmount for good
         await trio.to_thread.run_sync(self._drop, *drop, abandon_on_cancel=True)
+        self.acked = acked  # what the next call acknowledges: only what was dropped
 
 
 class NameCaches(NamedTuple):

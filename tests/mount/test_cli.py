@@ -72,6 +72,7 @@ def test_up_status_down(tmp_path, env):
     assert irdmafs("down", mp, env=env).returncode == 2
 
 
+@pytest.mark.long  # 22-25 s: the quick suite stays under ten minutes; CI runs it
 def test_up_again_restarts_its_coordinator_and_leaves_another_alone(tmp_path, env):
     """A second 'up' of the same state starts the etcd its config names again (same endpoint);
     a config naming a coordinator run elsewhere gets none started; a config naming none is

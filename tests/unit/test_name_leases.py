@@ -185,3 +185,39 @@ async def test_a_mount_that_gives_its_lease_up_holds_no_change_up_and_leaves_no_
         waits = primary.namespace.names.waits
         await c.mkdir(1, "d", 0o755)
         assert primary.namespace.names.waits == waits  # nobody to wait for
+
+
+async def test_a_mount_acknowledges_only_what_it_dropped_and_hands_out_nothing_after_a_fault(caplog):
+    """fs/namelease.py: an invalidation that could not be applied is not acknowledged (the
+    primary's lease of the mount runs out instead) and the mount gives the kernel no timeout
+    until one is; applied, it is acknowledged by the next call."""
+    from irdmafs.fs.namelease import NameLease
+
+    answers = [
+        {"lease": 4.0, "held": 0.0, "fresh": True, "acked": 10, "inval": []},
+        {"lease": 4.0, "held": 0.0, "fresh": False, "acked": 10, "inval": [[11, [[1, "x"]], [1], False]]},
+        {"lease": 4.0, "held": 0.0, "fresh": False, "acked": 10, "inval": [[11, [[1, "x"]], [1], False]]},
+    ]
+    acks, dropped, fail = [], [], [True]
+
+    class FakeClient:
+        async def cache_wait(self, acked):
+            acks.append(acked)
+            if not answers:
+                await trio.sleep_forever()
+            return answers.pop(0)
+
+    def drop(entries, inodes):
+        if fail.pop(0) if fail else False:
+            raise RuntimeError("the kernel said no")
+        dropped.append((entries, inodes))
+
+    lease = NameLease(FakeClient(), forget=lambda *a: None, drop=drop)
+    async with trio.open_nursery() as n:
+        n.start_soon(lease.run)
+        with trio.fail_after(5):
+            while len(acks) < 4:
+                await trio.sleep(0.01)
+        n.cancel_scope.cancel()
+    assert acks == [0, 10, 10, 11]  # 11 acknowledged only after the second, successful drop
+    assert "invalidations not applied" in caplog.text
