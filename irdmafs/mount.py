@@ -57,7 +57,7 @@ async def run_mount(
     import pyfuse3
 
     from .fs.door import DoorServer
-    from .fs.ops import Operations
+    from .fs.ops import Operations, kernel_drop
     from .looplag import LoopLag
     from .fs.vfs import Vfs
 
@@ -86,7 +86,7 @@ async def run_mount(
                 nursery.start_soon(_terminate_on_signals)
                 nursery.start_soon(LoopLag().run)  # a stall of this loop is logged (looplag.py)
                 await nursery.start(vfs.door.serve)
-                nursery.start_soon(vfs.names.run)  # names cached by the kernel under a lease (fs/namelease.py)
+                nursery.start_soon(vfs.names.run, kernel_drop)  # names cached by the kernel under a lease (fs/namelease.py)
                 # stat()s the mount, which only answers once pyfuse3.main() below is serving
                 nursery.start_soon(trio.to_thread.run_sync, _widen_readahead, mountpoint)
                 task_status.started()

@@ -22,6 +22,7 @@ from typing import Iterable
 LIST_AFTER = 3  # lookups of one directory sent to the primary before it is listed whole
 MAX_DIRS = 64  # directories listed at once (the oldest listing goes first)
 MAX_ENTRIES = 50_000  # a directory with more is never listed for lookups
+MAX_ASKED = 10_000  # directories whose lookups are counted; beyond, the counts start again
 
 
 class Listings:
@@ -55,6 +56,8 @@ class Listings:
         """A lookup in ``parent`` went to the primary: True when it is time to list it whole."""
         if parent in self._dirs:
             return False
+        if len(self._asked) >= MAX_ASKED and parent not in self._asked:
+            self._asked.clear()  # a walk over many directories, one lookup in each: bounded
         self._asked[parent] = n = self._asked.get(parent, 0) + 1
         return n >= LIST_AFTER
 

@@ -12,8 +12,9 @@ the metadata primary's side is server/namecache.py).
   invalidation was applied since the call that fetched it began (``begin``: C3), or past
   ``MAX_GIVEN`` names handed out (C6). What is handed out is remembered, so that "drop
   everything" can drop it.
-- The kernel's invalidations run in a worker thread: pyfuse3's calls block until the kernel
-  has finished any related request, which this mount's own loop may be serving.
+- The kernel's invalidations (fs/ops.py's ``kernel_drop``, handed to ``run``) run in a worker
+  thread: pyfuse3's calls block until the kernel has finished any related request, which this
+  mount's own loop may be serving.
 
 Without a session (the VFS awaited directly in tests) or with caching off on the cluster
 (``name_lease`` 0: the node answers ENOSYS), nothing is cached, as before leases.
@@ -21,10 +22,8 @@ Without a session (the VFS awaited directly in tests) or with caching off on the
 
 from __future__ import annotations
 
-import errno
 import logging
 import math
-import os
 from typing import Callable, NamedTuple
 
 import trio
@@ -36,43 +35,44 @@ from .lookups import Lookups
 
 log = logging.getLogger(__name__)
 
-MAX_GIVEN = 200_000  # names and inodes handed out with a timeout; beyond, none more
+MAX_GIVEN = 200_000  # names and inodes handed out with a timeout within two leases; beyond, none more
 RETRY = 0.2  # seconds between attempts while the primary cannot be reached
 
 
-def kernel_drop(entries: list[tuple[int, str]], inodes: list[int]) -> None:
-    """Drop ``entries`` (parent, name) and the attributes of ``inodes`` from the kernel's
-    caches (blocking: a worker thread's). Names it does not hold are no error."""
-    import pyfuse3
-
-    for parent, name in entries:
-        try:
-            pyfuse3.invalidate_entry(parent, os.fsencode(name))
-        except OSError as exc:
-            if exc.errno not in (errno.ENOENT, errno.ENOTDIR):
-                log.warning("kernel entry %d/%s not invalidated: %s", parent, name, exc)
-    for ino in inodes:
-        try:
-            pyfuse3.invalidate_inode(ino, attr_only=True)
-        except OSError as exc:
-            if exc.errno != errno.ENOENT:
-                log.warning("kernel inode %d not invalidated: %s", ino, exc)
-
-
 class NameLease:
-    def __init__(self, client, forget: Callable[[set, set, bool], None], drop: Callable[[list, list], None] = kernel_drop):
+    def __init__(self, client, forget: Callable[[set, set, bool], None]):
         """``client``: whose ``cache_wait`` keeps the lease and whose ``op`` gives it up;
         ``forget(entries, inodes, everything)``: what else the mount forgets when told (its
-        lookup notes, its listings), called before the acknowledgement; ``drop(entries,
-        inodes)``: what drops them in the kernel (blocking)."""
-        self._client, self._forget, self._drop = client, forget, drop
+        lookup notes, its listings), called before the acknowledgement."""
+        self._client, self._forget = client, forget
+        self._drop: Callable[[list, list], None] | None = None  # the kernel's (``run``)
         self.until = -math.inf  # trio clock: the lease ends
         self.margin = 0.0
+        self.span = 0.0  # the longest timeout a lease allowed: older handouts have expired
         self.acked = 0  # the highest namespace seq applied
         self.applied = 0  # invalidations applied so far (C3)
-        self.given: set[tuple[int, str]] = set()
-        self.given_inodes: set[int] = set()
+        # what was handed out with a timeout, this span and the one before (what went out
+        # earlier has left the kernel: no timeout outlives a span)
+        self._given: list[set[tuple[int, str]]] = [set(), set()]
+        self._given_inodes: list[set[int]] = [set(), set()]
+        self._rotated = -math.inf
         self.running = False
+
+    @property
+    def given(self) -> set[tuple[int, str]]:
+        return self._given[0] | self._given[1]
+
+    @property
+    def given_inodes(self) -> set[int]:
+        return self._given_inodes[0] | self._given_inodes[1]
+
+    def _handing_out(self) -> None:
+        """Before a handout: a span over, the older set goes (its timeouts have run out)."""
+        now = trio.current_time()
+        if now - self._rotated >= self.span:
+            self._given = [set(), self._given[0]]
+            self._given_inodes = [set(), self._given_inodes[0]]
+            self._rotated = now
 
     # -- what the VFS asks ---------------------------------------------------------------------
     def begin(self) -> int:
@@ -85,7 +85,8 @@ class NameLease:
 
     def timeout(self, begun: int) -> float:
         """Seconds the kernel may cache what a call begun at ``begun`` fetched (0: not at all)."""
-        if begun != self.applied or len(self.given) + len(self.given_inodes) >= MAX_GIVEN:
+        self._handing_out()
+        if begun != self.applied or sum(map(len, self._given + self._given_inodes)) >= MAX_GIVEN:
             return 0.0
         return max(0.0, self.until - trio.current_time() - self.margin)
 
@@ -94,8 +95,8 @@ class NameLease:
         t = self.timeout(begun)
         if t <= 0:
             return st
-        self.given.add((parent, name))
-        self.given_inodes.add(st["st_ino"])
+        self._given[0].add((parent, name))
+        self._given_inodes[0].add(st["st_ino"])
         return st | {"entry_timeout": t, "attr_timeout": max(t, st.get("attr_timeout", 0.0))}
 
     def offer(self, st: dict) -> dict:
@@ -113,7 +114,7 @@ class NameLease:
         t = self.timeout(begun)
         if t <= st.get("attr_timeout", 0.0):
             return st
-        self.given_inodes.add(st["st_ino"])
+        self._given_inodes[0].add(st["st_ino"])
         return st | {"attr_timeout": t}
 
     def figures(self) -> dict:
@@ -124,8 +125,10 @@ class NameLease:
         return {"lease_left": round(max(0.0, left), 3), **given, "applied": self.applied, "acked": self.acked}
 
     # -- the lease ---------------------------------------------------------------------------
-    async def run(self) -> None:
-        """The long-poll, for as long as the mount lives."""
+    async def run(self, drop: Callable[[list, list], None]) -> None:
+        """The long-poll, for as long as the mount lives; ``drop(entries, inodes)`` drops them
+        from the kernel's caches (blocking: fs/ops.py's ``kernel_drop``)."""
+        self._drop = drop
         self.running = True
         try:
             while True:
@@ -154,6 +157,7 @@ class NameLease:
                     continue
                 self.margin = float(r["lease"]) / 10
                 self.until = sent + float(r["held"]) + float(r["lease"])
+                self.span = max(self.span, self.until - trio.current_time())
         finally:
             self.running = False
             self.until = -math.inf
@@ -190,9 +194,11 @@ class NameLease:
             inodes |= self.given_inodes
         # forgotten before the kernel's calls: one handed out again meanwhile stays known (and
         # is dropped again by the next invalidation that names it)
-        drop = sorted(entries & self.given), sorted(inodes & self.given_inodes)
-        self.given -= entries
-        self.given_inodes -= inodes
+        drop = sorted(e for e in entries if any(e in g for g in self._given)), sorted(i for i in inodes if any(i in g for g in self._given_inodes))
+        for given in self._given:
+            given -= entries
+        for given in self._given_inodes:
+            given -= inodes
         # abandoned if the mount stops meanwhile: a kernel waiting on a request nobody serves
         # any more would hold the unmount for good
         await trio.to_thread.run_sync(self._drop, *drop, abandon_on_cancel=True)

@@ -9,6 +9,7 @@ pyfuse3.
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import os
@@ -57,6 +58,23 @@ def entry(st: dict) -> pyfuse3.EntryAttributes:
     e.entry_timeout = st.get("entry_timeout", ENTRY_TIMEOUT)
     e.attr_timeout = st.get("attr_timeout", ATTR_TIMEOUT)
     return e
+
+
+def kernel_drop(entries: list[tuple[int, str]], inodes: list[int]) -> None:
+    """Drop ``entries`` (parent, name) and the attributes of ``inodes`` from the kernel's caches
+    (blocking: run in a worker thread, fs/namelease.py). Names it does not hold are no error."""
+    for parent, name in entries:
+        try:
+            pyfuse3.invalidate_entry(parent, os.fsencode(name))
+        except OSError as exc:
+            if exc.errno not in (errno.ENOENT, errno.ENOTDIR):
+                log.warning("kernel entry %d/%s not invalidated: %s", parent, name, exc)
+    for ino in inodes:
+        try:
+            pyfuse3.invalidate_inode(ino, attr_only=True)
+        except OSError as exc:
+            if exc.errno != errno.ENOENT:
+                log.warning("kernel inode %d not invalidated: %s", ino, exc)
 
 
 def file_info(fh: int, h) -> pyfuse3.FileInfo:

@@ -1,7 +1,7 @@
 """A mount's whole-directory listings (fs/listings.py): listed after a few lookups, dropped by
 every invalidation that touches them, never kept from a fetch that began before a drop."""
 
-from irdmafs.fs.listings import LIST_AFTER, MAX_DIRS, Listings
+from irdmafs.fs.listings import LIST_AFTER, MAX_ASKED, MAX_DIRS, Listings
 
 
 def attr(ino, size=0):
@@ -59,3 +59,10 @@ def test_listings_are_bounded():
         ls.keep(d, listed(2, base=1000 * (d + 1)), ls.begin())
     assert ls.entry(0, "f0") is None and ls.entry(MAX_DIRS + 4, "f0") is not None
     assert len(ls._dirs) == MAX_DIRS
+
+
+def test_lookups_counted_in_many_directories_stay_bounded():
+    ls = Listings()
+    for d in range(3 * MAX_ASKED):
+        ls.asked(d)
+    assert len(ls._asked) <= MAX_ASKED

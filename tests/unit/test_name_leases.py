@@ -212,12 +212,39 @@ async def test_a_mount_acknowledges_only_what_it_dropped_and_hands_out_nothing_a
             raise RuntimeError("the kernel said no")
         dropped.append((entries, inodes))
 
-    lease = NameLease(FakeClient(), forget=lambda *a: None, drop=drop)
+    lease = NameLease(FakeClient(), forget=lambda *a: None)
     async with trio.open_nursery() as n:
-        n.start_soon(lease.run)
+        n.start_soon(lease.run, drop)
         with trio.fail_after(5):
             while len(acks) < 4:
                 await trio.sleep(0.01)
         n.cancel_scope.cancel()
     assert acks == [0, 10, 10, 11]  # 11 acknowledged only after the second, successful drop
     assert "invalidations not applied" in caplog.text
+
+
+async def test_a_mount_forgets_what_it_handed_out_two_leases_ago_and_caches_again(monkeypatch, autojump_clock):
+    """fs/namelease.py: no kernel timeout outlives a span (the longest a lease allowed), so what
+    went out two spans ago has left the kernel and stops counting against ``MAX_GIVEN``: a
+    mount that walked more names than the bound caches again a little later, for good."""
+    from irdmafs.fs import namelease
+    from irdmafs.fs.namelease import NameLease
+
+    monkeypatch.setattr(namelease, "MAX_GIVEN", 4)
+    lease = NameLease(client=None, forget=lambda *a: None)
+
+    def renewed():
+        lease.until, lease.span, lease.margin = trio.current_time() + 4.0, 4.0, 0.4
+
+    def handout(i):
+        return lease.entry({"st_ino": 100 + i}, 1, f"f{i}", lease.begin())
+
+    renewed()
+    assert all(handout(i)["entry_timeout"] > 0 for i in range(2))  # 2 names, 2 inodes: the bound
+    assert "entry_timeout" not in handout(2)
+    await trio.sleep(4.5)
+    renewed()
+    assert "entry_timeout" not in handout(2) and (1, "f0") in lease.given  # one span: may still be in the kernel
+    await trio.sleep(4.5)
+    renewed()
+    assert handout(2)["entry_timeout"] > 0 and (1, "f0") not in lease.given
