@@ -26,15 +26,50 @@ from .transport.tcp import TcpTransport
 from .util import single_exception
 
 
+_HANDED: set[tuple[str, int]] = set()  # ports free_ports gave out in this process: never twice
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind((host, 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
+    """``n`` distinct ports free on ``host`` now, for servers started later.
+
+    They are drawn below the kernel's ephemeral range: a port from that range (``bind`` to 0) can
+    be taken, between the pick and the server's bind, as the local port of any outgoing
+    connection on the machine, and the server then fails with EADDRINUSE. Below it only a bind
+    can take a port, and this process never hands one out twice."""
+    top = min(_ephemeral_low(), 65536)
+    low = 10000 if top > 12000 else 1024
+    rng = secrets.SystemRandom()
+    socks: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        for _ in range(64 * n + 64):
+            if len(ports) == n:
+                break
+            port = rng.randrange(low, top)
+            if (host, port) in _HANDED:
+                continue
+            s = socket.socket()
+            try:
+                s.bind((host, port))
+            except OSError:
+                s.close()
+                continue
+            socks.append(s)
+            ports.append(port)
+            _HANDED.add((host, port))
+    finally:
+        for s in socks:
+            s.close()
+    if len(ports) < n:
+        raise OSError(f"no {n} free ports on {host} between {low} and {top}")
     return ports
 
 

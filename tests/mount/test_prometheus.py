@@ -140,13 +140,22 @@ async def scraped(tmp_path, prometheus_bin):
 
 
 def prometheus_ready(prom: str, proc_log: Path):
+    """Wait until prometheus scrapes all four targets; on failure say which are down and why."""
+
     def up():
         try:
             return [r for r in query(prom, "up") if r["value"][1] == "1"]
         except OSError:
             return None
 
-    return until(f"prometheus scraping every target ({proc_log})", lambda: len(up() or []) == 4, 60)
+    try:
+        return until("prometheus scraping every target", lambda: len(up() or []) == 4, 60)
+    except AssertionError as e:
+        try:
+            targets = [(t["scrapeUrl"], t["health"], t["lastError"]) for t in http_json(f"{prom}/api/v1/targets")["data"]["activeTargets"]]
+        except OSError as exc:
+            targets = f"prometheus does not answer: {exc}"
+        raise AssertionError(f"{e}; targets: {targets}; prometheus log: {proc_log.read_text(errors='replace')[-2000:]}") from None
 
 
 async def test_prometheus_scrapes_steps_and_node_bytes_moving_during_training(scraped):
