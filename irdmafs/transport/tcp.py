@@ -38,6 +38,7 @@ import hmac
 import itertools
 import logging
 import socket as _stdsocket
+import weakref
 from typing import Any
 
 import trio
@@ -79,6 +80,9 @@ BULK = 64 << 10  # a WRITE of this many bytes or more goes on the connection's b
 SOCKET_BUFFER = 4 << 20  # large kernel buffers: fewer, bigger recv_into calls per MiB
 IOV_MAX = 1024
 _SCRATCH = bytearray(1 << 20)  # where refused payloads are drained; never read back
+LOWAT_MIN = 64 << 10  # a payload this large or more is received in wake-ups of ...
+LOWAT_MAX = SOCKET_BUFFER  # ... this many bytes at least (_wake_at; the kernel caps it at half its buffer)
+_LOWAT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # socket -> its SO_RCVLOWAT, where not 1
 
 
 class _EOF(Exception):
@@ -94,12 +98,31 @@ def _tune(sock: trio.socket.SocketType) -> None:
             pass
 
 
+def _wake_at(sock: trio.socket.SocketType, left: int) -> None:
+    """Have the kernel wake this socket's reader only once ``min(left, LOWAT_MAX)`` bytes wait
+    (``SO_RCVLOWAT``), for a payload of ``LOWAT_MIN`` or more still to come; else at any byte.
+
+    A payload arriving over a slow link (500 Mbit/s) otherwise wakes the loop for every few
+    packets, 10-60 KB each: most of a node's and a mount's CPU on links went to those wake-ups.
+    Never more than what is left of this payload, which the peer is sending (or closing: EOF
+    wakes too), and the kernel caps it at half the receive buffer and wakes a reader whose
+    window is full in any case, so no wait depends on bytes that may never come."""
+    want = min(left, LOWAT_MAX) if left >= LOWAT_MIN else 1
+    if _LOWAT.get(sock, 1) != want:
+        try:
+            sock.setsockopt(_stdsocket.SOL_SOCKET, _stdsocket.SO_RCVLOWAT, want)
+        except OSError:  # not a TCP socket (a test's socketpair): wake at any byte, as before
+            want = 1
+        _LOWAT[sock] = want
+
+
 async def _recv_into(sock: trio.socket.SocketType, view: memoryview, *, at_boundary: bool = False) -> None:
     """Fill ``view`` completely. EOF before the first byte of a frame is ``_EOF``; anywhere else
     it is ``PeerLost`` (a truncated frame)."""
     got = 0
     total = len(view)
     while got < total:
+        _wake_at(sock, total - got)
         n = await sock.recv_into(view[got:])
         if n == 0:
             if at_boundary and got == 0:
