@@ -535,7 +535,7 @@ def bed(tmp: Path, mounts: int, replicas: int, link: LinkBed | None = None, node
                 "nodes": [{"name": f"n{j + 1}", "host": link.ps_hosts[j], "port": NODE_PORT} for j in range(nodes)],
                 "token_file": "token",
                 "replicas": replicas,
-                "stripe_unit": 4 << 20,
+                "stripe_unit": int(os.environ.get("IRDMAFS_BENCH_UNIT", 4 << 20)),
                 "transport": ["tcp"],
                 "coordinator": [etcd.endpoint],
             }
@@ -711,6 +711,11 @@ def run_link(args, models, workers, rows, res) -> None:
                         d = ddp(m, w, args.steps, fp16=bool(prefix), link=link)
                         r = irdmafs_step(b, w, m, args.steps, compress, link=link)
                         report_link(res, m, w, prefix, compress, d, r)
+                        if args.trace_json:
+                            trace, marks = r["trace"]
+                            path = str(Path(args.trace_json).with_suffix("")) + f"-{prefix}{m}-w{w}.json"
+                            labels = {d: link.label(d) for d in trace.devs}
+                            Path(path).write_text(json.dumps({"rate_bits": link.rate_bits, "labels": labels, "marks": marks, "samples": trace.samples}))
                         if args.trace_plot:
                             trace, marks = r["trace"]
                             kinds = ("ps", "worker")
@@ -745,6 +750,7 @@ def main() -> int:
         metavar="RATE",
         help=f"cluster-shaped: every host in a network namespace behind RATE links (default {DEFAULT_RATE}; root)",
     )
+    ap.add_argument("--trace-json", metavar="JSON", help="--link: each run's raw link trace (every link's byte counters, the steps' edges) to JSON-<model>-w<W>.json")
     ap.add_argument("--trace-plot", metavar="PNG", help="--link: each run's link trace (busiest PS and worker links) to PNG-<model>-w<W>.png")
     ap.add_argument("--quick", action="store_true", help="a smoke run: resnet50 (with --link: tiny), 2 workers, 2 steps")
     ap.add_argument(
