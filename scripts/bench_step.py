@@ -750,7 +750,7 @@ def main() -> int:
         metavar="RATE",
         help=f"cluster-shaped: every host in a network namespace behind RATE links (default {DEFAULT_RATE}; root)",
     )
-    ap.add_argument("--trace-json", metavar="JSON", help="--link: each run's raw link trace (every link's byte counters, the steps' edges) to JSON-<model>-w<W>.json")
+    ap.add_argument("--trace-json", metavar="JSON", help="--link: each raw link trace (every link's counters, the steps' edges) to JSON-<model>-w<W>.json")
     ap.add_argument("--trace-plot", metavar="PNG", help="--link: each run's link trace (busiest PS and worker links) to PNG-<model>-w<W>.png")
     ap.add_argument("--quick", action="store_true", help="a smoke run: resnet50 (with --link: tiny), 2 workers, 2 steps")
     ap.add_argument(
