@@ -26,6 +26,8 @@ from .util import keep_freed_memory
 
 log = logging.getLogger(__name__)
 
+UNMOUNT_PATIENCE = 5.0  # seconds a mount the kernel calls busy is asked again to unmount
+
 # auto_unmount: libfuse's fusermount3 stays behind and unmounts if the mount process dies (even
 # by kill -9), so a dead mount never leaves a mountpoint that hangs or says ENOTCONN
 BASE_OPTIONS = ("fsname=irdmafs", "subtype=irdmafs", "default_permissions", "auto_unmount")
@@ -191,9 +193,20 @@ def stop_background(mountpoint: str, proc: subprocess.Popen) -> None:
 
 
 def unmount(mountpoint: str, lazy: bool = False) -> bool:
-    """``fusermount3 -u`` (``-uz`` when lazy); True if it is no longer mounted."""
-    if not is_mounted(mountpoint):
-        return True
+    """``fusermount3 -u`` (``-uz`` when lazy); True if it is no longer mounted. A mount the
+    kernel calls busy (a file's last close may still be on its way) is asked again, for
+    UNMOUNT_PATIENCE seconds at most; a refusal that stands is logged with what fusermount3
+    said (a long CI run once left a mount in place right after a write and a read of it, and
+    what fusermount3 said was not kept)."""
+    deadline = time.monotonic() + UNMOUNT_PATIENCE
     args = ["fusermount3", "-u" + ("z" if lazy else ""), mountpoint]
-    subprocess.run(args, capture_output=True)
-    return not is_mounted(mountpoint)
+    while is_mounted(mountpoint):
+        r = subprocess.run(args, capture_output=True, text=True)
+        if not is_mounted(mountpoint):
+            return True
+        said = r.stderr.strip() or f"fusermount3 exited {r.returncode}"
+        if "busy" not in said.lower() or time.monotonic() > deadline:
+            log.warning("%s not unmounted: %s", mountpoint, said)
+            return False
+        time.sleep(0.05)
+    return True
