@@ -26,7 +26,8 @@ from .transport.tcp import TcpTransport
 from .util import single_exception
 
 
-_HANDED: set[tuple[str, int]] = set()  # ports free_ports gave out in this process: never twice
+HANDED_KEPT = 4096  # the last ports free_ports gave out, never given again (older ones were bound or dropped)
+_HANDED: dict[tuple[str, int], None] = {}  # (host, port) -> None, oldest first
 
 
 def _ephemeral_low() -> int:
@@ -43,7 +44,7 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     They are drawn below the kernel's ephemeral range: a port from that range (``bind`` to 0) can
     be taken, between the pick and the server's bind, as the local port of any outgoing
     connection on the machine, and the server then fails with EADDRINUSE. Below it only a bind
-    can take a port, and this process never hands one out twice."""
+    can take a port, and this process never hands out one of its last HANDED_KEPT again."""
     top = min(_ephemeral_low(), 65536)
     low = 10000 if top > 12000 else 1024
     rng = secrets.SystemRandom()
@@ -64,7 +65,9 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
                 continue
             socks.append(s)
             ports.append(port)
-            _HANDED.add((host, port))
+            _HANDED[(host, port)] = None
+            if len(_HANDED) > HANDED_KEPT:
+                del _HANDED[next(iter(_HANDED))]
     finally:
         for s in socks:
             s.close()
