@@ -62,21 +62,23 @@ class LoopLag:
 
 
 class SlowSteps(trio.abc.Instrument):
-    """Logs each task step that held the loop ``threshold`` seconds or more."""
+    """Logs each task step that held the loop ``threshold`` seconds or more, and how much of
+    that this thread ran (the rest: the host did not run the process)."""
 
     def __init__(self, threshold: float):
         self.threshold = threshold
-        self._began = 0.0
+        self._began = self._cpu = 0.0
 
     def before_task_step(self, task) -> None:
-        self._began = time.perf_counter()
+        self._began, self._cpu = time.perf_counter(), time.thread_time()
 
     def after_task_step(self, task) -> None:
         took = time.perf_counter() - self._began
         if took >= self.threshold:
             frame = task.coro.cr_frame
             where = f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "done"
-            log.warning("task %s held the loop %.3f s (stopped at %s)", task.name, took, where)
+            busy = time.thread_time() - self._cpu
+            log.warning("task %s held the loop %.3f s, %.3f s of it running (stopped at %s)", task.name, took, busy, where)
 
 
 def instruments() -> list[trio.abc.Instrument]:

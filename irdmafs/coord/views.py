@@ -39,7 +39,8 @@ V6. To expel a peer it cannot replicate to, a node that serves commits a view ma
     the node also asks its own heartbeats first, server/replicator.py). An expelled node is not
     active: it stops serving as soon as it reads that view, and by its own count when its lease
     ends; the view drops it ``ttl`` after its alive key is gone (V2) and names it again, not
-    expelled, once it announces itself under a new lease.
+    expelled, once it announces itself under a new lease. A node fenced for a stall expels
+    itself the same way (server/membership.py), under the same limits.
 
 V7. A view leaves at most R-1 members out (not active in it; R: the members' replicas). A node
     V2 would drop stays named, under the lease the view names (ended or not), while dropping it

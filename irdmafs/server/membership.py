@@ -18,7 +18,9 @@ Views decide who serves (coord/views.py, roles.py); this service moves a node th
 - Fencing (``fence_loop``): a node fences when its lease ends, a view stops naming it, or it
   stalls (it did not run for most of ``down_after``: SIGSTOP, a paused VM;
   ``Serving.check_stall``, before any heartbeat answers "ready"), and rejoins once it holds a
-  lease. Its resync then takes its peers' copy of what it led just before.
+  lease. Its resync then takes its peers' copy of what it led just before. A node fenced for a
+  stall that the view still names expels itself first (``_step_aside``), so that stand-ins
+  lead its stripes while it resyncs, as they do for a node a peer expelled.
 - Expelling (``expel_loop``): a peer the view names active that this node's heartbeats have not
   heard for twice ``down_after`` is expelled, while this node serves and hears a majority.
 - Membership changes (rebalance.py drives them): ``members``, ``rebalance_pull``, ``reconfigure``,
@@ -350,6 +352,8 @@ class Membership:
             # a process that was itself stopped finds every peer silent: it fences first
             self.serving.check_stall()
             self.serving.check_lease()
+            if self.serving.take_stalled():
+                await self._step_aside()
             view = self.cluster.roles.view
             if self.serving.state != READY:
                 continue
@@ -364,6 +368,19 @@ class Membership:
                 tried[peer] = trio.current_time()
                 log.warning("node %s: %s not heard for %.1f s: expelling it", self.name, peer, quiet(peer))
                 await self.lease.expel(peer)
+
+    async def _step_aside(self) -> None:
+        """A node fenced for a stall while the view still names it (its lease held, no peer
+        expelled it) expels itself (coord/views.py V6, its own lease revoked), so that stand-ins
+        lead its stripes while it resyncs, as when a peer expels it. Left named, its stripes
+        answered EAGAIN until its resync and catch-up were done: 38 s with a 1 GiB model
+        training, and pushes waiting on it timed out (chaos --model-gib 1, seed 125172). Where
+        V6 or V7 refuse (a majority or a copy of every stripe would not stay active) or etcd is
+        out of reach, it stays named and resyncs so, as before."""
+        if not self.lease.holds():
+            return  # expelled meanwhile, or its lease ended: the view moves on without it anyway
+        if await self.lease.expel(self.name):
+            log.warning("node %s stalled: it left view %d so that its stripes are led by others while it resyncs", self.name, self.cluster.roles.view.epoch)
 
     # -- membership changes (rebalance.py) -------------------------------------------------------
     async def rpc_members(self) -> dict:

@@ -2,7 +2,8 @@
 
 It takes the namespace of the metadata primary whole (``Namespace.restore``), then every stripe
 it should hold (live, snapshot, optimizer state) from its ready peers, the newest version winning
-(what they freed meanwhile is dropped), then the push bookkeeping of those stripes; it logs its
+(what they freed meanwhile is dropped), then the push bookkeeping of those stripes that it lacks
+(an index of each peer's first: ``pull_records``); it logs its
 progress and shows it in heartbeats (``work``). A rebalance pulls the stripes a new membership gives a node the same
 way (``pull_stripes`` with ``strict``), and the hand-over fetches single stripes
 (``fetch_stripe``).
@@ -28,12 +29,13 @@ from ..util import single_exception
 from .core import NodeCore
 from .meta import Meta
 from .policies import RecordError, StripeTraining
-from .training import Training
+from .training import RECORDS_PAGE, Training
 from .updates import StripeKey
 
 FETCHES = 8  # stripes fetched at once (a resync, a hand-over's catch-up): a GB's 1 MiB stripes one by one took tens of seconds
 LOOKS = 3  # a stripe's key asked for this many times at most while its region goes before the read (fetch_stripe)
 MOVED_LOOKS = 20  # ... and while a trained stripe's version moves between the answer and the read
+RECORD_KEYS = 4096  # records asked for in one train_records call at most (the request's size)
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +70,82 @@ class Resync:
             return self.name in [n for n in self.cluster.roles.stripe_rank(fid, idx) if n in live][: self.cluster.roles.members.replicas]
 
         await self.pull_stripes("resync", peers, mine, converge=True, newer_or_fail=True)
-        await self.training.pull_records(peers, mine)
+        await self.pull_records(peers, mine)
         log.info("resync of node %s done in %.2fs", self.name, time.monotonic() - t0)
+
+    async def pull_records(self, peers: list[str], mine: Callable[[int, int], bool]) -> None:
+        """The push bookkeeping of the stripes this node holds, from its peers: a node that
+        becomes a stripe's primary again must know how many pushes each rank made.
+
+        A model of GBs in the middle of a bsp round holds its gradients' sums in its records,
+        hundreds of MB on each peer. Fetched whole (base64, page by page) they took 14 s of a
+        resync under a 1 GiB model, while a node still named by the view answered EAGAIN for its
+        stripes and its heartbeats showed no progress, so pushes waiting on it timed out (chaos
+        --model-gib 1, seed 125172). So each peer is asked first for an index (``train_index``:
+        each record's stamp and push count, no arrays), and only the records
+        ``Training.take_records`` would take are fetched (of a stripe this node holds at the
+        record's stamp, with more pushes than its own record), each from the peer with the most,
+        at most ``RECORDS_PAGE`` bytes of arrays a call. A peer lost meanwhile leaves its keys to
+        the next best. Its progress shows in heartbeats (``work``), so waits on this node last
+        while it moves (silence.py)."""
+        wanted: dict[tuple[int, int], list[tuple[int, str]]] = {}  # key -> [(progress, peer)], most first
+        sizes: dict[tuple[int, int], int] = {}
+        for peer in peers:
+            try:
+                index = [(int(f), int(i), tuple(s) if s else None, int(p), int(b)) for f, i, s, p, b in (await self.cluster.call(peer, "train_index"))["index"]]
+            except (NodeDown, RemoteError) as exc:
+                log.warning("resync: no training records from %s: %s", peer, exc)
+                continue
+            except (KeyError, TypeError, ValueError) as exc:
+                log.warning("resync: the record index of %s is malformed (%s): none taken from it", peer, exc)
+                continue
+            for fid, idx, stamp, progress, nbytes in index:
+                if self._would_take(fid, idx, stamp, progress, mine):
+                    wanted.setdefault((fid, idx), []).append((progress, peer))
+                    sizes[(fid, idx)] = max(sizes.get((fid, idx), 0), nbytes)
+        for offers in wanted.values():
+            offers.sort(key=lambda o: -o[0])  # stable: of equal counts, the first peer's
+        self.work = {"what": "resync records", "done": 0, "total": len(wanted), "bytes": 0}
+        try:
+            while wanted:
+                by_peer: dict[str, list[tuple[int, int]]] = {}
+                for key, offers in wanted.items():
+                    by_peer.setdefault(offers[0][1], []).append(key)
+                lost = set()
+                for peer, keys in by_peer.items():
+                    try:
+                        for batch in _batches(sorted(keys), sizes, RECORDS_PAGE, RECORD_KEYS):
+                            await self._records_of(peer, batch, mine)
+                            for key in batch:
+                                del wanted[key]
+                            self.work.update(done=self.work["done"] + len(batch), bytes=self.work["bytes"] + sum(sizes[k] for k in batch))
+                    except (NodeDown, RemoteError) as exc:
+                        log.warning("resync: training records from %s not all taken: %s", peer, exc)
+                        lost.add(peer)
+                for key in list(wanted):
+                    wanted[key] = [o for o in wanted[key] if o[1] not in lost]
+                    if not wanted[key]:
+                        del wanted[key]
+        finally:
+            self.work = {}
+
+    def _would_take(self, fid: int, idx: int, stamp: tuple | None, progress: int, mine: Callable[[int, int], bool]) -> bool:
+        """``Training.take_records``' rule on a peer's index entry (it is checked again there)."""
+        held = self.store.get(fid, idx)
+        if not mine(fid, idx) or held is None or stamp != held.stamp:
+            return False
+        own = self.training.records.get((fid, idx))
+        return progress > (own.progress if own is not None else 0)
+
+    async def _records_of(self, peer: str, keys: list[tuple[int, int]], mine: Callable[[int, int], bool]) -> None:
+        """The records of ``keys`` from ``peer``, taken (``train_records``, page by page)."""
+        after = None
+        while True:
+            page = await self.cluster.call(peer, "train_records", {"keys": [list(k) for k in keys], "after": after})
+            await self.training.take_records(page["records"], mine)
+            after = page.get("next")
+            if not after:
+                return
 
     def _in_extent(self, fid: int, idx: int, snap: int) -> bool:
         """Whether stripe ``idx`` of file ``fid`` holds bytes of the file as the namespace says:
@@ -307,3 +383,18 @@ class Resync:
                     self.training.take_fetched(fid, idx, record)
                 self.store.replace(StripeKey(fid, idx, snap), memoryview(buf), 2 * self.cfg.stripe_unit, theirs, head.clock_word)
         return True
+
+
+def _batches(keys: list, sizes: dict, limit: int, count: int):
+    """``keys`` in runs of at most ``limit`` bytes (by ``sizes``) and ``count`` keys, each run
+    at least one key."""
+    run: list = []
+    size = 0
+    for key in keys:
+        if run and (size + sizes[key] > limit or len(run) >= count):
+            yield run
+            run, size = [], 0
+        run.append(key)
+        size += sizes[key]
+    if run:
+        yield run

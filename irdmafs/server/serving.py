@@ -57,6 +57,7 @@ class Serving:
         self.ready_since = 0.0
         self.last_tick = 0.0  # when this process last ran its fence ticker or a heartbeat (trio clock)
         self.must_rejoin = False  # fenced by a stall or its lease: its fence loop resyncs it
+        self.stalled = False  # fenced by a stall, the view still naming it: it steps aside (membership.py)
         self.taken_over = trio.Event()  # set once peers have handed this node its stripes back
         # this process has taken its stripes back once (a hand-over's catch-up done): from then
         # on it holds every acknowledged stripe of its homes, or a view expels it. Until then a
@@ -175,7 +176,7 @@ class Serving:
         if gap > 0.8 * self.cfg.down_after and self.state == READY:
             # suspect: commits begun before the stall
             self.fence(f"it did not run for {gap:.1f} s (stopped or paused)", now - gap - self.cfg.op_timeout)
-            self.must_rejoin = True
+            self.must_rejoin = self.stalled = True
 
     def check_lease(self) -> None:
         """Fence at once when this node no longer holds its lease, or the
@@ -183,6 +184,11 @@ class Serving:
         if self.state == READY and not self.lease.holds():
             self.fence(self.lease.why_not(), trio.current_time() - 2 * (self.cfg.op_timeout + self.cfg.down_after))
             self.must_rejoin = True
+
+    def take_stalled(self) -> bool:
+        """Whether this node fenced for a stall since the last ask (it then leaves the view)."""
+        stalled, self.stalled = self.stalled, False
+        return stalled
 
     def take_rejoin(self) -> bool:
         """Whether this node was fenced since the last ask (its fence loop then rejoins)."""

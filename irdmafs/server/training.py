@@ -13,7 +13,7 @@ pushers keep their pushes until they see it closed (its clock published, once ev
 it) and send them again to a new primary (``train_next`` says whether it has them), so a primary
 lost mid-round loses nothing either; the push that closes a round is answered once the round is
 applied here, before that copy (``_push_now``). ``train_wait`` waits for held r2sp pushes;
-``train_records`` hands the bookkeeping to a resyncing peer.
+``train_index`` and ``train_records`` hand the bookkeeping to a resyncing peer.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from typing import Callable, NamedTuple
 import numpy as np
 import trio
 
-from ..peers import NodeDown
 from ..metrics import Latency
 from ..namespace import LAYOUT_CHANGED
 from ..policy import PolicyError, parse_policy
@@ -628,25 +627,6 @@ class Training:
 
         await self.replicator.to_every_target(StripeKey(fid, idx), one)
 
-    async def pull_records(self, peers: list[str], mine: Callable[[int, int], bool]) -> None:
-        """The push bookkeeping of the stripes this node holds, from its peers: a node that
-        becomes a stripe's primary again must know how many pushes each rank made. Page by
-        page (``train_records``): a model of GBs in the middle of a bsp round holds its
-        gradients' sums in the records, hundreds of MB, which one answer neither fits (a control
-        frame is at most 16 MiB) nor encodes without holding the loop for seconds (chaos.py
-        --model-gib 1: every resync failed, every node fenced)."""
-        for peer in peers:
-            after = None
-            try:
-                while True:
-                    page = await self.cluster.call(peer, "train_records", {"after": after})
-                    await self.take_records(page["records"], mine)
-                    after = page.get("next")
-                    if not after:
-                        break
-            except (NodeDown, RemoteError) as exc:
-                log.warning("resync: no training records (or not all) from %s: %s", peer, exc)
-
     def wire_records(
         self, keys: set[tuple[int, int]] | None = None, after: tuple[int, int] | None = None, limit: int | None = None, blobs: list | None = None
     ) -> tuple[list, list | None]:
@@ -687,10 +667,30 @@ class Training:
                     if incoming.progress > self.records[(fid, idx)].progress:
                         self.records[(fid, idx)].restore(incoming)
 
-    async def rpc_train_records(self, after: list | None = None) -> dict:
+    def record_index(self) -> list:
+        """Every record that took pushes as ``[fid, idx, stamp, progress, bytes]``, without its
+        arrays: ``stamp`` the (tag, version) of the bytes here it describes (None if this node
+        holds none), ``progress`` its pushes taken, ``bytes`` its arrays' size. What a resyncing
+        peer reads first, to fetch only the records it would take (server/resync.py)."""
+        out = []
+        for (fid, idx), st in self.records.items():
+            if st.span[2]:
+                stripe = self.store.get(fid, idx)
+                out.append([fid, idx, list(stripe.stamp) if stripe is not None else None, st.progress, st.payload_bytes])
+        return out
+
+    async def rpc_train_index(self) -> dict:
+        """``record_index``, for a resync."""
+        return {"index": self.record_index()}
+
+    async def rpc_train_records(self, after: list | None = None, keys: list | None = None) -> dict:
         """One page of ``wire_records`` (at most ``RECORDS_PAGE`` bytes of arrays) from past key
-        ``after`` (a resync's); ``next``: the ``after`` of the next page, or None."""
-        if after is not None and not (isinstance(after, list) and len(after) == 2 and all(type(x) is int for x in after)):
+        ``after``, of the stripes ``keys`` ([fid, idx] each) only if given (a resync's);
+        ``next``: the ``after`` of the next page, or None."""
+        pair = lambda k: isinstance(k, list) and len(k) == 2 and all(type(x) is int for x in k)  # noqa: E731
+        if after is not None and not pair(after):
             raise RemoteError("EINVAL", f"train_records: after is [fid, idx], not {after!r}")
-        records, more = self.wire_records(None, tuple(after) if after else None, RECORDS_PAGE)
+        if keys is not None and not (isinstance(keys, list) and all(pair(k) for k in keys)):
+            raise RemoteError("EINVAL", "train_records: keys is a list of [fid, idx]")
+        records, more = self.wire_records({tuple(k) for k in keys} if keys is not None else None, tuple(after) if after else None, RECORDS_PAGE)
         return {"records": records, "next": more}

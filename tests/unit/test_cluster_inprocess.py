@@ -655,6 +655,49 @@ async def test_a_node_that_did_not_run_fences_before_it_answers_ready(cluster):
     assert node.gen == gen + 1
 
 
+def views_seen(node) -> list:
+    """Every newer view ``node`` learns from now on."""
+    seen: list = []
+    node.lease.keeper.reader.on_view.append(seen.append)
+    return seen
+
+
+async def test_a_node_that_stalled_leaves_the_view_while_it_resyncs(cluster):
+    """A node fenced for a stall that no peer expelled expels itself (coord/views.py V6), so that
+    its stripes are led by others while it resyncs: left named, they answered EAGAIN through its
+    whole resync and catch-up (38 s with a 1 GiB model training; pushes timed out: chaos
+    --model-gib 1, seed 125172). It is named again, under a new lease, once it has resynced."""
+    cfg, nodes = cluster
+    await caught_up(nodes)
+    node, other = nodes[2], nodes[0]
+    lease, seen = node.lease.term(), views_seen(other)
+    node.serving.last_tick -= 10 * cfg.down_after  # as if the process had been stopped
+    assert (await node.rpc_heartbeat())["state"] == "syncing"
+    with trio.fail_after(5):
+        while node.state != "ready" or node.name not in other.cluster.roles.view.active:
+            await trio.sleep(0.01)
+    out = [v for v in seen if node.name in v.expelled]
+    assert out and out[0].lease_of(node.name) == lease  # it left under the lease it stalled with
+    assert node.lease.term() != lease and other.cluster.roles.view.lease_of(node.name) == node.lease.term()
+
+
+async def test_nodes_that_stalled_together_leave_one_at_a_time(cluster):
+    """Two of three nodes (R=2) stall at once: a view leaves at most R-1 out (V7), so one steps
+    aside and the other's expel of itself is refused: it resyncs named, as a node did before
+    stepping aside. Both serve again."""
+    cfg, nodes = cluster
+    await caught_up(nodes)
+    seen = views_seen(nodes[0])
+    for node in nodes[1:]:
+        node.serving.last_tick -= 10 * cfg.down_after
+    for node in nodes[1:]:
+        assert (await node.rpc_heartbeat())["state"] == "syncing"
+    with trio.fail_after(10):
+        while not all(n.state == "ready" and n.name in nodes[0].cluster.roles.view.active for n in nodes):
+            await trio.sleep(0.01)
+    assert any(v.expelled for v in seen) and all(len(v.expelled) <= cfg.replicas - 1 for v in seen)
+
+
 async def test_reads_ask_a_stripes_active_homes_by_load_and_one_not_heard_last(cluster):
     """A read asks the stripe's homes the view names active, least-loaded first, never a
     stand-in while a home is active (it keeps the copy it took while a home was out: found by
