@@ -38,6 +38,11 @@ log = logging.getLogger(__name__)
 _doors: OrderedDict[tuple[str, str, int], Door | None] = OrderedDict()
 MAX_DOORS = 16
 _doors_lock = threading.Lock()
+# doors a request is under way through (``through_door``), and how many: one that leaves
+# ``_doors`` meanwhile (evicted, opened anew) is closed when its last request ends, never under
+# it (another thread's door evicted mid-pull emptied its areas: the pull's copy-out found no
+# tensor, chaos --model-gib 1, seed 125172)
+_busy: dict[Door, int] = {}
 MOUNT_DOWN = (errno.ENOTCONN, errno.ECONNABORTED)  # what a dead or restarting FUSE mount answers
 
 IOV_MAX = 1024  # Linux's limit on buffers per readv/writev
@@ -88,16 +93,12 @@ def door(mount: str | os.PathLike, model: str, rank: int, *, fresh: bool = False
 def _door(mount: str, model: str, rank: int, fresh: bool) -> Door | None:
     key = (mount, model, rank)
     if fresh:
-        old = _doors.pop(key, None)
-        if old is not None:
-            old.close()
+        _retire(_doors.pop(key, None))
     if key in _doors:
         _doors.move_to_end(key)
     else:
         while len(_doors) >= MAX_DOORS:
-            _, old = _doors.popitem(last=False)
-            if old is not None:
-                old.close()
+            _retire(_doors.popitem(last=False)[1])
         if os.environ.get("IRDMAFS_DOOR", "1") == "0":
             _doors[key] = None
             log.info("step streams of %s rank %d: stream files (IRDMAFS_DOOR=0)", model, rank)
@@ -116,31 +117,51 @@ def _door(mount: str, model: str, rank: int, fresh: bool) -> Door | None:
     return _doors[key]
 
 
+def _retire(d: Door | None) -> None:
+    """``d`` has left ``_doors``: closed now, or by the last request under way through it.
+    Under ``_doors_lock``."""
+    if d is not None and d not in _busy:
+        d.close()
+
+
 def close_doors() -> None:
-    """Close every door this process opened (the next step opens them again)."""
+    """Close every door this process opened (the next step opens them again); one a request
+    is under way through closes when that request ends."""
     with _doors_lock:
         for d in _doors.values():
-            if d is not None:
-                d.close()
+            _retire(d)
         _doors.clear()
+
+
+def _run(mount, model: str, rank: int, op, fresh: bool) -> bool:
+    """``op(door)`` with the door held open for it (``_busy``); False if there is no door."""
+    with _doors_lock:
+        d = _door(os.path.abspath(mount), model, rank, fresh)
+        if d is None:
+            return False
+        _busy[d] = _busy.get(d, 0) + 1
+    try:
+        op(d)
+    finally:
+        with _doors_lock:
+            _busy[d] -= 1
+            if not _busy[d]:
+                del _busy[d]
+                if d not in _doors.values():
+                    d.close()
+    return True
 
 
 def through_door(mount, model: str, rank: int, op) -> bool:
     """Run ``op(door)``; False if there is no door. A door whose model changed (ESTALE) or that
-    its mount closed before the request went (a remount) is opened again once."""
-    d = door(mount, model, rank)
-    if d is None:
-        return False
+    its mount closed before the request went (a remount) is opened again once. No other
+    thread's door eviction closes it while ``op`` runs."""
     try:
-        op(d)
+        return _run(mount, model, rank, op, fresh=False)
     except OSError as exc:
         if exc.errno != errno.ESTALE and not isinstance(exc, DoorGone):
             raise
-        d = door(mount, model, rank, fresh=True)
-        if d is None:
-            return False
-        op(d)
-    return True
+        return _run(mount, model, rank, op, fresh=True)
 
 
 def push_arrays(mount: str | os.PathLike, model: str, rank: int, grads: dict[str, np.ndarray]) -> None:

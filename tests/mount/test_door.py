@@ -352,6 +352,34 @@ async def test_many_models_keep_a_bounded_set_of_doors_and_high_descriptors_work
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
+async def test_a_door_evicted_while_a_request_runs_through_it_stays_open_until_it_ends(m, monkeypatch):
+    """A process keeps at most MAX_DOORS doors, least recently used out first; a door another
+    thread's doors push out while a request runs through it closes when that request ends,
+    never under it: one closed mid-pull emptied the pull's areas, and its copy-out found no
+    tensor (KeyError, chaos --model-gib 1, seed 125172)."""
+    monkeypatch.setattr(steps, "MAX_DOORS", 2)
+    for k in range(2):
+        d = m / f"other{k}"
+        d.mkdir()
+        os.setxattr(d, "user.irdma.optimizer", b"sgd lr=1")
+        np.save(d / "w.npy", np.zeros(8, np.float32))
+    out = {name: np.empty(shape, np.float32) for name, shape in SHAPES.items()}
+    held = []
+
+    def pull_while_others_open(d):
+        held.append(d)
+        for k in range(2):  # what other threads' steps do meanwhile: "net" is pushed out
+            assert steps.door(m, f"other{k}", 0) is not None
+        assert ("net" not in {key[1] for key in steps._doors}) and set(d.params) == set(SHAPES)
+        d.pull(out)
+
+    assert steps.through_door(m, "net", 0, pull_while_others_open)
+    assert all(np.array_equal(out[name], np.zeros(shape, np.float32)) for name, shape in SHAPES.items())
+    assert held[0].params == {}  # closed once its request ended
+    again = steps.door(m, "net", 0)
+    assert again is not held[0] and set(again.params) == set(SHAPES)
+
+
 def _door_maps(pid: int) -> int:
     """How many mappings of door regions process ``pid`` holds."""
     with open(f"/proc/{pid}/maps") as f:
