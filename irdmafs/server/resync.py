@@ -100,7 +100,7 @@ class Resync:
                 log.warning("resync: the record index of %s is malformed (%s): none taken from it", peer, exc)
                 continue
             for fid, idx, stamp, progress, nbytes in index:
-                if self._would_take(fid, idx, stamp, progress, mine):
+                if mine(fid, idx) and self.training.would_take(fid, idx, stamp, progress):
                     wanted.setdefault((fid, idx), []).append((progress, peer))
                     sizes[(fid, idx)] = max(sizes.get((fid, idx), 0), nbytes)
         for offers in wanted.values():
@@ -128,14 +128,6 @@ class Resync:
                         del wanted[key]
         finally:
             self.work = {}
-
-    def _would_take(self, fid: int, idx: int, stamp: tuple | None, progress: int, mine: Callable[[int, int], bool]) -> bool:
-        """``Training.take_records``' rule on a peer's index entry (it is checked again there)."""
-        held = self.store.get(fid, idx)
-        if not mine(fid, idx) or held is None or stamp != held.stamp:
-            return False
-        own = self.training.records.get((fid, idx))
-        return progress > (own.progress if own is not None else 0)
 
     async def _records_of(self, peer: str, keys: list[tuple[int, int]], mine: Callable[[int, int], bool]) -> None:
         """The records of ``keys`` from ``peer``, taken (``train_records``, page by page)."""

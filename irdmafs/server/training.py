@@ -661,11 +661,18 @@ class Training:
             if mine(fid, idx):
                 incoming = StripeTraining.from_record(rec, blobs)
                 async with self.stripe_locks((fid, idx)):
-                    held = self.store.get(fid, idx)
-                    if held is None or not stamp or stamp[0] is None or tuple(stamp[0]) != held.stamp:
-                        continue
-                    if incoming.progress > self.records[(fid, idx)].progress:
+                    if self.would_take(fid, idx, tuple(stamp[0]) if stamp and stamp[0] is not None else None, incoming.progress):
                         self.records[(fid, idx)].restore(incoming)
+
+    def would_take(self, fid: int, idx: int, stamp: tuple | None, progress: int) -> bool:
+        """``take_records``' rule for a peer's record of stripe (fid, idx): it describes the
+        bytes this node holds (``stamp``, None: the peer holds none) and counts more pushes
+        than this node's own record (a resync's index is filtered by it too: server/resync.py)."""
+        held = self.store.get(fid, idx)
+        if held is None or stamp is None or stamp != held.stamp:
+            return False
+        own = self.records.get((fid, idx))
+        return progress > (own.progress if own is not None else 0)
 
     def record_index(self) -> list:
         """Every record that took pushes as ``[fid, idx, stamp, progress, bytes]``, without its

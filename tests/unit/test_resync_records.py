@@ -115,11 +115,10 @@ async def test_records_of_other_bytes_and_bad_requests_are_refused(bed):
     x.training.records[(ino, 0)].pushed[0] = 0
     entry = next(e for e in peer.training.record_index() if e[:2] == [ino, 0])
     assert tuple(entry[2]) == x.store.get(ino, 0).stamp and entry[3] == 1
-    mine = lambda fid, idx: True  # noqa: E731
-    assert x.resync._would_take(ino, 0, tuple(entry[2]), entry[3], mine)
-    assert not x.resync._would_take(ino, 0, (entry[2][0], entry[2][1] + 1), entry[3], mine)
-    assert not x.resync._would_take(ino, 0, None, entry[3], mine)
-    assert not x.resync._would_take(ino, 0, tuple(entry[2]), 0, mine)  # no further along
+    assert x.training.would_take(ino, 0, tuple(entry[2]), entry[3])
+    assert not x.training.would_take(ino, 0, (entry[2][0], entry[2][1] + 1), entry[3])
+    assert not x.training.would_take(ino, 0, None, entry[3])
+    assert not x.training.would_take(ino, 0, tuple(entry[2]), 0)  # no further along
     for keys in ("1:0", [[ino]], [[ino, "0"]]):
         with pytest.raises(RemoteError) as exc:
             await peer.training.rpc_train_records(keys=keys)
