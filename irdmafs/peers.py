@@ -115,6 +115,11 @@ class Peers:
         conn = self._conns.get(name)
         return conn is None or conn.wire
 
+    def waits(self, name: str) -> str:
+        """What the connection to ``name`` waits on now (``Connection.waits``), for a log line."""
+        conn = self._conns.get(name)
+        return "not connected" if conn is None else conn.waits()
+
     def drop(self, name: str) -> None:
         """Close the connection to ``name`` (the next operation connects again)."""
         conn = self._conns.pop(name, None)

@@ -432,13 +432,19 @@ class StripeIO:
         stale_keys = 0
         looked_up: set[str] = set()  # nodes whose key this read asked for (not from the cache)
         patience = Patience(self.cluster.liveness.work, self.cluster.cfg.op_timeout)  # a stripe that keeps changing (TornRead)
-        # No replica to ask: counted from the moment none is left, not from the read's start. A
-        # pull's read queued for seconds behind a GB of others, its one home counted down for a
-        # second (a false alarm of a busy mount) while the other resynced, ended in EIO at once
-        # (1 GiB chaos soak).
+        # No replica to ask: counted from the moment none is left, not from the read's start,
+        # and again each time a replica answered since (``reached``). A pull's read queued for
+        # seconds behind a GB of others, its one home counted down for a second (a false alarm
+        # of a busy mount) while the other resynced, ended in EIO at once; so did one that had
+        # found no home for an instant, then waited seconds on a home's clock, which answered,
+        # and lost it (1 GiB chaos soaks).
         unavailable: Patience | None = None
+        reached = False  # the node last asked answered (a key, a header): a replica was there
         clock_deadline = trio.current_time() + step.wait
         while True:
+            if reached:
+                unavailable = None
+            reached = False
             candidates = [c for c in self.cluster.roles.read_candidates(fid, p.idx) if c not in missing | lost | syncing]
             candidates.sort(key=lambda c: behind.index(c) + 1 if c in behind else 0)
             if not candidates:
@@ -475,6 +481,7 @@ class StripeIO:
                 if (node, fid, p.idx, snap) not in self._keys or (node not in looked_up and not self._cached(node, fid, p.idx, snap)):
                     await self._lookup(node, fid, [p.idx], snap)
                     looked_up.add(node)
+                    reached = True
                 key = self._keys[(node, fid, p.idx, snap)]
                 if key is None:
                     missing.add(node)
@@ -499,6 +506,7 @@ class StripeIO:
                 view[k:] = bytes(len(view) - k)
                 return
             except _Behind:
+                reached = True
                 if node in behind:
                     behind.remove(node)
                 behind.append(node)

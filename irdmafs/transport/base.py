@@ -281,6 +281,12 @@ class Connection(abc.ABC):
     @abc.abstractmethod
     async def aclose(self) -> None: ...
 
+    def waits(self) -> str:
+        """What this connection waits on now, for the log line of a peer that went silent
+        (requests unanswered, frames queued, how long since each socket last brought an answer);
+        empty where the transport cannot say."""
+        return ""
+
 
 class Transport(abc.ABC):
     """One implementation of the contract: serving side (regions, listener) and calling side."""

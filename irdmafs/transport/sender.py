@@ -58,6 +58,11 @@ class Sender:
         self._busy = False  # a send is under way on the socket (a caller's own, or a group)
         self.broken: str | None = None  # why the socket failed, once it did
 
+    def queued(self) -> tuple[int, int]:
+        """Frames queued for the writer and their bytes (for a log line: what a send waits behind)."""
+        waiting = [f for f in self._queue if f.state == QUEUED]
+        return len(waiting), sum(f.size for f in waiting)
+
     async def send(self, wire: list) -> None:
         """Send ``wire`` (one or more whole frames' buffers) and return once it is in the
         kernel; ``trio.BrokenResourceError`` if the socket broke first. With nothing queued or

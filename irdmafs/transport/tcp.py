@@ -219,6 +219,7 @@ class TcpConnection(Connection):
         self._ids = itertools.count(1)
         self._broken: TransportError | None = None
         self._closed = trio.Event()
+        self._heard: dict[int, float] = {}  # id of a socket -> when an answer last began on it (``waits``)
 
     @property
     def lost(self) -> TransportError | None:
@@ -347,6 +348,17 @@ class TcpConnection(Connection):
     def _lane_of(self, h: P.Header) -> Sender:
         return self.bulk_sender if h.length >= BULK else self.sender
 
+    def waits(self) -> str:
+        now = trio.current_time()
+        lanes = {"calls": (self.calls, self.calls_sender), "data": (self.sock, self.sender), "bulk": (self.bulk, self.bulk_sender)}
+        parts = [f"{len(self._pending)} requests unanswered"]
+        for name, (sock, sender) in lanes.items():
+            frames, size = sender.queued()
+            heard = self._heard.get(id(sock))
+            ago = "never" if heard is None else f"{now - heard:.2f} s ago"
+            parts.append(f"{name}: {frames} frames ({size} bytes) queued to send, last answer {ago}")
+        return "; ".join(parts)
+
     async def aclose(self) -> None:
         self._fail_all(PeerLost("connection closed"))
         self._close_sockets()
@@ -369,6 +381,7 @@ class TcpConnection(Connection):
         try:
             while True:
                 await _recv_into(sock, hdr, at_boundary=True)
+                self._heard[id(sock)] = trio.current_time()
                 h = P.unpack(hdr)
                 size = P.payload_size(h)
                 p = self._forget(h.req_id)  # its window room is free once its bytes are read off

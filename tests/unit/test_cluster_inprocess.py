@@ -829,6 +829,50 @@ async def test_a_read_whose_one_replica_fails_after_a_long_wait_asks_again_befor
         assert reads == [home, home]
 
 
+async def test_a_read_that_reached_its_home_since_it_last_had_none_counts_its_bound_again(nursery):
+    """The bound on having no replica to ask counts from the moment none is left each time, not
+    from the first such moment of the read: a pull's read found no home for an instant (one
+    resyncing, EAGAIN; the other's call failed), then waited on the other's clock for seconds
+    (it answered: the round was not closed yet), and when that home was counted down for 0.2 s
+    by a busy mount, the read ended in EIO at once on the bound begun seconds before (1 GiB chaos
+    soak, 60 min, run 3). It asks again, and the home answers."""
+    from irdmafs.client.stripe import CLOCK_SLICE, Extent, StepWait
+
+    cfg = replace(config(), op_timeout=0.3, down_after=1.0)
+    await start_cluster(nursery, cfg)
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
+        data = os.urandom(1000)
+        fid = (await c.paths.write_file("/f", data))["ino"]
+        attr = await c.getattr(fid)
+        home = c.cluster.roles.stripe_rank(fid, 0)[0]
+        c.cluster.roles.read_candidates = lambda f, i: [home]  # the other home resyncs
+        real = c.cluster.peers.read_header
+        begun = trio.current_time()
+        events = []
+
+        async def header(node, rkey, inc=None):
+            head = await real(node, rkey, inc)
+            waited = trio.current_time() - begun
+            if not events:  # lost for an instant: no home left to ask
+                events.append("lost")
+                raise NodeDown(node, "counted down while the operation waited")
+            if waited < CLOCK_SLICE + 4 * cfg.op_timeout:
+                return head._replace(clock=0)  # it answers; the round is not closed yet
+            if events == ["lost"]:  # counted down again, long after the first
+                events.append("lost again")
+                raise NodeDown(node, "counted down while the operation waited")
+            events.append("closed")
+            return head._replace(clock=1)
+
+        c.cluster.peers.read_header = header
+        c.io.forget(fid)
+        buf = bytearray(1000)
+        step = StepWait(min_clock=1, wait=30.0)
+        await c.io.read(Extent(fid, attr["size"], attr["unit"]), 0, memoryview(buf), step)
+        assert events == ["lost", "lost again", "closed"]
+        assert bytes(buf) == data
+
+
 async def test_a_rejoin_whose_resync_loses_its_peer_begins_again_and_the_node_lives_on(cluster):
     """Found by the fault simulator: a fenced node whose resync lost the peer it fetched the
     namespace from (NodeDown) ended its tasks, and its process with them. It must stay syncing,
