@@ -75,9 +75,9 @@ class Heartbeats:
                 if attempt == 1 and late > STALLED * self.cfg.down_after:
                     log.info("heartbeat to %s: this process ran %.2f s past the deadline: asking again", name, late)
                     continue
-                if not isinstance(exc, RemoteError):  # silence: say what the connection waited on
-                    waited = self.peers.waits(name) or "the transport cannot say"
-                    log.warning("heartbeat to %s unanswered in %.2f s (%s)", name, trio.current_time() - sent, waited)
+                waited = "" if isinstance(exc, RemoteError) else self.peers.waits(name)
+                if waited:  # silence on a connection still up: say what it waited on
+                    log.warning("heartbeat to %s unanswered in %.2f s (its connection: %s)", name, trio.current_time() - sent, waited)
                 self._lost(name, str(exc) or "no heartbeat", sent)
                 return
         self.peers.seen(name, info.get("incarnation", 0))

@@ -116,9 +116,10 @@ class Peers:
         return conn is None or conn.wire
 
     def waits(self, name: str) -> str:
-        """What the connection to ``name`` waits on now (``Connection.waits``), for a log line."""
+        """What the connection to ``name`` waits on now (``Connection.waits``), for a log line;
+        empty if there is none (dropped: it broke) or its transport cannot say."""
         conn = self._conns.get(name)
-        return "not connected" if conn is None else conn.waits()
+        return "" if conn is None else conn.waits()
 
     def drop(self, name: str) -> None:
         """Close the connection to ``name`` (the next operation connects again)."""

@@ -390,9 +390,11 @@ class StripeIO:
                 return n  # none of them moved for SETTLE seconds: at rest
         return n
 
-    async def _wait_clock(self, node: str, rkey: int, inc: int, min_clock: int, deadline: float, settled: bool = False) -> None:
+    async def _wait_clock(
+        self, node: str, rkey: int, inc: int, min_clock: int, deadline: float, settled: bool = False, heard: Callable[[], None] | None = None
+    ) -> None:
         """Read the stripe header one-sidedly until its clock reaches ``min_clock`` (and, if
-        ``settled``, it is not pending); after
+        ``settled``, it is not pending), calling ``heard()`` after each header the node answers; after
         CLOCK_SLICE seconds raise _Behind so that another replica is asked (this one may have
         missed an update), and trio.TooSlowError at ``deadline``.
 
@@ -404,6 +406,8 @@ class StripeIO:
         delay = 0.0005
 
         def reached(head: Header) -> bool:
+            if heard is not None:
+                heard()
             return head.clock >= min_clock and not (settled and head.pending)
 
         while not reached(await self.cluster.peers.read_header(node, rkey, inc)):
@@ -440,6 +444,11 @@ class StripeIO:
         # and lost it (1 GiB chaos soaks).
         unavailable: Patience | None = None
         reached = False  # the node last asked answered (a key, a header): a replica was there
+
+        def heard() -> None:
+            nonlocal reached
+            reached = True
+
         clock_deadline = trio.current_time() + step.wait
         while True:
             if reached:
@@ -481,7 +490,7 @@ class StripeIO:
                 if (node, fid, p.idx, snap) not in self._keys or (node not in looked_up and not self._cached(node, fid, p.idx, snap)):
                     await self._lookup(node, fid, [p.idx], snap)
                     looked_up.add(node)
-                    reached = True
+                    heard()
                 key = self._keys[(node, fid, p.idx, snap)]
                 if key is None:
                     missing.add(node)
@@ -495,18 +504,17 @@ class StripeIO:
                 k = max(0, min(len(view), capacity - p.offset))
                 guess = bool(min_clock and k and step.eager is not None and step.eager(p.idx))
                 if (min_clock or settled) and not guess:
-                    await self._wait_clock(node, rkey, inc, min_clock, clock_deadline, settled)
+                    await self._wait_clock(node, rkey, inc, min_clock, clock_deadline, settled, heard)
                 if k:
                     head = await self.cluster.peers.read_stripe(node, rkey, p.offset, view[:k], inc)
                     if guess and head.clock < min_clock:  # guessed wrong: wait, then read again
-                        await self._wait_clock(node, rkey, inc, min_clock, clock_deadline)
+                        await self._wait_clock(node, rkey, inc, min_clock, clock_deadline, heard=heard)
                         head = await self.cluster.peers.read_stripe(node, rkey, p.offset, view[:k], inc)
                     if clocks is not None:
                         clocks[p.idx] = head
                 view[k:] = bytes(len(view) - k)
                 return
             except _Behind:
-                reached = True
                 if node in behind:
                     behind.remove(node)
                 behind.append(node)

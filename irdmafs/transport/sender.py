@@ -58,10 +58,12 @@ class Sender:
         self._busy = False  # a send is under way on the socket (a caller's own, or a group)
         self.broken: str | None = None  # why the socket failed, once it did
 
-    def queued(self) -> tuple[int, int]:
-        """Frames queued for the writer and their bytes (for a log line: what a send waits behind)."""
+    def queued(self) -> str:
+        """What a send on this socket waits behind now, for a log line: a send under way, and
+        the frames queued for the writer with their bytes."""
         waiting = [f for f in self._queue if f.state == QUEUED]
-        return len(waiting), sum(f.size for f in waiting)
+        busy = "a send under way, " if self._busy else ""
+        return f"{busy}{len(waiting)} frames ({sum(f.size for f in waiting)} bytes) queued to send"
 
     async def send(self, wire: list) -> None:
         """Send ``wire`` (one or more whole frames' buffers) and return once it is in the

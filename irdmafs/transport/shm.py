@@ -277,6 +277,9 @@ class ShmConnection(Connection):
     async def call(self, method: str, args: dict[str, Any] | None = None, *, timeout: float | None = None) -> dict:
         return await self.tcp.call(method, args, timeout=timeout)
 
+    def waits(self) -> str:
+        return self.tcp.waits()  # its calls (a heartbeat) go over TCP
+
     async def aclose(self) -> None:
         self._maps.clear()
         self.sock.close()

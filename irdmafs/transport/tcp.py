@@ -219,7 +219,7 @@ class TcpConnection(Connection):
         self._ids = itertools.count(1)
         self._broken: TransportError | None = None
         self._closed = trio.Event()
-        self._heard: dict[int, float] = {}  # id of a socket -> when an answer last began on it (``waits``)
+        self._heard: dict[trio.socket.SocketType, float] = {}  # a socket -> when an answer last began on it (``waits``)
 
     @property
     def lost(self) -> TransportError | None:
@@ -349,14 +349,15 @@ class TcpConnection(Connection):
         return self.bulk_sender if h.length >= BULK else self.sender
 
     def waits(self) -> str:
+        """Requests unanswered (one given up is no longer counted), and for each socket what a
+        send waits behind and how long since an answer last began to arrive on it."""
         now = trio.current_time()
         lanes = {"calls": (self.calls, self.calls_sender), "data": (self.sock, self.sender), "bulk": (self.bulk, self.bulk_sender)}
         parts = [f"{len(self._pending)} requests unanswered"]
         for name, (sock, sender) in lanes.items():
-            frames, size = sender.queued()
-            heard = self._heard.get(id(sock))
+            heard = self._heard.get(sock)
             ago = "never" if heard is None else f"{now - heard:.2f} s ago"
-            parts.append(f"{name}: {frames} frames ({size} bytes) queued to send, last answer {ago}")
+            parts.append(f"{name}: {sender.queued()}, last answer {ago}")
         return "; ".join(parts)
 
     async def aclose(self) -> None:
@@ -381,7 +382,7 @@ class TcpConnection(Connection):
         try:
             while True:
                 await _recv_into(sock, hdr, at_boundary=True)
-                self._heard[id(sock)] = trio.current_time()
+                self._heard[sock] = trio.current_time()
                 h = P.unpack(hdr)
                 size = P.payload_size(h)
                 p = self._forget(h.req_id)  # its window room is free once its bytes are read off

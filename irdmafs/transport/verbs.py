@@ -298,6 +298,9 @@ class VerbsConnection(Connection):
     async def call(self, method: str, args: dict[str, Any] | None = None, *, timeout: float | None = None) -> dict:
         return await self.control.call(method, args, timeout=timeout)
 
+    def waits(self) -> str:
+        return self.control.waits()  # its calls (a heartbeat) go over the TCP control connection
+
     async def aclose(self) -> None:
         self.qp.close()
         await self.control.aclose()

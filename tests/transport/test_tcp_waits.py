@@ -13,10 +13,11 @@ from .conftest import TOKEN
 
 
 async def test_a_connection_says_what_it_waits_on_and_when_each_socket_last_answered(nursery):
-    release = trio.Event()
+    release, holding = trio.Event(), trio.Event()
 
     async def handler(method, args):
         if method == "hold":
+            holding.set()
             await release.wait()
         return {"ok": method}
 
@@ -33,8 +34,7 @@ async def test_a_connection_says_what_it_waits_on_and_when_each_socket_last_answ
         held.set()
 
     nursery.start_soon(hold)
-    while not conn._pending:  # the held call is sent
-        await trio.sleep(0)
+    await holding.wait()  # the held call is sent, and the node holds it
     assert conn.waits().startswith("1 requests unanswered")
     assert "calls: 0 frames (0 bytes) queued to send, last answer never" in conn.waits()
 

@@ -96,3 +96,38 @@ async def test_refreshes_at_once_send_one_heartbeat_a_node():
         await cluster.heartbeats.refresh()  # and the next refresh asks again
         assert asked == ["heartbeat"] * 2 and downs == []
         nursery.cancel_scope.cancel()
+
+
+async def test_a_node_silent_on_a_live_tcp_connection_is_logged_with_what_it_waited_on(caplog):
+    """A heartbeat unanswered while its connection stays up logs what that connection waited
+    on (``Connection.waits``): in the GB soak a mount counted a serving node down for one such
+    heartbeat, and nothing said why (docs/reliability.md, soak items)."""
+    from dataclasses import replace
+
+    from irdmafs.config import NodeSpec
+    from irdmafs.transport.tcp import TcpTransport
+
+    silent = trio.Event()
+
+    async def node(method, args):
+        if silent.is_set():
+            await trio.sleep_forever()
+        return {"state": "ready"}
+
+    cfg = config(9614)  # its node's address is replaced by where the TCP node listens
+    async with trio.open_nursery() as nursery:
+        host, port = await nursery.start(TcpTransport(cfg.token).serve, "127.0.0.1", 0, node)
+        cfg = replace(cfg, nodes=[NodeSpec("a", host, port)])
+        cluster = Cluster(cfg, TcpTransport(cfg.token), nursery)
+        downs: list[str] = []
+        cluster.liveness.on_down.append(downs.append)
+        await cluster.heartbeats.refresh()
+        assert cluster.liveness.state["a"] == "ready"
+        silent.set()
+        with caplog.at_level("WARNING", logger="irdmafs.heartbeats"):
+            await cluster.heartbeats.refresh()
+        assert downs == ["a"]
+        [line] = [r.getMessage() for r in caplog.records if r.name == "irdmafs.heartbeats"]
+        assert line.startswith("heartbeat to a unanswered in ")
+        assert "(its connection: 0 requests unanswered; calls: 0 frames (0 bytes) queued to send, last answer " in line
+        nursery.cancel_scope.cancel()
