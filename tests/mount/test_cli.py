@@ -131,6 +131,7 @@ def test_up_with_transport_tcp_forces_tcp(tmp_path, env):
         assert irdmafs("down", mp, env=env).returncode == 0
 
 
+@pytest.mark.long  # 22 s: the quick suite stays under ten minutes; CI runs it
 def test_down_stops_nodes_restarted_by_hand_and_hung_ones(tmp_path, env):
     """A node killed and started again from its own command line is not the process 'up'
     started; one stopped with SIGSTOP answers no heartbeat. 'down' stops both."""
@@ -285,6 +286,7 @@ def test_mounting_without_pyfuse3_says_what_to_install(tmp_path, env):
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
 
 
+@pytest.mark.long  # 17 s: the quick suite stays under ten minutes; CI runs it
 def test_up_with_three_coordinators_runs_three_etcd_members_and_down_stops_them(tmp_path, env):
     """``--coordinators 3``: three local etcd members (their own ports and data dirs), every one
     named in the config; the cluster serves through one of them stopped; 'down' stops them all.
