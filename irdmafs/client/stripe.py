@@ -118,16 +118,27 @@ class Key(NamedTuple):
     lease: int  # the coordination lease it served under
 
 
+class Lost(NamedTuple):
+    """A node's word that it should hold a stripe that holds bytes and does not (it came back
+    without it: server/missing.py). Never read as a hole: the read asks the other homes, and
+    says EIO naming the stripe and the node if none holds it."""
+
+    why: str
+
+
 class StripeIO:
     def __init__(self, cluster: Cluster, staging: StagingPool, *, write_deadline: float = 30.0):
         self.cluster = cluster
         self.staging = staging
         self.write_deadline = write_deadline
-        # (node, fid, idx, snap) -> its Key, or None for a hole; a node's entries go when it
-        # restarts (Peers.on_restart)
-        self._keys: dict[tuple[str, int, int, int], Key | None] = {}
+        # (node, fid, idx, snap) -> its Key, None for a hole, Lost for a stripe the node lost; a
+        # node's entries go when it restarts (Peers.on_restart)
+        self._keys: dict[tuple[str, int, int, int], Key | Lost | None] = {}
         self.bytes_read = 0
         self.bytes_written = 0
+        # file -> stripe indices written here whose ``extend`` has not been sent yet (the
+        # namespace learns which stripes hold bytes with it: held.py, Client.extend)
+        self.written: dict[int, set[int]] = {}
         self.bytes_pushed = 0  # gradient bytes put on the wire
         # called when a stripe's clock has not moved for CLOCK_SLICE (client/training.py, PushPull._repush_open)
         self.on_behind = None
@@ -139,14 +150,17 @@ class StripeIO:
         info, inc = await self.cluster.call_on(node, "stripe_info", {"fid": fid, "idxs": idxs, "snap": snap})
         for idx in idxs:
             d = info.get(str(idx))
-            self._keys[(node, fid, idx, snap)] = Key(d["rkey"], d["capacity"], inc, info.get("lease", 0)) if d else None
+            if d and "lost" in d:
+                self._keys[(node, fid, idx, snap)] = Lost(str(d["lost"]))
+            else:
+                self._keys[(node, fid, idx, snap)] = Key(d["rkey"], d["capacity"], inc, info.get("lease", 0)) if d else None
 
-    def _in_its_lease(self, node: str, key: Key | None, snap: int) -> bool:
+    def _in_its_lease(self, node: str, key: Key | Lost | None, snap: int) -> bool:
         """Whether a cached ``key`` may read ``node`` now (see the module's docstring). A hole
-        is known for one read only (``read``), and a snapshot's stripes never change (one
-        freed answers AccessError), so those are."""
+        or a lost stripe is known for one read only (``read``), and a snapshot's stripes never
+        change (one freed answers AccessError), so those are."""
         view = self.cluster.roles.view
-        return key is None or snap != 0 or key.lease == view.lease_of(node)
+        return not isinstance(key, Key) or snap != 0 or key.lease == view.lease_of(node)
 
     def _cached(self, node: str, fid: int, idx: int, snap: int) -> bool:
         """A key of ``node`` for this stripe that may be used as it is."""
@@ -207,7 +221,7 @@ class StripeIO:
                 if len(said) != len(part):  # (a node that answers otherwise is not believed: those go one by one)
                     log.warning("%s answered stripe_versions of %d stripes with %d", node, len(part), len(said))
                     return
-                got.update(zip(part, said))
+                got.update((k, v) for k, v in zip(part, said) if v is not None)  # None: lost there (asked one by one)
 
         async def one(fid: int, idx: int) -> None:
             for node in self.cluster.roles.read_candidates(fid, idx):
@@ -221,6 +235,9 @@ class StripeIO:
                         del self._keys[(node, fid, idx, 0)]
                         got[(fid, idx)] = 0
                         return
+                    if isinstance(key, Lost):  # not there: another home, or no stamp for the file
+                        del self._keys[(node, fid, idx, 0)]
+                        break
                     try:
                         got[(fid, idx)] = (await self.cluster.peers.read_header(node, key.rkey, key.inc)).version
                         return
@@ -254,7 +271,7 @@ class StripeIO:
         if not candidates or not self._cached(candidates[0], fid, idx, 0):
             return None
         key = self._keys[(candidates[0], fid, idx, 0)]
-        return None if key is None else (candidates[0], key)
+        return (candidates[0], key) if isinstance(key, Key) else None
 
     async def read_burst(self, node: str, wants: list[tuple[Key, int, memoryview]], min_clock: int, give_up: float) -> list[bool]:
         """Read each (key, data offset, into) of ``node`` once its clock reaches ``min_clock``:
@@ -346,12 +363,14 @@ class StripeIO:
                 raise trio.TooSlowError from None
             raise
         finally:
-            # A hole is known only for this read: any client's next write may fill it (a region
-            # key stays valid until its stripe moves, which the read notices: AccessError).
+            # A hole (or a stripe lost) is known only for this read: any client's next write may
+            # fill it (a region key stays valid until its stripe moves, which the read notices:
+            # AccessError).
             for p in pieces:
                 for node in self.cluster.roles.stripe_rank(fid, p.idx):
-                    if self._keys.get((node, fid, p.idx, snap), 0) is None:
-                        del self._keys[(node, fid, p.idx, snap)]
+                    k = (node, fid, p.idx, snap)
+                    if k in self._keys and not isinstance(self._keys[k], Key):
+                        del self._keys[k]
         self.bytes_read += n
         return n
 
@@ -429,7 +448,8 @@ class StripeIO:
         clocks: dict | None,
     ) -> None:
         min_clock, settled = step.min_clock, step.settled
-        missing: set[str] = set()
+        missing: set[str] = set()  # homes that answered "a hole here"
+        gone: dict[str, str] = {}  # homes that answered "lost here" (server/missing.py), and why
         lost: set[str] = set()  # replicas that could not be reached by this read
         syncing: set[str] = set()  # replicas that answered EAGAIN (resyncing): not trusted, not absent
         behind: list[str] = []  # replicas whose clock did not move while waited on: asked last
@@ -454,14 +474,18 @@ class StripeIO:
             if reached:
                 unavailable = None
             reached = False
-            candidates = [c for c in self.cluster.roles.read_candidates(fid, p.idx) if c not in missing | lost | syncing]
+            candidates = [c for c in self.cluster.roles.read_candidates(fid, p.idx) if c not in missing | lost | syncing | gone.keys()]
             candidates.sort(key=lambda c: behind.index(c) + 1 if c in behind else 0)
             if not candidates:
                 homes = self.cluster.roles.stripe_rank(fid, p.idx)[: self.cluster.roles.members.replicas]
                 # the homes the view names active hold every acknowledged write
                 homes = [n for n in homes if self.cluster.roles.node_state(n) == READY] or homes
-                if set(homes) <= missing:  # every home replica answered: nothing there, a hole
-                    view[:] = bytes(len(view))
+                if set(homes) <= missing | gone.keys():  # every home replica answered: nothing there
+                    if gone:  # ... but the stripe holds bytes that a home lost: never zeros
+                        said = "; ".join(f"{n}: {w}" for n, w in sorted(gone.items()))
+                        log.error("stripe %d:%d: lost, no replica holds it (%s)", fid, p.idx, said)
+                        raise Unavailable(f"stripe {p.idx} of file {fid}: lost ({said})")
+                    view[:] = bytes(len(view))  # a hole
                     return
                 if unavailable is None:
                     unavailable, none_since = Patience(self.cluster.liveness.work, self.cluster.cfg.op_timeout), trio.current_time()
@@ -482,7 +506,7 @@ class StripeIO:
                     syncing.clear()
                     continue
                 # Zeros here could hide lost data: say so instead.
-                down = [n for n in homes if n not in missing]
+                down = [n for n in homes if n not in missing and n not in gone]
                 log.error("stripe %d:%d: no live replica holds it (down or syncing: %s)", fid, p.idx, ", ".join(down))
                 raise Unavailable(f"stripe {p.idx} of file {fid}: replicas {down} unavailable")
             node = candidates[0]
@@ -494,6 +518,9 @@ class StripeIO:
                 key = self._keys[(node, fid, p.idx, snap)]
                 if key is None:
                     missing.add(node)
+                    continue
+                if isinstance(key, Lost):
+                    gone[node] = key.why
                     continue
                 rkey, capacity, inc, _ = key
                 if p.offset + len(view) > capacity and node not in looked_up:
@@ -551,6 +578,8 @@ class StripeIO:
             for p in pieces:
                 args = {"fid": fid, "idx": p.idx, "offset": p.offset, "length": p.length, "unit": unit}
                 nursery.start_soon(self.to_primary, fid, p.idx, data[p.pos : p.pos + p.length], "commit", args)
+        if pieces:
+            self.written.setdefault(fid, set()).update(p.idx for p in pieces)
         self.bytes_written += len(data)
 
     async def to_primary(self, fid: int, idx: int, view: memoryview, method: str, args: dict) -> dict:

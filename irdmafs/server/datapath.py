@@ -25,6 +25,7 @@ from ..offload import Offload
 from ..transport.base import RemoteError
 from .barrier import CommitBarrier
 from .core import NodeCore
+from .missing import Missing
 from .policies import RecordError, StripeTraining
 from .replicator import Replicator
 from .staging import Staged, StagingRegions
@@ -68,12 +69,20 @@ class Apply(NamedTuple):
 
 class DataPath:
     def __init__(
-        self, core: NodeCore, barrier: CommitBarrier, replicator: Replicator, staging: StagingRegions, training: Training, offload: Offload
+        self,
+        core: NodeCore,
+        barrier: CommitBarrier,
+        replicator: Replicator,
+        staging: StagingRegions,
+        training: Training,
+        offload: Offload,
+        missing: Missing,
     ):
         """``training``: the owner of the push bookkeeping an apply brings (``take_replicated``);
-        ``offload``: how work leaves the loop (a snapshot's files, with ``--persist``)."""
+        ``offload``: how work leaves the loop (a snapshot's files, with ``--persist``);
+        ``missing``: the stripes this node came back without (a read of one is told so)."""
         self.name, self.cfg, self.cluster, self.store, self.stripe_locks, self.serving = core
-        self.offload = offload
+        self.offload, self.missing = offload, missing
         self.barrier, self.replicator, self.staging, self.training = barrier, replicator, staging, training
         # optimizer state a primary sent ahead of the parameters it goes with: installed by the
         # parameters' apply, never alone (a primary that dies between leaves both as they were)
@@ -102,6 +111,10 @@ class DataPath:
         if not resync:
             self.serving.require_caught_up()  # the reader asks the other home meanwhile
         held = {str(i): (s.describe() if (s := self.store.get(fid, i, snap)) else None) for i in idxs}
+        if not resync:  # a stripe lost here is not a hole (missing.py): the reader asks elsewhere, or says EIO
+            for i, d in held.items():
+                if d is None and (why := self.missing.why(fid, int(i), snap)) is not None:
+                    held[i] = {"lost": why}
         if resync and snap == 0:  # the push bookkeeping of those bytes goes with them (resync.py)
             for i, d in held.items():
                 if d is not None:
@@ -110,14 +123,18 @@ class DataPath:
 
     async def rpc_stripe_versions(self, stripes: list) -> dict:
         """The version of each live stripe ``[fid, idx]`` of ``stripes`` held here (0: none
-        here, a hole), as its header says (the word a one-sided read of it gives): what a mount
+        here, a hole; None: lost here, missing.py), as its header says (the word a one-sided read of it gives): what a mount
         stamps a file with at an open (fs/pagecache.py), for every stripe of a model of
         hundreds of tensors in one call rather than one read each. From a ready node that has
         caught up only (EAGAIN: the mount asks the stripe's other home)."""
         if not isinstance(stripes, list) or not all(isinstance(s, list) and len(s) == 2 and all(type(x) is int for x in s) for s in stripes):
             raise RemoteError("EINVAL", "stripe_versions: stripes is a list of [fid, idx]")
         self.serving.require_caught_up()
-        return {"versions": [s.version if (s := self.store.get(fid, idx)) is not None else 0 for fid, idx in stripes]}
+        return {
+            "versions": [
+                s.version if (s := self.store.get(fid, idx)) is not None else None if self.missing.why(fid, idx) else 0 for fid, idx in stripes
+            ]
+        }
 
     async def rpc_commit(self, fid: int, idx: int, offset: int, length: int, unit: int, staged: list, epoch: int = 0) -> dict:
         """Install the range ``staged`` ([rkey, offset] of a staging region here) as the

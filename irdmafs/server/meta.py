@@ -19,7 +19,7 @@ from typing import Any
 
 # (the client and the file system import these from irdmafs.namespace, not from here)
 from ..namespace import MODEL_SUFFIX, MODEL_XATTR, NAME_MAX, PATH_MAX, ROOT
-from .. import packing
+from .. import held, packing
 from ..transport.base import RemoteError
 from . import buckets
 
@@ -68,6 +68,7 @@ OP_OPTIONAL: dict[str, dict[str, Any]] = {
     "create": {"target": str, "unit": int, "rdev": int, **_NAMING},
     "mkdir": dict(_NAMING),
     "setxattr": {"value": (str, type(None))},
+    "extend": {"stripes": list},  # the runs of stripes the write wrote (held.py)
 }
 
 
@@ -118,7 +119,23 @@ class Meta:
         return self.attr(ino)
 
     def attr(self, ino: int) -> dict:
-        return dict(self.inode(ino), ino=ino)
+        """An inode's attributes as a client sees them: its record without the runs of its
+        written stripes (held.py; they may be long), with the blocks they take."""
+        node = self.inode(ino)
+        out = {k: v for k, v in node.items() if k != "stripes"}
+        if S.S_ISREG(node["mode"]):
+            out["blocks"] = held.blocks(node.get("stripes"), node["size"], node["unit"])
+        out["ino"] = ino
+        return out
+
+    def written(self, ino: int, idx: int) -> bool | None:
+        """Whether stripe ``idx`` of file ``ino`` holds bytes someone wrote (held.py): True,
+        False (a hole: zeros), or None when the namespace does not know (no such file, or a
+        record from before the runs were kept)."""
+        node = self.inodes.get(ino)
+        if node is None or node.get("stripes") is None:
+            return None
+        return held.contains(node["stripes"], idx)
 
     def model_dir(self, node: dict) -> int | None:
         """The tensor directory of a model file's inode record (fs/models.py), or None."""
@@ -237,8 +254,13 @@ class Meta:
                     raise _err("EINVAL", f"{kind}: no {key!r}")
             elif not isinstance(op[key], want):
                 raise _err("EINVAL", f"{kind}: {key!r} is a {type(op[key]).__name__}")
-        if kind == "setattr" and not all(isinstance(v, int) for v in op["attrs"].values()):
+        if kind == "setattr" and not all(isinstance(v, int) and not isinstance(v, bool) for v in op["attrs"].values()):
             raise _err("EINVAL", "setattr: attributes are integers")
+        if kind == "extend" and "stripes" in op:
+            try:
+                held.check(op["stripes"])
+            except ValueError as exc:
+                raise _err("EINVAL", f"extend: {exc}") from None
 
     def prepare(self, op: dict, now_ns: int) -> dict:
         """Fill in what only the primary may decide; the op is checked here (``check``), what it
@@ -287,6 +309,8 @@ class Meta:
             "version": 0,  # counts content changes
             "tensor": None,  # {"dtype", "shape", "offset"} while the content is a valid .npy
         }
+        if S.S_ISREG(mode) and unit:
+            node["stripes"] = []  # the runs of its stripes that hold written bytes (held.py)
         self.inodes[ino] = node
         if S.S_ISDIR(mode):
             self.entries[ino] = {}
@@ -453,6 +477,8 @@ class Meta:
             raise _err("EISDIR" if S.S_ISDIR(node["mode"]) else "EINVAL", "bad size change")
         if "mode" in fields:
             fields = dict(fields, mode=S.S_IFMT(node["mode"]) | S.S_IMODE(fields["mode"]))
+        if "size" in fields and node.get("stripes") is not None:  # every node drops the stripes past it
+            node["stripes"] = held.cut(node["stripes"], -(-fields["size"] // node["unit"]))
         bucket = None
         if "size" in fields and packing.pointer(node) is not None:  # a whole rewrite: its data is its own again
             bucket = buckets.release(self, op["ino"], op["now"])
@@ -476,6 +502,8 @@ class Meta:
         if S.S_ISDIR(node["mode"]):
             raise _err("EISDIR", "cannot write a directory")
         node["size"] = max(node["size"], op["size"])
+        if op.get("stripes") and node.get("stripes") is not None:
+            node["stripes"] = held.add(node["stripes"], op["stripes"])
         node["mtime_ns"] = node["ctime_ns"] = op["now"]
         node["version"] += 1
         return self.attr(op["ino"])
@@ -503,6 +531,8 @@ class Meta:
             if not (isinstance(d, int) and d in self.entries and isinstance(start, int) and 0 < start <= node["size"]):
                 raise _err("EINVAL", f"bad model record {model!r}")
             node["xattrs"][MODEL_XATTR] = json.dumps(model)
+            if node.get("stripes") is not None and node["unit"]:  # the stripes past ``start`` go
+                node["stripes"] = held.cut(node["stripes"], -(-start // node["unit"]))
         node["ctime_ns"] = op["now"]
         return self.attr(op["ino"])
 

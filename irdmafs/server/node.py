@@ -60,6 +60,7 @@ from .budget import Budget
 from .clocks import ClockWaits
 from .core import NodeCore
 from .datapath import VERSION_SHIFT, DataPath
+from .missing import Missing
 from .leases import ServingLease
 from .spares import SPARE
 from .locks import KeyedLocks
@@ -126,9 +127,10 @@ class Node:
         core = NodeCore(name, cfg, self.cluster, self.store, self.stripe_locks, self.serving)
         self.training = Training(core, lambda: self.namespace.meta, self.barrier, self.replicator, self.staging, self.latency)
         self.namespace = Namespace(core, self.persist, self.replicator, self._call_node, self.training.forget, self.training.recheck)
-        self.resync = Resync(core, self.training, self.namespace.current, self.namespace.restore)
+        self.missing = Missing(name, self.store, lambda: self.namespace.meta)  # the stripes it came back without
+        self.resync = Resync(core, self.training, self.namespace.current, self.namespace.restore, self.missing)
         self.membership = Membership(core, self.namespace.lock, self.barrier, self.training, self.resync, self.lease, self.namespace.drop_freed)
-        self.data = DataPath(core, self.barrier, self.replicator, self.staging, self.training, self.offload)
+        self.data = DataPath(core, self.barrier, self.replicator, self.staging, self.training, self.offload, self.missing)
         self.cluster.heartbeats.on_adopt = self.membership.adopted  # a membership learnt from a peer's heartbeat
         self.clocks = ClockWaits(transport, self.store)
         self.calls: dict[str, Callable] = {}  # method -> its handler (``handle``)
@@ -290,6 +292,7 @@ class Node:
             **self.lease.status(),
             "replicas_behind": sum(self.cluster.roles.node_state(n) != READY for n in self.cluster.roles.members.names if n != self.name),
             "caught_up": self.caught_up,
+            "lost": self.missing.summary(),  # written stripes it came back without (missing.py)
             **(self.leading() if args.get("from") == "status" else {}),
         }
 

@@ -28,6 +28,7 @@ from ..transport.base import AccessError, RemoteError, TransportError
 from ..util import single_exception
 from .core import NodeCore
 from .meta import Meta
+from .missing import Missing
 from .policies import RecordError, StripeTraining
 from .training import RECORDS_PAGE, Training
 from .updates import StripeKey
@@ -41,9 +42,11 @@ log = logging.getLogger(__name__)
 
 
 class Resync:
-    def __init__(self, core: NodeCore, training: Training, meta: Callable[[], Meta], restore_meta: Callable[..., None]):
+    def __init__(self, core: NodeCore, training: Training, meta: Callable[[], Meta], restore_meta: Callable[..., None], missing: Missing):
+        """``missing``: where a resync records the written stripes of this node that it ended
+        without (missing.py: their reads get EIO, never zeros)."""
         self.name, self.cfg, self.cluster, self.store, self.stripe_locks, self.serving = core
-        self.training, self.meta, self.restore_meta = training, meta, restore_meta
+        self.training, self.meta, self.restore_meta, self.missing = training, meta, restore_meta, missing
         self.work: dict = {}  # long work under way (resync, rebalance): shown by heartbeats
 
     async def resync(self) -> None:
@@ -70,6 +73,7 @@ class Resync:
             return self.name in [n for n in self.cluster.roles.stripe_rank(fid, idx) if n in live][: self.cluster.roles.members.replicas]
 
         await self.pull_stripes("resync", peers, mine, converge=True, newer_or_fail=True)
+        self.missing.found(mine)
         await self.pull_records(peers, mine)
         log.info("resync of node %s done in %.2fs", self.name, time.monotonic() - t0)
 
