@@ -32,13 +32,14 @@ from typing import Any, AsyncIterator, Callable
 
 import trio
 
-from ..cluster import Cluster
+from ..cluster import Cluster, Unavailable
 from ..peers import NodeDown
 from ..config import ClusterConfig
 from ..silence import Patience
 from ..slots import StagingPool
 from ..transport.base import Gather, RemoteError, Transport, TransportError
 from ..util import single_exception
+from .. import held
 from ..packing import in_force
 from .buckets import Packer, split_read
 from .paths import Paths
@@ -181,8 +182,17 @@ class Client:
         return await self._op(op="setmodel", ino=ino, model=model, version=version, size=size)
 
     async def extend(self, ino: int, size: int) -> dict:
-        """Content changed up to ``size``: grow the file if needed, move mtime and version."""
-        return await self._op(op="extend", ino=ino, size=size)
+        """Content changed up to ``size``: grow the file if needed, move mtime and version,
+        and record the stripes written since the last extend (``StripeIO.written``) as holding
+        bytes: a stripe a node loses then reads as EIO, not zeros (held.py). A failed extend
+        keeps them for the next one."""
+        idxs = self.io.written.pop(ino, set())
+        try:
+            return await self._op(op="extend", ino=ino, size=size, **({"stripes": held.runs_of(idxs)} if idxs else {}))
+        except BaseException:
+            if idxs:
+                self.io.written.setdefault(ino, set()).update(idxs)
+            raise
 
     async def mkdir(self, parent: int, name: str, mode: int = 0o755, uid: int = 0, gid: int = 0) -> dict:
         return await self._op(op="mkdir", parent=parent, name=name, mode=mode, uid=uid, gid=gid)
@@ -275,8 +285,31 @@ class Client:
         if S.S_ISDIR(attr["mode"]):
             raise RemoteError("EISDIR", "is a directory")
         view = data if isinstance(data, Gather) else memoryview(data).cast("B")
-        await self.io.write(ino, attr["unit"], offset, view)
+        try:
+            await self.io.write(ino, attr["unit"], offset, view)
+        except Exception:
+            if extend:  # (the file system frees at the flush that reports it: fs/handles.py)
+                await self.free_past_end(ino, offset + len(view))
+            raise
         return await self.extend(ino, offset + len(view)) if extend else None
+
+    async def free_past_end(self, ino: int, written: int) -> dict | None:
+        """After a write that failed (ENOSPC, EIO, a node lost): the stripes it committed past
+        the file's end hold memory nobody can read; a truncate to the file's own size frees
+        them on every node (and zeroes what it wrote past the end in the last stripe). Best
+        effort, shielded: the write's own error is what the caller reports; a failure here is
+        logged and leaves the space to the next truncate or unlink. Answers the file's
+        attributes after it (None if it could not)."""
+        with trio.CancelScope(shield=True), trio.move_on_after(self.cfg.op_timeout):
+            try:
+                attr = await self.getattr(ino)
+                if S.S_ISREG(attr["mode"]) and written > attr["size"]:
+                    attr = await self.truncate(ino, attr["size"], written=written)
+                    log.info("file %d: a failed write's stripes past its end (%d bytes) freed", ino, written - attr["size"])
+                return attr
+            except (RemoteError, TransportError, Unavailable, NodeDown) as exc:
+                log.warning("file %d: the stripes a failed write left past its end not freed: %s", ino, exc)
+        return None
 
     async def truncate(self, ino: int, size: int, *, written: int = 0, **attrs: Any) -> dict:
         """Set the size; ``written``: how far this client wrote data the file's size does not
@@ -284,6 +317,8 @@ class Client:
         attr = await self.getattr(ino)
         old, unit = max(attr["size"], written), attr["unit"]
         result = await self._op(op="setattr", ino=ino, attrs=dict(attrs, size=size))
+        if unit and ino in self.io.written:  # what the truncate dropped holds nothing any more
+            self.io.written[ino] = {i for i in self.io.written[ino] if i < -(-size // unit)}
         # Whole stripes past the end were dropped by every node; the tail of the last one must
         # read as zeros if the file grows again, so it is zeroed through the normal write path.
         if unit and size < old and size % unit:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import time
 
 import trio
 
@@ -34,6 +35,28 @@ REMOTE_ERRNO = {
         "ENOSPC", "ENODATA", "EPERM", "EACCES", "EBUSY", "E2BIG", "ETIMEDOUT", "EMLINK", "EAGAIN", "EXDEV",
     )
 } | {LAYOUT_CHANGED: errno.ESTALE}  # a layout changed under a push or a write (server/buckets.py)
+
+
+class Episode:
+    """One log line per episode of an answer that comes many times in a row (ENOSPC: every
+    write of a `dd` into a full cluster gets it): the first of an episode is logged with what
+    the node said (what holds its memory); an episode ends after ``quiet`` seconds without it."""
+
+    def __init__(self, quiet: float = 30.0):
+        self.quiet = quiet
+        self.last = -float("inf")
+        self.count = 0
+
+    def say(self, what: str, exc: BaseException) -> None:
+        now = time.monotonic()
+        if now - self.last > self.quiet:
+            self.count = 0
+            log.warning("%s: ENOSPC: %s (further ENOSPC answers within %.0f s of each other are not logged)", what, exc, self.quiet)
+        self.count += 1
+        self.last = now
+
+
+FULL = Episode()  # the mount's ENOSPC answers (the nodes say what holds their memory: server/budget.py)
 
 
 def _telling(exc: BaseException) -> int:
@@ -65,6 +88,8 @@ def errno_for(exc: BaseException, what: str) -> int:
     if isinstance(exc, FsError):
         return exc.errno
     if isinstance(exc, RemoteError):
+        if exc.code == "ENOSPC":
+            FULL.say(what, exc)
         if exc.code in REMOTE_ERRNO:
             return REMOTE_ERRNO[exc.code]
         log.error("%s: cluster error %s", what, exc)

@@ -193,7 +193,20 @@ class FileHandle(Handle):
         if not self.dirty:
             return
         seen = self.writes
-        await self.behind.drain()
+        try:
+            await self.behind.drain()
+        except Exception:
+            # A write failed (ENOSPC, a node lost): what the others committed past the file's
+            # end would hold memory for ever (a 0-byte file holding 450 MB after dd met ENOSPC),
+            # so it is freed, unless another handle here still has writes past it on the way.
+            f = self.file
+            if not any(w is not self.behind and (w.run or w.inflight) for w in f.writers):
+                attr = await self.client.free_past_end(self.ino, self.size)
+                if attr is not None:  # the size a stat shows here is the cluster's again
+                    f.update(attr)
+                    self.size = min(self.size, attr["size"])
+                    f.pending = 0
+            raise
         self.file.update(await self.client.extend(self.ino, self.size))
         if self.writes != seen:
             return  # more came meanwhile: the next flush sends them, and decides what the file holds

@@ -16,6 +16,7 @@ import os
 import time
 
 import pyfuse3
+import trio
 
 from .errors import errno_for
 from .vfs import Vfs
@@ -204,11 +205,26 @@ class Operations(pyfuse3.Operations):
 
     @fuse_errors
     async def flush(self, fh):
-        await self.vfs.flush(fh)
+        try:
+            await self.vfs.flush(fh)
+        except Exception:
+            await self._forget_size(fh)
+            raise
 
     @fuse_errors
     async def fsync(self, fh, datasync):
-        await self.vfs.fsync(fh)
+        try:
+            await self.vfs.fsync(fh)
+        except Exception:
+            await self._forget_size(fh)
+            raise
+
+    async def _forget_size(self, fh) -> None:
+        """A flush that failed gave back what its writes took past the file's end (handles.py):
+        the kernel, which grew the file's size with each write, is told to ask again."""
+        ino = getattr(self.vfs.handles.get(fh), "ino", None)
+        if ino is not None:
+            await trio.to_thread.run_sync(kernel_drop, [], [ino])
 
     @fuse_errors
     async def fsyncdir(self, fh, datasync):

@@ -113,3 +113,51 @@ async def test_mount_process_killed_with_kill_9_leaves_no_hung_mountpoint_and_lo
     finally:
         unmount(str(mp))
     assert not clear_dead_mount(str(mp))  # nothing mounted: nothing to do
+
+
+async def held_stripe_bytes(lc) -> int:
+    """Stripe memory the nodes hold, as their budgets count it (server/budget.py)."""
+    from irdmafs.local import node_status
+
+    total = 0
+    for name in lc.cfg.names:
+        total += (await node_status(lc.cfg, name))["held"].get("stripes", 0)
+    return total
+
+
+def allocated(root) -> int:
+    """Bytes the files under ``root`` take, as ``du`` counts them (st_blocks)."""
+    return sum(os.lstat(os.path.join(d, f)).st_blocks * 512 for d, _, files in os.walk(root) for f in files)
+
+
+async def test_a_write_that_fails_full_holds_no_space_past_the_files_end(local_cluster, mount):
+    """ENOSPC in the middle of a new file, of an append and of an overwrite: the stripes the
+    failed write committed past the file's end are freed (df and du agree), the file keeps its
+    size, and what was acknowledged before reads back. The mount logs the ENOSPC once, naming
+    what holds the memory."""
+    lc = await local_cluster(nodes=2, replicas=1, stripe_unit=MiB, capacity="48MiB")
+    m = mount(lc)
+    kept = os.urandom(8 * MiB)
+    (m / "kept").write_bytes(kept)
+    base = await held_stripe_bytes(lc)
+    assert base <= 8 * MiB + 2 * MiB and allocated(m) == 8 * MiB
+
+    def fill(path, mode, nbytes):
+        with pytest.raises(OSError) as err:
+            with open(path, mode) as f:
+                for _ in range(nbytes // MiB):
+                    f.write(os.urandom(MiB))
+        assert err.value.errno == errno.ENOSPC
+
+    fill(m / "fill.bin", "wb", 200 * MiB)  # a new file
+    assert (m / "fill.bin").stat().st_size == 0
+    assert await held_stripe_bytes(lc) <= base + MiB, "space held past a failed file's end"
+    fill(m / "kept", "ab", 200 * MiB)  # an append
+    assert (m / "kept").stat().st_size == 8 * MiB and (m / "kept").read_bytes() == kept
+    assert await held_stripe_bytes(lc) <= base + MiB
+    assert allocated(m) == 8 * MiB
+    log = (m.parent / "mnt.log").read_text()
+    assert "ENOSPC" in log and "node full" in log, "the ENOSPC was not logged with what holds the memory"
+    assert log.count("node full") <= 3, "ENOSPC logged once per write, not once per episode"
+    (m / "fill.bin").write_bytes(b"after")  # space is there again
+    assert (m / "fill.bin").read_bytes() == b"after"
