@@ -161,6 +161,9 @@ def stat_of(attr: dict, f=None, ino: int | None = None, readonly: bool = False) 
         "st_uid": attr["uid"],
         "st_gid": attr["gid"],
         "st_size": size,
+        # the stripes that hold bytes (held.py: du and cp --sparse see holes), and what this
+        # mount wrote past the flushed size; a record without them: every byte
+        "st_blocks": attr["blocks"] + (max(0, size - attr["size"]) + 511) // 512 if "blocks" in attr else (size + 511) // 512,
         "st_atime_ns": attr["atime_ns"],
         "st_mtime_ns": attr["mtime_ns"],
         "st_ctime_ns": attr["ctime_ns"],

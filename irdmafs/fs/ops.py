@@ -54,7 +54,7 @@ def entry(st: dict) -> pyfuse3.EntryAttributes:
         if key.startswith("st_"):
             setattr(e, key, value)
     e.st_blksize = 1 << 20
-    e.st_blocks = (st["st_size"] + 511) // 512
+    e.st_blocks = st.get("st_blocks", (st["st_size"] + 511) // 512)
     e.generation = 0
     e.entry_timeout = st.get("entry_timeout", ENTRY_TIMEOUT)
     e.attr_timeout = st.get("attr_timeout", ATTR_TIMEOUT)

@@ -526,3 +526,22 @@ async def test_a_snapshot_copies_nothing_until_the_live_file_changes(ps):
     assert (await held())["snapshots"] == 2 * len(old)  # b still holds the copy
     os.rmdir(m / ".snapshots" / "b")
     assert (await held())["snapshots"] == 0
+
+
+async def test_sparse_files_look_sparse(ps, tmp_path):
+    """``st_blocks`` counts the stripes that hold bytes (held.py): a truncated file takes none,
+    ``du`` shows what was written, and ``cp --sparse=always`` out allocates only that."""
+    _, m = ps
+    with open(m / "sparse", "wb") as f:
+        f.truncate(100 * MiB)
+    assert (m / "sparse").stat().st_blocks == 0
+    with open(m / "sparse", "r+b") as f:
+        f.seek(50 * MiB)
+        f.write(os.urandom(MiB))  # one whole stripe
+    st = (m / "sparse").stat()
+    assert st.st_size == 100 * MiB and st.st_blocks * 512 == MiB
+    (m / "dense").write_bytes(os.urandom(3 * MiB + 5))
+    assert (m / "dense").stat().st_blocks == (3 * MiB + 5 + 511) // 512
+    subprocess.run(["cp", "--sparse=always", str(m / "sparse"), str(tmp_path / "out")], check=True)
+    assert (tmp_path / "out").read_bytes() == (m / "sparse").read_bytes()
+    assert (tmp_path / "out").stat().st_blocks * 512 < 4 * MiB  # not 100 MiB
