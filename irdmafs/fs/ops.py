@@ -13,6 +13,7 @@ import errno
 import functools
 import logging
 import os
+import stat as S
 import time
 
 import pyfuse3
@@ -44,6 +45,9 @@ def fuse_errors(fn):
             self.vfs.latency.observe(fn.__name__, time.perf_counter() - t0)
 
     return wrapper
+
+
+UNKNOWN_INO = 0xFFFFFFFF  # an entry's inode number not given (libfuse's FUSE_UNKNOWN_INO)
 
 
 def entry(st: dict) -> pyfuse3.EntryAttributes:
@@ -135,6 +139,11 @@ class Operations(pyfuse3.Operations):
     @fuse_errors
     async def opendir(self, inode, ctx):
         entries = await self.vfs.readdir(inode)  # listed once per open: offsets stay stable
+        # ``ls -a`` shows "." and ".."; the kernel instantiates neither from a listing (no
+        # lookup counted, their attributes unused), so only their inode numbers matter: the
+        # directory's own, and for ".." the root's at the root, else libfuse's "unknown"
+        dot = {"st_mode": S.S_IFDIR | 0o755, "st_size": 0, "entry_timeout": 0, "attr_timeout": 0}
+        entries = [(".", dict(dot, st_ino=inode)), ("..", dict(dot, st_ino=inode if inode == pyfuse3.ROOT_INODE else UNKNOWN_INO))] + list(entries)
         self._dir_fh += 1
         self._dirs[self._dir_fh] = entries
         self._dir_inode[self._dir_fh] = inode

@@ -281,6 +281,9 @@ class Meta:
         buckets.guard(self, op)
         result = getattr(self, f"_op_{op['op']}")(op)
         self.seq += 1
+        root = self.inodes[ROOT]
+        if not root["ctime_ns"] and op.get("now"):  # made with the namespace, before any clock: the first op's time
+            root["atime_ns"] = root["mtime_ns"] = root["ctime_ns"] = op["now"]
         if op["op"] == "setattr" and "size" in op["attrs"] and self.inodes[op["ino"]]["unit"]:
             cut = -(-op["attrs"]["size"] // self.inodes[op["ino"]]["unit"])
             self.cuts[op["ino"]] = [c for c in self.cuts.get(op["ino"], []) if c[1] < cut] + [[self.seq, cut]]

@@ -545,3 +545,16 @@ async def test_sparse_files_look_sparse(ps, tmp_path):
     subprocess.run(["cp", "--sparse=always", str(m / "sparse"), str(tmp_path / "out")], check=True)
     assert (tmp_path / "out").read_bytes() == (m / "sparse").read_bytes()
     assert (tmp_path / "out").stat().st_blocks * 512 < 4 * MiB  # not 100 MiB
+
+
+async def test_a_listing_has_dot_and_dotdot_and_the_root_has_its_times(ps):
+    """``ls -a`` lists "." and ".."; the root's times are its creation's, not 1970 (the first
+    namespace op's, which a mount's start makes)."""
+    import time
+
+    _, m = ps
+    (m / "d").mkdir()
+    out = subprocess.run(["ls", "-a", str(m), str(m / "d")], capture_output=True, text=True, check=True).stdout.split()
+    assert out.count(".") == 2 and out.count("..") == 2 and "d" in out
+    assert abs(os.stat(m).st_mtime - time.time()) < 3600 and os.stat(m).st_atime > 1e9
+    assert sorted(os.listdir(m)) == ["d"]  # the dots are the kernel's to hide from listdir
