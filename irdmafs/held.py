@@ -17,9 +17,12 @@ holes, as they always were.
 
 from __future__ import annotations
 
+import json
 from typing import Iterable, Sequence
 
-__all__ = ["MAX_RUNS", "add", "blocks", "check", "cut", "contains", "runs_of", "total"]
+from .namespace import MODEL_XATTR
+
+__all__ = ["MAX_RUNS", "add", "blocks", "check", "cut", "contains", "extent_end", "runs_of", "total"]
 
 MAX_RUNS = 1 << 16  # runs one ``extend`` may carry (a file written every other stripe: 2**17 stripes)
 
@@ -79,3 +82,16 @@ def blocks(runs: Sequence[Sequence[int]] | None, size: int, unit: int) -> int:
         return (size + 511) // 512
     nbytes = sum(max(0, min(hi * unit, size) - lo * unit) for lo, hi in runs)
     return (nbytes + 511) // 512
+
+
+def extent_end(node: dict) -> int:
+    """Where a file's bytes end as its namespace record says: its size, or a model file's
+    tensors' start (``setmodel`` drops the stripes past it: they live in its tensor files)."""
+    end = node.get("size", 0)
+    model = node.get("xattrs", {}).get(MODEL_XATTR)
+    if model:
+        try:
+            end = min(end, int(json.loads(model).get("start", end)))
+        except (ValueError, TypeError, AttributeError):
+            pass
+    return end

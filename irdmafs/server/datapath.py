@@ -26,6 +26,7 @@ from ..transport.base import RemoteError
 from .barrier import CommitBarrier
 from .core import NodeCore
 from .missing import Missing
+from .tails import Tails
 from .policies import RecordError, StripeTraining
 from .replicator import Replicator
 from .staging import Staged, StagingRegions
@@ -77,12 +78,14 @@ class DataPath:
         training: Training,
         offload: Offload,
         missing: Missing,
+        tails: Tails,
     ):
         """``training``: the owner of the push bookkeeping an apply brings (``take_replicated``);
         ``offload``: how work leaves the loop (a snapshot's files, with ``--persist``);
-        ``missing``: the stripes this node came back without (a read of one is told so)."""
+        ``missing``: the stripes this node came back without (a read of one is told so);
+        ``tails``: what it commits past a file's end, watched for a writer that is gone."""
         self.name, self.cfg, self.cluster, self.store, self.stripe_locks, self.serving = core
-        self.offload, self.missing = offload, missing
+        self.offload, self.missing, self.tails = offload, missing, tails
         self.barrier, self.replicator, self.staging, self.training = barrier, replicator, staging, training
         # optimizer state a primary sent ahead of the parameters it goes with: installed by the
         # parameters' apply, never alone (a primary that dies between leaves both as they were)
@@ -157,6 +160,7 @@ class DataPath:
                 base = self.store.get(fid, idx)
                 base_tag = base.tag if base is not None else 0
                 version = self.store.install(StripeKey(fid, idx), offset, data, unit)
+                self.tails.committed(fid, idx, self.staging.owner_of(staged), version)  # past the end: watched
                 self.serving.led_now((fid, idx, 0))
                 update = Update(StripeRange(StripeKey(fid, idx), offset, length, unit), version, self.store.get(fid, idx), base_tag=base_tag)
                 await self.replicator.to_every_target(update.range.key, lambda peer: self.replicator.update(peer, update))

@@ -63,6 +63,7 @@ OP_FIELDS: dict[str, dict[str, Any]] = {
     "pack": {"bucket": int, "tensors": list, "count": int, "final": bool},
     "unpack": {"bucket": int, "tensors": list},
     "cacher": {"owner": str, "on": bool},  # a mount that may cache names (server/namecache.py)
+    "trim": {"ino": int, "idx": int, "version": int},  # a stripe past the end, its writer gone (server/tails.py)
 }
 OP_OPTIONAL: dict[str, dict[str, Any]] = {
     "create": {"target": str, "unit": int, "rdev": int, **_NAMING},
@@ -583,6 +584,15 @@ class Meta:
             node["xattrs"][op["name"]] = op["value"]
         node["ctime_ns"] = op["now"]
         return {}
+
+    def _op_trim(self, op: dict) -> dict:
+        """Whether stripe ``idx`` of file ``ino`` is past the file's end now (every node then
+        drops its copy if still at ``version`` or older: server/namespace.py, tails.py). Changes
+        nothing in the namespace: no size, time or version moves."""
+        node = self.inode(op["ino"])
+        if not S.S_ISREG(node["mode"]) or not node["unit"] or op["idx"] < 0:
+            raise _err("EINVAL", f"trim: inode {op['ino']} stripe {op['idx']} is no stripe of a file")
+        return {"trim": op["idx"] * node["unit"] >= held.extent_end(node)}
 
     def _op_cacher(self, op: dict) -> dict:
         """A mount recorded as one that may cache names (on), or dropped from the record."""

@@ -22,12 +22,11 @@ Concurrency: the node's trio thread only; nothing here awaits.
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Callable, Iterable
 
 from .. import held
-from ..namespace import MODEL_XATTR
+from ..held import extent_end
 from ..transport.base import RemoteError
 from .meta import Meta
 from .store import Store
@@ -36,19 +35,6 @@ log = logging.getLogger(__name__)
 
 Key = tuple[int, int, int]  # (file id, stripe index, snapshot id)
 NAMED = 5  # keys a log line names at most
-
-
-def extent_end(node: dict) -> int:
-    """Where a file's bytes end as the namespace says: its size, or a model file's tensors'
-    start (``setmodel`` drops the stripes past it)."""
-    end = node.get("size", 0)
-    model = node.get("xattrs", {}).get(MODEL_XATTR)
-    if model:
-        try:
-            end = min(end, int(json.loads(model).get("start", end)))
-        except (ValueError, TypeError, AttributeError):
-            pass
-    return end
 
 
 def written_keys(meta: Meta) -> Iterable[Key]:

@@ -61,6 +61,7 @@ from .clocks import ClockWaits
 from .core import NodeCore
 from .datapath import VERSION_SHIFT, DataPath
 from .missing import Missing
+from .tails import Tails
 from .leases import ServingLease
 from .spares import SPARE
 from .locks import KeyedLocks
@@ -130,7 +131,8 @@ class Node:
         self.missing = Missing(name, self.store, lambda: self.namespace.meta)  # the stripes it came back without
         self.resync = Resync(core, self.training, self.namespace.current, self.namespace.restore, self.missing)
         self.membership = Membership(core, self.namespace.lock, self.barrier, self.training, self.resync, self.lease, self.namespace.drop_freed)
-        self.data = DataPath(core, self.barrier, self.replicator, self.staging, self.training, self.offload, self.missing)
+        self.tails = Tails(self.store, self.staging, lambda: self.namespace.meta, self._trim)  # past a file's end, its writer gone
+        self.data = DataPath(core, self.barrier, self.replicator, self.staging, self.training, self.offload, self.missing, self.tails)
         self.cluster.heartbeats.on_adopt = self.membership.adopted  # a membership learnt from a peer's heartbeat
         self.clocks = ClockWaits(transport, self.store)
         self.calls: dict[str, Callable] = {}  # method -> its handler (``handle``)
@@ -185,6 +187,7 @@ class Node:
             self.cluster.heartbeats.args["owner"] = self.replicator.slots.owner
             nursery.start_soon(self.cluster.heartbeats.loop)
             nursery.start_soon(self.staging.expire_loop)
+            nursery.start_soon(self.tails.loop)
             if not self.offload.inline:  # not in the simulator: its seeds' schedules stay as they were
                 nursery.start_soon(self.loop_lag.run)
                 nursery.start_soon(self.store.reap, self.offload)  # freed memory released off the loop
@@ -250,6 +253,14 @@ class Node:
         if sig is None:  # (inspect.signature costs more than many a call it checks)
             sig = self._signatures[method] = inspect.signature(fn)
         return sig
+
+    async def _trim(self, op: dict) -> dict:
+        """A ``trim`` (tails.py) as a namespace op of the metadata primary's, once."""
+        primary = self.cluster.roles.meta_primary()
+        if primary is None:
+            raise RemoteError("EAGAIN", "no metadata primary")
+        rid = f"trim:{self.name}:{op['ino']}:{op['idx']}:{op['version']}"  # a retry is applied once
+        return await self._call_node(primary, "meta", {"op": dict(op, rid=rid), "epoch": self.cluster.roles.view_epoch})
 
     async def _call_node(self, node: str, method: str, args: dict) -> dict:
         """``method`` on ``node``, this node included (a snapshot freezes every node)."""

@@ -94,6 +94,17 @@ class StagingRegions:
         self.transport.free_region(region)
         self.budget.give("staging", region.length)
 
+    def holds(self, owner: str) -> bool:
+        """Whether ``owner`` still has staging here: its lease has not ended (tails.py)."""
+        return owner in self.by_owner
+
+    def owner_of(self, where: "Staged") -> str | None:
+        """The owner of the region a staged range is in (None: not a region handed out)."""
+        for owner, regions in self.by_owner.items():
+            if any(r.rkey == where.rkey for r in regions):
+                return owner
+        return None
+
     def seen(self, owner: str) -> None:
         """``owner`` was heard from: its regions stay leased."""
         self.owner_seen[owner] = trio.current_time()

@@ -136,3 +136,30 @@ async def test_a_snapshot_stripe_lost_reads_eio(nursery):
         with pytest.raises((Unavailable, BaseExceptionGroup)) as e:
             await c.read(fid, 0, len(data), attr, snap)
         unavailable(e)
+
+
+async def test_stripes_a_writer_that_is_gone_left_past_the_end_are_freed_on_every_replica(nursery):
+    """server/tails.py: a writer that committed stripes and never extended the file (a mount
+    killed mid-write) leaves them past the end; once its staging lease is over (here: it closed
+    and released it) the primary trims them, on every replica. A live writer's are kept, and
+    so is a stripe written again since by another."""
+    cfg = config(n=3, r=2)
+    nodes = await start_cluster(nursery, cfg)
+    unit = cfg.stripe_unit
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as keeper:
+        fid = (await keeper.paths.write_file("/f", b"x" * unit))["ino"]  # one stripe, extended
+        async with Client.connect(cfg, MemoryTransport(cfg.token)) as gone:
+            await gone.io.write(fid, unit, unit, memoryview(os.urandom(3 * unit)))  # stripes 1-3, never extended
+            assert all(any(n.store.get(fid, i) for n in nodes) for i in (1, 2, 3))
+            for n in nodes:
+                await n.tails.sweep()  # its writer is alive: nothing goes
+            assert all(any(n.store.get(fid, i) for n in nodes) for i in (1, 2, 3))
+        await keeper.io.write(fid, unit, 3 * unit, memoryview(b"y" * unit))  # stripe 3 again, by a live writer
+        for n in nodes:
+            await n.tails.sweep()
+        held = {i: [n.name for n in nodes if n.store.get(fid, i) is not None] for i in range(4)}
+        assert held[1] == [] and held[2] == [], held  # freed everywhere
+        assert len(held[0]) == 2 and len(held[3]) == 2, held  # inside the file; a live writer's
+        assert sum(n.tails.trimmed for n in nodes) == 2
+        assert (await keeper.getattr(fid))["size"] == unit  # nothing else changed
+        assert await keeper.paths.read_file("/f") == b"x" * unit
