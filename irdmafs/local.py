@@ -21,7 +21,7 @@ import trio
 
 from . import config as C
 from .server.budget import machine_capacity
-from .transport.base import TransportError
+from .transport.base import AuthError, TransportError
 from .transport.tcp import TcpTransport
 from .util import single_exception
 
@@ -113,18 +113,29 @@ def write_config(
 async def node_status(cfg: C.ClusterConfig, name: str, *, timeout: float = 1.0) -> dict | None:
     """The node's heartbeat answer, or None if it cannot be reached."""
     spec = cfg.node(name)
+    return (await probe(cfg, spec.host, spec.port, timeout=timeout))[0]
+
+
+async def probe(cfg: C.ClusterConfig, host: str, port: int, *, timeout: float = 1.0) -> tuple[dict | None, str | None]:
+    """The heartbeat answer of the node at ``host:port`` (one a config names, or one a
+    rebalance added that it does not), and None; or None and why it did not answer (``wrong
+    cluster token`` when it refused the config's token)."""
     transport = TcpTransport(cfg.token)
     try:
         with trio.fail_after(timeout), single_exception():
             async with trio.open_nursery() as n:
-                conn = await transport.connect(spec.host, spec.port, nursery=n)
+                conn = await transport.connect(host, port, nursery=n)
                 try:
-                    return await conn.call("heartbeat", {"from": "status"})
+                    return await conn.call("heartbeat", {"from": "status"}), None
                 finally:
                     await conn.aclose()
                     n.cancel_scope.cancel()
-    except (TransportError, trio.TooSlowError, OSError):
-        return None
+    except AuthError:
+        return None, "wrong cluster token (the node refused this config's token)"
+    except trio.TooSlowError:
+        return None, f"no answer within {timeout:g} s"
+    except (TransportError, OSError) as exc:
+        return None, str(exc) or type(exc).__name__
 
 
 async def wait_settled(cfg: C.ClusterConfig, names: list[str] | None = None, timeout: float = 30.0, *, whole_too: bool = True) -> None:
@@ -211,12 +222,49 @@ class LocalCluster:
                 raise RuntimeError(f"node {name} exited with {proc.returncode}:\n{self.log_of(name)[-3000:]}")
 
 
+def end_on_sigterm() -> None:
+    """SIGTERM (``timeout``, ``kill``, a job's end) ends this process as Ctrl-C does: as a
+    KeyboardInterrupt, so the ``finally`` blocks and context managers that stop what it started
+    (etcd, node processes, mounts) run, under trio too (trio's own SIGINT handler raises it
+    where that is safe). A script that starts a cluster calls this first: SIGTERM's default
+    ended one at once and left its etcd, nodes and mount running and mounted. A SIGTERM during
+    that cleanup is ignored: the cleanup is bounded, and cutting it short left the same."""
+
+    me, owner = os.path.basename(sys.argv[0]), os.getpid()
+
+    def again(_sig: int, _frame) -> None:  # not SIG_IGN: a process started now would inherit it
+        print(f"{me}: SIGTERM again: still stopping what it started", file=sys.stderr, flush=True)
+
+    def on_term(_sig: int, _frame) -> None:
+        if os.getpid() != owner:  # a forked worker (multiprocessing) ends as SIGTERM ends it
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        signal.signal(signal.SIGTERM, again)
+        print(f"{me}: SIGTERM: stopping what it started", file=sys.stderr, flush=True)
+        if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, signal.SIG_DFL, None):
+            raise KeyboardInterrupt  # SIGINT ignored (started with & by a shell): raise it here
+        signal.raise_signal(signal.SIGINT)  # trio's handler, or Python's, raises it
+
+    signal.signal(signal.SIGTERM, on_term)
+
+
 def pids_alive(pids: list[int]) -> list[int]:
+    """The ones of ``pids`` still running: a zombie (ended, its parent has not reaped it yet) is
+    not, or 'down' waited out its deadline for a node a test started and had not reaped."""
     alive = []
     for pid in pids:
         try:
             os.kill(pid, 0)
-            alive.append(pid)
         except ProcessLookupError:
+            continue
+        except PermissionError:  # another user's: running, whatever it is
             pass
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    continue
+        except (OSError, IndexError):
+            pass
+        alive.append(pid)
     return alive

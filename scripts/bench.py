@@ -455,6 +455,9 @@ def plot(res: dict, path: str) -> None:
 
 
 def main() -> int:
+    from irdmafs.local import end_on_sigterm
+
+    end_on_sigterm()  # SIGTERM (timeout, a CI runner) stops what this script started, as ^C does
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="write the flat JSON object here")
     ap.add_argument("--plot", help="draw a PNG of the throughputs here")

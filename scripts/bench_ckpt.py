@@ -179,6 +179,9 @@ ARGS = argparse.Namespace(gib=1.0)
 
 def main() -> int:
     global ARGS
+    from irdmafs.local import end_on_sigterm
+
+    end_on_sigterm()  # SIGTERM (timeout, a CI runner) stops what this script started, as ^C does
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, default=1.0, help="the state's size in GiB")
     ap.add_argument("--replicas", type=int, default=2)

@@ -108,6 +108,9 @@ async def measure(args, cfg, etcd: LocalEtcd) -> dict:
 
 
 def main() -> int:
+    from irdmafs.local import end_on_sigterm
+
+    end_on_sigterm()  # SIGTERM (timeout, a CI runner) stops what this script started, as ^C does
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--files", type=int, default=300)
     ap.add_argument("--concurrency", type=int, default=16)

@@ -159,6 +159,9 @@ def run(tmp: Path, files: int) -> dict[str, float]:
 
 
 def main() -> int:
+    from irdmafs.local import end_on_sigterm
+
+    end_on_sigterm()  # SIGTERM (timeout, a CI runner) stops what this script started, as ^C does
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--files", type=int, default=10_000, help="small files stat'ed (directories of 1,000)")
     ap.add_argument("--json", help="write the flat JSON object here")

@@ -79,6 +79,9 @@ def run_policy(mount: str, policy: str, workers: int, steps: int, compute: float
 
 
 def main() -> int:
+    from irdmafs.local import end_on_sigterm
+
+    end_on_sigterm()  # SIGTERM (timeout, a CI runner) stops what this script started, as ^C does
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rate", default="200mbit", help="tbf rate of every PS link, each way")
     ap.add_argument("--nodes", type=int, default=3)

@@ -241,6 +241,9 @@ def fanout(tmp: Path, rate: str, readers: int, nodes: int, replicas: int, nbytes
 
 
 def main() -> int:
+    from irdmafs.local import end_on_sigterm
+
+    end_on_sigterm()  # SIGTERM (timeout, a CI runner) stops what this script started, as ^C does
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mib", type=int, default=256, help="the file's size in MiB")
     ap.add_argument("--reps", type=int, default=3, help="reads after the first, their median counts")

@@ -339,6 +339,9 @@ def plot(res: dict, sizes: list[float], path: str) -> None:
 
 
 def main() -> int:
+    from irdmafs.local import end_on_sigterm
+
+    end_on_sigterm()  # SIGTERM (timeout, a CI runner) stops what this script started, as ^C does
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", default="0.5,1,2,4", help="live sizes in GiB, ascending")
     ap.add_argument("--replicas", type=int, default=2)

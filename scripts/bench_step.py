@@ -81,7 +81,6 @@ import multiprocessing as mp
 import os
 import queue
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -726,6 +725,9 @@ def run_link(args, models, workers, rows, res) -> None:
 
 
 def main() -> int:
+    from irdmafs.local import end_on_sigterm
+
+    end_on_sigterm()  # SIGTERM (timeout, a CI runner) stops what this script started, as ^C does
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json")
     ap.add_argument("--plot")
@@ -786,8 +788,6 @@ def main() -> int:
             return 2
         if args.no_ddp or args.mounts == "shared":
             ap.error("--link runs DDP and one mount per worker")
-        # SIGTERM (a timeout, a CI runner) unwinds like ^C: processes, mounts, namespaces go
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rows = [("", "none")] + ([] if args.no_fp16 else [("fp16_", "fp16")])
     res: dict = {}
     for m in models:

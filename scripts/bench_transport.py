@@ -199,6 +199,9 @@ def gbps(nbytes: int, times: list[float]) -> float:
 
 
 def main() -> int:
+    from irdmafs.local import end_on_sigterm
+
+    end_on_sigterm()  # SIGTERM (timeout, a CI runner) stops what this script started, as ^C does
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="write the flat JSON result here")
     ap.add_argument("--reps", type=int, default=5)

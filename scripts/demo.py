@@ -37,6 +37,10 @@ def step(text: str) -> None:
 
 
 def main() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from irdmafs.local import end_on_sigterm
+
+    end_on_sigterm()  # SIGTERM (timeout, a CI runner) stops what this script started, as ^C does
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mount", default=None, help="mountpoint (default: a new temporary directory)")
     ap.add_argument("--keep", action="store_true", help="leave the cluster up and mounted at the end")

@@ -129,5 +129,8 @@ def both(tmp: Path, reps: int) -> dict[str, float]:
 if __name__ == "__main__":
     import tempfile
 
+    from irdmafs.local import end_on_sigterm
+
+    end_on_sigterm()  # SIGTERM (timeout, a CI runner) stops what this script started, as ^C does
     with tempfile.TemporaryDirectory() as t:
         print(both(Path(t), int(sys.argv[1]) if len(sys.argv) > 1 else 3))

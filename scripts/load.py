@@ -67,6 +67,9 @@ def client(cfg_path: str, me: int, seconds: float, nbytes: int, out: mp.Queue) -
 
 
 def main() -> int:
+    from irdmafs.local import end_on_sigterm
+
+    end_on_sigterm()  # SIGTERM (timeout, a CI runner) stops what this script started, as ^C does
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--seconds", type=float, default=60)

@@ -97,6 +97,10 @@ def run_dir(src: Path, name: str, where: Path) -> dict:
 
 
 def main() -> int:
+    sys.path.insert(0, str(ROOT))
+    from irdmafs.local import end_on_sigterm
+
+    end_on_sigterm()  # SIGTERM (timeout, a CI runner) stops what this script started, as ^C does
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dirs", default=",".join(ALL_DIRS), help="comma-separated test directories")
     ap.add_argument("--mount", help="run inside this mounted directory instead of a fresh cluster")

@@ -221,6 +221,9 @@ def compare(mount: str, args, png: str) -> dict:
 
 
 def main() -> int:
+    from irdmafs.local import end_on_sigterm
+
+    end_on_sigterm()  # SIGTERM (timeout, a CI runner) stops what this script started, as ^C does
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--sync", default="bsp", help="bsp | asp | ssp:S | r2sp")
