@@ -24,7 +24,7 @@ import trio
 from . import config as C
 from .client.nodes import NODE_FIGURES
 from .coord.etcd_process import LocalEtcd, LocalEtcdCluster, health_error, is_local_etcd
-from .local import LocalCluster, node_status, pids_alive, wait_settled, write_config
+from .local import LocalCluster, node_status, pids_alive, probe, wait_settled, write_config
 from .server.node import setup_logging
 
 log = logging.getLogger("irdmafs")
@@ -119,35 +119,106 @@ def restart_coordinator(state: Path, cfg: C.ClusterConfig, *, fresh: bool) -> Lo
     return start_coordinator(state, fresh=fresh, size=len(ports), ports=ports)
 
 
-def cmd_up(args: argparse.Namespace) -> int:
-    from .mount import mount_background
+UP_DEFAULTS = {"nodes": 3, "replicas": 2, "stripe_unit": "4MiB", "transport": "auto", "coordinators": 1}
 
-    os.makedirs(args.mountpoint, exist_ok=True)
+
+def _made_dirs(path: str) -> list[Path]:
+    """``path`` made with its missing parents; the directories this made, deepest first (what
+    a failed 'up' removes again, and only that)."""
+    made, p = [], Path(path).absolute()
+    while not p.exists():
+        made.append(p)
+        p = p.parent
+    os.makedirs(path, exist_ok=True)
+    return made
+
+
+def _remove_made(made: list[Path]) -> None:
+    for d in made:
+        try:
+            d.rmdir()  # only if still empty: nothing of anyone else's goes
+        except OSError:
+            break
+
+
+def _describe(cfg: C.ClusterConfig) -> str:
+    unit = cfg.stripe_unit
+    unit_text = f"{unit >> 20} MiB" if unit % (1 << 20) == 0 else f"{unit >> 10} KiB"
+    transport = ",".join(cfg.transport)
+    return f"{len(cfg.nodes)}-node R={cfg.replicas} config (stripe unit {unit_text}, transport {transport}, {len(cfg.coordinator)} coordinator(s))"
+
+
+def check_same_config(args: argparse.Namespace, cfg: C.ClusterConfig, state: Path, stripe_unit: int | None) -> None:
+    """An existing config in the state dir is what 'up' brings up: a flag given that says
+    otherwise is refused, naming the config there (it once brought up the old 3-node R=2
+    config of a mountpoint used before, silently, for '--nodes 2 --replicas 1')."""
+    differs = []
+    if args.nodes is not None and args.nodes != len(cfg.nodes):
+        differs.append(f"--nodes {args.nodes}")
+    if args.replicas is not None and args.replicas != cfg.replicas:
+        differs.append(f"--replicas {args.replicas}")
+    if stripe_unit is not None and stripe_unit != cfg.stripe_unit:
+        differs.append(f"--stripe-unit {args.stripe_unit}")
+    if args.transport is not None and cfg.transport != (list(C.DEFAULT_TRANSPORT) if args.transport == "auto" else [args.transport]):
+        differs.append(f"--transport {args.transport}")
+    if args.coordinators is not None and args.coordinators != len(cfg.coordinator):
+        differs.append(f"--coordinators {args.coordinators}")
+    if differs:
+        raise QuietError(
+            f"state dir {state} has a {_describe(cfg)}, not what {' '.join(differs)} asks; "
+            "use --state elsewhere, or remove it (or leave those flags out to bring that config up)",
+            2,
+        )
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    given = {k: getattr(args, k) for k in UP_DEFAULTS}
+    nodes, replicas, coordinators = (given[k] if given[k] is not None else UP_DEFAULTS[k] for k in ("nodes", "replicas", "coordinators"))
+    if not 1 <= replicas <= nodes:  # before anything is made: a refused 'up' leaves nothing
+        raise QuietError(f"--replicas must be between 1 and --nodes ({nodes})", 2)
+    if coordinators < 1 or coordinators % 2 == 0:
+        raise QuietError(f"--coordinators must be an odd number (1, 3, 5), not {coordinators}", 2)
+    try:
+        stripe_unit = C.parse_size(args.stripe_unit, "--stripe-unit") if args.stripe_unit is not None else None
+    except C.ConfigError as exc:
+        raise QuietError(str(exc), 2) from None
+    made = _made_dirs(args.mountpoint)
+    try:
+        return _up(args, nodes, replicas, coordinators, stripe_unit)
+    except BaseException:
+        _remove_made(made)
+        raise
+
+
+def _up(args: argparse.Namespace, nodes: int, replicas: int, coordinators: int, stripe_unit: int | None) -> int:
+    from .mount import MountFailed, mount_background
+
     mp = check_mountpoint(args.mountpoint, args.options.split(",") if args.options else [])
     reg = registry_path(mp)
     if reg.exists():
         raise QuietError(f"{mp} is already up (run: irdmafs down {mp})", 2)
-    if not 1 <= args.replicas <= args.nodes:
-        raise QuietError(f"--replicas must be between 1 and --nodes ({args.nodes})", 2)
-    if args.coordinators < 1 or args.coordinators % 2 == 0:
-        raise QuietError(f"--coordinators must be an odd number (1, 3, 5), not {args.coordinators}", 2)
     state = Path(args.state or state_home() / "clusters" / reg.stem).resolve()
     cfg_path = state / "cluster.toml"
+    data = state / "data"  # where --persist keeps the nodes' data
+    if cfg_path.exists():
+        check_same_config(args, load_config(str(cfg_path)), state, stripe_unit)
+    if not args.persist and data.is_dir() and any(data.iterdir()):
+        raise QuietError(
+            f"state dir {state} holds the data of an earlier 'up --persist' ({data}), which this 'up' would not load "
+            "(the file system would start empty): add --persist to bring it back, or remove that directory to start empty",
+            2,
+        )
     etcd = None  # the coordination service, started before the nodes (they keep their views in it)
     if cfg_path.exists():  # the config as it is: restart the etcd it names if an earlier 'up' ran it here
         etcd = restart_coordinator(state, load_config(str(cfg_path)), fresh=not args.persist)
     else:
-        try:
-            stripe_unit = C.parse_size(args.stripe_unit, "--stripe-unit")
-        except C.ConfigError as exc:
-            raise QuietError(str(exc), 2) from None
         state.mkdir(parents=True, exist_ok=True)
-        etcd = start_coordinator(state, fresh=True, size=args.coordinators)
-        transport = None if args.transport == "auto" else [args.transport]  # auto: the config's default
-        write_config(state, args.nodes, args.replicas, stripe_unit=stripe_unit, transport=transport, coordinator=etcd.endpoints)
+        etcd = start_coordinator(state, fresh=True, size=coordinators)
+        transport = None if args.transport in (None, "auto") else [args.transport]  # auto: the config's default
+        write_config(state, nodes, replicas, stripe_unit=stripe_unit or 4 << 20, transport=transport, coordinator=etcd.endpoints)
     lc = None
     try:
-        lc = LocalCluster(cfg_path, persist=state / "data" if args.persist else None)
+        lc = LocalCluster(cfg_path, persist=data if args.persist else None)
         lc.start_all()
         trio.run(wait_settled, lc.cfg)
         mount = mount_background(str(cfg_path), mp, args.options.split(",") if args.options else [], state / "mount.log")
@@ -156,15 +227,29 @@ def cmd_up(args: argparse.Namespace) -> int:
             lc.stop_all()
         if etcd:
             etcd.stop()
-        raise QuietError(f"could not bring the cluster up: {exc} (logs in {state})") from None
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        why = exc.reason if isinstance(exc, MountFailed) else (str(exc) or type(exc).__name__)
+        raise QuietError(f"could not bring the cluster up: {why} (logs in {state})") from None
     reg.parent.mkdir(parents=True, exist_ok=True)
-    record = {"mountpoint": mp, "state": str(state), "config": str(cfg_path), "mount_pid": mount.pid, "node_pids": {n: p.pid for n, p in lc.procs.items()}}
+    record = {
+        "mountpoint": mp,
+        "state": str(state),
+        "config": str(cfg_path),
+        "persist": str(data) if args.persist else None,
+        "mount_pid": mount.pid,
+        "node_pids": {n: p.pid for n, p in lc.procs.items()},
+    }
     if etcd:
         members = [{"endpoint": m.endpoint, "pid": m.pid, "data_dir": str(m.data_dir)} for m in etcd.members]
         record["coordinator"] = dict(members[0], members=members)
     reg.write_text(json.dumps(record, indent=1))
     coordinator = "coordinator " + ", ".join(etcd.endpoints if etcd else lc.cfg.coordinator)
-    print(f"irdmafs: {len(lc.cfg.nodes)} nodes (R={lc.cfg.replicas}) mounted on {mp}; {coordinator}; config {cfg_path}; logs in {state}")
+    if args.persist:
+        kept = f"data kept in {data} (a later 'up --persist --state {state}' brings it back)"
+    else:
+        kept = "data in memory only (gone at 'down'; --persist keeps it)"
+    print(f"irdmafs: {len(lc.cfg.nodes)} nodes (R={lc.cfg.replicas}) mounted on {mp}; {coordinator}; config {cfg_path}; {kept}; logs in {state}")
     return 0
 
 
@@ -182,34 +267,90 @@ def _stop(pids: list[int], timeout: float = 10.0) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def _runs_config(pid: int, config: str) -> bool:
-    """Whether ``pid`` is an irdmafs process of ``config`` (not a pid reused by something else)."""
+def _cmdline(pid: int) -> list[bytes]:
     try:
-        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1]
     except OSError:
+        return []
+
+
+def _node_config(pid: int) -> str | None:
+    """The config of ``pid`` if it is an irdmafs node process (``python -m irdmafs.server.node``
+    or ``irdmafs serve``), as an absolute path; None for anything else (a mount, a pid reused)."""
+    args = _cmdline(pid)
+    is_node = any(a.endswith(b"irdmafs.server.node") for a in args) or (b"serve" in args and any(b"irdmafs" in a for a in args))
+    if not is_node or b"--config" not in args[:-1]:
+        return None
+    config = os.fsdecode(args[args.index(b"--config") + 1])
+    try:
+        return os.path.join(os.readlink(f"/proc/{pid}/cwd"), config)
+    except OSError:
+        return config if os.path.isabs(config) else None
+
+
+def _of_cluster(pid: int, config: str, token: bytes) -> bool:
+    """Whether ``pid`` is a node process of the cluster of ``config``: run with that config, or
+    with another one of the same token (a node started for a rebalance has the new config)."""
+    theirs = _node_config(pid)
+    if theirs is None:
         return False
-    return any(b"irdmafs" in a for a in args) and os.fsencode(config) in args
+    if os.path.realpath(theirs) == os.path.realpath(config):
+        return True
+    try:
+        return C.load(theirs).token == token
+    except C.ConfigError:
+        return False
+
+
+def _my_processes() -> list[int]:
+    out = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                if entry.stat().st_uid == os.getuid() and int(entry.name) != os.getpid():
+                    out.append(int(entry.name))
+            except OSError:
+                pass
+    return out
 
 
 def cluster_pids(info: dict) -> dict[str, set[int]]:
     """Every node process of the cluster ``up`` started, as far as can be known: the pids 'up'
     recorded, the ones the mount last heard in heartbeats (a node restarted by hand since, or
-    one hung by SIGSTOP that no longer answers), and the ones answering heartbeats now."""
+    one hung by SIGSTOP that no longer answers, or one a rebalance added), the ones answering
+    heartbeats now, and any node process of this user run with a config of the same token (a
+    node started for a rebalance that never became a member)."""
     found: dict[str, set[int]] = {n: {p} for n, p in info["node_pids"].items()}
+    addresses: dict[str, str] = {}
     try:  # a hung mount must not hang 'down': read its status file in a child, with a deadline
         doc = subprocess.run(["cat", os.path.join(info["mountpoint"], ".irdma", "cluster")], capture_output=True, timeout=5).stdout
         for node in json.loads(doc or b"{}").get("nodes", []):
+            addresses[node["name"]] = node.get("address", "")
             for key in ("pid", "last_pid"):
                 if node.get(key):
                     found.setdefault(node["name"], set()).add(node[key])
     except (subprocess.TimeoutExpired, ValueError, OSError):
         pass
     cfg = C.load(info["config"])
-    for name in cfg.names:
-        status = trio.run(partial(node_status, cfg, name))
-        if status and status.get("pid"):
-            found.setdefault(name, set()).add(status["pid"])
-    return {n: {p for p in pids if _runs_config(p, info["config"])} for n, pids in found.items()}
+    for spec in cfg.nodes:
+        addresses.setdefault(spec.name, f"{spec.host}:{spec.port}")
+
+    async def ask() -> None:
+        for name, address in addresses.items():
+            host, _, port = address.rpartition(":")
+            if port.isdigit():
+                status, _ = await probe(cfg, host, int(port))
+                if status and status.get("pid"):
+                    found.setdefault(name, set()).add(status["pid"])
+
+    trio.run(ask)
+    known = set().union(*found.values())
+    for pid in _my_processes():
+        if pid not in known and _of_cluster(pid, info["config"], cfg.token):
+            args = _cmdline(pid)
+            name = os.fsdecode(args[args.index(b"--node") + 1]) if b"--node" in args[:-1] else f"pid {pid}"
+            found.setdefault(name, set()).add(pid)
+    return {n: pids for n, pids in ((n, {p for p in pids if _of_cluster(p, info["config"], cfg.token)}) for n, pids in found.items()) if pids}
 
 
 def cmd_down(args: argparse.Namespace) -> int:
@@ -225,14 +366,26 @@ def cmd_down(args: argparse.Namespace) -> int:
         log.warning("%s is busy; detaching it lazily", mp)
         unmount(mp, lazy=True)
     _stop([info["mount_pid"]])
-    _stop(sorted(set().union(*nodes.values())))
+    pids = sorted(set().union(*nodes.values()))
+    _stop(pids)
     coordinator = info.get("coordinator")  # after the nodes: they may still talk to it as they end
     if coordinator:
         members = coordinator.get("members", [coordinator])
         _stop([m["pid"] for m in members if is_local_etcd(m["pid"], m["data_dir"])])
     reg.unlink()
     also = " and the coordinator (etcd)" if coordinator else ""
-    print(f"irdmafs: {mp} unmounted; {len(nodes)} nodes{also} stopped (state kept in {info['state']})")
+    left = pids_alive(pids)
+    if left:
+        log.warning("node processes still running after SIGKILL: %s", ", ".join(map(str, left)))
+    if info.get("persist"):
+        kept = f"data kept in {info['persist']}: 'irdmafs up {mp} --persist --state {info['state']}' brings it back"
+    elif "persist" in info:
+        kept = f"the data are gone (in memory only: 'up --persist' keeps them); config and logs in {info['state']}"
+    else:  # recorded by an 'up' before the record said
+        kept = f"config and logs in {info['state']}"
+    count = len(pids) - len(left)
+    names = f" ({', '.join(sorted(nodes))})" if nodes else ""
+    print(f"irdmafs: {mp} unmounted; {count} node process{'' if count == 1 else 'es'}{names}{also} stopped; {kept}")
     return 0
 
 
@@ -262,26 +415,42 @@ def cmd_serve(args: argparse.Namespace) -> int:
         await run_mount(cfg, mp, [], task_status=task_status)
         node_scope.cancel()
 
-    trio.run(main)
+    from .mount import MountError
+
+    try:
+        trio.run(main)
+    except MountError as exc:
+        raise QuietError(str(exc), 2) from None
     return 0
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
-    from .mount import mount_background, run_mount
+    from .metrics import parse_address
+    from .mount import MountError, MountFailed, mount_background, run_mount
 
     cfg = load_config(args.config)
     options = [o for o in (args.options or "").split(",") if o]
+    if args.metrics:
+        try:
+            parse_address(args.metrics)
+        except ValueError as exc:
+            raise QuietError(f"--metrics: {exc}", 2) from None
     mp = check_mountpoint(args.mountpoint, options)
     if args.foreground:
         from . import looplag
 
-        trio.run(partial(run_mount, cfg, mp, options, metrics=args.metrics), instruments=looplag.instruments())
+        try:
+            trio.run(partial(run_mount, cfg, mp, options, metrics=args.metrics), instruments=looplag.instruments())
+        except MountError as exc:
+            raise QuietError(str(exc), 2) from None
         return 0
     log_dir = state_home() / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"mount-{registry_path(mp).stem}.log"
     try:
         proc = mount_background(args.config, mp, options, log_path, metrics=args.metrics)
+    except MountFailed as exc:
+        raise QuietError(f"mount failed: {exc}", exc.code if exc.code == 2 else 1) from None
     except (RuntimeError, TimeoutError) as exc:
         raise QuietError(f"mount failed: {exc}") from None
     print(f"irdmafs: mounted on {mp} (pid {proc.pid}, log {log_path})")
@@ -297,7 +466,14 @@ def cmd_rebalance(args: argparse.Namespace) -> int:
         r = trio.run(partial(rebalance, old, new, show_progress=not args.quiet))
     except RebalanceError as exc:
         raise QuietError(f"rebalance: {exc}") from None
-    print(f"irdmafs: rebalanced to {', '.join(new.names)} (R={new.replicas}): {r['stripes']} stripes, {r['bytes']} bytes copied")
+    pre, frozen = r["precopy"], r["frozen"]
+    # what each added node already held: it fetched its share as it started, and then the
+    # rebalance had little to copy
+    held = "".join(f"; {n} held {h['stripes']} stripes, {h['bytes']} bytes before it (fetched as it started)" for n, h in r["held_before"].items())
+    print(
+        f"irdmafs: rebalanced to {', '.join(new.names)} (R={new.replicas}): {r['stripes']} stripes, {r['bytes']} bytes copied "
+        f"({pre['stripes']} stripes, {pre['bytes']} bytes while writes went on; {frozen['stripes']}, {frozen['bytes']} under the freeze){held}"
+    )
     return 0
 
 
@@ -318,6 +494,21 @@ def coordinator_status(config_path: str | None) -> list[dict] | str:
     return out
 
 
+def mount_root(path: str) -> str | None:
+    """The mount ``path`` is in: itself or its nearest ancestor in the mount table (``status``
+    run from inside a mount, with no argument); None if none is. From the mount table, not a
+    stat: a hung mount must not hang the search."""
+    from .mount import is_mounted
+
+    p = os.path.abspath(path)
+    while True:
+        if is_mounted(p):
+            return p
+        if p == os.path.dirname(p):
+            return None
+        p = os.path.dirname(p)
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     if args.config:
         cfg = load_config(args.config)
@@ -325,25 +516,33 @@ def cmd_status(args: argparse.Namespace) -> int:
         async def gather() -> list[dict]:
             out = []
             for spec in cfg.nodes:
-                info = await node_status(cfg, spec.name) or {}
+                info, why = await probe(cfg, spec.host, spec.port)
+                info = info or {}
                 figures = {k: info[k] for k in NODE_FIGURES if k in info}
-                out.append({"name": spec.name, "address": f"{spec.host}:{spec.port}", "state": info.get("state", "down"), "alive": bool(info), **figures})
+                out.append(
+                    {"name": spec.name, "address": f"{spec.host}:{spec.port}", "state": info.get("state", "down"), "alive": bool(info), **figures}
+                    | ({"error": why} if why else {})
+                )
             return out
 
         nodes = trio.run(gather)
         transport = next((n["transport"] for n in nodes if "transport" in n), None)
         doc = {"config": os.path.abspath(args.config), "replicas": cfg.replicas, "transport": transport, "nodes": nodes}
     else:
-        mp = os.path.abspath(args.mountpoint or ".")
+        asked = os.path.abspath(args.mountpoint or ".")
+        mp = mount_root(asked) or asked
         try:
             doc = json.loads(Path(mp, ".irdma", "cluster").read_text())
         except OSError as exc:
-            raise QuietError(f"{mp}: not an irdmafs mount ({exc.strerror})", 2) from None
+            raise QuietError(f"{asked}: not in an irdmafs mount ({exc.strerror})", 2) from None
+        except ValueError:
+            raise QuietError(f"{asked}: not in an irdmafs mount ({mp}/.irdma/cluster is not its status)", 2) from None
         add_degraded(doc)
     doc["coordinator"] = coordinator_status(doc.get("config"))
+    doc["whole"], doc["whole_text"] = wholeness(doc["nodes"])
     if args.json:
         print(json.dumps(doc, indent=1))
-        return 0
+        return 0  # the document says what is down ("alive", "whole"); scripts read it
     print(f"config:    {doc.get('config')}")
     print(f"transport: {doc.get('transport')}    replicas: {doc.get('replicas')}")
     coordinator = doc["coordinator"]
@@ -352,14 +551,18 @@ def cmd_status(args: argparse.Namespace) -> int:
     else:
         for c in coordinator:
             print(f"coordinator {c['endpoint']}: " + ("reachable" if c["reachable"] else f"UNREACHABLE ({c['error']})"))
-    print(f"whole:     {whole_line(doc['nodes'])}")
-    widths = {"stripes": 8, "bytes": 14, "led": 14, "calls": 9, "served": 14, "behind": 6, "degraded": 8}
-    keys = ("stripes", "bytes", "led_bytes", "calls", "served_bytes", "replicas_behind", "degraded")
+    print(f"whole:     {doc['whole_text']}")
+    widths = {"stripes": 8, "bytes": 14, "led": 14, "calls": 9, "served": 14, "behind": 6, "degraded": 8, "lost": 6}
+    keys = ("stripes", "bytes", "led_bytes", "calls", "served_bytes", "replicas_behind", "degraded", "lost")
     print(f"{'node':10} {'address':22} {'pid':>8} {'state':8} " + " ".join(f"{h:>{w}}" for h, w in widths.items()))
     for n in doc["nodes"]:
         state = n["state"] if n.get("caught_up", True) or n["state"] != "ready" else "catching"  # ready, its hand-over not done
-        cols = " ".join(f"{str(n.get(k, '-')):>{w}}" for k, w in zip(keys, widths.values()))
+        row = dict(n, lost=(n.get("lost") or {}).get("stripes", "-") if n["alive"] else "-")
+        cols = " ".join(f"{str(row.get(k, '-')):>{w}}" for k, w in zip(keys, widths.values()))
         print(f"{n['name']:10} {n['address']:22} {str(n.get('pid', '-')):>8} {state:8} {cols}")
+    for n in doc["nodes"]:
+        if n.get("error"):
+            print(f"{n['name']}: {n['error']}")
     for n in doc["nodes"]:
         if "held" in n:
             print(memory_line(n))
@@ -379,7 +582,8 @@ def memory_line(n: dict) -> str:
 
 def add_degraded(doc: dict) -> None:
     """The mount's table has its heartbeats' figures; the count of degraded stripes is asked of
-    each node (it costs the node a look at every stripe it leads, so heartbeats leave it out)."""
+    each node (it costs the node a look at every stripe it leads, so heartbeats leave it out),
+    at the address the table gives: a node a rebalance added is in no config the mount read."""
     try:
         cfg = C.load(doc["config"])
     except (KeyError, TypeError, C.ConfigError):
@@ -387,23 +591,33 @@ def add_degraded(doc: dict) -> None:
 
     async def ask() -> None:
         for n in doc["nodes"]:
-            if n["name"] in cfg.names:
-                info = await node_status(cfg, n["name"]) or {}
-                n.update({k: info[k] for k in ("caught_up", "degraded", "led_bytes") if k in info})
+            host, _, port = n.get("address", "").rpartition(":")
+            if n["alive"] and port.isdigit():
+                info, _ = await probe(cfg, host, int(port))
+                n.update({k: info[k] for k in ("caught_up", "degraded", "led_bytes", "lost") if k in (info or {})})
 
     trio.run(ask)
 
 
-def whole_line(nodes: list[dict]) -> str:
-    """Whether every stripe has its R copies serving (server/health.py), as the nodes say."""
-    if not all(n["alive"] for n in nodes):
-        return "no: " + ", ".join(n["name"] for n in nodes if not n["alive"]) + " not answering"
+def wholeness(nodes: list[dict]) -> tuple[bool | None, str]:
+    """Whether every stripe has its R copies serving (server/health.py), as the nodes say, and
+    the line that says so: True, False, or None when that is not known."""
+    down = [n for n in nodes if not n["alive"]]
+    if down:
+        refused = [n["name"] for n in down if "token" in n.get("error", "")]
+        if refused:
+            return False, "no: " + ", ".join(refused) + " refused this config's cluster token (wrong cluster token)"
+        return False, "no: " + ", ".join(n["name"] + (" syncing" if n["state"] == "syncing" else " not answering") for n in down)
+    lost = [(n["name"], n["lost"]) for n in nodes if (n.get("lost") or {}).get("stripes")]
+    if lost:
+        count, nbytes = sum(x["stripes"] for _, x in lost), sum(x.get("bytes", 0) for _, x in lost)
+        return False, f"no: {count} written stripes lost ({nbytes} bytes; on {', '.join(name for name, _ in lost)})"
     if not all(n.get("caught_up") for n in nodes):
-        return "no: " + ", ".join(n["name"] for n in nodes if not n.get("caught_up")) + " not caught up"
+        return False, "no: " + ", ".join(n["name"] for n in nodes if not n.get("caught_up")) + " not caught up"
     if any("degraded" not in n for n in nodes):
-        return "unknown (ask with --config: the nodes count degraded stripes for it)"
+        return None, "unknown (ask with --config: the nodes count degraded stripes for it)"
     count = sum(n["degraded"] for n in nodes)
-    return f"no: {count} stripes with a copy not serving" if count else "yes (every stripe has its R copies serving)"
+    return (False, f"no: {count} stripes with a copy not serving") if count else (True, "yes (every stripe has its R copies serving)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -413,24 +627,31 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("up", help="start a local etcd, nodes and a mount, in the background")
     p.add_argument("mountpoint", help="where to mount the cluster (an empty directory)")
-    p.add_argument("--nodes", type=int, default=3, help="how many PS node processes to start (default 3)")
-    p.add_argument("--replicas", type=int, default=2, help="copies of every stripe, at most --nodes (default 2)")
-    p.add_argument("--stripe-unit", default="4MiB", help="unit of placement and of one transfer, e.g. 1MiB (default 4MiB)")
+    # defaults None: a flag given for a state dir whose config says otherwise is refused (cmd_up)
+    p.add_argument("--nodes", type=int, help="how many PS node processes to start (default 3)")
+    p.add_argument("--replicas", type=int, help="copies of every stripe, at most --nodes (default 2)")
+    p.add_argument("--stripe-unit", help="unit of placement and of one transfer, e.g. 1MiB (default 4MiB)")
     p.add_argument(
         "--transport",
         choices=("auto", "shm", "tcp"),
-        default="auto",
-        help="auto: shared memory between the processes of this host (verbs where a device is); tcp: force TCP on loopback",
+        help="auto (default): shared memory between the processes of this host (verbs where a device is); tcp: force TCP on loopback",
     )
-    p.add_argument("--state", help="directory for config, token and logs (default under ~/.local/state/irdmafs)")
+    p.add_argument(
+        "--state",
+        help="directory for config, token and logs (default under ~/.local/state/irdmafs, one per mountpoint); a config already there is the one brought up",
+    )
     p.add_argument("-o", dest="options", help="mount options, comma separated (e.g. allow_other)")
-    p.add_argument("--persist", action="store_true", help="nodes keep their data under the state directory: a later 'up' with the same --state brings it back")
+    p.add_argument(
+        "--persist",
+        action="store_true",
+        help="nodes keep their data in STATE/data: a later 'up --persist' with the same --state brings it back; "
+        "without it the data live in memory only and go at 'down'",
+    )
     p.add_argument(
         "--coordinators",
         type=int,
-        default=1,
         metavar="N",
-        help="etcd members to run (odd: 1, 3, 5); with 3 the cluster rides out one member stopped, killed or cut off, leader included",
+        help="etcd members to run (odd: 1 (default), 3, 5); with 3 the cluster rides out one member stopped, killed or cut off, leader included",
     )
     p.set_defaults(fn=cmd_up)
 

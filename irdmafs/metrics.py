@@ -3,9 +3,10 @@
 ``Latency`` keeps per-operation histograms in plain Python (the hot paths only add to a list).
 ``node_samples`` (here) and a mount's ``mount_samples`` (fs/status.py, so that a node loads no
 client code) turn a process's state into samples: (name, type, help, labels, value). ``serve``
-exposes them on an HTTP endpoint (prometheus-client, in its own thread; collection copies what
-it reads, so the trio thread never waits for a scrape), and the same samples feed
-``.irdma/stats`` and ``irdmafs status``.
+exposes them at ``/metrics`` on an HTTP endpoint (prometheus-client's WSGI app, in a thread of
+its own; collection copies what it reads, so the trio thread never waits for a scrape) with the
+process's own figures (RSS, CPU), and the same samples feed ``.irdma/stats`` and ``irdmafs
+status``.
 """
 
 from __future__ import annotations
@@ -107,13 +108,31 @@ def as_dict(samples: list[Sample]) -> dict:
     return out
 
 
+def parse_address(address: str) -> tuple[str, int]:
+    """``[HOST:]PORT`` (``[::1]:9100`` for IPv6) as (host, port); a port alone listens on every
+    address. ValueError, saying what was expected, for anything else."""
+    host, _, port = str(address).rpartition(":")
+    host = host.strip("[]") or "0.0.0.0"
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{address!r} is not [HOST:]PORT (a port number from 0 to 65535, e.g. 9100 or 127.0.0.1:9100)")
+    return host, int(port)
+
+
 def serve(address: str, samples: Callable[[], list[Sample]]) -> tuple[str, int]:
-    """Serve ``samples()`` to Prometheus on ``[host:]port`` (port 0: any); returns the address."""
-    from prometheus_client import CollectorRegistry, start_http_server
+    """Serve ``samples()`` to Prometheus on ``[host:]port`` (port 0: any) at ``/metrics`` (any
+    other path is 404: a scrape of a wrong path must not look like a working one), with the
+    process's own figures (``process_resident_memory_bytes``, CPU seconds, open fds); returns
+    the address. ValueError for an address that is not one, OSError (saying which address) when
+    it cannot listen there; served from a thread of its own."""
+    import socket
+    import threading
+    from socketserver import ThreadingMixIn
+    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+    from prometheus_client import CollectorRegistry, ProcessCollector, make_wsgi_app
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-    host, _, port = address.rpartition(":")
-    host = host or "0.0.0.0"
+    host, port = parse_address(address)
 
     class Collector:
         def collect(self):
@@ -142,7 +161,28 @@ def serve(address: str, samples: Callable[[], list[Sample]]) -> tuple[str, int]:
 
     registry = CollectorRegistry()
     registry.register(Collector())
-    server, _thread = start_http_server(int(port), addr=host, registry=registry)
+    ProcessCollector(registry=registry)  # RSS, CPU, fds of this process (from /proc)
+    metrics_app = make_wsgi_app(registry)
+
+    def app(environ, start_response):
+        if environ.get("PATH_INFO") != "/metrics":
+            start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+            return [b"not found: the metrics are at /metrics\n"]
+        return metrics_app(environ, start_response)
+
+    class Server(ThreadingMixIn, WSGIServer):
+        daemon_threads = True
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+    class Quiet(WSGIRequestHandler):
+        def log_message(self, *args) -> None:  # a scrape every few seconds is not news
+            pass
+
+    try:
+        server = make_server(host, port, app, Server, handler_class=Quiet)
+    except OSError as exc:
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     bound = server.server_address[:2]
     log.info("metrics on http://%s:%d/metrics", *bound)
     return bound

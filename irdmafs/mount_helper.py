@@ -70,6 +70,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mount.irdmafs: {args.mountpoint}: already a mount point", file=sys.stderr)
         return 1
     metrics = next((o.split("=", 1)[1] for o in opts if o.startswith("metrics=")), None)
+    if metrics is not None:
+        from .metrics import parse_address
+
+        try:
+            parse_address(metrics)
+        except ValueError as exc:
+            print(f"mount.irdmafs: -o metrics=: {exc}", file=sys.stderr)
+            return 1
     fuse_opts = fuse_mount_options([o for o in opts if not o.startswith("metrics=")])
     if args.v:
         print(f"mount.irdmafs: {config} on {mp} with {','.join(fuse_opts) or 'no options'}", file=sys.stderr)

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 # what a node's heartbeat reports that status tables show
 NODE_FIGURES = (
     *("pid", "stripes", "bytes", "capacity", "held", "loop_lag", "loop_busy", "transport", "uptime"),
-    *("calls", "served_bytes", "replicas_behind", "caught_up", "degraded"),
+    *("calls", "served_bytes", "replicas_behind", "caught_up", "degraded", "lost"),
 )
 
 
@@ -23,13 +23,17 @@ def table(client: "Client") -> list[dict]:
     """Every node as this client sees it (state from its last heartbeat)."""
     cluster, out = client.cluster, []
     for spec in client.cluster.roles.members.nodes:
-        alive = cluster.roles.node_state(spec.name) != "down"
+        # the view may still serve a node that stopped answering (two nodes: the one left is
+        # no majority and cannot expel it); what this client's heartbeats hear says it is down
+        heard, served = cluster.liveness.state.get(spec.name, "down"), cluster.roles.node_state(spec.name)
+        alive = served != "down" and heard != "down"
+        state = served if alive else ("syncing" if heard == "syncing" else "down")
         info = cluster.liveness.info.get(spec.name, {}) if alive else {}  # no stale figures
         out.append(
             {
                 "name": spec.name,
                 "address": f"{spec.host}:{spec.port}",
-                "state": cluster.roles.node_state(spec.name),
+                "state": state,
                 "alive": alive,
                 **{k: info[k] for k in NODE_FIGURES if k in info},
                 # the process last heard from, even when down now: what 'irdmafs down' stops

@@ -5,6 +5,7 @@ use it without importing vfs.py or pyfuse3."""
 
 from __future__ import annotations
 
+import collections
 import errno
 import logging
 import os
@@ -77,14 +78,14 @@ def most_telling(exc: BaseException) -> BaseException:
     return min(leaves(exc), key=_telling) if isinstance(exc, BaseExceptionGroup) else exc
 
 
-def errno_for(exc: BaseException, what: str) -> int:
+def _errno_for(exc: BaseException, what: str) -> int:
     """The errno for what a file system operation ``what`` raised; logs what is not the caller's
     fault (a node down, an unexpected exception with its traceback)."""
     if isinstance(exc, BaseExceptionGroup):  # the pieces of one request, failed concurrently
         inner = list(leaves(exc))
         if len(inner) > 1:
             log.info("%s: %d concurrent errors; answered by the most telling", what, len(inner))
-        return errno_for(most_telling(exc), what)
+        return _errno_for(most_telling(exc), what)
     if isinstance(exc, FsError):
         return exc.errno
     if isinstance(exc, RemoteError):
@@ -102,3 +103,14 @@ def errno_for(exc: BaseException, what: str) -> int:
         return errno.ETIMEDOUT
     log.error("%s: unexpected error", what, exc_info=exc)
     return errno.EIO
+
+
+ANSWERED: collections.Counter[str] = collections.Counter()  # errno name -> answers (irdmafs_mount_errors_total)
+
+
+def errno_for(exc: BaseException, what: str) -> int:
+    """The errno for what a file system operation ``what`` raised (``_errno_for``), counted by
+    its name in ANSWERED (the mount's metrics: which errors its users got, and how many)."""
+    code = _errno_for(exc, what)
+    ANSWERED[errno.errorcode.get(code, str(code))] += 1
+    return code

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Callable
 from ..client import nodes
 from ..metrics import Sample, latency_samples
 from ..namespace import ROOT
-from .errors import FsError
+from .errors import ANSWERED, FsError
 from .handles import BATCH_XATTR, BatchSizeHandle, BytesHandle
 from .inodes import (
     BATCH_FILE,
@@ -146,7 +146,8 @@ class StatusFiles(Family):
 
 
 def mount_samples(vfs) -> list[Sample]:
-    """A mount's figures: bytes, FUSE operations and their latency, calls it made, nodes."""
+    """A mount's figures: bytes, FUSE operations and their latency, calls it made, nodes, the
+    errors its users got by errno, and how whole the nodes say the cluster is (lost stripes)."""
     stats = nodes.figures(vfs.client)
     s: list[Sample] = [
         ("irdmafs_mount_bytes_total", "counter", "bytes moved by this mount", {"dir": "read"}, stats["bytes_read"]),
@@ -158,8 +159,16 @@ def mount_samples(vfs) -> list[Sample]:
         s.append(("irdmafs_mount_control_calls_total", "counter", "control calls made, by method", {"method": method}, n))
     for op, n in list(vfs.counters.items()):
         s.append(("irdmafs_mount_ops_total", "counter", "FUSE operations served, by operation", {"op": op}, n))
-    states = [n["state"] for n in nodes.table(vfs.client)]
+    table = nodes.table(vfs.client)
+    states = [n["state"] for n in table]
     for st in ("ready", "syncing", "down"):
         s.append(("irdmafs_mount_nodes", "gauge", "nodes by state, as this mount sees them", {"state": st}, states.count(st)))
+    for name, n in sorted(ANSWERED.items()):
+        s.append(("irdmafs_mount_errors_total", "counter", "errors answered to the mount's users (FUSE, door), by errno", {"errno": name}, n))
+    lost = [n.get("lost") or {} for n in table]  # a node's stripes it came back without (its heartbeats)
+    s.append(("irdmafs_mount_lost_stripes", "gauge", "written stripes the nodes came back without", {}, sum(x.get("stripes", 0) for x in lost)))
+    s.append(("irdmafs_mount_lost_bytes", "gauge", "bytes of the stripes the nodes came back without", {}, sum(x.get("bytes", 0) for x in lost)))
+    whole = all(n["alive"] and n.get("caught_up") and not n.get("replicas_behind") for n in table) and not any(x.get("stripes") for x in lost)
+    s.append(("irdmafs_mount_whole", "gauge", "1 while every node answers, has caught up, sees no peer behind and lost nothing", {}, int(whole)))
     s += latency_samples("irdmafs_mount_op_seconds", "FUSE operation latency", vfs.latency, "op")
     return s

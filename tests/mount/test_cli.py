@@ -10,7 +10,7 @@ import pytest
 
 from irdmafs import config as C
 from irdmafs.coord.etcd_process import LocalEtcd, health_error, is_local_etcd
-from irdmafs.local import pids_alive
+from irdmafs.local import free_ports, pids_alive
 from irdmafs.mount import is_mounted
 
 from ..conftest import fuse_unavailable
@@ -18,8 +18,8 @@ from ..conftest import fuse_unavailable
 pytestmark = pytest.mark.mount
 
 
-def irdmafs(*args, env=None, check=False):
-    r = subprocess.run([sys.executable, "-m", "irdmafs.cli", *map(str, args)], capture_output=True, text=True, env=env, timeout=120)
+def irdmafs(*args, env=None, check=False, cwd=None):
+    r = subprocess.run([sys.executable, "-m", "irdmafs.cli", *map(str, args)], capture_output=True, text=True, env=env, timeout=120, cwd=cwd)
     if check and r.returncode:
         raise AssertionError(f"irdmafs {args} -> {r.returncode}\n{r.stdout}\n{r.stderr}")
     return r
@@ -30,14 +30,39 @@ def env(tmp_path):
     return dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state-home"))
 
 
+def until(what, check, timeout=30.0):
+    """Wait for ``check()`` to be truthy (polled), or fail saying ``what``; returns its value."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not (got := check()):
+        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
+        time.sleep(0.1)
+    return got
+
+
+def gone(pid):
+    """Whether ``pid`` has ended (a zombie not reaped yet has)."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def one_line(r):
+    return r.stderr.strip().count("\n") == 0 and "Traceback" not in r.stderr
+
+
 def test_up_status_down(tmp_path, env):
     reason = fuse_unavailable()
     if reason:
         pytest.skip(reason)
     mp = tmp_path / "ps"
     r = irdmafs("up", mp, "--nodes", 3, "--replicas", 2, "--state", tmp_path / "st", env=env, check=True)
+    extra = None
     try:
         assert is_mounted(mp) and "3 nodes (R=2)" in r.stdout
+        assert "data in memory only (gone at 'down'; --persist keeps it)" in r.stdout  # what --persist means
         # the coordination service: a local etcd, started by 'up', named in the config it wrote
         etcd = json.loads(next((tmp_path / "state-home" / "irdmafs" / "mounts").glob("*.json")).read_text())["coordinator"]
         assert pids_alive([etcd["pid"]]) and is_local_etcd(etcd["pid"], tmp_path / "st" / "etcd")
@@ -50,6 +75,18 @@ def test_up_status_down(tmp_path, env):
         assert [(n["name"], n["alive"]) for n in doc["nodes"]] == [("n1", True), ("n2", True), ("n3", True)]
         assert all(isinstance(n["pid"], int) for n in doc["nodes"])
         assert doc["coordinator"] == [{"endpoint": etcd["endpoint"], "reachable": True}]
+        assert doc["whole"] is True and doc["whole_text"].startswith("yes")  # as the table says it
+        (mp / "sub" / "deeper").mkdir(parents=True)  # status from inside the mount, no argument
+        inside = irdmafs("status", env=env, cwd=mp / "sub" / "deeper")
+        assert inside.returncode == 0 and f"config:    {tmp_path / 'st' / 'cluster.toml'}" in inside.stdout, inside.stderr
+        assert "whole:     yes" in inside.stdout
+        # a node started for a rebalance (a config of the same token, not 'up's): 'down' stops it too
+        [port] = free_ports(1)
+        grown = tmp_path / "st" / "grown.toml"
+        grown.write_text((tmp_path / "st" / "cluster.toml").read_text() + f'\n[[nodes]]\nname = "n4"\nhost = "127.0.0.1"\nport = {port}\n')
+        with open(tmp_path / "n4.log", "wb") as log:
+            cmd = [sys.executable, "-m", "irdmafs.server.node", "--config", str(grown), "--node", "n4"]
+            extra = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         table = irdmafs("status", "--config", tmp_path / "st" / "cluster.toml", env=env, check=True).stdout
         assert "n1" in table and "ready" in table
         assert f"coordinator {etcd['endpoint']}: reachable\n" in table
@@ -66,10 +103,28 @@ def test_up_status_down(tmp_path, env):
         pids = [p for p in json.loads(reg.read_text())["node_pids"].values()]
         etcd_pid = json.loads(reg.read_text())["coordinator"]["pid"]
         down = irdmafs("down", mp, env=env)
+        if extra is not None and extra.poll() is None:
+            extra.kill()
     assert down.returncode == 0, down.stderr
     assert not is_mounted(mp) and not pids_alive(pids) and not pids_alive([etcd_pid])
     assert "coordinator (etcd) stopped" in down.stdout
+    assert "4 node processes (n1, n2, n3, n4)" in down.stdout, down.stdout  # what it stopped, the rebalance's node too
+    assert extra.wait(5) is not None
+    assert "state kept" not in down.stdout and "the data are gone" in down.stdout, down.stdout  # no --persist
     assert irdmafs("down", mp, env=env).returncode == 2
+
+    # the state dir has a 3-node R=2 config: other flags are refused, saying so, and nothing starts
+    r = irdmafs("up", mp, "--nodes", 2, "--replicas", 1, "--state", tmp_path / "st", env=env)
+    assert r.returncode == 2 and "has a 3-node R=2 config" in r.stderr and "--nodes 2 --replicas 1" in r.stderr, r.stderr
+    assert "--state elsewhere" in r.stderr and one_line(r) and not is_mounted(mp)
+    fresh = tmp_path / "fresh"  # a refused 'up' removes the mountpoint it made, and only that
+    r = irdmafs("up", fresh / "a" / "mp", "--nodes", 2, "--state", tmp_path / "st", env=env)
+    assert r.returncode == 2 and not fresh.exists() and tmp_path.exists()
+    # data an earlier 'up --persist' kept: an 'up' without it would start empty, so it is refused
+    (tmp_path / "st" / "data" / "n1").mkdir(parents=True)
+    r = irdmafs("up", mp, "--state", tmp_path / "st", env=env)
+    assert r.returncode == 2 and "--persist" in r.stderr and str(tmp_path / "st" / "data") in r.stderr and one_line(r), r.stderr
+    assert not is_mounted(mp) and not list((tmp_path / "state-home" / "irdmafs" / "mounts").glob("*.json"))
 
 
 @pytest.mark.long  # 22-25 s: the quick suite stays under ten minutes; CI runs it
@@ -127,8 +182,27 @@ def test_up_with_transport_tcp_forces_tcp(tmp_path, env):
         assert doc["transport"] == "tcp"
         assert 'transport = ["tcp"]' in (tmp_path / "st" / "cluster.toml").read_text()
         assert "shared memory" not in (tmp_path / "st" / "mount.log").read_text()
+        # a node killed: the one left is no majority and cannot expel it from the view, but the
+        # mount's heartbeats hear nothing: the status says down, with no stale pid (it once
+        # said ready, old pid, exit 0, 30 s after the kill)
+        victim = next(n for n in doc["nodes"] if n["name"] == "n2")
+        os.kill(victim["pid"], signal.SIGKILL)
+
+        def n2_down():
+            d = json.loads(irdmafs("status", mp, "--json", env=env).stdout)
+            n2 = next(n for n in d["nodes"] if n["name"] == "n2")
+            return d if not n2["alive"] else None
+
+        doc = until("the status says n2 is down", n2_down)
+        n2 = next(n for n in doc["nodes"] if n["name"] == "n2")
+        assert n2["state"] == "down" and "pid" not in n2 and doc["whole"] is False and "n2 not answering" in doc["whole_text"]
+        table = irdmafs("status", mp, env=env)
+        assert table.returncode == 1 and "whole:     no: n2 not answering" in table.stdout
+        [row] = [ln for ln in table.stdout.splitlines() if ln.startswith("n2 ")]
+        assert row.split()[2:4] == ["-", "down"], row
     finally:
-        assert irdmafs("down", mp, env=env).returncode == 0
+        down = irdmafs("down", mp, env=env)
+    assert down.returncode == 0 and "1 node process (n1)" in down.stdout, down.stdout + down.stderr
 
 
 @pytest.mark.long  # 22 s: the quick suite stays under ten minutes; CI runs it
@@ -169,9 +243,18 @@ def test_down_stops_nodes_restarted_by_hand_and_hung_ones(tmp_path, env):
 
 
 def test_mount_in_background_then_unmount(tmp_path, env, etcd_endpoints):
+    """A mount in the background; before it, what a mount says of a wrong token and of a bad or
+    busy --metrics (one line, exit 2, at once: a wrong token once meant "not mounted after 30.0s"
+    and, with -f, a TimeoutError traceback); with it, metrics at /metrics only, the mount's
+    errors by errno and its RSS, status from inside it, and its end at its first SIGTERM."""
     reason = fuse_unavailable()
     if reason:
         pytest.skip(reason)
+    import socket
+    import time
+    import urllib.error
+    import urllib.request
+
     from irdmafs.local import LocalCluster, write_config
     from irdmafs.mount import unmount
 
@@ -179,13 +262,48 @@ def test_mount_in_background_then_unmount(tmp_path, env, etcd_endpoints):
     lc.start_all()
     mp = tmp_path / "m"
     mp.mkdir()
+    bad = tmp_path / "c" / "bad.toml"  # the cluster's config with another token
+    (tmp_path / "c" / "other-token").write_text("0" * 64)
+    bad.write_text(lc.config_path.read_text().replace('token_file = "token"', 'token_file = "other-token"'))
+    busy = socket.socket()
     try:
         irdmafs("status", "--config", lc.config_path, env=env)  # nodes answer once up
-        r = irdmafs("mount", "--config", lc.config_path, mp, "-o", "noatime,_netdev", env=env, check=True)
+        t0 = time.monotonic()
+        r = irdmafs("mount", "--config", bad, mp, env=env)
+        assert r.returncode == 2 and "wrong cluster token" in r.stderr and "(log " in r.stderr and one_line(r), r.stderr
+        assert time.monotonic() - t0 < 20 and not is_mounted(mp)
+        r = irdmafs("mount", "--config", bad, mp, "-f", env=env)
+        assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("irdmafs: wrong cluster token: node n1")
+        assert "Traceback" not in r.stderr and not is_mounted(mp)
+        r = irdmafs("status", "--config", bad, env=env)
+        assert r.returncode == 1 and "wrong cluster token" in r.stdout
+        r = irdmafs("mount", "--config", lc.config_path, mp, "--metrics", "notaport", env=env)
+        assert r.returncode == 2 and "[HOST:]PORT" in r.stderr and one_line(r), r.stderr
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        r = irdmafs("mount", "--config", lc.config_path, mp, "--metrics", f"127.0.0.1:{busy.getsockname()[1]}", env=env)
+        assert r.returncode == 2 and "cannot listen" in r.stderr and one_line(r) and not is_mounted(mp), r.stderr
+
+        [port] = free_ports(1)
+        r = irdmafs("mount", "--config", lc.config_path, mp, "-o", "noatime,_netdev", "--metrics", f"127.0.0.1:{port}", env=env, check=True)
         assert is_mounted(mp) and "mounted on" in r.stdout
+        pid = int(r.stdout.split("(pid ")[1].split(",")[0])
+        (mp / "d").mkdir()
         (mp / "f").write_bytes(b"x" * 100)
         assert (mp / "f").read_bytes() == b"x" * 100
+        assert not (mp / "d" / "missing").exists()  # an ENOENT answered
+        inside = irdmafs("status", env=env, cwd=mp / "d")
+        assert inside.returncode == 0 and "n1 " in inside.stdout, inside.stdout + inside.stderr
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        assert 'irdmafs_mount_errors_total{errno="ENOENT"}' in text and "process_resident_memory_bytes " in text
+        assert "irdmafs_mount_lost_stripes 0.0" in text
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10)
+        assert caught.value.code == 404
+        os.kill(pid, signal.SIGTERM)  # one SIGTERM ends the mount, and releases the mountpoint
+        until("the mount's process ends at its first SIGTERM", lambda: gone(pid) and not is_mounted(mp), timeout=15)
     finally:
+        busy.close()
         unmount(str(mp))
         lc.stop_all()
     assert not is_mounted(mp)

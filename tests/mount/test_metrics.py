@@ -114,7 +114,8 @@ async def test_status_table_shows_the_node_figures(metered):
     r = subprocess.run([sys.executable, "-m", "irdmafs.cli", "status", str(mp)], capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, r.stderr
     header, *rows = [ln for ln in r.stdout.splitlines() if ln.startswith(("node ", "n"))]
-    assert header.split()[-4:] == ["calls", "served", "behind", "degraded"]
-    assert len(rows) == 2 and all(row.split()[-1] == "0" and row.split()[-2] == "0" for row in rows)
-    assert all(int(row.split()[-4]) > 0 for row in rows)
+    assert header.split()[-5:] == ["calls", "served", "behind", "degraded", "lost"]
+    # lost: "-" from a node that does not report it
+    assert len(rows) == 2 and all(row.split()[-1] in ("0", "-") and row.split()[-2] == "0" and row.split()[-3] == "0" for row in rows)
+    assert all(int(row.split()[-5]) > 0 for row in rows)
     assert "whole:     yes" in r.stdout

@@ -2,6 +2,7 @@
 lost, the new node holds its share, the old homes let go, the removed node can be killed."""
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -96,7 +97,20 @@ async def test_add_then_remove_a_node_while_the_mount_works(local_cluster, mount
             time.sleep(1)
         assert r.returncode == 0, r.stderr + r.stdout
         assert "rebalanced to n1, n2, n3" in r.stdout and "rebalance: " in r.stderr  # progress lines
+        # the summary says where n3's share came from: the rebalance's copies (its pre-copy
+        # rounds too) and what n3 fetched as it started (it once said only "0 stripes, 0 bytes
+        # copied" of a node that held its share): 5 stripes or more in all
+        stripes, nbytes = (int(x) for x in r.stdout.split("): ")[1].split(" bytes copied")[0].split(" stripes, "))
+        before = r.stdout.split("; n3 held ")[1].split(" bytes before it")[0]
+        stripes, nbytes = stripes + int(before.split(" stripes, ")[0]), nbytes + int(before.split(" stripes, ")[1])
+        assert stripes >= 5 and nbytes >= 5 * MiB, r.stdout
         assert not busy.errors and busy.done > 0, busy.errors[:3]
+        # the mount's status asks n3 too, at the address its table has (no config it read names
+        # n3): 'whole' is known, not "unknown", and in --json as in the table
+        cmd = [sys.executable, "-m", "irdmafs.cli", "status", str(m), "--json"]
+        doc = json.loads((await trio.to_thread.run_sync(lambda: subprocess.run(cmd, capture_output=True, text=True, timeout=60))).stdout)
+        assert [n["name"] for n in doc["nodes"]] == ["n1", "n2", "n3"] and all("degraded" in n for n in doc["nodes"] if n["alive"]), doc
+        assert doc["whole"] is not None and not doc["whole_text"].startswith("unknown"), doc["whole_text"]
         assert {f: hashlib.sha256((m / f).read_bytes()).hexdigest() for f in files} == files
         cluster = (m / ".irdma" / "cluster").read_text()
         assert '"n3"' in cluster  # the mount follows the new membership
