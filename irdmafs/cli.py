@@ -24,7 +24,7 @@ import trio
 from . import config as C
 from .client.nodes import NODE_FIGURES
 from .coord.etcd_process import LocalEtcd, LocalEtcdCluster, health_error, is_local_etcd
-from .local import LocalCluster, node_status, pids_alive, probe, wait_settled, write_config
+from .local import LocalCluster, pids_alive, probe, wait_settled, write_config
 from .server.node import setup_logging
 
 log = logging.getLogger("irdmafs")
