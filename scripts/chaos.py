@@ -75,9 +75,13 @@ import trio
 
 from irdmafs import config as C
 from irdmafs import formats
+from irdmafs.client.client import Client
+from irdmafs.client.nodes import stray_stripes
 from irdmafs.coord.etcd_process import LocalEtcd, LocalEtcdCluster
 from irdmafs.local import LocalCluster, free_ports, wait_settled
 from irdmafs.server.budget import machine_capacity
+from irdmafs.server.staging import STAGING_LEASE
+from irdmafs.server.tails import SWEEP
 from irdmafs.mount import clear_dead_mount, is_mounted, mount_background, stop_background
 from irdmafs.namespace import PACK_MIN_TENSORS
 from irdmafs.steps import pull_arrays, push_arrays
@@ -951,6 +955,9 @@ def run(args: argparse.Namespace) -> dict:
                 tally.error(type(w).__name__, "still in a call 180 s after the end: hung")
         for w in workers:
             w.verify_all()
+        stray = trio.run(stray_of, bed.cfg)
+        if stray:  # held memory nobody can read: a failed write that kept what it committed
+            tally.error("stray_stripes", f"{len(stray)} live stripes past their file's end (first: {stray[:5]})")
         tally.merge(minority)
         faults = Counter(f["kind"] for f in applied)
         return {
@@ -972,6 +979,19 @@ def run(args: argparse.Namespace) -> dict:
             "training_runs": next(w.runs for w in workers if isinstance(w, TrainingJob)),
             **next((w.figures() for w in workers if isinstance(w, BigModelJob)), {}),
         }
+
+
+async def stray_of(cfg) -> list:
+    """The live stripes the nodes hold past their files' ends once every worker stopped
+    (client/nodes.py ``stray_stripes``): a failure must free what it took. A writer that failed
+    frees its own at once; a mount killed mid-write leaves its stripes to the primaries, which
+    trim them once its staging lease ends (server/tails.py): so this waits that long for them."""
+    await wait_settled(cfg, timeout=120, whole_too=False)
+    deadline = trio.current_time() + STAGING_LEASE + 3 * SWEEP + 30
+    async with Client.connect(cfg) as c:
+        while (stray := await stray_stripes(c)) and trio.current_time() < deadline:
+            await trio.sleep(SWEEP)
+        return stray
 
 
 def main() -> int:

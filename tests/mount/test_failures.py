@@ -159,5 +159,10 @@ async def test_a_write_that_fails_full_holds_no_space_past_the_files_end(local_c
     log = (m.parent / "mnt.log").read_text()
     assert "ENOSPC" in log and "node full" in log, "the ENOSPC was not logged with what holds the memory"
     assert log.count("node full") <= 3, "ENOSPC logged once per write, not once per episode"
+    from irdmafs.client.client import Client
+    from irdmafs.client.nodes import stray_stripes
+
+    async with Client.connect(lc.cfg) as c:
+        assert await stray_stripes(c) == []  # no stripe past any file's end
     (m / "fill.bin").write_bytes(b"after")  # space is there again
     assert (m / "fill.bin").read_bytes() == b"after"
