@@ -79,6 +79,14 @@ def node_samples(node) -> list[Sample]:
         leading = node.leading()
         s.append(("irdmafs_node_stripes_degraded", "gauge", "stripes this node leads with a home that does not serve (not whole)", {}, leading["degraded"]))
         s.append(("irdmafs_node_led_bytes", "gauge", "bytes of the live stripes this node leads (their primary)", {}, leading["led_bytes"]))
+    missing = getattr(node, "missing", None)  # (a stand-in node of the metrics tests has none)
+    if missing is not None:
+        lost = missing.summary()
+        s.append(("irdmafs_node_lost_stripes", "gauge", "written stripes this node came back without and no peer held (reads get EIO)", {}, lost["stripes"]))
+        s.append(("irdmafs_node_lost_bytes", "gauge", "bytes of those stripes", {}, lost["bytes"]))
+    tails = getattr(node, "tails", None)
+    if tails is not None:
+        s.append(("irdmafs_node_trimmed_stripes_total", "counter", "stripes freed past their file's end after their writer was gone", {}, tails.trimmed))
     s += latency_samples("irdmafs_node_call_seconds", "control call latency on the node", node.latency, "method")
     s += training_samples(node)
     return s

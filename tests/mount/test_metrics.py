@@ -90,6 +90,7 @@ async def test_nodes_and_mount_serve_prometheus_metrics(metered):
     assert pushes and max(pushes) == 3  # rank 0's clock on the tensor's primaries
     assert any(n == "irdmafs_node_call_seconds_count" for s in nodes.values() for n, _ in s)
     assert all(value(s, "irdmafs_node_replicas_behind") == 0 for s in nodes.values())
+    assert all(value(s, "irdmafs_node_lost_stripes") == 0 and value(s, "irdmafs_node_lost_bytes") == 0 for s in nodes.values())
 
     m = await trio.to_thread.run_sync(scrape, mount_port)
     assert value(m, "irdmafs_mount_bytes_total", dir="pushed") == 3 * (1 << 20)
