@@ -168,6 +168,14 @@ def _unique(pairs: list) -> dict:
     return doc
 
 
+def st_metadata(metadata: object) -> dict[str, str]:
+    """A header's ``__metadata__`` (also kept in a model directory's xattr, fs/views.py), or
+    SafetensorsError: it maps strings to strings."""
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise SafetensorsError("__metadata__ must map strings to strings")
+    return metadata
+
+
 def st_parse(head: bytes, total: int) -> tuple[int, list[StEntry], dict[str, str]]:
     """Validate a safetensors header against a file of ``total`` bytes; returns (offset of the
     data section, entries, metadata). ``head`` must hold at least the whole header."""
@@ -186,9 +194,7 @@ def st_parse(head: bytes, total: int) -> tuple[int, list[StEntry], dict[str, str
         raise SafetensorsError(f"header is not JSON: {exc}") from None
     if not isinstance(doc, dict):
         raise SafetensorsError("header is not a JSON object")
-    metadata = doc.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-        raise SafetensorsError("__metadata__ must map strings to strings")
+    metadata = st_metadata(doc.pop("__metadata__", None) or {})
     data_len = total - 8 - n
     entries = []
     for name, t in doc.items():

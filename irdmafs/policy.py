@@ -1,18 +1,36 @@
-"""Sync policies as the client and the nodes both read them: the accepted forms of
-``user.irdma.sync`` (``parse_policy``) and the stripe clock a pull waits for
-(``required_clock``). What each policy does with pushes is server/policies.py's. Pure."""
+"""A model's policies as the mount, the client and the nodes all read them: the accepted forms of
+each ``user.irdma.*`` policy attribute and the one parser of each (``POLICIES``), and the stripe
+clock a pull waits for (``required_clock``). The training path parses with these, and a value is
+checked with the same parser when it is set (``check``: the mount's setxattr, the node's
+``setxattr`` op), so a bad value is refused then, not at the first push. What each sync policy
+does with pushes is server/policies.py's, the optimizer's arithmetic server/optim.py's, the
+compression's client/compress.py's. Pure.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Callable
 
-FORMS = "bsp | asp | ssp:S (S >= 0) | r2sp"
+SYNC_FORMS = "bsp | asp | ssp:S (S >= 0) | r2sp"
+OPTIMIZER_FORMS = "sgd lr=F [momentum=F] [nesterov=0|1] [weight_decay=F] | adam lr=F [betas=F,F] [eps=F] [weight_decay=F]"
+COMPRESS_FORMS = "none | fp16 | chunks=F (0 < F <= 1) | fp16,chunks=F [,chunk=N]"
 
 
 class PolicyError(ValueError):
-    """A sync string that is not one of the accepted forms."""
+    """A policy attribute's value that is not one of its accepted forms."""
 
 
+class OptimError(PolicyError):
+    """An optimizer string that is not one of the accepted forms."""
+
+
+class CompressError(PolicyError):
+    """A compression string that is not one of the accepted forms."""
+
+
+# -- user.irdma.sync ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Policy:
     kind: str
@@ -29,7 +47,7 @@ def parse_policy(text: str) -> Policy:
     kind, sep, s = text.partition(":")
     if kind == "ssp" and sep and s.isdigit():
         return Policy("ssp", int(s))
-    raise PolicyError(f"unknown sync policy {text!r}; accepted: {FORMS}")
+    raise PolicyError(f"unknown sync policy {text!r}; accepted: {SYNC_FORMS}")
 
 
 def required_clock(policy: Policy, own_pushes: int) -> int:
@@ -41,3 +59,138 @@ def required_clock(policy: Policy, own_pushes: int) -> int:
     if policy.kind == "ssp":
         return max(0, own_pushes - policy.staleness)
     return 0
+
+
+# -- user.irdma.optimizer ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Optimizer:
+    kind: str = "sgd"
+    lr: float = 0.01
+    momentum: float = 0.0
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        if self.kind == "adam":
+            return ("m", "v")
+        return ("buf",) if self.momentum else ()
+
+
+def parse_optimizer(text: str) -> Optimizer:
+    """``"sgd lr=0.1 momentum=0.9 nesterov=1 weight_decay=1e-4"``, ``"adam lr=1e-3 betas=0.9,0.999 eps=1e-8"``."""
+    words = text.split()
+    if not words or words[0] not in ("sgd", "adam"):
+        raise OptimError(f"unknown optimizer {text!r}; accepted: {OPTIMIZER_FORMS}")
+    kw: dict = {"kind": words[0]}
+    allowed = {"sgd": {"lr", "momentum", "nesterov", "weight_decay"}, "adam": {"lr", "betas", "eps", "weight_decay"}}[words[0]]
+    for w in words[1:]:
+        key, sep, value = w.partition("=")
+        if not sep or key not in allowed:
+            raise OptimError(f"{w!r} is not a setting of {words[0]}; accepted: {OPTIMIZER_FORMS}")
+        try:
+            if key == "betas":
+                b1, b2 = (float(x) for x in value.split(","))
+                kw["beta1"], kw["beta2"] = b1, b2
+            elif key == "nesterov":
+                kw["nesterov"] = value not in ("0", "false", "False")
+            else:
+                kw[key] = float(value)
+        except ValueError:
+            raise OptimError(f"{w!r}: not a number; accepted: {OPTIMIZER_FORMS}") from None
+    opt = Optimizer(**kw)
+    if opt.lr <= 0 or opt.momentum < 0 or opt.weight_decay < 0 or not (0 <= opt.beta1 < 1 and 0 <= opt.beta2 < 1) or opt.eps <= 0:
+        raise OptimError(f"{text!r}: a setting is out of range")
+    if opt.nesterov and not opt.momentum:
+        raise OptimError("nesterov needs momentum > 0")
+    return opt
+
+
+# -- user.irdma.compress -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Compression:
+    fp16: bool = False
+    fraction: float | None = None  # chunks=F
+    chunk: int = 256
+
+    def __str__(self) -> str:
+        parts = (["fp16"] if self.fp16 else []) + ([f"chunks={self.fraction}"] if self.fraction else [])
+        return ",".join(parts) or "none"
+
+
+def parse_compress(text: str) -> Compression:
+    fp16, fraction, chunk = False, None, 256
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        key, _, value = part.partition("=")
+        try:
+            if part == "fp16":
+                fp16 = True
+            elif part == "none":
+                pass
+            elif key == "chunks":
+                fraction = float(value)
+                if not 0 < fraction <= 1:
+                    raise ValueError
+            elif key == "chunk":
+                chunk = int(value)
+                if chunk < 1:
+                    raise ValueError
+            else:
+                raise ValueError
+        except ValueError:
+            raise CompressError(f"{part!r} is not a compression setting; accepted: {COMPRESS_FORMS}") from None
+    return Compression(fp16, fraction, chunk)
+
+
+# -- user.irdma.workers, .timeout, .removed ----------------------------------------------------
+def parse_workers(text: str) -> int:
+    """The number of worker ranks: a whole number, at least 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise PolicyError(f"workers {text!r} is not a whole number of ranks") from None
+    if n < 1:
+        raise PolicyError(f"workers {text!r}: at least 1")
+    return n
+
+
+def parse_timeout(text: str) -> float:
+    """Seconds a pull waits for its step: a finite number above 0."""
+    try:
+        t = float(text)
+    except ValueError:
+        raise PolicyError(f"timeout {text!r} is not a number of seconds") from None
+    if not 0 < t < math.inf:
+        raise PolicyError(f"timeout {text!r}: a number of seconds above 0, finite")
+    return t
+
+
+def parse_removed(text: str) -> frozenset[int]:
+    """The ranks that left (``rmdir .irdma/workers/<r>``): rank numbers, comma-separated."""
+    try:
+        ranks = frozenset(int(r) for r in text.split(",") if r.strip())
+    except ValueError:
+        raise PolicyError(f"removed {text!r} is not a comma-separated list of ranks") from None
+    if any(r < 0 for r in ranks):
+        raise PolicyError(f"removed {text!r}: a rank is 0 or more")
+    return ranks
+
+
+# Every policy attribute and its parser: the settable user.irdma.* attributes of the training
+# path (inherited from the nearest directory that sets one, server/meta.py inherited_xattrs)
+POLICIES: dict[str, Callable[[str], object]] = {
+    "user.irdma.sync": parse_policy,
+    "user.irdma.workers": parse_workers,
+    "user.irdma.optimizer": parse_optimizer,
+    "user.irdma.compress": parse_compress,
+    "user.irdma.timeout": parse_timeout,
+    "user.irdma.removed": parse_removed,
+}
+
+
+def check(name: str, text: str) -> None:
+    """PolicyError saying why if ``text`` is no value of policy ``name`` (KeyError: no policy)."""
+    POLICIES[name](text)

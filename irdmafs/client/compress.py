@@ -1,7 +1,8 @@
 """Gradient compression for pushes (GradientFlow): fp16 on the wire, coarse-grained sparsity.
 
 ``user.irdma.compress`` on the model directory: ``none`` (default), ``fp16``, ``chunks=F``, or
-``fp16,chunks=F`` (optionally ``chunk=N`` elements, default 256).
+``fp16,chunks=F`` (optionally ``chunk=N`` elements, default 256); ``parse`` is irdmafs/policy.py's
+``parse_compress``, which the mount also checks a value with when it is set.
 
 - fp16: gradients travel as float16; the PS accumulates them in float32 (float64 tensors too).
 - chunks=F: the gradient is cut into fixed chunks of N elements; only the fraction F of chunks
@@ -13,50 +14,10 @@ Pure numpy; the residual lives in the pushing client, one per (tensor, rank).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
-FORMS = "none | fp16 | chunks=F (0 < F <= 1) | fp16,chunks=F [,chunk=N]"
-
-
-class CompressError(ValueError):
-    pass
-
-
-@dataclass(frozen=True)
-class Mode:
-    fp16: bool = False
-    fraction: float | None = None  # chunks=F
-    chunk: int = 256
-
-    def __str__(self) -> str:
-        parts = (["fp16"] if self.fp16 else []) + ([f"chunks={self.fraction}"] if self.fraction else [])
-        return ",".join(parts) or "none"
-
-
-def parse(text: str) -> Mode:
-    fp16, fraction, chunk = False, None, 256
-    for part in (p.strip() for p in text.split(",") if p.strip()):
-        key, _, value = part.partition("=")
-        try:
-            if part == "fp16":
-                fp16 = True
-            elif part == "none":
-                pass
-            elif key == "chunks":
-                fraction = float(value)
-                if not 0 < fraction <= 1:
-                    raise ValueError
-            elif key == "chunk":
-                chunk = int(value)
-                if chunk < 1:
-                    raise ValueError
-            else:
-                raise ValueError
-        except ValueError:
-            raise CompressError(f"{part!r} is not a compression setting; accepted: {FORMS}") from None
-    return Mode(fp16, fraction, chunk)
+# the form's parser and its types are kept where both sides and the mount read them
+from ..policy import COMPRESS_FORMS as FORMS, CompressError, Compression as Mode, parse_compress as parse  # noqa: F401
 
 
 def chunk_norms(g: np.ndarray, chunk: int) -> np.ndarray:

@@ -5,7 +5,7 @@ inodes (vfs.py says which family serves which inode).
 - ``VIRT + k``: the hidden entries ``/.irdma`` (status files), ``/.snapshots``, ``/.workers``,
   and below ``.irdma`` the per-rank directories and batch-size files;
 - ``VIEW | d``: ``<name>.safetensors`` beside directory ``d`` (the whole-model view, views.py);
-- ``SNAP | id << 40 | i``: inode ``i`` as snapshot ``id`` froze it (read-only, snapshots.py);
+- ``SNAP | id << 40 | i``: inode ``i`` as snapshot ``id`` froze it (EROFS to changes, snapshots.py);
 - ``WORK | rank << 40 | i``, ``STREAM | ...``, ``DOOR | ...``: ``.workers/<rank>/...``, inode
   ``i`` as worker ``rank`` pushes and pulls it, a model's step streams, its door (workers.py).
 """
@@ -59,6 +59,7 @@ TENSOR_DIR = HIDDEN_PREFIX + "model-"  # + inode: a model file's tensor director
 RESERVED = re.compile(rf"{re.escape(HIDDEN_PREFIX)}(unlinked|model|bucket)-[0-9]+")  # the mount's own names
 SUFFIX = MODEL_SUFFIX
 DOOR_SUFFIX = ".door"
+# made up from the inode: read by name, never listed, never set (live.py, listed_xattrs)
 DERIVED_XATTRS = ("user.irdma.dtype", "user.irdma.shape", "user.irdma.version")
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR
 
@@ -148,10 +149,11 @@ def write_only(flags: int, mode: int) -> bool:
     return flags & os.O_ACCMODE == os.O_WRONLY and not mode & (S.S_ISUID | S.S_ISGID)
 
 
-def stat_of(attr: dict, f=None, ino: int | None = None, readonly: bool = False) -> dict:
-    """The kernel's attributes of a namespace inode; ``f``, its ``OpenFile`` in this mount if
-    open (its unflushed size shows, and a hidden name kept for an unlink does not count)."""
-    mode = attr["mode"] & ~0o222 if readonly else attr["mode"]
+def stat_of(attr: dict, f=None, ino: int | None = None) -> dict:
+    """The kernel's attributes of a namespace inode, a snapshot's too (its own mode: snapshots.py);
+    ``f``, its ``OpenFile`` in this mount if open (its unflushed size shows, and a hidden name
+    kept for an unlink does not count)."""
+    mode = attr["mode"]
     size = max(attr["size"], f.pending) if f else attr["size"]
     cache = {"attr_timeout": DIR_ATTR_SECONDS} if S.S_ISDIR(mode) else {"attr_timeout": FILE_ATTR_SECONDS} if S.S_ISREG(mode) else {}
     return cache | {

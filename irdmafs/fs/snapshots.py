@@ -1,11 +1,20 @@
 """``/.snapshots``: ``mkdir NAME`` takes a snapshot of the whole namespace and its data, ``rmdir
-NAME`` drops it; ``.snapshots/NAME/...`` is the tree as it was, read-only (EROFS to writes).
-A model file's tensors are there as in the live tree (``X/`` by name, models.py)."""
+NAME`` drops it; ``.snapshots/NAME/...`` is the tree as it was, read-only. A model file's
+tensors are there as in the live tree (``X/`` by name, models.py).
+
+As ZFS's ``.zfs/snapshot``: each file and directory shows its own mode, owner and times (a
+backup or a restore through a snapshot with ``rsync -a``, ``cp -a`` or ``tar`` keeps them; with
+the write bits stripped, as before, every copy came out read-only), and every change inside gets
+EROFS from the mount: an open for writing or with O_TRUNC here (the kernel's permission check,
+``default_permissions``, lets it through once the write bits show), setattr here, and create,
+mkdir, mknod, symlink, link, unlink, rmdir, rename and setxattr/removexattr in live.py, which
+refuses every change under a snapshot's inode."""
 
 from __future__ import annotations
 
 import errno
 import logging
+import os
 import stat as S
 from typing import TYPE_CHECKING, Awaitable, Callable
 
@@ -26,7 +35,7 @@ SNAPSHOT_CACHE_SECONDS = 3600.0
 
 
 def _frozen(attr: dict, ino: int) -> dict:
-    return stat_of(attr, None, ino, readonly=True) | {"entry_timeout": SNAPSHOT_CACHE_SECONDS, "attr_timeout": SNAPSHOT_CACHE_SECONDS}
+    return stat_of(attr, None, ino) | {"entry_timeout": SNAPSHOT_CACHE_SECONDS, "attr_timeout": SNAPSHOT_CACHE_SECONDS}
 
 
 def _root(st: dict) -> dict:
@@ -72,7 +81,7 @@ class Snapshots(Family):
     async def open(self, ino: int, flags: int, uid: int):
         if ino == SNAPSHOTS_DIR:
             raise FsError(errno.EISDIR)
-        if writes(flags):
+        if writes(flags) or flags & os.O_TRUNC:  # (O_RDONLY | O_TRUNC truncates on Linux)
             raise FsError(errno.EROFS)
         sid, i = split_snap(ino)
         attr = await self.client.getattr(i, sid)

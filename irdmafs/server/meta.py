@@ -20,6 +20,7 @@ from typing import Any
 # (the client and the file system import these from irdmafs.namespace, not from here)
 from ..namespace import MODEL_SUFFIX, MODEL_XATTR, NAME_MAX, PATH_MAX, ROOT
 from .. import held, packing
+from ..policy import POLICIES, PolicyError, check as check_policy
 from ..transport.base import RemoteError
 from . import buckets
 
@@ -575,6 +576,13 @@ class Meta:
     def _op_setxattr(self, op: dict) -> dict:
         if op["name"] == MODEL_XATTR:  # only setmodel records it, with the drop of the stripes
             raise _err("EPERM", f"{MODEL_XATTR} is kept by the file system")
+        if op["name"] in POLICIES and op.get("value") is not None:
+            # checked when set, by any client, with the parser the training path reads it with
+            # (the mount checks first and logs why: fs/live.py check_xattr)
+            try:
+                check_policy(op["name"], op["value"])
+            except PolicyError as exc:
+                raise _err("EINVAL", f"{op['name']}: {exc}") from None
         node = self.inode(op["ino"])
         if op.get("value") is None:
             if op["name"] not in node["xattrs"]:

@@ -1,7 +1,8 @@
 """Update rules run on the PS, on the primary of each stripe: SGD, momentum, Nesterov, Adam.
 
 Pure numpy, no I/O. ``parse`` reads the xattr form (``"sgd lr=0.1 momentum=0.9 nesterov=1
-weight_decay=1e-4"``, ``"adam lr=1e-3 betas=0.9,0.999 eps=1e-8"``); ``step`` updates parameters
+weight_decay=1e-4"``, ``"adam lr=1e-3 betas=0.9,0.999 eps=1e-8"``; it is irdmafs/policy.py's
+``parse_optimizer``, which the mount also checks a value with when it is set); ``step`` updates parameters
 and state in place from the averaged gradient of one round. The arithmetic is in float32 for
 float32/float16 parameters and float64 for float64 ones, and it is deterministic, so every replica
 that applies the same gradients holds the same bits.
@@ -12,63 +13,11 @@ bias correction; all of it lives with the stripe and is replicated with it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from .. import native as kernels
-
-FORMS = 'sgd lr=F [momentum=F] [nesterov=0|1] [weight_decay=F] | adam lr=F [betas=F,F] [eps=F] [weight_decay=F]'
-
-
-class OptimError(ValueError):
-    """An optimizer string that is not one of the accepted forms."""
-
-
-@dataclass(frozen=True)
-class Optimizer:
-    kind: str = "sgd"
-    lr: float = 0.01
-    momentum: float = 0.0
-    nesterov: bool = False
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-
-    @property
-    def state_names(self) -> tuple[str, ...]:
-        if self.kind == "adam":
-            return ("m", "v")
-        return ("buf",) if self.momentum else ()
-
-
-def parse(text: str) -> Optimizer:
-    words = text.split()
-    if not words or words[0] not in ("sgd", "adam"):
-        raise OptimError(f"unknown optimizer {text!r}; accepted: {FORMS}")
-    kw: dict = {"kind": words[0]}
-    allowed = {"sgd": {"lr", "momentum", "nesterov", "weight_decay"}, "adam": {"lr", "betas", "eps", "weight_decay"}}[words[0]]
-    for w in words[1:]:
-        key, sep, value = w.partition("=")
-        if not sep or key not in allowed:
-            raise OptimError(f"{w!r} is not a setting of {words[0]}; accepted: {FORMS}")
-        try:
-            if key == "betas":
-                b1, b2 = (float(x) for x in value.split(","))
-                kw["beta1"], kw["beta2"] = b1, b2
-            elif key == "nesterov":
-                kw["nesterov"] = value not in ("0", "false", "False")
-            else:
-                kw[key] = float(value)
-        except ValueError:
-            raise OptimError(f"{w!r}: not a number; accepted: {FORMS}") from None
-    opt = Optimizer(**kw)
-    if opt.lr <= 0 or opt.momentum < 0 or opt.weight_decay < 0 or not (0 <= opt.beta1 < 1 and 0 <= opt.beta2 < 1) or opt.eps <= 0:
-        raise OptimError(f"{text!r}: a setting is out of range")
-    if opt.nesterov and not opt.momentum:
-        raise OptimError("nesterov needs momentum > 0")
-    return opt
+# the form's parser and its types are kept where both sides and the mount read them
+from ..policy import OPTIMIZER_FORMS as FORMS, OptimError, Optimizer, parse_optimizer as parse  # noqa: F401
 
 
 def work_dtype(param_dtype: np.dtype) -> np.dtype:

@@ -32,7 +32,7 @@ import trio
 
 from ..metrics import Latency
 from ..namespace import LAYOUT_CHANGED
-from ..policy import PolicyError, parse_policy
+from ..policy import PolicyError, parse_policy, parse_removed, parse_timeout, parse_workers
 from ..transport.base import RemoteError
 from .. import packing
 from . import optim
@@ -92,12 +92,11 @@ PUSH_REQUIRED = frozenset(k for k, p in inspect.signature(Push).parameters.items
 
 
 def pull_timeout(x: dict[str, str]) -> float:
-    """Seconds a pull waits for its step (user.irdma.timeout); EINVAL if not a number."""
-    text = x.get("user.irdma.timeout", "60")
+    """Seconds a pull waits for its step (user.irdma.timeout); EINVAL if not a number above 0."""
     try:
-        return float(text)
-    except ValueError:
-        raise RemoteError("EINVAL", f"user.irdma.timeout {text!r} is not a number of seconds") from None
+        return parse_timeout(x.get("user.irdma.timeout", "60"))
+    except PolicyError as exc:
+        raise RemoteError("EINVAL", str(exc)) from None
 
 
 class Training:
@@ -156,13 +155,11 @@ class Training:
         try:
             policy = parse_policy(x.get("user.irdma.sync", "bsp"))
             opt = optim.parse(x.get("user.irdma.optimizer", "sgd lr=0.01"))
-            workers = int(x.get("user.irdma.workers", "1"))
-            removed = frozenset(int(r) for r in x.get("user.irdma.removed", "").split(",") if r.strip())
-        except (PolicyError, optim.OptimError, ValueError) as exc:
+            workers = parse_workers(x.get("user.irdma.workers", "1"))
+            removed = parse_removed(x.get("user.irdma.removed", ""))
+        except PolicyError as exc:  # (an optimizer's OptimError is one)
             log.warning("tensor %d: %s", fid, exc)
             raise RemoteError("EINVAL", str(exc)) from None
-        if workers < 1:
-            raise RemoteError("EINVAL", "user.irdma.workers must be at least 1")
         try:
             np.dtype(tensor.get("dtype"))
         except TypeError:

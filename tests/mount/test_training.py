@@ -118,8 +118,7 @@ async def test_bad_pushes_and_pulls(model):
         pull(m, 7)  # rank beyond user.irdma.workers
     assert err.value.errno == errno.EINVAL
     with pytest.raises(OSError) as err:
-        os.setxattr(m / "net", "user.irdma.sync", b"lockstep")
-        pull(m, 0)
+        os.setxattr(m / "net", "user.irdma.sync", b"lockstep")  # refused when set (tests/mount/test_copies.py)
     assert err.value.errno == errno.EINVAL
     os.setxattr(m / "net", "user.irdma.sync", b"bsp")
     assert not np.load(m / "net" / "w.npy").any()  # nothing changed
