@@ -64,7 +64,8 @@ def main() -> None:
             np.save(path, arr)
         subprocess.run(["ls", "-lR", str(mnt / "bert")], check=True)
         w = mnt / "bert" / "embed.weight.npy"
-        print("tensor xattrs:", {n: os.getxattr(w, n).decode() for n in ("user.irdma.dtype", "user.irdma.shape", "user.irdma.version")})  # read by name, never listed
+        derived = ("user.irdma.dtype", "user.irdma.shape", "user.irdma.version")  # read by name, never listed
+        print("tensor xattrs:", {n: os.getxattr(w, n).decode() for n in derived})
 
         step("read it back: numpy, numpy mmap, and the whole model as one safetensors file")
         assert all(np.array_equal(np.load(mnt / "bert" / f"{n}.npy"), a) for n, a in model.items())
