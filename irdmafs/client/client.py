@@ -186,12 +186,14 @@ class Client:
         and record the stripes written since the last extend (``StripeIO.written``) as holding
         bytes: a stripe a node loses then reads as EIO, not zeros (held.py). A failed extend
         keeps them for the next one."""
-        idxs = self.io.written.pop(ino, set())
+        idxs = self.io.written.pop(ino, {})
         try:
             return await self._op(op="extend", ino=ino, size=size, **({"stripes": held.runs_of(idxs)} if idxs else {}))
         except BaseException:
             if idxs:
-                self.io.written.setdefault(ino, set()).update(idxs)
+                mine = self.io.written.setdefault(ino, {})
+                for i, v in idxs.items():
+                    mine[i] = max(mine.get(i, 0), v)
             raise
 
     async def mkdir(self, parent: int, name: str, mode: int = 0o755, uid: int = 0, gid: int = 0) -> dict:
@@ -289,23 +291,34 @@ class Client:
             await self.io.write(ino, attr["unit"], offset, view)
         except Exception:
             if extend:  # (the file system frees at the flush that reports it: fs/handles.py)
-                await self.free_past_end(ino, offset + len(view))
+                await self.free_past_end(ino)
             raise
         return await self.extend(ino, offset + len(view)) if extend else None
 
-    async def free_past_end(self, ino: int, written: int) -> dict | None:
-        """After a write that failed (ENOSPC, EIO, a node lost): the stripes it committed past
-        the file's end hold memory nobody can read; a truncate to the file's own size frees
-        them on every node (and zeroes what it wrote past the end in the last stripe). Best
+    async def free_past_end(self, ino: int) -> dict | None:
+        """After a write that failed (ENOSPC, EIO, a node lost): the stripes this client
+        committed and never extended the file over hold memory nobody can read. A ``trim`` of
+        them (server/meta.py), each with the version its commit gave, frees on every node
+        those that are past the file's end when it applies, in the namespace's order, and are
+        still at that version: another mount writing past the end meanwhile keeps what it
+        wrote (a stripe it wrote again has a higher version; one its extend grew the file over
+        is not past the end). Not a truncate to the file's size, which would have taken such a
+        writer's committed stripes before its extend came. (Bytes written past the end inside
+        the file's last stripe stay, as any failed write's bytes inside a stripe do.) Best
         effort, shielded: the write's own error is what the caller reports; a failure here is
-        logged and leaves the space to the next truncate or unlink. Answers the file's
-        attributes after it (None if it could not)."""
+        logged and leaves the space to the nodes (server/tails.py: once this client's staging
+        lease ends) or the next truncate or unlink. Answers the file's attributes (None if it
+        could not)."""
         with trio.CancelScope(shield=True), trio.move_on_after(self.cfg.op_timeout):
             try:
                 attr = await self.getattr(ino)
-                if S.S_ISREG(attr["mode"]) and written > attr["size"]:
-                    attr = await self.truncate(ino, attr["size"], written=written)
-                    log.info("file %d: a failed write's stripes past its end (%d bytes) freed", ino, written - attr["size"])
+                mine = self.io.written.get(ino, {})
+                past = sorted([i, v] for i, v in mine.items() if attr["unit"] and i * attr["unit"] >= held.extent_end(attr))
+                if S.S_ISREG(attr["mode"]) and past:
+                    trimmed = (await self._op(op="trim", ino=ino, stripes=past)).get("trim", [])
+                    for i, _ in past:
+                        mine.pop(i, None)
+                    log.info("file %d: %d stripes a failed write left past its end freed", ino, len(trimmed))
                 return attr
             except (RemoteError, TransportError, Unavailable, NodeDown) as exc:
                 log.warning("file %d: the stripes a failed write left past its end not freed: %s", ino, exc)
@@ -318,7 +331,7 @@ class Client:
         old, unit = max(attr["size"], written), attr["unit"]
         result = await self._op(op="setattr", ino=ino, attrs=dict(attrs, size=size))
         if unit and ino in self.io.written:  # what the truncate dropped holds nothing any more
-            self.io.written[ino] = {i for i in self.io.written[ino] if i < -(-size // unit)}
+            self.io.written[ino] = {i: v for i, v in self.io.written[ino].items() if i < -(-size // unit)}
         # Whole stripes past the end were dropped by every node; the tail of the last one must
         # read as zeros if the file grows again, so it is zeroed through the normal write path.
         if unit and size < old and size % unit:

@@ -136,9 +136,11 @@ class StripeIO:
         self._keys: dict[tuple[str, int, int, int], Key | Lost | None] = {}
         self.bytes_read = 0
         self.bytes_written = 0
-        # file -> stripe indices written here whose ``extend`` has not been sent yet (the
-        # namespace learns which stripes hold bytes with it: held.py, Client.extend)
-        self.written: dict[int, set[int]] = {}
+        # file -> {stripe index: the version its last commit here gave} for the stripes written
+        # here whose ``extend`` has not been sent yet (the namespace learns which stripes hold
+        # bytes with it: held.py, Client.extend; a failed write trims those past the end by
+        # their versions: Client.free_past_end)
+        self.written: dict[int, dict[int, int]] = {}
         self.bytes_pushed = 0  # gradient bytes put on the wire
         # called when a stripe's clock has not moved for CLOCK_SLICE (client/training.py, PushPull._repush_open)
         self.on_behind = None
@@ -574,12 +576,17 @@ class StripeIO:
         """``data`` at ``offset`` of file ``fid``, each stripe's piece staged and committed on
         its primary at once (a ``Gather``'s pieces are its buffers' views: no copy here)."""
         pieces = split(offset, len(data), unit)
+
+        async def commit(p: Piece) -> None:
+            args = {"fid": fid, "idx": p.idx, "offset": p.offset, "length": p.length, "unit": unit}
+            answer = await self.to_primary(fid, p.idx, data[p.pos : p.pos + p.length], "commit", args)
+            version = answer.get("version") if isinstance(answer, dict) else None
+            mine = self.written.setdefault(fid, {})  # each piece as it lands: a failed write's too
+            mine[p.idx] = max(mine.get(p.idx, 0), version if type(version) is int else 0)
+
         async with trio.open_nursery() as nursery:
             for p in pieces:
-                args = {"fid": fid, "idx": p.idx, "offset": p.offset, "length": p.length, "unit": unit}
-                nursery.start_soon(self.to_primary, fid, p.idx, data[p.pos : p.pos + p.length], "commit", args)
-        if pieces:
-            self.written.setdefault(fid, set()).update(p.idx for p in pieces)
+                nursery.start_soon(commit, p)
         self.bytes_written += len(data)
 
     async def to_primary(self, fid: int, idx: int, view: memoryview, method: str, args: dict) -> dict:

@@ -198,10 +198,11 @@ class FileHandle(Handle):
         except Exception:
             # A write failed (ENOSPC, a node lost): what the others committed past the file's
             # end would hold memory for ever (a 0-byte file holding 450 MB after dd met ENOSPC),
-            # so it is freed, unless another handle here still has writes past it on the way.
+            # so it is freed, unless another handle here wrote and has not flushed (its writes
+            # past the end are this client's too: Client.free_past_end would take them).
             f = self.file
-            if not any(w is not self.behind and (w.run or w.inflight) for w in f.writers):
-                attr = await self.client.free_past_end(self.ino, self.size)
+            if not any(h is not self and h.dirty for h in f.handles) and not any(w is not self.behind and (w.run or w.inflight) for w in f.writers):
+                attr = await self.client.free_past_end(self.ino)
                 if attr is not None:  # the size a stat shows here is the cluster's again
                     f.update(attr)
                     self.size = min(self.size, attr["size"])

@@ -64,7 +64,7 @@ OP_FIELDS: dict[str, dict[str, Any]] = {
     "pack": {"bucket": int, "tensors": list, "count": int, "final": bool},
     "unpack": {"bucket": int, "tensors": list},
     "cacher": {"owner": str, "on": bool},  # a mount that may cache names (server/namecache.py)
-    "trim": {"ino": int, "idx": int, "version": int},  # a stripe past the end, its writer gone (server/tails.py)
+    "trim": {"ino": int, "stripes": list},  # [[idx, version], ...] past the end: a failed write's, a dead writer's (server/tails.py)
 }
 OP_OPTIONAL: dict[str, dict[str, Any]] = {
     "create": {"target": str, "unit": int, "rdev": int, **_NAMING},
@@ -594,13 +594,20 @@ class Meta:
         return {}
 
     def _op_trim(self, op: dict) -> dict:
-        """Whether stripe ``idx`` of file ``ino`` is past the file's end now (every node then
-        drops its copy if still at ``version`` or older: server/namespace.py, tails.py). Changes
-        nothing in the namespace: no size, time or version moves."""
+        """Of the stripes ``[[idx, version], ...]`` of file ``ino``, those past the file's end
+        now, in the namespace's order (``trim``): every node then drops its copy of each if still
+        at that version or older (server/namespace.py; who sends it: client.py's
+        ``free_past_end``, server/tails.py). Ordered with the extends, a stripe a write has
+        grown the file over since is not among them, and a stripe written again since has a
+        higher version: neither is dropped. Changes nothing in the namespace."""
         node = self.inode(op["ino"])
-        if not S.S_ISREG(node["mode"]) or not node["unit"] or op["idx"] < 0:
-            raise _err("EINVAL", f"trim: inode {op['ino']} stripe {op['idx']} is no stripe of a file")
-        return {"trim": op["idx"] * node["unit"] >= held.extent_end(node)}
+        rows = op["stripes"]
+        if not S.S_ISREG(node["mode"]) or not node["unit"]:
+            raise _err("EINVAL", f"trim: inode {op['ino']} is no striped file")
+        if len(rows) > held.MAX_RUNS or not all(isinstance(r, list) and len(r) == 2 and all(type(x) is int for x in r) and r[0] >= 0 for r in rows):
+            raise _err("EINVAL", "trim: stripes is a list of [idx, version]")
+        end = held.extent_end(node)
+        return {"trim": [r for r in rows if r[0] * node["unit"] >= end]}
 
     def _op_cacher(self, op: dict) -> dict:
         """A mount recorded as one that may cache names (on), or dropped from the record."""

@@ -320,11 +320,11 @@ class Namespace:
                 if self.store.drop(op["ino"], cut):
                     log.debug("file %d truncated at op %d: its stripes from %d dropped", op["ino"], self.meta.seq, cut)
                 self.forget(op["ino"], cut)  # a truncated tensor trains from its new start
-        if op["op"] == "trim" and result.get("trim"):  # past the end, its writer gone (tails.py)
-            stripe = self.store.get(op["ino"], op["idx"])
-            if stripe is not None and stripe.version <= op["version"]:
-                self.store.drop_keys([(op["ino"], op["idx"], 0)])
-                self.forget(op["ino"], op["idx"], op["idx"] + 1)
+        for idx, version in result.get("trim", ()) if op["op"] == "trim" else ():  # past the end, its writer failed or gone
+            stripe = self.store.get(op["ino"], idx)
+            if stripe is not None and stripe.version <= version:
+                self.store.drop_keys([(op["ino"], idx, 0)])
+                self.forget(op["ino"], idx, idx + 1)
         if op["op"] == "setmodel" and op["model"]:  # the tensors' bytes live elsewhere now
             node = self.meta.inode(op["ino"])
             if node["unit"]:

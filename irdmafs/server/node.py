@@ -259,7 +259,7 @@ class Node:
         primary = self.cluster.roles.meta_primary()
         if primary is None:
             raise RemoteError("EAGAIN", "no metadata primary")
-        rid = f"trim:{self.name}:{op['ino']}:{op['idx']}:{op['version']}"  # a retry is applied once
+        rid = f"trim:{self.name}:{op['ino']}:{op['stripes']}"  # a retry is applied once
         return await self._call_node(primary, "meta", {"op": dict(op, rid=rid), "epoch": self.cluster.roles.view_epoch})
 
     async def _call_node(self, node: str, method: str, args: dict) -> dict:

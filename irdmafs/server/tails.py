@@ -11,7 +11,7 @@ staging region it came in) and its version (``committed``). Every ``SWEEP`` seco
 what it noted: a stripe that the file has grown over, that is gone, or that was written again
 (another version: noted anew) is forgotten; one whose writer's staging lease has ended (its
 heartbeats stopped for ``STAGING_LEASE``, or it released its staging: a client that closed) is
-trimmed: the primary sends the namespace op ``trim {ino, idx, version}``, which every node applies
+trimmed: the primary sends the namespace op ``trim {ino, stripes: [[idx, version]]}``, which every node applies
 in the namespace's order by dropping its copy if the stripe is still past the file's end and
 still at that version or older (server/namespace.py). A live writer's later commit has a higher
 version, and a file grown over the stripe keeps it, so a trim never takes acknowledged bytes.
@@ -81,7 +81,7 @@ class Tails:
     async def sweep(self) -> None:
         for fid, idx, version in self.due():
             try:
-                result = await self.trim({"op": "trim", "ino": fid, "idx": idx, "version": version})
+                result = await self.trim({"op": "trim", "ino": fid, "stripes": [[idx, version]]})
             except (RemoteError, NodeDown) as exc:
                 log.info("stripe %d:%d past its file's end: trim not done yet (%s)", fid, idx, exc)
                 continue

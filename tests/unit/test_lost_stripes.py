@@ -163,3 +163,25 @@ async def test_stripes_a_writer_that_is_gone_left_past_the_end_are_freed_on_ever
         assert sum(n.tails.trimmed for n in nodes) == 2
         assert (await keeper.getattr(fid))["size"] == unit  # nothing else changed
         assert await keeper.paths.read_file("/f") == b"x" * unit
+
+
+async def test_a_failed_writer_frees_only_its_own_stripes_past_the_end(nursery):
+    """``Client.free_past_end`` trims what this client committed past the end, by version, in
+    the namespace's order: another writer's stripes past the end (its extend still to come),
+    and a stripe it wrote again since, are kept (a truncate to the file's size took them)."""
+    cfg = config(n=3, r=2)
+    nodes = await start_cluster(nursery, cfg)
+    unit = cfg.stripe_unit
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as other, Client.connect(cfg, MemoryTransport(cfg.token)) as failed:
+        fid = (await other.paths.write_file("/f", b"x" * unit))["ino"]
+        theirs = os.urandom(2 * unit)
+        await other.io.write(fid, unit, unit, memoryview(theirs))  # stripes 1-2, extend to come
+        await failed.io.write(fid, unit, 3 * unit, memoryview(os.urandom(3 * unit)))  # stripes 3-5: its write then fails
+        again = os.urandom(unit)
+        await other.io.write(fid, unit, 5 * unit, memoryview(again))  # stripe 5 written again by the other
+        await failed.free_past_end(fid)
+        held_by = {i: sum(n.store.get(fid, i) is not None for n in nodes) for i in range(6)}
+        assert held_by == {0: 2, 1: 2, 2: 2, 3: 0, 4: 0, 5: 2}, held_by
+        await other.extend(fid, 6 * unit)
+        got = await other.paths.read_file("/f")
+        assert got[unit : 3 * unit] == theirs and got[5 * unit :] == again and got[3 * unit : 5 * unit] == bytes(2 * unit)
