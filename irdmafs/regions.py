@@ -49,3 +49,7 @@ def clock_word(clock: int, pending: bool = False) -> int:
 def read_header(buf) -> Header:
     word = WORD.unpack_from(buf, CLOCK_AT)[0]
     return Header(WORD.unpack_from(buf, VERSION_AT)[0] // 2, word & ~PENDING, bool(word & PENDING))
+
+# A stripe's versions: (namespace op seq at its making) << VERSION_SHIFT + its commits since, so
+# a stripe made after a truncate is newer than any copy from before it (server/datapath.py)
+VERSION_SHIFT = 32

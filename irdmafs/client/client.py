@@ -188,7 +188,8 @@ class Client:
         keeps them for the next one."""
         idxs = self.io.written.pop(ino, {})
         try:
-            return await self._op(op="extend", ino=ino, size=size, **({"stripes": held.runs_of(idxs)} if idxs else {}))
+            written = {"stripes": held.runs_of(idxs), "made": min(idxs.values())} if idxs else {}
+            return await self._op(op="extend", ino=ino, size=size, **written)
         except BaseException:
             if idxs:
                 mine = self.io.written.setdefault(ino, {})
@@ -297,28 +298,34 @@ class Client:
 
     async def free_past_end(self, ino: int) -> dict | None:
         """After a write that failed (ENOSPC, EIO, a node lost): the stripes this client
-        committed and never extended the file over hold memory nobody can read. A ``trim`` of
-        them (server/meta.py), each with the version its commit gave, frees on every node
-        those that are past the file's end when it applies, in the namespace's order, and are
-        still at that version: another mount writing past the end meanwhile keeps what it
-        wrote (a stripe it wrote again has a higher version; one its extend grew the file over
-        is not past the end). Not a truncate to the file's size, which would have taken such a
-        writer's committed stripes before its extend came. (Bytes written past the end inside
-        the file's last stripe stay, as any failed write's bytes inside a stripe do.) Best
-        effort, shielded: the write's own error is what the caller reports; a failure here is
-        logged and leaves the space to the nodes (server/tails.py: once this client's staging
-        lease ends) or the next truncate or unlink. Answers the file's attributes (None if it
-        could not)."""
+        committed and never extended the file over hold memory nobody can read. It gives them
+        up at each one's primary (``release_tails``, server/tails.py), which trims those no
+        other writer committed to since they went past the end (a namespace op in order with
+        the extends, by stamp: another mount writing past the end meanwhile keeps what it
+        wrote, and a stripe its extend grew the file over is not past the end). Not a truncate
+        to the file's size, which would have taken such a writer's committed stripes before
+        its extend came. (Bytes written past the end inside the file's last stripe stay, as
+        any failed write's bytes inside a stripe do.) Best effort, shielded: the write's own
+        error is what the caller reports; a failure here is logged and leaves the space to the
+        primaries (once this client's staging lease ends) or the next truncate or unlink.
+        Answers the file's attributes (None if it could not)."""
         with trio.CancelScope(shield=True), trio.move_on_after(self.cfg.op_timeout):
             try:
+                mine = dict(self.io.written.get(ino, {}))  # (before any await: later writes are not this one's)
                 attr = await self.getattr(ino)
-                mine = self.io.written.get(ino, {})
-                past = sorted([i, v] for i, v in mine.items() if attr["unit"] and i * attr["unit"] >= held.extent_end(attr))
-                if S.S_ISREG(attr["mode"]) and past:
-                    trimmed = (await self._op(op="trim", ino=ino, stripes=past)).get("trim", [])
-                    for i, _ in past:
-                        mine.pop(i, None)
-                    log.info("file %d: %d stripes a failed write left past its end freed", ino, len(trimmed))
+                past = sorted(i for i in mine if attr["unit"] and i * attr["unit"] >= held.extent_end(attr))
+                by_primary: dict[str, list[int]] = {}
+                for i in past:
+                    if (primary := self.cluster.roles.stripe_primary(ino, i)) is not None:
+                        by_primary.setdefault(primary, []).append(i)
+                released = 0
+                for node, idxs in by_primary.items():
+                    released += (await self.cluster.call(node, "release_tails", {"owner": self.owner, "fid": ino, "idxs": idxs}))["released"]
+                for i in past:
+                    if self.io.written.get(ino, {}).get(i) == mine[i]:
+                        self.io.written[ino].pop(i, None)
+                if past:
+                    log.info("file %d: %d stripes a failed write left past its end given up", ino, released)
                 return attr
             except (RemoteError, TransportError, Unavailable, NodeDown) as exc:
                 log.warning("file %d: the stripes a failed write left past its end not freed: %s", ino, exc)

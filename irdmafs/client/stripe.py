@@ -354,8 +354,8 @@ class StripeIO:
         fid, size, unit, snap = extent
         n = max(0, min(len(into), size - offset))
         pieces = split(offset, n, unit)
-        await self._prefetch(fid, [p.idx for p in pieces], snap)
         try:
+            await self._prefetch(fid, [p.idx for p in pieces], snap)  # (inside: a hole it cached goes with a cancel too)
             async with trio.open_nursery() as nursery:
                 for p in pieces:
                     nursery.start_soon(self._read_piece, fid, p, into[p.pos : p.pos + p.length], snap, step, clocks)
@@ -479,10 +479,13 @@ class StripeIO:
             candidates = [c for c in self.cluster.roles.read_candidates(fid, p.idx) if c not in missing | lost | syncing | gone.keys()]
             candidates.sort(key=lambda c: behind.index(c) + 1 if c in behind else 0)
             if not candidates:
-                homes = self.cluster.roles.stripe_rank(fid, p.idx)[: self.cluster.roles.members.replicas]
+                every_home = self.cluster.roles.stripe_rank(fid, p.idx)[: self.cluster.roles.members.replicas]
                 # the homes the view names active hold every acknowledged write
-                homes = [n for n in homes if self.cluster.roles.node_state(n) == READY] or homes
-                if set(homes) <= missing | gone.keys():  # every home replica answered: nothing there
+                homes = [n for n in every_home if self.cluster.roles.node_state(n) == READY] or every_home
+                # a home that lost the stripe is no answer while another home may still come
+                # back with it (syncing, down): that one is waited for below, as for EAGAIN
+                answered = set(homes) <= missing | gone.keys() and (not gone or set(every_home) <= missing | gone.keys())
+                if answered:  # every home replica answered: nothing there
                     if gone:  # ... but the stripe holds bytes that a home lost: never zeros
                         said = "; ".join(f"{n}: {w}" for n, w in sorted(gone.items()))
                         log.error("stripe %d:%d: lost, no replica holds it (%s)", fid, p.idx, said)
@@ -508,9 +511,10 @@ class StripeIO:
                     syncing.clear()
                     continue
                 # Zeros here could hide lost data: say so instead.
-                down = [n for n in homes if n not in missing and n not in gone]
-                log.error("stripe %d:%d: no live replica holds it (down or syncing: %s)", fid, p.idx, ", ".join(down))
-                raise Unavailable(f"stripe {p.idx} of file {fid}: replicas {down} unavailable")
+                down = [n for n in (every_home if gone else homes) if n not in missing and n not in gone]
+                also = "; lost on " + ", ".join(sorted(gone)) if gone else ""
+                log.error("stripe %d:%d: no live replica holds it (down or syncing: %s%s)", fid, p.idx, ", ".join(down), also)
+                raise Unavailable(f"stripe {p.idx} of file {fid}: replicas {down} unavailable{also}")
             node = candidates[0]
             try:
                 if (node, fid, p.idx, snap) not in self._keys or (node not in looked_up and not self._cached(node, fid, p.idx, snap)):

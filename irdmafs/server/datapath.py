@@ -22,6 +22,7 @@ import logging
 from typing import NamedTuple
 
 from ..offload import Offload
+from ..regions import VERSION_SHIFT
 from ..transport.base import RemoteError
 from .barrier import CommitBarrier
 from .core import NodeCore
@@ -35,7 +36,7 @@ from .updates import StripeKey, StripeRange, Update, check_range
 
 log = logging.getLogger(__name__)
 
-VERSION_SHIFT = 32  # a stripe takes 2**32 writes before its versions reach the next base
+# (VERSION_SHIFT, regions.py: a stripe takes 2**32 writes before its versions reach the next base)
 
 
 class Apply(NamedTuple):
@@ -103,6 +104,7 @@ class DataPath:
         it held before its hand-over, and the snapshot read a write back old (chaos, seed 7)."""
         self.serving.require_caught_up()
         frozen = self.store.take_snapshot(snap)
+        self.missing.frozen(snap)  # a stripe lost here is lost in the snapshot, never a hole there
         await self.store.persisted(self.offload)  # with --persist: its links on disk, off the loop
         return {"bytes": frozen}
 
@@ -160,7 +162,7 @@ class DataPath:
                 base = self.store.get(fid, idx)
                 base_tag = base.tag if base is not None else 0
                 version = self.store.install(StripeKey(fid, idx), offset, data, unit)
-                self.tails.committed(fid, idx, self.staging.owner_of(staged), version)  # past the end: watched
+                self.tails.committed(fid, idx, self.staging.owner_of(staged), self.store.get(fid, idx).stamp)  # past the end: watched
                 self.serving.led_now((fid, idx, 0))
                 update = Update(StripeRange(StripeKey(fid, idx), offset, length, unit), version, self.store.get(fid, idx), base_tag=base_tag)
                 await self.replicator.to_every_target(update.range.key, lambda peer: self.replicator.update(peer, update))

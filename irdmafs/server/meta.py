@@ -20,6 +20,7 @@ from typing import Any
 # (the client and the file system import these from irdmafs.namespace, not from here)
 from ..namespace import MODEL_SUFFIX, MODEL_XATTR, NAME_MAX, PATH_MAX, ROOT
 from .. import held, packing
+from ..regions import VERSION_SHIFT
 from ..policy import POLICIES, PolicyError, check as check_policy
 from ..transport.base import RemoteError
 from . import buckets
@@ -64,13 +65,13 @@ OP_FIELDS: dict[str, dict[str, Any]] = {
     "pack": {"bucket": int, "tensors": list, "count": int, "final": bool},
     "unpack": {"bucket": int, "tensors": list},
     "cacher": {"owner": str, "on": bool},  # a mount that may cache names (server/namecache.py)
-    "trim": {"ino": int, "stripes": list},  # [[idx, version], ...] past the end: a failed write's, a dead writer's (server/tails.py)
+    "trim": {"ino": int, "stripes": list},  # [[idx, tag, version], ...] past the end, their writers failed or gone (server/tails.py)
 }
 OP_OPTIONAL: dict[str, dict[str, Any]] = {
     "create": {"target": str, "unit": int, "rdev": int, **_NAMING},
     "mkdir": dict(_NAMING),
     "setxattr": {"value": (str, type(None))},
-    "extend": {"stripes": list},  # the runs of stripes the write wrote (held.py)
+    "extend": {"stripes": list, "made": int},  # the runs of stripes the write wrote (held.py), the oldest's version
 }
 
 
@@ -508,7 +509,13 @@ class Meta:
             raise _err("EISDIR", "cannot write a directory")
         node["size"] = max(node["size"], op["size"])
         if op.get("stripes") and node.get("stripes") is not None:
-            node["stripes"] = held.add(node["stripes"], op["stripes"])
+            runs = op["stripes"]
+            # a truncate since the oldest of them was made dropped those past its cut: they are
+            # holes now, not written (a later loss of them must not read as EIO)
+            for seq, cut in self.cuts.get(op["ino"], ()):
+                if "made" not in op or op["made"] < seq << VERSION_SHIFT:
+                    runs = held.cut(runs, cut)
+            node["stripes"] = held.add(node["stripes"], runs)
         node["mtime_ns"] = node["ctime_ns"] = op["now"]
         node["version"] += 1
         return self.attr(op["ino"])
@@ -594,20 +601,25 @@ class Meta:
         return {}
 
     def _op_trim(self, op: dict) -> dict:
-        """Of the stripes ``[[idx, version], ...]`` of file ``ino``, those past the file's end
-        now, in the namespace's order (``trim``): every node then drops its copy of each if still
-        at that version or older (server/namespace.py; who sends it: client.py's
-        ``free_past_end``, server/tails.py). Ordered with the extends, a stripe a write has
-        grown the file over since is not among them, and a stripe written again since has a
-        higher version: neither is dropped. Changes nothing in the namespace."""
+        """Of the stripes ``[[idx, tag, version], ...]`` of file ``ino``, those past the file's
+        end now, in the namespace's order: every node then drops its copy of each if its stamp
+        is still (tag, version) or older (server/namespace.py; the stripe's primary sends it:
+        server/tails.py). Ordered with the extends, a stripe a write has grown the file over
+        since is not among them, and one written again since has a newer stamp: neither is
+        dropped. The trimmed stripes leave the file's runs of written stripes (held.py): a
+        later grow makes them holes, not lost."""
         node = self.inode(op["ino"])
         rows = op["stripes"]
         if not S.S_ISREG(node["mode"]) or not node["unit"]:
             raise _err("EINVAL", f"trim: inode {op['ino']} is no striped file")
-        if len(rows) > held.MAX_RUNS or not all(isinstance(r, list) and len(r) == 2 and all(type(x) is int for x in r) and r[0] >= 0 for r in rows):
-            raise _err("EINVAL", "trim: stripes is a list of [idx, version]")
+        if len(rows) > held.MAX_RUNS or not all(isinstance(r, list) and len(r) == 3 and all(type(x) is int for x in r) and r[0] >= 0 for r in rows):
+            raise _err("EINVAL", "trim: stripes is a list of [idx, tag, version]")
         end = held.extent_end(node)
-        return {"trim": [r for r in rows if r[0] * node["unit"] >= end]}
+        trimmed = [r for r in rows if r[0] * node["unit"] >= end]
+        if trimmed and node.get("stripes") is not None:
+            gone = {r[0] for r in trimmed}
+            node["stripes"] = held.runs_of(i for lo, hi in node["stripes"] for i in range(lo, hi) if i not in gone)
+        return {"trim": trimmed}
 
     def _op_cacher(self, op: dict) -> dict:
         """A mount recorded as one that may cache names (on), or dropped from the record."""

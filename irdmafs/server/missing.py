@@ -76,6 +76,11 @@ class Missing:
                 ", ..." if len(self.keys) > NAMED else "",
             )
 
+    def frozen(self, snap: int) -> None:
+        """Snapshot ``snap`` was taken here: what is lost of the live files is lost in it too
+        (it shares no memory for those stripes: there is none)."""
+        self.keys |= {(f, i, snap) for f, i, s in list(self.keys) if s == 0 and self.store.get(f, i) is None}
+
     def why(self, fid: int, idx: int, snap: int = 0) -> str | None:
         """Why stripe (fid, idx) of snapshot ``snap`` is not here though it holds bytes, or None
         (a hole, or held: the caller reads it)."""

@@ -320,10 +320,10 @@ class Namespace:
                 if self.store.drop(op["ino"], cut):
                     log.debug("file %d truncated at op %d: its stripes from %d dropped", op["ino"], self.meta.seq, cut)
                 self.forget(op["ino"], cut)  # a truncated tensor trains from its new start
-        for idx, version in result.get("trim", ()) if op["op"] == "trim" else ():  # past the end, its writer failed or gone
+        for idx, tag, version in result.get("trim", ()) if op["op"] == "trim" else ():  # past the end, its writers failed or gone
             stripe = self.store.get(op["ino"], idx)
-            if stripe is not None and stripe.version <= version:
-                self.store.drop_keys([(op["ino"], idx, 0)])
+            if stripe is not None and stripe.stamp <= (tag, version):
+                self.store.drop_keys([(op["ino"], idx, s) for s in (0, -1, -2) if self.store.get(op["ino"], idx, s) is not None])
                 self.forget(op["ino"], idx, idx + 1)
         if op["op"] == "setmodel" and op["model"]:  # the tensors' bytes live elsewhere now
             node = self.meta.inode(op["ino"])

@@ -131,12 +131,13 @@ class Node:
         self.missing = Missing(name, self.store, lambda: self.namespace.meta)  # the stripes it came back without
         self.resync = Resync(core, self.training, self.namespace.current, self.namespace.restore, self.missing)
         self.membership = Membership(core, self.namespace.lock, self.barrier, self.training, self.resync, self.lease, self.namespace.drop_freed)
-        self.tails = Tails(self.store, self.staging, lambda: self.namespace.meta, self._trim)  # past a file's end, its writer gone
+        # stripes past a file's end whose writers are gone (tails.py)
+        self.tails = Tails(self.store, self.staging, lambda: self.namespace.meta, self._trim, lambda f, i: self.cluster.roles.stripe_primary(f, i) == self.name)
         self.data = DataPath(core, self.barrier, self.replicator, self.staging, self.training, self.offload, self.missing, self.tails)
         self.cluster.heartbeats.on_adopt = self.membership.adopted  # a membership learnt from a peer's heartbeat
         self.clocks = ClockWaits(transport, self.store)
         self.calls: dict[str, Callable] = {}  # method -> its handler (``handle``)
-        for part in (self, self.data, self.namespace, self.training, self.membership, self.clocks):
+        for part in (self, self.data, self.namespace, self.training, self.membership, self.clocks, self.tails):
             for attr in dir(part):
                 if attr.startswith("rpc_"):
                     assert attr[4:] not in self.calls, f"two handlers of {attr}"

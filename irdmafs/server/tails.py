@@ -7,17 +7,23 @@ own size). One that dies cannot (a mount killed, a client process gone): its str
 end would hold memory nobody can read, for ever (issue 55: a 0-byte file held 450 MB).
 
 So the primary that commits a stripe past its file's end notes who wrote it (the owner of the
-staging region it came in) and its version (``committed``). Every ``SWEEP`` seconds it looks at
-what it noted: a stripe that the file has grown over, that is gone, or that was written again
-(another version: noted anew) is forgotten; one whose writer's staging lease has ended (its
-heartbeats stopped for ``STAGING_LEASE``, or it released its staging: a client that closed) is
-trimmed: the primary sends the namespace op ``trim {ino, stripes: [[idx, version]]}``, which every node applies
-in the namespace's order by dropping its copy if the stripe is still past the file's end and
-still at that version or older (server/namespace.py). A live writer's later commit has a higher
-version, and a file grown over the stripe keeps it, so a trim never takes acknowledged bytes.
+staging region it came in; every writer of it since it went past the end) and its stamp (tag,
+version) (``committed``). Every ``SWEEP`` seconds it looks at what it noted: a stripe that the
+file has grown over, that is gone, that changed here otherwise (another stamp: a view's new
+primary wrote it) or that this node no longer leads is forgotten; one every writer of which is
+gone (its staging lease ended: heartbeats stopped for ``STAGING_LEASE``, or it released its
+staging: a client that closed) or gave it up (a failed write: ``release_tails``, from
+``Client.free_past_end``) is trimmed: the primary sends the namespace op ``trim {ino, stripes:
+[[idx, tag, version]]}``, which every node applies in the namespace's order by dropping its copy
+if the stripe is still past the file's end and its stamp is still that one or older
+(server/namespace.py). A live writer's bytes in the stripe keep it (it is one of its writers);
+a file grown over the stripe keeps it; so a trim never takes bytes a live writer may still
+acknowledge.
 
 Not covered: a primary that changes (a view change) before the writer's lease ends forgets what
-it noted; the new one notes only what it commits. A node's resync drops a copy past the end that
+it noted; the new one notes only what it commits. A live writer cut off from the primary alone
+for longer than the staging lease counts as gone there, and its stripes past the end go before
+its extend (which then grows the file over holes). A node's resync drops a copy past the end that
 no peer holds (resync.py, ``converge``).
 
 Concurrency: the node's trio thread; ``sweep`` awaits only the namespace op.
@@ -46,49 +52,88 @@ NOTED_MAX = 1 << 16  # stripes noted at most (the oldest go first: a leak of the
 class Tails:
     """What this node committed past a file's end, and by whom (see the module's docstring)."""
 
-    def __init__(self, store: Store, staging: StagingRegions, meta: Callable[[], Meta], trim: Callable[[dict], Awaitable[dict]]):
-        """``trim(op)``: send a namespace op to the metadata primary (node.py)."""
-        self.store, self.staging, self.meta, self.trim = store, staging, meta, trim
-        self.noted: dict[tuple[int, int], tuple[str, int]] = {}  # (fid, idx) -> (owner, version)
+    def __init__(
+        self,
+        store: Store,
+        staging: StagingRegions,
+        meta: Callable[[], Meta],
+        trim: Callable[[dict], Awaitable[dict]],
+        leads: Callable[[int, int], bool],
+    ):
+        """``trim(op)``: send a namespace op to the metadata primary (node.py); ``leads(fid,
+        idx)``: whether this node is the stripe's primary in the view in force."""
+        self.store, self.staging, self.meta, self.trim, self.leads = store, staging, meta, trim, leads
+        # (fid, idx) -> [owners who committed to it since it went past the end, those of them
+        # who gave it up (a failed write: ``rpc_release_tails``), its stamp after the last one]
+        self.noted: dict[tuple[int, int], list] = {}
         self.trimmed = 0  # stripes freed this way (metrics, tests)
 
-    def committed(self, fid: int, idx: int, owner: str | None, version: int) -> None:
-        """A commit of stripe (fid, idx) at ``version`` by ``owner`` (None: not known) just
-        installed here as its primary."""
+    def committed(self, fid: int, idx: int, owner: str | None, stamp: tuple[int, int]) -> None:
+        """A commit of stripe (fid, idx), stamped (tag, version), by ``owner`` (None: not
+        known) just installed here as its primary."""
         node = self.meta().inodes.get(fid)
-        if owner is None or node is None or not node.get("unit") or idx * node["unit"] < extent_end(node):
+        if node is None or not node.get("unit") or idx * node["unit"] < extent_end(node):
             self.noted.pop((fid, idx), None)
             return
-        self.noted.pop((fid, idx), None)  # (re-inserted last: the oldest first)
-        self.noted[(fid, idx)] = (owner, version)
+        entry = self.noted.pop((fid, idx), None) or [set(), set(), stamp]
+        # an owner not known keeps the stripe for ever: never taken for a writer that is gone
+        entry[0].add(owner if owner is not None else "?")
+        entry[1].discard(owner)
+        entry[2] = stamp
+        self.noted[(fid, idx)] = entry  # (re-inserted last: the oldest first)
         if len(self.noted) > NOTED_MAX:
             (f, i), _ = next(iter(self.noted.items()))
             del self.noted[(f, i)]
             log.warning("stripe %d:%d: no longer watched for a writer gone (%d noted past their files' ends)", f, i, NOTED_MAX)
 
-    def due(self) -> list[tuple[int, int, int]]:
-        """The noted stripes to trim now, (fid, idx, version); forgets those that no longer
-        need watching."""
+    def _gone(self, owner: str, released: set) -> bool:
+        return owner != "?" and (owner in released or not self.staging.holds(owner))
+
+    def due(self, only: set | None = None) -> list[tuple[int, int, tuple[int, int]]]:
+        """The noted stripes to trim now, (fid, idx, stamp): every writer of each gone or given
+        up, this node still their primary, the stripe as the last of them left it. Forgets
+        those that no longer need watching."""
         meta, out = self.meta(), []
-        for (fid, idx), (owner, version) in list(self.noted.items()):
+        for (fid, idx), (owners, released, stamp) in list(self.noted.items()):
+            if only is not None and (fid, idx) not in only:
+                continue
             node, stripe = meta.inodes.get(fid), self.store.get(fid, idx)
-            if node is None or stripe is None or stripe.version != version or idx * node["unit"] < extent_end(node):
-                del self.noted[(fid, idx)]  # freed, written again (noted again if past the end), or grown over
-            elif not self.staging.holds(owner):
-                out.append((fid, idx, version))
+            if node is None or stripe is None or stripe.stamp != stamp or idx * node["unit"] < extent_end(node) or not self.leads(fid, idx):
+                del self.noted[(fid, idx)]  # freed, written again elsewhere, grown over, or led elsewhere now
+            elif all(self._gone(o, released) for o in owners):
+                out.append((fid, idx, stamp))
         return out
 
-    async def sweep(self) -> None:
-        for fid, idx, version in self.due():
+    async def sweep(self, only: set | None = None) -> None:
+        by_file: dict[int, list] = {}
+        for fid, idx, (tag, version) in self.due(only):
+            by_file.setdefault(fid, []).append([idx, tag, version])
+        for fid, rows in by_file.items():
             try:
-                result = await self.trim({"op": "trim", "ino": fid, "stripes": [[idx, version]]})
+                result = await self.trim({"op": "trim", "ino": fid, "stripes": rows})
             except (RemoteError, NodeDown) as exc:
-                log.info("stripe %d:%d past its file's end: trim not done yet (%s)", fid, idx, exc)
+                log.info("file %d: %d stripes past its end: trim not done yet (%s)", fid, len(rows), exc)
                 continue
-            self.noted.pop((fid, idx), None)
+            for idx, *_ in rows:
+                self.noted.pop((fid, idx), None)
             if result.get("trim"):
-                self.trimmed += 1
-                log.info("stripe %d:%d (version %d): past its file's end, its writer gone: freed", fid, idx, version)
+                self.trimmed += len(result["trim"])
+                log.info("file %d: %d stripes past its end, their writers gone: freed", fid, len(result["trim"]))
+
+    async def rpc_release_tails(self, owner: str, fid: int, idxs: list) -> dict:
+        """``owner``'s write failed: it gives up what it committed past the end of ``fid``
+        (``Client.free_past_end``); a stripe no other writer of which is still there is trimmed
+        now."""
+        if not isinstance(owner, str) or type(fid) is not int or not isinstance(idxs, list) or not all(type(i) is int for i in idxs):
+            raise RemoteError("EINVAL", "release_tails: owner, fid and a list of stripe indices")
+        mine = set()
+        for idx in idxs:
+            entry = self.noted.get((fid, idx))
+            if entry is not None and owner in entry[0]:
+                entry[1].add(owner)
+                mine.add((fid, idx))
+        await self.sweep(mine)
+        return {"released": len(mine)}
 
     async def loop(self) -> None:
         while True:

@@ -54,6 +54,19 @@ async def test_runs_of_written_stripes_follow_writes_truncates_and_holes():
         m.apply({"op": "setattr", "ino": 2, "attrs": {"size": True}, "now": 7})  # a bool is no size
 
 
+def test_an_extend_records_no_stripe_a_truncate_dropped_since_it_was_made():
+    """A write's extend that comes after a truncate dropped its stripes (another client's)
+    records them as holes, not written: a later loss of them must not read as EIO."""
+    m = Meta()
+    m.apply({"op": "create", "parent": 1, "name": "f", "mode": 0o100644, "unit": 100, "ino": 2, "now": 1})
+    made_before = m.seq << 32 | 1  # a stripe made now (datapath's version base)
+    m.apply({"op": "setattr", "ino": 2, "attrs": {"size": 0}, "now": 2})  # drops every stripe
+    m.apply({"op": "extend", "ino": 2, "size": 300, "stripes": [[0, 3]], "made": made_before, "now": 3})
+    assert m.inodes[2]["stripes"] == [] and m.inodes[2]["size"] == 300
+    m.apply({"op": "extend", "ino": 2, "size": 300, "stripes": [[0, 3]], "made": m.seq << 32 | 1, "now": 4})
+    assert m.inodes[2]["stripes"] == [[0, 3]]  # made since: written
+
+
 def test_runs_merge_and_cut():
     assert held.runs_of([5, 0, 1, 3, 2]) == [[0, 4], [5, 6]]
     assert held.add([[0, 2], [6, 8]], [[2, 3], [5, 6]]) == [[0, 3], [5, 8]]
@@ -136,6 +149,11 @@ async def test_a_snapshot_stripe_lost_reads_eio(nursery):
         with pytest.raises((Unavailable, BaseExceptionGroup)) as e:
             await c.read(fid, 0, len(data), attr, snap)
         unavailable(e)
+        later = (await c.take_snapshot("two"))["id"]  # taken after the loss: lost in it too
+        attr = await c.getattr(fid, later)
+        with pytest.raises((Unavailable, BaseExceptionGroup)) as e:
+            await c.read(fid, 0, len(data), attr, later)
+        unavailable(e)
 
 
 async def test_stripes_a_writer_that_is_gone_left_past_the_end_are_freed_on_every_replica(nursery):
@@ -179,9 +197,13 @@ async def test_a_failed_writer_frees_only_its_own_stripes_past_the_end(nursery):
         await failed.io.write(fid, unit, 3 * unit, memoryview(os.urandom(3 * unit)))  # stripes 3-5: its write then fails
         again = os.urandom(unit)
         await other.io.write(fid, unit, 5 * unit, memoryview(again))  # stripe 5 written again by the other
+        half = os.urandom(unit // 2)
+        await other.io.write(fid, unit, 6 * unit, memoryview(half))  # stripe 6: the other's first half...
+        await failed.io.write(fid, unit, 6 * unit + unit // 2, memoryview(os.urandom(unit // 2)))  # ... the failed one's second, later
         await failed.free_past_end(fid)
-        held_by = {i: sum(n.store.get(fid, i) is not None for n in nodes) for i in range(6)}
-        assert held_by == {0: 2, 1: 2, 2: 2, 3: 0, 4: 0, 5: 2}, held_by
-        await other.extend(fid, 6 * unit)
+        held_by = {i: sum(n.store.get(fid, i) is not None for n in nodes) for i in range(7)}
+        assert held_by == {0: 2, 1: 2, 2: 2, 3: 0, 4: 0, 5: 2, 6: 2}, held_by
+        await other.extend(fid, 6 * unit + unit // 2)
         got = await other.paths.read_file("/f")
-        assert got[unit : 3 * unit] == theirs and got[5 * unit :] == again and got[3 * unit : 5 * unit] == bytes(2 * unit)
+        assert got[unit : 3 * unit] == theirs and got[5 * unit : 6 * unit] == again and got[3 * unit : 5 * unit] == bytes(2 * unit)
+        assert got[6 * unit :] == half
