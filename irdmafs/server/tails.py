@@ -2,9 +2,10 @@
 
 A write lands stripe by stripe (``commit``) and grows the file once, at its flush (``extend``),
 so while a file is written its stripes past the namespace's size are normal: they are on their
-way. A writer that fails frees them itself (``Client.free_past_end``: a truncate to the file's
-own size). One that dies cannot (a mount killed, a client process gone): its stripes past the
-end would hold memory nobody can read, for ever (issue 55: a 0-byte file held 450 MB).
+way. Left there by a writer that failed (issue 55: a 0-byte file held 450 MB after `dd` met
+ENOSPC) or died (a mount killed, a client process gone), they would hold memory nobody can read,
+for ever. A writer that fails gives its own up here (``Client.free_past_end``); one that dies
+cannot, and its staging lease ending says so.
 
 So the primary that commits a stripe past its file's end notes who wrote it (the owner of the
 staging region it came in; every writer of it since it went past the end) and its stamp (tag,
