@@ -162,7 +162,7 @@ class DataPath:
                 base = self.store.get(fid, idx)
                 base_tag = base.tag if base is not None else 0
                 version = self.store.install(StripeKey(fid, idx), offset, data, unit)
-                self.tails.committed(fid, idx, self.staging.owner_of(staged), self.store.get(fid, idx).stamp)  # past the end: watched
+                self.tails.committed(fid, idx, staged, self.store.get(fid, idx).stamp)  # past the end: watched
                 self.serving.led_now((fid, idx, 0))
                 update = Update(StripeRange(StripeKey(fid, idx), offset, length, unit), version, self.store.get(fid, idx), base_tag=base_tag)
                 await self.replicator.to_every_target(update.range.key, lambda peer: self.replicator.update(peer, update))

@@ -11,7 +11,6 @@ way (``pull_stripes`` with ``strict``), and the hand-over fetches single stripes
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import sys
@@ -20,9 +19,9 @@ from typing import Callable
 
 import trio
 
+from ..held import extent_end
 from ..peers import NodeDown
 from ..notify import notify
-from ..namespace import MODEL_XATTR
 from ..progress import Progress
 from ..transport.base import AccessError, RemoteError, TransportError
 from ..util import single_exception
@@ -155,11 +154,7 @@ class Resync:
         node = meta.view(snap).inodes.get(fid)
         if not node or not node.get("unit"):
             return False
-        end = node.get("size", 0)
-        model = node.get("xattrs", {}).get(MODEL_XATTR)
-        if model:
-            end = min(end, json.loads(model).get("start", end))
-        return idx * node["unit"] < end
+        return idx * node["unit"] < extent_end(node)
 
     async def pull_stripes(self, what: str, peers: list[str], mine, *, strict: bool = False, converge: bool = False, newer_or_fail: bool = False) -> dict:
         """Fetch, from ``peers``, the newest copy of every stripe (live, snapshot, optimizer

@@ -41,13 +41,14 @@ from ..held import extent_end
 from ..peers import NodeDown
 from ..transport.base import RemoteError
 from .meta import Meta
-from .staging import StagingRegions
+from .staging import Staged, StagingRegions
 from .store import Store
 
 log = logging.getLogger(__name__)
 
 SWEEP = 5.0  # seconds between looks at the stripes noted
 NOTED_MAX = 1 << 16  # stripes noted at most (the oldest go first: a leak of their memory, logged)
+TRIM_ROWS = 4096  # stripes one trim op names at most (a control document of ~100 KB; meta.py allows MAX_RUNS)
 
 
 class Tails:
@@ -69,13 +70,15 @@ class Tails:
         self.noted: dict[tuple[int, int], list] = {}
         self.trimmed = 0  # stripes freed this way (metrics, tests)
 
-    def committed(self, fid: int, idx: int, owner: str | None, stamp: tuple[int, int]) -> None:
-        """A commit of stripe (fid, idx), stamped (tag, version), by ``owner`` (None: not
-        known) just installed here as its primary."""
+    def committed(self, fid: int, idx: int, staged: Staged, stamp: tuple[int, int]) -> None:
+        """A commit of stripe (fid, idx), stamped (tag, version), from staging range ``staged``
+        just installed here as its primary. Its writer is looked up only for a stripe past
+        the end (``owner_of`` walks the owners' regions)."""
         node = self.meta().inodes.get(fid)
         if node is None or not node.get("unit") or idx * node["unit"] < extent_end(node):
             self.noted.pop((fid, idx), None)
             return
+        owner = self.staging.owner_of(staged)  # None: not known
         entry = self.noted.pop((fid, idx), None) or [set(), set(), stamp]
         # an owner not known keeps the stripe for ever: never taken for a writer that is gone
         entry[0].add(owner if owner is not None else "?")
@@ -109,7 +112,8 @@ class Tails:
         by_file: dict[int, list] = {}
         for fid, idx, (tag, version) in self.due(only):
             by_file.setdefault(fid, []).append([idx, tag, version])
-        for fid, rows in by_file.items():
+        batches = [(fid, rows[at : at + TRIM_ROWS]) for fid, rows in by_file.items() for at in range(0, len(rows), TRIM_ROWS)]
+        for fid, rows in batches:
             try:
                 result = await self.trim({"op": "trim", "ino": fid, "stripes": rows})
             except (RemoteError, NodeDown) as exc:
