@@ -76,6 +76,7 @@ async def stripes_of(cfg, names):
     return {n: (await node_status(cfg, n))["stripes"] for n in names}
 
 
+@pytest.mark.long  # 19 s: scripts/test --long (CI) runs it; the quick suite stays under ten minutes
 async def test_add_then_remove_a_node_while_the_mount_works(local_cluster, mount, tmp_path):
     lc = await local_cluster(nodes=2, replicas=1, stripe_unit=MiB)
     m = mount(lc)
