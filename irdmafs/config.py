@@ -37,12 +37,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from .errors import ConfigError  # noqa: F401 (the same classes)
+
 TRANSPORTS = ("verbs", "shm", "tcp", "memory")
 DEFAULT_TRANSPORT = ["verbs", "shm", "tcp"]  # shm: shared memory with the nodes of this host, tcp to the others
-
-
-class ConfigError(Exception):
-    pass
 
 
 NO_COORDINATOR = (

@@ -16,6 +16,8 @@ from typing import NamedTuple
 import numpy as np
 import numpy.lib.format as npf
 
+from .errors import NpyError, SafetensorsError  # noqa: F401 (the same classes)
+
 MAGIC = b"\x93NUMPY"
 PREFIX = 4096  # enough bytes to hold any header this code writes; longer ones are read in full
 
@@ -31,10 +33,6 @@ def literal_eval(text: str):
     (python/cpython#106905; seen in a soak whose threads ran ``np.load`` side by side)."""
     with _AST:
         return _LITERAL_EVAL(text)
-
-
-class NpyError(ValueError):
-    """Not a valid .npy header."""
 
 
 class NpyHeader(NamedTuple):
@@ -109,10 +107,6 @@ ST_DTYPES = {
 }
 NP_TO_ST = {np.dtype(v).str: k for k, v in ST_DTYPES.items()}
 MAX_ST_HEADER = 100 << 20
-
-
-class SafetensorsError(ValueError):
-    """Not a valid safetensors file."""
 
 
 class StEntry(NamedTuple):

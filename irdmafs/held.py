@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from typing import Iterable, Sequence
 
-from .namespace import MODEL_XATTR
+from .names import MODEL_XATTR
 
 __all__ = ["MAX_RUNS", "add", "blocks", "check", "cut", "contains", "extent_end", "runs_of", "total"]
 

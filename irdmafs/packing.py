@@ -14,7 +14,7 @@ import stat as S
 
 import numpy as np
 
-from .namespace import PACK_MAX_BYTES
+from .names import PACK_MAX_BYTES
 
 
 def pointer(node: dict | None) -> dict | None:

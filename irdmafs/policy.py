@@ -3,7 +3,7 @@ each ``user.irdma.*`` policy attribute and the one parser of each (``POLICIES``)
 clock a pull waits for (``required_clock``). The training path parses with these, and a value is
 checked with the same parser when it is set (``check``: the mount's setxattr, the node's
 ``setxattr`` op), so a bad value is refused then, not at the first push. What each sync policy
-does with pushes is server/policies.py's, the optimizer's arithmetic server/optim.py's, the
+does with pushes is server/rounds.py's, the optimizer's arithmetic server/optim.py's, the
 compression's client/compress.py's. Pure.
 """
 
@@ -13,21 +13,11 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+from .errors import CompressError, OptimError, PolicyError  # noqa: F401 (the same classes)
+
 SYNC_FORMS = "bsp | asp | ssp:S (S >= 0) | r2sp"
 OPTIMIZER_FORMS = "sgd lr=F [momentum=F] [nesterov=0|1] [weight_decay=F] | adam lr=F [betas=F,F] [eps=F] [weight_decay=F]"
 COMPRESS_FORMS = "none | fp16 | chunks=F (0 < F <= 1) | fp16,chunks=F [,chunk=N]"
-
-
-class PolicyError(ValueError):
-    """A policy attribute's value that is not one of its accepted forms."""
-
-
-class OptimError(PolicyError):
-    """An optimizer string that is not one of the accepted forms."""
-
-
-class CompressError(PolicyError):
-    """A compression string that is not one of the accepted forms."""
 
 
 # -- user.irdma.sync ---------------------------------------------------------------------------

@@ -1,10 +1,10 @@
 """The layout of a stripe's region, shared by the node that serves it (server/store.py) and every
-peer that reads it one-sidedly (peers.py).
+peer that reads it one-sidedly (runtime/peers.py).
 
 A region is ``[version: u64][clock: u64][data: capacity bytes]``, little-endian: a 16-byte
 header, then the data. The version word is a seqlock: ``2 * version`` while the stripe is stable,
 odd while an install is under way. The clock word counts the training steps applied to the stripe
-and published (server/policies.py), so a pull waits for a step by reading the header alone. Its
+and published (server/rounds.py), so a pull waits for a step by reading the header alone. Its
 top bit (``PENDING``) says the data already holds a step whose clock is not published yet: a
 primary installs a step, replicates it, and only then publishes its clock (server/training.py,
 ``_settle``), so meanwhile its bytes are newer than its clock says. A reader that wants the

@@ -52,9 +52,9 @@ from bench_transport import RawSocket, iperf3_gbps  # noqa: E402
 
 from irdmafs import config as C  # noqa: E402
 from irdmafs.client.client import Client  # noqa: E402
-from irdmafs.coord.etcd_process import LocalEtcd  # noqa: E402
-from irdmafs.local import LocalCluster, wait_settled, write_config  # noqa: E402
-from irdmafs.mount import mount_background, unmount, wait_for_mount  # noqa: E402
+from irdmafs.launch.etcd_process import LocalEtcd  # noqa: E402
+from irdmafs.launch.local import LocalCluster, wait_settled, write_config  # noqa: E402
+from irdmafs.launch.mount import mount_background, unmount, wait_for_mount  # noqa: E402
 
 MiB = 1 << 20
 HERE = Path(__file__).resolve().parent
@@ -455,7 +455,7 @@ def plot(res: dict, path: str) -> None:
 
 
 def main() -> int:
-    from irdmafs.local import end_on_sigterm
+    from irdmafs.launch.local import end_on_sigterm
 
     end_on_sigterm()  # SIGTERM (timeout, a CI runner) stops what this script started, as ^C does
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

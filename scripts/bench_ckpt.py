@@ -179,7 +179,7 @@ ARGS = argparse.Namespace(gib=1.0)
 
 def main() -> int:
     global ARGS
-    from irdmafs.local import end_on_sigterm
+    from irdmafs.launch.local import end_on_sigterm
 
     end_on_sigterm()  # SIGTERM (timeout, a CI runner) stops what this script started, as ^C does
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -34,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from irdmafs.client.client import Client  # noqa: E402
 from irdmafs.coord.etcd import EtcdCoord  # noqa: E402
-from irdmafs.coord.etcd_process import LocalEtcd  # noqa: E402
-from irdmafs.local import LocalCluster, wait_settled, write_config  # noqa: E402
-from irdmafs.namespace import ROOT  # noqa: E402
+from irdmafs.launch.etcd_process import LocalEtcd  # noqa: E402
+from irdmafs.launch.local import LocalCluster, wait_settled, write_config  # noqa: E402
+from irdmafs.names import ROOT  # noqa: E402
 
 
 async def timed(create, names: list[str], concurrency: int) -> tuple[float, list[float]]:
@@ -108,7 +108,7 @@ async def measure(args, cfg, etcd: LocalEtcd) -> dict:
 
 
 def main() -> int:
-    from irdmafs.local import end_on_sigterm
+    from irdmafs.launch.local import end_on_sigterm
 
     end_on_sigterm()  # SIGTERM (timeout, a CI runner) stops what this script started, as ^C does
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

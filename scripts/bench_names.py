@@ -40,7 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench import HERE, local_cluster, mounted, report  # noqa: E402
-from irdmafs.mount import unmount, wait_for_mount  # noqa: E402
+from irdmafs.launch.mount import unmount, wait_for_mount  # noqa: E402
 
 TARGET = 3.0  # issue 43: stat of many files and the no-op rsync within 3x of local disk
 PER_DIR = 1000
@@ -159,7 +159,7 @@ def run(tmp: Path, files: int) -> dict[str, float]:
 
 
 def main() -> int:
-    from irdmafs.local import end_on_sigterm
+    from irdmafs.launch.local import end_on_sigterm
 
     end_on_sigterm()  # SIGTERM (timeout, a CI runner) stops what this script started, as ^C does
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from netns import namespaces  # noqa: E402
 
 from irdmafs import config as C  # noqa: E402
-from irdmafs.coord.etcd_process import LocalEtcd  # noqa: E402
-from irdmafs.local import wait_settled  # noqa: E402
-from irdmafs.mount import mount_background, unmount  # noqa: E402
+from irdmafs.launch.etcd_process import LocalEtcd  # noqa: E402
+from irdmafs.launch.local import wait_settled  # noqa: E402
+from irdmafs.launch.mount import mount_background, unmount  # noqa: E402
 
 PREFIX = "irdr2sp"
 
@@ -79,7 +79,7 @@ def run_policy(mount: str, policy: str, workers: int, steps: int, compute: float
 
 
 def main() -> int:
-    from irdmafs.local import end_on_sigterm
+    from irdmafs.launch.local import end_on_sigterm
 
     end_on_sigterm()  # SIGTERM (timeout, a CI runner) stops what this script started, as ^C does
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -241,7 +241,7 @@ def fanout(tmp: Path, rate: str, readers: int, nodes: int, replicas: int, nbytes
 
 
 def main() -> int:
-    from irdmafs.local import end_on_sigterm
+    from irdmafs.launch.local import end_on_sigterm
 
     end_on_sigterm()  # SIGTERM (timeout, a CI runner) stops what this script started, as ^C does
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

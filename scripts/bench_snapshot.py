@@ -21,7 +21,7 @@ flat JSON object, per size (suffix ``_<GiB>g``):
   bytes they froze (the live data times R) right after the snapshot (target: < 1%); and
   ``held_after_overwrite_fraction``: the same after 512 MiB were overwritten (copy-on-write:
   about 512 MiB x R over what they froze);
-- ``loop_lag_worst_s``: the worst any node's loop ran late so far (looplag.py; target 0.2 s), and
+- ``loop_lag_worst_s``: the worst any node's loop ran late so far (runtime/looplag.py; target 0.2 s), and
   ``loop_busy_worst_s``: the part of such a lag the node's own work held its loop (the rest the
   host did not run it);
 - ``fenced``: how many times any node fenced itself (its log), 0 throughout.
@@ -70,7 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import local_cluster, mounted  # noqa: E402
 
-from irdmafs.local import node_status  # noqa: E402
+from irdmafs.launch.local import node_status  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
 FILE = 512 * MiB
@@ -116,7 +116,7 @@ def held_by_snapshots(cfg) -> int:
 
 def loop_lag(cfg, what: str = "loop_lag") -> float:
     """The worst any node's loop ran late so far; ``loop_busy``: the part of it the node's own
-    work held the loop (looplag.py)."""
+    work held the loop (runtime/looplag.py)."""
     return max((s.get(what, 0.0) for s in nodes_status(cfg)), default=0.0)
 
 
@@ -126,7 +126,7 @@ def fenced(log_dir: Path) -> int:
 
 def report_slow_steps(log_dir: Path) -> None:
     """The nodes' lines on a late loop (and, with IRDMAFS_SLOW_STEPS set, the task steps that
-    held it: looplag.py), to stderr."""
+    held it: runtime/looplag.py), to stderr."""
     for p in sorted(log_dir.glob("n*.log")):
         for line in p.read_text(errors="replace").splitlines():
             if "held the loop" in line or "ran " in line and " late" in line:
@@ -172,7 +172,7 @@ def grown(lc, writer: Writer, live: int) -> dict[str, float]:
     long the command took, every node's worst loop lag so far (the new one's included), the
     writer's worst save meanwhile, fences, and whether the new membership is whole after it."""
     from irdmafs import config as C
-    from irdmafs.local import LocalCluster, free_ports, wait_settled
+    from irdmafs.launch.local import LocalCluster, free_ports, wait_settled
 
     [port] = free_ports(1)
     doc = tomllib.loads(lc.config_path.read_text())  # the same cluster with a node more
@@ -185,7 +185,7 @@ def grown(lc, writer: Writer, live: int) -> dict[str, float]:
     try:
         trio.run(lambda: wait_settled(lc4.cfg, ["n4"], timeout=120, whole_too=False))
         t0 = time.monotonic()
-        cmd = [sys.executable, "-m", "irdmafs.cli", "rebalance", "--quiet", "--from", str(lc.config_path), "--to", str(new)]
+        cmd = [sys.executable, "-m", "irdmafs", "rebalance", "--quiet", "--from", str(lc.config_path), "--to", str(new)]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
         took = time.monotonic() - t0
         if r.returncode != 0:
@@ -253,7 +253,7 @@ def scale(tmp: Path, sizes: list[float], replicas: int, recover: bool = False, r
 
 
 def train(tmp: Path, model_gib: float, steps: int, replicas: int, transport: str = "shm") -> dict[str, float]:
-    from irdmafs import steps as S
+    from irdmafs.worker import steps as S
 
     tensor = 16 * MiB
     n = max(1, int(model_gib * GiB) // tensor)
@@ -339,7 +339,7 @@ def plot(res: dict, sizes: list[float], path: str) -> None:
 
 
 def main() -> int:
-    from irdmafs.local import end_on_sigterm
+    from irdmafs.launch.local import end_on_sigterm
 
     end_on_sigterm()  # SIGTERM (timeout, a CI runner) stops what this script started, as ^C does
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

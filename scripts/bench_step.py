@@ -18,7 +18,7 @@ Both sides train the same parameter shapes with W worker processes on this machi
 - **irdmafs**: a 3-node local cluster (real node processes; the default config's transport,
   shared memory between processes of this host, or TCP on loopback with ``--transport tcp``),
   R=2, the model directory under ``bsp`` with W workers and SGD. Each worker process pushes
-  every gradient and pulls every parameter with ``irdmafs.torch.ParameterServer`` through a
+  every gradient and pulls every parameter with ``irdmafs.worker.torch.ParameterServer`` through a
   real FUSE mount (one per worker by default, as on a cluster where each worker host mounts;
   ``--mounts shared`` puts every worker on one), through the mount's shared-memory door
   (``--no-door``: the stream files). By default a worker calls ``ps.step`` (push and pull in one
@@ -102,9 +102,9 @@ from link_trace import LinkTrace  # noqa: E402
 from netns import burst_for, enter, link_bytes, namespaces, rate_bits, setns, single_stream  # noqa: E402
 
 from irdmafs import config as C  # noqa: E402
-from irdmafs.coord.etcd_process import LocalEtcd  # noqa: E402
-from irdmafs.local import LocalCluster, node_status, wait_settled, write_config  # noqa: E402
-from irdmafs.mount import mount_background, stop_background, wait_for_mount  # noqa: E402
+from irdmafs.launch.etcd_process import LocalEtcd  # noqa: E402
+from irdmafs.launch.local import LocalCluster, node_status, wait_settled, write_config  # noqa: E402
+from irdmafs.launch.mount import mount_background, stop_background, wait_for_mount  # noqa: E402
 
 LR = 0.01
 SEPARATE = os.environ.get("IRDMAFS_BENCH_SEPARATE") == "1"  # --separate, inherited by the workers
@@ -319,7 +319,7 @@ def _irdmafs_rank(rank: int, world: int, mount: str, netns: str | None, model: s
         setns(netns)
     import torch
 
-    from irdmafs.torch import ParameterServer
+    from irdmafs.worker.torch import ParameterServer
 
     torch.set_num_threads(1)
     shapes = MODELS[model]()
@@ -387,7 +387,7 @@ def irdmafs_step(bed: Bed, world: int, model: str, steps: int, compress: str, li
     """Publish the model (a directory of .npy tensors, or with ``fmt`` "safetensors" one
     safetensors file written by safetensors itself: fs/models.py), run ``steps`` bsp steps
     with ``world`` worker processes; medians."""
-    from irdmafs.torch import ParameterServer
+    from irdmafs.worker.torch import ParameterServer
 
     lc, mounts = bed.lc, bed.mounts[:world] if len(bed.mounts) > 1 else bed.mounts
     tag = f"{model}-w{world}-{compress}" + (f"-{fmt}-{run}" if fmt != "npy" or run else "")
@@ -560,7 +560,7 @@ def bed(tmp: Path, mounts: int, replicas: int, link: LinkBed | None = None, node
 
 def mount_in(ns: str, config: Path, mnt: Path, log: Path) -> subprocess.Popen:
     """``irdmafs mount -f`` in network namespace ``ns`` (only: the mount is everyone's)."""
-    cmd = [*enter(ns), sys.executable, "-m", "irdmafs.cli", "mount", "--config", str(config), str(mnt), "-f"]
+    cmd = [*enter(ns), sys.executable, "-m", "irdmafs", "mount", "--config", str(config), str(mnt), "-f"]
     with open(log, "ab") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     try:
@@ -725,7 +725,7 @@ def run_link(args, models, workers, rows, res) -> None:
 
 
 def main() -> int:
-    from irdmafs.local import end_on_sigterm
+    from irdmafs.launch.local import end_on_sigterm
 
     end_on_sigterm()  # SIGTERM (timeout, a CI runner) stops what this script started, as ^C does
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -762,7 +762,7 @@ def main() -> int:
     )
     args = ap.parse_args()
     if args.no_door:
-        os.environ["IRDMAFS_DOOR"] = "0"  # the worker processes inherit it (irdmafs/steps.py)
+        os.environ["IRDMAFS_DOOR"] = "0"  # the worker processes inherit it (irdmafs/worker/steps.py)
     if args.separate:
         os.environ["IRDMAFS_BENCH_SEPARATE"] = "1"
     models = args.models.split(",")

@@ -34,8 +34,8 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from irdmafs.client.client import Client  # noqa: E402
-from irdmafs.coord.etcd_process import LocalEtcd  # noqa: E402
-from irdmafs.local import LocalCluster, wait_settled, write_config  # noqa: E402
+from irdmafs.launch.etcd_process import LocalEtcd  # noqa: E402
+from irdmafs.launch.local import LocalCluster, wait_settled, write_config  # noqa: E402
 from irdmafs.transport.base import Access  # noqa: E402
 from irdmafs.transport.tcp import SOCKET_BUFFER, TcpTransport  # noqa: E402
 
@@ -199,7 +199,7 @@ def gbps(nbytes: int, times: list[float]) -> float:
 
 
 def main() -> int:
-    from irdmafs.local import end_on_sigterm
+    from irdmafs.launch.local import end_on_sigterm
 
     end_on_sigterm()  # SIGTERM (timeout, a CI runner) stops what this script started, as ^C does
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -77,14 +77,14 @@ from irdmafs import config as C
 from irdmafs import formats
 from irdmafs.client.client import Client
 from irdmafs.client.nodes import stray_stripes
-from irdmafs.coord.etcd_process import LocalEtcd, LocalEtcdCluster
-from irdmafs.local import LocalCluster, free_ports, wait_settled
+from irdmafs.launch.etcd_process import LocalEtcd, LocalEtcdCluster
+from irdmafs.launch.local import LocalCluster, free_ports, wait_settled
 from irdmafs.server.budget import machine_capacity
 from irdmafs.server.staging import STAGING_LEASE
 from irdmafs.server.tails import SWEEP
-from irdmafs.mount import clear_dead_mount, is_mounted, mount_background, stop_background
-from irdmafs.namespace import PACK_MIN_TENSORS
-from irdmafs.steps import pull_arrays, push_arrays
+from irdmafs.launch.mount import clear_dead_mount, is_mounted, mount_background, stop_background
+from irdmafs.names import PACK_MIN_TENSORS
+from irdmafs.worker.steps import pull_arrays, push_arrays
 
 MiB = 1 << 20
 WINDOW_ERRNOS = {errno.ENOTCONN, errno.ECONNABORTED, errno.ENOENT}
@@ -211,7 +211,7 @@ def replica_report(config: Path, ino: int, first: int, last: int, want: bytes, b
     in: its stamp, and whether its bytes there are the expected ones ("new"), those before the
     file's last change ("old"), or neither. Read one-sidedly as a resync does, ready or not: so
     a wrong read tells a lost write (no replica has it) from a stale copy served (one has)."""
-    from irdmafs.cluster import Cluster
+    from irdmafs.runtime.cluster import Cluster
     from irdmafs.transport.select import choose
 
     cfg = C.load(config)

@@ -5,7 +5,7 @@
    ``<model>.safetensors`` view;
 3. a backup is taken with ``cp -r`` and a point-in-time snapshot with ``mkdir .snapshots/NAME``;
 4. the model is damaged, then restored from the snapshot;
-5. two workers train it for 5 bsp steps through the step streams (irdmafs.steps); one node is
+5. two workers train it for 5 bsp steps through the step streams (irdmafs.worker.steps); one node is
    killed and the model is still all there;
 6. ``irdmafs down`` unmounts and stops everything.
 """
@@ -26,7 +26,7 @@ import numpy as np
 
 
 def irdmafs(*args: str) -> str:
-    r = subprocess.run([sys.executable, "-m", "irdmafs.cli", *args], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "irdmafs", *args], capture_output=True, text=True)
     if r.returncode:
         sys.exit(f"irdmafs {' '.join(args)} failed:\n{r.stderr}")
     return r.stdout.strip()
@@ -38,7 +38,7 @@ def step(text: str) -> None:
 
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from irdmafs.local import end_on_sigterm
+    from irdmafs.launch.local import end_on_sigterm
 
     end_on_sigterm()  # SIGTERM (timeout, a CI runner) stops what this script started, as ^C does
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -90,7 +90,7 @@ def main() -> None:
         print("restored; identical to the cp -r backup:", diff.returncode == 0)
 
         step("train: 2 workers, bsp, 5 steps, each a push and a pull of the whole model as one stream")
-        from irdmafs.steps import pull_arrays, push_arrays
+        from irdmafs.worker.steps import pull_arrays, push_arrays
 
         bert = mnt / "bert"
         for key, value in (("sync", "bsp"), ("workers", "2"), ("optimizer", "sgd lr=0.1")):
@@ -113,7 +113,7 @@ def main() -> None:
         os.kill(victim["pid"], signal.SIGKILL)
         assert all(np.allclose(np.load(mnt / "bert" / f"{n}.npy"), want[n], atol=1e-5) for n in model)
         print(f"killed {victim['name']} (pid {victim['pid']}); model intact")
-        subprocess.run([sys.executable, "-m", "irdmafs.cli", "status", str(mnt)])  # exits 1: a node is down
+        subprocess.run([sys.executable, "-m", "irdmafs", "status", str(mnt)])  # exits 1: a node is down
     finally:
         if args.keep:
             print(f"\nleft running: {mnt} (irdmafs down {mnt})")

@@ -22,8 +22,8 @@ import trio
 from netns import namespaces
 
 from irdmafs import config as C
-from irdmafs.coord.etcd_process import LocalEtcd
-from irdmafs.local import wait_settled
+from irdmafs.launch.etcd_process import LocalEtcd
+from irdmafs.launch.local import wait_settled
 
 NODES = 4
 RATE_BITS = 1_000_000_000
@@ -129,7 +129,7 @@ def both(tmp: Path, reps: int) -> dict[str, float]:
 if __name__ == "__main__":
     import tempfile
 
-    from irdmafs.local import end_on_sigterm
+    from irdmafs.launch.local import end_on_sigterm
 
     end_on_sigterm()  # SIGTERM (timeout, a CI runner) stops what this script started, as ^C does
     with tempfile.TemporaryDirectory() as t:

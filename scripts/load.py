@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from irdmafs import config as C  # noqa: E402
 from irdmafs.client.client import Client  # noqa: E402
-from irdmafs.coord.etcd_process import LocalEtcd  # noqa: E402
-from irdmafs.local import LocalCluster, wait_settled, write_config  # noqa: E402
+from irdmafs.launch.etcd_process import LocalEtcd  # noqa: E402
+from irdmafs.launch.local import LocalCluster, wait_settled, write_config  # noqa: E402
 
 
 def rss_kib(pid: int) -> int:
@@ -67,7 +67,7 @@ def client(cfg_path: str, me: int, seconds: float, nbytes: int, out: mp.Queue) -
 
 
 def main() -> int:
-    from irdmafs.local import end_on_sigterm
+    from irdmafs.launch.local import end_on_sigterm
 
     end_on_sigterm()  # SIGTERM (timeout, a CI runner) stops what this script started, as ^C does
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -33,7 +33,7 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from irdmafs.mount import _terminate_on_signals, _widen_readahead  # noqa: E402
+from irdmafs.launch.mount import _terminate_on_signals, _widen_readahead  # noqa: E402
 
 DATA_INO = pyfuse3.ROOT_INODE + 1
 

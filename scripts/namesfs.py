@@ -25,7 +25,7 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from irdmafs.mount import _terminate_on_signals  # noqa: E402
+from irdmafs.launch.mount import _terminate_on_signals  # noqa: E402
 
 PER_DIR = 1000
 CACHE = 60.0  # seconds the kernel may keep a name and its attributes

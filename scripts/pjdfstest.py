@@ -98,7 +98,7 @@ def run_dir(src: Path, name: str, where: Path) -> dict:
 
 def main() -> int:
     sys.path.insert(0, str(ROOT))
-    from irdmafs.local import end_on_sigterm
+    from irdmafs.launch.local import end_on_sigterm
 
     end_on_sigterm()  # SIGTERM (timeout, a CI runner) stops what this script started, as ^C does
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -122,7 +122,7 @@ def main() -> int:
         else:
             state = Path(tempfile.mkdtemp(prefix="irdmafs-pjd-state-"))
             mnt = Path(tempfile.mkdtemp(prefix="irdmafs-pjd-mnt-"))
-            cli = [sys.executable, "-m", "irdmafs.cli"]
+            cli = [sys.executable, "-m", "irdmafs"]
             subprocess.run(
                 [*cli, "up", str(mnt), "--nodes", "3", "--replicas", "2", "--state", str(state), "-o", "allow_other"],
                 check=True,

@@ -5,7 +5,7 @@
 
 N worker processes each loop: pull the parameters (read ``.workers/<rank>/<model>.safetensors``,
 the step stream, which waits as the model's sync policy says), compute a gradient on their shard
-of the training set, push it (write the same path; ``irdmafs.steps``). The PS averages each round over the workers and applies
+of the training set, push it (write the same path; ``irdmafs.worker.steps``). The PS averages each round over the workers and applies
 its optimizer (``user.irdma.optimizer``) on the stripe primaries. Without ``--mount`` a local
 cluster (3 nodes, R=2) is brought up with ``irdmafs up`` and taken down after.
 
@@ -30,7 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from irdmafs.steps import pull_arrays, push_arrays  # noqa: E402
+from irdmafs.worker.steps import pull_arrays, push_arrays  # noqa: E402
 
 CLASSES, FEATURES = 10, 64
 
@@ -65,7 +65,7 @@ def worker(mount: str, model: str, rank: int, workers: int, steps: int, batch: i
     Xtr, ytr, Xte, yte = load_data()
     Xs, ys = Xtr[rank::workers], ytr[rank::workers]  # this rank's shard
     rng = np.random.default_rng(100 + rank)
-    # one step stream per direction: .workers/<rank>/<model>.safetensors (irdmafs/steps.py)
+    # one step stream per direction: .workers/<rank>/<model>.safetensors (irdmafs/worker/steps.py)
     W, b = np.load(Path(mount) / model / "W.npy"), np.load(Path(mount) / model / "b.npy")
     curve, step_times = [], []
     t0 = time.perf_counter()
@@ -88,7 +88,7 @@ def worker_torch(mount: str, model: str, rank: int, workers: int, steps: int, ba
     """The same loop with a torch module: parameters pulled into it, its .grads pushed."""
     import torch
 
-    from irdmafs.torch import ParameterServer
+    from irdmafs.worker.torch import ParameterServer
 
     torch.set_num_threads(1)
     Xtr, ytr, Xte, yte = load_data()
@@ -118,7 +118,7 @@ def worker_torch(mount: str, model: str, rank: int, workers: int, steps: int, ba
 
 
 def irdmafs(*args: str) -> str:
-    r = subprocess.run([sys.executable, "-m", "irdmafs.cli", *args], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "irdmafs", *args], capture_output=True, text=True)
     if r.returncode:
         sys.exit(f"irdmafs {' '.join(args)} failed: {r.stderr.strip()}")
     return r.stdout
@@ -221,7 +221,7 @@ def compare(mount: str, args, png: str) -> dict:
 
 
 def main() -> int:
-    from irdmafs.local import end_on_sigterm
+    from irdmafs.launch.local import end_on_sigterm
 
     end_on_sigterm()  # SIGTERM (timeout, a CI runner) stops what this script started, as ^C does
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from irdmafs.coord.etcd_process import LocalEtcd
-from irdmafs.local import LocalCluster, wait_settled, write_config
-from irdmafs.mount import stop_background, wait_for_mount
+from irdmafs.launch.etcd_process import LocalEtcd
+from irdmafs.launch.local import LocalCluster, wait_settled, write_config
+from irdmafs.launch.mount import stop_background, wait_for_mount
 
 
 def pytest_collection_modifyitems(config, items):
@@ -97,7 +97,7 @@ async def mount(tmp_path, local_cluster):
         mp = tmp_path / name
         mp.mkdir()
         log = tmp_path / f"{name}.log"
-        cmd = [sys.executable, "-m", "irdmafs.cli", "mount", "--config", str(lc.config_path), str(mp), "-f"]
+        cmd = [sys.executable, "-m", "irdmafs", "mount", "--config", str(lc.config_path), str(mp), "-f"]
         if options:
             cmd += ["-o", options]
         with open(log, "wb") as f:

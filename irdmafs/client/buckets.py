@@ -27,10 +27,10 @@ from typing import NamedTuple
 import numpy as np
 import trio
 
-from ..namespace import BUCKET_MAX_BYTES, BUCKET_NAME, BUCKET_UNIT, PACK_LEASE_NS, PACK_MIN_TENSORS
-from ..peers import NodeDown
+from ..names import BUCKET_MAX_BYTES, BUCKET_NAME, BUCKET_UNIT, PACK_LEASE_NS, PACK_MIN_TENSORS
+from ..errors import NodeDown
 from ..packing import in_force, nbytes, packable, pointer
-from ..transport.base import RemoteError, TransportError
+from ..errors import RemoteError, TransportError
 from .stripe import Extent
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ the nodes (status tables, statfs, its counters) is in nodes.py.
 
 Errors: namespace errors are ``RemoteError`` with an errno name (ENOENT, EEXIST, ...); a stripe
 with no live replica is ``Unavailable``. The mount's one errno table
-(fs/errors.py) maps any of them to an errno number.
+(fs/errnos.py) maps any of them to an errno number.
 
 Resource handling: ``Client.connect(cfg)`` is an async context manager owning a nursery (heartbeat
 task, connection receivers) and a staging region on each node it wrote to; leaving it releases
@@ -32,12 +32,14 @@ from typing import Any, AsyncIterator, Callable
 
 import trio
 
-from ..cluster import Cluster, Unavailable
-from ..peers import NodeDown
+from ..runtime.cluster import Cluster
+from ..errors import Unavailable
+from ..errors import NodeDown
 from ..config import ClusterConfig
-from ..silence import Patience
-from ..slots import StagingPool
-from ..transport.base import Gather, RemoteError, Transport, TransportError
+from ..runtime.silence import Patience
+from ..runtime.slots import StagingPool
+from ..transport.base import Gather, Transport
+from ..errors import RemoteError, TransportError
 from ..util import single_exception
 from .. import held
 from ..packing import in_force
@@ -117,7 +119,7 @@ class Client:
                     await self.cluster.heartbeats.refresh()
                     continue
                 if method in EPOCH_METHODS:
-                    args = dict(args, epoch=self.cluster.roles.view_epoch)  # as it is now (roles.py)
+                    args = dict(args, epoch=self.cluster.roles.view_epoch)  # as it is now (runtime/roles.py)
                 try:
                     return await self.cluster.call(target, method, args, timeout=timeout)
                 except NodeDown:

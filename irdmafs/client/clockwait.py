@@ -28,9 +28,9 @@ from typing import Awaitable, Callable
 
 import trio
 
-from ..peers import NodeDown
+from ..errors import NodeDown
 from ..regions import CLOCK_WAITS
-from ..transport.base import TransportError
+from ..errors import TransportError
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 import numpy as np
 
 # the form's parser and its types are kept where both sides and the mount read them
-from ..policy import COMPRESS_FORMS as FORMS, CompressError, Compression as Mode, parse_compress as parse  # noqa: F401
+from ..policy import COMPRESS_FORMS as FORMS, Compression as Mode, parse_compress as parse  # noqa: F401
+from ..errors import CompressError  # noqa: F401
 
 
 def chunk_norms(g: np.ndarray, chunk: int) -> np.ndarray:

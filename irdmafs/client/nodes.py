@@ -7,8 +7,8 @@ import contextlib
 from typing import TYPE_CHECKING
 
 from ..held import extent_end
-from ..peers import NodeDown
-from ..transport.base import RemoteError
+from ..errors import NodeDown
+from ..errors import RemoteError
 
 if TYPE_CHECKING:
     from .client import Client

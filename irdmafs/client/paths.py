@@ -15,8 +15,8 @@ import trio
 
 from .. import formats
 from ..packing import in_force
-from ..namespace import ROOT
-from ..transport.base import RemoteError
+from ..names import ROOT
+from ..errors import RemoteError
 
 MAX_SYMLINKS = 40  # links followed in one path, as Linux allows
 

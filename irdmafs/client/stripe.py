@@ -27,12 +27,14 @@ from typing import Callable, NamedTuple
 
 import trio
 
-from ..cluster import READY, Cluster, Unavailable
-from ..peers import NodeDown, TornRead
+from ..runtime.cluster import READY, Cluster
+from ..errors import Unavailable
+from ..errors import NodeDown, TornRead
 from ..regions import Header
-from ..silence import Patience
-from ..slots import StagingPool, staging_gone
-from ..transport.base import AccessError, Gather, RemoteError
+from ..runtime.silence import Patience
+from ..runtime.slots import StagingPool, staging_gone
+from ..transport.base import Gather
+from ..errors import AccessError, RemoteError
 from ..util import leaves
 from .clockwait import ClockWaits
 

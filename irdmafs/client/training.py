@@ -31,16 +31,16 @@ from typing import Awaitable, Callable
 import numpy as np
 import trio
 
-from ..batching import Batcher, Unsent
-from ..cluster import Cluster
-from ..peers import NodeDown
+from ..runtime.batching import Batcher, Unsent
+from ..runtime.cluster import Cluster
+from ..errors import NodeDown
 from ..config import ClusterConfig
 from ..packing import in_force
 from ..policy import parse_policy, required_clock
-from ..offload import Offload
-from ..silence import Moves, SilenceBound
-from ..slots import StagingPool, staging_gone
-from ..transport.base import AccessError, RemoteError
+from ..runtime.offload import Offload
+from ..runtime.silence import Moves, SilenceBound
+from ..runtime.slots import StagingPool, staging_gone
+from ..errors import AccessError, RemoteError
 from ..util import single_exception
 from . import compress
 from .stripe import CLOCK_SLICE, Extent, StepWait, StripeIO, split
@@ -246,7 +246,7 @@ class PushPull:
             # a payload made here (fp16, sparse) is ours to keep; a view of ``grad`` is the owner's
             keeper = payload if payload.base is None else owner
             pieces.append((desc, memoryview(payload).cast("B"), replies, keeper, info["sync"] == "bsp", again, order))
-        # every piece at once, until this client's pushes stop moving (silence.py: a piece
+        # every piece at once, until this client's pushes stop moving (runtime/silence.py: a piece
         # follows a moving primary meanwhile, and waits its turn behind a model's other pushes)
         with self.silence(), single_exception(RemoteError):  # refused alike: one error
             if len(pieces) == 1:  # most tensors: no nursery
@@ -291,7 +291,7 @@ class PushPull:
                 entry[1], entry[2] = memoryview(bytes(entry[1])), None
 
     async def detach_off_loop(self, owner: object) -> None:
-        """``detach`` with large copies made in a worker thread (``offload.py``): a worker that
+        """``detach`` with large copies made in a worker thread (``runtime/offload.py``): a worker that
         left a door with a GB model's rounds open had its kept pushes copied on the mount's
         loop for a second and more (issue 41). Until the copies are in place the kept pushes
         stay views of ``owner``, so its memory must stay as it is until this returns."""
@@ -382,7 +382,7 @@ class PushPull:
                 if not staging_gone(exc):
                     raise
                 # its staging region was replaced under it (another call there was given up:
-                # slots.py): the node took nothing of it; sent again in the new region
+                # runtime/slots.py): the node took nothing of it; sent again in the new region
                 first = False
                 continue
             code = r.get("error")
@@ -410,7 +410,7 @@ class PushPull:
     async def _fused(self, node: str, desc: dict, payload: memoryview, order: float = math.inf) -> dict:
         """Send a push piece to ``node``: at once if fewer transfers to it are under way than
         the client has staging slots there, otherwise together with every piece of the same
-        rank that queued meanwhile, in one WRITE with immediate (batching.py: fusion with no
+        rank that queued meanwhile, in one WRITE with immediate (runtime/batching.py: fusion with no
         added latency when idle; as many transfers in flight as slots, so a whole model's
         pushes pipeline; each piece's task returns as soon as its own batch is answered).
         The queue goes lowest ``order`` first (``push``), so the order of a step's pushes is

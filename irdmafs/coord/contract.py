@@ -24,17 +24,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-
-class CoordError(Exception):
-    """The coordination service refused a request (its message says why)."""
-
-
-class Unavailable(CoordError):
-    """The coordination service could not be reached in time."""
-
-
-class LeaseGone(CoordError):
-    """The lease named has ended (expired or revoked)."""
+from ..errors import CoordError, CoordUnavailable as Unavailable, LeaseGone  # noqa: F401 (the same classes)
 
 
 @dataclass(frozen=True)

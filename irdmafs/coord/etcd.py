@@ -22,7 +22,8 @@ from urllib.parse import urlsplit
 
 import trio
 
-from .contract import Coordinator, CoordError, Entry, LeaseGone, Unavailable
+from .contract import Coordinator, Entry
+from ..errors import CoordError, LeaseGone, CoordUnavailable as Unavailable
 
 # what a member answers when it cannot serve a request now, though another member may: it has no
 # leader (cut off from a majority of the members), or the request timed out in raft

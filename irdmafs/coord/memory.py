@@ -15,7 +15,8 @@ import itertools
 
 import trio
 
-from .contract import Coordinator, Entry, LeaseGone, Unavailable
+from .contract import Coordinator, Entry
+from ..errors import LeaseGone, CoordUnavailable as Unavailable
 
 
 class MemoryCoord(Coordinator):

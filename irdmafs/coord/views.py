@@ -7,7 +7,7 @@ Keys, under ``/irdmafs/<cluster>/``:
   it was revoked (the node left, or a peer expelled it).
 - ``view``: ``{"serving": {node: lease}, "expelled": [node]}``. Its ``mod_revision`` is the
   view's *epoch*. The nodes it names and does not mark expelled are its ``active`` ones: they
-  serve, and every stripe's primary and replicas are chosen among them (roles.py).
+  serve, and every stripe's primary and replicas are chosen among them (runtime/roles.py).
 
 The rules, each with a test in tests/unit/test_views.py:
 
@@ -69,7 +69,8 @@ from typing import Callable
 import trio
 
 from ..config import Members
-from .contract import Coordinator, CoordError, LeaseGone, Unavailable
+from .contract import Coordinator
+from ..errors import CoordError, LeaseGone, CoordUnavailable as Unavailable
 
 log = logging.getLogger(__name__)
 

@@ -23,11 +23,11 @@ import numpy as np
 import trio
 
 from .. import formats
-from ..namespace import LAYOUT_CHANGED, ROOT
+from ..names import LAYOUT_CHANGED, ROOT
 from ..packing import in_force
-from ..transport.base import RemoteError
+from ..errors import RemoteError
 from . import models
-from .errors import FsError
+from ..errors import FsError
 from .openfiles import OpenFile
 from .readahead import ReadAhead
 from .writeback import WriteBehind

@@ -18,15 +18,15 @@ import re
 import stat as S
 import time
 
-from ..namespace import MODEL_SUFFIX
-from .errors import FsError
+from ..names import MODEL_SUFFIX
+from ..errors import FsError
 
 VIRT = 1 << 56
 VIEW = 1 << 57
 SNAP = 1 << 58
 WORK = 1 << 59  # WORK | rank << 40 | i: inode i as seen by worker ``rank`` (push and pull)
 STREAM = 1 << 60  # STREAM | rank << 40 | d: .workers/<rank>/.../<d's name>.safetensors (streams.py)
-DOOR = 1 << 61  # DOOR | rank << 40 | d: .workers/<rank>/.../<d's name>.door, a ticket to the door (door.py)
+DOOR = 1 << 61  # DOOR | rank << 40 | d: .workers/<rank>/.../<d's name>.door, a ticket to the door (worker/door.py)
 INO_BITS = 40
 INO_MASK = (1 << INO_BITS) - 1
 

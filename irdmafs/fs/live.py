@@ -26,12 +26,13 @@ import stat as S
 from typing import TYPE_CHECKING, Any
 
 from .. import formats
-from ..namespace import ROOT
+from ..names import ROOT
 from ..packing import in_force
-from ..policy import POLICIES, PolicyError, check as check_policy
-from ..transport.base import RemoteError
+from ..policy import POLICIES, check as check_policy
+from ..errors import PolicyError
+from ..errors import RemoteError
 from . import models
-from .errors import FsError
+from ..errors import FsError
 from .handles import BATCH_XATTR, FileHandle
 from .inodes import DERIVED_XATTRS, HIDDEN, HIDDEN_PREFIX, RESERVED, SNAP, SUFFIX, UNLINKED, Family, is_cluster, namespace_ino, stat_of, write_only, writes
 from .namelease import NameCaches

@@ -60,11 +60,11 @@ import trio
 from .. import formats
 from ..client.client import Client
 from ..client.buckets import data_of
-from ..cluster import Unavailable
-from ..peers import NodeDown
-from ..namespace import MODEL_XATTR
-from ..transport.base import RemoteError
-from .errors import FsError
+from ..errors import Unavailable
+from ..errors import NodeDown
+from ..names import MODEL_XATTR
+from ..errors import RemoteError
+from ..errors import FsError
 from .inodes import RESERVED, SUFFIX, TENSOR_DIR
 
 log = logging.getLogger(__name__)

@@ -28,8 +28,8 @@ from typing import Callable, NamedTuple
 
 import trio
 
-from ..peers import NodeDown
-from ..transport.base import RemoteError, TransportError
+from ..errors import NodeDown
+from ..errors import RemoteError, TransportError
 from .listings import Listings
 from .lookups import Lookups
 

@@ -2,7 +2,7 @@
 
 It converts between pyfuse3's types (bytes names, EntryAttributes, FileInfo, SetattrFields) and
 the VFS's plain values, and it is the one exception boundary of the mount: every handler raises
-only ``FUSEError``, with the errno from the one table (fs/errors.py). Anything unexpected is logged with
+only ``FUSEError``, with the errno from the one table (fs/errnos.py). Anything unexpected is logged with
 its context and becomes EIO; no traceback ever reaches the kernel. The only module that imports
 pyfuse3.
 """
@@ -19,7 +19,7 @@ import time
 import pyfuse3
 import trio
 
-from .errors import errno_for
+from .errnos import errno_for
 from .vfs import Vfs
 
 log = logging.getLogger(__name__)

@@ -26,10 +26,10 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from ..transport.base import TransportError
+from ..errors import TransportError
 from ..packing import in_force
 from . import models
-from .errors import FsError
+from ..errors import FsError
 
 if TYPE_CHECKING:
     from ..client.client import Client

@@ -18,8 +18,8 @@ import os
 import stat as S
 from typing import TYPE_CHECKING, Awaitable, Callable
 
-from ..namespace import ROOT
-from .errors import FsError
+from ..names import ROOT
+from ..errors import FsError
 from .inodes import SNAP, SNAPSHOTS_DIR, Family, dir_stat, snap_ino, split_snap, stat_of, writes
 
 if TYPE_CHECKING:

@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Callable
 
 from ..client import nodes
 from ..metrics import Sample, latency_samples
-from ..namespace import ROOT
-from .errors import ANSWERED, FsError
+from ..names import ROOT
+from .errnos import ANSWERED
+from ..errors import FsError
 from .handles import BATCH_XATTR, BatchSizeHandle, BytesHandle
 from .inodes import (
     BATCH_FILE,

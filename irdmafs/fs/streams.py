@@ -40,11 +40,11 @@ import trio
 from typing import TYPE_CHECKING, Iterator
 
 from .. import formats
-from ..namespace import LAYOUT_CHANGED
-from ..transport.base import RemoteError
+from ..names import LAYOUT_CHANGED
+from ..errors import RemoteError
 from ..util import leaves, single_exception
 from . import views
-from .errors import FsError
+from ..errors import FsError
 from ..packing import in_force
 
 if TYPE_CHECKING:

@@ -6,7 +6,7 @@ Families (each a small class with the operations it serves; inodes.py numbers th
 | --- | --- | --- |
 | the live tree | the namespace's files and directories | live.py (model files: models.py) |
 | snapshots | ``/.snapshots``, ``SNAP | id << 40 | i`` | snapshots.py |
-| workers | ``/.workers``, ``WORK``/``STREAM``/``DOOR | rank << 40 | i`` | workers.py (streams.py, door.py) |
+| workers | ``/.workers``, ``WORK``/``STREAM``/``DOOR | rank << 40 | i`` | workers.py (streams.py, worker/door.py) |
 | views | ``VIEW | d``: ``<d>.safetensors`` beside a directory of tensors | views.py |
 | status | ``/.irdma``: status files, ranks, batch sizes | status.py |
 
@@ -15,7 +15,7 @@ handles.py. Hidden entries and views are reachable by name and never listed, so 
 ``rsync -a`` of the mount or of a model copies each byte once.
 
 Errors are ``FsError(errno)``; ``ops.py`` turns them into ``FUSEError``. Namespace errors from the
-cluster arrive as ``RemoteError`` and are mapped by errno name there too (errors.py).
+cluster arrive as ``RemoteError`` and are mapped by errno name there too (fs/errnos.py).
 
 Concurrency: methods run as concurrent trio tasks (pyfuse3 starts one per request). Per-handle
 state is only touched by requests on that handle; the shared tables (handles, open files) are
@@ -33,9 +33,9 @@ import os
 from ..client import nodes
 from ..client.client import Client
 from ..metrics import Latency, as_dict
-from ..namespace import ROOT
+from ..names import ROOT
 from . import models
-from .errors import FsError
+from ..errors import FsError
 from .handles import FileHandle, Handle
 from .inodes import HIDDEN, RANKS_DIR, SNAPSHOTS_DIR, WORK, Family, writes
 from .live import LiveFiles
@@ -78,13 +78,13 @@ class Vfs:
         self.models = models.ModelFiles(client)  # safetensors files as models
         self.streams = Streams(client, Layouts(client))  # the step streams' client and layouts
         self.layouts = self.streams.layouts
-        self.door = None  # the shared-memory door (fs/door.py), when the mount serves one
+        self.door = None  # the shared-memory door (fs/door_server.py), when the mount serves one
         self.listings = Listings()  # whole directories, answered from while the lease holds
         # what lookups just fetched, for the opens that follow; a change of this mount's own
         # drops every listing too (the primary tells no mount of its own changes)
         self.lookups = Lookups(on_change=self.listings.clear)
         client.on_change.append(self.lookups.changed)  # any namespace op of this mount's (a bucket's pack too)
-        # how long the kernel may cache names: a lease kept by ``names.run`` (mount.py starts it)
+        # how long the kernel may cache names: a lease kept by ``names.run`` (launch/mount.py starts it)
         self.names = NameLease(client, forget=self._told)
         self.views = Views(client, self.open_handles, self.lookups)
         self.live = LiveFiles(client, self.files, self.models, self.layouts, self.views, NameCaches(self.lookups, self.names, self.listings))

@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import formats
 from ..util import single_exception
-from .errors import FsError
+from ..errors import FsError
 from .handles import BufferedHandle, Handle
 from .inodes import FILE_ATTR_SECONDS, SUFFIX, VIEW, Family, file_stat, writes
 from .lookups import Lookups

@@ -5,7 +5,7 @@
 - ``.workers/<rank>/.../<model>.safetensors``: a whole step, one stream per direction
   (streams.py); for a model file ``<model>.safetensors`` (models.py), its tensors' streams;
 - ``.workers/<rank>/.../<model>.door``: a one-time ticket to the same step through memory
-  shared with the mount (door.py), readable by whoever may push and pull.
+  shared with the mount (worker/door.py), readable by whoever may push and pull.
 
 Entries and attributes are cached by the kernel for WORK_CACHE_SECONDS: a step through the
 mount then makes no metadata call.
@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..namespace import ROOT
-from ..transport.base import RemoteError
+from ..names import ROOT
+from ..errors import RemoteError
 from . import models
-from .errors import FsError
+from ..errors import FsError
 from .handles import BytesHandle, PushHandle
 from .inodes import (
     DOOR,

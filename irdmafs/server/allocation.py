@@ -2,7 +2,7 @@
 leading the fewest bytes of its directory (issue 32: placement by bytes, as far as a pure
 placement allows).
 
-Placement is a pure function of (file id, stripe, nodes) (placement.py): rendezvous hashing,
+Placement is a pure function of (file id, stripe, nodes) (runtime/placement.py): rendezvous hashing,
 which every process computes alike and which moves about 1/N of the stripes when a node comes
 or goes. Hashing spreads a model's bytes evenly only when its stripes are many and alike; a
 model whose bytes sit in a few dozen tensors of one to three stripes (ResNet-50: 161 tensors,
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..placement import rank, stripe_key
+from ..runtime.placement import rank, stripe_key
 
 TRIES = 64  # numbers tried for one file; each hits a given node with probability about 1/N
 

@@ -15,7 +15,7 @@ from typing import Callable
 
 import trio
 
-from ..transport.base import RemoteError
+from ..errors import RemoteError
 
 log = logging.getLogger(__name__)
 

@@ -31,9 +31,9 @@ from typing import Any
 
 import numpy as np
 
-from ..namespace import BUCKET_NAME, LAYOUT_CHANGED, PACK_LEASE_NS
+from ..names import BUCKET_NAME, LAYOUT_CHANGED, PACK_LEASE_NS
 from ..packing import in_force, is_bucket, nbytes, packable, pointer
-from ..transport.base import RemoteError
+from ..errors import RemoteError
 
 BUCKET_FILE = re.compile(re.escape(BUCKET_NAME) + "[0-9]+")  # the name a pack gives its bucket (client/buckets.py)
 

@@ -26,7 +26,8 @@ from __future__ import annotations
 import trio
 
 from ..regions import CLOCK_WAITS, HEADER, PENDING, read_header
-from ..transport.base import Access, AccessError, RemoteError, Transport
+from ..transport.base import Access, Transport
+from ..errors import AccessError, RemoteError
 from .store import Store
 
 MAX_WAIT = 5.0  # seconds a clock wait may hold a call

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ..cluster import Cluster
+from ..runtime.cluster import Cluster
 from ..config import ClusterConfig
 from .locks import KeyedLocks
 from .serving import Serving

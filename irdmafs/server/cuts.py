@@ -8,7 +8,7 @@ loop for seconds and overflowed the control frame, so a node could never rejoin 
 ``--model-gib 1``, issue 41). So the answer carries the counts and references into a cut:
 
 - C1. ``take`` keeps the arrays by reference and freezes them (numpy's ``writeable`` off): the
-  bookkeeping never changes one in place again (policies.py ``_own``: a push into a frozen
+  bookkeeping never changes one in place again (rounds.py ``_own``: a push into a frozen
   round's sum, or its completion, works on a copy), so what the joiner fetches later is exactly
   the instant's, at no copy at the answer.
 - C2. ``page`` serves the arrays in order from a cursor, at most ``limit`` bytes a call, so no
@@ -26,7 +26,7 @@ import itertools
 import numpy as np
 import trio
 
-from ..transport.base import RemoteError
+from ..errors import RemoteError
 
 TTL = 120.0  # seconds a cut is kept after its last use
 

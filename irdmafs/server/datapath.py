@@ -21,14 +21,14 @@ from __future__ import annotations
 import logging
 from typing import NamedTuple
 
-from ..offload import Offload
+from ..runtime.offload import Offload
 from ..regions import VERSION_SHIFT
-from ..transport.base import RemoteError
+from ..errors import RemoteError
 from .barrier import CommitBarrier
 from .core import NodeCore
 from .missing import Missing
 from .tails import Tails
-from .policies import RecordError, StripeTraining
+from .rounds import RecordError, StripeTraining
 from .replicator import Replicator
 from .staging import Staged, StagingRegions
 from .training import Training
@@ -144,7 +144,7 @@ class DataPath:
     async def rpc_commit(self, fid: int, idx: int, offset: int, length: int, unit: int, staged: list, epoch: int = 0) -> dict:
         """Install the range ``staged`` ([rkey, offset] of a staging region here) as the
         stripe's primary, replicate it, answer with its version and the view epoch it was
-        acknowledged in (``acked_in``: heartbeats.py, ``follow_acked``)."""
+        acknowledged in (``acked_in``: runtime/heartbeats.py, ``follow_acked``)."""
         await self.serving.check_epoch(epoch)
         self.serving.require_ready()
         check_range(offset, length, unit, self.cfg.stripe_unit)
@@ -155,7 +155,7 @@ class DataPath:
         async with self.barrier.changing():
             async with self.stripe_locks((fid, idx)):
                 # again, under the lock: a rebalance or a hand-over may have moved it meanwhile,
-                # a new view may have come, and its sender may have given it up (slots.py)
+                # a new view may have come, and its sender may have given it up (runtime/slots.py)
                 self.serving.check_primary(fid, idx)
                 self.serving.check_same_epoch(epoch)
                 data = self.staging.view(staged)
@@ -192,7 +192,7 @@ class DataPath:
         if not 0 <= state <= 2:
             raise RemoteError("EINVAL", f"{state} optimizer-state stripes (at most 2)")
         async with self.stripe_locks((fid, idx)):
-            data = self.staging.view(where)  # again: its sender may have given it up meanwhile (slots.py)
+            data = self.staging.view(where)  # again: its sender may have given it up meanwhile (runtime/slots.py)
             stripe = self.store.get(fid, idx, snap)
             held = stripe.stamp if stripe else (0, 0)
             if full:

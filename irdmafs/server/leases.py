@@ -11,7 +11,7 @@ only while it holds its etcd lease and the newest view it has read names it with
 - it rejoins only while it holds a lease: while etcd is unreachable, nodes serve until their
   leases end and then wait, and no new view is made; heartbeats and ``irdmafs status`` say so.
 
-The views also choose every stripe's primary and replicas (roles.py), and every message that
+The views also choose every stripe's primary and replicas (runtime/roles.py), and every message that
 changes data carries its sender's view epoch (serving.py, ``check_epoch``). A config always
 names a coordinator (config.py); ``keeper`` is None only for a node built without one, which
 refuses to start (node.py).
@@ -27,7 +27,8 @@ from typing import Callable
 import trio
 
 from ..config import ClusterConfig, Members
-from ..coord.contract import Coordinator, CoordError
+from ..coord.contract import Coordinator
+from ..errors import CoordError
 from ..coord.etcd import EtcdCoord
 from ..coord.views import View, ViewKeeper
 

@@ -1,7 +1,7 @@
 """How a PS node joins, rejoins and leaves the membership: one service of a node (server/node.py
 builds it), moving its ``Serving`` state.
 
-Views decide who serves (coord/views.py, roles.py); this service moves a node through them:
+Views decide who serves (coord/views.py, runtime/roles.py); this service moves a node through them:
 
 - Joining (``join``): a node tells its peers it is ``joining`` (their heartbeats then count it
   alive, so nobody expels it while it syncs), resyncs, announces itself and waits until a view
@@ -23,7 +23,7 @@ Views decide who serves (coord/views.py, roles.py); this service moves a node th
   lead its stripes while it resyncs, as they do for a node a peer expelled.
 - Expelling (``expel_loop``): a peer the view names active that this node's heartbeats have not
   heard for twice ``down_after`` is expelled, while this node serves and hears a majority.
-- Membership changes (rebalance.py drives them): ``members``, ``rebalance_pull``, ``reconfigure``,
+- Membership changes (launch/rebalance.py drives them): ``members``, ``rebalance_pull``, ``reconfigure``,
   and dropping what a node no longer holds after a grace period.
 
 Everything here runs on the node's trio thread; the cluster view, store, locks, resync and
@@ -40,11 +40,11 @@ from typing import Callable
 
 import trio
 
-from ..cluster import READY, SYNCING
-from ..peers import NodeDown
+from ..runtime.cluster import READY, SYNCING
+from ..errors import NodeDown
 from ..config import NodeSpec
-from ..placement import placement
-from ..transport.base import RemoteError, TransportError
+from ..runtime.placement import placement
+from ..errors import RemoteError, TransportError
 from ..util import leaves
 from .barrier import CommitBarrier
 from .budget import NoSpace
@@ -204,7 +204,7 @@ class Membership:
                     fetched += 1
             work["done"] += 1
 
-        try:  # its progress in heartbeats: what waits on this node waits while it moves (silence.py)
+        try:  # its progress in heartbeats: what waits on this node waits while it moves (runtime/silence.py)
             for peer, answer in handed.items():
                 async with trio.open_nursery() as n:
                     for fid, idx, snap, version, tag in answer.get("stripes", []):
@@ -382,7 +382,7 @@ class Membership:
         if await self.lease.expel(self.name):
             log.warning("node %s stalled: it left view %d so that its stripes are led by others while it resyncs", self.name, self.cluster.roles.view.epoch)
 
-    # -- membership changes (rebalance.py) -------------------------------------------------------
+    # -- membership changes (launch/rebalance.py) -------------------------------------------------------
     async def rpc_members(self) -> dict:
         """The membership this node works with, and its epoch (0: as its config file says)."""
         m = self.cluster.roles.members
@@ -417,7 +417,7 @@ class Membership:
         return {"stripes": done["stripes"], "bytes": done["bytes"]}
 
     async def rpc_rebalance_abort(self) -> dict:
-        """A rebalance ended without switching (rebalance.py): what its pre-copy brought here
+        """A rebalance ended without switching (launch/rebalance.py): what its pre-copy brought here
         that this node does not hold under the membership it stays on (no home of it, not a
         write's target now: a stand-in keeps its copy) goes; it held memory nobody reads. The
         count dropped."""

@@ -17,12 +17,13 @@ import json
 import stat as S
 from typing import Any
 
-# (the client and the file system import these from irdmafs.namespace, not from here)
-from ..namespace import MODEL_SUFFIX, MODEL_XATTR, NAME_MAX, PATH_MAX, ROOT
+# (the client and the file system import these from irdmafs.names, not from here)
+from ..names import MODEL_SUFFIX, MODEL_XATTR, NAME_MAX, PATH_MAX, ROOT
 from .. import held, packing
 from ..regions import VERSION_SHIFT
-from ..policy import POLICIES, PolicyError, check as check_policy
-from ..transport.base import RemoteError
+from ..policy import POLICIES, check as check_policy
+from ..errors import PolicyError
+from ..errors import RemoteError
 from . import buckets
 
 LINK_MAX = 65000  # names one inode may have (ext4's limit)

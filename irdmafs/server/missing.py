@@ -27,7 +27,7 @@ from typing import Callable, Iterable
 
 from .. import held
 from ..held import extent_end
-from ..transport.base import RemoteError
+from ..errors import RemoteError
 from .meta import Meta
 from .store import Store
 

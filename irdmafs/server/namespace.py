@@ -37,9 +37,9 @@ from typing import Awaitable, Callable
 
 import trio
 
-from ..cluster import now_ns
-from ..peers import NodeDown
-from ..transport.base import RemoteError
+from ..runtime.cluster import now_ns
+from ..errors import NodeDown
+from ..errors import RemoteError
 from ..util import single_exception
 from .allocation import balanced_ino
 from .barrier import FREEZE_SECONDS
@@ -84,7 +84,7 @@ class Namespace:
     async def rpc_meta(self, op: dict, epoch: int = 0) -> dict:
         """Apply a namespace op as the metadata primary and replicate it to every live node."""
         Meta.check(op)  # EINVAL for an op no client sends (unknown kind, missing fields)
-        return dict(await self._meta(op, epoch), acked_in=self.cluster.roles.view_epoch)  # heartbeats.py, follow_acked
+        return dict(await self._meta(op, epoch), acked_in=self.cluster.roles.view_epoch)  # runtime/heartbeats.py, follow_acked
 
     async def _meta(self, op: dict, epoch: int) -> dict:
         rid = op.get("rid")

@@ -42,17 +42,19 @@ from typing import Any, Callable
 
 import trio
 
-from ..cluster import READY, Cluster
-from ..config import NO_COORDINATOR, ClusterConfig, ConfigError, load
+from ..runtime.cluster import READY, Cluster
+from ..config import NO_COORDINATOR, ClusterConfig, load
+from ..errors import ConfigError
 from ..coord.contract import Coordinator
-from .. import looplag
-from ..looplag import LoopLag
+from ..runtime import looplag
+from ..runtime.looplag import LoopLag
 from ..metrics import Latency, node_samples
 from ..metrics import serve as serve_metrics
-from ..notify import notify
-from ..offload import Offload
-from ..slots import StagingPool
-from ..transport.base import RemoteError, Transport
+from ..runtime.notify import notify
+from ..runtime.offload import Offload
+from ..runtime.slots import StagingPool
+from ..transport.base import Transport
+from ..errors import RemoteError
 from ..util import keep_freed_memory
 from . import health
 from .barrier import CommitBarrier
@@ -90,7 +92,7 @@ class Node:
         self, cfg: ClusterConfig, name: str, transport: Transport, persist: str | None = None, coord: Coordinator | None = None, offload: Offload | None = None
     ):
         """``coord``: the coordination service, if not the etcd the config names (the simulator);
-        ``offload``: how work leaves the loop (offload.py; the simulator's runs inline)."""
+        ``offload``: how work leaves the loop (runtime/offload.py; the simulator's runs inline)."""
         self.cfg, self.name, self.spec, self.transport = cfg, name, cfg.node(name), transport
         self.offload = offload or Offload()
         self.persist = Persist(persist) if persist else None
@@ -99,7 +101,7 @@ class Node:
         self.latency = Latency()
         self.cluster = Cluster(cfg, transport, None, me=name, my_state=lambda: self.serving.state)
         self.lease = ServingLease(cfg, name, lambda: self.cluster.roles.members, coord)  # its lease and views
-        keeper_learns = self.lease.follow(self.cluster.roles.learn_view)  # views decide who serves (roles.py)
+        keeper_learns = self.lease.follow(self.cluster.roles.learn_view)  # views decide who serves (runtime/roles.py)
         if keeper_learns is None:
             raise ConfigError(NO_COORDINATOR)
         self.cluster.roles.on_view.append(keeper_learns)
@@ -107,7 +109,7 @@ class Node:
         # every byte this node holds for others, against its capacity (budget.py)
         self.budget = Budget(cfg.capacity)
         self.staging = StagingRegions(transport, self.budget)
-        self.loop_lag = LoopLag()  # how late this node's loop runs (looplag.py)
+        self.loop_lag = LoopLag()  # how late this node's loop runs (runtime/looplag.py)
         self.stripe_locks = KeyedLocks()
         # a snapshot's freeze (token "<node>:<id>") lifts once the view no longer names its
         # coordinator active; a rebalance's ("rebalance:...") only by its thaw or its deadline

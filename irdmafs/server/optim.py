@@ -17,7 +17,8 @@ import numpy as np
 
 from .. import native as kernels
 # the form's parser and its types are kept where both sides and the mount read them
-from ..policy import OPTIMIZER_FORMS as FORMS, OptimError, Optimizer, parse_optimizer as parse  # noqa: F401
+from ..policy import OPTIMIZER_FORMS as FORMS, Optimizer, parse_optimizer as parse  # noqa: F401
+from ..errors import OptimError  # noqa: F401
 
 
 def work_dtype(param_dtype: np.dtype) -> np.dtype:

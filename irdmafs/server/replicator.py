@@ -29,7 +29,7 @@ refused (ESTALE: it holds another view; EAGAIN) is not expelled: this node reads
 decides again.
 
 ``to_every_target(key, one)`` is the acknowledgement rule of a stripe's change: answered only once
-every node the stripe now targets (``Roles.targets``, roles.py) holds it, and while this node still leads
+every node the stripe now targets (``Roles.targets``, runtime/roles.py) holds it, and while this node still leads
 the stripe in the view it then holds; else EAGAIN, and the change is not acknowledged. A backup
 that fails leaves the targets (expelled by a new view), which brings the
 stripe's stand-in in, and the stand-in gets it too (one that lacks the stripe answers "stale" and
@@ -53,10 +53,10 @@ from typing import Awaitable, Callable
 
 import trio
 
-from ..batching import Batcher, Unsent
-from ..cluster import Cluster
-from ..slots import Slot, StagingPool, staging_gone
-from ..transport.base import AccessError, RemoteError, TransportError
+from ..runtime.batching import Batcher, Unsent
+from ..runtime.cluster import Cluster
+from ..runtime.slots import Slot, StagingPool, staging_gone
+from ..errors import AccessError, RemoteError, TransportError
 from .serving import Serving
 from .updates import StripeKey, Update
 
@@ -131,7 +131,7 @@ class Replicator:
     async def _fused(self, peer: str, u: Update) -> dict:
         """``apply`` of ``u`` on ``peer``: sent at once if fewer sends to it are under way than
         this node has staging slots there, else with every update to ``peer`` that queued
-        meanwhile, up to a slot's bytes (batching.py: fusion with no added latency when idle;
+        meanwhile, up to a slot's bytes (runtime/batching.py: fusion with no added latency when idle;
         each update's task returns as soon as its own batch is answered). Raises what its send
         raised (a TransportError, or its own RemoteError). An update whose batch was cut off by
         its sender's cancellation is queued again."""

@@ -20,15 +20,15 @@ from typing import Callable
 import trio
 
 from ..held import extent_end
-from ..peers import NodeDown
-from ..notify import notify
+from ..errors import NodeDown
+from ..runtime.notify import notify
 from ..progress import Progress
-from ..transport.base import AccessError, RemoteError, TransportError
+from ..errors import AccessError, RemoteError, TransportError
 from ..util import single_exception
 from .core import NodeCore
 from .meta import Meta
 from .missing import Missing
-from .policies import RecordError, StripeTraining
+from .rounds import RecordError, StripeTraining
 from .training import RECORDS_PAGE, Training
 from .updates import StripeKey
 
@@ -90,7 +90,7 @@ class Resync:
         record's stamp, with more pushes than its own record), each from the peer with the most,
         at most ``RECORDS_PAGE`` bytes of arrays a call. A peer lost meanwhile leaves its keys to
         the next best. Its progress shows in heartbeats (``work``), so waits on this node last
-        while it moves (silence.py)."""
+        while it moves (runtime/silence.py)."""
         wanted: dict[tuple[int, int], list[tuple[int, str]]] = {}  # key -> [(progress, peer)], most first
         sizes: dict[tuple[int, int], int] = {}
         for peer in peers:

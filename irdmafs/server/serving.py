@@ -22,7 +22,7 @@ The checks, each answered with the error the caller acts on:
   receiver's view names (ESTALE otherwise);
 - ``await_takeover``: primary work waits while the node takes its stripes back, then answers
   EAGAIN, well inside the caller's call timeout (a third of ``op_timeout``): a caller hears a
-  refusal, which it follows for as long as the node's catch-up moves (silence.py), never
+  refusal, which it follows for as long as the node's catch-up moves (runtime/silence.py), never
   silence, which counts the node down. (It waited the whole ``op_timeout``, the same as the
   caller's timeout: with a GB catch-up of 15 s every commit, push and namespace op sent
   meanwhile timed out, the mount counted the node down and a flush ended in ETIMEDOUT: 1 GiB
@@ -40,9 +40,9 @@ from typing import Callable
 
 import trio
 
-from ..cluster import READY, SYNCING, Cluster
+from ..runtime.cluster import READY, SYNCING, Cluster
 from ..config import ClusterConfig
-from ..transport.base import RemoteError
+from ..errors import RemoteError
 from .leases import ServingLease
 
 log = logging.getLogger(__name__)

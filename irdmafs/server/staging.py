@@ -8,7 +8,7 @@ are freed (``expire_loop``). A call names a staged range by (rkey, offset, lengt
 it against the registered regions and answers EINVAL for one that is not there (freed, or never
 handed out).
 
-A region an owner replaces (it gave up a call in it: irdmafs/slots.py) is unregistered at once,
+A region an owner replaces (it gave up a call in it: irdmafs/runtime/slots.py) is unregistered at once,
 so every call that names it from then on is refused, but its memory is freed only
 ``STAGING_LEASE`` seconds later: a push under way may still hold a view of its bytes (over
 verbs, freeing the memory region under it would free that memory).
@@ -22,7 +22,8 @@ from typing import NamedTuple
 
 import trio
 
-from ..transport.base import Access, AccessError, Region, RemoteError, Transport
+from ..transport.base import Access, Region, Transport
+from ..errors import AccessError, RemoteError
 from .budget import Budget, NoSpace
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ A stripe's region is ``[version: u64][clock: u64][data: capacity bytes]`` (littl
 layout is regions.py's, which readers share). Peers read the data one-sidedly; to never return a
 torn stripe they read the header before and after the data (one pipelined burst on one
 connection, served in order) and retry unless both are the same with an even version. The clock
-counts the training steps applied to the stripe (server/policies.py): a pull waits for it by
+counts the training steps applied to the stripe (server/rounds.py): a pull waits for it by
 reading the header alone. Installing new data here is: word := odd, copy, word := next even. The
 copy does not yield to trio, so over TCP it is atomic with respect to the responder; over verbs
 the NIC may read concurrently, and the odd/changed word makes the reader retry.
@@ -56,7 +56,7 @@ from typing import Callable
 
 import trio
 
-from ..offload import Offload
+from ..runtime.offload import Offload
 from ..regions import CLOCK_AT, HEADER, PENDING, VERSION_AT, WORD
 from ..transport.base import Access, Region, Transport
 from .budget import Budget, NoSpace

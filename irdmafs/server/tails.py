@@ -38,8 +38,8 @@ from typing import Awaitable, Callable
 import trio
 
 from ..held import extent_end
-from ..peers import NodeDown
-from ..transport.base import RemoteError
+from ..errors import NodeDown
+from ..errors import RemoteError
 from .meta import Meta
 from .staging import Staged, StagingRegions
 from .store import Store

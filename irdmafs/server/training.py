@@ -4,7 +4,7 @@ builds it and hands it its collaborators: the store, the stripe locks, the servi
 commit barrier, the replicator).
 
 A client's pushes arrive fused in one WRITE with immediate (``on_imm``). The primary of each
-stripe takes a push under the model's policy (policies.py: bsp, asp, ssp, r2sp), runs the optimizer
+stripe takes a push under the model's policy (rounds.py: bsp, asp, ssp, r2sp), runs the optimizer
 (optim.py; state in stripes -1/-2 of the stripe) and sends the parameters, the optimizer state
 (held aside by the backup until then) and the push bookkeeping to every backup in one ``apply``:
 a backup that takes over holds all of one step or none of it, so a client's retry of an
@@ -31,15 +31,16 @@ import numpy as np
 import trio
 
 from ..metrics import Latency
-from ..namespace import LAYOUT_CHANGED
-from ..policy import PolicyError, parse_policy, parse_removed, parse_timeout, parse_workers
-from ..transport.base import RemoteError
+from ..names import LAYOUT_CHANGED
+from ..policy import parse_policy, parse_removed, parse_timeout, parse_workers
+from ..errors import PolicyError
+from ..errors import RemoteError
 from .. import packing
 from . import optim
 from .barrier import CommitBarrier
 from .core import NodeCore
 from .meta import Meta
-from .policies import Model, RecordError, StripeTraining
+from .rounds import Model, RecordError, StripeTraining
 from .replicator import Replicator
 from .staging import Staged, StagingRegions
 from .store import NoSpace
@@ -309,7 +310,7 @@ class Training:
                 info[str(fid)] = self.policy_info(fid)
             except RemoteError:  # not a tensor (its push said so)
                 pass
-        return {"results": results, "info": info, "acked_in": self.cluster.roles.view_epoch}  # heartbeats.py, follow_acked
+        return {"results": results, "info": info, "acked_in": self.cluster.roles.view_epoch}  # runtime/heartbeats.py, follow_acked
 
     def _push_args(self, data: memoryview, d: dict) -> tuple[memoryview, Push]:
         """A push descriptor, checked: where its gradient starts in the pushed bytes (``at``)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
-from ..transport.base import RemoteError
+from ..errors import RemoteError
 
 
 class StripeKey(NamedTuple):

@@ -15,7 +15,6 @@ from many tasks at once (many operations in flight per peer).
 from __future__ import annotations
 
 import abc
-import builtins
 import enum
 import hashlib
 import hmac
@@ -25,54 +24,16 @@ from typing import Any, Awaitable, Callable, Sequence, Union
 
 import trio
 
+from ..errors import (  # noqa: F401 (the same classes: transport.base.RemoteError is errors.RemoteError)
+    AccessError, AuthError, ConnectError, PeerLost, ProtocolError, RemoteError, StaleKey, TimeoutError, TransportError,
+)
+
 Buffer = Union[bytes, bytearray, memoryview]
 # A scatter-gather list: one remote range <-> several local buffers, in order.
 BufferList = Union[Buffer, Sequence[Buffer]]
 Handler = Callable[[str, dict], Awaitable[dict]]
 # Called after a WRITE_IMM landed: (region, offset, length, imm) -> JSON-able result
 ImmHandler = Callable[["Region", int, int, int], Awaitable[dict]]
-
-
-class TransportError(Exception):
-    """Base of everything a transport raises."""
-
-
-class ConnectError(TransportError):
-    """The peer could not be reached or the handshake failed."""
-
-
-class AuthError(ConnectError):
-    """The cluster token was refused (by either side)."""
-
-
-class PeerLost(TransportError):
-    """The connection died while operations were in flight."""
-
-
-class TimeoutError(TransportError, builtins.TimeoutError):  # noqa: A001 - the design's name
-    """An operation did not complete within its deadline."""
-
-
-class AccessError(TransportError):
-    """Bad rkey, range outside the region, or an access the region does not grant."""
-
-
-class StaleKey(AccessError):
-    """A key cached from an earlier incarnation of the peer (it restarted since): refresh it.
-    Raised before anything is sent, so a recycled key can never reach a region it did not name."""
-
-
-class ProtocolError(TransportError):
-    """A frame that is not valid irdmafs wire protocol."""
-
-
-class RemoteError(TransportError):
-    """A control call failed on the serving side; ``code`` is an errno name such as ENOENT."""
-
-    def __init__(self, code: str, message: str = ""):
-        super().__init__(f"{code}: {message}" if message else code)
-        self.code = code
-        self.message = message
 
 
 # What a socket-based transport (tcp, shm) catches from the socket and trio's streams, to turn it
@@ -299,7 +260,7 @@ class Transport(abc.ABC):
         self.token = token
         self.regions = RegionTable()
         # New at every start of a serving process: every key it hands out belongs to it, and a
-        # peer that sees it change drops what it cached (peers.py, Peers.on_restart).
+        # peer that sees it change drops what it cached (runtime/peers.py, Peers.on_restart).
         self.incarnation = secrets.randbits(32) or 1  # 32 bits: it travels in a header's imm word
         # one-sided operations this process served: op -> [count, bytes] (for metrics; a
         # transport whose one-sided operations bypass the CPU, as verbs', cannot count them)

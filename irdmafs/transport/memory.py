@@ -21,21 +21,8 @@ from typing import Any, Protocol
 
 import trio
 
-from .base import (
-    Access,
-    AuthError,
-    BufferList,
-    ConnectError,
-    Connection,
-    Handler,
-    ImmHandler,
-    PeerLost,
-    ProtocolError,
-    RemoteError,
-    TimeoutError,
-    Transport,
-    as_buffers,
-)
+from .base import Access, BufferList, Connection, Handler, ImmHandler, Transport, as_buffers
+from ..errors import AuthError, ConnectError, PeerLost, ProtocolError, RemoteError, TimeoutError
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ import json
 import struct
 from typing import Any, NamedTuple
 
-from .base import ProtocolError, RemoteError
+from ..errors import ProtocolError, RemoteError
 
 MAGIC = b"IRDM"
 VERSION = 1

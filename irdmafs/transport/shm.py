@@ -43,27 +43,10 @@ from typing import Any
 import trio
 
 from .base import (
-    SOCKET_ERRORS,
-    Access,
-    AccessError,
-    AuthError,
-    BufferList,
-    ConnectError,
-    Connection,
-    Handler,
-    ImmHandler,
-    PeerLost,
-    ProtocolError,
-    Region,
-    RemoteError,
-    TransportError,
-    as_buffers,
-    client_proof,
-    new_nonce,
-    notify_by_call,
-    serve_imm_call,
+    SOCKET_ERRORS, Access, BufferList, Connection, Handler, ImmHandler, Region, as_buffers, client_proof, new_nonce, notify_by_call, serve_imm_call,
     server_proof,
 )
+from ..errors import AccessError, AuthError, ConnectError, PeerLost, ProtocolError, RemoteError, TransportError
 from .base import NONCE as _NONCE
 from ..util import accept_forever, recv_with_fds, send_with_fd
 from .tcp import HANDSHAKE_TIMEOUT, TcpConnection, TcpTransport

@@ -44,27 +44,8 @@ from typing import Any
 import trio
 
 from . import protocol as P
-from .base import (
-    SOCKET_ERRORS,
-    Access,
-    AccessError,
-    AuthError,
-    BufferList,
-    ConnectError,
-    Connection,
-    Handler,
-    ImmHandler,
-    PeerLost,
-    ProtocolError,
-    RemoteError,
-    TimeoutError,
-    Transport,
-    TransportError,
-    as_buffers,
-    client_proof,
-    new_nonce,
-    server_proof,
-)
+from .base import SOCKET_ERRORS, Access, BufferList, Connection, Handler, ImmHandler, Transport, as_buffers, client_proof, new_nonce, server_proof
+from ..errors import AccessError, AuthError, ConnectError, PeerLost, ProtocolError, RemoteError, TimeoutError, TransportError
 from .base import NONCE as _NONCE
 from .sender import Sender
 from .window import Window
@@ -528,7 +509,7 @@ class _Responder:
         try:
             region = self.regions.get(h.rkey)
             if region is None:  # freed after the data landed (a staging slot given up): the
-                # sender's slot is gone, it asks for a new one (slots.py staging_gone); the
+                # sender's slot is gone, it asks for a new one (runtime/slots.py staging_gone); the
                 # handler never ran, so nothing of it happened (chaos --model-gib 2: EINVAL)
                 raise RemoteError("EINVAL", f"unknown rkey {h.rkey}: freed since its WRITE landed")
             result = await self.on_imm(region, h.offset, h.length, h.imm)

@@ -33,23 +33,8 @@ from typing import Any
 
 import trio
 
-from .base import (
-    Access,
-    AccessError,
-    BufferList,
-    ConnectError,
-    Connection,
-    Handler,
-    ImmHandler,
-    PeerLost,
-    Region,
-    RemoteError,
-    TimeoutError,
-    as_buffers,
-    notify_by_call,
-    page_aligned,
-    serve_imm_call,
-)
+from .base import Access, BufferList, Connection, Handler, ImmHandler, Region, as_buffers, notify_by_call, page_aligned, serve_imm_call
+from ..errors import AccessError, ConnectError, PeerLost, RemoteError, TimeoutError
 from .tcp import TcpConnection, TcpTransport
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import trio
 
-from .base import TimeoutError, TransportError
+from ..errors import TimeoutError, TransportError
 
 
 class Window:

@@ -13,9 +13,9 @@ import trio
 
 from irdmafs.client.client import Client
 from irdmafs.coord.etcd import EtcdCoord
-from irdmafs.coord.etcd_process import LocalEtcd, LocalEtcdCluster
+from irdmafs.launch.etcd_process import LocalEtcd, LocalEtcdCluster
 from irdmafs.coord.views import View, prefix_of
-from irdmafs.local import node_status, wait_settled
+from irdmafs.launch.local import node_status, wait_settled
 from irdmafs.server.leases import cluster_id, lease_ttl
 
 pytestmark = pytest.mark.cluster

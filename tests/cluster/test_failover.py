@@ -9,7 +9,7 @@ import pytest
 import trio
 
 from irdmafs.client.client import Client
-from irdmafs.local import wait_settled
+from irdmafs.launch.local import wait_settled
 
 pytestmark = pytest.mark.cluster
 
@@ -62,7 +62,7 @@ async def test_status_says_not_whole_while_a_node_is_out_and_whole_once_it_caugh
     import subprocess
     import sys
 
-    from irdmafs.local import node_status
+    from irdmafs.launch.local import node_status
 
     lc = await local_cluster(nodes=3, replicas=2)
     cfg = lc.cfg
@@ -83,7 +83,7 @@ async def test_status_says_not_whole_while_a_node_is_out_and_whole_once_it_caugh
             await trio.sleep(0.2)
 
     def status() -> str:
-        r = subprocess.run([sys.executable, "-m", "irdmafs.cli", "status", "--config", str(lc.config_path)], capture_output=True, text=True, timeout=60)
+        r = subprocess.run([sys.executable, "-m", "irdmafs", "status", "--config", str(lc.config_path)], capture_output=True, text=True, timeout=60)
         return r.stdout
 
     assert "whole:     no" in status()

@@ -12,8 +12,8 @@ import pytest
 import trio
 
 from irdmafs.client.client import Client
-from irdmafs.cluster import Unavailable
-from irdmafs.local import LocalCluster, node_status, wait_settled, write_config
+from irdmafs.errors import Unavailable
+from irdmafs.launch.local import LocalCluster, node_status, wait_settled, write_config
 from irdmafs.util import leaves
 
 pytestmark = pytest.mark.cluster

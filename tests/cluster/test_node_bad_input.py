@@ -8,7 +8,7 @@ import trio
 from irdmafs.config import from_dict
 from irdmafs.coord.memory import MemoryCoord
 from irdmafs.server.node import Node
-from irdmafs.transport.base import AccessError, AuthError, RemoteError
+from irdmafs.errors import AccessError, AuthError, RemoteError
 from irdmafs.transport.memory import MemoryTransport
 from irdmafs.transport.tcp import TcpTransport
 
@@ -116,7 +116,7 @@ async def test_a_node_process_survives_thousands_of_random_frames(local_cluster)
     import numpy as np
 
     from irdmafs.client.client import Client
-    from irdmafs.local import node_status
+    from irdmafs.launch.local import node_status
     from irdmafs.transport import protocol as P
     from irdmafs.transport.base import client_proof, new_nonce
 

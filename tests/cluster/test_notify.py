@@ -6,8 +6,8 @@ import socket
 import pytest
 import trio
 
-from irdmafs.local import LocalCluster, node_status, write_config
-from irdmafs.notify import notify
+from irdmafs.launch.local import LocalCluster, node_status, write_config
+from irdmafs.runtime.notify import notify
 
 pytestmark = pytest.mark.cluster
 

@@ -19,11 +19,12 @@ import trio
 
 from irdmafs import config as C
 from irdmafs.client.client import Client
-from irdmafs.cluster import READY
-from irdmafs.peers import NodeDown, read_verified
-from irdmafs.coord.etcd_process import LocalEtcd
-from irdmafs.local import node_status, wait_settled
-from irdmafs.transport.base import RemoteError
+from irdmafs.runtime.cluster import READY
+from irdmafs.runtime.peers import read_verified
+from irdmafs.errors import NodeDown
+from irdmafs.launch.etcd_process import LocalEtcd
+from irdmafs.launch.local import node_status, wait_settled
+from irdmafs.errors import RemoteError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from netns import namespaces  # noqa: E402

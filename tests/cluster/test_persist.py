@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from irdmafs.client.client import Client
-from irdmafs.local import LocalCluster, wait_settled, write_config
+from irdmafs.launch.local import LocalCluster, wait_settled, write_config
 
 pytestmark = pytest.mark.cluster
 

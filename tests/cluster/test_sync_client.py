@@ -5,8 +5,8 @@ import pytest
 import trio
 
 from irdmafs.client import SyncClient
-from irdmafs.local import LocalCluster, wait_settled, write_config
-from irdmafs.transport.base import RemoteError
+from irdmafs.launch.local import LocalCluster, wait_settled, write_config
+from irdmafs.errors import RemoteError
 
 pytestmark = pytest.mark.cluster
 

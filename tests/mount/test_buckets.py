@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from irdmafs.client.client import Client
-from irdmafs.namespace import MODEL_XATTR, PACK_MIN_TENSORS
+from irdmafs.names import MODEL_XATTR, PACK_MIN_TENSORS
 from irdmafs.packing import in_force
-from irdmafs.steps import close_doors, pull_arrays, push_arrays
+from irdmafs.worker.steps import close_doors, pull_arrays, push_arrays
 from .ranks import each_rank
 
 pytestmark = pytest.mark.mount

@@ -1,7 +1,7 @@
 """Hugging Face checkpoints through a real mount: copied in and out byte for byte by cp, rsync
 and tar, loaded by ``from_pretrained`` from the mount, a snapshot and the copy out, and trained
 where they lie (each safetensors file a model, fs/models.py) by two workers through
-``irdmafs.torch``, after which the live file and a snapshot hold what SGD gives.
+``irdmafs.worker.torch``, after which the live file and a snapshot hold what SGD gives.
 
 The checkpoints are made in the test by transformers itself (a tiny BERT, no download)."""
 
@@ -120,8 +120,8 @@ def grads_of(model, batch):
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
 async def test_two_workers_train_a_checkpoint_in_place(ps, tmp_path, sharded):
-    from irdmafs.steps import close_doors
-    from irdmafs.torch import ParameterServer
+    from irdmafs.worker.steps import close_doors
+    from irdmafs.worker.torch import ParameterServer
 
     m = ps
     src = checkpoint(tmp_path / "src", sharded)

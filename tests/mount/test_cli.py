@@ -9,9 +9,9 @@ import sys
 import pytest
 
 from irdmafs import config as C
-from irdmafs.coord.etcd_process import LocalEtcd, health_error, is_local_etcd
-from irdmafs.local import free_ports, pids_alive
-from irdmafs.mount import is_mounted
+from irdmafs.launch.etcd_process import LocalEtcd, health_error, is_local_etcd
+from irdmafs.launch.local import free_ports, pids_alive
+from irdmafs.launch.mount import is_mounted
 
 from ..conftest import fuse_unavailable
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.mount
 
 
 def irdmafs(*args, env=None, check=False, cwd=None):
-    r = subprocess.run([sys.executable, "-m", "irdmafs.cli", *map(str, args)], capture_output=True, text=True, env=env, timeout=120, cwd=cwd)
+    r = subprocess.run([sys.executable, "-m", "irdmafs", *map(str, args)], capture_output=True, text=True, env=env, timeout=120, cwd=cwd)
     if check and r.returncode:
         raise AssertionError(f"irdmafs {args} -> {r.returncode}\n{r.stdout}\n{r.stderr}")
     return r
@@ -255,8 +255,8 @@ def test_mount_in_background_then_unmount(tmp_path, env, etcd_endpoints):
     import urllib.error
     import urllib.request
 
-    from irdmafs.local import LocalCluster, write_config
-    from irdmafs.mount import unmount
+    from irdmafs.launch.local import LocalCluster, write_config
+    from irdmafs.launch.mount import unmount
 
     lc = LocalCluster(write_config(tmp_path / "c", 1, 1, transport=["tcp"], coordinator=etcd_endpoints))
     lc.start_all()
@@ -315,14 +315,14 @@ def test_serve_with_its_own_mount(tmp_path, env, etcd_endpoints):
         pytest.skip(reason)
     import time
 
-    from irdmafs.local import write_config
-    from irdmafs.mount import unmount
+    from irdmafs.launch.local import write_config
+    from irdmafs.launch.mount import unmount
 
     cfg = write_config(tmp_path / "c", 1, 1, transport=["tcp"], coordinator=etcd_endpoints)
     mp = tmp_path / "m"
     mp.mkdir()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "irdmafs.cli", "serve", "--config", str(cfg), "--node", "n1", "--mount", str(mp)], env=env, stderr=subprocess.PIPE
+        [sys.executable, "-m", "irdmafs", "serve", "--config", str(cfg), "--node", "n1", "--mount", str(mp)], env=env, stderr=subprocess.PIPE
     )
     try:
         deadline = time.monotonic() + 60
@@ -397,7 +397,7 @@ def test_a_non_empty_mountpoint_is_refused_unless_nonempty(tmp_path, env):
 
 
 def test_mounting_without_pyfuse3_says_what_to_install(tmp_path, env):
-    code = "import sys; sys.modules['pyfuse3'] = None; from irdmafs.cli import main; sys.exit(main(sys.argv[1:]))"
+    code = "import sys; sys.modules['pyfuse3'] = None; from irdmafs.launch.cli import main; sys.exit(main(sys.argv[1:]))"
     r = subprocess.run([sys.executable, "-c", code, "up", str(tmp_path / "ps")], capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 2, r.stderr
     assert "pip install 'irdmafs[fuse]'" in r.stderr and "libfuse3-dev" in r.stderr

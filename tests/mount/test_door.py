@@ -1,4 +1,4 @@
-"""The shared-memory door (irdmafs/door.py, fs/door.py) through a real mount: who may come in,
+"""The shared-memory door (irdmafs/worker/door.py, fs/door_server.py) through a real mount: who may come in,
 what bad requests get, a model that changes under an open door, torch parameters living in the
 region, and the mount going on after all of it. (The step values and the stream semantics run
 through both doors in test_step_streams.py.)"""
@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import trio
 
-from irdmafs import steps
-from irdmafs.door import Door, door_path
+from irdmafs.worker import steps
+from irdmafs.worker.door import Door, door_path
 
 from ..conftest import fuse_unavailable
 
@@ -188,7 +188,7 @@ async def test_a_model_that_changes_under_an_open_door_is_reopened(m):
 
 async def test_torch_parameters_live_in_the_door(m):
     torch = pytest.importorskip("torch")
-    from irdmafs.torch import ParameterServer
+    from irdmafs.worker.torch import ParameterServer
 
     module = torch.nn.Module()
     module.w = torch.nn.Parameter(torch.zeros(SHAPES["w"]))
@@ -238,7 +238,7 @@ async def test_another_user_needs_the_ticket_files_permission(local_cluster, pub
 
 
 async def test_a_remounted_mount_gets_a_new_door_and_a_dead_one_says_enotconn(local_cluster, tmp_path):
-    from irdmafs.mount import mount_background, unmount
+    from irdmafs.launch.mount import mount_background, unmount
 
     if fuse_unavailable():
         pytest.skip(fuse_unavailable())
@@ -298,7 +298,7 @@ async def test_a_fused_step_is_a_push_then_a_pull(m):
 
 async def test_torch_step_keeps_gradients_and_parameters_in_the_door(m):
     torch = pytest.importorskip("torch")
-    from irdmafs.torch import ParameterServer
+    from irdmafs.worker.torch import ParameterServer
 
     module = torch.nn.Module()
     module.w = torch.nn.Parameter(torch.zeros(SHAPES["w"]))

@@ -62,7 +62,7 @@ async def test_mount_process_killed_with_kill_9_leaves_no_hung_mountpoint_and_lo
     import sys
     import time
 
-    from irdmafs.mount import clear_dead_mount, is_mounted, unmount, wait_for_mount
+    from irdmafs.launch.mount import clear_dead_mount, is_mounted, unmount, wait_for_mount
 
     lc = await local_cluster(nodes=2, replicas=2)
     mp = tmp_path / "ps"
@@ -70,7 +70,7 @@ async def test_mount_process_killed_with_kill_9_leaves_no_hung_mountpoint_and_lo
 
     def start():
         proc = subprocess.Popen(
-            [sys.executable, "-m", "irdmafs.cli", "mount", "--config", str(lc.config_path), str(mp), "-f"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            [sys.executable, "-m", "irdmafs", "mount", "--config", str(lc.config_path), str(mp), "-f"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
         wait_for_mount(str(mp), proc)
         return proc
@@ -106,7 +106,7 @@ async def test_mount_process_killed_with_kill_9_leaves_no_hung_mountpoint_and_lo
             os.listdir(mp)
         assert err.value.errno == errno.ENOTCONN  # not a hang: an error at once
     # what a user types: irdmafs mount over it detaches the dead mount first
-    r = subprocess.run([sys.executable, "-m", "irdmafs.cli", "mount", "--config", str(lc.config_path), str(mp)], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-m", "irdmafs", "mount", "--config", str(lc.config_path), str(mp)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     try:
         assert (mp / "kept").read_bytes() == data
@@ -117,7 +117,7 @@ async def test_mount_process_killed_with_kill_9_leaves_no_hung_mountpoint_and_lo
 
 async def held_stripe_bytes(lc) -> int:
     """Stripe memory the nodes hold, as their budgets count it (server/budget.py)."""
-    from irdmafs.local import node_status
+    from irdmafs.launch.local import node_status
 
     total = 0
     for name in lc.cfg.names:

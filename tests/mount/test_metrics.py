@@ -13,8 +13,8 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from irdmafs.local import LocalCluster, free_ports, wait_settled, write_config
-from irdmafs.mount import unmount, wait_for_mount
+from irdmafs.launch.local import LocalCluster, free_ports, wait_settled, write_config
+from irdmafs.launch.mount import unmount, wait_for_mount
 
 from ..conftest import fuse_unavailable
 
@@ -54,7 +54,7 @@ async def metered(tmp_path, etcd_endpoints):
     mp.mkdir()
     log = open(tmp_path / "mnt.log", "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "irdmafs.cli", "mount", "--config", str(lc.config_path), str(mp), "-f", "--metrics", f"127.0.0.1:{mount_port}"],
+        [sys.executable, "-m", "irdmafs", "mount", "--config", str(lc.config_path), str(mp), "-f", "--metrics", f"127.0.0.1:{mount_port}"],
         stdout=log,
         stderr=subprocess.STDOUT,
     )
@@ -112,7 +112,7 @@ async def test_status_table_shows_the_node_figures(metered):
     lc, mp, _ = metered
     (mp / "f").write_bytes(b"x" * 100_000)
     time.sleep(0.5)  # a heartbeat carries the new figures
-    r = subprocess.run([sys.executable, "-m", "irdmafs.cli", "status", str(mp)], capture_output=True, text=True, timeout=30)
+    r = subprocess.run([sys.executable, "-m", "irdmafs", "status", str(mp)], capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, r.stderr
     header, *rows = [ln for ln in r.stdout.splitlines() if ln.startswith(("node ", "n"))]
     assert header.split()[-5:] == ["calls", "served", "behind", "degraded", "lost"]

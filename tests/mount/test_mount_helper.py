@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from irdmafs.local import write_config
-from irdmafs.mount import is_mounted, unmount
-from irdmafs.mount_helper import fuse_mount_options
+from irdmafs.launch.local import write_config
+from irdmafs.launch.mount import is_mounted, unmount
+from irdmafs.launch.mount_helper import fuse_mount_options
 
 from ..conftest import fuse_unavailable
 

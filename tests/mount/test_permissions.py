@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from irdmafs.mount import unmount, wait_for_mount
+from irdmafs.launch.mount import unmount, wait_for_mount
 
 pytestmark = pytest.mark.mount
 
@@ -37,7 +37,7 @@ def public_mount(tmp_path):
     def make(lc, options=None):
         mp = Path(tempfile.mkdtemp(prefix="irdmafs-perm-"))
         os.chmod(mp, 0o755)
-        cmd = [sys.executable, "-m", "irdmafs.cli", "mount", "--config", str(lc.config_path), str(mp), "-f"] + (["-o", options] if options else [])
+        cmd = [sys.executable, "-m", "irdmafs", "mount", "--config", str(lc.config_path), str(mp), "-f"] + (["-o", options] if options else [])
         log = open(tmp_path / f"{mp.name}.log", "wb")
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         made.append((mp, proc, log))

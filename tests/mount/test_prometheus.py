@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 import trio
 
-from irdmafs.coord.etcd_process import LocalEtcd
-from irdmafs.local import free_ports, wait_settled, write_config
-from irdmafs.mount import unmount, wait_for_mount
-from irdmafs.steps import pull_arrays, push_arrays
+from irdmafs.launch.etcd_process import LocalEtcd
+from irdmafs.launch.local import free_ports, wait_settled, write_config
+from irdmafs.launch.mount import unmount, wait_for_mount
+from irdmafs.worker.steps import pull_arrays, push_arrays
 
 from ..conftest import fuse_unavailable
 from ..packages import missing
@@ -89,7 +89,7 @@ async def scraped(tmp_path, prometheus_bin):
             log = open(tmp_path / "mnt.log", "wb")
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", "irdmafs.cli", "mount", "--config", str(lc.config_path), str(mp), "-f", "--metrics", f"127.0.0.1:{mount_port}"],
+                    [sys.executable, "-m", "irdmafs", "mount", "--config", str(lc.config_path), str(mp), "-f", "--metrics", f"127.0.0.1:{mount_port}"],
                     stdout=log,
                     stderr=subprocess.STDOUT,
                 )

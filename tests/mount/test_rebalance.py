@@ -12,7 +12,7 @@ import time
 import trio
 
 from irdmafs import config as C
-from irdmafs.local import LocalCluster, free_ports, node_status, wait_settled
+from irdmafs.launch.local import LocalCluster, free_ports, node_status, wait_settled
 
 import pytest
 
@@ -38,7 +38,7 @@ def config_with(lc, path, names, extra=()):
 
 
 def rebalance(old, new):
-    return subprocess.run([sys.executable, "-m", "irdmafs.cli", "rebalance", "--from", str(old), "--to", str(new)], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "irdmafs", "rebalance", "--from", str(old), "--to", str(new)], capture_output=True, text=True, timeout=300)
 
 
 class Busy:
@@ -108,7 +108,7 @@ async def test_add_then_remove_a_node_while_the_mount_works(local_cluster, mount
         assert not busy.errors and busy.done > 0, busy.errors[:3]
         # the mount's status asks n3 too, at the address its table has (no config it read names
         # n3): 'whole' is known, not "unknown", and in --json as in the table
-        cmd = [sys.executable, "-m", "irdmafs.cli", "status", str(m), "--json"]
+        cmd = [sys.executable, "-m", "irdmafs", "status", str(m), "--json"]
         doc = json.loads((await trio.to_thread.run_sync(lambda: subprocess.run(cmd, capture_output=True, text=True, timeout=60))).stdout)
         assert [n["name"] for n in doc["nodes"]] == ["n1", "n2", "n3"] and all("degraded" in n for n in doc["nodes"] if n["alive"]), doc
         assert doc["whole"] is not None and not doc["whole_text"].startswith("unknown"), doc["whole_text"]

@@ -13,7 +13,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from irdmafs.local import wait_settled
+from irdmafs.launch.local import wait_settled
 
 pytestmark = pytest.mark.mount
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from irdmafs.local import free_ports
+from irdmafs.launch.local import free_ports
 
 from ..conftest import fuse_unavailable
 from ..packages import missing
@@ -40,7 +40,7 @@ TRAIN = textwrap.dedent(
     import os, sys, time
     from pathlib import Path
     import torch
-    from irdmafs.torch import ParameterServer
+    from irdmafs.worker.torch import ParameterServer
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     mount = Path(os.environ["IRDMAFS_MOUNT"])

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from irdmafs.steps import pull_arrays, push_arrays, stream_path
+from irdmafs.worker.steps import pull_arrays, push_arrays, stream_path
 from .ranks import each_rank
 
 pytestmark = pytest.mark.mount
@@ -21,7 +21,7 @@ SHAPES = {"big": (300_000,), "fc.bias": (10,), "fc.weight": (10, 64), "enc/w": (
 
 @pytest.fixture(params=["door", "files"])
 async def model(request, local_cluster, mount, monkeypatch):
-    from irdmafs import steps
+    from irdmafs.worker import steps
 
     monkeypatch.setenv("IRDMAFS_DOOR", "1" if request.param == "door" else "0")
     steps.close_doors()

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from irdmafs.coord.etcd_process import LocalEtcd
-from irdmafs.local import write_config
+from irdmafs.launch.etcd_process import LocalEtcd
+from irdmafs.launch.local import write_config
 
 from ..conftest import fuse_unavailable
 
@@ -169,7 +169,7 @@ def test_the_node_units_and_the_mount_unit_start_serve_and_stop_under_systemd(bo
     systemctl("start", *nodes, timeout=180)  # Type=notify: returns once both sent READY=1
     for unit in nodes:
         assert systemctl("is-active", unit).stdout.strip() == "active"
-    r = subprocess.run([sys.executable, "-m", "irdmafs.cli", "status", "--config", str(config), "--json"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-m", "irdmafs", "status", "--config", str(config), "--json"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
 
     systemctl("start", "mnt-ps.mount", timeout=180)

@@ -232,8 +232,8 @@ async def test_a_model_published_again_with_other_shapes_trains_as_it_is_now(loc
     (A step first through a door opened on the old shapes was EINVAL "pushed float32[6, 2], the
     model holds float32[4, 4]": the door checked the shape before asking whether it was current.)"""
     torch = pytest.importorskip("torch", reason="torch==2.13.0 (CPU) not installed")
-    from irdmafs.steps import close_doors, push_arrays
-    from irdmafs.torch import ParameterServer
+    from irdmafs.worker.steps import close_doors, push_arrays
+    from irdmafs.worker.torch import ParameterServer
 
     lc = await local_cluster(nodes=3, replicas=2, stripe_unit=1 << 16)
     m = mount(lc)

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from irdmafs.local import wait_settled
+from irdmafs.launch.local import wait_settled
 
 pytestmark = pytest.mark.mount
 

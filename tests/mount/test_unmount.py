@@ -1,4 +1,4 @@
-"""``irdmafs.mount.unmount`` against a real mount the kernel calls busy (a file held open in
+"""``irdmafs.launch.mount.unmount`` against a real mount the kernel calls busy (a file held open in
 it): asked again while it is busy, it unmounts as soon as the file is closed; a refusal that
 stands returns False and is logged with what fusermount3 said."""
 
@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from irdmafs import mount as M
+from irdmafs.launch import mount as M
 
 pytestmark = pytest.mark.mount
 
@@ -40,7 +40,7 @@ async def test_a_refusal_that_stands_is_false_and_says_why(local_cluster, mount,
     fd = os.open(mp / "f", os.O_CREAT | os.O_RDWR)
     monkeypatch.setattr(M, "UNMOUNT_PATIENCE", 0.2)
     try:
-        with caplog.at_level(logging.WARNING, logger="irdmafs.mount"):
+        with caplog.at_level(logging.WARNING, logger="irdmafs.launch.mount"):
             assert M.unmount(str(mp)) is False
         assert M.is_mounted(str(mp))
         assert any("not unmounted" in r.message and "busy" in r.message.lower() for r in caplog.records), caplog.text

@@ -496,7 +496,7 @@ async def test_a_snapshot_copies_nothing_until_the_live_file_changes(ps):
     snapshot holds no memory of its own on any node; overwriting a file makes the snapshots hold
     that file's stripes (R copies), once, however many snapshots share them; the snapshots still
     read the old bytes; dropping them frees it all."""
-    from irdmafs.local import node_status
+    from irdmafs.launch.local import node_status
 
     lc, m = ps
     old, new = os.urandom(8 * MiB), os.urandom(8 * MiB)

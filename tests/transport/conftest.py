@@ -5,7 +5,8 @@ import os
 import pytest
 import trio
 
-from irdmafs.transport.base import Access, RemoteError
+from irdmafs.transport.base import Access
+from irdmafs.errors import RemoteError
 from irdmafs.transport.memory import MemoryTransport
 from irdmafs.transport.shm import ShmTransport
 from irdmafs.transport.tcp import TcpTransport

@@ -6,7 +6,7 @@ import os
 import pytest
 import trio
 
-from irdmafs.transport.base import AccessError, AuthError, PeerLost, RemoteError, TimeoutError
+from irdmafs.errors import AccessError, AuthError, PeerLost, RemoteError, TimeoutError
 
 from .conftest import TOKEN
 
@@ -192,9 +192,9 @@ async def test_a_notification_whose_region_was_freed_after_its_data_landed_is_st
     """TCP lands a WRITE_IMM's data, then runs its notification as a task of its own: a region
     freed in between (a client's staging slot given up) reached the handler as None, and the
     push failed EINVAL "notification without a descriptor" to the user (chaos --model-gib 2).
-    It is "unknown rkey" (slots.py ``staging_gone``: the sender takes a new slot and sends
+    It is "unknown rkey" (runtime/slots.py ``staging_gone``: the sender takes a new slot and sends
     again), and the handler never runs."""
-    from irdmafs.slots import staging_gone
+    from irdmafs.runtime.slots import staging_gone
     from irdmafs.transport import tcp
 
     server = tcp.TcpTransport(TOKEN)

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from irdmafs.transport import protocol as P
-from irdmafs.transport.base import ProtocolError
+from irdmafs.errors import ProtocolError
 
 headers = st.builds(
     P.Header,

@@ -9,7 +9,8 @@ import socket
 import pytest
 import trio
 
-from irdmafs.transport.base import Access, AccessError, PeerLost, client_proof
+from irdmafs.transport.base import Access, client_proof
+from irdmafs.errors import AccessError, PeerLost
 from irdmafs.transport.shm import ShmConnection, ShmTransport, WELCOME
 from irdmafs.transport.tcp import TcpConnection, TcpTransport
 

@@ -120,7 +120,7 @@ async def test_broken_frames_close_that_connection_only(node, nursery, frame, ca
 
 async def test_peer_vanishing_mid_request_fails_pending_ops(nursery):
     """A server that accepts, authenticates, then dies with requests in flight."""
-    from irdmafs.transport.base import PeerLost
+    from irdmafs.errors import PeerLost
 
     t = TcpTransport(TOKEN)
     async with trio.open_nursery() as inner:

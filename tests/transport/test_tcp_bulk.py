@@ -8,7 +8,8 @@ import pytest
 import trio
 
 import irdmafs.transport.tcp as tcp
-from irdmafs.transport.base import Access, PeerLost
+from irdmafs.transport.base import Access
+from irdmafs.errors import PeerLost
 
 from .conftest import TOKEN, handler
 

@@ -1,5 +1,5 @@
 """What a TCP connection says it waits on (``Connection.waits``): the line a heartbeat that went
-unanswered logs (heartbeats.py). In the hour-long soak at a GB model a mount counted a serving
+unanswered logs (runtime/heartbeats.py). In the hour-long soak at a GB model a mount counted a serving
 node down for one unanswered heartbeat while neither loop ran late, and nothing said what the
 heartbeat had waited behind; the next soak's log must."""
 

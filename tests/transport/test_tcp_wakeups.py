@@ -11,7 +11,7 @@ import pytest
 import trio
 
 from irdmafs.transport import tcp
-from irdmafs.transport.base import PeerLost
+from irdmafs.errors import PeerLost
 
 
 class Counted:

@@ -11,7 +11,8 @@ import trio
 import trio.testing
 
 import irdmafs.transport.tcp as tcp
-from irdmafs.transport.base import Access, PeerLost, TimeoutError
+from irdmafs.transport.base import Access
+from irdmafs.errors import PeerLost, TimeoutError
 from irdmafs.transport.window import Window
 
 from .conftest import TOKEN, handler

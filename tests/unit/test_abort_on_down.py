@@ -13,7 +13,8 @@ import trio
 import trio.testing
 
 from irdmafs.config import from_dict
-from irdmafs.peers import NodeDown, Peers
+from irdmafs.runtime.peers import Peers
+from irdmafs.errors import NodeDown
 from irdmafs.transport.base import Connection
 
 

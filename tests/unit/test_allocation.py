@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from irdmafs.client.client import Client
-from irdmafs.placement import rank, stripe_key
+from irdmafs.runtime.placement import rank, stripe_key
 from irdmafs.server.allocation import TRIES, balanced_ino, led_bytes
 from irdmafs.transport.memory import MemoryTransport
 

@@ -7,7 +7,7 @@ import pytest
 import trio
 import trio.testing
 
-from irdmafs.batching import Batcher, Unsent
+from irdmafs.runtime.batching import Batcher, Unsent
 
 
 class Gated:

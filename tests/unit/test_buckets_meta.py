@@ -5,10 +5,10 @@ import stat as S
 
 import pytest
 
-from irdmafs.namespace import LAYOUT_CHANGED, PACK_LEASE_NS, ROOT
+from irdmafs.names import LAYOUT_CHANGED, PACK_LEASE_NS, ROOT
 from irdmafs.packing import in_force, pointer
 from irdmafs.server.meta import Meta
-from irdmafs.transport.base import RemoteError
+from irdmafs.errors import RemoteError
 
 NOW = 1_700_000_000_000_000_000
 HEADER = 128

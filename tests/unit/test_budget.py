@@ -1,19 +1,19 @@
 """A node's memory budget (server/budget.py): stripes and staging count against one capacity,
 full is ENOSPC with a message saying what holds the memory, and ``irdmafs up`` sizes its nodes
-to the machine. The loop-lag monitor (looplag.py) records a loop held without yielding."""
+to the machine. The loop-lag monitor (runtime/looplag.py) records a loop held without yielding."""
 
 import time
 
 import pytest
 import trio
 
-from irdmafs.cli import memory_line
-from irdmafs.looplag import LoopLag
+from irdmafs.launch.cli import memory_line
+from irdmafs.runtime.looplag import LoopLag
 from irdmafs.server.budget import MIN_CAPACITY, Budget, NoSpace, machine_capacity
 from irdmafs.server.staging import StagingRegions
 from irdmafs.server.store import Store
 from irdmafs.server.updates import StripeKey
-from irdmafs.transport.base import RemoteError
+from irdmafs.errors import RemoteError
 from irdmafs.transport.memory import MemoryTransport
 
 UNIT = 64 << 10

@@ -5,7 +5,7 @@ import argparse
 
 import pytest
 
-from irdmafs import cli, mount_helper
+from irdmafs.launch import cli, mount_helper
 from irdmafs.server import node
 
 
@@ -68,10 +68,10 @@ def test_a_command_whose_reader_went_away_exits_quietly(tmp_path):
     import subprocess
     import sys
 
-    from irdmafs.local import write_config
+    from irdmafs.launch.local import write_config
 
     cfg = write_config(tmp_path, 3, 2, coordinator=["http://127.0.0.1:9"])
-    proc = subprocess.Popen([sys.executable, "-m", "irdmafs.cli", "status", "--config", str(cfg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-m", "irdmafs", "status", "--config", str(cfg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.close()  # the reader is gone before the first line is written
     err = proc.stderr.read().decode()
     assert proc.wait(60) == 141, err

@@ -13,13 +13,13 @@ import trio
 from irdmafs.client.client import Client
 from irdmafs.config import from_dict
 from irdmafs.coord.memory import MemoryCoord
-from irdmafs.peers import NodeDown
-from irdmafs.placement import rank, stripe_key
+from irdmafs.errors import NodeDown
+from irdmafs.runtime.placement import rank, stripe_key
 from irdmafs.server import staging as staging_mod
 from irdmafs.server.meta import Meta
 from irdmafs.server.node import Node
 from irdmafs.server.updates import StripeKey
-from irdmafs.transport.base import RemoteError
+from irdmafs.errors import RemoteError
 from irdmafs.transport.memory import MemoryTransport
 
 
@@ -307,7 +307,7 @@ async def test_a_strict_pull_skips_a_stripe_freed_between_listing_and_copy(clust
 
 async def test_a_rebalance_pre_copy_settles_to_what_changed_and_what_was_freed_meanwhile(cluster):
     """A rebalance copies while writes go on, then freezes and copies what changed since
-    (rebalance.py; the freeze once lasted the whole copy, growing with the data). The
+    (launch/rebalance.py; the freeze once lasted the whole copy, growing with the data). The
     settling copy takes a stripe overwritten after the pre-copy (its newer version), and a
     pre-copied stripe freed meanwhile (an unlink) goes: nothing old is served after the switch."""
     cfg, nodes = cluster
@@ -343,7 +343,7 @@ async def test_a_rebalance_pre_copy_settles_to_what_changed_and_what_was_freed_m
 async def test_a_rebalance_abandoned_after_its_pre_copy_leaves_no_copy_behind(cluster):
     """A rebalance that fails after its pre-copy (a node lost, the freeze not kept) stays on the
     old membership; each node then drops what the pre-copy brought that it does not hold under
-    that membership (rebalance.py calls ``rebalance_abort``): left, it held memory nobody read,
+    that membership (launch/rebalance.py calls ``rebalance_abort``): left, it held memory nobody read,
     counted against the node's capacity, until the next rebalance."""
     cfg, nodes = cluster
     unit = cfg.stripe_unit
@@ -879,7 +879,7 @@ async def test_a_rejoin_whose_resync_loses_its_peer_begins_again_and_the_node_li
     """Found by the fault simulator: a fenced node whose resync lost the peer it fetched the
     namespace from (NodeDown) ended its tasks, and its process with them. It must stay syncing,
     resync again once a peer is there, and serve."""
-    from irdmafs.peers import NodeDown
+    from irdmafs.errors import NodeDown
 
     cfg, nodes = cluster
     node = nodes[2]
@@ -1065,7 +1065,7 @@ async def test_a_snapshot_thaws_a_node_whose_freeze_answer_was_lost(cluster):
     commits in flight there, and the call timed out): that attempt names nothing (EAGAIN: not
     frozen everywhere) and the client asks again, and that node is thawed all the same. It held
     every commit for 30 s, until its own deadline (chaos, seed 1: the whole soak stalled)."""
-    from irdmafs.peers import NodeDown
+    from irdmafs.errors import NodeDown
 
     cfg, nodes = cluster
     async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
@@ -1134,7 +1134,7 @@ async def test_a_snapshot_not_copied_on_every_active_node_is_not_named(cluster):
     other nodes (counted down meanwhile) was named on its coordinator's copies alone, and read
     as zeros from the others, which never resync (chaos --views, seed 7). It answers EAGAIN,
     names nothing, thaws every node; asked again once the nodes answer, it is taken."""
-    from irdmafs.peers import NodeDown
+    from irdmafs.errors import NodeDown
 
     cfg, nodes = cluster
     async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
@@ -1431,7 +1431,7 @@ async def test_a_rebalance_whose_freeze_cannot_be_kept_ends_instead_of_copying_o
     """A rebalance extends its freeze every KEEPALIVE. An extension refused (a node in another
     view: ESTALE, or lost) ends it: that node thaws by itself and takes commits again, which
     the copy under way would miss and the switch then lose. It was logged and the copy went on."""
-    from irdmafs import rebalance as rb
+    from irdmafs.launch import rebalance as rb
 
     class Refusing:
         roles = type("Roles", (), {"view_epoch": 3})()

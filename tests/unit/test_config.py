@@ -7,7 +7,7 @@ import re
 import pytest
 
 from irdmafs import config as C
-from irdmafs.local import write_config
+from irdmafs.launch.local import write_config
 
 NODES = [{"name": "n1", "host": "127.0.0.1", "port": 7101}]
 

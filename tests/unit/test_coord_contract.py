@@ -6,9 +6,9 @@ import pytest
 import trio
 
 from irdmafs.config import Members, NodeSpec
-from irdmafs.coord.contract import LeaseGone, Unavailable
+from irdmafs.errors import LeaseGone, CoordUnavailable as Unavailable
 from irdmafs.coord.etcd import EtcdCoord
-from irdmafs.coord.etcd_process import LocalEtcd
+from irdmafs.launch.etcd_process import LocalEtcd
 from irdmafs.coord.memory import MemoryCoord
 from irdmafs.coord.views import ViewKeeper
 

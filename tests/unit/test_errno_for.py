@@ -1,4 +1,4 @@
-"""What a request whose pieces failed concurrently answers (fs/errors.py ``errno_for``): the most
+"""What a request whose pieces failed concurrently answers (fs/errnos.py ``errno_for``): the most
 telling error of the group, not EIO for "a group" (issue 41: a 1 GiB pull that met a timeout
 and a node's loss reported "Exceptions from Trio nursery (18 sub-exceptions)")."""
 
@@ -7,9 +7,10 @@ import logging
 
 import trio
 
-from irdmafs.fs.errors import FsError, errno_for, most_telling
-from irdmafs.peers import NodeDown
-from irdmafs.transport.base import RemoteError
+from irdmafs.fs.errnos import errno_for, most_telling
+from irdmafs.errors import FsError
+from irdmafs.errors import NodeDown
+from irdmafs.errors import RemoteError
 
 
 def test_a_single_error_is_answered_as_itself():

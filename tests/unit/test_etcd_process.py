@@ -1,4 +1,4 @@
-"""A local etcd's lifecycle (coord/etcd_process.py): started in a temporary directory, healthy,
+"""A local etcd's lifecycle (launch/etcd_process.py): started in a temporary directory, healthy,
 serving the v3 JSON gateway, paused and resumed, stopped; a clear error without the binary."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import urllib.request
 
 import pytest
 
-from irdmafs.coord import etcd_process
-from irdmafs.coord.etcd_process import LocalEtcd, find_etcd, health_error, is_local_etcd
+from irdmafs.launch import etcd_process
+from irdmafs.launch.etcd_process import LocalEtcd, find_etcd, health_error, is_local_etcd
 
 needs_etcd = pytest.mark.skipif(not shutil.which("etcd"), reason="no etcd binary (scripts/setup installs Debian's etcd-server)")
 
@@ -147,7 +147,7 @@ def test_a_missing_binary_is_a_clear_error(tmp_path, monkeypatch):
 
 
 def test_health_of_nothing_listening_says_why(tmp_path):
-    from irdmafs.local import free_ports
+    from irdmafs.launch.local import free_ports
 
     [port] = free_ports(1)
     why = health_error(f"http://127.0.0.1:{port}", timeout=0.5)

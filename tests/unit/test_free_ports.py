@@ -1,4 +1,4 @@
-"""``free_ports`` (local.py): distinct ports, free when handed out, never twice in one process,
+"""``free_ports`` (launch/local.py): distinct ports, free when handed out, never twice in one process,
 and below the kernel's ephemeral range, where no outgoing connection can take one before the
 server that was given it binds it (CI's prometheus test once lost a port that way)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import socket
 
-from irdmafs.local import _ephemeral_low, free_ports
+from irdmafs.launch.local import _ephemeral_low, free_ports
 
 
 def test_ports_are_distinct_free_below_the_ephemeral_range_and_never_handed_out_twice():

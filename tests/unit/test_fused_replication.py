@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import trio
 
-from irdmafs.transport.base import RemoteError
+from irdmafs.errors import RemoteError
 
 from .test_push_ids import bed  # noqa: F401  (the fixture)
 

@@ -4,7 +4,7 @@ view and caught up); each node counts the stripes it leads."""
 from hypothesis import given
 from hypothesis import strategies as st
 
-from irdmafs.placement import rank, stripe_key
+from irdmafs.runtime.placement import rank, stripe_key
 from irdmafs.server.health import degraded
 
 NODES = ["n1", "n2", "n3", "n4"]

@@ -200,3 +200,74 @@ def test_client_and_server_share_only_what_is_pure_and_a_node_loads_no_client_co
     assert not {m for m in node if m.startswith("irdmafs.client")}, sorted(m for m in node if m.startswith("irdmafs.client"))
     client = set().union(*(reached(graph, m) | {m} for m in mods if m.startswith("irdmafs.client")))
     assert not {m for m in client if m.startswith("irdmafs.server")}, sorted(m for m in client if m.startswith("irdmafs.server"))
+
+
+# The floors of the package, bottom up, and what each may import besides itself (docs/design.md's
+# module map): the shared vocabulary at the top level, the transport and the coordination service
+# on it, the cluster runtime on those, the client and the server side by side on the runtime, the
+# file system on the client, the launchers on everything. The worker's side stands apart: a
+# training process imports it and nothing of the cluster.
+VOCABULARY = "vocabulary"
+MAY_IMPORT = {
+    VOCABULARY: set(),
+    "irdmafs.transport": {VOCABULARY},
+    "irdmafs.coord": {VOCABULARY},
+    "irdmafs.runtime": {VOCABULARY, "irdmafs.transport", "irdmafs.coord"},
+    "irdmafs.client": {VOCABULARY, "irdmafs.transport", "irdmafs.coord", "irdmafs.runtime"},
+    "irdmafs.server": {VOCABULARY, "irdmafs.transport", "irdmafs.coord", "irdmafs.runtime"},
+    "irdmafs.fs": {VOCABULARY, "irdmafs.transport", "irdmafs.coord", "irdmafs.runtime", "irdmafs.client"},
+    "irdmafs.worker": {VOCABULARY},
+    "irdmafs.launch": {VOCABULARY, "irdmafs.transport", "irdmafs.coord", "irdmafs.runtime", "irdmafs.client", "irdmafs.server", "irdmafs.fs"},
+}
+# the faces users import by their old names: each is the worker's module itself (sys.modules)
+FACES = {"irdmafs.torch": "irdmafs.worker", "irdmafs.steps": "irdmafs.worker", "irdmafs.__main__": "irdmafs.launch"}
+
+
+def floor_of(name: str) -> str:
+    parts = name.split(".")
+    if len(parts) > 1 and ".".join(parts[:2]) in MAY_IMPORT:
+        return ".".join(parts[:2])
+    return VOCABULARY
+
+
+def test_no_module_imports_one_from_a_floor_above_it():
+    mods = modules()
+    wrong = []
+    for name, path in mods.items():
+        if name == PACKAGE:
+            continue
+        floor = floor_of(name)
+        for target in imports_of(name, path, set(mods)):
+            if target == PACKAGE:
+                continue
+            to = floor_of(target)
+            if to != floor and to not in MAY_IMPORT[floor] and FACES.get(name) != to:
+                wrong.append(f"{name} ({floor}) imports {target} ({to})")
+    assert not wrong, "imports up or across a floor:\n" + "\n".join(wrong)
+
+
+def test_the_floor_rule_catches_an_import_up(tmp_path):
+    src = tmp_path / "etcd.py"
+    src.write_text("from ..launch.local import free_ports\n")
+    known = {"irdmafs.coord.etcd", "irdmafs.launch.local", "irdmafs.launch"}
+    targets = imports_of("irdmafs.coord.etcd", src, known)
+    assert targets == {"irdmafs.launch.local"}
+    assert floor_of("irdmafs.launch.local") not in MAY_IMPORT[floor_of("irdmafs.coord.etcd")]
+
+
+def test_pure_modules_import_no_transport_and_no_trio():
+    """A module whose docstring says it is pure (no I/O) imports neither the transport nor trio:
+    the errors it raises come from irdmafs/errors.py."""
+    mods = modules()
+    wrong = []
+    for name, path in mods.items():
+        tree = ast.parse(path.read_text())
+        doc = ast.get_docstring(tree) or ""
+        if not ("Pure" in doc or doc.startswith("pure")):
+            continue
+        targets = imports_of(name, path, set(mods))
+        raw = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        raw |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level}
+        if any(t.startswith("irdmafs.transport") for t in targets) or any(r.split(".")[0] == "trio" for r in raw):
+            wrong.append(name)
+    assert not wrong, "pure modules that import the transport or trio: " + ", ".join(sorted(wrong))

@@ -9,10 +9,11 @@ sent (StaleKey), the caches built from the old process dropped, and the new regi
 import pytest
 import trio
 
-from irdmafs.cluster import Cluster
-from irdmafs.slots import StagingPool
+from irdmafs.runtime.cluster import Cluster
+from irdmafs.runtime.slots import StagingPool
 from irdmafs.config import from_dict
-from irdmafs.transport.base import Access, AccessError, Region, StaleKey
+from irdmafs.transport.base import Access, Region
+from irdmafs.errors import AccessError, StaleKey
 from irdmafs.transport.memory import MemoryTransport
 
 
@@ -143,7 +144,7 @@ async def test_a_node_that_accepts_but_never_answers_is_down_within_the_op_timeo
     """A stopped node's kernel still accepts connections: the connect must give up after the op
     timeout and count the node down, not wait out the transport's 10-second handshake (a read
     that tried a stopped node again waited that long under views, in the chaos soak)."""
-    from irdmafs.peers import NodeDown
+    from irdmafs.errors import NodeDown
     from irdmafs.transport.tcp import HANDSHAKE_TIMEOUT, TcpTransport
 
     silent = trio.socket.socket()

@@ -9,12 +9,13 @@ a write read back old right after it returned).
 """
 
 from irdmafs.client.stripe import Extent, StripeIO
-from irdmafs.cluster import Cluster
+from irdmafs.runtime.cluster import Cluster
 from irdmafs.config import from_dict
-from irdmafs.placement import rank, stripe_key
+from irdmafs.runtime.placement import rank, stripe_key
 from irdmafs.regions import HEADER, WORD
-from irdmafs.slots import StagingPool
-from irdmafs.transport.base import Access, RemoteError
+from irdmafs.runtime.slots import StagingPool
+from irdmafs.transport.base import Access
+from irdmafs.errors import RemoteError
 from irdmafs.transport.memory import MemoryTransport
 
 UNIT = 4096

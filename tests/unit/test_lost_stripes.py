@@ -10,9 +10,9 @@ import trio
 
 from irdmafs import held
 from irdmafs.client.client import Client
-from irdmafs.cluster import Unavailable
+from irdmafs.errors import Unavailable
 from irdmafs.server.meta import Meta
-from irdmafs.transport.base import RemoteError
+from irdmafs.errors import RemoteError
 from irdmafs.transport.memory import MemoryTransport
 from irdmafs.util import leaves
 

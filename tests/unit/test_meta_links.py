@@ -4,9 +4,9 @@ import stat as S
 
 import pytest
 
-from irdmafs.namespace import NAME_MAX, ROOT
+from irdmafs.names import NAME_MAX, ROOT
 from irdmafs.server.meta import LINK_MAX, Meta
-from irdmafs.transport.base import RemoteError
+from irdmafs.errors import RemoteError
 
 NOW = 1_700_000_000_000_000_000
 

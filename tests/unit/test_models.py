@@ -9,7 +9,7 @@ import pytest
 import trio
 
 from irdmafs.fs import vfs as V
-from irdmafs.transport.base import RemoteError
+from irdmafs.errors import RemoteError
 
 from .test_vfs import W, fs, read_all, write_file  # noqa: F401 - fs is a fixture
 

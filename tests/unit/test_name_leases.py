@@ -9,7 +9,7 @@ import trio
 
 from irdmafs.client.client import Client
 from irdmafs.server.namecache import MAX_QUEUED, NameLeases, Touch, changer_of, touched_by
-from irdmafs.transport.base import RemoteError
+from irdmafs.errors import RemoteError
 from irdmafs.transport.memory import MemoryTransport
 
 from .test_cluster_inprocess import config, start_cluster

@@ -1,4 +1,4 @@
-"""A call that follows a node waits while that node's long work moves (irdmafs/silence.py,
+"""A call that follows a node waits while that node's long work moves (irdmafs/runtime/silence.py,
 ``Patience``): a namespace primary taking a GB of stripes back answered EAGAIN for longer than the
 client's fixed deadline, and every lookup sent to it got ETIMEDOUT while it fetched at full speed
 (issue 41, chaos --model-gib 1). A node whose work reports nothing new is waited for the bound
@@ -7,7 +7,7 @@ and no more. Against a served node (the in-memory transport), through the client
 import trio
 
 from irdmafs.client.client import Client
-from irdmafs.transport.base import RemoteError
+from irdmafs.errors import RemoteError
 from irdmafs.transport.memory import MemoryTransport
 
 from .onenode import one_node_config

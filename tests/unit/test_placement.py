@@ -4,7 +4,7 @@ from collections import Counter
 
 from hypothesis import assume, given, settings, strategies as st
 
-from irdmafs.placement import placement
+from irdmafs.runtime.placement import placement
 
 node_sets = st.lists(st.text("abcdefghij0123456789", min_size=1, max_size=6), min_size=1, max_size=8, unique=True)
 

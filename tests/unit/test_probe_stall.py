@@ -1,5 +1,5 @@
 """A heartbeat whose timeout this process saw late (its own loop held past the deadline) does not
-count the node down: the node is asked once more (heartbeats.py ``_probe``). A mount on a busy host
+count the node down: the node is asked once more (runtime/heartbeats.py ``_probe``). A mount on a busy host
 counted working nodes down and dropped their connections with hundreds of reads in flight
 (issue 41, chaos --model-gib 1); a node that is really silent is still counted down."""
 
@@ -7,7 +7,7 @@ import time
 
 import trio
 
-from irdmafs.cluster import Cluster
+from irdmafs.runtime.cluster import Cluster
 from irdmafs.transport.memory import MemoryTransport
 
 from .onenode import one_node_config
@@ -124,10 +124,10 @@ async def test_a_node_silent_on_a_live_tcp_connection_is_logged_with_what_it_wai
         await cluster.heartbeats.refresh()
         assert cluster.liveness.state["a"] == "ready"
         silent.set()
-        with caplog.at_level("WARNING", logger="irdmafs.heartbeats"):
+        with caplog.at_level("WARNING", logger="irdmafs.runtime.heartbeats"):
             await cluster.heartbeats.refresh()
         assert downs == ["a"]
-        [line] = [r.getMessage() for r in caplog.records if r.name == "irdmafs.heartbeats"]
+        [line] = [r.getMessage() for r in caplog.records if r.name == "irdmafs.runtime.heartbeats"]
         assert line.startswith("heartbeat to a unanswered in ")
         assert "(its connection: 0 requests unanswered; calls: 0 frames (0 bytes) queued to send, last answer " in line
         nursery.cancel_scope.cancel()

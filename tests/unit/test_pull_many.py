@@ -7,7 +7,7 @@ import pytest
 import trio
 
 from irdmafs.client.client import Client
-from irdmafs.peers import NodeDown
+from irdmafs.errors import NodeDown
 from irdmafs.transport.memory import MemoryTransport
 
 from .test_cluster_inprocess import config, start_cluster

@@ -10,7 +10,7 @@ import trio
 import trio.testing
 
 from irdmafs.client.client import Client
-from irdmafs.transport.base import RemoteError
+from irdmafs.errors import RemoteError
 from irdmafs.transport.memory import MemoryTransport
 
 from .test_cluster_inprocess import config, start_cluster
@@ -94,7 +94,7 @@ async def test_a_retried_push_is_taken_once(bed):
         sent.append(desc["step"])
         r = await real(node, desc, payload, *more)
         if len(sent) == 1:  # the answer is lost: the client retries the same piece
-            from irdmafs.peers import NodeDown
+            from irdmafs.errors import NodeDown
 
             raise NodeDown(node, "answer lost (test)")
         return r
@@ -331,7 +331,7 @@ async def test_a_recheck_whose_step_is_not_replicated_does_not_end_the_node(bed)
 
 async def test_a_push_whose_staging_region_was_replaced_meanwhile_is_sent_again(bed):
     """Another call of this client was given up and its staging region on the node replaced
-    (irdmafs/slots.py) while a push held the old one. Over verbs and shm a push's data goes
+    (irdmafs/runtime/slots.py) while a push held the old one. Over verbs and shm a push's data goes
     one-sidedly and its notification (transport/base.py, ``serve_imm_call``) then finds the
     region gone: EINVAL "unknown rkey". The client sends it again in a new region, applied
     once; it reached the pusher as EINVAL."""
@@ -401,7 +401,7 @@ async def test_a_record_of_other_bytes_is_not_taken_with_these(bed):
     the push was not acknowledged) over bytes nobody else holds; the new primary took that record
     with its own bytes, which lack the push, answered the client's retry as a duplicate, and the
     gradient was lost (fault simulator, mixed seed 1988)."""
-    from irdmafs.server.policies import StripeTraining
+    from irdmafs.server.rounds import StripeTraining
 
     c, nodes, _ = bed
     w = np.zeros(100, np.float32)
@@ -443,7 +443,7 @@ async def test_push_bookkeeping_travels_in_pages_that_fit_a_control_frame(bed, m
     encodes without holding the loop (chaos.py --model-gib 1). Pages of ``RECORDS_PAGE`` bytes
     of arrays, in key order, cover every record once; a malformed ``after`` is EINVAL."""
     from irdmafs.server import training as T
-    from irdmafs.transport.base import RemoteError
+    from irdmafs.errors import RemoteError
 
     c, nodes, _ = bed
     ino, w = await open_rounds(c)
@@ -475,7 +475,7 @@ async def test_a_handover_of_large_records_is_its_instant_fetched_in_pages(bed, 
     released cut is ESTALE (server/cuts.py)."""
     from irdmafs.server import membership as M
     from irdmafs.server import training as T
-    from irdmafs.transport.base import RemoteError
+    from irdmafs.errors import RemoteError
 
     c, nodes, _ = bed
     ino, w = await open_rounds(c)

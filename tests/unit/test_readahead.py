@@ -5,7 +5,7 @@ import pytest
 import trio
 
 from irdmafs.fs.readahead import AHEAD, ReadAhead
-from irdmafs.transport.base import RemoteError
+from irdmafs.errors import RemoteError
 
 UNIT = 1024
 STRIPES = AHEAD + 8  # more than a read-ahead's worth

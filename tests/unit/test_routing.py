@@ -1,10 +1,10 @@
-"""routing.py: who leads, where a write lands and whom a read asks, on any ranking, R and states
+"""runtime/routing.py: who leads, where a write lands and whom a read asks, on any ranking, R and states
 (Hypothesis), and the cases that forced the rules."""
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from irdmafs import routing
+from irdmafs.runtime import routing
 
 NAMES = [f"n{i}" for i in range(7)]
 states = st.sampled_from(["ready", "syncing", "down"])

@@ -1,11 +1,11 @@
-"""A deadline on silence, not on size (irdmafs/silence.py): a block lives as long as what it
+"""A deadline on silence, not on size (irdmafs/runtime/silence.py): a block lives as long as what it
 waits on progresses, and ends with TooSlowError once it has been silent for the bound."""
 
 import pytest
 import trio
 import trio.testing
 
-from irdmafs.silence import Moves, Patience, SilenceBound
+from irdmafs.runtime.silence import Moves, Patience, SilenceBound
 
 
 async def test_progress_keeps_every_open_block_alive_and_silence_ends_them(autojump_clock):

@@ -1,4 +1,4 @@
-"""``IRDMAFS_SLOW_STEPS`` (looplag.py ``SlowSteps``): a task step that held the loop is logged with
+"""``IRDMAFS_SLOW_STEPS`` (runtime/looplag.py ``SlowSteps``): a task step that held the loop is logged with
 its task, where it stopped, and how much of it this thread ran (a step the host did not run
 looks the same by the clock alone: chaos soaks on two cores saw both)."""
 
@@ -8,7 +8,7 @@ import time
 
 import trio
 
-from irdmafs import looplag
+from irdmafs.runtime import looplag
 
 
 def test_a_step_that_held_the_loop_is_logged_with_its_running_time(caplog, monkeypatch):
@@ -29,7 +29,7 @@ def test_a_step_that_held_the_loop_is_logged_with_its_running_time(caplog, monke
             n.start_soon(busy, name="busy-task")
             n.start_soon(quick, name="quick-task")
 
-    with caplog.at_level(logging.WARNING, logger="irdmafs.looplag"):
+    with caplog.at_level(logging.WARNING, logger="irdmafs.runtime.looplag"):
         trio.run(main, instruments=looplag.instruments())
     lines = [r.getMessage() for r in caplog.records if "held the loop" in r.getMessage()]
     assert len(lines) == 1 and "busy-task" in lines[0] and "test_slow_steps.py" in lines[0], lines

@@ -10,12 +10,13 @@ persisted snapshots share again after a reload. Reads go through the serving sid
 
 import pytest
 
-from irdmafs.offload import Offload
+from irdmafs.runtime.offload import Offload
 from irdmafs.regions import HEADER
 from irdmafs.server.persist import Persist
 from irdmafs.server.store import NoSpace, Store
 from irdmafs.server.updates import StripeKey, StripeRange
-from irdmafs.transport.base import Access, AccessError
+from irdmafs.transport.base import Access
+from irdmafs.errors import AccessError
 from irdmafs.transport.memory import MemoryTransport
 
 from .test_store_persist import on_disk, reloaded

@@ -9,12 +9,13 @@ spares are released.
 import trio
 import trio.testing
 
-from irdmafs.offload import Offload
+from irdmafs.runtime.offload import Offload
 from irdmafs.server import spares as spares_mod
 from irdmafs.server.budget import NoSpace
 from irdmafs.server.spares import SPARE
 from irdmafs.server.updates import StripeKey
-from irdmafs.transport.base import Access, AccessError
+from irdmafs.transport.base import Access
+from irdmafs.errors import AccessError
 
 from .test_snapshot_cow import UNIT, filled, remote_read
 

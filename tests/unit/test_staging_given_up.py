@@ -1,6 +1,6 @@
 """A call its sender gave up on (a timeout, a lost connection) may still be under way on the node,
 waiting there for a lock, a freeze or a view: it must install before the sender's next send to
-that node or never, and never another call's bytes (irdmafs/slots.py). Over a network the node's
+that node or never, and never another call's bytes (irdmafs/runtime/slots.py). Over a network the node's
 handler outlives the client's timeout; the memory transport cancels it with the caller, so here
 the abandoned attempt runs as a task of its own."""
 
@@ -10,11 +10,11 @@ import pytest
 import trio
 
 from irdmafs.client.client import Client
-from irdmafs.peers import NodeDown
+from irdmafs.errors import NodeDown
 from irdmafs.server import staging as staging_mod
 from irdmafs.server.staging import Staged
-from irdmafs.slots import StagingPool, staging_gone
-from irdmafs.transport.base import RemoteError
+from irdmafs.runtime.slots import StagingPool, staging_gone
+from irdmafs.errors import RemoteError
 from irdmafs.transport.memory import MemoryTransport
 
 from .test_cluster_inprocess import config, start_cluster

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from irdmafs import cli
-from irdmafs.fs.errors import ANSWERED, FsError, errno_for
+from irdmafs.launch import cli
+from irdmafs.fs.errnos import ANSWERED, errno_for
+from irdmafs.errors import FsError
 from irdmafs.metrics import parse_address, serve
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,10 +42,10 @@ def test_wholeness_says_why_and_as_a_boolean():
 
 
 def test_mount_root_walks_up_to_the_mount(monkeypatch, tmp_path):
-    import irdmafs.mount
+    import irdmafs.launch.mount
 
     root = tmp_path / "mnt"
-    monkeypatch.setattr(irdmafs.mount, "is_mounted", lambda p: p == str(root))
+    monkeypatch.setattr(irdmafs.launch.mount, "is_mounted", lambda p: p == str(root))
     assert cli.mount_root(str(root / "a" / "b")) == str(root)
     assert cli.mount_root(str(root)) == str(root)
     assert cli.mount_root(str(tmp_path / "elsewhere")) is None
@@ -83,7 +84,7 @@ def test_metrics_are_served_at_metrics_only_with_rss_and_errors_by_errno():
 # a script that starts something, waits (plain or under trio), and stops it in a finally
 SCRIPT = """
 import subprocess, sys, time
-from irdmafs.local import end_on_sigterm
+from irdmafs.launch.local import end_on_sigterm
 end_on_sigterm()
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 try:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import trio
 
-from irdmafs.transport.base import RemoteError
+from irdmafs.errors import RemoteError
 
 from .test_pull_many import SIZE, TENSORS, Counted, bed  # noqa: F401  (bed: the same cluster and model)
 

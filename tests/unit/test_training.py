@@ -5,9 +5,10 @@ import pytest
 import trio
 
 from irdmafs.client.client import Client
-from irdmafs.policy import Policy, PolicyError, parse_policy
-from irdmafs.server.policies import Model, StripeTraining
-from irdmafs.transport.base import RemoteError
+from irdmafs.policy import Policy, parse_policy
+from irdmafs.errors import PolicyError
+from irdmafs.server.rounds import Model, StripeTraining
+from irdmafs.errors import RemoteError
 from irdmafs.transport.memory import MemoryTransport
 
 from .test_cluster_inprocess import config, start_cluster

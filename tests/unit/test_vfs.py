@@ -16,7 +16,7 @@ from irdmafs.fs import inodes as I
 from irdmafs.fs import vfs as V
 from irdmafs.fs import views
 from irdmafs.fs.ops import Operations, entry, file_info
-from irdmafs.transport.base import RemoteError
+from irdmafs.errors import RemoteError
 from irdmafs.transport.memory import MemoryTransport
 
 from .test_cluster_inprocess import config, start_cluster

@@ -10,7 +10,7 @@ import pytest
 import trio
 
 from irdmafs.config import Members, NodeSpec
-from irdmafs.coord.contract import LeaseGone
+from irdmafs.errors import LeaseGone
 from irdmafs.coord.memory import MemoryCoord
 from irdmafs.coord.views import View, ViewKeeper, ViewReader
 

@@ -4,7 +4,7 @@ import pytest
 import trio
 
 from irdmafs.fs.writeback import WriteBehind
-from irdmafs.transport.base import RemoteError
+from irdmafs.errors import RemoteError
 
 UNIT = 16
 

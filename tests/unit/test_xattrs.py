@@ -19,7 +19,7 @@ from irdmafs.client import compress
 from irdmafs.fs import inodes as I
 from irdmafs.fs import vfs as V
 from irdmafs.server import optim
-from irdmafs.transport.base import RemoteError
+from irdmafs.errors import RemoteError
 
 from .test_vfs import fs, npy, read_all, write_file  # noqa: F401 (fs: the fixture)
 

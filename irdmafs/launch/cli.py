@@ -21,11 +21,11 @@ from pathlib import Path
 
 import trio
 
-from . import config as C
-from .client.nodes import NODE_FIGURES
-from .coord.etcd_process import LocalEtcd, LocalEtcdCluster, health_error, is_local_etcd
+from .. import config as C
+from ..client.nodes import NODE_FIGURES
+from .etcd_process import LocalEtcd, LocalEtcdCluster, health_error, is_local_etcd
 from .local import LocalCluster, pids_alive, probe, wait_settled, write_config
-from .server.node import setup_logging
+from ..server.node import setup_logging
 
 log = logging.getLogger("irdmafs")
 
@@ -391,7 +391,7 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 # -- serve / mount ------------------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .server.node import Node, choose_transport
+    from ..server.node import Node, choose_transport
 
     cfg = load_config(args.config)
     try:
@@ -425,7 +425,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
-    from .metrics import parse_address
+    from ..metrics import parse_address
     from .mount import MountError, MountFailed, mount_background, run_mount
 
     cfg = load_config(args.config)
@@ -437,7 +437,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
             raise QuietError(f"--metrics: {exc}", 2) from None
     mp = check_mountpoint(args.mountpoint, options)
     if args.foreground:
-        from . import looplag
+        from ..runtime import looplag
 
         try:
             trio.run(partial(run_mount, cfg, mp, options, metrics=args.metrics), instruments=looplag.instruments())

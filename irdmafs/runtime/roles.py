@@ -1,5 +1,5 @@
 """Who serves what: the view in force and the membership, and the routing they answer. One room
-of a process's ``Cluster`` (cluster.py), which feeds it the views heartbeats and the
+of a process's ``Cluster`` (runtime/cluster.py), which feeds it the views heartbeats and the
 coordinator bring and the memberships a rebalance switches to.
 
 Who serves is decided by views alone (coord/views.py): the newest view known names the active
@@ -10,7 +10,7 @@ an older one (coord/views.py, V1). A process starts with the empty view (epoch 0
 active) and routes nothing until it has learnt one.
 
 From the view and the membership (``members``, a value a rebalance replaces whole) the pure
-placement and routing functions (placement.py, routing.py) answer: the metadata primary (first
+placement and routing functions (runtime/placement.py, runtime/routing.py) answer: the metadata primary (first
 active member), a stripe's primary (first active node in the stripe's rendezvous ranking), the
 replicas a write must reach, and the order in which to try replicas for a read.
 
@@ -22,8 +22,8 @@ from __future__ import annotations
 from typing import Callable, Hashable
 
 from . import routing
-from .config import Members, NodeSpec
-from .coord.views import View
+from ..config import Members, NodeSpec
+from ..coord.views import View
 from .liveness import DOWN, READY, SYNCING
 from .placement import rank, stripe_key
 
@@ -96,12 +96,12 @@ class Roles:
 
     def targets(self, fid: int, idx: int) -> list[str]:
         """Where a write of this stripe must land: the first R nodes of its ranking the view names
-        active (this node too while it syncs), always including the primary (routing.py)."""
+        active (this node too while it syncs), always including the primary (runtime/routing.py)."""
         return routing.targets(self.stripe_rank(fid, idx), self.members.replicas, self.node_state)
 
     def read_candidates(self, fid: int, idx: int) -> list[str]:
         """Nodes to try for a read: the stripe's homes the view names active (the first R of its
-        ranking) in ``read_order`` (cluster.py: one this process's own heartbeats count down
+        ranking) in ``read_order`` (runtime/cluster.py: one this process's own heartbeats count down
         last, then least-loaded first, of those the one that served this process the fewest
         bytes, so a file's reads spread over its homes by bytes, not all to its primaries:
         four readers of one snapshot on four nodes sent 22-30% of the bytes from each node).

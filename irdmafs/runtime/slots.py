@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import trio
 
-from .transport.base import AccessError, RemoteError, TransportError
+from ..errors import AccessError, RemoteError, TransportError
 
 if TYPE_CHECKING:
     from .cluster import Cluster

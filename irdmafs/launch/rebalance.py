@@ -34,13 +34,13 @@ from dataclasses import asdict, replace
 
 import trio
 
-from .cluster import READY, Cluster
-from .peers import NodeDown
-from .config import ClusterConfig
-from .progress import Progress
-from .transport.base import RemoteError
-from .transport.select import choose
-from .util import single_exception
+from ..runtime.cluster import READY, Cluster
+from ..errors import NodeDown
+from ..config import ClusterConfig
+from ..progress import Progress
+from ..errors import RemoteError
+from ..transport.select import choose
+from ..util import single_exception
 
 log = logging.getLogger(__name__)
 

@@ -26,12 +26,13 @@ from pathlib import Path
 
 import trio
 
-from .client.client import Client
-from .config import ClusterConfig
-from .notify import notify
-from .transport.base import AuthError, Transport, TransportError
-from .transport.select import choose
-from .util import keep_freed_memory, single_exception
+from ..client.client import Client
+from ..config import ClusterConfig
+from ..runtime.notify import notify
+from ..transport.base import Transport
+from ..errors import AuthError, TransportError
+from ..transport.select import choose
+from ..util import keep_freed_memory, single_exception
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +82,10 @@ async def run_mount(
 ) -> None:
     import pyfuse3
 
-    from .fs.door import DoorServer
-    from .fs.ops import Operations, kernel_drop
-    from .looplag import LoopLag
-    from .fs.vfs import Vfs
+    from ..fs.door_server import DoorServer
+    from ..fs.ops import Operations, kernel_drop
+    from ..runtime.looplag import LoopLag
+    from ..fs.vfs import Vfs
 
     keep_freed_memory()  # request-sized buffers come and go by the hundred per step: reuse them
     transport = choose(cfg.transport, cfg.token, op_timeout=cfg.op_timeout)
@@ -105,8 +106,8 @@ async def run_mount(
         vfs.door = DoorServer(vfs.streams)
         ops = Operations(vfs)
         if metrics:
-            from .fs.status import mount_samples
-            from .metrics import serve
+            from ..fs.status import mount_samples
+            from ..metrics import serve
 
             try:
                 status["metrics"] = "http://%s:%d/metrics" % serve(metrics, lambda: mount_samples(vfs))
@@ -117,7 +118,7 @@ async def run_mount(
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_terminate_on_signals)
-                nursery.start_soon(LoopLag().run)  # a stall of this loop is logged (looplag.py)
+                nursery.start_soon(LoopLag().run)  # a stall of this loop is logged (runtime/looplag.py)
                 await nursery.start(vfs.door.serve)
                 nursery.start_soon(vfs.names.run, kernel_drop)  # names cached by the kernel under a lease (fs/namelease.py)
                 # stat()s the mount, which only answers once pyfuse3.main() below is serving
@@ -278,7 +279,7 @@ def mount_background(
 ) -> subprocess.Popen:
     """``irdmafs mount -f`` in a new session, logging to ``log_path``; returns once it is live.
     ``launcher``: a command prefix (``nsenter --net=...``: the mount in a network namespace)."""
-    cmd = [*launcher, sys.executable, "-m", "irdmafs.cli", "mount", "--config", str(config_path), str(mountpoint), "-f"]
+    cmd = [*launcher, sys.executable, "-m", "irdmafs", "mount", "--config", str(config_path), str(mountpoint), "-f"]
     if metrics:
         cmd += ["--metrics", metrics]
     if options:

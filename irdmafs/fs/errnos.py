@@ -1,6 +1,6 @@
 """The one error the file system layers raise, ``FsError(errno)``, and the one errno table that
 turns anything else escaping them into an errno (``errno_for``): fs/ops.py answers the kernel with
-it, fs/door.py the workers of the shared-memory door. Its own module so that every fs module can
+it, fs/door_server.py the workers of the shared-memory door. Its own module so that every fs module can
 use it without importing vfs.py or pyfuse3."""
 
 from __future__ import annotations
@@ -8,24 +8,15 @@ from __future__ import annotations
 import collections
 import errno
 import logging
-import os
 import time
 
 import trio
 
-from ..cluster import Unavailable
-from ..namespace import LAYOUT_CHANGED
-from ..peers import NodeDown, TornRead
-from ..transport.base import AccessError, RemoteError, TransportError
+from ..names import LAYOUT_CHANGED
 from ..util import leaves
+from ..errors import AccessError, FsError, NodeDown, RemoteError, TornRead, TransportError, Unavailable
 
 log = logging.getLogger(__name__)
-
-
-class FsError(Exception):
-    def __init__(self, errno_: int, message: str = ""):
-        super().__init__(message or os.strerror(errno_))
-        self.errno = errno_
 
 
 # The one errno table: errno names the cluster answers with, and what else may escape the VFS.

@@ -1,4 +1,4 @@
-"""A worker's side of the shared-memory door to the step streams (the mount's side: fs/door.py).
+"""A worker's side of the shared-memory door to the step streams (the mount's side: fs/door_server.py).
 
     door = Door.open("/mnt/ps", "bert", rank)   # OSError if this mount offers none to us
     door.push({"w": grad_w, ...})               # copied into the push area, pushed by the mount
@@ -11,11 +11,11 @@ who may come in); the region is mapped from the descriptor the mount sends. Push
 have the stream files' semantics and errors: an ``OSError`` with the errno a stream's ``close``
 or ``read`` would raise (EINVAL for a gradient that does not fit, ETIMEDOUT, EIO...). ESTALE
 means the model's tensors changed, ``DoorGone`` (ENOTCONN) that the mount closed the door before
-the request was sent (it was restarted): ``steps.py`` opens a new door for both. A mount that
+the request was sent (it was restarted): ``worker/steps.py`` opens a new door for both. A mount that
 dies during a request gives ECONNABORTED, as a FUSE request would.
 
 A pushed array that *is* the push area's array, or a pull target that is the pull area's, is not
-copied at all: training code can keep its parameters in the region (``irdmafs.torch`` does).
+copied at all: training code can keep its parameters in the region (``irdmafs.worker.torch`` does).
 
 Blocking, for plain training code; one request at a time (not thread-safe).
 """
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .formats import st_parse
+from ..formats import st_parse
 
 LENGTH = struct.Struct("<I")
 MAX_FRAME = 1 << 20
@@ -97,7 +97,7 @@ class Door:
         self.region = region
         self.grads = _arrays(region, info["push"], info["size"])  # the push area, by tensor
         self.params = _arrays(region, info["pull"], info["size"])  # the pull area, by tensor
-        self._released = True  # may the push area be written? (see fs/door.py)
+        self._released = True  # may the push area be written? (see fs/door_server.py)
 
     @classmethod
     def open(cls, mount: str | os.PathLike, model: str, rank: int) -> "Door":
@@ -170,7 +170,7 @@ class Door:
         for name, g in grads.items():
             area = self.grads.get(name)
             if g is area:
-                continue  # the area itself (a gradient adopted by irdmafs.torch): fits
+                continue  # the area itself (a gradient adopted by irdmafs.worker.torch): fits
             if area is None:
                 self._misfit(OSError(errno.EINVAL, f"tensor {name!r} is not in this model"))
             if g.dtype != area.dtype or g.shape != area.shape:
@@ -210,7 +210,7 @@ class Door:
     def _misfit(self, error: Exception) -> None:
         """An array this door's layout has no room for: ESTALE if the model's tensors changed
         since the door opened (published again with other shapes, through any mount: the mount
-        reads the layout anew; steps.py then opens a new door), else ``error``."""
+        reads the layout anew; worker/steps.py then opens a new door), else ``error``."""
         self._ask({"op": "check"})
         raise error
 

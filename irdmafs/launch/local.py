@@ -19,11 +19,11 @@ from pathlib import Path
 
 import trio
 
-from . import config as C
-from .server.budget import machine_capacity
-from .transport.base import AuthError, TransportError
-from .transport.tcp import TcpTransport
-from .util import single_exception
+from .. import config as C
+from ..server.budget import machine_capacity
+from ..errors import AuthError, TransportError
+from ..transport.tcp import TcpTransport
+from ..util import single_exception
 
 
 HANDED_KEPT = 4096  # the last ports free_ports gave out, never given again (older ones were bound or dropped)

@@ -4,14 +4,14 @@ A node's liveness ``state`` is ``ready``, ``syncing`` or ``down``: as its heartb
 as it told us itself (``vouch``: joining, taking its stripes back), or down when an operation on it
 failed or it stopped answering. It never decides who serves (views do, coord/views.py); it orders
 a read's replicas (one counted down last), aborts what waits on a node counted down
-(``on_down``: peers.py cancels those operations), and tells a node which peers to expel
+(``on_down``: runtime/peers.py cancels those operations), and tells a node which peers to expel
 (server/membership.py) and whether it hears a majority (``heard_majority``).
 
 A failure of an operation begun before the node vouched for itself says nothing of the process
 that vouched (it is a new one), so it does not count that node down (``mark_down``'s ``since``).
 
 ``changed`` is set (and replaced) at every change of a state, the view or the membership
-(cluster.py): ``wait_changed`` is how a loop waits for one.
+(runtime/cluster.py): ``wait_changed`` is how a loop waits for one.
 
 Concurrency: one trio thread.
 """
@@ -78,7 +78,7 @@ class Liveness:
     def work(self, name: str) -> tuple:
         """What ``name``'s last heartbeat said of its long work (a resync, a catch-up): its
         kind and how far it got (Nones when none). A wait on that node may last while it moves
-        (silence.py, ``Patience``)."""
+        (runtime/silence.py, ``Patience``)."""
         work = self.info.get(name, {}).get("work") or {}
         return (work.get("what"), work.get("done"), work.get("bytes"))
 

@@ -25,7 +25,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from ..local import free_ports
+from .local import free_ports
 
 # etcd is cluster-internal: a proxy from the environment (http_proxy) would at best add a hop,
 # and for 127.0.0.1 it answers with its own error page. Never go through one.

@@ -1,11 +1,11 @@
 """One process's view of the cluster, as rooms of their own that this class puts together:
 
-- the roles (roles.py): the view in force and the membership, and who serves what under them
+- the roles (runtime/roles.py): the view in force and the membership, and who serves what under them
   (the metadata primary, a stripe's primary, where a write lands, whom a read asks);
-- the connections, calls and one-sided I/O (peers.py);
-- the liveness heartbeats keep (liveness.py: it orders a read's replicas and aborts what waits
+- the connections, calls and one-sided I/O (runtime/peers.py);
+- the liveness heartbeats keep (runtime/liveness.py: it orders a read's replicas and aborts what waits
   on a node that stopped answering; it never decides who serves);
-- the heartbeats (heartbeats.py), which bring views, incarnations and memberships.
+- the heartbeats (runtime/heartbeats.py), which bring views, incarnations and memberships.
 
 Nodes and clients both hold a ``Cluster``. It runs the heartbeats (``heartbeats.loop``) and
 makes the calls whose answers may bring a newer view (``call``, ``write_imm``: a reply
@@ -24,20 +24,17 @@ from typing import Callable
 
 import trio
 
-from .config import ClusterConfig, Members, NodeSpec
+from ..config import ClusterConfig, Members, NodeSpec
 from .heartbeats import Heartbeats
 from .liveness import DOWN, READY, SYNCING, Liveness
 from .peers import Peers
 from .roles import Roles
-from .transport.base import TransportError, Transport
+from ..transport.base import Transport
+from ..errors import Unavailable
 
 log = logging.getLogger(__name__)
 
 __all__ = ["DOWN", "READY", "SYNCING", "Cluster", "Unavailable", "now_ns"]
-
-
-class Unavailable(TransportError):
-    """No live replica could serve a stripe (the file system answers EIO)."""
 
 
 class Cluster:
@@ -74,15 +71,15 @@ class Cluster:
     def _read_order(self, name: str) -> tuple:
         """A read asks a node this process's own heartbeats count down (a stopped node, until the
         view expels it) last; of the others the least loaded, then the one that served this
-        process the fewest bytes (roles.py, ``read_candidates``)."""
+        process the fewest bytes (runtime/roles.py, ``read_candidates``)."""
         return (self.liveness.is_down(name), self.peers.load[name], self.peers.served[name])
 
     def vouch(self, name: str, state: str) -> None:
-        """A node told us its state itself (liveness.py)."""
+        """A node told us its state itself (runtime/liveness.py)."""
         self.liveness.vouch(name, state)
 
     def mark_down(self, name: str, why: str, since: float | None = None) -> None:
-        """Drop the connection to ``name`` and count it down (liveness.py: unless the failure is
+        """Drop the connection to ``name`` and count it down (runtime/liveness.py: unless the failure is
         of an operation begun ``since`` before the node vouched for itself)."""
         self.peers.drop(name)
         if name != self.me:
@@ -104,7 +101,7 @@ class Cluster:
         return reply, incarnation
 
     async def write_imm(self, name: str, rkey: int, offset: int, data, imm: int, inc: int | None = None) -> dict:
-        """A WRITE with immediate (peers.py), and the view its answer was acknowledged in."""
+        """A WRITE with immediate (runtime/peers.py), and the view its answer was acknowledged in."""
         reply = await self.peers.write_imm(name, rkey, offset, data, imm, inc)
         await self.heartbeats.follow_acked(reply)
         return reply

@@ -1,6 +1,6 @@
 """Who does what for a stripe: pure functions of a stripe's ranking, the replication factor and
 each node's state (``ready`` or ``syncing`` as the view makes it, anything else not serving).
-Every process that holds the same view and membership computes the same answers (roles.py
+Every process that holds the same view and membership computes the same answers (runtime/roles.py
 asks these with its view; tests/unit/test_routing.py checks the rules on any input).
 
 - the *primary* is the first ready node of the ranking: it leads the stripe (numbers versions,

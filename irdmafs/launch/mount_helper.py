@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = [o for group in args.options for o in group.split(",")]
     config = os.path.abspath(args.config)
     mp = os.path.abspath(args.mountpoint)
-    from . import config as C
+    from .. import config as C
 
     try:
         C.load(config)
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     metrics = next((o.split("=", 1)[1] for o in opts if o.startswith("metrics=")), None)
     if metrics is not None:
-        from .metrics import parse_address
+        from ..metrics import parse_address
 
         try:
             parse_address(metrics)

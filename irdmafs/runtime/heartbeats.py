@@ -1,11 +1,11 @@
 """Heartbeats: how one process hears the nodes. One room of a process's ``Cluster``
-(cluster.py), which hands it the connections (peers.py), the liveness it feeds (liveness.py),
-the roles whose view it brings (roles.py), and what to do with a node that does not answer
+(runtime/cluster.py), which hands it the connections (runtime/peers.py), the liveness it feeds (runtime/liveness.py),
+the roles whose view it brings (runtime/roles.py), and what to do with a node that does not answer
 (``lost``) and with a membership a node says is newer (``adopt``).
 
 A heartbeat's answer carries its node's liveness (it orders a read's replicas, aborts what waits
 on a node that stopped answering, and tells a node which peers to expel; it never decides who
-serves), its incarnation (peers.py), the view it holds (a newer one is learnt) and the
+serves), its incarnation (runtime/peers.py), the view it holds (a newer one is learnt) and the
 membership it works with (a rebalance's new one is fetched and followed when its epoch is
 newer). A reply acknowledged in a newer view than the one held brings that view before the call
 returns (``follow_acked``).
@@ -20,13 +20,14 @@ from typing import Callable
 
 import trio
 
-from .config import ClusterConfig, NodeSpec
-from .coord.views import View
+from ..config import ClusterConfig, NodeSpec
+from ..coord.views import View
 from .liveness import Liveness
-from .peers import NodeDown, Peers
+from .peers import Peers
+from ..errors import NodeDown
 from .roles import Roles
-from .transport.base import RemoteError
-from .util import Shared
+from ..errors import RemoteError
+from ..util import Shared
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ be joining), makes control calls (``call_on``) and one-sided READs and WRITEs (`
 ``write_imm``, ``read_stripe``, ``read_header``), and counts what it makes (``calls``, ``load``,
 ``served``).
 Any of them that cannot reach its node (lost connection, timeout) calls ``lost(name, why,
-since)`` (cluster.py: drop the connection, count the node down) and raises ``NodeDown``. An
+since)`` (runtime/cluster.py: drop the connection, count the node down) and raises ``NodeDown``. An
 operation under way on a node that liveness counts down is cancelled at once (``abort``) and
 raises ``NodeDown`` too, instead of waiting out its own timeout: heartbeats find a hung node in
 ``down_after``, and what waits on it (a push, a commit) goes to a replica then.
@@ -31,23 +31,12 @@ from typing import Callable
 
 import trio
 
-from .config import ClusterConfig, NodeSpec
-from .regions import HEADER, Header, read_header
-from .transport.base import ConnectError, Connection, PeerLost, StaleKey, TimeoutError, Transport, TransportError
+from ..config import ClusterConfig, NodeSpec
+from ..regions import HEADER, Header, read_header
+from ..transport.base import Connection, Transport
+from ..errors import ConnectError, NodeDown, PeerLost, StaleKey, TimeoutError, TornRead
 
 log = logging.getLogger(__name__)
-
-
-class NodeDown(TransportError):
-    """A node could not be reached; it has been marked down."""
-
-    def __init__(self, node: str, why: str):
-        super().__init__(f"node {node} is down: {why}")
-        self.node = node
-
-
-class TornRead(TransportError):
-    """A stripe kept changing under a reader for every retry."""
 
 
 class Peers:
