@@ -80,6 +80,11 @@ class Unavailable(TransportError):
     """No live replica could serve a stripe (the file system answers EIO)."""
 
 
+class Unsent(Exception):
+    """The batch carrying this item was cut off by its sender's cancellation: it may or may not
+    have reached its destination (runtime/batching.py)."""
+
+
 # -- the file system (fs/) ------------------------------------------------------------------------
 
 

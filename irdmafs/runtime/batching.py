@@ -37,10 +37,7 @@ from typing import Any, Awaitable, Callable
 
 import trio
 
-
-class Unsent(Exception):
-    """The batch carrying this item was cut off by its sender's cancellation: it may or may not
-    have reached its destination."""
+from ..errors import Unsent  # noqa: F401 (the same class)
 
 
 class _Item:
