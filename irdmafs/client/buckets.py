@@ -141,7 +141,7 @@ class Packer:
         bucket = (await client.create(directory, name, 0o600, unit=unit))["ino"]
         op = {"bucket": bucket, "tensors": rows, "count": at // itemsize}
         try:
-            await client.op(op="pack", final=False, **op)
+            await client.meta.op(op="pack", final=False, **op)
         except RemoteError as exc:  # another mount packs them, or one changed: left as they are
             log.info("directory %d: not packed here (%s)", directory, exc)
             await self._drop_new(directory, name)
@@ -157,10 +157,10 @@ class Packer:
                 raise RemoteError("EBUSY", f"ranks pushed to {len(busy)} of its tensors already")
             data = bytearray(at)
             view = memoryview(data)
-            await client.read_many([(a["ino"], a["tensor"]["offset"], view[r[1] : r[1] + nbytes(a["tensor"])], a) for a, r in zip(group, rows)])
+            await client.data.read_many([(a["ino"], a["tensor"]["offset"], view[r[1] : r[1] + nbytes(a["tensor"])], a) for a, r in zip(group, rows)])
             await client.io.write(bucket, unit, 0, view)
-            await client.extend(bucket, at)
-            await client.op(op="pack", final=True, **op)
+            await client.data.extend(bucket, at)
+            await client.meta.op(op="pack", final=True, **op)
         except (RemoteError, TransportError) as exc:
             log.info("directory %d: pack of %d tensors given up (%s)", directory, len(rows), exc)
             await self._undo(directory, bucket, rows)
@@ -183,7 +183,7 @@ class Packer:
         """A pack's first step undone (which frees the bucket); if it cannot be, its lease ends
         it anyway and the bucket goes at rmdir (server/buckets.py ``free_orphans``)."""
         try:
-            await self.client.op(op="unpack", bucket=bucket, tensors=[[r[0], -1] for r in rows])
+            await self.client.meta.op(op="unpack", bucket=bucket, tensors=[[r[0], -1] for r in rows])
         except (RemoteError, TransportError) as exc:
             log.warning("directory %d: pack not undone (%s)", directory, exc)
 
@@ -237,7 +237,7 @@ class Packer:
                     at, size = in_force(a)["at"], nbytes(a["tensor"])
                     n.start_soon(client.io.write, a["ino"], a["unit"], a["tensor"]["offset"], memoryview(data)[at : at + size])
             try:
-                await client.op(op="unpack", bucket=bucket, tensors=[[a["ino"], a["version"]] for a in members])
+                await client.meta.op(op="unpack", bucket=bucket, tensors=[[a["ino"], a["version"]] for a in members])
             except RemoteError as exc:
                 if exc.code not in ("EBUSY", "EINVAL"):
                     raise

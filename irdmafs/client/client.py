@@ -5,10 +5,20 @@ uses. The same by path (``client.paths``: ``write_file``, ``read_file``, ``save`
 ``listdir``...) for Python users: paths.py. Pushes and pulls: ``client.training`` (training.py).
 ``SyncClient`` wraps all of it for code without trio.
 
-Namespace operations go to the metadata primary (first ready node); when it is lost the next ready
-node takes over and the call is retried. Data goes through ``StripeIO`` (stripe.py); pushes and
-pulls through ``PushPull`` (training.py), reached as ``client.training``. What the client knows of
-the nodes (status tables, statfs, its counters) is in nodes.py.
+Client is the whole: it owns the connection (``connect``: the cluster, the staging regions) and
+holds the parts, each with its own state:
+
+- the namespace calls at inode level are Client's own methods here (lookup, getattr, create,
+  mkdir, rename, links, xattrs, snapshots...); they go through ``client.meta`` (meta.py): the
+  calls to the metadata primary, following it (when it is lost the next ready node takes over
+  and the call is retried), the namespace ops' request ids, ``on_change``, ``op`` and
+  ``cache_wait``;
+- byte ranges: ``client.data`` (data.py: ``read_into``, ``read_many``, ``write``, ``extend``,
+  ``free_past_end``, ``truncate``), through ``StripeIO`` (``client.io``, stripe.py); Client
+  forwards ``read``, ``read_into``, ``write`` and ``truncate``;
+- pushes and pulls: ``client.training`` (training.py); by path: ``client.paths`` (paths.py);
+  packing small tensors: ``client.buckets`` (buckets.py). What the client knows of the nodes
+  (status tables, statfs, its counters) is in nodes.py.
 
 Errors: namespace errors are ``RemoteError`` with an errno name (ENOENT, EEXIST, ...); a stripe
 with no live replica is ``Unavailable``. The mount's one errno table
@@ -22,37 +32,27 @@ both.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import stat as S
 import threading
 import uuid
 from functools import partial
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator
 
 import trio
 
 from ..runtime.cluster import Cluster
-from ..errors import Unavailable
-from ..errors import NodeDown
 from ..config import ClusterConfig
-from ..runtime.silence import Patience
 from ..runtime.slots import StagingPool
-from ..transport.base import Gather, Transport
+from ..transport.base import Transport
 from ..errors import RemoteError, TransportError
 from ..util import single_exception
-from .. import held
-from ..packing import in_force
-from .buckets import Packer, split_read
+from .buckets import Packer
+from .data import FileData
+from .meta import MetaCalls
 from .paths import Paths
-from .stripe import Extent, StripeIO
+from .stripe import StripeIO
 from .training import LOCAL_BATCH, PUSH_BATCH, PushPull
-
-log = logging.getLogger(__name__)
-
-# calls that carry the client's view epoch (server/serving.py, check_epoch)
-EPOCH_METHODS = frozenset({"meta", "train_info", "cache_wait"})
-
 
 
 class Client:
@@ -64,12 +64,9 @@ class Client:
         # a slot holds a stripe (commit), or fused pushes plus their descriptors
         self.staging = StagingPool(self.cluster, self.owner, max(cfg.stripe_unit, PUSH_BATCH, LOCAL_BATCH) + (64 << 10))
         self.io = StripeIO(self.cluster, self.staging)
-        self.meta_calls = 0
-        self._rids = 0
-        # called after each namespace op this client sends, whatever its outcome: a mount drops
-        # what it keeps of names then (the primary tells no mount of its own changes)
-        self.on_change: list[Callable[[], None]] = []
-        self.training = PushPull(cfg, self.cluster, self.staging, self.io, self.getattr, self._call_following)
+        self.meta = MetaCalls(cfg, self.cluster, self.owner)  # calls to the metadata primary (meta.py)
+        self.data = FileData(cfg, self.cluster, self.owner, self.io, self.getattr, self.meta.op)  # byte ranges (data.py)
+        self.training = PushPull(cfg, self.cluster, self.staging, self.io, self.getattr, self.meta.follow)
         self.paths = Paths(self)  # the same calls by path, for Python users (paths.py)
         self.buckets = Packer(self)  # packing small tensors (buckets.py)
 
@@ -97,126 +94,56 @@ class Client:
                     nursery.cancel_scope.cancel()
 
     # -- namespace (inode level) --------------------------------------------------------------
-    async def _meta_call(self, method: str, args: dict) -> dict:
-        """A namespace call to the metadata primary (first ready node), following it."""
-        self.meta_calls += 1
-        return await self._call_following(self.cluster.roles.meta_primary, method, args)
-
-    async def _call_following(self, choose, method: str, args: dict, *, timeout: float | None = None) -> dict:
-        """A control call to the node ``choose()`` names (the metadata primary, a stripe's
-        primary), following it when it moves: a node lost or fenced mid-call is not an error
-        the user should see while another can answer. Its deadline bounds silence: a refusal
-        (EAGAIN) is waited for while the long work of any member moves, the target's own (its
-        catch-up) or another's it waits on (a snapshot is taken only once every node named has
-        caught up: a ``mkdir`` in ``.snapshots`` got ETIMEDOUT while a restarted node took a GB
-        back, 1 GiB chaos soak)."""
-        patience = Patience(self.cluster.liveness.work, (timeout or self.cfg.op_timeout) + 2 * self.cfg.op_timeout)
-        with patience.bound():
-            while True:
-                target = choose()
-                if target is None:
-                    await self.cluster.liveness.wait_changed(0.5)
-                    await self.cluster.heartbeats.refresh()
-                    continue
-                if method in EPOCH_METHODS:
-                    args = dict(args, epoch=self.cluster.roles.view_epoch)  # as it is now (runtime/roles.py)
-                try:
-                    return await self.cluster.call(target, method, args, timeout=timeout)
-                except NodeDown:
-                    await self.cluster.heartbeats.after_lost()
-                    continue
-                except RemoteError as exc:
-                    if exc.code not in ("ENOTPRIMARY", "EAGAIN", "ESTALE"):
-                        raise
-                    await trio.sleep(0.1)
-                    await self.cluster.heartbeats.refresh()
-                    patience.heed(*self.cluster.roles.members.names)
-
-    async def _op(self, **op: Any) -> dict:
-        # a request id, so a retry after a lost answer is not applied twice (server/meta.py)
-        self._rids += 1
-        try:
-            return await self._meta_call("meta", {"op": dict(op, rid=f"{self.owner}:{self._rids}")})
-        finally:
-            for changed in self.on_change:
-                changed()
-
-    async def op(self, **op: Any) -> dict:
-        """A namespace op of a kind with no method of its own here (a bucket's ``pack`` and
-        ``unpack``: buckets.py)."""
-        return await self._op(**op)
-
-    async def cache_wait(self, acked: int) -> dict:
-        """This client's long-poll for a name cache lease at the metadata primary
-        (server/namecache.py; the mount's side is fs/namelease.py)."""
-        return await self._call_following(self.cluster.roles.meta_primary, "cache_wait", {"owner": self.owner, "acked": acked})
-
     async def lookup(self, parent: int, name: str, snap: int = 0, *, alias: bool = False) -> dict:
         """The entry ``name`` of ``parent``; with ``alias``, where it is missing, the tensor
         directory of a model file ``name.safetensors`` (its attributes carry ``alias_of``)."""
         args = {"parent": parent, "name": name, "snap": snap} | ({"alias": True} if alias else {})
-        return await self._meta_call("lookup", args)
+        return await self.meta.call("lookup", args)
 
     async def getattr(self, ino: int, snap: int = 0) -> dict:
-        return await self._meta_call("getattr", {"ino": ino, "snap": snap})
+        return await self.meta.call("getattr", {"ino": ino, "snap": snap})
 
     async def readdir(self, ino: int, snap: int = 0) -> list[tuple[str, dict]]:
-        return [tuple(e) for e in (await self._meta_call("readdir", {"ino": ino, "snap": snap}))["entries"]]
+        return [tuple(e) for e in (await self.meta.call("readdir", {"ino": ino, "snap": snap}))["entries"]]
 
     async def snapshots(self) -> dict[str, dict]:
         """name -> {"id", "time_ns"} of every snapshot."""
-        return (await self._meta_call("snapshots", {}))["snapshots"]
+        return (await self.meta.call("snapshots", {}))["snapshots"]
 
     async def take_snapshot(self, name: str) -> dict:
         """A consistent, read-only, point-in-time copy of the whole namespace and its data."""
-        return await self._op(op="snapshot", name=name)
+        return await self.meta.op(op="snapshot", name=name)
 
     async def drop_snapshot(self, name: str) -> dict:
-        return await self._op(op="unsnapshot", name=name)
+        return await self.meta.op(op="unsnapshot", name=name)
 
     async def set_tensor(self, ino: int, tensor: dict | None) -> dict:
-        return await self._op(op="settensor", ino=ino, tensor=tensor)
+        return await self.meta.op(op="settensor", ino=ino, tensor=tensor)
 
     async def set_model(self, ino: int, model: dict | None, *, version: int | None = None, size: int | None = None) -> dict:
         """Make a file a model file (``{"dir", "start"}``: its stripes past ``start`` go), only
         if it still has ``version`` and ``size`` (EAGAIN if not), or, with None, plain bytes
         again (fs/models.py)."""
-        return await self._op(op="setmodel", ino=ino, model=model, version=version, size=size)
-
-    async def extend(self, ino: int, size: int) -> dict:
-        """Content changed up to ``size``: grow the file if needed, move mtime and version,
-        and record the stripes written since the last extend (``StripeIO.written``) as holding
-        bytes: a stripe a node loses then reads as EIO, not zeros (held.py). A failed extend
-        keeps them for the next one."""
-        idxs = self.io.written.pop(ino, {})
-        try:
-            written = {"stripes": held.runs_of(idxs), "made": min(idxs.values())} if idxs else {}
-            return await self._op(op="extend", ino=ino, size=size, **written)
-        except BaseException:
-            if idxs:
-                mine = self.io.written.setdefault(ino, {})
-                for i, v in idxs.items():
-                    mine[i] = max(mine.get(i, 0), v)
-            raise
+        return await self.meta.op(op="setmodel", ino=ino, model=model, version=version, size=size)
 
     async def mkdir(self, parent: int, name: str, mode: int = 0o755, uid: int = 0, gid: int = 0) -> dict:
-        return await self._op(op="mkdir", parent=parent, name=name, mode=mode, uid=uid, gid=gid)
+        return await self.meta.op(op="mkdir", parent=parent, name=name, mode=mode, uid=uid, gid=gid)
 
     async def create(self, parent: int, name: str, mode: int = 0o644, uid: int = 0, gid: int = 0, *, unit: int = 0) -> dict:
         """A regular file, striped in ``unit`` bytes (the cluster's stripe unit by default)."""
-        return await self._op(op="create", parent=parent, name=name, mode=S.S_IFREG | S.S_IMODE(mode), uid=uid, gid=gid, unit=unit or self.cfg.stripe_unit)
+        return await self.meta.op(op="create", parent=parent, name=name, mode=S.S_IFREG | S.S_IMODE(mode), uid=uid, gid=gid, unit=unit or self.cfg.stripe_unit)
 
     async def symlink(self, parent: int, name: str, target: str, uid: int = 0, gid: int = 0) -> dict:
-        return await self._op(op="create", parent=parent, name=name, mode=S.S_IFLNK | 0o777, target=target, uid=uid, gid=gid)
+        return await self.meta.op(op="create", parent=parent, name=name, mode=S.S_IFLNK | 0o777, target=target, uid=uid, gid=gid)
 
     async def mknod(self, parent: int, name: str, mode: int, rdev: int = 0, uid: int = 0, gid: int = 0) -> dict:
         """A FIFO, socket or device node (``mode`` names the kind); a regular file for S_IFREG."""
         if S.S_ISREG(mode):
             return await self.create(parent, name, mode, uid, gid)
-        return await self._op(op="create", parent=parent, name=name, mode=mode, rdev=rdev, uid=uid, gid=gid)
+        return await self.meta.op(op="create", parent=parent, name=name, mode=mode, rdev=rdev, uid=uid, gid=gid)
 
     async def link(self, ino: int, new_parent: int, new_name: str) -> dict:
-        return await self._op(op="link", ino=ino, new_parent=new_parent, new_name=new_name)
+        return await self.meta.op(op="link", ino=ino, new_parent=new_parent, new_name=new_name)
 
     async def readlink(self, ino: int, snap: int = 0) -> str:
         attr = await self.getattr(ino, snap)
@@ -225,15 +152,15 @@ class Client:
         return attr["target"]
 
     async def unlink(self, parent: int, name: str) -> dict:
-        r = await self._op(op="unlink", parent=parent, name=name)
+        r = await self.meta.op(op="unlink", parent=parent, name=name)
         self.io.forget(r["ino"])
         return r
 
     async def rmdir(self, parent: int, name: str) -> dict:
-        return await self._op(op="rmdir", parent=parent, name=name)
+        return await self.meta.op(op="rmdir", parent=parent, name=name)
 
     async def rename(self, parent: int, name: str, new_parent: int, new_name: str) -> dict:
-        r = await self._op(op="rename", parent=parent, name=name, new_parent=new_parent, new_name=new_name)
+        r = await self.meta.op(op="rename", parent=parent, name=name, new_parent=new_parent, new_name=new_name)
         if r.get("freed"):
             self.io.forget(r["freed"])
         return r
@@ -241,122 +168,36 @@ class Client:
     async def setattr(self, ino: int, *, written: int = 0, **attrs: Any) -> dict:
         """Change attributes; with ``size``, a truncate (``written``: see truncate)."""
         if "size" in attrs:
-            return await self.truncate(ino, attrs.pop("size"), written=written, **attrs)
-        return await self._op(op="setattr", ino=ino, attrs=attrs)
+            return await self.data.truncate(ino, attrs.pop("size"), written=written, **attrs)
+        return await self.meta.op(op="setattr", ino=ino, attrs=attrs)
 
     async def setxattr(self, ino: int, name: str, value: str | None) -> dict:
-        return await self._op(op="setxattr", ino=ino, name=name, value=value)
+        return await self.meta.op(op="setxattr", ino=ino, name=name, value=value)
 
-    # -- data (inode level) --------------------------------------------------------------------
+    # -- byte ranges: FileData's (data.py), the calls most callers use ----------------------------
     async def read_into(self, ino: int, offset: int, into: memoryview, attr: dict | None = None, snap: int = 0) -> int:
         """Read from ``offset`` into ``into``; returns the bytes read (short at end of file)."""
-        attr = attr or await self.getattr(ino, snap)
-        if S.S_ISDIR(attr["mode"]):
-            raise RemoteError("EISDIR", "is a directory")
-        if not in_force(attr):
-            return await self.io.read(Extent(ino, attr["size"], attr["unit"], snap), offset, into)
-        # a packed tensor: its header from its own stripes, its data from its bucket's
-        parts = split_read(attr, offset, len(into))
-        async with trio.open_nursery() as n:
-            for extent, off, pos, length in parts:
-                n.start_soon(self.io.read, extent._replace(snap=snap), off, into[pos : pos + length])
-        return sum(p[3] for p in parts)
-
-    async def read_many(self, reads: list[tuple[int, int, memoryview, dict]]) -> None:
-        """Fill each ``into`` of (ino, offset, into, attr) from its live file, all at once (many
-        small files in a burst per node: StripeIO.read_small); each ``into`` lies within its
-        file."""
-        items = []
-        for ino, offset, into, attr in reads:
-            for extent, off, pos, length in split_read(dict(attr, ino=ino), offset, len(into)):
-                items.append((extent.fid, extent.size, extent.unit, off, into[pos : pos + length]))
-        await self.io.read_small(items)
+        return await self.data.read_into(ino, offset, into, attr, snap)
 
     async def read(self, ino: int, offset: int, length: int, attr: dict | None = None, snap: int = 0) -> bytes:
-        buf = bytearray(length)
-        n = await self.read_into(ino, offset, memoryview(buf), attr, snap)
-        del buf[n:]
-        return bytes(buf)
+        return await self.data.read(ino, offset, length, attr, snap)
 
     async def write(self, ino: int, offset: int, data: Any, attr: dict | None = None, *, extend: bool = True) -> dict | None:
-        """Write bytes (a buffer, or a ``Gather`` of them) at ``offset``. When it returns, the
-        data is on every live replica; with ``extend`` (the default) the new size is visible to
-        every client too and the new attributes are returned. The file system passes
-        extend=False and calls ``extend`` once at flush, which is when POSIX close-to-open
-        consistency needs it."""
-        if offset < 0:
-            raise RemoteError("EINVAL", f"negative offset {offset}")
-        attr = attr or await self.getattr(ino)
-        if S.S_ISDIR(attr["mode"]):
-            raise RemoteError("EISDIR", "is a directory")
-        view = data if isinstance(data, Gather) else memoryview(data).cast("B")
-        try:
-            await self.io.write(ino, attr["unit"], offset, view)
-        except Exception:
-            if extend:  # (the file system frees at the flush that reports it: fs/handles.py)
-                await self.free_past_end(ino)
-            raise
-        return await self.extend(ino, offset + len(view)) if extend else None
-
-    async def free_past_end(self, ino: int) -> dict | None:
-        """After a write that failed (ENOSPC, EIO, a node lost): the stripes this client
-        committed and never extended the file over hold memory nobody can read. It gives them
-        up at each one's primary (``release_tails``, server/tails.py), which trims those no
-        other writer committed to since they went past the end (a namespace op in order with
-        the extends, by stamp: another mount writing past the end meanwhile keeps what it
-        wrote, and a stripe its extend grew the file over is not past the end). Not a truncate
-        to the file's size, which would have taken such a writer's committed stripes before
-        its extend came. (Bytes written past the end inside the file's last stripe stay, as
-        any failed write's bytes inside a stripe do.) Best effort, shielded: the write's own
-        error is what the caller reports; a failure here is logged and leaves the space to the
-        primaries (once this client's staging lease ends) or the next truncate or unlink.
-        Answers the file's attributes (None if it could not)."""
-        with trio.CancelScope(shield=True), trio.move_on_after(self.cfg.op_timeout):
-            try:
-                mine = dict(self.io.written.get(ino, {}))  # (before any await: later writes are not this one's)
-                attr = await self.getattr(ino)
-                past = sorted(i for i in mine if attr["unit"] and i * attr["unit"] >= held.extent_end(attr))
-                by_primary: dict[str, list[int]] = {}
-                for i in past:
-                    if (primary := self.cluster.roles.stripe_primary(ino, i)) is not None:
-                        by_primary.setdefault(primary, []).append(i)
-                released = 0
-                for node, idxs in by_primary.items():
-                    released += (await self.cluster.call(node, "release_tails", {"owner": self.owner, "fid": ino, "idxs": idxs}))["released"]
-                for i in past:
-                    if self.io.written.get(ino, {}).get(i) == mine[i]:
-                        self.io.written[ino].pop(i, None)
-                if past:
-                    log.info("file %d: %d stripes a failed write left past its end given up", ino, released)
-                return attr
-            except (RemoteError, TransportError, Unavailable, NodeDown) as exc:
-                log.warning("file %d: the stripes a failed write left past its end not freed: %s", ino, exc)
-        return None
+        """Write bytes at ``offset``; with ``extend`` (the default) the new size is visible to
+        every client when it returns (FileData.write)."""
+        return await self.data.write(ino, offset, data, attr, extend=extend)
 
     async def truncate(self, ino: int, size: int, *, written: int = 0, **attrs: Any) -> dict:
-        """Set the size; ``written``: how far this client wrote data the file's size does not
-        show yet (write-behind), which must be zeroed as well."""
-        attr = await self.getattr(ino)
-        old, unit = max(attr["size"], written), attr["unit"]
-        result = await self._op(op="setattr", ino=ino, attrs=dict(attrs, size=size))
-        if unit and ino in self.io.written:  # what the truncate dropped holds nothing any more
-            self.io.written[ino] = {i: v for i, v in self.io.written[ino].items() if i < -(-size // unit)}
-        # Whole stripes past the end were dropped by every node; the tail of the last one must
-        # read as zeros if the file grows again, so it is zeroed through the normal write path.
-        if unit and size < old and size % unit:
-            end = min(old, (size // unit + 1) * unit)
-            await self.io.write(ino, unit, size, memoryview(bytes(end - size)))
-        self.io.forget(ino)
-        return result
-
-    # -- path level ----------------------------------------------------------------------------
+        """Set the size (FileData.truncate)."""
+        return await self.data.truncate(ino, size, written=written, **attrs)
 
 
 class SyncClient:
     """The Client for code without trio: a trio loop in a background thread runs every call.
 
-    ``with SyncClient(cfg) as c: c.save("/m/w.npy", arr)`` -- every async method of Client and
-    of its ``paths`` is available under the same name, blocking."""
+    ``with SyncClient(cfg) as c: c.save("/m/w.npy", arr)`` -- every async method of Client, of
+    its ``data`` and ``meta`` parts and of its ``paths`` is available under the same name,
+    blocking (the first of them, in that order, that has it)."""
 
     def __init__(self, cfg: ClusterConfig):
         self.cfg = cfg
@@ -395,10 +236,10 @@ class SyncClient:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
             raise AttributeError(name)
-        if getattr(Client, name, None) is not None:
-            owner = self.client
-        elif getattr(Paths, name, None) is not None:
-            owner = self.client.paths
+        for kind, part in ((Client, ""), (FileData, "data"), (MetaCalls, "meta"), (Paths, "paths")):
+            if getattr(kind, name, None) is not None:
+                owner = getattr(self.client, part) if part else self.client
+                break
         else:
             raise AttributeError(name)
         return lambda *a, **kw: trio.from_thread.run(partial(getattr(owner, name), *a, **kw), trio_token=self.token)

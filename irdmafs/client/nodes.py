@@ -63,7 +63,7 @@ def figures(client: "Client") -> dict:
         "bytes_read": client.io.bytes_read,
         "bytes_written": client.io.bytes_written,
         "bytes_pushed": client.io.bytes_pushed,
-        "metadata_calls": client.meta_calls,
+        "metadata_calls": client.meta.calls,
         "control_calls": client.cluster.peers.calls,
         "control_calls_by_method": dict(client.cluster.peers.calls_by_method),
         "replicas": client.cluster.roles.members.replicas,

@@ -146,7 +146,7 @@ class Paths:
             n.start_soon(self.client.io.write, attr["ino"], attr["unit"], 0, memoryview(header))
             if len(body):
                 n.start_soon(self.client.io.write, attr["ino"], attr["unit"], len(header), body)
-        await self.client.extend(attr["ino"], len(header) + len(body))
+        await self.client.data.extend(attr["ino"], len(header) + len(body))
         return await self.client.set_tensor(attr["ino"], formats.tensor_info(formats.parse_header(header)))
 
     async def load(self, path: str, out: np.ndarray | None = None) -> np.ndarray:

@@ -199,16 +199,16 @@ class FileHandle(Handle):
             # A write failed (ENOSPC, a node lost): what the others committed past the file's
             # end would hold memory for ever (a 0-byte file holding 450 MB after dd met ENOSPC),
             # so it is freed, unless another handle here wrote and has not flushed (its writes
-            # past the end are this client's too: Client.free_past_end would take them).
+            # past the end are this client's too: FileData.free_past_end would take them).
             f = self.file
             if not any(h is not self and h.dirty for h in f.handles) and not any(w is not self.behind and (w.run or w.inflight) for w in f.writers):
-                attr = await self.client.free_past_end(self.ino)
+                attr = await self.client.data.free_past_end(self.ino)
                 if attr is not None:  # the size a stat shows here is the cluster's again
                     f.update(attr)
                     self.size = min(self.size, attr["size"])
                     f.pending = 0
             raise
-        self.file.update(await self.client.extend(self.ino, self.size))
+        self.file.update(await self.client.data.extend(self.ino, self.size))
         if self.writes != seen:
             return  # more came meanwhile: the next flush sends them, and decides what the file holds
         self.dirty = False

@@ -227,7 +227,7 @@ class ModelFiles:
                 for off in range(0, e.end - e.begin, COPY_CHUNK):
                     data = await client.read(ino, start + e.begin + off, min(COPY_CHUNK, e.end - e.begin - off), attr)
                     await client.io.write(t["ino"], t["unit"], len(header) + off, memoryview(data))
-                await client.extend(t["ino"], len(header) + e.end - e.begin)
+                await client.data.extend(t["ino"], len(header) + e.end - e.begin)
                 await client.set_tensor(t["ino"], {"dtype": np.dtype(e.dtype).str, "shape": list(e.shape), "offset": len(header), "fortran": False})
 
         async with trio.open_nursery() as n:

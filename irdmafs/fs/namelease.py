@@ -41,9 +41,10 @@ RETRY = 0.2  # seconds between attempts while the primary cannot be reached
 
 class NameLease:
     def __init__(self, client, forget: Callable[[set, set, bool], None]):
-        """``client``: whose ``cache_wait`` keeps the lease and whose ``op`` gives it up;
-        ``forget(entries, inodes, everything)``: what else the mount forgets when told (its
-        lookup notes, its listings), called before the acknowledgement."""
+        """``client``: whose ``cache_wait`` keeps the lease and whose ``op`` gives it up (a
+        Client's ``meta``: client/meta.py); ``forget(entries, inodes, everything)``: what else
+        the mount forgets when told (its lookup notes, its listings), called before the
+        acknowledgement."""
         self._client, self._forget = client, forget
         self._drop: Callable[[list, list], None] | None = None  # the kernel's (``run``)
         self.until = -math.inf  # trio clock: the lease ends

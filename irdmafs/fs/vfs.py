@@ -83,9 +83,9 @@ class Vfs:
         # what lookups just fetched, for the opens that follow; a change of this mount's own
         # drops every listing too (the primary tells no mount of its own changes)
         self.lookups = Lookups(on_change=self.listings.clear)
-        client.on_change.append(self.lookups.changed)  # any namespace op of this mount's (a bucket's pack too)
+        client.meta.on_change.append(self.lookups.changed)  # any namespace op of this mount's (a bucket's pack too)
         # how long the kernel may cache names: a lease kept by ``names.run`` (launch/mount.py starts it)
-        self.names = NameLease(client, forget=self._told)
+        self.names = NameLease(client.meta, forget=self._told)
         self.views = Views(client, self.open_handles, self.lookups)
         self.live = LiveFiles(client, self.files, self.models, self.layouts, self.views, NameCaches(self.lookups, self.names, self.listings))
         self.snapshots = Snapshots(client, self.models, self.live.file_handle, self.files.drain)

@@ -71,7 +71,7 @@ class ViewReadHandle(Handle):
             if a < b:
                 reads.append((attr["ino"], attr["tensor"]["offset"] + a - entry.begin, view[a - lo : b - lo], attr))
         with single_exception():
-            await self.client.read_many(reads)
+            await self.client.data.read_many(reads)
         return size
 
 

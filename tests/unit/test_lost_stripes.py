@@ -200,10 +200,10 @@ async def test_a_failed_writer_frees_only_its_own_stripes_past_the_end(nursery):
         half = os.urandom(unit // 2)
         await other.io.write(fid, unit, 6 * unit, memoryview(half))  # stripe 6: the other's first half...
         await failed.io.write(fid, unit, 6 * unit + unit // 2, memoryview(os.urandom(unit // 2)))  # ... the failed one's second, later
-        await failed.free_past_end(fid)
+        await failed.data.free_past_end(fid)
         held_by = {i: sum(n.store.get(fid, i) is not None for n in nodes) for i in range(7)}
         assert held_by == {0: 2, 1: 2, 2: 2, 3: 0, 4: 0, 5: 2, 6: 2}, held_by
-        await other.extend(fid, 6 * unit + unit // 2)
+        await other.data.extend(fid, 6 * unit + unit // 2)
         got = await other.paths.read_file("/f")
         assert got[unit : 3 * unit] == theirs and got[5 * unit : 6 * unit] == again and got[3 * unit : 5 * unit] == bytes(2 * unit)
         assert got[6 * unit :] == half

@@ -155,7 +155,7 @@ async def test_with_caching_off_cache_wait_is_enosys(nursery):
     await start_cluster(nursery, cfg)
     async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
         with pytest.raises(RemoteError) as err:
-            await c.cache_wait(0)
+            await c.meta.cache_wait(0)
         assert err.value.code == "ENOSYS"
 
 
@@ -180,7 +180,7 @@ async def test_a_mount_that_gives_its_lease_up_holds_no_change_up_and_leaves_no_
         primary = next(n for n in nodes if n.name == c.cluster.roles.meta_primary())
         await c.cluster.call(primary.name, "cache_wait", {"owner": "m", "acked": 0, "epoch": c.cluster.roles.view_epoch})
         assert "m" in primary.namespace.names.leases
-        await c.op(op="cacher", owner="m", on=False)
+        await c.meta.op(op="cacher", owner="m", on=False)
         assert all("m" not in n.meta.cachers for n in nodes) and "m" not in primary.namespace.names.leases
         waits = primary.namespace.names.waits
         await c.mkdir(1, "d", 0o755)

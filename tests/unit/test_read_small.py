@@ -40,12 +40,12 @@ async def test_small_files_are_read_in_bursts_and_the_rest_alone(client, monkeyp
         return outs, [(a["ino"], 5, memoryview(o), a) for (a, _), o in zip(files, outs)]
 
     outs, reads = wants()
-    await c.read_many(reads)  # no key cached yet: each read alone, which caches them
+    await c.data.read_many(reads)  # no key cached yet: each read alone, which caches them
     assert sorted(alone) == sorted(a["ino"] for a, _ in files)
     assert all(bytes(o) == d[5:] for o, (_, d) in zip(outs, files))
     alone.clear()
     outs, reads = wants()
-    await c.read_many(reads)  # now in a burst per node
+    await c.data.read_many(reads)  # now in a burst per node
     assert alone == [] and all(bytes(o) == d[5:] for o, (_, d) in zip(outs, files))
     c.io.forget(files[7][0]["ino"])  # a key no longer cached: that one alone
     hole = await c.paths.write_file("/hole", b"")
@@ -55,6 +55,6 @@ async def test_small_files_are_read_in_bursts_and_the_rest_alone(client, monkeyp
     out_hole = bytearray(b"x" * UNIT)
     outs, reads = wants()
     reads.append((hole["ino"], UNIT, memoryview(out_hole), hole))
-    await c.read_many(reads)
+    await c.data.read_many(reads)
     assert sorted(alone) == sorted([files[7][0]["ino"], hole["ino"]])
     assert all(bytes(o) == d[5:] for o, (_, d) in zip(outs, files)) and out_hole == bytes(UNIT)

@@ -310,14 +310,14 @@ async def test_a_write_that_comes_while_an_early_flush_waits_is_flushed_at_the_c
     head = 128
     await fs.write(fh, 0, data[:head])
     entered, go_on = trio.Event(), trio.Event()
-    extend = fs.client.extend
+    extend = fs.client.data.extend
 
     async def slow_extend(ino, size):
         entered.set()
         await go_on.wait()  # the cluster answers later
         return await extend(ino, size)
 
-    fs.client.extend = slow_extend
+    fs.client.data.extend = slow_extend
     early_done = trio.Event()
 
     async def early_flush():
@@ -327,7 +327,7 @@ async def test_a_write_that_comes_while_an_early_flush_waits_is_flushed_at_the_c
     nursery.start_soon(early_flush)
     await entered.wait()
     await fs.write(fh, head, data[head:])  # the writer goes on meanwhile
-    fs.client.extend = extend
+    fs.client.data.extend = extend
     go_on.set()
     await early_done.wait()
     await fs.flush(fh)  # then the writer's own close
