@@ -158,7 +158,7 @@ def _free(meta, b: int) -> int:
     entries = meta.entries.get(bucket.get("parent"), {})
     for name in [n for n, i in entries.items() if i == b]:
         del entries[name]
-    meta.cuts.pop(b, None)
+    meta.cuts.forget(b)
     return b
 
 

@@ -226,7 +226,7 @@ class Namespace:
         asks again (by then a new view may have expelled a node that is gone). A cut of a few
         seconds expels nobody, and a snapshot taken then on its coordinator alone read as zeros
         from the other nodes (chaos, seed 7)."""
-        self.meta.check_snapshot_name(op["name"])
+        self.meta.frozen.check_name(op["name"])
         nodes = self.cluster.roles.live()
         epoch = self.cluster.roles.view_epoch
         token = f"{self.name}:{op['id']}"
@@ -367,7 +367,7 @@ class Namespace:
         if not isinstance(snapshot, dict) or not all(isinstance(snapshot.get(k), t) for k, t in SNAPSHOT_FIELDS.items()):
             raise RemoteError("EINVAL", "meta_restore: not a namespace snapshot (meta_snapshot's answer)")
         if (snapshot.get("tag", 0), snapshot["seq"]) > self.meta.stamp or whole and snapshot != self.meta.snapshot():
-            had = {fid: [tuple(c) for c in cuts] for fid, cuts in self.meta.cuts.items()}
+            had = {fid: [tuple(c) for c in cuts] for fid, cuts in self.meta.cuts.table.items()}
             self.meta = Meta.restore(snapshot)
             self.last = None  # (and not settled by this node: ``settled`` stays as it was)
             self._save()
@@ -410,7 +410,7 @@ class Namespace:
         anything (membership.py ``_take_namespace``); a stripe it had made with an older base
         was an acknowledged write dropped (tests/mount/test_rebalance.py, 3 of 4 runs, before)."""
         for (fid, idx, snap), stripe in list(self.store.stripes.items()):
-            cuts = [(seq, cut) for seq, cut in self.meta.cuts.get(fid, ()) if held is None or (seq, cut) not in held.get(fid, ())]
+            cuts = [(seq, cut) for seq, cut in self.meta.cuts.table.get(fid, ()) if held is None or (seq, cut) not in held.get(fid, ())]
             if snap <= 0 and any(idx >= cut and stripe.version < seq << VERSION_SHIFT for seq, cut in cuts):
                 log.info("stripe %d:%d (snapshot %d) was freed by a truncate this node missed: dropped", fid, idx, snap)
                 self.store.drop_keys([(fid, idx, snap)])
