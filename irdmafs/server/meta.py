@@ -203,8 +203,8 @@ class Meta:
             if key not in op:
                 if key in fields:
                     raise _err("EINVAL", f"{kind}: no {key!r}")
-            elif not isinstance(op[key], want):
-                raise _err("EINVAL", f"{kind}: {key!r} is a {type(op[key]).__name__}")
+            elif not isinstance(op[key], want) or type(op[key]) is bool and bool not in (want if isinstance(want, tuple) else (want,)):
+                raise _err("EINVAL", f"{kind}: {key!r} is a {type(op[key]).__name__}")  # (True is an int to isinstance, not here)
         if kind == "setattr" and not all(isinstance(v, int) and not isinstance(v, bool) for v in op["attrs"].values()):
             raise _err("EINVAL", "setattr: attributes are integers")
         if kind == "extend" and "stripes" in op:

@@ -31,7 +31,6 @@ ordered takes a lock (the namespace, per stripe).
 from __future__ import annotations
 
 import argparse
-import inspect
 import logging
 import os
 import sys
@@ -42,6 +41,7 @@ from typing import Any, Callable
 
 import trio
 
+from ..calls import CALLS
 from ..runtime.cluster import READY, Cluster
 from ..config import NO_COORDINATOR, ClusterConfig, load
 from ..errors import ConfigError
@@ -86,7 +86,8 @@ __all__ = ["Node", "MAX_STAGING_PER_OWNER", "main"]
 
 class Node:
     """A PS node: its services, and its control calls (``rpc_<method>`` of this object and of
-    its services, dispatched by ``handle``)."""
+    its services, each with its request and reply types in irdmafs/calls.py, dispatched by
+    ``handle``)."""
 
     def __init__(
         self, cfg: ClusterConfig, name: str, transport: Transport, persist: str | None = None, coord: Coordinator | None = None, offload: Offload | None = None
@@ -144,7 +145,8 @@ class Node:
                 if attr.startswith("rpc_"):
                     assert attr[4:] not in self.calls, f"two handlers of {attr}"
                     self.calls[attr[4:]] = getattr(part, attr)
-        self._signatures: dict[str, inspect.Signature] = {}  # method -> its handler's signature
+        untyped = sorted(set(self.calls) - set(CALLS))
+        assert not untyped, f"handlers without a request type in irdmafs/calls.py: {untyped}"
 
     # -- what the rest of the process (metrics, tests) reads ---------------------------------
     @property
@@ -206,21 +208,22 @@ class Node:
 
     # -- dispatch ----------------------------------------------------------------------------
     async def handle(self, method: str, args: dict) -> dict:
-        """Run control call ``method``. Bad input is EINVAL: arguments the method lacks or does
-        not take (checked against its signature before it runs), and what each call refuses
-        itself (``RemoteError``). Anything else raised is a fault here, not the caller's:
-        logged with its traceback and answered EIO."""
-        fn = self.calls.get(method)
-        if fn is None:
+        """Run control call ``method``. Bad input is EINVAL: a request that is not its call's
+        type (irdmafs/calls.py: a field missing, unknown, or of another type or range), parsed
+        before anything here runs, and what each call refuses itself (``RemoteError``). The
+        handler gets the parsed fields as keyword arguments, defaults included. Anything else
+        raised is a fault here, not the caller's, and so is a reply that is not the call's
+        declared reply type: logged with its traceback and answered EIO."""
+        fn, call = self.calls.get(method), CALLS.get(method)
+        if fn is None or call is None:
             raise RemoteError("ENOSYS", f"unknown method {method!r}")
-        try:
-            self._signature(method, fn).bind(**args)
-        except TypeError as exc:
-            raise RemoteError("EINVAL", f"{method}: {exc}") from None
+        fields = call.parse(args).kwargs()
         self.counters[method] += 1
         t0 = time.perf_counter()
         try:
-            return await fn(**args)
+            reply = await fn(**fields)
+            call.check_reply(reply)
+            return reply
         except RemoteError:
             raise
         except NoSpace as exc:
@@ -250,12 +253,6 @@ class Node:
             for i, args in enumerate(updates):
                 n.start_soon(one, i, args)
         return {"results": results}
-
-    def _signature(self, method: str, fn) -> inspect.Signature:
-        sig = self._signatures.get(method)
-        if sig is None:  # (inspect.signature costs more than many a call it checks)
-            sig = self._signatures[method] = inspect.signature(fn)
-        return sig
 
     async def _trim(self, op: dict) -> dict:
         """A ``trim`` (tails.py) as a namespace op of the metadata primary's, once."""
