@@ -59,7 +59,7 @@ TENSOR_DIR = HIDDEN_PREFIX + "model-"  # + inode: a model file's tensor director
 RESERVED = re.compile(rf"{re.escape(HIDDEN_PREFIX)}(unlinked|model|bucket)-[0-9]+")  # the mount's own names
 SUFFIX = MODEL_SUFFIX
 DOOR_SUFFIX = ".door"
-# made up from the inode: read by name, never listed, never set (live.py, listed_xattrs)
+# made up from the inode: read by name, never listed, never set (xattrs.py, listed_xattrs)
 DERIVED_XATTRS = ("user.irdma.dtype", "user.irdma.shape", "user.irdma.version")
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR
 

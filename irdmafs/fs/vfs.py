@@ -4,7 +4,7 @@ Families (each a small class with the operations it serves; inodes.py numbers th
 
 | family | inodes | module |
 | --- | --- | --- |
-| the live tree | the namespace's files and directories | live.py (model files: models.py) |
+| the live tree | the namespace's files and directories | live.py (contents.py, changes.py, xattrs.py; model files: models.py) |
 | snapshots | ``/.snapshots``, ``SNAP | id << 40 | i`` | snapshots.py |
 | workers | ``/.workers``, ``WORK``/``STREAM``/``DOOR | rank << 40 | i`` | workers.py (streams.py, worker/door.py) |
 | views | ``VIEW | d``: ``<d>.safetensors`` beside a directory of tensors | views.py |
@@ -132,7 +132,7 @@ class Vfs:
         return await self.family(ino).setattr(ino, changes)
 
     async def readlink(self, ino: int) -> str:
-        return await self.live.readlink(ino)
+        return await self.live.changes.readlink(ino)
 
     # -- directories -------------------------------------------------------------------------------
     @changing
@@ -140,19 +140,19 @@ class Vfs:
         self.layouts.forget()  # tensors may come or go
         if parent == SNAPSHOTS_DIR:
             return await self.snapshots.take(name)
-        return await self.live.mkdir(parent, name, mode, uid, gid)
+        return await self.live.changes.mkdir(parent, name, mode, uid, gid)
 
     @changing
     async def symlink(self, parent: int, name: str, target: str, uid: int, gid: int) -> dict:
-        return await self.live.symlink(parent, name, target, uid, gid)
+        return await self.live.changes.symlink(parent, name, target, uid, gid)
 
     @changing
     async def mknod(self, parent: int, name: str, mode: int, rdev: int, uid: int, gid: int) -> dict:
-        return await self.live.mknod(parent, name, mode, rdev, uid, gid)
+        return await self.live.changes.mknod(parent, name, mode, rdev, uid, gid)
 
     @changing
     async def link(self, ino: int, new_parent: int, new_name: str) -> dict:
-        return await self.live.link(ino, new_parent, new_name)
+        return await self.live.changes.link(ino, new_parent, new_name)
 
     @changing
     async def rmdir(self, parent: int, name: str) -> None:
@@ -162,17 +162,17 @@ class Vfs:
         elif parent == RANKS_DIR:
             await self.status_files.remove_rank(name)
         else:
-            await self.live.rmdir(parent, name)
+            await self.live.changes.rmdir(parent, name)
 
     @changing
     async def unlink(self, parent: int, name: str) -> None:
         self.layouts.forget()  # tensors may come or go
-        await self.live.unlink(parent, name)
+        await self.live.changes.unlink(parent, name)
 
     @changing
     async def rename(self, parent: int, name: str, new_parent: int, new_name: str, flags: int) -> None:
         self.layouts.forget()  # tensors may come or go
-        await self.live.rename(parent, name, new_parent, new_name, flags)
+        await self.live.changes.rename(parent, name, new_parent, new_name, flags)
 
     # -- files -------------------------------------------------------------------------------------
     def _register(self, handle: Handle) -> int:
@@ -245,21 +245,21 @@ class Vfs:
             if isinstance(h, FileHandle):
                 gone = h.file is not None and h.file.unlinked
                 try:
-                    await self.live.closed(h)  # the last close of a file unlinked while open: it goes
+                    await self.live.changes.closed(h)  # the last close of a file unlinked while open: it goes
                 finally:
                     if gone or h.writes:
                         self.lookups.changed()
 
     # -- extended attributes and the rest ----------------------------------------------------------
     async def getxattr(self, ino: int, name: str) -> bytes:
-        return await self.live.getxattr(ino, name)
+        return await self.live.xattrs.getxattr(ino, name)
 
     async def listxattr(self, ino: int) -> list[str]:
-        return await self.live.listxattr(ino)
+        return await self.live.xattrs.listxattr(ino)
 
     @changing
     async def setxattr(self, ino: int, name: str, value: bytes | None) -> None:
-        await self.live.setxattr(ino, name, value)
+        await self.live.xattrs.setxattr(ino, name, value)
 
     async def statfs(self) -> dict:
         return await nodes.statfs(self.client)
