@@ -18,33 +18,32 @@
   simulator, mixed seed 13: the same seq with another mtime on two nodes after healing).
 - Side effects on data are local and deterministic, so every replica does the same: freed or
   truncated stripes are dropped with their push bookkeeping (``forget``), a change of a model's
-  workers rechecks its training rounds (``recheck``).
+  workers rechecks its training rounds (``recheck``): ``effects`` (effects.py), as is what a
+  namespace taken whole no longer has (``prune``, ``drop_freed``).
 - A snapshot freezes commits on every live node (the commit barrier), records the namespace,
   freezes every live stripe under the snapshot id on every node (copy-on-write, store.py: no
-  byte is copied), and thaws.
+  byte is copied), and thaws: ``freezer`` (freezer.py) does those steps.
 - Reads of the namespace: ``lookup``, ``getattr``, ``readdir``, ``snapshots``.
+- The mounts' name cache leases, as primary (``cache_wait``; namecache.py keeps them).
 
-The namespace itself is ``meta.Meta``, a deterministic state machine; with ``--persist`` it is
-written through to disk after every op.
+``Namespace`` owns the namespace this node holds (``meta``), its lock, the last op applied here
+and the stamp it saw settled. The namespace itself is ``meta.Meta``, a deterministic state
+machine; with ``--persist`` it is written through to disk after every op.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import stat as S
 from typing import Awaitable, Callable
 
 import trio
 
-from ..runtime.cluster import now_ns
-from ..errors import NodeDown
 from ..errors import RemoteError
-from ..util import single_exception
+from ..runtime.cluster import now_ns
 from .allocation import balanced_ino
-from .barrier import FREEZE_SECONDS
 from .core import NodeCore
-from .datapath import VERSION_SHIFT
+from .effects import Effects
+from .freezer import Freezer
 from .meta import Meta
 from .namecache import NameLeases, changer_of, touched_by
 from .persist import Persist
@@ -66,10 +65,11 @@ class Namespace:
         forget: Callable[..., None],
         recheck: Callable[[], Awaitable[None]],
     ):
-        self.name, cfg, self.cluster, self.store, _, self.serving = core
-        self.persist, self.replicator, self.call_node = persist, replicator, call_node
-        self.forget, self.recheck = forget, recheck  # the training service's (training.py)
+        self.name, cfg, self.cluster, store, _, self.serving = core
+        self.persist, self.replicator = persist, replicator
         self.meta = Meta()
+        self.freezer = Freezer(self.name, self.cluster, self.serving, call_node, self._apply_and_forward)  # a snapshot's steps on every node
+        self.effects = Effects(store, self.cluster, forget, recheck)  # what the ops mean for this node's stripes
         self.lock = trio.Lock()  # namespace ops, one at a time; a hand-over waits for it
         self.last: tuple[int, dict, tuple[int, int]] | None = None  # (seq, op, the stamp before it) of the last op applied here
         # the stamp up to which this node, as primary, saw every live node hold its namespace
@@ -112,8 +112,12 @@ class Namespace:
                     await self._apply_and_forward(self.meta.prepare({"op": "cacher", "owner": owner, "on": False}, now_ns()))
                 op = self.meta.prepare(op, now_ns())
                 if op["op"] == "create" and op.get("unit"):  # a regular file: its number places its first stripe
-                    op["ino"] = balanced_ino(op["ino"], self._files_in(op["parent"]), self.cluster.roles.members.names)
-                result = await (self._take_snapshot(op) if op["op"] == "snapshot" else self._apply_and_forward(op))
+                    op["ino"] = balanced_ino(op["ino"], self.meta.tree.files_in(op["parent"]), self.cluster.roles.members.names)
+                if op["op"] == "snapshot":
+                    self.meta.frozen.check_name(op["name"])  # EEXIST before any node is frozen
+                    result = await self.freezer.take(op)
+                else:
+                    result = await self._apply_and_forward(op)
         await self._told(changer)
         return result
 
@@ -124,16 +128,6 @@ class Namespace:
         be waiting for this lock; nor does the changer wait for itself (C5)."""
         seq = self.meta.seq
         await self.names.settle([o for o in self.names.owing(seq) if o != changer], seq)
-
-    def _files_in(self, parent: int) -> list[tuple[int, int, int]]:
-        """(file id, size, stripe unit) of each regular file in directory ``parent`` (none if it
-        is not one: the op is refused when applied)."""
-        try:
-            children = self.meta.directory(parent).values()
-        except RemoteError:
-            return []
-        nodes = (self.meta.inodes.get(ino) for ino in children)
-        return [(ino, n["size"], n["unit"]) for ino, n in zip(children, nodes) if n is not None and n.get("unit") and S.S_ISREG(n["mode"])]
 
     async def _apply_and_forward(self, op: dict) -> dict:
         """Apply ``op`` here and answer once every other live node holds it (the replicator's
@@ -212,82 +206,6 @@ class Namespace:
         """Each view this node learns: whether its lead of the mounts' leases goes on."""
         self.names.view(view.epoch, self.cluster.roles.meta_primary() == self.name, self.meta.cachers, self.serving.gen)
 
-    async def _take_snapshot(self, op: dict) -> dict:
-        """Freeze commits on every live node, freeze every live stripe on every node under the
-        snapshot id (copy-on-write: metadata only, store.py), record the snapshot in the
-        namespace, thaw. Every commit is either wholly
-        in or out. The copies come first: a snapshot is named (and a retry of its request
-        answered from the record) only once they exist. Named first, a coordinator killed
-        before the copies left a snapshot that read as zeros, and the retry was told it was
-        taken (chaos --views, seed 2).
-
-        Every node the view names active is frozen and holds its copies before the snapshot is
-        named, in the view it began in; else it answers EAGAIN, names nothing, and the client
-        asks again (by then a new view may have expelled a node that is gone). A cut of a few
-        seconds expels nobody, and a snapshot taken then on its coordinator alone read as zeros
-        from the other nodes (chaos, seed 7)."""
-        self.meta.frozen.check_name(op["name"])
-        nodes = self.cluster.roles.live()
-        epoch = self.cluster.roles.view_epoch
-        token = f"{self.name}:{op['id']}"
-        frozen: list[str] = []
-        try:
-            with single_exception(RemoteError):  # ESTALE: a node moved to a newer view meanwhile
-                async with trio.open_nursery() as n:
-                    for node in nodes:
-                        n.start_soon(self._freeze_one, node, token, frozen)
-            self._everywhere("frozen", nodes, frozen)
-            copied = {}
-            async with trio.open_nursery() as n:
-                for node in nodes:
-                    n.start_soon(self._copy_one, node, op["id"], copied)
-            self._everywhere("copied", nodes, copied)
-            self.serving.check_same_epoch(epoch)  # a node that joined meanwhile holds no copies
-            result = await self._apply_and_forward(op)
-            log.info("snapshot %r (id %d) taken on %s: %d bytes", op["name"], op["id"], ", ".join(sorted(copied)), sum(copied.values()))
-            return dict(result, nodes=sorted(copied))
-        finally:
-            # every node asked, not only those whose freeze answered: a freeze that timed out
-            # here (it waits for the commits in flight there) may have landed, and that node
-            # held every commit until its own deadline (30 s: chaos --views, seed 1). A thaw
-            # under another token changes nothing.
-            with trio.CancelScope(shield=True):
-                async with trio.open_nursery() as n:
-                    for node in nodes:
-                        n.start_soon(self._thaw_one, node, token, node in frozen)
-
-    def _everywhere(self, what: str, nodes: list[str], done) -> None:
-        """EAGAIN unless every node of ``nodes`` is in ``done`` (see above)."""
-        missing = [n for n in nodes if n not in done]
-        if missing:
-            raise RemoteError("EAGAIN", f"snapshot not {what} on {', '.join(missing)}; it is taken again")
-
-    async def _freeze_one(self, node: str, token: str, frozen: list[str]) -> None:
-        try:
-            await self.call_node(node, "freeze", {"token": token, "seconds": FREEZE_SECONDS, "epoch": self.cluster.roles.view_epoch})
-            frozen.append(node)
-        except NodeDown as exc:
-            log.warning("snapshot: %s is down, it gets the snapshot at resync: %s", node, exc)
-        except RemoteError as exc:
-            if exc.code != "EBUSY":
-                raise
-            # another freeze holds it (a snapshot or rebalance under way, or one whose holder
-            # died and that lifts once the view drops it): asked again, not an error to the user
-            raise RemoteError("EAGAIN", f"snapshot: {node} is frozen: {exc}") from None
-
-    async def _thaw_one(self, node: str, token: str, frozen: bool) -> None:
-        try:
-            await self.call_node(node, "thaw", {"token": token})
-        except (NodeDown, RemoteError) as exc:  # it auto-thaws after its deadline
-            if frozen:
-                log.warning("thaw of %s failed: %s", node, exc)
-
-    async def _copy_one(self, node: str, snap: int, copied: dict) -> None:
-        try:
-            copied[node] = (await self.call_node(node, "snap_copy", {"snap": snap}))["bytes"]
-        except (NodeDown, RemoteError) as exc:
-            log.warning("snapshot %d not copied on %s: %s", snap, node, exc)
-
     def _save(self) -> None:
         if self.persist is not None:
             self.persist.save_meta(self.meta.snapshot())
@@ -300,35 +218,9 @@ class Namespace:
         self.meta.tag = tag
         self.last = (self.meta.seq, op, prev)
         self._save()
-        # Side effects on data are local and deterministic, so every replica does the same.
-        if result.get("freed"):
-            self.store.drop(result["freed"])
-            self.forget(result["freed"])
-        for bucket in result.get("freed_buckets", ()):  # its last tensor gone (server/buckets.py)
-            self.store.drop(bucket)
-            self.forget(bucket)
-        if op["op"] == "unsnapshot":
-            self.store.drop_snapshot(result["id"])
         if op["op"] == "cacher" and not op["on"]:
             self.names.leases.pop(op["owner"], None)  # gone (a clean unmount): no change waits for it
-        if op["op"] == "setxattr" and op["name"] in ("user.irdma.removed", "user.irdma.workers") and self.cluster.nursery:
-            self.cluster.nursery.start_soon(self.recheck)
-        if op["op"] == "setattr" and "size" in op["attrs"]:
-            node = self.meta.inode(op["ino"])
-            if node["unit"]:
-                cut = math.ceil(op["attrs"]["size"] / node["unit"])
-                if self.store.drop(op["ino"], cut):
-                    log.debug("file %d truncated at op %d: its stripes from %d dropped", op["ino"], self.meta.seq, cut)
-                self.forget(op["ino"], cut)  # a truncated tensor trains from its new start
-        for idx, tag, version in result.get("trim", ()) if op["op"] == "trim" else ():  # past the end, its writers failed or gone
-            stripe = self.store.get(op["ino"], idx)
-            if stripe is not None and stripe.stamp <= (tag, version):
-                self.store.drop_keys([(op["ino"], idx, s) for s in (0, -1, -2) if self.store.get(op["ino"], idx, s) is not None])
-                self.forget(op["ino"], idx, idx + 1)
-        if op["op"] == "setmodel" and op["model"]:  # the tensors' bytes live elsewhere now
-            node = self.meta.inode(op["ino"])
-            if node["unit"]:
-                self.store.drop(op["ino"], math.ceil(op["model"]["start"] / node["unit"]))
+        self.effects.applied(self.meta, op, result)  # on this node's stripes and training (effects.py)
         return result
 
     async def rpc_meta_apply(self, seq: int, op: dict, sender: str = "", epoch: int = 0, tag: int = 0, prev: list | None = None) -> dict:
@@ -377,44 +269,13 @@ class Namespace:
             self.prune(None if whole else had)
 
     def prune(self, held: dict | None = None) -> None:
-        """Drop the stripes the namespace no longer has: of files it lacks, of snapshots it
-        does not name (ids below 0 are optimizer state, never dropped here: every namespace
-        taken once lost the training state of the node), and those its truncates freed
-        (``drop_freed``; with ``held``, a node's cuts before it took this namespace, only the
-        cuts it lacked). A node loaded from disk prunes too: a drop's file removals are written
-        behind (persist.py), so a kill may leave them undone."""
-        known = self.meta.files()
-        for fid in {fid for fid, _, snap in self.store.stripes if snap == 0} - known:
-            self.store.drop(fid)
-        self.drop_freed(held)
-        snaps = set(self.meta.snapshot_ids().values())
-        for snap in {snap for _, _, snap in self.store.stripes if snap > 0} - snaps:
-            self.store.drop_snapshot(snap)
+        """Drop the stripes this namespace no longer has (effects.py)."""
+        self.effects.prune(self.meta, held)
 
     def drop_freed(self, held: dict | None = None) -> None:
-        """Drop what the truncates in the namespace (those not in ``held``, if given: the cuts a
-        node taking a namespace to catch up held before; by cut, not by sequence number, since
-        a diverged history numbers other ops alike) freed and this node missed: a stripe at or
-        past a cut with a version from before it (a stripe made since has a higher one: its
-        version base is the namespace seq it was made at). Kept, a write that grew the file
-        again landed on it, and the range before the written one read back the old bytes
-        (chaos --views, seeds 2 and 7). A stripe past the size but made since (a write whose
-        extend has not come yet) stays.
-
-        A namespace op is acknowledged once every serving node holds it, so every stripe a
-        node holds was made by a node that held every truncate acknowledged before, and its
-        version base says so: a resync (whole) and a hand-over's catch-up (membership.py, after
-        its fetches) drop by every cut; a node that takes a newer namespace to catch up (it
-        answered an op stale) by the cuts of the ops it missed. A node a rebalance adds hears
-        no namespace op until it is a member: it takes the namespace then, before it leads
-        anything (membership.py ``_take_namespace``); a stripe it had made with an older base
-        was an acknowledged write dropped (tests/mount/test_rebalance.py, 3 of 4 runs, before)."""
-        for (fid, idx, snap), stripe in list(self.store.stripes.items()):
-            cuts = [(seq, cut) for seq, cut in self.meta.cuts.table.get(fid, ()) if held is None or (seq, cut) not in held.get(fid, ())]
-            if snap <= 0 and any(idx >= cut and stripe.version < seq << VERSION_SHIFT for seq, cut in cuts):
-                log.info("stripe %d:%d (snapshot %d) was freed by a truncate this node missed: dropped", fid, idx, snap)
-                self.store.drop_keys([(fid, idx, snap)])
-                self.forget(fid, idx, idx + 1)
+        """Drop what this namespace's truncates (but those in ``held``) freed and this node
+        missed (effects.py)."""
+        self.effects.drop_freed(self.meta, held)
 
     async def rpc_meta_snapshot(self, whole: bool = False) -> dict:
         """This node's namespace. ``whole`` (a resync, which takes it in place of its own and

@@ -1072,7 +1072,7 @@ async def test_a_snapshot_thaws_a_node_whose_freeze_answer_was_lost(cluster):
         await c.paths.write_file("/f", os.urandom(1000))
         primary = next(n for n in nodes if n.name == c.cluster.roles.meta_primary())
         victim = next(n for n in nodes if n is not primary)
-        real = primary.namespace.call_node
+        real = primary.namespace.freezer.call_node
 
         lost = []
 
@@ -1083,7 +1083,7 @@ async def test_a_snapshot_thaws_a_node_whose_freeze_answer_was_lost(cluster):
                 raise NodeDown(node, "the answer was lost (test)")
             return answer
 
-        primary.namespace.call_node = call_node
+        primary.namespace.freezer.call_node = call_node
         await c.take_snapshot("s")
         assert lost and lost[0] is not None  # it had landed
         assert victim.barrier.frozen_by is None and all("s" in n.namespace.meta.snapshots for n in nodes)
@@ -1102,14 +1102,14 @@ async def test_a_freeze_from_an_older_view_is_refused_and_freezes_nothing(cluste
     async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
         await c.paths.write_file("/f", os.urandom(1000))
         primary = next(n for n in nodes if n.name == c.cluster.roles.meta_primary())
-        real, sent = primary.namespace.call_node, []
+        real, sent = primary.namespace.freezer.call_node, []
 
         async def call_node(node, method, args):
             if method == "freeze":
                 sent.append(args)
             return await real(node, method, args)
 
-        primary.namespace.call_node = call_node
+        primary.namespace.freezer.call_node = call_node
         await c.take_snapshot("s")
         assert len(sent) == len(nodes) and all(a["epoch"] == primary.cluster.roles.view_epoch for a in sent)
     node = nodes[1]
@@ -1142,7 +1142,7 @@ async def test_a_snapshot_not_copied_on_every_active_node_is_not_named(cluster):
         f = await c.paths.write_file("/f", data)
     primary = next(n for n in nodes if n.name == c.cluster.roles.meta_primary())
     other = next(n for n in nodes if n is not primary)
-    real = primary.namespace.call_node
+    real = primary.namespace.freezer.call_node
 
     async def call_node(node, method, args):
         if method == "snap_copy" and node == other.name:
@@ -1151,13 +1151,13 @@ async def test_a_snapshot_not_copied_on_every_active_node_is_not_named(cluster):
 
     epoch = primary.cluster.roles.view_epoch  # its view names all three
     assert set(primary.cluster.roles.view.active) == {n.name for n in nodes}
-    primary.namespace.call_node = call_node
+    primary.namespace.freezer.call_node = call_node
     with pytest.raises(RemoteError) as e:
         await primary.namespace.rpc_meta({"op": "snapshot", "name": "s", "rid": "t:1"}, epoch=epoch)
     assert e.value.code == "EAGAIN" and other.name in str(e.value)
     assert all("s" not in n.namespace.meta.snapshots for n in nodes)
     assert all(n.barrier.frozen_by is None for n in nodes)
-    primary.namespace.call_node = real
+    primary.namespace.freezer.call_node = real
     await primary.namespace.rpc_meta({"op": "snapshot", "name": "s", "rid": "t:1"}, epoch=epoch)
     assert all("s" in n.namespace.meta.snapshots for n in nodes)
     async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
@@ -1396,14 +1396,14 @@ async def test_a_snapshot_whose_coordinator_dies_before_the_copies_is_not_named(
     async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
         await c.paths.write_file("/f", os.urandom(3 * cfg.stripe_unit))
         primary = next(n for n in nodes if n.name == c.cluster.roles.meta_primary())
-    real = primary.namespace.call_node
+    real = primary.namespace.freezer.call_node
 
     async def call_node(node, method, args):
         if method == "snap_copy":
             raise RuntimeError("the coordinator is killed here (test)")
         return await real(node, method, args)
 
-    primary.namespace.call_node = call_node
+    primary.namespace.freezer.call_node = call_node
     with pytest.raises(BaseException) as e:
         await primary.namespace.rpc_meta({"op": "snapshot", "name": "s", "rid": "test:9"}, epoch=primary.cluster.roles.view_epoch)
     assert "the coordinator is killed here" in repr(e.value) or any("killed here" in repr(x) for x in getattr(e.value, "exceptions", ()))
