@@ -105,7 +105,7 @@ class DataPath:
         self.serving.require_caught_up()
         frozen = self.store.take_snapshot(snap)
         self.missing.frozen(snap)  # a stripe lost here is lost in the snapshot, never a hole there
-        await self.store.persisted(self.offload)  # with --persist: its links on disk, off the loop
+        await self.store.behind.persisted(self.offload)  # with --persist: its links on disk, off the loop
         return {"bytes": frozen}
 
     async def rpc_stripe_info(self, fid: int, idxs: list[int], snap: int = 0, resync: bool = False) -> dict:

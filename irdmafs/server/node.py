@@ -195,9 +195,9 @@ class Node:
             nursery.start_soon(self.tails.loop)
             if not self.offload.inline:  # not in the simulator: its seeds' schedules stay as they were
                 nursery.start_soon(self.loop_lag.run)
-                nursery.start_soon(self.store.reap, self.offload)  # freed memory released off the loop
+                nursery.start_soon(self.store.behind.reap, self.offload)  # freed memory released off the loop
                 if self.persist is not None:
-                    nursery.start_soon(self.store.write_behind, self.offload)  # files of every stripe at once
+                    nursery.start_soon(self.store.behind.write_behind, self.offload)  # files of every stripe at once
             nursery.start_soon(self.lease.run)
             task_status.started(address)
             await self.membership.join()

@@ -17,7 +17,7 @@ stripe; 4,096 ``link`` calls took 0.13 s here) is queued (``later``) and done by
 thread, never on the node's loop. One order holds for all of it: an operation on a file first
 does every queued one before it that touches the same file (under one lock, which the thread
 takes per operation), so a stripe rewritten while its snapshot's link waits keeps the link's
-old bytes. A snapshot answers once its links are done (``Store.persisted``).
+old bytes. A snapshot answers once its links are done (``Behind.persisted``, behind.py).
 """
 
 from __future__ import annotations

@@ -45,8 +45,13 @@ Capacity grows in GROW-byte steps up to the stripe unit; growing moves the strip
 ``changed`` is a trio Event set whenever a stripe's clock word may have moved or a region
 gone (server/clocks.py waits on it for the pulls that asked to be told).
 
-Concurrency: called from the node's trio thread only; nothing here awaits but ``reap``, the task
-that releases freed memory off the loop.
+``Store`` owns the table of stripes (``stripes``), which snapshots share a live stripe's memory
+(``sharers``), the memory's accounting and the seqlock write path; what it frees and what it
+writes of every stripe at once go to ``behind`` (behind.py), which releases the memory and
+writes the files off the loop, and keeps the spares.
+
+Concurrency: called from the node's trio thread only; nothing here awaits (``behind``'s tasks
+do, off the loop).
 """
 
 from __future__ import annotations
@@ -56,11 +61,10 @@ from typing import Callable
 
 import trio
 
-from ..runtime.offload import Offload
 from ..regions import CLOCK_AT, HEADER, PENDING, VERSION_AT, WORD
 from ..transport.base import Access, Region, Transport
+from .behind import Behind
 from .budget import Budget, NoSpace
-from .spares import Spares
 from .updates import StripeKey, StripeRange
 
 __all__ = ["Memory", "NoSpace", "Store", "Stripe"]
@@ -68,7 +72,6 @@ __all__ = ["Memory", "NoSpace", "Store", "Stripe"]
 GROW = 64 << 10
 LIVE, FROZEN = "stripes", "snapshots"  # what the budget counts stripe memory as (``Memory.kind``)
 SPARE_SHARE = 4  # at most 1/4 of a node's capacity kept as spare memory (spares.py)
-IDLE_CHECK = 2.0  # how often the reaper looks for idle spares
 
 
 class Memory:
@@ -140,66 +143,12 @@ class Store:
         # set (and renewed) whenever a stripe's header may have changed or its region gone:
         # what clock waits wait on (server/clocks.py)
         self.changed = trio.Event()
-        # memory whose last registration went, released off the loop by ``reap`` (freeing a
-        # snapshot of 800 MiB unmapped its pages for 0.12 s on the loop); inline without it
-        self.reaping = False
-        self._dying: list[memoryview] = []
-        # memory kept for the copies on write to come (spares.py); only while the reaper runs
-        # (a node: it also releases what is idle)
-        self.spares = Spares(transport, self.budget, self._dispose, self.budget.capacity // SPARE_SHARE)
+        # memory whose last registration went, and files of every stripe at once (a snapshot's
+        # links, what a drop freed): released and written off the loop (behind.py); the spares
+        # are its (memory kept for the copies on write to come, while its reaper runs)
+        self.behind = Behind(transport, self.budget, persist, self.budget.capacity // SPARE_SHARE)
+        self.spares = self.behind.spares
         self.budget.reclaim = self.spares.release
-        self._dying_ready = trio.Event()
-        # files of every stripe at once (a snapshot's links, what a drop freed) written behind
-        # by ``write_behind`` off the loop, in order (persist.py); inline without it
-        self.writing_behind = False
-        self._behind = trio.Event()
-
-    async def reap(self, offload: Offload) -> None:
-        """Release freed memory through ``offload`` (a worker thread: munmap releases the GIL),
-        batch by batch, for as long as it runs; the node runs it. Without it (a test's store)
-        memory is released where it is freed."""
-        self.reaping = True
-        try:
-            while True:
-                with trio.move_on_after(IDLE_CHECK):
-                    await self._dying_ready.wait()
-                if self.spares.idle():
-                    self.spares.release()
-                if not self._dying:
-                    continue
-                self._dying_ready = trio.Event()
-                batch, self._dying = self._dying, []
-                await offload.run(batch.clear)
-        finally:
-            self.reaping = False
-            self.spares.release()
-
-    async def write_behind(self, offload: Offload) -> None:
-        """Do the persist operations queued for every stripe at once (``_later``) through
-        ``offload``, for as long as it runs; the node runs it with ``--persist``."""
-        self.writing_behind = True
-        try:
-            while True:
-                await self._behind.wait()
-                self._behind = trio.Event()
-                await offload.run(self.persist.drain)
-        finally:
-            self.writing_behind = False
-            self.persist.drain()  # a node that stops leaves nothing queued
-
-    async def persisted(self, offload: Offload) -> None:
-        """Until what ``_later`` queued is on disk (a snapshot answers then)."""
-        if self.persist is not None:  # always: drain waits, under the lock, for one in flight
-            await offload.run(self.persist.drain)
-
-    def _later(self, ops: list) -> None:
-        if self.persist is None or not ops:
-            return
-        self.persist.later(ops)
-        if self.writing_behind:
-            self._behind.set()
-        else:
-            self.persist.drain()
 
     def _changed(self) -> None:
         self.changed.set()
@@ -215,12 +164,6 @@ class Store:
     def used(self) -> int:
         """Bytes of stripe memory held (each ``Memory`` once, however many share it)."""
         return self.budget.held[LIVE] + self.budget.held[FROZEN]
-
-    def _dispose(self, buf: memoryview) -> None:
-        """Memory nobody uses any more: released by the reaper (inline without it)."""
-        if self.reaping:
-            self._dying.append(buf)
-            self._dying_ready.set()
 
     def _alloc(self, capacity: int, kind: str, why: str = "", whole: bool = False) -> tuple[Region, Memory]:
         """A region for ``capacity`` data bytes counted as ``kind``; ``whole``: the caller
@@ -248,8 +191,8 @@ class Store:
             self.budget.give(memory.kind, memory.capacity)
             # only what snapshots alone held: a live stripe's memory may still be read by a change
             # being replicated (``Update.source``), which must not see another stripe's bytes
-            if not (self.reaping and memory.kind == FROZEN and self.spares.keep(stripe.region, memory.capacity)):
-                self._dispose(stripe.region.buf)
+            if not (self.behind.reaping and memory.kind == FROZEN and self.spares.keep(stripe.region, memory.capacity)):
+                self.behind.dispose(stripe.region.buf)
         self.transport.free_region(stripe.region)  # after keep: it keeps the memory under a key of its own
         if memory.users and snap == 0 and memory.kind == LIVE:  # snapshots alone hold it now
             self.budget.move(LIVE, FROZEN, memory.capacity)
@@ -456,7 +399,7 @@ class Store:
         finally:
             if keys:
                 self._changed()
-            self._later([("remove", key, None) for key in gone])  # their files: off the loop
+            self.behind.later([("remove", key, None) for key in gone])  # their files: off the loop
         return len(keys)
 
     def take_snapshot(self, snap: int) -> int:
@@ -469,7 +412,7 @@ class Store:
         for (fid, idx, _), stripe in live:
             self._share((fid, idx, snap), stripe)
             self.sharers.setdefault((fid, idx), set()).add(snap)
-        self._later([("link", key, (key[0], key[1], snap)) for key, _ in live])  # off the loop
+        self.behind.later([("link", key, (key[0], key[1], snap)) for key, _ in live])  # off the loop
         return sum(s.capacity for _, s in live)
 
     def listing(self) -> list[list[int]]:

@@ -159,18 +159,18 @@ async def test_freed_memory_is_released_off_the_loop_while_the_reaper_runs():
     for i in range(4):
         s.install(StripeKey(1, i), 0, memoryview(b"copy"), UNIT)  # the snapshot holds 4 copies alone
     async with trio.open_nursery() as n:
-        n.start_soon(s.reap, Offload())
+        n.start_soon(s.behind.reap, Offload())
         await trio.testing.wait_all_tasks_blocked()
-        assert s.reaping
+        assert s.behind.reaping
         s.drop_snapshot(1)
-        assert len(s._dying) == 4 and s.snapshot_bytes == 0  # handed over, not released here
+        assert len(s.behind.dying) == 4 and s.snapshot_bytes == 0  # handed over, not released here
         with trio.fail_after(30):
-            while s._dying:  # until the reaper took them
+            while s.behind.dying:  # until the reaper took them
                 await trio.sleep(0.001)
         n.cancel_scope.cancel()
-    assert not s.reaping
+    assert not s.behind.reaping
     s.drop(1)
-    assert not s._dying and s.used == 0  # without the reaper: released where freed
+    assert not s.behind.dying and s.used == 0  # without the reaper: released where freed
 
 
 async def test_a_snapshots_files_are_written_behind_in_order_with_the_writes_after_it(tmp_path):
@@ -189,7 +189,7 @@ async def test_a_snapshots_files_are_written_behind_in_order_with_the_writes_aft
     for i in range(n):
         s.install(StripeKey(1, i), 0, memoryview(bytes([i]) * UNIT), UNIT)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(s.write_behind, Offload())
+        nursery.start_soon(s.behind.write_behind, Offload())
         await trio.testing.wait_all_tasks_blocked()
         loop_thread = threading.get_ident()
         s.take_snapshot(3)
@@ -204,13 +204,13 @@ async def test_a_snapshots_files_are_written_behind_in_order_with_the_writes_aft
                 s.install(StripeKey(1, i), 0, memoryview(b"\xee" * 100), UNIT)  # freed and made again
             else:
                 s.install(StripeKey(1, i), UNIT - 4, memoryview(b"tail"), UNIT)
-        await s.persisted(Offload())
+        await s.behind.persisted(Offload())
         drained.join()
         assert persist.pending == 0 and threading.get_ident() == loop_thread
         frozen = {key: raw for key, (raw, _) in on_disk(persist).items() if key[2] == 3}
         assert all(frozen[(1, i, 3)][HEADER : HEADER + UNIT] == bytes([i]) * UNIT for i in range(n))
         s.drop_snapshot(3)  # its files removed behind too
-        await s.persisted(Offload())
+        await s.behind.persisted(Offload())
         nursery.cancel_scope.cancel()
     files = {key: raw for key, (raw, _) in on_disk(persist).items()}
     assert not any(k[2] == 3 for k in files)
@@ -224,7 +224,7 @@ def test_a_snapshot_written_behind_keeps_what_it_froze_on_disk(tmp_path):
     """The same without a drainer running: the write that comes first does the link."""
     persist = Persist(tmp_path)
     s = filled(n_stripes=3, persist=persist)
-    s.writing_behind = True  # as under a node's write_behind, which has not run yet
+    s.behind.writing_behind = True  # as under a node's write_behind, which has not run yet
     s.take_snapshot(5)
     assert persist.pending == 3
     s.install(StripeKey(1, 0), 0, memoryview(b"new!"), UNIT)  # does stripe 0's link first

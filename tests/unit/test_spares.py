@@ -37,9 +37,9 @@ class Allocs:
 
 
 async def _reaping(s, nursery):
-    nursery.start_soon(s.reap, Offload())
+    nursery.start_soon(s.behind.reap, Offload())
     await trio.testing.wait_all_tasks_blocked()
-    assert s.reaping
+    assert s.behind.reaping
 
 
 async def _kept(nursery):
@@ -61,7 +61,7 @@ async def test_a_dropped_snapshots_memory_becomes_the_next_copy_on_write(nursery
         s.install(StripeKey(1, i), 0, memoryview(b"one!"), UNIT)  # snapshot 1 holds 4 copies alone
     old_keys = [s.get(1, i, 1).region.rkey for i in range(4)]
     s.drop_snapshot(1)
-    assert s.spares.held == 4 * UNIT == s.budget.held[SPARE] and not s._dying, "kept, not released"
+    assert s.spares.held == 4 * UNIT == s.budget.held[SPARE] and not s.behind.dying, "kept, not released"
     for rkey in old_keys:  # never served again under the key readers were told
         with pytest.raises(AccessError):
             s.transport.regions.check(rkey, 0, 8, Access.READ)
@@ -104,7 +104,7 @@ async def test_a_live_stripes_memory_is_never_kept(nursery):
     s = filled()
     await _reaping(s, nursery)
     s.drop(1)
-    assert s.spares.held == 0 and s.budget.held[SPARE] == 0 and len(s._dying) == 4
+    assert s.spares.held == 0 and s.budget.held[SPARE] == 0 and len(s.behind.dying) == 4
 
 
 async def test_idle_spares_are_released(nursery, autojump_clock):
@@ -113,5 +113,5 @@ async def test_idle_spares_are_released(nursery, autojump_clock):
     await trio.sleep(spares_mod.IDLE + 5)
     assert s.spares.held == 0 and s.budget.held[SPARE] == 0
     with trio.fail_after(30):
-        while s._dying:  # handed to the reaper's thread
+        while s.behind.dying:  # handed to the reaper's thread
             await trio.sleep(0.01)
