@@ -223,7 +223,7 @@ class Operations(pyfuse3.Operations):
     @fuse_errors
     async def fsync(self, fh, datasync):
         try:
-            await self.vfs.fsync(fh)
+            await self.vfs.handles.fsync(fh)
         except Exception:
             await self._forget_size(fh)
             raise
@@ -245,7 +245,7 @@ class Operations(pyfuse3.Operations):
 
     @fuse_errors
     async def statfs(self, ctx):
-        st = await self.vfs.statfs()
+        st = await self.vfs.status_files.statfs()
         s = pyfuse3.StatvfsData()
         s.f_bsize = s.f_frsize = 1 << 20
         s.f_blocks = st["capacity"] // s.f_frsize

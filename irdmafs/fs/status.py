@@ -7,6 +7,7 @@
 - ``.irdma/workers/<r>/batch_size``: a rank writes the batch it uses; reading it gives the batch
   suggested to it (r2sp with heterogeneous workers).
 
+``statfs``: the cluster's capacity and use, as the mount answers the kernel's statfs (``df``).
 ``mount_samples``: the mount's figures as metric samples (metrics.py serves them; here so that
 the node, which loads metrics.py, loads no client code).
 """
@@ -59,6 +60,10 @@ class StatusFiles(Family):
         self.status = status  # what the mount says of itself in .irdma/cluster
         self.figures = figures  # the mount's counters and metrics, for .irdma/stats
         self.opened = opened  # open handles of an inode, by kind
+
+    async def statfs(self) -> dict:
+        """The cluster's capacity and use, as the mount's statfs answers them (client/nodes.py)."""
+        return await nodes.statfs(self.client)
 
     def owns(self, ino: int) -> bool:
         return ino in (IRDMA_DIR, RANKS_DIR, CLUSTER_FILE, STATS_FILE) or RANK_DIR <= ino < RANK_DIR + MAX_RANK or BATCH_FILE <= ino < BATCH_FILE + MAX_RANK

@@ -10,7 +10,11 @@ Families (each a small class with the operations it serves; inodes.py numbers th
 | views | ``VIEW | d``: ``<d>.safetensors`` beside a directory of tensors | views.py |
 | status | ``/.irdma``: status files, ranks, batch sizes | status.py |
 
-What the mount knows of each file it has open is in openfiles.py; the open files' behaviour in
+Vfs owns the table of families and what each request means by inode: it dispatches names,
+attributes, namespace changes and xattrs, and opens files by their family. The open handles by
+number, and the requests on a number (read, write, flush, fsync, release), are the handle
+table's (``vfs.handles``: handletable.py); statfs is the status files' (status.py). What the
+mount knows of each file it has open is in openfiles.py; the open files' behaviour in
 handles.py. Hidden entries and views are reachable by name and never listed, so ``cp -r`` /
 ``rsync -a`` of the mount or of a model copies each byte once.
 
@@ -26,8 +30,6 @@ from __future__ import annotations
 
 import errno
 import functools
-import itertools
-import logging
 import os
 
 from ..client import nodes
@@ -36,7 +38,7 @@ from ..metrics import Latency, as_dict
 from ..names import ROOT
 from . import models
 from ..errors import FsError
-from .handles import FileHandle, Handle
+from .handletable import HandleTable
 from .inodes import HIDDEN, RANKS_DIR, SNAPSHOTS_DIR, WORK, Family, writes
 from .live import LiveFiles
 from .listings import Listings
@@ -45,11 +47,9 @@ from .namelease import NameCaches, NameLease
 from .openfiles import OpenFiles
 from .snapshots import Snapshots
 from .status import StatusFiles, mount_samples
-from .streams import Layouts, PullStreamHandle, PushStreamHandle, Streams
+from .streams import Layouts, Streams
 from .views import Views
 from .workers import WorkerFiles
-
-log = logging.getLogger(__name__)
 
 
 def changing(fn):
@@ -70,8 +70,6 @@ class Vfs:
     def __init__(self, client: Client, *, status: dict | None = None):
         self.client = client
         self.status = status or {}
-        self.handles: dict[int, Handle] = {}
-        self._fh = itertools.count(1)
         self.counters: dict[str, int] = {}
         self.latency = Latency()  # per FUSE operation (fs/ops.py observes)
         self.files = OpenFiles()  # what the mount knows of each file it has open
@@ -83,10 +81,12 @@ class Vfs:
         # what lookups just fetched, for the opens that follow; a change of this mount's own
         # drops every listing too (the primary tells no mount of its own changes)
         self.lookups = Lookups(on_change=self.listings.clear)
+        # the open handles by number; a cluster file's last close goes to the live tree (made below)
+        self.handles = HandleTable(self.lookups, closed=lambda h: self.live.changes.closed(h))
         client.meta.on_change.append(self.lookups.changed)  # any namespace op of this mount's (a bucket's pack too)
         # how long the kernel may cache names: a lease kept by ``names.run`` (launch/mount.py starts it)
         self.names = NameLease(client.meta, forget=self._told)
-        self.views = Views(client, self.open_handles, self.lookups)
+        self.views = Views(client, self.handles.of, self.lookups)
         self.live = LiveFiles(client, self.files, self.models, self.layouts, self.views, NameCaches(self.lookups, self.names, self.listings))
         self.snapshots = Snapshots(client, self.models, self.live.file_handle, self.files.drain)
         self.workers = WorkerFiles(self.streams, self.models, lambda: self.door)
@@ -95,7 +95,7 @@ class Vfs:
             "names": self.names.figures() | {"listing_hits": self.listings.hits},
             "metrics": as_dict(mount_samples(self)),
         }
-        self.status_files = StatusFiles(client, self.status, figures, self.open_handles)
+        self.status_files = StatusFiles(client, self.status, figures, self.handles.of)
         self.families: list[Family] = [self.live, self.snapshots, self.workers, self.views, self.status_files]
 
     def _told(self, entries: set, inodes: set, everything: bool) -> None:
@@ -109,11 +109,6 @@ class Vfs:
             if f.owns(ino):
                 return f
         raise FsError(errno.ENOENT)
-
-    def open_handles(self, ino: int, kind: type) -> list:
-        """This mount's open handles of ``ino`` of a kind made whole at open (views, status
-        files); a cluster file's are its ``OpenFile``'s."""
-        return [h for h in self.handles.values() if isinstance(h, kind) and h.ino == ino]
 
     # -- attributes and names ----------------------------------------------------------------------
     async def getattr(self, ino: int) -> dict:
@@ -174,15 +169,10 @@ class Vfs:
         self.layouts.forget()  # tensors may come or go
         await self.live.changes.rename(parent, name, new_parent, new_name, flags)
 
-    # -- files -------------------------------------------------------------------------------------
-    def _register(self, handle: Handle) -> int:
-        fh = next(self._fh)
-        self.handles[fh] = handle
-        return fh
-
+    # -- files: opened by their family, numbered and served by the handle table (handletable.py) --
     async def open(self, ino: int, flags: int, uid: int = 0) -> int:
         try:
-            return self._register(await self.family(ino).open(ino, flags, uid))
+            return self.handles.add(await self.family(ino).open(ino, flags, uid))
         finally:
             if flags & os.O_TRUNC and writes(flags):
                 self.lookups.changed()  # it truncated the file
@@ -190,65 +180,25 @@ class Vfs:
     @changing
     async def create(self, parent: int, name: str, mode: int, flags: int, uid: int, gid: int) -> tuple[int, dict]:
         handle, st = await self.live.create(parent, name, mode, flags, uid, gid)
-        return self._register(handle), st
-
-    def handle(self, fh: int) -> Handle:
-        h = self.handles.get(fh)
-        if h is None:
-            raise FsError(errno.EBADF)
-        return h
+        return self.handles.add(handle), st
 
     async def read(self, fh: int, off: int, size: int) -> memoryview:
-        return await self.handle(fh).read(off, size)
+        return await self.handles.read(fh, off, size)
 
     async def write(self, fh: int, off: int, data: bytes) -> int:
-        return await self.handle(fh).write(off, data)
+        return await self.handles.write(fh, off, data)
 
     async def flush(self, fh: int) -> None:
-        h = self.handle(fh)
-        try:
-            await h.flush()
-        finally:
-            self._wrote(h)
+        await self.handles.flush(fh)
 
-    async def fsync(self, fh: int) -> None:
-        h = self.handle(fh)
-        try:
-            await h.fsync()
-        finally:
-            self._wrote(h)
-
-    def _wrote(self, h: Handle) -> None:
-        """After a flush: a handle that wrote may have changed its file (size, a tensor or a
-        model now), so what lookups fetched before may be old (lookups.py)."""
-        if getattr(h, "writes", 0) or getattr(h, "dirty", False):
-            self.lookups.changed()
+    async def release(self, fh: int) -> None:
+        await self.handles.release(fh)
 
     async def fsyncdir(self, ino: int) -> None:
         """On a ``.workers/<rank>/...`` directory: until every push this mount made for that
         rank is applied. Elsewhere namespace changes are already replicated: nothing to wait."""
         if ino & WORK:
             await self.workers.fsyncdir(ino)
-
-    async def release(self, fh: int) -> None:
-        h = self.handles.pop(fh, None)
-        if h is None:
-            return
-        try:
-            await h.flush()
-        except FsError as exc:
-            # close() already reported this through FLUSH; nobody sees RELEASE's answer
-            log.info("inode %d released with its last flush refused: %s", h.ino, exc)
-        finally:
-            if isinstance(h, (PushStreamHandle, PullStreamHandle)):
-                h.close()  # its buffer serves the next step
-            if isinstance(h, FileHandle):
-                gone = h.file is not None and h.file.unlinked
-                try:
-                    await self.live.changes.closed(h)  # the last close of a file unlinked while open: it goes
-                finally:
-                    if gone or h.writes:
-                        self.lookups.changed()
 
     # -- extended attributes and the rest ----------------------------------------------------------
     async def getxattr(self, ino: int, name: str) -> bytes:
@@ -260,6 +210,3 @@ class Vfs:
     @changing
     async def setxattr(self, ino: int, name: str, value: bytes | None) -> None:
         await self.live.xattrs.setxattr(ino, name, value)
-
-    async def statfs(self) -> dict:
-        return await nodes.statfs(self.client)
