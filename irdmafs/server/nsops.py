@@ -278,7 +278,7 @@ def op_setxattr(meta, op: dict) -> dict:
         raise _err("EPERM", f"{MODEL_XATTR} is kept by the file system")
     if op["name"] in POLICIES and op.get("value") is not None:
         # checked when set, by any client, with the parser the training path reads it with
-        # (the mount checks first and logs why: fs/live.py check_xattr)
+        # (the mount checks first and logs why: fs/xattrs.py check_xattr)
         try:
             check_policy(op["name"], op["value"])
         except PolicyError as exc:

@@ -4,7 +4,7 @@ A write lands stripe by stripe (``commit``) and grows the file once, at its flus
 so while a file is written its stripes past the namespace's size are normal: they are on their
 way. Left there by a writer that failed (issue 55: a 0-byte file held 450 MB after `dd` met
 ENOSPC) or died (a mount killed, a client process gone), they would hold memory nobody can read,
-for ever. A writer that fails gives its own up here (``Client.free_past_end``); one that dies
+for ever. A writer that fails gives its own up here (``FileData.free_past_end``, client/data.py); one that dies
 cannot, and its staging lease ending says so.
 
 So the primary that commits a stripe past its file's end notes who wrote it (the owner of the
@@ -14,7 +14,7 @@ file has grown over, that is gone, that changed here otherwise (another stamp: a
 primary wrote it) or that this node no longer leads is forgotten; one every writer of which is
 gone (its staging lease ended: heartbeats stopped for ``STAGING_LEASE``, or it released its
 staging: a client that closed) or gave it up (a failed write: ``release_tails``, from
-``Client.free_past_end``) is trimmed: the primary sends the namespace op ``trim {ino, stripes:
+``FileData.free_past_end``, client/data.py) is trimmed: the primary sends the namespace op ``trim {ino, stripes:
 [[idx, tag, version]]}``, which every node applies in the namespace's order by dropping its copy
 if the stripe is still past the file's end and its stamp is still that one or older
 (server/namespace.py). A live writer's bytes in the stripe keep it (it is one of its writers);
@@ -127,7 +127,7 @@ class Tails:
 
     async def rpc_release_tails(self, owner: str, fid: int, idxs: list) -> dict:
         """``owner``'s write failed: it gives up what it committed past the end of ``fid``
-        (``Client.free_past_end``); a stripe no other writer of which is still there is trimmed
+        (``FileData.free_past_end``, client/data.py); a stripe no other writer of which is still there is trimmed
         now."""
         if not isinstance(owner, str) or type(fid) is not int or not isinstance(idxs, list) or not all(type(i) is int for i in idxs):
             raise RemoteError("EINVAL", "release_tails: owner, fid and a list of stripe indices")
