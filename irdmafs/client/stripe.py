@@ -4,7 +4,9 @@ A read of a range becomes one version-checked one-sided READ per stripe unit it 
 parallel, each against the least-loaded ready replica; a lost node is marked down and the next
 replica serves. A write becomes, per stripe unit, a one-sided WRITE into a staging slot on the
 stripe's primary plus a ``commit``; the primary replicates before it answers, so when ``write``
-returns the data is on every live replica.
+returns the data is on every live replica. Whom a stripe's read asks, what it waits for and
+when it gives up are client/readplan.py's rules (a pure state machine); ``_read_piece`` performs
+them.
 
 Stripe region keys (rkey, capacity) are cached per node, with the node's incarnation; a stale key
 (the stripe grew, or the node restarted: StaleKey) answers AccessError and is looked up again.
@@ -28,7 +30,6 @@ from typing import Callable, NamedTuple
 import trio
 
 from ..runtime.cluster import READY, Cluster
-from ..errors import Unavailable
 from ..errors import NodeDown, TornRead
 from ..regions import Header
 from ..runtime.silence import Patience
@@ -36,7 +37,9 @@ from ..runtime.slots import StagingPool, staging_gone
 from ..transport.base import Gather
 from ..errors import AccessError, RemoteError
 from ..util import leaves
+from . import readplan as rp
 from .clockwait import ClockWaits
+from .readplan import Key, Lost, ReadPlan, Want
 
 log = logging.getLogger(__name__)
 
@@ -109,23 +112,6 @@ class Extent(NamedTuple):
     size: int
     unit: int
     snap: int = 0
-
-
-class Key(NamedTuple):
-    """Where a node holds a stripe, as its ``stripe_info`` said: for one-sided reads."""
-
-    rkey: int
-    capacity: int
-    inc: int  # the incarnation of the node that gave it (StaleKey once it restarted)
-    lease: int  # the coordination lease it served under
-
-
-class Lost(NamedTuple):
-    """A node's word that it should hold a stripe that holds bytes and does not (it came back
-    without it: server/missing.py). Never read as a hole: the read asks the other homes, and
-    says EIO naming the stripe and the node if none holds it."""
-
-    why: str
 
 
 class StripeIO:
@@ -442,140 +428,88 @@ class StripeIO:
                 await trio.sleep(min(delay, max(0.0, give_up - trio.current_time())))
                 delay = min(delay * 2, 0.02)
 
-    async def _read_piece(
-        self,
-        fid: int,
-        p: Piece,
-        view: memoryview,
-        snap: int,
-        step: StepWait,
-        clocks: dict | None,
-    ) -> None:
-        min_clock, settled = step.min_clock, step.settled
-        missing: set[str] = set()  # homes that answered "a hole here"
-        gone: dict[str, str] = {}  # homes that answered "lost here" (server/missing.py), and why
-        lost: set[str] = set()  # replicas that could not be reached by this read
-        syncing: set[str] = set()  # replicas that answered EAGAIN (resyncing): not trusted, not absent
-        behind: list[str] = []  # replicas whose clock did not move while waited on: asked last
-        stale_keys = 0
-        looked_up: set[str] = set()  # nodes whose key this read asked for (not from the cache)
-        patience = Patience(self.cluster.liveness.work, self.cluster.cfg.op_timeout)  # a stripe that keeps changing (TornRead)
-        # No replica to ask: counted from the moment none is left, not from the read's start,
-        # and again each time a replica answered since (``reached``). A pull's read queued for
-        # seconds behind a GB of others, its one home counted down for a second (a false alarm
-        # of a busy mount) while the other resynced, ended in EIO at once; so did one that had
-        # found no home for an instant, then waited seconds on a home's clock, which answered,
-        # and lost it (1 GiB chaos soaks).
-        unavailable: Patience | None = None
-        reached = False  # the node last asked answered (a key, a header): a replica was there
-
-        def heard() -> None:
-            nonlocal reached
-            reached = True
-
-        clock_deadline = trio.current_time() + step.wait
+    async def _read_piece(self, fid: int, p: Piece, view: memoryview, snap: int, step: StepWait, clocks: dict | None) -> None:
+        """Read one piece into ``view``: ``ReadPlan`` (client/readplan.py) says whom to ask, what
+        to wait for and when to give up; this performs each of its actions and tells it what
+        happened."""
+        want = Want(fid, p.idx, p.offset, len(view), step.min_clock, step.settled, step.wait)
+        plan = ReadPlan(want, trio.current_time(), self.cluster.cfg.op_timeout)
+        action: rp.Action = plan.start()
+        head = caught = None  # the last header read; the last failure (for Reraise)
         while True:
-            if reached:
-                unavailable = None
-            reached = False
-            candidates = [c for c in self.cluster.roles.read_candidates(fid, p.idx) if c not in missing | lost | syncing | gone.keys()]
-            candidates.sort(key=lambda c: behind.index(c) + 1 if c in behind else 0)
-            if not candidates:
-                every_home = self.cluster.roles.stripe_rank(fid, p.idx)[: self.cluster.roles.members.replicas]
-                # the homes the view names active hold every acknowledged write
-                homes = [n for n in every_home if self.cluster.roles.node_state(n) == READY] or every_home
-                # a home that lost the stripe is no answer while another home may still come
-                # back with it (syncing, down): that one is waited for below, as for EAGAIN
-                answered = set(homes) <= missing | gone.keys() and (not gone or set(every_home) <= missing | gone.keys())
-                if answered:  # every home replica answered: nothing there
-                    if gone:  # ... but the stripe holds bytes that a home lost: never zeros
-                        said = "; ".join(f"{n}: {w}" for n, w in sorted(gone.items()))
-                        log.error("stripe %d:%d: lost, no replica holds it (%s)", fid, p.idx, said)
-                        raise Unavailable(f"stripe {p.idx} of file {fid}: lost ({said})")
-                    view[:] = bytes(len(view))  # a hole
-                    return
-                if unavailable is None:
-                    unavailable, none_since = Patience(self.cluster.liveness.work, self.cluster.cfg.op_timeout), trio.current_time()
-                if not unavailable.expired():
-                    # Our view of the nodes may be behind (a node just finished its resync):
-                    # ask them again before calling the data unavailable; a home that refused
-                    # while it takes its stripes back is waited for as long as it moves (past
-                    # the first op timeout, woken by a change the heartbeats see rather than
-                    # asking every node again each 50 ms, for each of a pull's stripes)
-                    if trio.current_time() - none_since < self.cluster.cfg.op_timeout:
-                        await trio.sleep(0.05)
-                        await self.cluster.heartbeats.refresh()
-                    else:  # the heartbeat loop keeps what each node said fresh
-                        await self.cluster.liveness.wait_changed(0.5)
-                    unavailable.heed(*syncing)
-                    missing.clear()
-                    lost.clear()
-                    syncing.clear()
-                    continue
-                # Zeros here could hide lost data: say so instead.
-                down = [n for n in (every_home if gone else homes) if n not in missing and n not in gone]
-                also = "; lost on " + ", ".join(sorted(gone)) if gone else ""
-                log.error("stripe %d:%d: no live replica holds it (down or syncing: %s%s)", fid, p.idx, ", ".join(down), also)
-                raise Unavailable(f"stripe {p.idx} of file {fid}: replicas {down} unavailable{also}")
-            node = candidates[0]
-            try:
-                if (node, fid, p.idx, snap) not in self._keys or (node not in looked_up and not self._cached(node, fid, p.idx, snap)):
-                    await self._lookup(node, fid, [p.idx], snap)
-                    looked_up.add(node)
-                    heard()
-                key = self._keys[(node, fid, p.idx, snap)]
-                if key is None:
-                    missing.add(node)
-                    continue
-                if isinstance(key, Lost):
-                    gone[node] = key.why
-                    continue
-                rkey, capacity, inc, _ = key
-                if p.offset + len(view) > capacity and node not in looked_up:
-                    # past the stripe's end as cached: it may have grown since (into a new
-                    # region) -- ask again before calling the rest zeros
-                    del self._keys[(node, fid, p.idx, snap)]
-                    continue
-                k = max(0, min(len(view), capacity - p.offset))
-                guess = bool(min_clock and k and step.eager is not None and step.eager(p.idx))
-                if (min_clock or settled) and not guess:
-                    await self._wait_clock(node, rkey, inc, min_clock, clock_deadline, settled, heard)
-                if k:
-                    head = await self.cluster.peers.read_stripe(node, rkey, p.offset, view[:k], inc)
-                    if guess and head.clock < min_clock:  # guessed wrong: wait, then read again
-                        await self._wait_clock(node, rkey, inc, min_clock, clock_deadline, heard=heard)
-                        head = await self.cluster.peers.read_stripe(node, rkey, p.offset, view[:k], inc)
-                    if clocks is not None:
-                        clocks[p.idx] = head
-                view[k:] = bytes(len(view) - k)
+            if isinstance(action, rp.Done):
+                if action.record and clocks is not None:
+                    clocks[p.idx] = head
+                view[action.k :] = bytes(len(view) - action.k)
                 return
-            except _Behind:
-                if node in behind:
-                    behind.remove(node)
-                behind.append(node)
-                if self.on_behind is not None:
-                    await self.on_behind(fid, p.idx)
-            except AccessError:
-                self._keys.pop((node, fid, p.idx, snap), None)  # stripe moved to a new region
-                stale_keys += 1
-                if stale_keys > 10:
-                    raise
+            if isinstance(action, rp.Fail):
+                log.error(*action.log)
+                raise action.error
+            if isinstance(action, rp.Reraise):
+                assert caught is not None
+                raise caught
+            if not isinstance(action, (rp.Lookup, rp.WaitClock, rp.Read)):
+                action = await self._tend(plan, action, fid, p.idx, snap, step)
+                continue
+            try:
+                if isinstance(action, rp.Read):
+                    head = await self.cluster.peers.read_stripe(action.node, action.key.rkey, p.offset, view[: action.k], action.key.inc)
+                    action = plan.got(head.clock)
+                elif isinstance(action, rp.WaitClock):
+                    node, key = action.node, action.key
+                    await self._wait_clock(node, key.rkey, key.inc, action.min_clock, action.deadline, action.settled, plan.heard)
+                    action = plan.reached_clock()
+                else:
+                    await self._lookup(action.node, fid, [p.idx], snap)
+                    action = plan.looked(self._keys[(action.node, fid, p.idx, snap)], self._eager(step, p.idx))
+            except _Behind as exc:
+                caught, action = exc, plan.failed(rp.BEHIND, trio.current_time())
+            except AccessError as exc:
+                caught, action = exc, plan.failed(rp.STALE, trio.current_time())
             except NodeDown as exc:
-                log.warning("stripe %d:%d: node %s lost (%s); trying the next replica", fid, p.idx, node, exc)
-                lost.add(node)
+                log.warning("stripe %d:%d: node %s lost (%s); trying the next replica", fid, p.idx, plan.node, exc)
+                caught, action = exc, plan.failed(rp.DOWN, trio.current_time())
             except RemoteError as exc:
-                if exc.code != "EAGAIN":
-                    raise
-                # syncing: not trusted for reads yet, and not a home that answered "nothing here":
-                # two resyncing homes once read as a hole, zeros (found by the chaos soak)
-                syncing.add(node)
-            except TornRead:
-                # Writes keep landing on this stripe: back off and read again (bounded by the
-                # deadline below). Never treat it as missing, which could read as a hole.
-                if patience.expired():
-                    raise
-                log.warning("stripe %d:%d on %s kept changing; reading again", fid, p.idx, node)
-                await trio.sleep(0.01)
+                caught, action = exc, plan.failed(rp.REFUSED, trio.current_time(), exc.code)
+            except TornRead as exc:
+                caught, action = exc, plan.failed(rp.TORN, trio.current_time())
+
+    @staticmethod
+    def _eager(step: StepWait, idx: int) -> bool:
+        return step.eager is not None and bool(step.min_clock) and step.eager(idx)
+
+    async def _tend(self, plan: ReadPlan, action: rp.Action, fid: int, idx: int, snap: int, step: StepWait) -> rp.Action:
+        """Perform one of a read plan's actions that asks no node for the stripe (the view, the
+        key cache, a wait, a word to the pusher) and answer what came of it."""
+        roles = self.cluster.roles
+        if isinstance(action, rp.Look):
+            return plan.candidates(roles.read_candidates(fid, idx))
+        if isinstance(action, rp.Homes):
+            every_home = roles.stripe_rank(fid, idx)[: roles.members.replicas]
+            return plan.homes(trio.current_time(), every_home, [n for n in every_home if roles.node_state(n) == READY])
+        if isinstance(action, rp.Check):
+            k = (action.node, fid, idx, snap)
+            present = k in self._keys
+            entry = self._keys.get(k)
+            return plan.cached(present, present and self._in_its_lease(action.node, entry, snap), entry, self._eager(step, idx))
+        if isinstance(action, rp.Forget):
+            self._keys.pop((action.node, fid, idx, snap), None)
+            return plan.forgot()
+        if isinstance(action, rp.Wait):
+            if action.short:
+                await trio.sleep(0.05)
+                await self.cluster.heartbeats.refresh()
+            else:  # the heartbeat loop keeps what each node said fresh
+                await self.cluster.liveness.wait_changed(0.5)
+            return plan.waited(trio.current_time(), {n: self.cluster.liveness.work(n) for n in action.heed})
+        if isinstance(action, rp.Behind):
+            if self.on_behind is not None:
+                await self.on_behind(fid, idx)
+            return plan.told()
+        assert isinstance(action, rp.Pause), action
+        log.warning("stripe %d:%d on %s kept changing; reading again", fid, idx, action.node)
+        await trio.sleep(action.seconds)
+        return plan.paused()
 
     # -- writes --------------------------------------------------------------------------------
     async def write(self, fid: int, unit: int, offset: int, data: memoryview | Gather) -> None:

@@ -58,6 +58,31 @@ DETACH_INLINE = 8 << 20  # kept pushes copied on the loop below this many bytes,
 PIECE_TIMEOUTS = 3  # a push's pieces are sent (and sent again) while this many op_timeouts pass with progress
 
 
+def _parts(ino: int, start: int, isz: int, flat: np.ndarray, sparse: tuple, base: dict) -> tuple[list[tuple[dict, np.ndarray]], int]:
+    """Each stripe's (descriptor, payload) of a gradient ``flat`` of ``isz``-byte elements
+    laid out from byte ``start`` of file ``ino``, and the bytes they put on the wire.
+    ``sparse``: (the chunks chosen, or None for all of them; the chunk size); ``base``: the
+    descriptor's fields every piece shares, from ``rank`` on."""
+    chosen, chunk = sparse
+    wire = np.dtype(base["wire"])
+    sent = 0
+    parts = []
+    for p in split(start, flat.size * isz, base["unit"]):
+        e0, count = p.pos // isz, p.length // isz
+        desc = {"fid": ino, "idx": p.idx, "offset": p.offset, "count": count} | base
+        if chosen is None:
+            values = flat[e0 : e0 + count]
+        else:
+            runs = _runs_in(chosen, chunk, e0, count)
+            desc["spans"] = runs
+            values = np.concatenate([flat[e0 + a : e0 + a + k] for a, k in runs]) if runs else flat[:0]
+            sent += 8 * len(runs)  # the span list travels too
+        payload = np.ascontiguousarray(values.astype(wire, copy=False))
+        sent += payload.nbytes
+        parts.append((desc, payload))
+    return parts, sent
+
+
 def _runs_in(chosen: np.ndarray, chunk: int, e0: int, count: int) -> list[list[int]]:
     """The [start, length] runs (relative to e0) of chosen chunks inside [e0, e0 + count)."""
     runs = []
@@ -186,25 +211,8 @@ class PushPull:
         bsp is then answered once the round is applied on its primary, before the backups hold
         it (the pull waits for them); without it, once every replica holds the round, so a
         plain read after every rank's push sees it whole (server/training.py ``_push_now``)."""
-        info = await self.train_info(ino, rank, pushing=True)
-        grad = np.asarray(grad)
-        t = info["tensor"]
-        if grad.dtype != np.dtype(t["dtype"]) or grad.shape != tuple(t["shape"]) or rank not in info["active"]:
-            # before refusing by the cache: the tensor may have been written anew, or the rank
-            # taken back, since it was cached (a push takes it at any age: ``train_info``)
-            self.forget_training(ino)
-            info = await self.train_info(ino, rank)
+        info, grad, mode = await self._checked(ino, rank, grad)
         attr, t = info["attr"], info["tensor"]
-        if grad.dtype != np.dtype(t["dtype"]) or grad.shape != tuple(t["shape"]):
-            raise RemoteError("EINVAL", f"gradient {grad.dtype}{list(grad.shape)} does not match tensor {t['dtype']}{t['shape']}")
-        if grad.dtype.kind != "f":
-            raise RemoteError("EINVAL", f"only floating-point tensors take gradients, not {grad.dtype}")
-        if rank not in info["active"]:
-            raise RemoteError("EINVAL", f"rank {rank} is not one of the active workers {info['active']}")
-        try:
-            mode = compress.parse(info["compress"])
-        except compress.CompressError as exc:
-            raise RemoteError("EINVAL", str(exc)) from None
         step = self.next_step(ino, rank, info)
         # the same push again (the last one with this id failed): its pieces that arrived then
         # are answered "duplicate", which is this push's own, not another process's
@@ -220,34 +228,48 @@ class PushPull:
         if mode.fraction:
             sparsifier = self._sparsifiers.setdefault((ino, rank), compress.Sparsifier(flat.size, flat.dtype))
             chosen, flat = sparsifier.select(flat, mode)
-        isz = grad.dtype.itemsize
-        sent = 0
+        base = {"rank": rank, "step": step, "wire": wire.str, "unit": attr["unit"], "busy": busy, "paced": paced}
+        if layout >= 0:
+            base["layout"] = layout
+        if early:
+            base["early"] = True
         replies: list[dict] = []
-        pieces: list = []
-        for p in split(t["offset"], flat.size * isz, attr["unit"]):
-            e0, count = p.pos // isz, p.length // isz
-            desc = {
-                "fid": ino, "idx": p.idx, "offset": p.offset, "count": count, "rank": rank, "step": step,
-                "wire": wire.str, "unit": attr["unit"], "busy": busy, "paced": paced,
-            }
-            if layout >= 0:
-                desc["layout"] = layout
-            if early:
-                desc["early"] = True
-            if chosen is None:
-                values = flat[e0 : e0 + count]
-            else:
-                runs = _runs_in(chosen, mode.chunk, e0, count)
-                desc["spans"] = runs
-                values = np.concatenate([flat[e0 + a : e0 + a + k] for a, k in runs]) if runs else flat[:0]
-                sent += 8 * len(runs)  # the span list travels too
-            payload = np.ascontiguousarray(values.astype(wire, copy=False))
-            sent += payload.nbytes
-            # a payload made here (fp16, sparse) is ours to keep; a view of ``grad`` is the owner's
-            keeper = payload if payload.base is None else owner
-            pieces.append((desc, memoryview(payload).cast("B"), replies, keeper, info["sync"] == "bsp", again, order))
-        # every piece at once, until this client's pushes stop moving (runtime/silence.py: a piece
-        # follows a moving primary meanwhile, and waits its turn behind a model's other pushes)
+        parts, sent = _parts(ino, t["offset"], grad.dtype.itemsize, flat, (chosen, mode.chunk), base)
+        bsp = info["sync"] == "bsp"
+        # a payload made here (fp16, sparse) is ours to keep; a view of ``grad`` is the owner's
+        await self._send_parts([(desc, memoryview(pl).cast("B"), replies, pl if pl.base is None else owner, bsp, again, order) for desc, pl in parts])
+        self._pushed(ino, rank, step, info, replies)
+        self.io.bytes_pushed += sent
+        return step
+
+    async def _checked(self, ino: int, rank: int, grad: np.ndarray) -> tuple[dict, np.ndarray, compress.Mode]:
+        """A push's tensor info, its gradient as an array and its compression, once the gradient
+        fits the tensor and the rank is active (EINVAL otherwise, and nothing changes)."""
+        info = await self.train_info(ino, rank, pushing=True)
+        grad = np.asarray(grad)
+        t = info["tensor"]
+        if grad.dtype != np.dtype(t["dtype"]) or grad.shape != tuple(t["shape"]) or rank not in info["active"]:
+            # before refusing by the cache: the tensor may have been written anew, or the rank
+            # taken back, since it was cached (a push takes it at any age: ``train_info``)
+            self.forget_training(ino)
+            info = await self.train_info(ino, rank)
+        t = info["tensor"]
+        if grad.dtype != np.dtype(t["dtype"]) or grad.shape != tuple(t["shape"]):
+            raise RemoteError("EINVAL", f"gradient {grad.dtype}{list(grad.shape)} does not match tensor {t['dtype']}{t['shape']}")
+        if grad.dtype.kind != "f":
+            raise RemoteError("EINVAL", f"only floating-point tensors take gradients, not {grad.dtype}")
+        if rank not in info["active"]:
+            raise RemoteError("EINVAL", f"rank {rank} is not one of the active workers {info['active']}")
+        try:
+            mode = compress.parse(info["compress"])
+        except compress.CompressError as exc:
+            raise RemoteError("EINVAL", str(exc)) from None
+        return info, grad, mode
+
+    async def _send_parts(self, pieces: list[tuple]) -> None:
+        """Every piece (``_push_kept``'s arguments) at once, until this client's pushes stop
+        moving (runtime/silence.py: a piece follows a moving primary meanwhile, and waits its
+        turn behind a model's other pushes)."""
         with self.silence(), single_exception(RemoteError):  # refused alike: one error
             if len(pieces) == 1:  # most tensors: no nursery
                 await self._push_kept(*pieces[0])
@@ -255,15 +277,16 @@ class PushPull:
                 async with trio.open_nursery() as n:
                     for piece in pieces:
                         n.start_soon(self._push_kept, *piece)
-        self._steps[(ino, rank)] = (attr["version"], step + 1)
+
+    def _pushed(self, ino: int, rank: int, step: int, info: dict, replies: list[dict]) -> None:
+        """A push of ``step`` done: the rank's next step, and what its primaries answered."""
+        self._steps[(ino, rank)] = (info["attr"]["version"], step + 1)
         if info["sync"] == "bsp":
             self._pushed_to[(ino, rank)] = step + 1  # pieces kept in _open are the rounds left open
         for r in replies:
             self.busy.update(r.get("busy", {}))
         if replies:  # r2sp: the slot of this rank's next step
             self._pacing.setdefault(rank, [step, 0.0, 0.0])[2] = trio.current_time() + max(r.get("slot_in", 0.0) for r in replies)
-        self.io.bytes_pushed += sent
-        return step
 
     async def _pace(self, rank: int, step: int, limit: float) -> float:
         """Under r2sp, wait for ``rank``'s slot before the first push of ``step`` (the primaries

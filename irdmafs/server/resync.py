@@ -6,13 +6,13 @@ it should hold (live, snapshot, optimizer state) from its ready peers, the newes
 (an index of each peer's first: ``pull_records``); it logs its
 progress and shows it in heartbeats (``work``). A rebalance pulls the stripes a new membership gives a node the same
 way (``pull_stripes`` with ``strict``), and the hand-over fetches single stripes
-(``fetch_stripe``).
+(``fetch_stripe``). What ``pull_stripes`` takes, from whom, and what each outcome means are
+server/resyncplan.py's rules (pure); this module makes the calls and the store's changes.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import sys
 import time
 from typing import Callable
@@ -28,6 +28,7 @@ from ..util import single_exception
 from .core import NodeCore
 from .meta import Meta
 from .missing import Missing
+from .resyncplan import Fetch, PullPlan, StripePull, Tally
 from .rounds import RecordError, StripeTraining
 from .training import RECORDS_PAGE, Training
 from .updates import StripeKey
@@ -181,128 +182,105 @@ class Resync:
         Answers how many stripes it tried and their bytes; ``fetched``, the keys it copied, and
         ``listed``, every key a peer listed (a rebalance's pre-copy: membership.py)."""
         before = {key: s.stamp for key, s in self.store.stripes.items()} if converge else {}
-        listed: set[str] = set()  # peers whose listing says what they lack (``complete``)
-        # (fid, idx, snap) -> its newest (tag, version) among the peers, who hold it, capacity
-        newest: dict[tuple[int, int, int], tuple[tuple[int, int], list[str], int]] = {}
+        plan = PullPlan(what, strict=strict, converge=converge, newer_or_fail=newer_or_fail)
+        await self._list_peers(plan, peers)
+        todo = self._choose(plan, mine, before)
+        if converge:
+            self._drop_gone(plan, before)
+        tally = await self._fetch_all(plan, todo, len(peers))
+        error = plan.verdict()
+        if error is not None:
+            raise error
+        return {"stripes": len(todo), "bytes": tally.bytes, "fetched": plan.fetched, "listed": plan.newest.keys()}
+
+    async def _list_peers(self, plan: PullPlan, peers: list[str]) -> None:
+        """Each peer's listing of its stripes, into ``plan``."""
         for peer in peers:
             try:
                 answer = await self.cluster.call(peer, "stripes")
                 listing = answer["stripes"]
             except (NodeDown, RemoteError) as exc:
-                if strict:
-                    raise RemoteError("EAGAIN", f"{what}: cannot list {peer}: {exc}") from None
-                log.warning("%s: cannot list %s: %s", what, peer, exc)
+                error = plan.unlisted(peer, exc)
+                if error is not None:
+                    raise error from None
+                log.warning("%s: cannot list %s: %s", plan.what, peer, exc)
                 continue
-            if answer.get("complete"):
-                listed.add(peer)
-            for fid, idx, snap, version, cap, tag in listing:
-                best = newest.get((fid, idx, snap))
-                if best is None or (tag, version) > best[0]:
-                    newest[(fid, idx, snap)] = ((tag, version), [peer], cap)
-                elif (tag, version) == best[0]:
-                    best[1].append(peer)  # as new: asked if the first has freed it
+            plan.took(peer, listing, bool(answer.get("complete")))
+
+    def _held(self, key: tuple[int, int, int]) -> tuple[int, int] | None:
+        stripe = self.store.get(*key)
+        return stripe.stamp if stripe is not None else None
+
+    def _choose(self, plan: PullPlan, mine, before: dict) -> list[Fetch]:
+        """The stripes to fetch, as ``plan`` chooses them from what this node holds now."""
         live_files = self.meta().files()
         files = {0: live_files, -1: live_files, -2: live_files} | {sid: self.meta().view(sid).files() for sid in self.meta().snapshot_ids().values()}
-        todo = []
-        for (fid, idx, snap), (stamp, holders, cap) in newest.items():
-            held = self.store.get(fid, idx, snap)
-            if fid in files.get(snap, ()) and mine(fid, idx) and (held is None or held.stamp < stamp):
-                todo.append((fid, idx, snap, holders, cap, None, held.stamp if held is not None else None))
-            elif (
-                converge
-                and held is not None
-                and held.stamp >= stamp
-                and before.get((fid, idx, snap)) == held.stamp
-                and (held.stamp > stamp or self.serving.led.get((fid, idx, snap), -math.inf) >= self.serving.suspect_since)
-                and stamp[0] >= held.tag  # never a copy of an older epoch's (a stand-in's left behind)
-            ):
+        todo = plan.todo(self._held, files, mine, before, self.serving.led, self.serving.suspect_since)
+        for item in todo:
+            if item.instead is not None:
                 log.info(
                     "%s: stripe %d:%d (snapshot %d) is at %s here (led here before the fence), %s on its peers: taking theirs",
-                    what,
-                    fid,
-                    idx,
-                    snap,
-                    held.stamp,
-                    stamp,
+                    plan.what,
+                    item.fid,
+                    item.idx,
+                    item.snap,
+                    item.had,
+                    plan.newest[(item.fid, item.idx, item.snap)][0],
                 )
-                # replaced once theirs has arrived, not dropped before: a peer that cannot give it
-                # (every node fenced at once, as when the coordinator was out) leaves this copy
-                todo.append((fid, idx, snap, holders, cap, held.stamp, held.stamp))
-        if converge:
-            gone = []
-            for key, stamp in before.items():
-                homes = self.cluster.roles.stripe_rank(key[0], key[1])[: self.cluster.roles.members.replicas]
-                others = [n for n in homes if n != self.name]
-                held = self.store.get(*key)
-                # every other home answered and none holds it: freed while this node was away
-                # (a home that did not answer may hold the last copy: then it stays; so may one
-                # whose process has not caught up since it started: a home killed and restarted
-                # while the coordinator was out, still named by the view, listed nothing, and
-                # the other home dropped every stripe they shared: fault simulator, mixed seed
-                # 1663 with parallel fetches)
-                if key not in newest and self.name in homes and others and set(others) <= listed and held is not None and held.stamp == stamp:
-                    if self._in_extent(*key):
-                        # inside its file as the namespace says: no truncate freed it (those
-                        # dropped it by their cuts when the namespace was taken: namespace.py
-                        # ``drop_freed``), so the homes that lack it lost it (mixed seed 1846:
-                        # the last copy of an acknowledged write, which this node had led just
-                        # before its fence). Kept even if led since this node fell under
-                        # suspicion: at worst the bytes of a write that failed, which a failed
-                        # write may leave; no later acknowledged write is older than them (its
-                        # copies would be listed) and no truncate freed them (cuts)
-                        log.warning("%s: stripe %d:%d (snapshot %d) is held by no other home; kept here", what, *key)
-                        continue
-                    gone.append(key)
-            if gone:
-                log.info("%s: %d stripes freed on every peer while this node was away: dropped here", what, len(gone))
-                self.store.drop_keys(gone)
-        total_bytes = sum(t[4] for t in todo)
-        log.info("%s: %d stripes (%d bytes) to fetch from %d peers", what, len(todo), total_bytes, len(peers))
-        done = {"stripes": 0, "bytes": 0, "logged": time.monotonic()}
-        missed: list[str] = []  # stripes newer on a peer that no holder gave
-        fetched: list[tuple[int, int, int]] = []
+        return todo
+
+    def _drop_gone(self, plan: PullPlan, before: dict) -> None:
+        """(converge) Drop this node's stripes that every other home freed while it was away."""
+        replicas = self.cluster.roles.members.replicas
+        gone, kept = plan.freed(self.name, before, self._held, lambda fid, idx: self.cluster.roles.stripe_rank(fid, idx)[:replicas], self._in_extent_of)
+        for key in kept:
+            log.warning("%s: stripe %d:%d (snapshot %d) is held by no other home; kept here", plan.what, *key)
+        if gone:
+            log.info("%s: %d stripes freed on every peer while this node was away: dropped here", plan.what, len(gone))
+            self.store.drop_keys(gone)
+
+    def _in_extent_of(self, key: tuple[int, int, int]) -> bool:
+        return self._in_extent(*key)
+
+    async def _fetch_all(self, plan: PullPlan, todo: list[Fetch], peers: int) -> Tally:
+        """Fetch every stripe of ``todo``, FETCHES at once, each from its holders in turn; its
+        progress in ``work`` (heartbeats), a bar in a terminal, else a log line a second."""
+        what = plan.what
+        total_bytes = sum(t.cap for t in todo)
+        log.info("%s: %d stripes (%d bytes) to fetch from %d peers", what, len(todo), total_bytes, peers)
+        tally = Tally(len(todo), total_bytes, time.monotonic())
         self.work = {"what": what, "done": 0, "total": len(todo), "bytes": 0, "total_bytes": total_bytes}
         bar = Progress(what, total_bytes, unit="B") if sys.stderr.isatty() and todo else None  # in a terminal
         fetching = trio.CapacityLimiter(FETCHES)
 
-        async def one(fid: int, idx: int, snap: int, holders: list[str], cap: int, instead, had) -> None:
+        async def one(item: Fetch) -> None:
+            pull = StripePull(item)
             async with fetching:
-                outcomes = []
-                for peer in holders:
-                    outcomes.append(await self.fetch_stripe(fid, idx, snap, peer, instead))
-                    if outcomes[-1] is True:
-                        break
-            if True in outcomes:
-                fetched.append((fid, idx, snap))
-            if had is not None and all(o is None for o in outcomes):
-                await self._drop_freed(fid, idx, snap, had)
-            if False in outcomes and True not in outcomes:
-                if strict:
-                    raise RemoteError("EAGAIN", f"{what}: stripe {fid}:{idx} (snapshot {snap}) not fetched from {', '.join(holders)}")
-                if instead is None:  # newer there (a copy to take instead of one as new stays)
-                    missed.append(f"{fid}:{idx} (snapshot {snap})")
-            done["stripes"] += 1
-            done["bytes"] += cap
-            self.work.update(done=done["stripes"], bytes=done["bytes"])
+                while (peer := pull.next()) is not None:
+                    pull.outcome(await self.fetch_stripe(item.fid, item.idx, item.snap, peer, item.instead))
+            end = plan.settle(pull)
+            if end.drop:
+                await self._drop_freed(item.fid, item.idx, item.snap, item.had)
+            if end.error is not None:
+                raise end.error
+            tally.count(item.cap)
+            self.work.update(done=tally.stripes, bytes=tally.bytes)
             if bar is not None:
-                bar.update(done["bytes"])
-            elif time.monotonic() - done["logged"] > 1.0 or done["stripes"] == len(todo):
-                done["logged"] = time.monotonic()
-                log.info("%s: %d/%d stripes, %d/%d bytes", what, done["stripes"], len(todo), done["bytes"], total_bytes)
-                notify(f"STATUS={what} {done['stripes']}/{len(todo)} stripes")
+                bar.update(tally.bytes)
+            elif tally.due(time.monotonic()):
+                log.info("%s: %d/%d stripes, %d/%d bytes", what, tally.stripes, len(todo), tally.bytes, total_bytes)
+                notify(f"STATUS={what} {tally.stripes}/{len(todo)} stripes")
 
         try:
             with single_exception(RemoteError):  # strict: one stripe's EAGAIN is the answer
                 async with trio.open_nursery() as n:
                     for item in todo:
-                        n.start_soon(one, *item)
+                        n.start_soon(one, item)
         finally:
             self.work = {}
             if bar is not None:
                 bar.close()
-        if missed and newer_or_fail:
-            raise RemoteError("EAGAIN", f"{what}: {len(missed)} stripes newer on a peer not fetched (first {missed[0]})")
-        return {"stripes": len(todo), "bytes": done["bytes"], "fetched": fetched, "listed": newest.keys()}
+        return tally
 
     async def _drop_freed(self, fid: int, idx: int, snap: int, had: tuple[int, int]) -> None:
         """Every holder of a stripe's newest copy freed it after the listing (a truncate, an
