@@ -28,9 +28,8 @@ import numpy as np
 import trio
 
 from ..names import BUCKET_MAX_BYTES, BUCKET_NAME, BUCKET_UNIT, PACK_LEASE_NS, PACK_MIN_TENSORS
-from ..errors import NodeDown
+from ..errors import NodeDown, RemoteError, TransportError
 from ..packing import in_force, nbytes, packable, pointer
-from ..errors import RemoteError, TransportError
 from .stripe import Extent
 
 log = logging.getLogger(__name__)

@@ -28,9 +28,8 @@ from typing import Awaitable, Callable
 
 import trio
 
-from ..errors import NodeDown
+from ..errors import NodeDown, TransportError
 from ..regions import CLOCK_WAITS
-from ..errors import TransportError
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,7 @@ import contextlib
 from typing import TYPE_CHECKING
 
 from ..held import extent_end
-from ..errors import NodeDown
-from ..errors import RemoteError
+from ..errors import NodeDown, RemoteError
 
 if TYPE_CHECKING:
     from .client import Client

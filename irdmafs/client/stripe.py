@@ -30,12 +30,11 @@ from typing import Callable, NamedTuple
 import trio
 
 from ..runtime.cluster import READY, Cluster
-from ..errors import NodeDown, TornRead
+from ..errors import AccessError, NodeDown, RemoteError, TornRead
 from ..regions import Header
 from ..runtime.silence import Patience
 from ..runtime.slots import StagingPool, staging_gone
 from ..transport.base import Gather
-from ..errors import AccessError, RemoteError
 from ..util import leaves
 from . import readplan as rp
 from .clockwait import ClockWaits

@@ -31,16 +31,15 @@ from typing import Awaitable, Callable
 import numpy as np
 import trio
 
-from ..runtime.batching import Batcher, Unsent
+from ..errors import AccessError, NodeDown, RemoteError, Unsent
+from ..runtime.batching import Batcher
 from ..runtime.cluster import Cluster
-from ..errors import NodeDown
 from ..config import ClusterConfig
 from ..packing import in_force
 from ..policy import parse_policy, required_clock
 from ..runtime.offload import Offload
 from ..runtime.silence import Moves, SilenceBound
 from ..runtime.slots import StagingPool, staging_gone
-from ..errors import AccessError, RemoteError
 from ..util import single_exception
 from . import compress
 from .stripe import CLOCK_SLICE, Extent, StepWait, StripeIO, split

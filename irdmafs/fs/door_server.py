@@ -51,10 +51,9 @@ from dataclasses import dataclass
 import numpy as np
 import trio
 
-from ..errors import RemoteError, TransportError
+from ..errors import FsError, RemoteError, TransportError
 from ..util import accept_forever, recv_with_fds, send_with_fd
 from .errnos import errno_for, most_telling
-from ..errors import FsError
 from .streams import pull_stream, push_stream, step_stream
 
 log = logging.getLogger(__name__)

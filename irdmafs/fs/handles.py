@@ -25,9 +25,8 @@ import trio
 from .. import formats
 from ..names import LAYOUT_CHANGED, ROOT
 from ..packing import in_force
-from ..errors import RemoteError
+from ..errors import FsError, RemoteError
 from . import models
-from ..errors import FsError
 from .openfiles import OpenFile
 from .readahead import ReadAhead
 from .writeback import WriteBehind

@@ -60,11 +60,8 @@ import trio
 from .. import formats
 from ..client.client import Client
 from ..client.buckets import data_of
-from ..errors import Unavailable
-from ..errors import NodeDown
+from ..errors import FsError, NodeDown, RemoteError, Unavailable
 from ..names import MODEL_XATTR
-from ..errors import RemoteError
-from ..errors import FsError
 from .inodes import RESERVED, SUFFIX, TENSOR_DIR
 
 log = logging.getLogger(__name__)

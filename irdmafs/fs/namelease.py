@@ -28,8 +28,7 @@ from typing import Callable, NamedTuple
 
 import trio
 
-from ..errors import NodeDown
-from ..errors import RemoteError, TransportError
+from ..errors import NodeDown, RemoteError, TransportError
 from .listings import Listings
 from .lookups import Lookups
 

@@ -26,10 +26,9 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from ..errors import TransportError
+from ..errors import FsError, TransportError
 from ..packing import in_force
 from . import models
-from ..errors import FsError
 
 if TYPE_CHECKING:
     from ..client.client import Client

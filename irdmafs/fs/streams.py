@@ -41,10 +41,9 @@ from typing import TYPE_CHECKING, Iterator
 
 from .. import formats
 from ..names import LAYOUT_CHANGED
-from ..errors import RemoteError
+from ..errors import FsError, RemoteError
 from ..util import leaves, single_exception
 from . import views
-from ..errors import FsError
 from ..packing import in_force
 
 if TYPE_CHECKING:

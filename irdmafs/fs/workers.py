@@ -20,9 +20,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..names import ROOT
-from ..errors import RemoteError
+from ..errors import FsError, RemoteError
 from . import models
-from ..errors import FsError
 from .handles import BytesHandle, PushHandle
 from .inodes import (
     DOOR,

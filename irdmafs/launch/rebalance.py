@@ -35,10 +35,9 @@ from dataclasses import asdict, replace
 import trio
 
 from ..runtime.cluster import READY, Cluster
-from ..errors import NodeDown
+from ..errors import NodeDown, RemoteError
 from ..config import ClusterConfig
 from ..progress import Progress
-from ..errors import RemoteError
 from ..transport.select import choose
 from ..util import single_exception
 

@@ -24,9 +24,8 @@ from ..config import ClusterConfig, NodeSpec
 from ..coord.views import View
 from .liveness import Liveness
 from .peers import Peers
-from ..errors import NodeDown
+from ..errors import NodeDown, RemoteError
 from .roles import Roles
-from ..errors import RemoteError
 from ..util import Shared
 
 log = logging.getLogger(__name__)

@@ -41,10 +41,9 @@ from typing import Callable
 import trio
 
 from ..runtime.cluster import READY, SYNCING
-from ..errors import NodeDown
+from ..errors import NodeDown, RemoteError, TransportError
 from ..config import NodeSpec
 from ..runtime.placement import placement
-from ..errors import RemoteError, TransportError
 from ..util import leaves
 from .barrier import CommitBarrier
 from .budget import NoSpace

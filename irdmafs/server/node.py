@@ -44,7 +44,7 @@ import trio
 from ..calls import CALLS
 from ..runtime.cluster import READY, Cluster
 from ..config import NO_COORDINATOR, ClusterConfig, load
-from ..errors import ConfigError
+from ..errors import ConfigError, RemoteError
 from ..coord.contract import Coordinator
 from ..runtime import looplag
 from ..runtime.looplag import LoopLag
@@ -54,7 +54,6 @@ from ..runtime.notify import notify
 from ..runtime.offload import Offload
 from ..runtime.slots import StagingPool
 from ..transport.base import Transport
-from ..errors import RemoteError
 from ..util import keep_freed_memory
 from . import health
 from .barrier import CommitBarrier

@@ -53,10 +53,10 @@ from typing import Awaitable, Callable
 
 import trio
 
-from ..runtime.batching import Batcher, Unsent
+from ..errors import AccessError, RemoteError, TransportError, Unsent
+from ..runtime.batching import Batcher
 from ..runtime.cluster import Cluster
 from ..runtime.slots import Slot, StagingPool, staging_gone
-from ..errors import AccessError, RemoteError, TransportError
 from .serving import Serving
 from .updates import StripeKey, Update
 

@@ -20,10 +20,9 @@ from typing import Callable
 import trio
 
 from ..held import extent_end
-from ..errors import NodeDown
+from ..errors import AccessError, NodeDown, RemoteError, TransportError
 from ..runtime.notify import notify
 from ..progress import Progress
-from ..errors import AccessError, RemoteError, TransportError
 from ..util import single_exception
 from .core import NodeCore
 from .meta import Meta

@@ -38,8 +38,7 @@ from typing import Awaitable, Callable
 import trio
 
 from ..held import extent_end
-from ..errors import NodeDown
-from ..errors import RemoteError
+from ..errors import NodeDown, RemoteError
 from .meta import Meta
 from .staging import Staged, StagingRegions
 from .store import Store

@@ -33,8 +33,7 @@ import trio
 from ..metrics import Latency
 from ..names import LAYOUT_CHANGED
 from ..policy import parse_policy, parse_removed, parse_timeout, parse_workers
-from ..errors import PolicyError
-from ..errors import RemoteError
+from ..errors import PolicyError, RemoteError
 from .. import packing
 from . import optim
 from .barrier import CommitBarrier

@@ -21,10 +21,9 @@ from irdmafs import config as C
 from irdmafs.client.client import Client
 from irdmafs.runtime.cluster import READY
 from irdmafs.runtime.peers import read_verified
-from irdmafs.errors import NodeDown
+from irdmafs.errors import NodeDown, RemoteError
 from irdmafs.launch.etcd_process import LocalEtcd
 from irdmafs.launch.local import node_status, wait_settled
-from irdmafs.errors import RemoteError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from netns import namespaces  # noqa: E402

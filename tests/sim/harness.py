@@ -50,14 +50,13 @@ import irdmafs.transport.memory as memory
 from irdmafs.client.client import Client
 from irdmafs.config import from_dict
 from irdmafs.coord.contract import Coordinator
-from irdmafs.errors import CoordUnavailable as Unavailable
+from irdmafs.errors import CoordUnavailable as Unavailable, PeerLost, RemoteError, TimeoutError, TransportError
 from irdmafs.coord.memory import MemoryCoord
 from irdmafs.names import PACK_MIN_TENSORS
 from irdmafs.runtime.offload import Offload
 from irdmafs.packing import in_force
 from irdmafs.server.node import Node
 from irdmafs.server.replicator import Replicator
-from irdmafs.errors import PeerLost, RemoteError, TimeoutError, TransportError
 
 log = logging.getLogger("sim")
 

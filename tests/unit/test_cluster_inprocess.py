@@ -13,13 +13,12 @@ import trio
 from irdmafs.client.client import Client
 from irdmafs.config import from_dict
 from irdmafs.coord.memory import MemoryCoord
-from irdmafs.errors import NodeDown
+from irdmafs.errors import NodeDown, RemoteError
 from irdmafs.runtime.placement import rank, stripe_key
 from irdmafs.server import staging as staging_mod
 from irdmafs.server.meta import Meta
 from irdmafs.server.node import Node
 from irdmafs.server.updates import StripeKey
-from irdmafs.errors import RemoteError
 from irdmafs.transport.memory import MemoryTransport
 
 

@@ -8,9 +8,7 @@ import logging
 import trio
 
 from irdmafs.fs.errnos import errno_for, most_telling
-from irdmafs.errors import FsError
-from irdmafs.errors import NodeDown
-from irdmafs.errors import RemoteError
+from irdmafs.errors import FsError, NodeDown, RemoteError
 
 
 def test_a_single_error_is_answered_as_itself():

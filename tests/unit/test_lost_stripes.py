@@ -10,9 +10,8 @@ import trio
 
 from irdmafs import held
 from irdmafs.client.client import Client
-from irdmafs.errors import Unavailable
+from irdmafs.errors import RemoteError, Unavailable
 from irdmafs.server.meta import Meta
-from irdmafs.errors import RemoteError
 from irdmafs.transport.memory import MemoryTransport
 from irdmafs.util import leaves
 

@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 
 from irdmafs.client.client import Client
-from irdmafs.errors import NodeDown
+from irdmafs.errors import NodeDown, RemoteError
 from irdmafs.server import resync as R
-from irdmafs.errors import RemoteError
 from irdmafs.transport.memory import MemoryTransport
 
 from .test_cluster_inprocess import config, start_cluster

@@ -10,11 +10,10 @@ import pytest
 import trio
 
 from irdmafs.client.client import Client
-from irdmafs.errors import NodeDown
+from irdmafs.errors import NodeDown, RemoteError
 from irdmafs.server import staging as staging_mod
 from irdmafs.server.staging import Staged
 from irdmafs.runtime.slots import StagingPool, staging_gone
-from irdmafs.errors import RemoteError
 from irdmafs.transport.memory import MemoryTransport
 
 from .test_cluster_inprocess import config, start_cluster

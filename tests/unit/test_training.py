@@ -6,9 +6,8 @@ import trio
 
 from irdmafs.client.client import Client
 from irdmafs.policy import Policy, parse_policy
-from irdmafs.errors import PolicyError
+from irdmafs.errors import PolicyError, RemoteError
 from irdmafs.server.rounds import Model, StripeTraining
-from irdmafs.errors import RemoteError
 from irdmafs.transport.memory import MemoryTransport
 
 from .test_cluster_inprocess import config, start_cluster
