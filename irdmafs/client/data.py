@@ -82,8 +82,9 @@ class FileData:
     async def read(self, ino: int, offset: int, length: int, attr: dict | None = None, snap: int = 0) -> bytes:
         buf = bytearray(length)
         n = await self.read_into(ino, offset, memoryview(buf), attr, snap)
-        del buf[n:]
-        return bytes(buf)
+        # copied out, never resized: a failure a replica raised on the way (its traceback holds
+        # frames that held views of ``buf``) may outlive the read until the cycle collector runs
+        return bytes(memoryview(buf)[:n])
 
     async def write(self, ino: int, offset: int, data: Any, attr: dict | None = None, *, extend: bool = True) -> dict | None:
         """Write bytes (a buffer, or a ``Gather`` of them) at ``offset``. When it returns, the

@@ -440,13 +440,18 @@ class StripeIO:
                 if action.record and clocks is not None:
                     clocks[p.idx] = head
                 view[action.k :] = bytes(len(view) - action.k)
+                caught = None  # (its traceback holds this frame, and so ``view``: a caller's buffer export)
                 return
             if isinstance(action, rp.Fail):
                 log.error(*action.log)
+                caught = None
                 raise action.error
             if isinstance(action, rp.Reraise):
                 assert caught is not None
-                raise caught
+                try:
+                    raise caught
+                finally:
+                    caught = None  # as ``except ... as exc`` drops its name: no cycle through this frame
             if not isinstance(action, (rp.Lookup, rp.WaitClock, rp.Read)):
                 action = await self._tend(plan, action, fid, p.idx, snap, step)
                 continue

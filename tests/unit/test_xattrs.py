@@ -103,7 +103,7 @@ async def test_derived_and_the_mounts_own_xattrs_are_read_by_name_and_never_list
 
 
 async def test_policy_xattrs_are_checked_when_set_and_a_bad_one_is_logged_once(fs, caplog):
-    caplog.set_level(logging.WARNING, logger="irdmafs.fs.live")
+    caplog.set_level(logging.WARNING, logger="irdmafs.fs.xattrs")
     d = (await fs.mkdir(1, "m", 0o755, 0, 0))["st_ino"]
     for name, text in BAD:
         caplog.clear()
