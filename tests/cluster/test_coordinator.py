@@ -82,6 +82,7 @@ async def test_nodes_serve_in_views_and_stop_while_etcd_is_unreachable(local_clu
         assert await c.paths.read_file("/kept") == blob
 
 
+@pytest.mark.long  # behind --long: the quick suite took 11 min 48 s on 2026-12-02 (docs/testing.md)
 async def test_a_stopped_node_leaves_the_view_after_its_lease_and_returns_under_a_new_one(local_cluster, etcd):
     lc = await local_cluster(nodes=3, replicas=2, coordinator=[etcd.endpoint], lease_ttl=2)
     cfg = lc.cfg
@@ -111,6 +112,7 @@ async def test_a_stopped_node_leaves_the_view_after_its_lease_and_returns_under_
         assert await c.paths.read_file("/b") == blob[::-1]
 
 
+@pytest.mark.long  # behind --long: the quick suite took 11 min 48 s on 2026-12-02 (docs/testing.md)
 async def test_an_etcd_outage_shorter_than_the_lease_ttl_fences_nobody(local_cluster, etcd):
     """etcd stopped for 6 s, less than the default lease TTL (10 s): every node serves on, no view
     is made, reads and writes go on, and the nodes keep their leases (the TTL was ``down_after``

@@ -13,6 +13,7 @@ pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.long  # behind --long: the quick suite took 11 min 48 s on 2026-12-02 (docs/testing.md)
 def test_six_clients_for_six_seconds_see_no_error(tmp_path):
     out = tmp_path / "load.json"
     r = subprocess.run(

@@ -169,6 +169,7 @@ def test_up_again_restarts_its_coordinator_and_leaves_another_alone(tmp_path, en
     assert r.returncode == 2 and "--no-coordinator" in r.stderr
 
 
+@pytest.mark.long  # behind --long: the quick suite took 11 min 48 s on 2026-12-02 (docs/testing.md)
 def test_up_with_transport_tcp_forces_tcp(tmp_path, env):
     reason = fuse_unavailable()
     if reason:

@@ -108,6 +108,7 @@ async def test_nodes_and_mount_serve_prometheus_metrics(metered):
     assert json.loads((mp / ".irdma" / "cluster").read_text())["metrics"] == f"http://127.0.0.1:{mount_port}/metrics"
 
 
+@pytest.mark.long  # behind --long: the quick suite took 11 min 48 s on 2026-12-02 (docs/testing.md)
 async def test_status_table_shows_the_node_figures(metered):
     lc, mp, _ = metered
     (mp / "f").write_bytes(b"x" * 100_000)

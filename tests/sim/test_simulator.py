@@ -41,7 +41,7 @@ def test_fault_schedules_once_broken_keep_every_acknowledged_write_and_push(seed
 
 
 def test_mixed_fault_schedules_keep_every_acknowledged_write_and_push():
-    seeds = range(2000 if LONG else 20)  # the quick suite's share: 20 (12 s); CI runs the 2,000
+    seeds = range(2000 if LONG else 10)  # the quick suite's share: 10 (9 s; 20 took 17 s on 2026-12-02); CI runs the 2,000
     failing = search(seeds, KINDS, faults=6)
     assert failing == [], f"{len(failing)} of {len(seeds)} schedules broke an invariant:\n" + "\n".join(f"seed {s}: {e}" for s, e in failing)
 

@@ -132,6 +132,7 @@ def test_endpoints_are_checked():
             EtcdCoord(bad)
 
 
+@pytest.mark.long  # behind --long: the quick suite took 11 min 48 s on 2026-12-02 (docs/testing.md)
 async def test_views_on_a_real_etcd_through_its_outage(etcd, nursery):
     """Three keepers on the real etcd: one view names them; one stops and is dropped after
     its lease ended; etcd stopped (SIGSTOP): everyone stops serving within the TTL and no view
