@@ -47,6 +47,7 @@ async def until(predicate, timeout, every=0.1):
             await trio.sleep(every)
 
 
+@pytest.mark.long  # behind --long: the quick suite took 10 min 37 s on 2026-12-02 (docs/testing.md)
 async def test_nodes_serve_in_views_and_stop_while_etcd_is_unreachable(local_cluster, etcd):
     lc = await local_cluster(nodes=3, replicas=2, coordinator=[etcd.endpoint], lease_ttl=2)
     cfg = lc.cfg
@@ -141,6 +142,7 @@ async def test_an_etcd_outage_shorter_than_the_lease_ttl_fences_nobody(local_clu
         assert "fenced" not in lc.log_of(name)
 
 
+@pytest.mark.long  # behind --long: the quick suite took 10 min 37 s on 2026-12-02 (docs/testing.md)
 async def test_a_node_stopped_in_a_quiet_cluster_is_expelled_by_its_peers_heartbeats(local_cluster, etcd):
     """Nothing is written while a node is stopped, so no replication fails to expel it: its
     peers, whose heartbeats no longer hear it, expel it (server/membership.py, ``expel_loop``)

@@ -54,6 +54,7 @@ async def test_kill_restart_resync_kill_another(local_cluster):
     assert total > 100 << 20
 
 
+@pytest.mark.long  # behind --long: the quick suite took 10 min 37 s on 2026-12-02 (docs/testing.md)
 async def test_status_says_not_whole_while_a_node_is_out_and_whole_once_it_caught_up(local_cluster):
     """A node killed leaves every stripe it is a home of with one serving copy: the nodes left
     count them degraded (server/health.py) and ``irdmafs status`` says "whole: no"; restarted,

@@ -377,6 +377,7 @@ def test_missing_config_and_unknown_node(tmp_path, env):
     assert r.returncode == 2 and "no node named 'zz'" in r.stderr
 
 
+@pytest.mark.long  # behind --long: the quick suite took 10 min 37 s on 2026-12-02 (docs/testing.md)
 def test_a_non_empty_mountpoint_is_refused_unless_nonempty(tmp_path, env):
     reason = fuse_unavailable()
     if reason:

@@ -70,6 +70,7 @@ async def metered(tmp_path, etcd_endpoints):
         lc.stop_all()
 
 
+@pytest.mark.long  # behind --long: the quick suite took 10 min 37 s on 2026-12-02 (docs/testing.md)
 async def test_nodes_and_mount_serve_prometheus_metrics(metered):
     lc, mp, mount_port = metered
     (mp / "m").mkdir()

@@ -69,6 +69,7 @@ async def test_a_name_cached_by_one_mount_is_dropped_before_another_mounts_chang
     assert figures(b)["names"]["applied"] >= 4
 
 
+@pytest.mark.long  # behind --long: the quick suite took 10 min 37 s on 2026-12-02 (docs/testing.md)
 async def test_a_listing_kept_by_one_mount_follows_another_mounts_changes(local_cluster, mount):
     """Past a few lookups in a directory the mount lists it whole and answers its names from
     the listing (fs/listings.py); every change through another mount is still seen at once."""

@@ -126,6 +126,7 @@ async def test_bad_pushes_and_pulls(model):
     assert "push by rank 0" in log and "refused" in log
 
 
+@pytest.mark.long  # behind --long: the quick suite took 10 min 37 s on 2026-12-02 (docs/testing.md)
 async def test_pull_times_out_and_a_removed_rank_lets_the_others_go_on(model):
     m = model
     push(m, 0, np.ones(300_000, np.float32))
@@ -191,6 +192,7 @@ async def test_steady_state_steps_make_no_control_calls(model):
     assert np.allclose(np.load(m / "net" / "w.npy"), -0.1 * 8)
 
 
+@pytest.mark.long  # behind --long: the quick suite took 10 min 37 s on 2026-12-02 (docs/testing.md)
 async def test_r2sp_batch_size_suggestions_for_heterogeneous_workers(model):
     """Two r2sp workers, one twice as slow: the faster is told to take the larger batch."""
     m = model

@@ -92,6 +92,7 @@ async def lease_ends_unless_kept_alive(coord):
     assert await coord.keepalive(lease) == 0
 
 
+@pytest.mark.long  # behind --long: the quick suite took 10 min 37 s on 2026-12-02 (docs/testing.md)
 async def test_a_lease_not_kept_alive_ends_with_its_keys(etcd):
     await lease_ends_unless_kept_alive(EtcdCoord([etcd.endpoint]))
 

@@ -58,6 +58,7 @@ async def lookup_against(port, node):
             nursery.cancel_scope.cancel()
 
 
+@pytest.mark.long  # behind --long: the quick suite took 10 min 37 s on 2026-12-02 (docs/testing.md)
 async def test_a_call_waits_for_a_node_whose_catch_up_moves_past_the_fixed_bound():
     seconds = 10 * 3 * OP_TIMEOUT  # ten times the bound a call had
     node, state = catching_up_node(seconds, moves=True)
