@@ -4,6 +4,7 @@ client's fixed deadline, and every lookup sent to it got ETIMEDOUT while it fetc
 (issue 41, chaos --model-gib 1). A node whose work reports nothing new is waited for the bound
 and no more. Against a served node (the in-memory transport), through the client's own code."""
 
+import pytest
 import trio
 
 from irdmafs.client.client import Client
