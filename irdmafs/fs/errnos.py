@@ -1,7 +1,8 @@
-"""The one error the file system layers raise, ``FsError(errno)``, and the one errno table that
-turns anything else escaping them into an errno (``errno_for``): fs/ops.py answers the kernel with
-it, fs/door_server.py the workers of the shared-memory door. Its own module so that every fs module can
-use it without importing vfs.py or pyfuse3."""
+"""The one errno table: what turns anything escaping the file system layers into an errno
+(``errno_for``): fs/ops.py answers the kernel with it, fs/door_server.py the workers of the
+shared-memory door. The one error those layers raise, ``FsError(errno)``, is irdmafs/errors.py's
+(kept here as an attribute). Its own module so that every fs module can use it without importing
+vfs.py or pyfuse3."""
 
 from __future__ import annotations
 
