@@ -138,18 +138,59 @@ class Gather:
         return rest
 
 
+class KeyStream:
+    """Region keys: every key one process hands out is new (never drawn again after a free) and
+    unguessable by a peer that was not given it.
+
+    A key is a keyed permutation (a 4-round Feistel network over the 32-bit word, its round
+    function a keyed BLAKE2b) of a counter that starts at a random point: distinct for 2**32
+    allocations, and without the process's secret a peer cannot tell the next key from the
+    last. The counter is the key's *generation*: a freed key never names another region, so a
+    peer holding a stale one gets AccessError, never another region's bytes (before, keys were
+    random and could be drawn again after a free)."""
+
+    def __init__(self) -> None:
+        self._secret = secrets.token_bytes(16)
+        self._start = secrets.randbits(32)
+        self.drawn = 0
+
+    def _round(self, i: int, half: int) -> int:
+        return int.from_bytes(hashlib.blake2b(bytes((i, half & 0xFF, half >> 8)), digest_size=2, key=self._secret).digest(), "little")
+
+    def permute(self, n: int) -> int:
+        left, right = n >> 16, n & 0xFFFF
+        for i in range(4):
+            left, right = right, left ^ self._round(i, right)
+        return left << 16 | right
+
+    def next(self) -> tuple[int, int]:
+        """(key, generation); the key is never 0."""
+        while True:
+            if self.drawn >= 1 << 32:
+                raise RuntimeError("this process has drawn every region key")
+            gen = self.drawn
+            self.drawn += 1
+            key = self.permute((self._start + gen) & 0xFFFFFFFF)
+            if key:
+                return key, gen
+
+
 class RegionTable:
-    """rkey -> Region, with the serving-side bounds and access check every transport uses."""
+    """rkey -> Region, with the serving-side bounds and access check every transport uses.
+
+    ``mirror``, when set, is a native engine's table (transport/engine.py) kept equal to this
+    one: every add and remove goes to both, so the engine serves exactly these regions."""
 
     def __init__(self) -> None:
         self._regions: dict[int, Region] = {}
+        self._keys = KeyStream()
+        self.mirror: Any = None
 
     def add(self, buf: memoryview, access: Access) -> Region:
-        # random, not sequential: a peer cannot guess the key of a region it was not given
-        rkey = 0
-        while rkey == 0 or rkey in self._regions:
-            rkey = secrets.randbits(32)
+        rkey, gen = self._keys.next()
         region = Region(rkey, buf, access)
+        if self.mirror is not None:
+            self.mirror.add_region(rkey, gen, buf, access)
         self._regions[rkey] = region
         return region
 
@@ -157,7 +198,10 @@ class RegionTable:
         return self._regions.get(rkey)
 
     def remove(self, rkey: int) -> None:
-        self._regions.pop(rkey, None)
+        """The key refused from now on. With a mirror, the engine lets the memory go once the
+        operations in flight on it end (never under one): transport/engine.py."""
+        if self._regions.pop(rkey, None) is not None and self.mirror is not None:
+            self.mirror.free_region(rkey)
 
     def __len__(self) -> int:
         return len(self._regions)

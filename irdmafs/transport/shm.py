@@ -274,8 +274,8 @@ class ShmTransport(TcpTransport):
 
     name = "shm"
 
-    def __init__(self, token: bytes, *, op_timeout: float = 30.0):
-        super().__init__(token, op_timeout=op_timeout)
+    def __init__(self, token: bytes, *, op_timeout: float = 30.0, engine: str | None = None):
+        super().__init__(token, op_timeout=op_timeout, engine=engine)
         self._fds: dict[int, int] = {}  # rkey -> memfd
         self._slot_of: dict[int, int] = {}  # rkey -> key-table slot
         self._free_slots: list[int] = []

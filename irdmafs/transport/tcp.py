@@ -43,6 +43,7 @@ from typing import Any
 
 import trio
 
+from . import engine as E
 from . import protocol as P
 from .base import SOCKET_ERRORS, Access, BufferList, Connection, Handler, ImmHandler, Transport, as_buffers, client_proof, new_nonce, server_proof
 from ..errors import AccessError, AuthError, ConnectError, PeerLost, ProtocolError, RemoteError, TimeoutError, TransportError
@@ -410,6 +411,7 @@ class _Responder:
         self.regions = transport.regions
         self.sender = Sender(sock, _send_all, sock.close, transport.op_timeout)  # answers, READ data and calls' alike (sender.py)
         self.calls: trio.Nursery | None = None
+        self.conn: int | None = None  # the engine's id for this connection, once handed over
 
     async def run(self) -> None:
         _tune(self.sock)
@@ -419,7 +421,9 @@ class _Responder:
             try:
                 with trio.fail_after(HANDSHAKE_TIMEOUT):
                     authenticated = await self.transport._authenticate(self.sock, self.peer)
-                if authenticated:
+                if authenticated and self.transport.native is not None:
+                    await self.serve_native()
+                elif authenticated:
                     await calls.start(self.sender.run)
                     await self.serve_frames()
             except _EOF:
@@ -435,6 +439,29 @@ class _Responder:
             finally:
                 calls.cancel_scope.cancel()
                 self.sock.close()
+
+    async def serve_native(self) -> None:
+        """Hand the authenticated socket to the engine (transport/engine.py), which serves
+        READ, WRITE and WRITE_IMM itself; its calls and notifications come back here as tasks,
+        answered through it. Until the engine closes the connection (or this task ends)."""
+        engine = self.transport.native
+        served = E.Served(self.on_native_request, self.calls)
+        self.conn = engine.serve(self.sock.detach(), served, self.on_imm is not None)
+        try:
+            await served.closed.wait()
+        finally:
+            if not served.closed.is_set():
+                engine.native.close(self.conn)
+        if served.why.startswith("protocol error"):
+            log.warning("%s: %s; closing the connection", self.peer, served.why)
+        else:
+            log.info("%s: %s", self.peer, served.why)
+
+    async def on_native_request(self, conn: int, h: P.Header, doc: bytes | None) -> None:
+        if h.opcode == P.Op.CALL:
+            await self.run_call(h, doc or b"")
+        else:
+            await self.run_imm(h)
 
     async def serve_frames(self) -> None:
         kinds = {P.Op.READ: self.on_read, P.Op.WRITE: self.on_write, P.Op.WRITE_IMM: self.on_write_imm, P.Op.CALL: self.on_call}
@@ -530,6 +557,9 @@ class _Responder:
     async def answer(self, h: P.Header, payload: list, status: int = P.Status.OK) -> None:
         """The response of a call or notification, which may finish after its caller left:
         a peer gone by then ends nothing but this answer (never the node)."""
+        if self.conn is not None:
+            self.transport.native.answer(self.conn, h, payload, status)
+            return
         try:
             await self.respond(h, payload, status)
         except SOCKET_ERRORS:
@@ -539,9 +569,42 @@ class _Responder:
 class TcpTransport(Transport):
     name = "tcp"
 
-    def __init__(self, token: bytes, *, op_timeout: float = 30.0):
+    def __init__(self, token: bytes, *, op_timeout: float = 30.0, engine: str | None = None):
+        """``engine``: "native" (the engine, transport/engine.py), "python" (this module's
+        data plane, the reference), or None: native where it loads (``engine.AVAILABLE``)."""
+        self._served: dict[str, list[int]] = {}
         super().__init__(token)
         self.op_timeout = op_timeout
+        if engine is None:
+            engine = "native" if E.AVAILABLE else "python"
+        if engine not in ("native", "python"):
+            raise ValueError(f"engine must be native or python, not {engine!r}")
+        if engine == "native" and not E.AVAILABLE:
+            raise RuntimeError(f"the native engine is not available: {E.WHY}")
+        self.engine = engine
+        self.engine_why = E.WHY if engine == "python" and not E.AVAILABLE else ("chosen" if engine == "python" else "built")
+        self.native: E.Engine | None = E.Engine() if engine == "native" else None
+        if self.native is not None:
+            self.regions.mirror = self.native
+
+    @property
+    def served(self) -> dict[str, list[int]]:
+        """One-sided operations served: op -> [count, bytes] (the engine's and this module's)."""
+        if self.native is None:
+            return self._served
+        out = {op: list(v) for op, v in self._served.items()}
+        stats = self.native.stats()
+        for op in ("read", "write", "write_imm"):
+            count, nbytes = stats[op]
+            if count:
+                mine = out.setdefault(op, [0, 0])
+                mine[0] += count
+                mine[1] += nbytes
+        return out
+
+    @served.setter
+    def served(self, value: dict[str, list[int]]) -> None:
+        self._served = value
 
     # -- serving side ------------------------------------------------------------------------
     async def serve(self, host: str, port: int, handler: Handler, *, on_imm: ImmHandler | None = None, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -552,6 +615,8 @@ class TcpTransport(Transport):
             listener.listen(256)
             task_status.started(listener.getsockname()[:2])
             async with trio.open_nursery() as nursery:
+                if self.native is not None:
+                    self.native.ensure_pump(nursery)
                 while True:
                     try:
                         sock, addr = await listener.accept()
@@ -596,6 +661,12 @@ class TcpTransport(Transport):
                 sock.close()
             raise ConnectError(f"{peer}: restarted while connecting")
         (sock, incarnation), (bulk, _), (calls, _) = socks
+        if self.native is not None:
+            self.native.ensure_pump(nursery)
+            ids = [self.native.native.adopt(s.detach(), False, False) for s in (sock, bulk, calls)]
+            native = E.NativeConnection(self.native, peer, self.op_timeout, *ids)
+            native.incarnation = incarnation
+            return native
         conn = TcpConnection(sock, peer, self.op_timeout, bulk, calls)
         conn.incarnation = incarnation
         for s in (sock, bulk, calls):

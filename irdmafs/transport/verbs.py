@@ -319,7 +319,9 @@ class VerbsTransport(TcpTransport):
     name = "verbs"
 
     def __init__(self, token: bytes, *, op_timeout: float = 30.0, device: str | None = None):
-        super().__init__(token, op_timeout=op_timeout)
+        # its control connections stay on the Python data plane: the NIC moves its bytes, and
+        # memory registered with it is not the engine's to serve
+        super().__init__(token, op_timeout=op_timeout, engine="python")
         name = device or first_active_device()
         if name is None:
             raise ConnectError("no RDMA device with an active port")

@@ -29,12 +29,39 @@ def _verbs_reason():
 VERBS_REASON = _verbs_reason()
 
 
+def _tcp(engine):
+    return lambda token: TcpTransport(token, engine=engine)
+
+
+def _shm(engine):
+    return lambda token: ShmTransport(token, engine=engine)
+
+
 FACTORIES = {
     "memory": MemoryTransport,
     "tcp": TcpTransport,
     "shm": ShmTransport,
     "verbs": _verbs_transport,
 }
+# the socket transports over every pair of data planes: the native engine (transport/engine.py)
+# and the Python one (tcp.py, the reference), serving and calling: kind -> (server, client)
+PAIRS = {
+    "tcp-native": (_tcp("native"), _tcp("native")),
+    "tcp-python": (_tcp("python"), _tcp("python")),
+    "tcp-native-serves-python": (_tcp("native"), _tcp("python")),
+    "tcp-python-serves-native": (_tcp("python"), _tcp("native")),
+    "shm-native": (_shm("native"), _shm("native")),
+    "shm-python": (_shm("python"), _shm("python")),
+}
+
+
+def _engine_reason():
+    from irdmafs.transport import engine
+
+    return None if engine.AVAILABLE else engine.WHY
+
+
+ENGINE_REASON = _engine_reason()
 
 
 class Served:
@@ -49,6 +76,8 @@ class Served:
         self.ro.buf[:] = os.urandom(len(self.ro.buf))
 
     def client(self, token=TOKEN):
+        if self.kind in PAIRS:
+            return PAIRS[self.kind][1](token)
         return FACTORIES[self.kind](token)
 
 
@@ -65,15 +94,21 @@ async def handler(method, args):
     raise RemoteError("ENOSYS", method)
 
 
+def _needs_engine(kind):
+    if "native" not in kind:
+        return ()
+    return (pytest.mark.skipif(bool(ENGINE_REASON), reason=f"the native engine is not built here: {ENGINE_REASON}"),)
+
+
 @pytest.fixture(
     params=[
         "memory",
-        "tcp",
-        "shm",
+        *(pytest.param(kind, marks=_needs_engine(kind)) for kind in PAIRS),
         pytest.param("verbs", marks=pytest.mark.skipif(bool(VERBS_REASON), reason=f"verbs transport not runnable here: {VERBS_REASON}")),
     ]
 )
 async def served(request, nursery):
-    server = FACTORIES[request.param](TOKEN)
+    make = PAIRS[request.param][0] if request.param in PAIRS else FACTORIES[request.param]
+    server = make(TOKEN)
     address = await nursery.start(server.serve, "127.0.0.1", 0, handler)
     return Served(request.param, server, address)

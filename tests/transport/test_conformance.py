@@ -8,7 +8,7 @@ import trio
 
 from irdmafs.errors import AccessError, AuthError, PeerLost, RemoteError, TimeoutError
 
-from .conftest import TOKEN
+from .conftest import ENGINE_REASON, TOKEN
 
 
 async def test_write_then_read_round_trip(served, nursery):
@@ -188,16 +188,19 @@ async def test_write_with_immediate_notifies_after_the_data_landed(nursery):
             await conn.write_imm(region.rkey, 4095, b"xy", 1)
 
 
-async def test_a_notification_whose_region_was_freed_after_its_data_landed_is_staging_gone(nursery, monkeypatch):
+@pytest.mark.parametrize("engine", ["python", pytest.param("native", marks=pytest.mark.skipif(bool(ENGINE_REASON), reason=f"no engine: {ENGINE_REASON}"))])
+async def test_a_notification_whose_region_was_freed_after_its_data_landed_is_staging_gone(nursery, monkeypatch, engine):
     """TCP lands a WRITE_IMM's data, then runs its notification as a task of its own: a region
     freed in between (a client's staging slot given up) reached the handler as None, and the
     push failed EINVAL "notification without a descriptor" to the user (chaos --model-gib 2).
     It is "unknown rkey" (runtime/slots.py ``staging_gone``: the sender takes a new slot and sends
-    again), and the handler never runs."""
+    again), and the handler never runs. The native engine lands the data in its thread and the
+    notification reaches Python as an event: the region is freed before that event is taken."""
     from irdmafs.runtime.slots import staging_gone
+    from irdmafs.transport import engine as E
     from irdmafs.transport import tcp
 
-    server = tcp.TcpTransport(TOKEN)
+    server = tcp.TcpTransport(TOKEN, engine=engine)
     region = server.alloc_region(4096, 3)
     seen = []
 
@@ -205,16 +208,26 @@ async def test_a_notification_whose_region_was_freed_after_its_data_landed_is_st
         seen.append(r)
         return {}
 
-    land = tcp._Responder.land
+    if engine == "python":
+        land = tcp._Responder.land
 
-    async def land_then_free(self, h):
-        landed = await land(self, h)
-        server.free_region(region)  # released before the notification's task runs
-        return landed
+        async def land_then_free(self, h):
+            landed = await land(self, h)
+            server.free_region(region)  # released before the notification's task runs
+            return landed
 
-    monkeypatch.setattr(tcp._Responder, "land", land_then_free)
+        monkeypatch.setattr(tcp._Responder, "land", land_then_free)
+    else:
+        dispatch = E.Engine._dispatch
+
+        def free_then_dispatch(self, ev):
+            if ev[0] == E.EV_CALL and ev[2] == 6:  # the WRITE_IMM's notification, its data landed
+                server.free_region(region)
+            dispatch(self, ev)
+
+        monkeypatch.setattr(E.Engine, "_dispatch", free_then_dispatch)
     host, port = await nursery.start(lambda task_status: server.serve("127.0.0.1", 0, handlerless, on_imm=on_imm, task_status=task_status))
-    conn = await tcp.TcpTransport(TOKEN).connect(host, port, nursery=nursery)
+    conn = await tcp.TcpTransport(TOKEN, engine=engine).connect(host, port, nursery=nursery)
     with pytest.raises(RemoteError) as caught:
         await conn.write_imm(region.rkey, 0, b"descriptor", 5)
     assert staging_gone(caught.value) and seen == []

@@ -1,6 +1,10 @@
 """A TCP connection's two sockets (transport/tcp.py): large WRITEs on one, everything else on the
 other, so a read or a call never waits behind megabytes of pushes (issue 32: on a 500 Mbit/s
-link a step's pulls waited a second behind its own pushes)."""
+link a step's pulls waited a second behind its own pushes).
+
+These test the Python data plane (tcp.py, the reference: engine="python"); the native engine's
+answers to the same cases are in test_engine.py.
+"""
 
 import os
 
@@ -16,10 +20,10 @@ from .conftest import TOKEN, handler
 
 @pytest.fixture
 async def served(nursery):
-    server = tcp.TcpTransport(TOKEN)
+    server = tcp.TcpTransport(TOKEN, engine="python")
     host, port = await nursery.start(server.serve, "127.0.0.1", 0, handler)
     region = server.alloc_region(8 << 20, Access.RW)
-    conn = await tcp.TcpTransport(TOKEN).connect(host, port, nursery=nursery)
+    conn = await tcp.TcpTransport(TOKEN, engine="python").connect(host, port, nursery=nursery)
     yield server, region, conn
     await conn.aclose()
 

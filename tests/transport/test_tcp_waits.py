@@ -1,7 +1,11 @@
 """What a TCP connection says it waits on (``Connection.waits``): the line a heartbeat that went
 unanswered logs (runtime/heartbeats.py). In the hour-long soak at a GB model a mount counted a serving
 node down for one unanswered heartbeat while neither loop ran late, and nothing said what the
-heartbeat had waited behind; the next soak's log must."""
+heartbeat had waited behind; the next soak's log must.
+
+These test the Python data plane (tcp.py, the reference: engine="python"); the native engine's
+answers to the same cases are in test_engine.py.
+"""
 
 import re
 
@@ -21,9 +25,9 @@ async def test_a_connection_says_what_it_waits_on_and_when_each_socket_last_answ
             await release.wait()
         return {"ok": method}
 
-    server = tcp.TcpTransport(TOKEN)
+    server = tcp.TcpTransport(TOKEN, engine="python")
     host, port = await nursery.start(server.serve, "127.0.0.1", 0, handler)
-    conn = await tcp.TcpTransport(TOKEN).connect(host, port, nursery=nursery)
+    conn = await tcp.TcpTransport(TOKEN, engine="python").connect(host, port, nursery=nursery)
     assert conn.waits().startswith("0 requests unanswered")
     assert "calls: 0 frames (0 bytes) queued to send, last answer never" in conn.waits()
 

@@ -2,7 +2,11 @@
 earlier answers arrive, so another read never waits behind the whole burst, and the burst is bounded
 by silence between answers, never by its size (issue 41: a 1 GiB model's pull, one burst of
 hundreds of MB per node, held the heartbeats behind it for seconds and the mount counted
-working nodes down)."""
+working nodes down).
+
+These test the Python data plane (tcp.py, the reference: engine="python"); the native engine's
+answers to the same cases are in test_engine.py.
+"""
 
 import os
 
@@ -21,11 +25,11 @@ MiB = 1 << 20
 
 
 async def _served(nursery, op_timeout=30.0):
-    server = tcp.TcpTransport(TOKEN)
+    server = tcp.TcpTransport(TOKEN, engine="python")
     host, port = await nursery.start(server.serve, "127.0.0.1", 0, handler)
     region = server.alloc_region(8 * MiB, Access.RW)
     region.buf[:] = os.urandom(len(region.buf))
-    conn = await tcp.TcpTransport(TOKEN, op_timeout=op_timeout).connect(host, port, nursery=nursery)
+    conn = await tcp.TcpTransport(TOKEN, op_timeout=op_timeout, engine="python").connect(host, port, nursery=nursery)
     return region, conn
 
 
