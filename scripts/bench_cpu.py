@@ -16,10 +16,10 @@ What is measured (GB = 1e9 bytes, the bytes the user moved: a file's size, whate
   machine's ``drop_caches``; the overwrite's open drops them as well, fs/pagecache.py), every
   byte checked. Over each transfer, the user + system CPU time of the node processes (serving
   one-sided reads / taking writes, replicating them at R=2) and of the mount's process.
-- iperf3 (Debian's) on loopback moving the same bytes (``-n``; per byte it moved: with ``-R`` it
-  may send one block more) with 1 MiB writes and the
-  transport's socket buffers: its long-lived server's CPU over a run where it receives (the
-  receiver) and over one with ``-R`` where it sends (the sender). The client's own CPU (from
+- iperf3 (Debian's) on loopback moving the same bytes (``-n``; counted per byte it moved: with
+  ``-R`` it may send one block more) with 1 MiB writes and the transport's socket buffers: its
+  long-lived server's CPU over a run where it receives (the receiver) and over one with ``-R``
+  where it sends (the sender). The client's own CPU (from
   its rusage at exit: it includes its start) and iperf3's own ``cpu_utilization_percent`` are
   kept beside them as a check.
 - the pyfuse3 ceiling daemon, scripts/memfs.py (as scripts/bench.py mounts it: direct_io and
