@@ -51,6 +51,21 @@ def latency_samples(name: str, what: str, latency: Latency, label: str) -> list[
     return [(name, "histogram", what, {label: op}, h) for op, h in latency.snapshot().items()]
 
 
+def data_plane_sample(role: str, facts: dict) -> Sample:
+    """``irdmafs_data_plane_info{role, transport, engine, kernels, ...} 1``: what serves this
+    node's or mount's data plane (runtime/dataplane.py), with why for what is not native."""
+    eng, ker = facts["engine"], facts["kernels"]
+    labels = {
+        "role": role,
+        "transport": facts["transport"],
+        "engine": eng["name"],
+        "engine_why": eng["why"],
+        "kernels": "native" if ker["native"] else "numpy",
+        "kernels_why": ker["why"],
+    }
+    return ("irdmafs_data_plane_info", "gauge", "what serves the data plane: transport, engine (native or python), kernels (native or numpy)", labels, 1)
+
+
 def node_samples(node) -> list[Sample]:
     """A PS node's figures: storage, calls, one-sided traffic served, peers, training clocks."""
     s: list[Sample] = [
@@ -79,6 +94,9 @@ def node_samples(node) -> list[Sample]:
         leading = node.leading()
         s.append(("irdmafs_node_stripes_degraded", "gauge", "stripes this node leads with a home that does not serve (not whole)", {}, leading["degraded"]))
         s.append(("irdmafs_node_led_bytes", "gauge", "bytes of the live stripes this node leads (their primary)", {}, leading["led_bytes"]))
+    data_plane = getattr(node, "data_plane", None)  # (a stand-in node of the metrics tests has none)
+    if data_plane is not None:
+        s.append(data_plane_sample("node", data_plane))
     missing = getattr(node, "missing", None)  # (a stand-in node of the metrics tests has none)
     if missing is not None:
         lost = missing.summary()

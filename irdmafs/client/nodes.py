@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 NODE_FIGURES = (
     *("pid", "stripes", "bytes", "capacity", "held", "loop_lag", "loop_busy", "transport", "uptime"),
     *("calls", "served_bytes", "replicas_behind", "caught_up", "degraded", "lost"),
+    *("engine", "kernels"),  # what serves its data plane, with the transport (runtime/dataplane.py)
 )
 
 

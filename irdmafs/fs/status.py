@@ -1,6 +1,7 @@
 """``/.irdma``: the mount's status files and the workers' ranks.
 
-- ``.irdma/cluster``: the nodes as this mount sees them (JSON); ``.irdma/stats``: its counters,
+- ``.irdma/cluster``: the nodes as this mount sees them (JSON), and the mount itself (its
+  config, transport, engine and kernels: runtime/dataplane.py); ``.irdma/stats``: its counters,
   the figures the Prometheus endpoint serves. Both are made whole at open.
 - ``.irdma/workers/<r>``: ``rmdir`` says rank ``r`` left (``user.irdma.removed`` on the root),
   and every model stops waiting for it;
@@ -20,8 +21,9 @@ import logging
 from typing import TYPE_CHECKING, Callable
 
 from ..client import nodes
-from ..metrics import Sample, latency_samples
+from ..metrics import Sample, data_plane_sample, latency_samples
 from ..names import ROOT
+from ..runtime import dataplane
 from .errnos import ANSWERED
 from ..errors import FsError
 from .handles import BATCH_XATTR, BatchSizeHandle, BytesHandle
@@ -176,5 +178,6 @@ def mount_samples(vfs) -> list[Sample]:
     s.append(("irdmafs_mount_lost_bytes", "gauge", "bytes of the stripes the nodes came back without", {}, sum(x.get("bytes", 0) for x in lost)))
     whole = all(n["alive"] and n.get("caught_up") and not n.get("replicas_behind") for n in table) and not any(x.get("stripes") for x in lost)
     s.append(("irdmafs_mount_whole", "gauge", "1 while every node answers, has caught up, sees no peer behind and lost nothing", {}, int(whole)))
+    s.append(data_plane_sample("mount", dataplane.facts(vfs.client.cluster.peers.transport)))
     s += latency_samples("irdmafs_mount_op_seconds", "FUSE operation latency", vfs.latency, "op")
     return s

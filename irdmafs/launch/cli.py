@@ -23,6 +23,7 @@ import trio
 
 from .. import config as C
 from ..client.nodes import NODE_FIGURES
+from ..runtime import dataplane
 from .etcd_process import LocalEtcd, LocalEtcdCluster, health_error, is_local_etcd
 from .local import LocalCluster, pids_alive, probe, wait_settled, write_config
 from ..server.node import setup_logging
@@ -563,10 +564,29 @@ def cmd_status(args: argparse.Namespace) -> int:
     for n in doc["nodes"]:
         if n.get("error"):
             print(f"{n['name']}: {n['error']}")
+    for ln in data_plane_lines(doc):
+        print(ln)
     for n in doc["nodes"]:
         if "held" in n:
             print(memory_line(n))
     return 0 if all(n["alive"] for n in doc["nodes"]) else 1
+
+
+def data_plane_lines(doc: dict) -> list[str]:
+    """What serves each answering node's data plane, one line each (and the mount's, when the
+    status is a mount's): its transport, engine (native or python) and kernels (native C or
+    numpy), with why for what is not native (runtime/dataplane.py)."""
+    out = []
+    if doc.get("mountpoint") and "engine" in doc:
+        out.append(f"data plane mount {doc['mountpoint']}: {dataplane.line(doc)}")
+    for n in doc["nodes"]:
+        if not n.get("alive"):
+            continue
+        if "engine" in n and "kernels" in n:
+            out.append(f"data plane {n['name']}: {dataplane.line(n)}")
+        else:  # a node of before this report
+            out.append(f"data plane {n['name']}: transport {n.get('transport', '?')}, engine and kernels not reported")
+    return out
 
 
 def memory_line(n: dict) -> str:

@@ -28,6 +28,7 @@ import trio
 
 from ..client.client import Client
 from ..config import ClusterConfig
+from ..runtime import dataplane
 from ..runtime.notify import notify
 from ..transport.base import Transport
 from ..errors import AuthError, TransportError
@@ -99,7 +100,7 @@ async def run_mount(
             "config": os.path.abspath(cfg.path) if cfg.path else None,
             "mountpoint": os.path.abspath(mountpoint),
             "mount_pid": os.getpid(),
-            "transport": transport.name,
+            **dataplane.facts(transport),  # transport, engine, kernels (runtime/dataplane.py)
             "replicas": cfg.replicas,
         }
         vfs = Vfs(client, status=status)
@@ -114,7 +115,8 @@ async def run_mount(
             except (OSError, ValueError) as exc:
                 raise MountError(f"--metrics {metrics}: {exc}") from None
         pyfuse3.init(ops, mountpoint, fuse_options(options or []))
-        log.info("mounted %s on %s (transport %s, %d nodes, R=%d)", cfg.path, mountpoint, transport.name, len(cfg.nodes), cfg.replicas)
+        plane = dataplane.line(status)  # one line: what serves its data plane, why for what is not native
+        log.log(dataplane.level(status), "mounted %s on %s (%s; %d nodes, R=%d)", cfg.path, mountpoint, plane, len(cfg.nodes), cfg.replicas)
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_terminate_on_signals)

@@ -19,8 +19,9 @@ functions.
 - staging.py, locks.py, barrier.py: the staging regions peers WRITE into, a lock per stripe,
   the commit barrier (freeze/thaw) of snapshots and rebalance.
 
-Here: ``heartbeat`` (the node's status; it carries the incarnation, new at each start, and the
-serving generation, and leases the caller's staging), ``statfs``, ``staging``/``release``,
+Here: ``heartbeat`` (the node's status; it carries the incarnation, new at each start, the
+serving generation, and what serves its data plane: transport, engine, kernels; and leases the
+caller's staging), ``statfs``, ``staging``/``release``,
 ``freeze``/``thaw``. With ``--persist`` a node loads its stripes and namespace from disk first
 (persist.py), then resyncs as always.
 
@@ -46,7 +47,7 @@ from ..runtime.cluster import READY, Cluster
 from ..config import NO_COORDINATOR, ClusterConfig, load
 from ..errors import ConfigError, RemoteError
 from ..coord.contract import Coordinator
-from ..runtime import looplag
+from ..runtime import dataplane, looplag
 from ..runtime.looplag import LoopLag
 from ..metrics import Latency, node_samples
 from ..metrics import serve as serve_metrics
@@ -161,6 +162,12 @@ class Node:
         return self.namespace.meta
 
     @property
+    def data_plane(self) -> dict:
+        """What serves this node's data plane: transport, engine, kernels, with why for what is
+        not native (runtime/dataplane.py); in its status and metrics, logged at start."""
+        return dataplane.facts(self.transport)
+
+    @property
     def sees_all_ready(self) -> bool:
         return self.cluster.nursery is not None and self.cluster.roles.ready() == self.cluster.roles.members.names
 
@@ -186,7 +193,8 @@ class Node:
         async with trio.open_nursery() as nursery:
             self.cluster.nursery = nursery
             address = await nursery.start(partial(self.transport.serve, self.spec.host, self.spec.port, self.handle, on_imm=self.training.on_imm))
-            log.info("node %s listening on %s:%s (transport %s)", self.name, *address, self.transport.name)
+            plane = self.data_plane  # one line: what serves its data plane, why for what is not native
+            log.log(dataplane.level(plane), "node %s listening on %s:%s (%s)", self.name, *address, dataplane.line(plane))
             await self.cluster.heartbeats.refresh()
             self.cluster.heartbeats.args["owner"] = self.replicator.slots.owner
             nursery.start_soon(self.cluster.heartbeats.loop)
@@ -289,7 +297,7 @@ class Node:
             "held": dict(self.budget.held),  # what holds the memory (budget.py)
             "loop_lag": round(self.loop_lag.worst, 4),
             "loop_busy": round(self.loop_lag.worst_busy, 4),
-            "transport": self.transport.name,
+            **self.data_plane,  # transport, engine, kernels (runtime/dataplane.py)
             "pid": os.getpid(),
             "incarnation": self.transport.incarnation,
             "gen": serving.gen,
