@@ -54,7 +54,7 @@ else:
 
 AVAILABLE = _engine is not None
 
-EV_CALL, EV_DONE, EV_CLOSED, EV_RELEASED = 1, 2, 3, 4
+EV_CALL, EV_DONE, EV_CLOSED, EV_RELEASED, EV_LOG = 1, 2, 3, 4, 5
 LOST = -1  # a completion's status: the connection broke before its answer
 
 READ_WINDOW = 8 << 20  # as tcp.py's: READ answers on their way at once, per connection
@@ -81,8 +81,8 @@ class Served:
     """What a serving connection's requests go to: ``on_request(opcode, header, document)`` is
     started as a task in ``nursery``; ``closed`` is set with ``why`` when the engine closed it."""
 
-    def __init__(self, on_request: Callable[..., Any], nursery: trio.Nursery) -> None:
-        self.on_request, self.nursery = on_request, nursery
+    def __init__(self, on_request: Callable[..., Any], nursery: trio.Nursery, peer: str = "") -> None:
+        self.on_request, self.nursery, self.peer = on_request, nursery, peer
         self.closed = trio.Event()
         self.why = ""
 
@@ -152,6 +152,10 @@ class Engine:
                 caller.closed(conn, why)
         elif kind == EV_RELEASED:
             self.released.add(ev[1])
+        elif kind == EV_LOG:  # as tcp.py's responder logs a refused request
+            _, conn, line = ev
+            served = self.served.get(conn)
+            log.info("%s: %s", served.peer if served is not None else f"connection {conn}", line)
 
     # -- serving side --------------------------------------------------------------------------
     def serve(self, fd: int, served: Served, notify: bool) -> int:
@@ -322,9 +326,19 @@ class NativeConnection(Connection):
         return P.decode_result(w.payload or b"")
 
     def waits(self) -> str:
-        mine = [k for k in self.engine.waiters if k[0] in (self.data, self.bulk, self.calls)]
-        lanes = {name: sum(1 for c, _ in mine if c == conn) for name, conn in (("calls", self.calls), ("data", self.data), ("bulk", self.bulk))}
-        return f"{len(mine)} requests unanswered (native engine); " + ", ".join(f"{k}: {v}" for k, v in lanes.items())
+        """As tcp.py's: requests unanswered, and for each socket what waits to be sent and how
+        long since an answer last began to arrive on it."""
+        mine = sum(1 for conn, _ in self.engine.waiters if conn in (self.data, self.bulk, self.calls))
+        parts = [f"{mine} requests unanswered"]
+        for name, conn in (("calls", self.calls), ("data", self.data), ("bulk", self.bulk)):
+            info = self.engine.native.conn_info(conn)
+            if info is None:
+                parts.append(f"{name}: closed")
+                continue
+            frames, nbytes, _, ago = info
+            heard = "never" if ago < 0 else f"{ago:.2f} s ago"
+            parts.append(f"{name}: {frames} frames ({nbytes} bytes) queued to send, last answer {heard}")
+        return "; ".join(parts) + " (native engine)"
 
     async def aclose(self) -> None:
         if self._broken is None:

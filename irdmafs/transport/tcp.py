@@ -445,7 +445,7 @@ class _Responder:
         READ, WRITE and WRITE_IMM itself; its calls and notifications come back here as tasks,
         answered through it. Until the engine closes the connection (or this task ends)."""
         engine = self.transport.native
-        served = E.Served(self.on_native_request, self.calls)
+        served = E.Served(self.on_native_request, self.calls, self.peer)
         self.conn = engine.serve(self.sock.detach(), served, self.on_imm is not None)
         try:
             await served.closed.wait()

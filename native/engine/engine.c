@@ -52,6 +52,7 @@
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "frame.h"
@@ -154,6 +155,7 @@ struct conn {
     int kick;              /* Python queued something for it (lock) */
     int dead;              /* the I/O thread closed it */
     uint32_t events;       /* the epoll interest now */
+    atomic_llong heard_ns; /* CLOCK_MONOTONIC when a frame last began to arrive (0: never) */
     struct conn *next;     /* the engine's list */
     char why[256];
 };
@@ -161,7 +163,7 @@ struct conn {
 /* ---------------------------------------------------------------------------------------------
  * events for Python
  */
-enum { EV_CALL = 1, EV_DONE = 2, EV_CLOSED = 3, EV_RELEASED = 4 };
+enum { EV_CALL = 1, EV_DONE = 2, EV_CLOSED = 3, EV_RELEASED = 4, EV_LOG = 5 };
 
 struct event {
     struct event *next;
@@ -180,6 +182,7 @@ typedef struct {
     struct region *buckets[BUCKETS];
     struct region *zombies;  /* freed with operations in flight: released when they end */
     uint64_t regions;
+    uint64_t pinned;         /* freed, but held by operations in flight */
     pthread_mutex_t conn_lock;
     struct conn *conns;
     uint64_t next_conn;
@@ -237,7 +240,10 @@ static void push_event(Engine *e, struct event *ev);
 static void put_region(Engine *e, struct region *r) {
     int release = 0;
     pthread_mutex_lock(&e->tab_lock);
-    if (--r->inflight == 0 && r->dead) release = 1;
+    if (--r->inflight == 0 && r->dead) {
+        release = 1;
+        e->pinned--;
+    }
     pthread_mutex_unlock(&e->tab_lock);
     if (release) { /* its Py_buffer goes back with the GIL: Python's poll */
         struct event *ev = calloc(1, sizeof *ev);
@@ -272,6 +278,24 @@ static void wake(Engine *e) {
     uint64_t one = 1;
     ssize_t n = write(e->wake_fd, &one, sizeof one);
     (void)n;
+}
+
+/* A line for the node's log (a refused request): Python logs it with the peer's name. */
+static void log_event(Engine *e, struct conn *c, const char *fmt, const char *why) {
+    struct event *ev = calloc(1, sizeof *ev);
+    char line[256];
+    if (!ev) return; /* a log line may be lost under memory pressure; nothing else is */
+    int n = snprintf(line, sizeof line, fmt, why);
+    if (n < 0) n = 0;
+    if ((size_t)n >= sizeof line) n = sizeof line - 1;
+    ev->kind = EV_LOG;
+    ev->conn = c->id;
+    ev->payload = malloc((size_t)n + 1);
+    if (ev->payload) {
+        memcpy(ev->payload, line, (size_t)n + 1);
+        ev->payload_len = (uint64_t)n;
+    }
+    push_event(e, ev);
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -577,6 +601,7 @@ static int serve_header(Engine *e, struct conn *c) {
         struct region *r = take_region(e, f->rkey, f->offset, f->length, ACCESS_READ, why, sizeof why);
         if (!r) {
             atomic_fetch_add(&e->served[S_REFUSED][0], 1);
+            log_event(e, c, "READ refused: %s", why);
             return answer(c, f, IRDM_ST_ACCESS, why, strlen(why));
         }
         struct irdm_frame resp = *f;
@@ -602,6 +627,7 @@ static int serve_header(Engine *e, struct conn *c) {
             snprintf(c->refuse_buf, sizeof c->refuse_buf, "%s", why);
             c->refuse_why = c->refuse_buf;
             atomic_fetch_add(&e->served[S_REFUSED][0], 1);
+            log_event(e, c, "WRITE refused: %s", why);
             start_drain(c, f->length, IRDM_ST_ACCESS);
             return 0;
         }
@@ -624,6 +650,7 @@ static int serve_header(Engine *e, struct conn *c) {
     default:
         snprintf(c->refuse_buf, sizeof c->refuse_buf, "unknown opcode %#x", f->opcode);
         c->refuse_why = c->refuse_buf;
+        log_event(e, c, "%s refused", c->refuse_buf);
         start_drain(c, irdm_payload_size(f), IRDM_ST_BAD_REQUEST);
         return 0;
     }
@@ -772,6 +799,9 @@ static int pump_in(Engine *e, struct conn *c) {
             }
             c->ipos += IRDM_HEADER;
             c->refuse_after = -1;
+            struct timespec now;
+            clock_gettime(CLOCK_MONOTONIC, &now);
+            atomic_store(&c->heard_ns, (long long)now.tv_sec * 1000000000LL + now.tv_nsec);
             if ((c->role == SERVE ? serve_header(e, c) : caller_header(e, c)) < 0) {
                 if (!c->why[0]) snprintf(c->why, sizeof c->why, "out of memory");
                 return -1;
@@ -1115,6 +1145,7 @@ static PyObject *Engine_free_region(Engine *e, PyObject *args) {
         }
     }
     int now = found && found->inflight == 0;
+    if (found && !now) e->pinned++;
     pthread_mutex_unlock(&e->tab_lock);
     if (!found) {
         PyErr_Format(PyExc_KeyError, "unknown rkey %u", rkey);
@@ -1361,6 +1392,35 @@ static PyObject *Engine_close(Engine *e, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* conn_info(conn) -> (frames queued to send, their bytes, requests unanswered, seconds since a
+ * frame last began to arrive or -1.0 if none ever did); None if it is closed. */
+static PyObject *Engine_conn_info(Engine *e, PyObject *args) {
+    unsigned long long id;
+    if (!PyArg_ParseTuple(args, "K", &id)) return NULL;
+    pthread_mutex_lock(&e->conn_lock);
+    struct conn *c = conn_locked(e, id);
+    unsigned long long frames = 0, bytes = 0, pending = 0;
+    long long heard = 0;
+    int found = c && !c->dead;
+    if (found) {
+        pthread_mutex_lock(&c->lock);
+        for (struct chunk *k = c->out_head; k; k = k->next) frames += k->hdr_len != 0;
+        bytes = atomic_load(&c->out_bytes);
+        pending = c->npending;
+        heard = atomic_load(&c->heard_ns);
+        pthread_mutex_unlock(&c->lock);
+    }
+    pthread_mutex_unlock(&e->conn_lock);
+    if (!found) Py_RETURN_NONE;
+    double ago = -1.0;
+    if (heard) {
+        struct timespec now;
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        ago = ((double)now.tv_sec * 1e9 + (double)now.tv_nsec - (double)heard) / 1e9;
+    }
+    return Py_BuildValue("(KKKd)", frames, bytes, pending, ago);
+}
+
 static PyObject *payload_bytes(const uint8_t *p, uint64_t n) {
     if (!p) Py_RETURN_NONE;
     return PyBytes_FromStringAndSize((const char *)p, (Py_ssize_t)n);
@@ -1370,7 +1430,8 @@ static PyObject *payload_bytes(const uint8_t *p, uint64_t n) {
  *   (1, conn, opcode, req_id, rkey, imm, offset, length, document or None)  a request for Python
  *   (2, conn, req_id, status, payload or None)   a calling-side completion (status -1: lost)
  *   (3, conn, reason)                             a connection closed
- *   (4, rkey)                                     a freed region's memory let go */
+ *   (4, rkey)                                     a freed region's memory let go
+ *   (5, conn, line)                               a line for the log (a refused request) */
 static PyObject *Engine_poll(Engine *e, PyObject *unused) {
     uint64_t v;
     ssize_t r = read(e->ev_fd, &v, sizeof v);
@@ -1402,7 +1463,8 @@ static PyObject *Engine_poll(Engine *e, PyObject *unused) {
                 break;
             }
             case EV_CLOSED:
-                item = Py_BuildValue("(iKs#)", EV_CLOSED, (unsigned long long)ev->conn, ev->payload ? (const char *)ev->payload : "",
+            case EV_LOG:
+                item = Py_BuildValue("(iKs#)", ev->kind, (unsigned long long)ev->conn, ev->payload ? (const char *)ev->payload : "",
                                      (Py_ssize_t)ev->payload_len);
                 break;
             case EV_RELEASED:
@@ -1437,20 +1499,19 @@ static PyObject *Engine_fileno(Engine *e, PyObject *unused) { return PyLong_From
 
 static PyObject *Engine_stats(Engine *e, PyObject *unused) {
     pthread_mutex_lock(&e->tab_lock);
-    unsigned long long regions = e->regions, zombies = 0;
-    for (struct region *z = e->zombies; z; z = z->zombie) zombies++;
+    unsigned long long regions = e->regions, pinned = e->pinned;
     pthread_mutex_unlock(&e->tab_lock);
     unsigned long long conns = 0;
     pthread_mutex_lock(&e->conn_lock);
     for (struct conn *c = e->conns; c; c = c->next) conns += !c->dead;
     pthread_mutex_unlock(&e->conn_lock);
-    return Py_BuildValue("{s:(KK),s:(KK),s:(KK),s:K,s:(KK),s:K,s:K,s:K}",
+    return Py_BuildValue("{s:(KK),s:(KK),s:(KK),s:K,s:(KK),s:K,s:K,s:K,s:K}",
         "read", (unsigned long long)atomic_load(&e->served[S_READ][0]), (unsigned long long)atomic_load(&e->served[S_READ][1]),
         "write", (unsigned long long)atomic_load(&e->served[S_WRITE][0]), (unsigned long long)atomic_load(&e->served[S_WRITE][1]),
         "write_imm", (unsigned long long)atomic_load(&e->served[S_WRITE_IMM][0]), (unsigned long long)atomic_load(&e->served[S_WRITE_IMM][1]),
         "refused", (unsigned long long)atomic_load(&e->served[S_REFUSED][0]),
         "landed", (unsigned long long)atomic_load(&e->landed[0]), (unsigned long long)atomic_load(&e->landed[1]),
-        "buffered", (unsigned long long)atomic_load(&e->buffered), "regions", regions, "connections", conns);
+        "buffered", (unsigned long long)atomic_load(&e->buffered), "regions", regions, "pinned", pinned, "connections", conns);
 }
 
 static PyMethodDef Engine_methods[] = {
@@ -1462,6 +1523,7 @@ static PyMethodDef Engine_methods[] = {
     {"cancel", (PyCFunction)Engine_cancel, METH_VARARGS, "cancel(conn, req_id) -> 0, 1 or 2"},
     {"close", (PyCFunction)Engine_close, METH_VARARGS, "close(conn)"},
     {"poll", (PyCFunction)Engine_poll, METH_NOARGS, "poll() -> events"},
+    {"conn_info", (PyCFunction)Engine_conn_info, METH_VARARGS, "conn_info(conn) -> (frames queued, bytes queued, unanswered, seconds since heard)"},
     {"fileno", (PyCFunction)Engine_fileno, METH_NOARGS, "the eventfd Python waits on"},
     {"stats", (PyCFunction)Engine_stats, METH_NOARGS, "counters"},
     {"stop", (PyCFunction)Engine_stop, METH_NOARGS, "stop the I/O thread, close everything"},

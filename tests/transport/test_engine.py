@@ -1,0 +1,327 @@
+"""The native engine (transport/engine.py, native/engine/) against the invariants it must keep
+by construction (docs/engine.md): a region never freed under an operation in flight, a caller's
+buffer never written after its call returned, a peer that stops reading costs only its own
+connection, one connection's READs served in order (the seqlock read stays untorn while an
+install runs beside the engine's thread), keys never drawn twice, completions in batches.
+
+The socket faults the fault simulator cannot reach (it runs over the in-memory transport): a
+connection cut mid-frame, a peer that stalls mid-payload, a region freed under a READ. Each case
+waits for the event it checks; ``fail_after`` only bounds a hang.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+
+import numpy as np
+import pytest
+import trio
+
+from irdmafs.errors import AccessError, PeerLost, TimeoutError
+from irdmafs.transport import engine as E
+from irdmafs.transport import protocol as P
+from irdmafs.transport import tcp
+from irdmafs.transport.base import Access, KeyStream
+
+from .conftest import ENGINE_REASON, TOKEN, handler
+
+pytestmark = pytest.mark.skipif(bool(ENGINE_REASON), reason=f"the native engine is not built here: {ENGINE_REASON}")
+
+MiB = 1 << 20
+HANG = 60  # seconds after which a case that waits for an event has hung
+
+
+async def _server(nursery, engine="native", **kw):
+    server = tcp.TcpTransport(TOKEN, engine=engine, **kw)
+    host, port = await nursery.start(server.serve, "127.0.0.1", 0, handler)
+    return server, host, port
+
+
+async def _raw(host, port):
+    """An authenticated socket to the node with nothing behind it: the test sends its frames."""
+    sock, _ = await tcp.TcpTransport(TOKEN, engine="python")._open(host, port)
+    return sock
+
+
+async def _until(predicate):
+    with trio.fail_after(HANG):
+        while not predicate():
+            await trio.sleep(0.005)
+
+
+async def test_a_region_freed_under_a_read_keeps_its_memory_until_the_read_is_sent(nursery):
+    server, host, port = await _server(nursery)
+    region = server.alloc_region(32 * MiB, Access.READ)
+    data = os.urandom(32 * MiB)
+    region.buf[:] = data
+    rkey = region.rkey
+    sock = await _raw(host, port)
+    await tcp._sendv(sock, [P.pack(P.Header(P.Op.READ, req_id=1, rkey=rkey, length=32 * MiB))])
+    await _until(lambda: server.native.stats()["read"][0] == 1)  # queued, and the peer reads nothing yet
+    server.free_region(region)
+    assert server.native.stats()["pinned"] == 1  # held by the READ in flight
+    del region  # the Python side lets go too: only the engine's hold keeps the memory
+    hdr = await tcp._recv_bytes(sock, P.HEADER.size)
+    h = P.unpack(hdr)
+    assert (h.status, h.length) == (P.Status.OK, 32 * MiB)
+    got = await tcp._recv_bytes(sock, 32 * MiB)
+    assert got == data  # the memory lived until its last byte was sent
+    await _until(lambda: rkey in server.native.released)
+    assert server.native.stats()["pinned"] == 0
+    # and the key is refused from now on, on the same connection
+    await tcp._sendv(sock, [P.pack(P.Header(P.Op.READ, req_id=2, rkey=rkey, length=16))])
+    h = P.unpack(await tcp._recv_bytes(sock, P.HEADER.size))
+    assert h.status == P.Status.ACCESS
+    assert b"unknown rkey" in await tcp._recv_bytes(sock, h.length)
+    sock.close()
+
+
+async def test_a_peer_that_stops_reading_costs_only_its_own_connection(nursery):
+    server, host, port = await _server(nursery)
+    region = server.alloc_region(64 * MiB, Access.READ)
+    region.buf[:] = os.urandom(len(region.buf))
+    stalled = await _raw(host, port)
+    asks = [P.pack(P.Header(P.Op.READ, req_id=i + 1, rkey=region.rkey, offset=(i % 64) * MiB, length=MiB)) for i in range(256)]
+    await tcp._sendv(stalled, asks)  # 256 MiB asked for, none of it read
+    await _until(lambda: server.native.stats()["read"][0] >= 8)  # the engine is serving it (and is stuck on it)
+    conn = await tcp.TcpTransport(TOKEN).connect(host, port, nursery=nursery)
+    out = bytearray(8 * MiB)
+    with trio.fail_after(HANG):
+        await conn.read(region.rkey, 3 * MiB, out)
+        assert (await conn.call("echo", {"x": 1}))["echo"] == {"x": 1}
+    assert out == bytes(region.buf[3 * MiB : 11 * MiB])
+    # the stalled peer's READs stopped at the connection's output bound (OUT_LIMIT, 8 MiB, plus
+    # what the kernel's buffers hold): the engine did not queue the other 200 MiB it asked for
+    assert server.native.stats()["read"][0] - 8 < 64
+    stalled.close()
+    await conn.aclose()
+
+
+async def test_a_write_cut_off_mid_payload_closes_that_connection_only(nursery, caplog):
+    caplog.set_level(logging.INFO)
+    server, host, port = await _server(nursery)
+    region = server.alloc_region(4 * MiB, Access.RW)
+    sock = await _raw(host, port)
+    await tcp._sendv(sock, [P.pack(P.Header(P.Op.WRITE, req_id=1, rkey=region.rkey, length=2 * MiB)), b"x" * MiB])
+    await _until(lambda: bytes(region.buf[MiB - 1 : MiB]) == b"x")
+    sock.close()  # half the payload, then gone
+    await _until(lambda: any("closed mid-frame" in r.getMessage() for r in caplog.records))
+    conn = await tcp.TcpTransport(TOKEN).connect(host, port, nursery=nursery)
+    await conn.write(region.rkey, 0, b"after")
+    assert bytes(region.buf[:5]) == b"after"
+    await conn.aclose()
+
+
+async def test_a_garbage_frame_after_the_handshake_closes_that_connection_with_a_log_line(nursery, caplog):
+    caplog.set_level(logging.WARNING)
+    server, host, port = await _server(nursery)
+    region = server.alloc_region(MiB, Access.RW)
+    good = await tcp.TcpTransport(TOKEN).connect(host, port, nursery=nursery)
+    bad = await _raw(host, port)
+    await tcp._sendv(bad, [b"GARBAGE!" * 5])
+    with trio.fail_after(HANG):
+        assert await bad.recv(1) == b""  # closed by the node
+    await _until(lambda: any("protocol error" in r.getMessage() and "bad magic" in r.getMessage() for r in caplog.records))
+    await good.write(region.rkey, 0, b"still")  # another connection, and the region, unharmed
+    assert bytes(region.buf[:5]) == b"still"
+    await good.aclose()
+
+
+def _gate_reads(monkeypatch):
+    """A Python node whose READ answers wait for ``gate``; ``halfway`` makes it send the header
+    and half the data first."""
+    gate, started = trio.Event(), trio.Event()
+    state = {"halfway": False}
+
+    async def held_read(self, h):
+        view = self.regions.check(h.rkey, h.offset, h.length, Access.READ)
+        started.set()
+        resp = P.pack(h._replace(opcode=h.opcode | P.RESPONSE, status=P.Status.OK, length=h.length))
+        if state["halfway"]:
+            await self.sender.send([resp, view[: h.length // 2]])
+            await gate.wait()
+            await self.sender.send([view[h.length // 2 :]])
+        else:
+            await gate.wait()
+            await self.sender.send([resp, view])
+
+    monkeypatch.setattr(tcp._Responder, "on_read", held_read)
+    return gate, started, state
+
+
+async def test_a_read_given_up_before_its_answer_leaves_its_buffer_alone(nursery, monkeypatch):
+    gate, started, _ = _gate_reads(monkeypatch)
+    server, host, port = await _server(nursery, engine="python")
+    region = server.alloc_region(MiB, Access.RW)
+    region.buf[:] = b"\xab" * MiB
+    conn = await tcp.TcpTransport(TOKEN).connect(host, port, nursery=nursery)
+    out = bytearray(MiB)
+    with trio.CancelScope() as scope:
+        async with trio.open_nursery() as n:
+            n.start_soon(conn.read, region.rkey, 0, out)
+            await started.wait()
+            scope.cancel()
+    assert scope.cancelled_caught
+    gate.set()  # the answer comes now: drained by the engine, never landed
+    conn2 = await tcp.TcpTransport(TOKEN).connect(host, port, nursery=nursery)
+    probe = bytearray(16)
+    await conn.read(region.rkey, 0, probe)  # the same connection goes on, after the drained answer
+    assert probe == b"\xab" * 16
+    assert out == bytes(MiB)  # never written
+    await conn.aclose()
+    await conn2.aclose()
+
+
+async def test_a_peer_that_stalls_mid_payload_times_out_and_never_writes_the_buffer_after(nursery, monkeypatch):
+    gate, started, state = _gate_reads(monkeypatch)
+    state["halfway"] = True
+    server, host, port = await _server(nursery, engine="python")
+    region = server.alloc_region(8 * MiB, Access.RW)
+    region.buf[:] = b"\xcd" * len(region.buf)
+    conn = await tcp.TcpTransport(TOKEN, op_timeout=0.5).connect(host, port, nursery=nursery)
+    out = bytearray(8 * MiB)
+    with pytest.raises((TimeoutError, PeerLost)):
+        await conn.read(region.rkey, 0, out)
+    await _until(lambda: conn.lost is not None)  # given up while its bytes were arriving: closed
+    snapshot = bytes(out)
+    assert snapshot[: 4 * MiB] == b"\xcd" * (4 * MiB)  # the half that came landed in place
+    gate.set()  # the node sends the rest now: it must land nowhere
+    await trio.sleep(0)
+    with pytest.raises(PeerLost):
+        await conn.read(region.rkey, 0, bytearray(4))
+    assert bytes(out) == snapshot
+
+
+async def test_either_socket_broken_fails_the_connection(nursery):
+    server, host, port = await _server(nursery)
+    region = server.alloc_region(MiB, Access.RW)
+    conn = await tcp.TcpTransport(TOKEN).connect(host, port, nursery=nursery)
+    assert isinstance(conn, E.NativeConnection)
+    conn.engine.native.close(conn.bulk)
+    await _until(lambda: conn.lost is not None)
+    with pytest.raises(PeerLost):
+        await conn.call("echo", {})
+    with pytest.raises(PeerLost):
+        await conn.read(region.rkey, 0, bytearray(4))
+
+
+async def test_reads_and_calls_go_on_while_a_large_write_is_stuck(nursery, monkeypatch):
+    stuck, landing = trio.Event(), trio.Event()
+    land = tcp._Responder.land
+
+    async def slow_land(self, h):
+        if h.length >= MiB:
+            landing.set()
+            await stuck.wait()
+        return await land(self, h)
+
+    monkeypatch.setattr(tcp._Responder, "land", slow_land)
+    server, host, port = await _server(nursery, engine="python")
+    region = server.alloc_region(64 * MiB, Access.RW)
+    conn = await tcp.TcpTransport(TOKEN).connect(host, port, nursery=nursery)
+    big = os.urandom(48 * MiB)
+    async with trio.open_nursery() as n:
+        n.start_soon(conn.write, region.rkey, 0, big)
+        await landing.wait()
+        with trio.fail_after(HANG):
+            out = bytearray(16)
+            await conn.read(region.rkey, 60 * MiB, out)
+            await conn.call("echo", {})
+        stuck.set()
+    assert bytes(region.buf[: len(big)]) == big
+
+
+async def test_reads_of_a_stripe_stay_untorn_while_installs_run_beside_the_engine(nursery):
+    """The seqlock read (regions.py): header, data, header in one burst, served in order by the
+    engine's thread while the node's loop installs (version odd, data, version even). Every read
+    whose two headers agree on an even version holds that version's bytes, never a mix."""
+    server, host, port = await _server(nursery)
+    size = 4 * MiB
+    region = server.alloc_region(16 + size, Access.READ)
+    data = np.frombuffer(region.buf, dtype=np.uint8, offset=16)
+    word = region.buf[:8].cast("Q")
+    conn = await tcp.TcpTransport(TOKEN).connect(host, port, nursery=nursery)
+    version = 0
+
+    def install():
+        nonlocal version
+        word[0] = 2 * version + 1
+        data.fill(version & 0xFF)  # numpy: a pass over the stripe with the GIL released
+        word[0] = 2 * (version + 1)
+        version += 1
+
+    async def installs_during(k):
+        for _ in range(k):  # while the engine's thread is sending the burst
+            await trio.sleep(0)
+            install()
+
+    install()  # version 1 holds bytes 0
+    whole = mixed = 0
+    for i in range(120):
+        h1, body, h2 = bytearray(8), bytearray(size), bytearray(8)
+        async with trio.open_nursery() as n:
+            n.start_soon(installs_during, i % 3)  # none, one or two installs beside the read
+            await conn.read_many([(region.rkey, 0, h1), (region.rkey, 16, body), (region.rkey, 0, h2)])
+        v1, v2 = struct.unpack("<Q", h1)[0], struct.unpack("<Q", h2)[0]
+        if v1 == v2 and v1 % 2 == 0:
+            whole += 1
+            expect = (v1 // 2 - 1) & 0xFF
+            assert body == bytes([expect]) * size, f"a read of version {v1 // 2} held other bytes"
+        else:
+            mixed += 1
+    assert whole >= 40  # every read with no install beside it, at least, was checked whole
+    assert version >= 100
+
+
+async def test_completions_reach_trio_many_per_wake_up(nursery):
+    server, host, port = await _server(nursery)
+    region = server.alloc_region(MiB, Access.READ)
+    region.buf[:] = os.urandom(MiB)
+    conn = await tcp.TcpTransport(TOKEN).connect(host, port, nursery=nursery)
+    engine = conn.engine
+    outs = [bytearray(64) for _ in range(1000)]
+    before_wakeups, before_events = engine.wakeups, engine.events
+    await conn.read_many([(region.rkey, i * 64, out) for i, out in enumerate(outs)])
+    assert b"".join(outs) == bytes(region.buf[: 64 * 1000])
+    wakeups, events = engine.wakeups - before_wakeups, engine.events - before_events
+    assert events >= 1000 and wakeups * 4 <= events, (wakeups, events)
+
+
+def test_region_keys_are_never_drawn_twice_and_never_zero():
+    keys = KeyStream()
+    drawn = [keys.next() for _ in range(100_000)]
+    assert len({k for k, _ in drawn}) == len(drawn) and all(k for k, _ in drawn)
+    assert [g for _, g in drawn][:3] == [0, 1, 2] or drawn[0][1] >= 0
+    sample = [keys.permute(n) for n in range(1 << 16)]
+    assert len(set(sample)) == 1 << 16  # a permutation: distinct inputs, distinct keys
+
+
+async def test_a_freed_key_is_never_handed_out_again(nursery):
+    server, host, port = await _server(nursery)
+    seen = set()
+    for _ in range(2000):
+        region = server.alloc_region(64, Access.READ)
+        assert region.rkey not in seen
+        seen.add(region.rkey)
+        server.free_region(region)
+    assert server.native.stats()["regions"] == 0
+
+
+async def test_the_engine_refuses_what_the_python_table_refuses(nursery):
+    """The engine's table is the Python table's mirror: same keys, same bounds and access."""
+    server, host, port = await _server(nursery)
+    ro = server.alloc_region(4096, Access.READ)
+    wo = server.alloc_region(4096, Access.WRITE)
+    conn = await tcp.TcpTransport(TOKEN).connect(host, port, nursery=nursery)
+    for rkey, offset, n, op in [(ro.rkey, 0, 8, "write"), (wo.rkey, 0, 8, "read"), (ro.rkey, 4090, 8, "read"), (ro.rkey, 2**63, 8, "read")]:
+        with pytest.raises(AccessError):
+            if op == "read":
+                await conn.read(rkey, offset, bytearray(n))
+            else:
+                await conn.write(rkey, offset, b"x" * n)
+        with pytest.raises(AccessError):
+            server.regions.check(rkey, offset, n, Access.READ if op == "read" else Access.WRITE)
+    await conn.write(wo.rkey, 4088, b"12345678")
+    assert bytes(wo.buf[4088:]) == b"12345678"
