@@ -156,6 +156,7 @@ struct conn {
     int dead;              /* the I/O thread closed it */
     uint32_t events;       /* the epoll interest now */
     atomic_llong heard_ns; /* CLOCK_MONOTONIC when a frame last began to arrive (0: never) */
+    int lowat;             /* its SO_RCVLOWAT now (0: the kernel's default, 1) */
     struct conn *next;     /* the engine's list */
     char why[256];
 };
@@ -766,7 +767,7 @@ static int frame_done(Engine *e, struct conn *c) {
 }
 
 /* Read what the socket has, frame by frame. 0, or -1 to close (c->why set). */
-static int pump_in(Engine *e, struct conn *c) {
+static int pump_frames(Engine *e, struct conn *c) {
     for (int rounds = 0; rounds < 256; rounds++) {
         if (c->role == SERVE && (c->out_bytes > OUT_LIMIT || atomic_load(&e->buffered) > BUFFER_BUDGET)) return 0;
         ssize_t n;
@@ -843,6 +844,31 @@ static int pump_in(Engine *e, struct conn *c) {
         if (c->left == 0 && frame_done(e, c) < 0) return -1;
     }
     return 0;
+}
+
+#define LOWAT_MIN (64 << 10)
+#define LOWAT_MAX (2 << 20)
+
+/* Wake this connection's thread only once min(left, LOWAT_MAX) bytes of a large payload wait
+ * (SO_RCVLOWAT, which epoll honours for TCP): a payload arriving in 64 KB pieces otherwise costs
+ * an epoll_wait and a recv each (tcp.py's _wake_at does the same for trio). Never more than what
+ * is left of this payload, which the peer is sending; the kernel caps it at half its buffer. */
+static void wake_at(struct conn *c) {
+    int want = 1;
+    if (c->in_state == IN_REGION || c->in_state == IN_LAND || c->in_state == IN_DRAIN) {
+        uint64_t left = c->left;
+        if (left >= LOWAT_MIN) want = left < LOWAT_MAX ? (int)left : LOWAT_MAX;
+    }
+    if (want != (c->lowat ? c->lowat : 1)) {
+        if (setsockopt(c->fd, SOL_SOCKET, SO_RCVLOWAT, &want, sizeof want) < 0) want = 1;
+        c->lowat = want;
+    }
+}
+
+static int pump_in(Engine *e, struct conn *c) {
+    int rc = pump_frames(e, c);
+    if (rc == 0 && !c->dead) wake_at(c);
+    return rc;
 }
 
 /* ---------------------------------------------------------------------------------------------

@@ -186,7 +186,8 @@ async def test_a_peer_that_stalls_mid_payload_times_out_and_never_writes_the_buf
         await conn.read(region.rkey, 0, out)
     await _until(lambda: conn.lost is not None)  # given up while its bytes were arriving: closed
     snapshot = bytes(out)
-    assert snapshot[: 4 * MiB] == b"\xcd" * (4 * MiB)  # the half that came landed in place
+    came = len(snapshot.rstrip(b"\0"))  # what of the half sent had landed (the rest sat in the kernel)
+    assert came <= 4 * MiB and snapshot[:came] == b"\xcd" * came
     gate.set()  # the node sends the rest now: it must land nowhere
     await trio.sleep(0)
     with pytest.raises(PeerLost):
