@@ -37,7 +37,7 @@ import trio
 
 from . import protocol as P
 from .base import BufferList, Connection, as_buffers
-from ..errors import AccessError, AuthError, PeerLost, ProtocolError, TimeoutError, TransportError
+from ..errors import PeerLost, ProtocolError, TimeoutError, TransportError
 from .window import Window
 
 log = logging.getLogger(__name__)
@@ -257,15 +257,7 @@ class NativeConnection(Connection):
             return None
         if waiter.status == LOST:
             return PeerLost(f"{self.peer}: {self._broken or 'connection lost'}")
-        payload = waiter.payload or b""
-        text = payload.decode("utf-8", "replace")
-        if waiter.status == P.Status.ACCESS:
-            return AccessError(text)
-        if waiter.status == P.Status.REMOTE:
-            return P.decode_remote_error(payload)
-        if waiter.status == P.Status.AUTH:
-            return AuthError(text)
-        return ProtocolError(f"peer refused request: {text}")
+        return P.status_error(waiter.status, waiter.payload or b"")
 
     async def _abandon(self, posted: list[tuple[int, int, _Waiter]]) -> None:
         """Give these requests up. Where the engine may still touch a caller's buffers (an

@@ -30,7 +30,7 @@ import json
 import struct
 from typing import Any, NamedTuple
 
-from ..errors import ProtocolError, RemoteError
+from ..errors import AccessError, AuthError, ProtocolError, RemoteError, TransportError
 
 MAGIC = b"IRDM"
 VERSION = 1
@@ -158,3 +158,16 @@ def decode_remote_error(payload: bytes | memoryview) -> RemoteError:
         return RemoteError(str(doc["code"]), str(doc.get("message", "")))
     except (ValueError, KeyError, TypeError):
         return RemoteError("EIO", bytes(payload)[:200].decode("utf-8", "replace"))
+
+
+def status_error(status: int, payload: bytes | bytearray | memoryview) -> TransportError:
+    """The error a refused request's answer (status != OK) stands for, as both data planes
+    raise it (tcp.py, engine.py)."""
+    text = bytes(payload).decode("utf-8", "replace")
+    if status == Status.ACCESS:
+        return AccessError(text)
+    if status == Status.REMOTE:
+        return decode_remote_error(payload)
+    if status == Status.AUTH:
+        return AuthError(text)
+    return ProtocolError(f"peer refused request: {text}")

@@ -150,17 +150,6 @@ async def _send_all(sock: trio.socket.SocketType, buffers: list, sent: list[int]
     await _sendv(sock, buffers, sent)
 
 
-def _status_error(h: P.Header, payload: bytes | bytearray) -> TransportError:
-    text = bytes(payload).decode("utf-8", "replace")
-    if h.status == P.Status.ACCESS:
-        return AccessError(text)
-    if h.status == P.Status.REMOTE:
-        return P.decode_remote_error(payload)
-    if h.status == P.Status.AUTH:
-        return AuthError(text)
-    return ProtocolError(f"peer refused request: {text}")
-
-
 _Frame = tuple[P.Header, list, "list[memoryview] | None"]  # a request: its header, payload, where its answer goes
 
 
@@ -374,7 +363,7 @@ class TcpConnection(Connection):
                 p.receiving = True
                 try:
                     if h.status != P.Status.OK:
-                        p.error = _status_error(h, await _recv_bytes(sock, size))
+                        p.error = P.status_error(h.status, await _recv_bytes(sock, size))
                     elif p.into is not None:
                         if size != sum(map(len, p.into)):
                             raise ProtocolError(f"READ answered with {size} bytes")
