@@ -12,7 +12,9 @@ invariants. This module owns the Python half of that contract:
   takes every event since the last wake-up at once: a request for Python (a control call, a
   WRITE_IMM's notification) is started as a task of its serving connection; a calling-side
   completion wakes its waiter; a closed connection fails what waited on it. Never one wake-up
-  per payload.
+  per payload. It runs in the nursery of the first ``serve`` or ``connect`` (a node's serving
+  nursery, a mount's or Client's peers): if that nursery ends first, what still waits fails as
+  lost and the next ``serve`` or ``connect`` starts the pump again.
 - **Calling-side connections** (``NativeConnection``): the contract's ``Connection`` whose
   frames the engine sends and whose answers it lands straight into the caller's buffers. A
   caller that gives up (cancelled, or no answer within ``op_timeout``) asks the engine to

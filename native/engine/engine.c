@@ -697,7 +697,13 @@ static int caller_header(Engine *e, struct conn *c) {
         c->in_state = IN_LAND;
         return 0;
     }
-    /* a document, an error's text or nothing: kept for Python */
+    /* a document, an error's text or nothing: kept for Python, at most a control document's
+     * size (frame.c lets an OK WRITE answer claim up to 1 GiB: a hostile node must not make a
+     * client allocate that) */
+    if (size > IRDM_MAX_CONTROL) {
+        snprintf(c->why, sizeof c->why, "protocol error: an answer of %llu bytes to opcode %#x", (unsigned long long)size, op->opcode);
+        return -1;
+    }
     op->payload = malloc(size ? size : 1);
     if (!op->payload) return -1;
     op->payload_len = size;

@@ -326,3 +326,24 @@ async def test_the_engine_refuses_what_the_python_table_refuses(nursery):
             server.regions.check(rkey, offset, n, Access.READ if op == "read" else Access.WRITE)
     await conn.write(wo.rkey, 4088, b"12345678")
     assert bytes(wo.buf[4088:]) == b"12345678"
+
+
+async def test_an_answer_larger_than_a_control_document_closes_the_connection(nursery, monkeypatch, caplog):
+    """frame.c lets an OK WRITE answer claim up to 1 GiB of payload; the calling side takes at
+    most a control document (16 MiB) for anything but a READ's data: a hostile node cannot make
+    a client allocate a GiB."""
+    caplog.set_level(logging.WARNING)
+
+    async def huge_answer(self, h):
+        await tcp._drain(self.sock, h.length)
+        resp = h._replace(opcode=h.opcode | P.RESPONSE, status=P.Status.OK, length=P.MAX_CONTROL + 1)
+        await self.sender.send([P.pack(resp)])
+
+    monkeypatch.setattr(tcp._Responder, "on_write", huge_answer)
+    server, host, port = await _server(nursery, engine="python")
+    region = server.alloc_region(MiB, Access.RW)
+    conn = await tcp.TcpTransport(TOKEN).connect(host, port, nursery=nursery)
+    with pytest.raises(PeerLost):
+        await conn.write(region.rkey, 0, b"x" * 16)
+    await _until(lambda: conn.lost is not None)
+    assert "protocol error" in str(conn.lost)
