@@ -22,6 +22,13 @@ window of bytes and count (window.py): a burst of any size goes out as earlier a
 so another read never waits behind more than the window, and every wait is bounded by silence
 (op_timeout between answers), never by how much was asked.
 
+Two data planes run this contract. Where the native engine loads (transport/engine.py,
+native/engine/), each socket is handed to it once the handshake is done: its thread serves and
+lands the one-sided operations, and Python sees only calls, notifications and completions
+(``_Responder.serve_native``, ``engine.NativeConnection``). Otherwise, or with
+``engine="python"``, this module's own tasks do it as described above: the reference the engine
+is tested against. The wire is the same, so either serves the other.
+
 Resource handling: a ``TcpConnection`` owns its three sockets, and a receiver task and a sender
 for each in the nursery given to ``connect``; ``aclose()``, or any socket breaking, ends all of
 them. The serving side's tasks live in ``serve``'s own nursery.
@@ -571,7 +578,7 @@ class TcpTransport(Transport):
         if engine == "native" and not E.AVAILABLE:
             raise RuntimeError(f"the native engine is not available: {E.WHY}")
         self.engine = engine
-        self.engine_why = E.WHY if engine == "python" and not E.AVAILABLE else ("chosen" if engine == "python" else "built")
+        self.engine_why = E.WHY if engine == "python" and not E.AVAILABLE else ("chosen" if engine == "python" else "built")  # "chosen": runtime/dataplane.py logs it at INFO
         self.native: E.Engine | None = E.Engine() if engine == "native" else None
         if self.native is not None:
             self.regions.mirror = self.native
