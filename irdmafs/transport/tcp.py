@@ -578,7 +578,8 @@ class TcpTransport(Transport):
         if engine == "native" and not E.AVAILABLE:
             raise RuntimeError(f"the native engine is not available: {E.WHY}")
         self.engine = engine
-        self.engine_why = E.WHY if engine == "python" and not E.AVAILABLE else ("chosen" if engine == "python" else "built")  # "chosen": runtime/dataplane.py logs it at INFO
+        # "chosen": runtime/dataplane.py logs a data plane chosen at INFO, a failed build at WARNING
+        self.engine_why = E.WHY if engine == "python" and not E.AVAILABLE else ("chosen" if engine == "python" else "built")
         self.native: E.Engine | None = E.Engine() if engine == "native" else None
         if self.native is not None:
             self.regions.mirror = self.native
