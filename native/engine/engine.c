@@ -200,6 +200,7 @@ typedef struct {
     atomic_uint_fast64_t served[4][2]; /* read, write, write_imm, refused: count, bytes */
     atomic_uint_fast64_t landed[2];    /* calling side: READ answers landed: count, bytes */
     uint8_t *scratch;
+    pid_t pid;      /* the process whose I/O thread this is: a forked child has none */
 } Engine;
 
 enum { S_READ, S_WRITE, S_WRITE_IMM, S_REFUSED };
@@ -1029,6 +1030,7 @@ static int Engine_init(Engine *e, PyObject *args, PyObject *kw) {
     e->ep = epoll_create1(EPOLL_CLOEXEC);
     e->scratch = malloc(SCRATCH);
     e->next_conn = 1;
+    e->pid = getpid();
     if (e->ev_fd < 0 || e->wake_fd < 0 || e->ep < 0 || !e->scratch) {
         PyErr_SetFromErrno(PyExc_OSError);
         return -1;
@@ -1069,6 +1071,13 @@ static void release_zombies(Engine *e) {
 
 static PyObject *Engine_stop(Engine *e, PyObject *unused) {
     if (!e->running) Py_RETURN_NONE;
+    if (e->pid != getpid()) {
+        /* A forked child (multiprocessing): the I/O thread, and whatever it held locked, stayed
+         * in the parent. Nothing here is safe to join, lock or free; the child leaves it all
+         * (its memory goes with the child) and never runs this engine. */
+        e->running = 0;
+        Py_RETURN_NONE;
+    }
     atomic_store(&e->stop, 1);
     wake(e);
     Py_BEGIN_ALLOW_THREADS
@@ -1110,7 +1119,20 @@ static void Engine_dealloc(Engine *e) {
     Py_TYPE(e)->tp_free((PyObject *)e);
 }
 
+/* Every method but stop: a forked child must not take the parent thread's locks. */
+static int forked(Engine *e) {
+    if (e->running && e->pid != getpid()) {
+        PyErr_SetString(EngineError, "the engine belongs to the process that made it, not this forked child");
+        return 1;
+    }
+    return 0;
+}
+
 static int check_running(Engine *e) {
+    if (e->running && e->pid != getpid()) {
+        PyErr_SetString(EngineError, "the engine belongs to the process that made it, not this forked child");
+        return -1;
+    }
     if (!e->running) {
         PyErr_SetString(EngineError, "the engine is stopped");
         return -1;
@@ -1162,6 +1184,7 @@ static PyObject *Engine_add_region(Engine *e, PyObject *args) {
 /* free_region(rkey) -> True if its memory was let go now, False if operations in flight hold
  * it (let go when the last ends: a ("released", rkey) event); KeyError if unknown. */
 static PyObject *Engine_free_region(Engine *e, PyObject *args) {
+    if (forked(e)) return NULL;
     unsigned int rkey;
     if (!PyArg_ParseTuple(args, "I", &rkey)) return NULL;
     pthread_mutex_lock(&e->tab_lock);
@@ -1243,6 +1266,7 @@ static void unlock_conn(Engine *e, struct conn *c, int kick) {
 /* send(conn, data): bytes (whole frames Python packed: a call's answer) queued on a serving
  * connection, copied. */
 static PyObject *Engine_send(Engine *e, PyObject *args) {
+    if (forked(e)) return NULL;
     unsigned long long id;
     Py_buffer b;
     if (!PyArg_ParseTuple(args, "Ky*", &id, &b)) return NULL;
@@ -1275,6 +1299,7 @@ static PyObject *Engine_send(Engine *e, PyObject *args) {
  * `buffers` receive the answer (writable, held until its completion); otherwise they are the
  * payload, sent from where they are (held likewise). */
 static PyObject *Engine_submit(Engine *e, PyObject *args) {
+    if (forked(e)) return NULL;
     unsigned long long id, req_id, offset;
     int opcode;
     unsigned int rkey, imm;
@@ -1389,6 +1414,7 @@ static PyObject *Engine_submit(Engine *e, PyObject *args) {
  * completion); 1: given up, and its buffers will not be touched again; 2: given up, but its
  * payload is still being sent from its buffers: wait for its completion. */
 static PyObject *Engine_cancel(Engine *e, PyObject *args) {
+    if (forked(e)) return NULL;
     unsigned long long id, req_id;
     if (!PyArg_ParseTuple(args, "KK", &id, &req_id)) return NULL;
     pthread_mutex_lock(&e->conn_lock);
@@ -1409,6 +1435,7 @@ static PyObject *Engine_cancel(Engine *e, PyObject *args) {
 
 /* close(conn): the I/O thread closes it (its pending operations complete as lost). */
 static PyObject *Engine_close(Engine *e, PyObject *args) {
+    if (forked(e)) return NULL;
     unsigned long long id;
     if (!PyArg_ParseTuple(args, "K", &id)) return NULL;
     pthread_mutex_lock(&e->conn_lock);
@@ -1427,6 +1454,7 @@ static PyObject *Engine_close(Engine *e, PyObject *args) {
 /* conn_info(conn) -> (frames queued to send, their bytes, requests unanswered, seconds since a
  * frame last began to arrive or -1.0 if none ever did); None if it is closed. */
 static PyObject *Engine_conn_info(Engine *e, PyObject *args) {
+    if (forked(e)) return NULL;
     unsigned long long id;
     if (!PyArg_ParseTuple(args, "K", &id)) return NULL;
     pthread_mutex_lock(&e->conn_lock);
@@ -1465,6 +1493,7 @@ static PyObject *payload_bytes(const uint8_t *p, uint64_t n) {
  *   (4, rkey)                                     a freed region's memory let go
  *   (5, conn, line)                               a line for the log (a refused request) */
 static PyObject *Engine_poll(Engine *e, PyObject *unused) {
+    if (forked(e)) return NULL;
     uint64_t v;
     ssize_t r = read(e->ev_fd, &v, sizeof v);
     (void)r;
@@ -1530,6 +1559,7 @@ static PyObject *Engine_poll(Engine *e, PyObject *unused) {
 static PyObject *Engine_fileno(Engine *e, PyObject *unused) { return PyLong_FromLong(e->ev_fd); }
 
 static PyObject *Engine_stats(Engine *e, PyObject *unused) {
+    if (forked(e)) return NULL;
     pthread_mutex_lock(&e->tab_lock);
     unsigned long long regions = e->regions, pinned = e->pinned;
     pthread_mutex_unlock(&e->tab_lock);

@@ -347,3 +347,33 @@ async def test_an_answer_larger_than_a_control_document_closes_the_connection(nu
         await conn.write(region.rkey, 0, b"x" * 16)
     await _until(lambda: conn.lost is not None)
     assert "protocol error" in str(conn.lost)
+
+
+def test_a_forked_child_never_touches_its_parents_engine():
+    """multiprocessing forks processes that hold transports (tests, the ranks of a job): the
+    I/O thread stays in the parent, and a child that collected an engine joined a thread it does
+    not have (a segfault in the quick suite). The child is refused every use and leaves it."""
+    import multiprocessing as mp
+
+    transport = tcp.TcpTransport(TOKEN, engine="native")
+    transport.alloc_region(4096, Access.RW)
+
+    def child(out):
+        try:
+            transport.alloc_region(64, Access.RW)
+            out.send("used")
+        except Exception as exc:  # noqa: BLE001
+            out.send(type(exc).__name__)
+        transport.native.native.stop()
+        import gc
+
+        gc.collect()
+        out.send("done")
+
+    a, b = mp.get_context("fork").Pipe()
+    p = mp.get_context("fork").Process(target=child, args=(b,))
+    p.start()
+    assert a.recv() == "EngineError" and a.recv() == "done"
+    p.join(30)
+    assert p.exitcode == 0
+    assert transport.native.stats()["regions"] == 1  # the parent's engine goes on
