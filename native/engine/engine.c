@@ -1119,9 +1119,10 @@ static void Engine_dealloc(Engine *e) {
     Py_TYPE(e)->tp_free((PyObject *)e);
 }
 
-/* Every method but stop: a forked child must not take the parent thread's locks. */
+/* Every method but stop: a forked child must not take the parent thread's locks, before its
+ * stop or after it (the pid, not `running`, says whose engine this is). */
 static int forked(Engine *e) {
-    if (e->running && e->pid != getpid()) {
+    if (e->pid && e->pid != getpid()) {
         PyErr_SetString(EngineError, "the engine belongs to the process that made it, not this forked child");
         return 1;
     }
@@ -1129,10 +1130,7 @@ static int forked(Engine *e) {
 }
 
 static int check_running(Engine *e) {
-    if (e->running && e->pid != getpid()) {
-        PyErr_SetString(EngineError, "the engine belongs to the process that made it, not this forked child");
-        return -1;
-    }
+    if (forked(e)) return -1;
     if (!e->running) {
         PyErr_SetString(EngineError, "the engine is stopped");
         return -1;
