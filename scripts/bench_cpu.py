@@ -25,6 +25,10 @@ What is measured (GB = 1e9 bytes, the bytes the user moved: a file's size, whate
 - the pyfuse3 ceiling daemon, scripts/memfs.py (as scripts/bench.py mounts it: direct_io and
   through the page cache), its process's CPU over a dd-like write and a cold read of the same
   bytes in 1 MiB requests through it; per operation the cheaper of its two modes counts.
+- the Client API (irdmafs.client, in this process, with its own engine thread): each rep
+  overwrites a file of --mib MiB from one array (``Client.write``) and pulls it into another
+  (``read_into``), every byte checked; this process's CPU clock over each (its threads only: the
+  processes it started have clocks of their own).
 
 CPU time: each process's CPU clock (``clock_gettime`` of the process's CPUCLOCK_SCHED: the
 thread group's user + system time, threads that ended included, in ns: the same counter
@@ -41,6 +45,8 @@ Targets (each printed with whether it holds):
     node_write_cpu_vs_iperf3_<tag>       node CPU/GB taking writes  <= 1.3 x (R x receiver + (R-1) x sender)
     mount_read_cpu_vs_iperf3_fuse_<tag>  mount CPU/GB reading       <= 1.3 x (iperf3 receiver + pyfuse3 read)
     mount_write_cpu_vs_iperf3_fuse_<tag> mount CPU/GB writing       <= 1.3 x (iperf3 sender + pyfuse3 write)
+    client_pull_cpu_vs_iperf3_<tag>      Client CPU/GB pulling      <= 1.3 x iperf3 receiver
+    client_push_cpu_vs_iperf3_<tag>      Client CPU/GB pushing      <= 1.3 x iperf3 sender
 
 and, apart, the new file's first write by the same references (``..._fresh_..._<tag>``).
 Raw CPU s/GB are printed and written beside every ratio (``..._cpu_s_per_gb_...``). Everything
@@ -71,6 +77,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench import drop_cached, local_cluster  # noqa: E402
 
+import trio  # noqa: E402
+
+from irdmafs.client.client import Client  # noqa: E402
 from irdmafs.launch.local import end_on_sigterm  # noqa: E402
 from irdmafs.launch.mount import mount_background, stop_background, unmount, wait_for_mount  # noqa: E402
 from irdmafs.transport.tcp import SOCKET_BUFFER  # noqa: E402
@@ -156,6 +165,17 @@ class _Window:
     seconds = 0.0
 
 
+@contextlib.contextmanager
+def own_window():
+    """This process's CPU seconds (all its threads, none of its children) over the block."""
+    w = _Window()
+    t0 = time.clock_gettime_ns(time.CLOCK_PROCESS_CPUTIME_ID)
+    try:
+        yield w
+    finally:
+        w.seconds = (time.clock_gettime_ns(time.CLOCK_PROCESS_CPUTIME_ID) - t0) / 1e9
+
+
 def _safe(fn, pid: int) -> int:
     try:
         return fn(pid)
@@ -216,6 +236,25 @@ def read_through(path: Path, nbytes: int, pat: Pattern | None, k: int, buf: byte
     finally:
         os.close(fd)
     return time.perf_counter() - t0
+
+
+def recycle_cache(path: Path, nbytes: int, buf: bytearray) -> None:
+    """Before a cold read of ``path``: read it once (not timed, not checked) and drop its cached
+    pages, so the page cache's folios the timed read fills are the ones just freed, for the
+    ceiling daemon and the mount alike. Without this the mount's read came after an overwrite
+    whose open had dropped its pages seconds earlier, and this VM had handed that memory back to
+    its host by then (free page reporting, ``reported_kib``): its read paid the first touch of
+    ~2 GB of fresh folios in the kernel's FUSE copy (2-3x its CPU at 2 GiB), the ceiling none."""
+    read_through(path, nbytes, None, 0, buf)
+    drop_cached(path)
+
+
+def reported_mib() -> float:
+    """MiB this VM has handed back to its host so far (free page reporting; 0 where it has none)."""
+    try:
+        return int(Path("/sys/module/page_reporting/parameters/reported_kib").read_text()) / 1024
+    except (OSError, ValueError):
+        return 0.0
 
 
 def _short(op: str, path: Path, off: int) -> int:
@@ -321,7 +360,7 @@ class MemFs:
                 raise RuntimeError(f"memfs ({mode}) exited with {proc.returncode}")
             path = mnt / "data"
             if op == "read":
-                drop_cached(path)
+                recycle_cache(path, self.nbytes, self.buf)
             with meter.window() as w:
                 if op == "read":
                     read_through(path, self.nbytes, None, 0, self.buf)
@@ -337,6 +376,47 @@ class MemFs:
 
 
 # -- irdmafs ---------------------------------------------------------------------------------------
+class ClientRun:
+    """The Client API's push and pull of one file of ``nbytes`` (``/client.bin``), from
+    ``self.data`` into ``self.out``: arrays of this process, filled before the clock starts."""
+
+    def __init__(self, cfg, nbytes: int, pat: Pattern):
+        self.cfg, self.nbytes, self.pat = cfg, nbytes, pat
+        self.data = np.empty(nbytes, np.uint8)
+        self.out = np.zeros(nbytes, np.uint8)  # touched: its pages are this process's before any rep
+        self.attr: dict | None = None
+
+    def arrange(self, k: int) -> None:
+        for i in range(self.nbytes // MiB):
+            self.data[i * MiB : (i + 1) * MiB] = self.pat.chunk(i, k)
+
+    def once(self, k: int) -> tuple[float, float, float, float]:
+        """(push CPU s, pull CPU s, push wall s, pull wall s) of the file at arrangement ``k``."""
+        self.arrange(k)
+        self.out[:: 1 << 16] ^= 0xFF  # every byte is overwritten by the pull: a stale one fails the check
+        got = trio.run(self._once)
+        if not np.array_equal(self.out, self.data):
+            raise RuntimeError("the Client's pull returned bytes other than its push wrote")
+        return got
+
+    async def _once(self) -> tuple[float, float, float, float]:
+        with trio.fail_after(2 * transfer_deadline(self.nbytes)):
+            async with Client.connect(self.cfg) as c:
+                if self.attr is None:
+                    self.attr = await c.paths.open_file("/client.bin", create=True, truncate=True)
+                attr = self.attr
+                t0 = time.perf_counter()
+                with own_window() as push:
+                    attr = self.attr = await c.write(attr["ino"], 0, self.data, attr) or attr  # its new size
+                t1 = time.perf_counter()
+                with own_window() as pull:
+                    n = await c.read_into(attr["ino"], 0, memoryview(self.out), attr)
+                t2 = time.perf_counter()
+                if n != self.nbytes:
+                    raise RuntimeError(f"the Client's pull read {n} bytes of {self.nbytes}")
+                return push.seconds, pull.seconds, t1 - t0, t2 - t1
+
+
 @contextlib.contextmanager
 def mounted(lc, mnt: Path):
     """``irdmafs mount -f`` of ``lc`` on ``mnt`` (made), its process yielded; unmounted and
@@ -371,21 +451,24 @@ def one_cluster(tmp: Path, transport: str, replicas: int, nbytes: int, reps: int
             if mount.poll() is not None:
                 raise RuntimeError(f"the mount exited with {mount.returncode}")
 
-        def irdmafs_op(op: str, k: int) -> tuple[float, float, float]:
-            """(nodes' CPU s, mount's CPU s, wall s) over one overwrite or cold read."""
+        def irdmafs_op(op: str, k: int) -> tuple[float, float, float, float]:
+            """(nodes' CPU s, mount's CPU s, wall s, MiB the VM handed back meanwhile) over one
+            overwrite or cold read."""
             alive()
             if op == "read":
-                drop_cached(path)
+                recycle_cache(path, nbytes, buf)
+            r0 = reported_mib()
             with nodes.window() as wn, mnt.window() as wm:
                 t = write_through(path, nbytes, pat, k) if op == "write" else read_through(path, nbytes, pat, k, buf)
             alive()
-            return wn.seconds, wm.seconds, t
+            return wn.seconds, wm.seconds, t, reported_mib() - r0
 
         step(f"{tag}: idle CPU over 1 s, then a new file of {nbytes // MiB} MiB (fresh pages)")
-        with nodes.window() as wn, mnt.window() as wm:
+        with nodes.window() as wn, mnt.window() as wm, own_window() as wc:
             time.sleep(1.0)
         res[f"nodes_idle_cpu_s_per_s_{tag}"] = wn.seconds
         res[f"mount_idle_cpu_s_per_s_{tag}"] = wm.seconds
+        res[f"client_idle_cpu_s_per_s_{tag}"] = wc.seconds
         k = 0
         with nodes.window() as wn, mnt.window() as wm:
             t = write_through(path, nbytes, pat, k, os.O_CREAT | os.O_TRUNC)
@@ -394,6 +477,9 @@ def one_cluster(tmp: Path, transport: str, replicas: int, nbytes: int, reps: int
         k += 1
         irdmafs_op("write", k)  # warm-ups, not counted: the first overwrite and the first cold read
         irdmafs_op("read", k)
+        step(f"{tag}: the Client's file of {nbytes // MiB} MiB, written and read once (not counted)")
+        client = ClientRun(lc.cfg, nbytes, pat)
+        client.once(k)  # its first write fills fresh pages of the nodes, as the mount's did
         samples: dict[str, list[float]] = {}
 
         def add(key: str, v: float) -> None:
@@ -403,10 +489,18 @@ def one_cluster(tmp: Path, transport: str, replicas: int, nbytes: int, reps: int
             nonlocal k
             k += 1
             for op in ("write", "read"):
-                n_s, m_s, t = irdmafs_op(op, k)
+                n_s, m_s, t, handed = irdmafs_op(op, k)
                 add(f"node_{op}", n_s)
                 add(f"mount_{op}", m_s)
                 add(f"{op}_wall", t)
+                add(f"{op}_reported_mib", handed)
+            alive()
+            push, pull, t_push, t_pull = client.once(k)
+            alive()
+            add("client_push", push)
+            add("client_pull", pull)
+            add("push_wall", t_push)
+            add("pull_wall", t_pull)
 
         def refs() -> None:
             for reverse, side in ((False, "recv"), (True, "send")):
@@ -430,7 +524,7 @@ def one_cluster(tmp: Path, transport: str, replicas: int, nbytes: int, reps: int
                 mine()
                 refs()
 
-    g = {key: per_gb(med(v), nbytes) for key, v in samples.items() if not key.endswith("_wall")}
+    g = {key: per_gb(med(v), nbytes) for key, v in samples.items() if not key.endswith(("_wall", "_reported_mib"))}
     for mode_op in ("write", "read"):
         g[f"fuse_{mode_op}"] = min(g[f"fuse_{mode_op}_{m}"] for m in MemFs.MODES)
     R = replicas
@@ -439,13 +533,16 @@ def one_cluster(tmp: Path, transport: str, replicas: int, nbytes: int, reps: int
         "node_write": (f"{R} x receiver + {R - 1} x sender" if R > 1 else "iperf3 receiver", R * g["iperf3_recv"] + (R - 1) * g["iperf3_send"]),
         "mount_read": ("iperf3 receiver + pyfuse3 read", g["iperf3_recv"] + g["fuse_read"]),
         "mount_write": ("iperf3 sender + pyfuse3 write", g["iperf3_send"] + g["fuse_write"]),
+        "client_pull": ("iperf3 receiver", g["iperf3_recv"]),
+        "client_push": ("iperf3 sender", g["iperf3_send"]),
     }
     for what, (label, ref) in refs_of.items():
-        vs = "iperf3" if what.startswith("node") else "iperf3_fuse"
+        vs = "iperf3_fuse" if what.startswith("mount") else "iperf3"
         res[f"{what}_cpu_s_per_gb_{tag}"] = g[what]
         res[f"{what}_ref_cpu_s_per_gb_{tag}"] = ref
         res[f"{what}_cpu_vs_{vs}_{tag}"] = g[what] / ref
-        idle = res[f"{'nodes' if what.startswith('node') else 'mount'}_idle_cpu_s_per_s_{tag}"]
+        who = what.split("_")[0]
+        idle = res[f"{'nodes' if who == 'node' else who}_idle_cpu_s_per_s_{tag}"]
         res[f"{what}_idle_cpu_s_per_gb_{tag}"] = idle * med(samples[f"{what.split('_')[1]}_wall"]) / (nbytes / GB)  # of the figure: idle's
     res[f"node_write_fresh_cpu_s_per_gb_{tag}"] = per_gb(fresh["node"], nbytes)
     res[f"mount_write_fresh_cpu_s_per_gb_{tag}"] = per_gb(fresh["mount"], nbytes)
@@ -454,6 +551,10 @@ def one_cluster(tmp: Path, transport: str, replicas: int, nbytes: int, reps: int
     res[f"write_fresh_gbps_{tag}"] = nbytes / fresh["wall"] / GB
     res[f"write_gbps_{tag}"] = nbytes / med(samples["write_wall"]) / GB
     res[f"read_gbps_{tag}"] = nbytes / med(samples["read_wall"]) / GB
+    for op in ("write", "read"):
+        res[f"{op}_reported_mib_max_{tag}"] = max(samples[f"{op}_reported_mib"])
+    res[f"client_push_gbps_{tag}"] = nbytes / med(samples["push_wall"]) / GB
+    res[f"client_pull_gbps_{tag}"] = nbytes / med(samples["pull_wall"]) / GB
     for key in ("iperf3_send", "iperf3_recv", "iperf3_client_send", "iperf3_client_recv", "iperf3_self_send", "iperf3_self_recv",
                 "fuse_read", "fuse_write", *(f"fuse_{op}_{m}" for op in ("read", "write") for m in MemFs.MODES)):
         res[f"{key}_cpu_s_per_gb_{tag}"] = g[key]
@@ -467,6 +568,8 @@ ROWS = (
     ("node taking writes", "node_write", "iperf3"),
     ("mount reading", "mount_read", "iperf3_fuse"),
     ("mount writing", "mount_write", "iperf3_fuse"),
+    ("Client pulling", "client_pull", "iperf3"),
+    ("Client pushing", "client_push", "iperf3"),
 )
 
 
@@ -497,10 +600,15 @@ def table(res: dict, tags: list[str]) -> tuple[str, int, int]:
                                                        "iperf3_client_recv", "iperf3_self_send", "iperf3_self_recv")}
         lines.append(f"{tag:8} {r['iperf3_send']:11.3f} {r['iperf3_recv']:11.3f} {r['fuse_read']:10.3f} {r['fuse_write']:10.3f}   "
                      f"{r['iperf3_client_send']:8.3f} / {r['iperf3_client_recv']:6.3f}   {r['iperf3_self_send']:12.3f} / {r['iperf3_self_recv']:6.3f}")
-    lines += ["", f"{'cluster':8} {'write GB/s':>10} {'read GB/s':>10} {'new file GB/s':>14} {'nodes idle CPU s/s':>19} {'mount idle CPU s/s':>19}"]
+    lines += ["", f"{'cluster':8} {'write GB/s':>10} {'read GB/s':>10} {'new file GB/s':>14} {'Client push/pull GB/s':>22} "
+              f"{'nodes idle CPU s/s':>19} {'mount idle CPU s/s':>19}"]
     for tag in tags:
         lines.append(f"{tag:8} {res[f'write_gbps_{tag}']:10.3f} {res[f'read_gbps_{tag}']:10.3f} {res[f'write_fresh_gbps_{tag}']:14.3f} "
+                     f"{res[f'client_push_gbps_{tag}']:12.3f} / {res[f'client_pull_gbps_{tag}']:7.3f} "
                      f"{res[f'nodes_idle_cpu_s_per_s_{tag}']:19.3f} {res[f'mount_idle_cpu_s_per_s_{tag}']:19.3f}")
+    lines += ["", "MiB this VM handed back to its host during the timed overwrites / reads (the most of any rep; "
+              "pages touched again cost ~0.75 s/GB): " + ", ".join(
+                  f"{tag} {res[f'write_reported_mib_max_{tag}']:.0f} / {res[f'read_reported_mib_max_{tag}']:.0f}" for tag in tags)]
     return "\n".join(lines), named, held
 
 

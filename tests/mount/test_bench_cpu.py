@@ -30,8 +30,8 @@ def test_bench_cpu_quick(tmp_path):
         keys = [f"node_read_cpu_vs_iperf3_{tag}", f"node_write_cpu_vs_iperf3_{tag}", f"mount_read_cpu_vs_iperf3_fuse_{tag}",
                 f"mount_write_cpu_vs_iperf3_fuse_{tag}", f"node_write_fresh_cpu_vs_iperf3_{tag}", f"mount_write_fresh_cpu_vs_iperf3_fuse_{tag}",
                 f"iperf3_send_cpu_s_per_gb_{tag}", f"iperf3_recv_cpu_s_per_gb_{tag}", f"fuse_read_cpu_s_per_gb_{tag}",
-                f"fuse_write_cpu_s_per_gb_{tag}"]
+                f"fuse_write_cpu_s_per_gb_{tag}", f"client_pull_cpu_vs_iperf3_{tag}", f"client_push_cpu_vs_iperf3_{tag}"]
         for key in keys:
             assert math.isfinite(res[key]) and res[key] > 0, (key, res.get(key))
-    assert res["targets_named"] == 8 and 0 <= res["targets_held"] <= 8
-    assert "holds" in r.stdout and "node serving reads" in r.stdout
+    assert res["targets_named"] == 12 and 0 <= res["targets_held"] <= 12
+    assert "holds" in r.stdout and "node serving reads" in r.stdout and "Client pulling" in r.stdout
