@@ -9,6 +9,7 @@ import threading
 
 import numpy as np
 import pytest
+import trio
 
 pytestmark = pytest.mark.mount
 
@@ -404,7 +405,10 @@ async def test_a_file_unlinked_while_open_stays_usable_until_its_last_close(ps):
     hidden = ps / f".irdmafs-unlinked-{os.fstat(fd).st_ino}"
     assert hidden.exists()  # reachable by name only, until the last close
     os.close(fd)
-    assert not hidden.exists()
+    # the kernel sends RELEASE after close() has returned: wait for the name to go (bounded)
+    with trio.fail_after(60):
+        while hidden.exists():
+            await trio.sleep(0.01)
 
 
 async def test_a_live_file_keeps_its_pages_until_a_mount_or_a_training_step_changes_it(local_cluster, mount):
