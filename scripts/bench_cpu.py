@@ -383,7 +383,7 @@ class ClientRun:
     def __init__(self, cfg, nbytes: int, pat: Pattern):
         self.cfg, self.nbytes, self.pat = cfg, nbytes, pat
         self.data = np.empty(nbytes, np.uint8)
-        self.out = np.zeros(nbytes, np.uint8)  # touched: its pages are this process's before any rep
+        self.out = np.zeros(nbytes, np.uint8)  # (calloc'd: the untimed first pull faults its pages in)
         self.attr: dict | None = None
 
     def arrange(self, k: int) -> None:
