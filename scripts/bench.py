@@ -360,10 +360,13 @@ def local_cluster(state: Path, replicas: int, log_dir: Path, transport: str = "t
 
 
 @contextlib.contextmanager
-def mounted(lc: LocalCluster, mnt: Path):
-    """``lc`` mounted on ``mnt`` (made) for the block; unmounted and stopped afterwards."""
+def mounted(lc: LocalCluster, mnt: Path, procs: list | None = None):
+    """``lc`` mounted on ``mnt`` (made) for the block; unmounted and stopped afterwards. The
+    mount's process is appended to ``procs`` if given."""
     mnt.mkdir()
     mount = mount_background(str(lc.config_path), str(mnt), [], mnt.parent / f"{mnt.name}.log")
+    if procs is not None:
+        procs.append(mount)
     try:
         yield mnt
     finally:

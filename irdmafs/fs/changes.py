@@ -140,11 +140,12 @@ class NameChanges:
         await self.models.forget(r.get("model"), r.get("freed"))  # the tensors of a model file it freed
         for h in self.files.handles(r.get("ino")):
             h.name = new_name  # its flush looks at what the file is under the name it has then
-        # a model file's tensor directory moves along; a file named *.safetensors (rsync and
-        # safetensors write a temporary name) may become a model, unless open here: then the
-        # last writer's flush decides (safetensors renames before it closes)
+        # a model file's tensor directory moves along; a file newly named *.safetensors (rsync
+        # and safetensors write a temporary name) stays plain bytes until it is wanted as a
+        # model (models.py), but the step layouts by name are stale
         if r.get("ino") and (new_parent != parent or new_name.endswith(SUFFIX)):
-            await self.models.after_rename(r["ino"], new_parent, new_name, may_convert=not self.files.handles(r["ino"]))
+            if new_parent != parent:
+                await self.models.after_rename(r["ino"], new_parent, new_name)
             self.layouts.forget()
 
     async def closed(self, h: FileHandle) -> None:

@@ -19,7 +19,6 @@ from .. import formats
 from ..packing import in_force
 from . import models
 from .handles import FileHandle
-from .inodes import SUFFIX
 from .openfiles import OpenFiles
 
 if TYPE_CHECKING:
@@ -100,22 +99,10 @@ class FileContents:
             f.changed(attr)
 
     async def detect(self, handle: FileHandle) -> None:
-        """What a file just written holds: a tensor (.npy), a model (models.py, unless another
-        handle of this mount writes it: the last writer's flush decides) or plain bytes."""
-        prefix = await self.detect_tensor(handle.ino, handle.attr, handle.name)
-        if prefix is None or (handle.name and not handle.name.endswith(SUFFIX)):
-            return
-        async with self.models.locked(handle.ino):
-            # a handle writing now converts at its own flush (a later write to a model file
-            # brings its bytes back first, under this lock)
-            if handle.dirty or any(h.dirty for h in self.files.handles(handle.ino)):
-                return
-            await handle.file.drain()
-            attr = await self.client.getattr(handle.ino)  # as it is now (another flush may have converted it)
-            if attr["version"] == handle.attr["version"]:
-                new = await self.models.convert(attr, handle.name or None, prefix)
-                if new is not None:
-                    self.changed(handle.ino, new)
+        """What a file just written holds: a tensor (.npy) or plain bytes. A ``*.safetensors``
+        stays plain bytes here: it becomes a model where it is first wanted as one (models.py),
+        never at its writer's close."""
+        await self.detect_tensor(handle.ino, handle.attr, handle.name)
 
     async def detect_tensor(self, ino: int, attr: dict, name: str) -> bytes | None:
         """Record whether the file now holds a valid .npy (a tensor) or plain bytes; returns

@@ -1,10 +1,16 @@
 """Safetensors files as models: ``X.safetensors`` trained where it is, read back byte for byte.
 
-A file becomes a *model file* when the flush of its only writer in this mount (or a rename, as
-rsync makes files) leaves it named ``*.safetensors`` and holding a safetensors stream whose
-tensors map onto tensor files: dtypes numpy has, names that are paths, data sections back to
-back from the end of the header to the end of the file (what the safetensors library writes).
-Then:
+A file named ``*.safetensors`` is plain bytes when its writer closes it: saving a checkpoint
+copies nothing (most are never trained in place; shared/DESIGN.md: a tensor is a reading of a
+file, never a conversion). It becomes a *model file* where it is first wanted as one, in the
+mount that wants it: a lookup of its tensor directory ``X`` (``ModelFiles.entry``: the
+namespace answers a missing ``X`` beside a plain ``X.safetensors`` with that file's attributes
+marked ``unconverted``) or of its step stream ``.workers/<rank>/X.safetensors``
+(``ModelFiles.first_use``), if it holds a safetensors stream whose tensors map onto tensor
+files: dtypes numpy has, names that are paths, data sections back to back from the end of the
+header to the end of the file (what the safetensors library writes). One that does not map
+stays plain bytes, ``X`` is ENOENT, and the mount does not look again until the file changes
+(its version). Then:
 
 - each tensor's bytes move into the tensor file ``<name>.npy`` of a hidden directory beside the
   file, ``.irdmafs-model-<ino>`` (its *tensor directory*; a ``/`` in a name is a subdirectory),
@@ -25,20 +31,28 @@ Then:
   directory above it, as for a directory of tensors; chmod and chown are mirrored too;
 - opened for writing with O_TRUNC it drops its tensor directory and is plain bytes again; its
   first write without O_TRUNC, or a truncate to another size, brings its bytes back into it
-  first (``materialize``); the next flush of that writer makes it a model again;
+  first (``materialize``); it stays plain bytes until it is wanted as a model again;
 - removing its last name removes the tensor directory; a rename moves the directory along.
+
+A snapshot's plain ``X.safetensors`` is not converted (snapshots are read only): its ``X`` is
+ENOENT; a model file's snapshot has its tensor directory as it was.
 
 Invariants: a model file reads back the bytes that were written, except the data of tensors
 that training (or a write through ``X/<t>.npy``) changed since; its tensor directory is complete
 before the file says ``irdmafs.model``, and the file's own copy of the tensor bytes goes in the
-same op; a conversion, the bytes coming back and this mount's writes to the file never overlap
-(``ModelFiles.lock``: a write waits for a conversion, a conversion skips a file another handle
-of this mount is writing); a file that does not map, or whose conversion fails (ENOSPC, a node
-lost), stays plain bytes, byte for byte, with a log line saying why. A tensor rewritten through
-``X/<t>.npy`` with another dtype or shape makes the file's header untrue: reading the file then
-answers EIO naming the tensor (nothing is lost: the tensor file holds the data). Across mounts
-it is close-to-open: a reader in another mount that opened the file before its writer closed it
-may read zeros past the header.
+same op, on condition that the file's version and size are still those its bytes were copied
+at; a conversion, the bytes coming back and this mount's writes to the file never overlap
+(``ModelFiles.locked``: a write waits for a conversion, a conversion skips a file a handle of
+this mount is writing, ``writing``); a file that does not map, or whose conversion fails
+(ENOSPC, a node lost), stays plain bytes, byte for byte, with a log line saying why. A tensor
+rewritten through ``X/<t>.npy`` with another dtype or shape makes the file's header untrue:
+reading the file then answers EIO naming the tensor (nothing is lost: the tensor file holds the
+data). Across mounts it is close-to-open: a file is wanted as a model after its writer closed
+it. A mount cannot see another mount's writers: a conversion there while a writer elsewhere
+still writes the file in place (no O_TRUNC, which moves the version; safetensors' own writer
+renames its file to its final name before it closes it) copies the bytes as they are, and the
+writer's later bytes past the header are dropped with the file's stripes (a known window:
+``docs/filesystem.md``).
 
 """
 
@@ -52,7 +66,7 @@ from bisect import bisect_right
 from collections import Counter, OrderedDict
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import numpy as np
 import trio
@@ -71,6 +85,7 @@ CACHE_BYTES = 64 << 20  # whole tensors a reader keeps once it has served all of
 CACHE_LIMIT = 512 << 20  # ... and, past this, even those it has not (a random reader of a big model)
 COPY_CHUNK = 16 << 20  # bytes per read and write when tensor bytes are copied
 FAILED = (RemoteError, NodeDown, Unavailable, trio.TooSlowError)  # what a conversion may meet
+PLAIN_REMEMBERED = 4096  # files found not to map, by (inode, version), that are not looked at again
 
 
 def model_of(attr: dict) -> dict | None:
@@ -126,23 +141,21 @@ def may_be_safetensors(prefix: bytes, size: int) -> bool:
     return 0 < n <= formats.MAX_ST_HEADER and 8 + n <= size and prefix[8:9] == b"{"
 
 
-async def name_of(client: Client, attr: dict) -> str | None:
-    """A name of file ``attr`` in its directory (the namespace records the parent only)."""
-    try:
-        return next((n for n, a in await client.readdir(attr["parent"]) if a["ino"] == attr["ino"]), None)
-    except (RemoteError, KeyError):
-        return None
-
-
 class ModelFiles:
     """The mount's side of model files: one lock per file that a conversion, the bytes coming
-    back and this mount's writes take turns under, and the tensor directories this mount has
-    seen (the file system refuses changes in them, vfs.py)."""
+    back and this mount's writes take turns under, the tensor directories this mount has seen
+    (the file system refuses changes in them, vfs.py), and the files it found do not map.
+    ``writing(ino)``: whether a handle of this mount writes ``ino`` now; ``changed(ino, attr)``
+    is told of a conversion (this mount's open files and step layouts follow it)."""
 
-    def __init__(self, client: Client) -> None:
+    def __init__(
+        self, client: Client, writing: Callable[[int], bool] = lambda ino: False, changed: Callable[[int, dict], None] = lambda ino, attr: None
+    ) -> None:
         self.client = client
+        self.writing, self.changed = writing, changed
         self._locks: dict[int, trio.Lock] = {}
         self.tensor_dirs: set[int] = set()
+        self._plain: OrderedDict[int, int] = OrderedDict()  # inode -> the version found not to map
 
     @asynccontextmanager
     async def locked(self, ino: int) -> AsyncIterator[None]:
@@ -156,8 +169,16 @@ class ModelFiles:
 
     async def entry(self, parent: int, name: str, snap: int = 0) -> dict:
         """The namespace entry ``name`` of ``parent``: a real one, or else, for ``X``, the tensor
-        directory of a model file ``X.safetensors`` (one call either way)."""
+        directory of a model file ``X.safetensors`` (one call either way), made one first if it
+        is a plain file that maps (ENOENT if it does not)."""
         attr = await self.client.lookup(parent, name, snap, alias=True)
+        if attr.get("unconverted"):
+            gone = RemoteError("ENOENT", f"{name!r} not in directory {parent}")
+            if snap or await self.first_use(attr, name + SUFFIX) is None:
+                raise gone
+            attr = await self.client.lookup(parent, name, snap, alias=True)
+            if attr.get("unconverted"):  # plain again already (another mount's O_TRUNC)
+                raise gone
         # a tensor directory (by X, by its own name, or a subdirectory of one: a "/" in a
         # tensor name) holds the file's tensors only (vfs refuses changes in it)
         if "alias_of" in attr or S.S_ISDIR(attr["mode"]) and (parent in self.tensor_dirs or name.startswith(TENSOR_DIR)):
@@ -174,17 +195,41 @@ class ModelFiles:
             async with self.locked(ino):
                 pass
 
-    async def convert(self, attr: dict, name: str | None, prefix: bytes | None = None) -> dict | None:
-        """Make file ``attr`` a model file if it is a ``*.safetensors`` that maps; its new
-        attributes if it became one. Called with the file's lock held."""
+    async def first_use(self, attr: dict, name: str) -> dict | None:
+        """File ``attr``, named ``name`` in its directory, is wanted as a model (its tensor
+        directory or its step stream was looked up): its attributes if it is a model file (made
+        one now if it maps), else None. Not while a handle of this mount writes it: its writer's
+        close comes first."""
+        ino = attr["ino"]
+        if self._plain.get(ino) == attr["version"] or not S.S_ISREG(attr["mode"]) or self.writing(ino):
+            return None
+        async with self.locked(ino):
+            attr = await self.client.getattr(ino)
+            if model_of(attr) is not None:
+                return attr
+            if self.writing(ino):
+                return None
+            new = await self.convert(attr, name)
+            if new is not None:
+                self.changed(ino, new)
+            return new
+
+    def _does_not_map(self, attr: dict) -> None:
+        """File ``attr`` is not a model at its version: not looked at again until it changes."""
+        self._plain[attr["ino"]] = attr["version"]
+        self._plain.move_to_end(attr["ino"])
+        while len(self._plain) > PLAIN_REMEMBERED:
+            self._plain.popitem(last=False)
+
+    async def convert(self, attr: dict, name: str) -> dict | None:
+        """Make file ``attr`` (named ``name``) a model file if it is a ``*.safetensors`` that
+        maps; its new attributes if it became one. Called with the file's lock held."""
         ino, size = attr["ino"], attr["size"]
-        if not S.S_ISREG(attr["mode"]) or model_of(attr) or size < 10 or (name and not name.endswith(SUFFIX)):
+        if not S.S_ISREG(attr["mode"]) or model_of(attr) or not name.endswith(SUFFIX):
             return None
-        prefix = prefix if prefix is not None and len(prefix) >= min(size, PROBE) else await self.client.read(ino, 0, min(size, PROBE), attr)
+        prefix = await self.client.read(ino, 0, min(size, PROBE), attr) if size >= 10 else b""
         if not may_be_safetensors(prefix, size):
-            return None
-        name = name or await name_of(self.client, attr)
-        if not name or not name.endswith(SUFFIX):
+            self._does_not_map(attr)
             return None
         need = 8 + int.from_bytes(prefix[:8], "little")
         head = prefix if need <= len(prefix) else await self.client.read(ino, 0, need, attr)
@@ -192,12 +237,13 @@ class ModelFiles:
             start, entries = plan(head, size)
         except formats.SafetensorsError as exc:
             log.warning("%s (inode %d): kept as plain bytes, not a model: %s", name, ino, exc)
+            self._does_not_map(attr)
             return None
         try:
             d = await self._tensor_dir(attr, start, entries)
             # only if the file is still what was copied (no write, truncate or other conversion since)
             new = await self.client.set_model(ino, {"dir": d, "start": start}, version=attr["version"], size=size)
-        except FAILED as exc:
+        except FAILED as exc:  # not remembered: the next use tries again
             log.warning("%s (inode %d): kept as plain bytes, its conversion to a model failed: %s", name, ino, exc)
             await self._remove_quietly(attr["parent"], ino)
             return None
@@ -307,21 +353,17 @@ class ModelFiles:
         log.info("model file %d written in place: its bytes are back in it, a plain file until its writer closes it", attr["ino"])
         return await self.unmodel(attr)
 
-    async def after_rename(self, ino: int, new_parent: int, new_name: str, *, may_convert: bool) -> None:
+    async def after_rename(self, ino: int, new_parent: int, new_name: str) -> None:
         """``ino`` now has the name ``new_name`` in ``new_parent``: a model file's tensor
-        directory moves along; a file newly named ``*.safetensors`` may become a model (if
-        ``may_convert``: not while a writer of this mount has it open). Failures are logged:
-        the rename itself happened."""
+        directory moves along (a file newly named ``*.safetensors`` stays plain bytes until it
+        is wanted as a model). Failures are logged: the rename itself happened."""
         try:
             async with self.locked(ino):
-                attr = await self.client.getattr(ino)
-                m = model_of(attr)
+                m = model_of(await self.client.getattr(ino))
                 if m is not None:
                     d = await self.client.getattr(m["dir"])
                     if d["parent"] != new_parent:
                         await self.client.rename(d["parent"], tensor_dir_name(ino), new_parent, tensor_dir_name(ino))
-                elif may_convert and new_name.endswith(SUFFIX) and S.S_ISREG(attr["mode"]):
-                    await self.convert(attr, new_name)
         except FAILED as exc:
             log.warning("inode %d renamed to %s: its model bookkeeping failed: %s", ino, new_name, exc)
 

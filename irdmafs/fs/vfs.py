@@ -73,7 +73,11 @@ class Vfs:
         self.counters: dict[str, int] = {}
         self.latency = Latency()  # per FUSE operation (fs/ops.py observes)
         self.files = OpenFiles()  # what the mount knows of each file it has open
-        self.models = models.ModelFiles(client)  # safetensors files as models
+        # safetensors files as models: a conversion skips a file a handle here writes, and open
+        # handles and step layouts follow one (contents.py)
+        self.models = models.ModelFiles(
+            client, writing=lambda ino: any(h.dirty for h in self.files.handles(ino)), changed=lambda ino, attr: self.live.contents.changed(ino, attr)
+        )
         self.streams = Streams(client, Layouts(client))  # the step streams' client and layouts
         self.layouts = self.streams.layouts
         self.door = None  # the shared-memory door (fs/door_server.py), when the mount serves one

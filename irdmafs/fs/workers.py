@@ -99,6 +99,8 @@ class WorkerFiles(Family):
             if not S.S_ISDIR(model["mode"]):
                 raise FsError(errno.ENOENT) from None
             return await self.getattr((stream_ino if suffix == SUFFIX else door_ino)(rank, model["ino"]))
+        if name.endswith(SUFFIX) and models.model_of(attr) is None and S.S_ISREG(attr["mode"]):
+            attr = await self.models.first_use(attr, name) or attr  # a plain *.safetensors trained: a model now, if it maps
         m = models.model_of(attr)
         if m is not None:  # a model file: its step streams are its tensor directory's
             return await self.getattr(stream_ino(rank, m["dir"]))

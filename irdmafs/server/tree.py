@@ -88,17 +88,23 @@ class Tree:
     def lookup_or_model(self, parent: int, name: str) -> dict:
         """``lookup``, and where ``name`` is missing, the tensor directory of a model file
         ``name.safetensors`` of the same directory (the name ``X`` of ``X.safetensors``'s
-        tensors: one call for what the mount would otherwise ask twice)."""
+        tensors: one call for what the mount would otherwise ask twice), or, where that file
+        is plain bytes still, its own attributes marked ``unconverted`` (the mount makes it a
+        model where it is first wanted as one, fs/models.py)."""
         try:
             return self.lookup(parent, name)
         except RemoteError as exc:
             if exc.code != "ENOENT" or name.endswith(MODEL_SUFFIX):
                 raise
             ino = self.directory(parent).get(name + MODEL_SUFFIX)
-            d = self.model_dir(self.inodes[ino]) if ino is not None else None
-            if d is None:
+            if ino is None:
                 raise
-            return dict(self.attr(d), alias_of=ino)
+            d = self.model_dir(self.inodes[ino])
+            if d is not None:
+                return dict(self.attr(d), alias_of=ino)
+            if not S.S_ISREG(self.inodes[ino]["mode"]):
+                raise
+            return dict(self.attr(ino), unconverted=True)
 
     def readdir(self, ino: int) -> list[list]:
         return [[name, self.attr(child)] for name, child in sorted(self.directory(ino).items())]

@@ -16,14 +16,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_bench_ckpt_quick(tmp_path):
     out = tmp_path / "ckpt.json"
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_ckpt.py"), "--gib", "0.05", "--reps", "1", "--json", str(out)],
-                       capture_output=True, text=True, timeout=600)
+    argv = ["--gib", "0.05", "--reps", "1", "--rotations", "3", "--transport", "shm", "--replicas", "2", "--json", str(out)]
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_ckpt.py"), *argv], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["state_bytes"] > 40 << 20
     for way in ("torch", "safetensors", "dcp"):
-        for op in ("save", "load"):
-            assert res[f"{way}_{op}_vs_tmpfs"] > 0 and res[f"{way}_{op}_mount_s"] > 0, (way, op)
+        for op in ("save", "load_warm", "load"):
+            assert res[f"shm_r2_{way}_{op}_vs_tmpfs"] > 0 and res[f"shm_r2_{way}_{op}_mount_s"] > 0, (way, op)
+    assert res["shm_r2_rotate_fresh_pages_per_byte"] >= 0
 
 
 def test_bench_names_quick(tmp_path):

@@ -475,7 +475,9 @@ async def test_a_model_file_keeps_its_pages_until_a_mount_changes_one_of_its_ten
     blob = save(tensors)
     (a / "model.safetensors").write_bytes(blob)
     size = len(blob)
-    assert "a model of 23 tensors" in (a.parent / "a.log").read_text()  # converted at the close
+    assert "a model of" not in (a.parent / "a.log").read_text()  # its close copied nothing
+    assert (a / "model").is_dir()  # wanted as a model (its tensors looked up): converted
+    assert "a model of 23 tensors" in (a.parent / "a.log").read_text()
 
     def read_counted(want: bytes) -> int:
         before = _mount_bytes_read(b)

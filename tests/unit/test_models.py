@@ -1,8 +1,10 @@
-"""Model files (fs/models.py) through the VFS awaited directly: links, renames, writers racing a
-conversion, concurrent readers, and the tensor directory kept to its tensors."""
+"""Model files (fs/models.py) through the VFS awaited directly: a close copies nothing, the
+first use converts, links, renames, writers racing a conversion, concurrent readers, and the
+tensor directory kept to its tensors."""
 
 import errno
 import os
+from stat import S_ISDIR
 
 import numpy as np
 import pytest
@@ -29,11 +31,78 @@ async def tensor_dirs(fs, parent) -> list[str]:
     return [n for n, _ in await fs.client.readdir(parent) if n.startswith(".irdmafs-model-")]
 
 
+async def write_model(fs, parent, name, data) -> int:
+    """``data`` written as ``name`` (a ``*.safetensors``), then wanted as a model: its tensor
+    directory looked up, which converts it."""
+    ino = await write_file(fs, parent, name, data)
+    await fs.lookup(parent, name[: -len(".safetensors")])
+    return ino
+
+
+async def test_a_close_copies_nothing_and_the_first_use_converts(fs):
+    tensors, data = checkpoint()
+    writes = []
+    real = fs.client.io.write
+
+    async def counted(fid, *args, **kw):
+        writes.append(fid)
+        return await real(fid, *args, **kw)
+
+    fs.client.io.write = counted
+    ino = await write_file(fs, 1, "m.safetensors", data)
+    before = list(writes)
+    assert set(before) == {ino}  # the file's own stripes only: no tensor file made at its close
+    assert await tensor_dirs(fs, 1) == [] and "irdmafs.model" not in (await fs.client.getattr(ino))["xattrs"]
+    assert await read_all(fs, ino) == data
+    assert (await fs.lookup(1, "m"))["st_ino"] != ino  # wanted as a model: converted now
+    assert len(await tensor_dirs(fs, 1)) == 1 and set(writes[len(before):]) - {ino}  # its tensors' files written
+    assert (await fs.client.getattr(ino))["xattrs"].get("irdmafs.model")
+    w = await fs.lookup((await fs.lookup(1, "m"))["st_ino"], "w.npy")
+    assert np.array_equal(np.load(__import__("io").BytesIO(await read_all(fs, w["st_ino"]))), tensors["w"])
+    assert await read_all(fs, ino) == data
+
+
+async def test_a_file_that_does_not_map_is_enoent_as_a_model_and_looked_at_once_per_version(fs, caplog):
+    ino = await write_file(fs, 1, "bad.safetensors", stream(b'{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}', bytes(4)))
+    reads = []
+    real = fs.client.read
+
+    async def counted(*args, **kw):
+        reads.append(args)
+        return await real(*args, **kw)
+
+    fs.client.read = counted
+    for _ in range(3):
+        with pytest.raises(RemoteError) as err:
+            await fs.lookup(1, "bad")
+        assert err.value.code == "ENOENT"
+    assert len(reads) == 1 and caplog.text.count("kept as plain bytes, not a model") == 1
+    # rewritten so that it maps (a new version): looked at again, and a model
+    fh = await fs.open(ino, os.O_WRONLY | os.O_TRUNC)
+    good = stream(b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}', np.float32(3).tobytes())
+    await fs.write(fh, 0, good)
+    await fs.release(fh)
+    assert S_ISDIR((await fs.lookup(1, "bad"))["st_mode"])
+    assert await read_all(fs, ino) == good
+
+
+async def test_no_conversion_while_a_handle_of_this_mount_writes_the_file(fs):
+    _, data = checkpoint()
+    fh, st = await fs.create(1, "m.safetensors", 0o644, RW, 0, 0)
+    await fs.write(fh, 0, data)
+    with pytest.raises(RemoteError) as err:
+        await fs.lookup(1, "m")  # its writer has not closed it: not a model yet
+    assert err.value.code == "ENOENT"
+    await fs.release(fh)
+    assert S_ISDIR((await fs.lookup(1, "m"))["st_mode"])
+    assert await read_all(fs, st["st_ino"]) == data
+
+
 async def test_hard_links_and_renames_keep_one_tensor_directory_and_leave_none(fs):
     _, data = checkpoint()
     a = await fs.mkdir(1, "a", 0o755, 0, 0)
     b = await fs.mkdir(1, "b", 0o755, 0, 0)
-    ino = await write_file(fs, a["st_ino"], "m.safetensors", data)
+    ino = await write_model(fs, a["st_ino"], "m.safetensors", data)
     assert len(await tensor_dirs(fs, a["st_ino"])) == 1
     await fs.link(ino, b["st_ino"], "m.safetensors")
     await fs.unlink(a["st_ino"], "m.safetensors")  # another name is left: the tensors stay
@@ -42,9 +111,9 @@ async def test_hard_links_and_renames_keep_one_tensor_directory_and_leave_none(f
     assert await tensor_dirs(fs, a["st_ino"]) == [] and await tensor_dirs(fs, b["st_ino"]) == []
     await fs.rmdir(1, "a")
     # a model renamed over another: the replaced one's tensors go, the moved one's follow it
-    one = await write_file(fs, b["st_ino"], "one.safetensors", data)
+    one = await write_model(fs, b["st_ino"], "one.safetensors", data)
     _, other = checkpoint(1)
-    await write_file(fs, 1, "two.safetensors", other)
+    await write_model(fs, 1, "two.safetensors", other)
     await fs.rename(1, "two.safetensors", b["st_ino"], "one.safetensors", 0)
     assert len(await tensor_dirs(fs, b["st_ino"])) == 1 and await tensor_dirs(fs, 1) == []
     assert await read_all(fs, (await fs.lookup(b["st_ino"], "one.safetensors"))["st_ino"]) == other
@@ -62,7 +131,7 @@ async def test_hard_links_and_renames_keep_one_tensor_directory_and_leave_none(f
 async def test_the_tensor_directory_holds_the_tensors_only(fs):
     tensors, data = checkpoint()
     await write_file(fs, 1, "m.safetensors", data)
-    d = await fs.lookup(1, "m")
+    d = await fs.lookup(1, "m")  # wanted as a model: made one
     for op in (
         lambda: fs.create(d["st_ino"], "config.json", 0o644, W, 0, 0),
         lambda: fs.mkdir(d["st_ino"], "sub", 0o755, 0, 0),
@@ -99,7 +168,7 @@ async def test_a_model_file_in_a_subdirectory_of_tensors_is_kept_whole(fs):
 
 async def test_an_open_for_writing_without_a_write_leaves_a_model_alone(fs):
     _, data = checkpoint()
-    ino = await write_file(fs, 1, "m.safetensors", data)
+    ino = await write_model(fs, 1, "m.safetensors", data)
     fh = await fs.open(ino, RW)
     assert bytes(await fs.read(fh, 0, 64)) == data[:64]
     await fs.release(fh)
@@ -109,23 +178,24 @@ async def test_an_open_for_writing_without_a_write_leaves_a_model_alone(fs):
 
 async def test_a_writer_racing_a_conversion_loses_nothing(fs):
     tensors, data = checkpoint()
-    fh1, st = await fs.create(1, "m.safetensors", 0o644, RW, 0, 0)  # opened, nothing written yet
-    fh2 = await fs.open(st["st_ino"], RW)
-    await fs.write(fh2, 0, data)
+    ino = await write_file(fs, 1, "m.safetensors", data)
     start = 8 + int.from_bytes(data[:8], "little")
-    async with trio.open_nursery() as n:  # fh2's close converts while fh1 writes a tensor byte
-        n.start_soon(fs.release, fh2)
+    fh = await fs.open(ino, RW)
+    async with trio.open_nursery() as n:  # a lookup of its tensors converts while a writer writes a tensor byte
+        n.start_soon(fs.lookup, 1, "m")
         await trio.sleep(0)
-        await fs.write(fh1, start, np.float32(42).tobytes())
-    await fs.release(fh1)
+        await fs.write(fh, start, np.float32(42).tobytes())
+    await fs.release(fh)
     want = bytearray(data)
     want[start : start + 4] = np.float32(42).tobytes()
-    assert await read_all(fs, st["st_ino"]) == bytes(want)
+    assert await read_all(fs, ino) == bytes(want)
+    await fs.lookup(1, "m")  # and as a model again: the same bytes
+    assert (await fs.client.getattr(ino))["xattrs"].get("irdmafs.model") and await read_all(fs, ino) == bytes(want)
 
 
 async def test_concurrent_reads_of_one_tensor_share_one_settled_read(fs, monkeypatch):
     tensors, data = checkpoint()
-    ino = await write_file(fs, 1, "m.safetensors", data)
+    ino = await write_model(fs, 1, "m.safetensors", data)
     calls = []
     real = fs.client.io.read_settled
 
@@ -163,6 +233,8 @@ async def test_bad_safetensors_headers_stay_plain_and_say_why(fs, caplog):
     }
     for name, data in cases.items():
         ino = await write_file(fs, 1, name, data)
+        with pytest.raises(RemoteError):  # wanted as a model: it does not map
+            await fs.lookup(1, name[: -len(".safetensors")])
         assert await read_all(fs, ino) == data
         assert "irdmafs.model" not in (await fs.client.getattr(ino))["xattrs"]
     assert caplog.text.count("kept as plain bytes, not a model") == len(cases), caplog.text

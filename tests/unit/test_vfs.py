@@ -136,7 +136,8 @@ async def test_a_safetensors_file_is_a_model_read_back_byte_for_byte(fs):
     data = save(tensors, metadata={"format": "np"})
     sub = await fs.mkdir(1, "ckpt", 0o755, 0, 0)
     ino = await write_file(fs, sub["st_ino"], "m.safetensors", data)
-    # listed as written, nothing else; the tensors are m/<name>.npy, reachable by name
+    # listed as written, nothing else; the tensors are m/<name>.npy, reachable by name (the
+    # lookup of m makes the file a model: models.py)
     assert [n for n, _ in await fs.readdir(sub["st_ino"])] == ["m.safetensors"]
     st = await fs.lookup(sub["st_ino"], "m.safetensors")
     assert st["st_ino"] == ino and st["st_size"] == len(data) and S.S_ISREG(st["st_mode"])
@@ -179,7 +180,8 @@ async def test_a_safetensors_file_is_a_model_read_back_byte_for_byte(fs):
     await fs.rmdir(1, "ckpt")  # nothing of the model was left behind
     n = await fs.lookup(other["st_ino"], "n")
     assert n["st_ino"] == m["st_ino"] and load(await read_all(fs, ino))["b"].sum() == (tensors["b"] + 1).sum()
-    # written in place (no O_TRUNC): the bytes come back into the file, which is a model again at its flush
+    # written in place (no O_TRUNC): the bytes come back into the file, which is plain bytes
+    # until it is wanted as a model again
     start, entries, _ = formats.st_parse(data, len(data))
     at = start + next(e.begin for e in entries if e.name == "b")
     fh = await fs.open(ino, W)
@@ -187,10 +189,11 @@ async def test_a_safetensors_file_is_a_model_read_back_byte_for_byte(fs):
     await fs.release(fh)
     changed = load(await read_all(fs, ino))
     assert changed["b"][0, 0] == 42 and changed["b"][1, 2] == tensors["b"][1, 2] + 1
-    assert (await fs.client.getattr(ino))["xattrs"].get("irdmafs.model")  # a model again
+    assert not (await fs.client.getattr(ino))["xattrs"].get("irdmafs.model")  # plain bytes
     # a tensor rewritten with another shape through its .npy makes the header untrue: EIO
     # (nothing lost: the tensor file holds its data), until the file is written again
-    n = await fs.lookup(other["st_ino"], "n")  # made anew when the file became a model again
+    n = await fs.lookup(other["st_ino"], "n")  # wanted as a model: made one again
+    assert (await fs.client.getattr(ino))["xattrs"].get("irdmafs.model")
     b = await fs.lookup(n["st_ino"], "b.npy")
     fh = await fs.open(b["st_ino"], W | os.O_TRUNC)
     await fs.write(fh, 0, npy(np.ones(4, np.float32)))
@@ -220,6 +223,9 @@ async def test_a_safetensors_file_that_does_not_map_stays_plain_bytes(fs, caplog
     }
     for name, data in cases.items():
         ino = await write_file(fs, 1, name, data)
+        with pytest.raises(RemoteError) as gone:  # wanted as a model: it is none
+            await fs.lookup(1, name[: -len(".safetensors")])
+        assert gone.value.code == "ENOENT"
         assert await read_all(fs, ino) == data
         assert "irdmafs.model" not in (await fs.client.getattr(ino))["xattrs"]
     assert sorted(n for n, _ in await fs.readdir(1)) == sorted(cases)
