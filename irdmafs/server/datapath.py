@@ -31,6 +31,7 @@ from .tails import Tails
 from .rounds import RecordError, StripeTraining
 from .replicator import Replicator
 from .staging import Staged, StagingRegions
+from .store import pinned
 from .training import Training
 from .updates import StripeKey, StripeRange, Update, check_range
 
@@ -164,8 +165,10 @@ class DataPath:
                 version = self.store.install(StripeKey(fid, idx), offset, data, unit)
                 self.tails.committed(fid, idx, staged, self.store.get(fid, idx).stamp)  # past the end: watched
                 self.serving.led_now((fid, idx, 0))
-                update = Update(StripeRange(StripeKey(fid, idx), offset, length, unit), version, self.store.get(fid, idx), base_tag=base_tag)
-                await self.replicator.to_every_target(update.range.key, lambda peer: self.replicator.update(peer, update))
+                stripe = self.store.get(fid, idx)
+                update = Update(StripeRange(StripeKey(fid, idx), offset, length, unit), version, stripe, base_tag=base_tag)
+                with pinned(stripe):  # its bytes are read as each send goes (a truncate may free it meanwhile)
+                    await self.replicator.to_every_target(update.range.key, lambda peer: self.replicator.update(peer, update))
         return {"version": version, "acked_in": self.cluster.roles.view_epoch}
 
     async def rpc_apply(self, **message) -> dict:

@@ -58,6 +58,7 @@ from ..runtime.batching import Batcher
 from ..runtime.cluster import Cluster
 from ..runtime.slots import Slot, StagingPool, staging_gone
 from .serving import Serving
+from .store import pinned
 from .updates import StripeKey, Update
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,9 @@ class Replicator:
             bufs.append(data)
             each.append(self._apply_args(u, [slot.rkey, at]))
             at += len(data)
-        await self.cluster.peers.write(peer, slot.rkey, slot.offset, bufs, slot.inc)
+        # the batch may hold an update whose own task was cancelled meanwhile (its pin gone)
+        with pinned(*(u.source for u in updates)):
+            await self.cluster.peers.write(peer, slot.rkey, slot.offset, bufs, slot.inc)
         who = {"sender": self.name, "epoch": self.epoch}
         if len(updates) == 1:
             return [await self.cluster.call(peer, "apply", each[0] | who)]

@@ -36,8 +36,10 @@ stripe it froze, so it has the same placement. The rules (docs/design.md, "Snaps
 - **Persisted alike.** With ``--persist`` a snapshot's file is a hard link to the live stripe's
   file; the live stripe's first write after it writes a new file, so the link keeps the old bytes
   (``_rewrite``); at load, linked files share memory again.
-- **Spare memory** (spares.py, while the reaper runs): freed memory is kept for the next copy on
-  write, which overwrites all of it; counted, reclaimed first, released when idle.
+- **Spare memory** (spares.py, while the reaper runs): freed memory, a snapshot's or a live
+  stripe's, is kept for the next copy on write or new stripe of its capacity once nothing can
+  move its bytes (``pinned``: a replication reading it; a key's operation in flight); what the
+  taker does not write is zeroed first; counted, reclaimed first, released when idle.
 
 Capacity grows in GROW-byte steps up to the stripe unit; growing moves the stripe to a new region
 (new rkey), and peers holding the old rkey get AccessError and look it up again.
@@ -56,9 +58,11 @@ do, off the loop).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
+import numpy as np
 import trio
 
 from ..regions import CLOCK_AT, HEADER, PENDING, VERSION_AT, WORD
@@ -67,7 +71,7 @@ from .behind import Behind
 from .budget import Budget, NoSpace
 from .updates import StripeKey, StripeRange
 
-__all__ = ["Memory", "NoSpace", "Store", "Stripe"]
+__all__ = ["Memory", "NoSpace", "Store", "Stripe", "pinned"]
 
 GROW = 64 << 10
 LIVE, FROZEN = "stripes", "snapshots"  # what the budget counts stripe memory as (``Memory.kind``)
@@ -77,14 +81,19 @@ SPARE_SHARE = 4  # at most 1/4 of a node's capacity kept as spare memory (spares
 class Memory:
     """The bytes behind one or more registrations: counted in the budget until the last
     registration of them is freed, as ``kind``: "stripes" while a live stripe (or its optimizer
-    state) uses them, "snapshots" once only snapshots do."""
+    state) uses them, "snapshots" once only snapshots do. ``pins``: replications reading them
+    now (``pinned``); ``draining``: its freed keys an operation in flight may still move
+    bytes through (``Transport.free_region``). Kept memory is used again only when both are
+    empty (spares.py)."""
 
-    __slots__ = ("capacity", "users", "kind")
+    __slots__ = ("capacity", "users", "kind", "pins", "draining")
 
     def __init__(self, capacity: int, kind: str):
         self.capacity = capacity
         self.users = 1
         self.kind = kind
+        self.pins = 0
+        self.draining: set[int] = set()
 
 
 @dataclass
@@ -165,15 +174,16 @@ class Store:
         """Bytes of stripe memory held (each ``Memory`` once, however many share it)."""
         return self.budget.held[LIVE] + self.budget.held[FROZEN]
 
-    def _alloc(self, capacity: int, kind: str, why: str = "", whole: bool = False) -> tuple[Region, Memory]:
-        """A region for ``capacity`` data bytes counted as ``kind``; ``whole``: the caller
-        writes every byte of it (a copy on write), so a kept spare will do (spares.py)."""
-        region = self.spares.take(capacity, kind) if whole else None
+    def _alloc(self, capacity: int, kind: str, why: str = "", writes: tuple[tuple[int, int], ...] = ()) -> tuple[Region, Memory]:
+        """A zeroed region for ``capacity`` data bytes counted as ``kind``, except the data
+        ranges ``writes`` ([start, end) each), which the caller overwrites at once: kept memory
+        (spares.py) has every other byte zeroed here, header included."""
+        region = self.spares.take(capacity, kind)
         if region is not None:
+            _zero_except(region.buf, writes)
             return region, Memory(capacity, kind)
         self.budget.take(kind, capacity, why)
         return self.transport.alloc_region(HEADER + capacity, Access.READ), Memory(capacity, kind)
-
 
     def _forget(self, key: tuple[int, int, int], stripe: Stripe) -> None:
         """``key``'s entry and registration go (the caller removes or replaces it in
@@ -189,11 +199,13 @@ class Store:
         memory.users -= 1
         if not memory.users:
             self.budget.give(memory.kind, memory.capacity)
-            # only what snapshots alone held: a live stripe's memory may still be read by a change
-            # being replicated (``Update.source``), which must not see another stripe's bytes
-            if not (self.behind.reaping and memory.kind == FROZEN and self.spares.keep(stripe.region, memory.capacity)):
+            # kept for the next stripe of its capacity, used once nothing can move its bytes
+            if not (self.behind.reaping and self.spares.keep(stripe.region, memory)):
                 self.behind.dispose(stripe.region.buf)
-        self.transport.free_region(stripe.region)  # after keep: it keeps the memory under a key of its own
+        # after keep: it keeps the memory under a key of its own; a key an operation in flight
+        # still uses drains before the memory is used again
+        if not self.transport.free_region(stripe.region):
+            memory.draining.add(stripe.region.rkey)
         if memory.users and snap == 0 and memory.kind == LIVE:  # snapshots alone hold it now
             self.budget.move(LIVE, FROZEN, memory.capacity)
             memory.kind = FROZEN
@@ -216,7 +228,7 @@ class Store:
         movers = sorted(self.sharers.get((fid, idx), ())) if snap == 0 else [snap]
         assert movers, f"stripe {key} shares its memory with no snapshot"
         held = f"; snapshots {movers} hold this stripe's bytes as they were" if snap == 0 else ""
-        region, memory = self._alloc(stripe.capacity, FROZEN, held, whole=True)
+        region, memory = self._alloc(stripe.capacity, FROZEN, held, writes=((0, stripe.capacity),))
         region.buf[:] = stripe.region.buf
         memory.users = 0
         for s in movers:
@@ -254,8 +266,10 @@ class Store:
     def get(self, fid: int, idx: int, snap: int = 0) -> Stripe | None:
         return self.stripes.get((fid, idx, snap))
 
-    def ensure(self, fid: int, idx: int, needed: int, unit: int, snap: int = 0) -> Stripe:
-        """The stripe, created or grown so that ``needed`` data bytes fit (at most ``unit``)."""
+    def ensure(self, fid: int, idx: int, needed: int, unit: int, snap: int = 0, writes: tuple[int, int] | None = None) -> Stripe:
+        """The stripe, created or grown so that ``needed`` data bytes fit (at most ``unit``);
+        ``writes``: the data range [start, end) the caller overwrites next, before anything
+        reads it (its other bytes are the old stripe's, or zeros)."""
         if needed > unit:
             raise ValueError(f"{needed} bytes do not fit a stripe unit of {unit}")
         key = (fid, idx, snap)
@@ -263,7 +277,8 @@ class Store:
         if stripe is not None and stripe.capacity >= needed:
             return stripe
         cap = min(unit, max(GROW, -(-needed // GROW) * GROW))
-        region, memory = self._alloc(cap, FROZEN if snap > 0 else LIVE)
+        copied = ((0, stripe.capacity),) if stripe is not None else ()  # (with its header)
+        region, memory = self._alloc(cap, FROZEN if snap > 0 else LIVE, writes=copied + ((writes,) if writes else ()))
         if stripe is not None:
             # Carry data and version over; the old region dies with its rkey (its memory stays
             # with the snapshots sharing it).
@@ -283,7 +298,7 @@ class Store:
         ``stamp`` (tag, version) a primary dictates to a backup)."""
         fid, idx, snap = key
         fresh = key not in self.stripes
-        stripe = self.ensure(fid, idx, offset + len(data), unit, snap)
+        stripe = self.ensure(fid, idx, offset + len(data), unit, snap, writes=(offset, offset + len(data)))
         self._writable(fid, idx, snap)
         buf = stripe.region.buf
         word = WORD.unpack_from(buf, VERSION_AT)[0]
@@ -367,7 +382,7 @@ class Store:
                 self.persist.link((fid, idx, 0), key)
             self._changed()
             return
-        stripe = self.ensure(fid, idx, len(data), unit, snap)
+        stripe = self.ensure(fid, idx, len(data), unit, snap, writes=(0, len(data)))
         buf = stripe.region.buf
         WORD.pack_into(buf, VERSION_AT, WORD.unpack_from(buf, VERSION_AT)[0] | 1)
         buf[HEADER : HEADER + len(data)] = data
@@ -427,3 +442,30 @@ class Store:
     def snapshot_bytes(self) -> int:
         """Memory only snapshots hold: what changed (or went) since they were taken."""
         return self.budget.held[FROZEN]
+
+
+@contextmanager
+def pinned(*stripes: "Stripe | None") -> Iterator[None]:
+    """While it lasts, the memory of ``stripes`` is not used for other bytes even if they are
+    freed meanwhile (spares.py): what a replication holds from the ``Update`` it makes of a
+    stripe until its last send, and each batch of Updates while its bytes leave
+    (``Update.source`` is read when sent: replicator.py)."""
+    memories = [s.memory for s in stripes if s is not None and s.memory is not None]
+    for m in memories:
+        m.pins += 1
+    try:
+        yield
+    finally:
+        for m in memories:
+            m.pins -= 1
+
+
+def _zero_except(buf: memoryview, writes: tuple[tuple[int, int], ...]) -> None:
+    """Zero region ``buf`` (header, then data) but for the data ranges ``writes``."""
+    a = np.frombuffer(buf, np.uint8)
+    at = 0
+    for start, end in sorted((HEADER + s, HEADER + e) for s, e in writes if e > s):
+        if start > at:
+            a[at:start] = 0
+        at = max(at, end)
+    a[at:] = 0

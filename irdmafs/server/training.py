@@ -42,7 +42,7 @@ from .meta import Meta
 from .rounds import Model, RecordError, StripeTraining
 from .replicator import Replicator
 from .staging import Staged, StagingRegions
-from .store import NoSpace
+from .store import NoSpace, pinned
 from .updates import StripeKey, StripeRange, Update, check_range
 
 log = logging.getLogger(__name__)
@@ -618,11 +618,13 @@ class Training:
             for k in range(1, nstate + 1):
                 s = self.store.get(fid, idx, -k)
                 state = Update(StripeRange(StripeKey(fid, idx, -k), 0, s.capacity, 2 * unit), s.version, s, pending=True, full=True)
-                if not await self.replicator.update(peer, state):
-                    return False
+                with pinned(s):
+                    if not await self.replicator.update(peer, state):
+                        return False
             return await self.replicator.update(peer, params)
 
-        await self.replicator.to_every_target(StripeKey(fid, idx), one)
+        with pinned(stripe):  # the Updates' bytes are read as each send goes (store.py)
+            await self.replicator.to_every_target(StripeKey(fid, idx), one)
 
     def wire_records(
         self, keys: set[tuple[int, int]] | None = None, after: tuple[int, int] | None = None, limit: int | None = None, blobs: list | None = None

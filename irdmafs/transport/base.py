@@ -197,11 +197,18 @@ class RegionTable:
     def get(self, rkey: int) -> Region | None:
         return self._regions.get(rkey)
 
-    def remove(self, rkey: int) -> None:
+    def remove(self, rkey: int) -> bool:
         """The key refused from now on. With a mirror, the engine lets the memory go once the
-        operations in flight on it end (never under one): transport/engine.py."""
+        operations in flight on it end (never under one): transport/engine.py. Returns whether
+        no operation can move bytes of it any more (False: one in flight still may, until
+        ``settled``)."""
         if self._regions.pop(rkey, None) is not None and self.mirror is not None:
-            self.mirror.free_region(rkey)
+            return self.mirror.free_region(rkey)
+        return True
+
+    def settled(self, rkey: int) -> bool:
+        """Whether no operation in flight can still move bytes of freed key ``rkey``."""
+        return self.mirror is None or self.mirror.settled(rkey)
 
     def __len__(self) -> int:
         return len(self._regions)
@@ -326,8 +333,19 @@ class Transport(abc.ABC):
         any registration of it does (a snapshot shares a live stripe this way: server/store.py)."""
         return self.regions.add(region.buf, region.access)
 
-    def free_region(self, region: Region) -> None:
-        self.regions.remove(region.rkey)
+    def free_region(self, region: Region) -> bool:
+        """The key refused from now on; True if no operation can move bytes of the memory
+        through it any more, False while one in flight still may (a native engine's READ whose
+        bytes are still leaving: ``settled`` says when it ended). A Python responder checks
+        each READ as its turn comes, after the earlier one's bytes left; a shared-memory peer
+        checks the key table after its copy; a verbs MR is deregistered: those are settled at
+        once."""
+        return self.regions.remove(region.rkey)
+
+    def settled(self, rkey: int) -> bool:
+        """Whether no operation in flight can still move bytes of freed key ``rkey`` (memory
+        reused for other bytes must wait for it: server/spares.py)."""
+        return self.regions.settled(rkey)
 
     @abc.abstractmethod
     async def serve(self, host: str, port: int, handler: Handler, *, on_imm: ImmHandler | None = None, task_status: Any) -> None:

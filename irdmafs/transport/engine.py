@@ -99,7 +99,7 @@ class Engine:
         self.served: dict[int, Served] = {}
         self.waiters: dict[tuple[int, int], _Waiter] = {}
         self.callers: dict[int, "NativeConnection"] = {}
-        self.released: set[int] = set()  # rkeys whose memory the engine let go after their free
+        self.draining: set[int] = set()  # freed rkeys whose memory operations in flight still hold
         self._pumping = False
         self.wakeups = 0  # pump wake-ups, and the events they brought (the batching, in tests)
         self.events = 0
@@ -153,7 +153,7 @@ class Engine:
             if caller is not None:
                 caller.closed(conn, why)
         elif kind == EV_RELEASED:
-            self.released.add(ev[1])
+            self.draining.discard(ev[1])
         elif kind == EV_LOG:  # as tcp.py's responder logs a refused request
             _, conn, line = ev
             served = self.served.get(conn)
@@ -179,10 +179,18 @@ class Engine:
         self.native.add_region(rkey, gen, buf, int(access))
 
     def free_region(self, rkey: int) -> bool:
+        """Unlink ``rkey``; True if its memory was let go now, False if operations in flight
+        hold it (``settled`` turns True when the engine says the last one ended)."""
         try:
-            return self.native.free_region(rkey)
+            now = self.native.free_region(rkey)
         except KeyError:
             return True
+        if not now:
+            self.draining.add(rkey)
+        return now
+
+    def settled(self, rkey: int) -> bool:
+        return rkey not in self.draining
 
     def stats(self) -> dict:
         return self.native.stats()

@@ -318,8 +318,8 @@ class ShmTransport(TcpTransport):
         self._table[slot] = alias.rkey
         return alias
 
-    def free_region(self, region: Region) -> None:
-        super().free_region(region)
+    def free_region(self, region: Region) -> bool:
+        settled = super().free_region(region)  # the engine's, for peers on other hosts
         slot = self._slot_of.pop(region.rkey, None)
         if slot is not None:
             self._table[slot] = 0
@@ -327,6 +327,7 @@ class ShmTransport(TcpTransport):
         fd = self._fds.pop(region.rkey, None)
         if fd is not None:
             os.close(fd)
+        return settled  # a peer here checks the slot after its copy: it fails from now on
 
     # -- serving side ------------------------------------------------------------------------
     async def serve(self, host: str, port: int, handler: Handler, *, on_imm: ImmHandler | None = None, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:

@@ -352,11 +352,12 @@ class VerbsTransport(TcpTransport):
         self._mrs[region.rkey] = mr
         return region
 
-    def free_region(self, region: Region) -> None:
+    def free_region(self, region: Region) -> bool:
         super().free_region(region)
         mr = self._mrs.pop(region.rkey, None)
         if mr is not None:
-            mr.close()
+            mr.close()  # deregistered: the NIC refuses the key from here on
+        return True
 
     # -- serving side ------------------------------------------------------------------------
     async def serve(self, host: str, port: int, handler: Handler, *, on_imm: ImmHandler | None = None, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:

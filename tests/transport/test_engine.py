@@ -18,6 +18,7 @@ import struct
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
 from irdmafs.errors import AccessError, PeerLost, TimeoutError
 from irdmafs.transport import engine as E
@@ -68,7 +69,7 @@ async def test_a_region_freed_under_a_read_keeps_its_memory_until_the_read_is_se
     assert (h.status, h.length) == (P.Status.OK, 32 * MiB)
     got = await tcp._recv_bytes(sock, 32 * MiB)
     assert got == data  # the memory lived until its last byte was sent
-    await _until(lambda: rkey in server.native.released)
+    await _until(lambda: server.native.settled(rkey))
     assert server.native.stats()["pinned"] == 0
     # and the key is refused from now on, on the same connection
     await tcp._sendv(sock, [P.pack(P.Header(P.Op.READ, req_id=2, rkey=rkey, length=16))])
@@ -151,6 +152,39 @@ def _gate_reads(monkeypatch):
 
     monkeypatch.setattr(tcp._Responder, "on_read", held_read)
     return gate, started, state
+
+
+async def test_a_stripe_freed_under_a_read_is_not_a_new_stripe_until_the_read_is_sent(nursery):
+    """The store keeps a freed stripe's memory for the next stripe (server/spares.py), but not
+    while the engine may still send a READ's bytes from it: the READ gets the old bytes, the
+    new stripe fresh memory, and the kept memory is used again once the engine let it go."""
+    from irdmafs.regions import HEADER
+    from irdmafs.runtime.offload import Offload
+    from irdmafs.server.store import Store
+    from irdmafs.server.updates import StripeKey
+
+    server, host, port = await _server(nursery)
+    store = Store(server, 256 * MiB)
+    nursery.start_soon(store.behind.reap, Offload())
+    await trio.testing.wait_all_tasks_blocked()
+    unit = 32 * MiB
+    old = os.urandom(unit)
+    store.install(StripeKey(1, 0), 0, memoryview(old), unit)
+    rkey = store.get(1, 0).region.rkey
+    sock = await _raw(host, port)
+    await tcp._sendv(sock, [P.pack(P.Header(P.Op.READ, req_id=1, rkey=rkey, offset=HEADER, length=unit))])
+    await _until(lambda: server.native.stats()["read"][0] == 1)  # queued, and the peer reads nothing yet
+    store.drop(1)
+    assert not server.native.settled(rkey) and store.spares.held == unit
+    store.install(StripeKey(2, 0), 0, memoryview(b"n" * unit), unit)
+    assert store.spares.taken == 0 and store.spares.waited == 1, "fresh memory while the READ may still send"
+    h = P.unpack(await tcp._recv_bytes(sock, P.HEADER.size))
+    assert (h.status, h.length) == (P.Status.OK, unit)
+    assert await tcp._recv_bytes(sock, unit) == old, "the READ sent the bytes it was answered from"
+    await _until(lambda: server.native.settled(rkey))
+    store.install(StripeKey(3, 0), 0, memoryview(b"m" * unit), unit)
+    assert store.spares.taken == 1, "used again once the engine let it go"
+    sock.close()
 
 
 async def test_a_read_given_up_before_its_answer_leaves_its_buffer_alone(nursery, monkeypatch):

@@ -176,15 +176,30 @@ async def test_an_open_for_writing_without_a_write_leaves_a_model_alone(fs):
     assert (await fs.client.getattr(ino))["xattrs"].get("irdmafs.model") and len(await tensor_dirs(fs, 1)) == 1
 
 
-async def test_a_writer_racing_a_conversion_loses_nothing(fs):
+async def test_a_writer_racing_a_conversion_loses_nothing(fs, monkeypatch):
+    """A write that comes while a conversion copies the tensors waits for it, then brings the
+    bytes back into the file (the conversion is held mid-copy until the write is waiting)."""
+    import trio.testing
+
     tensors, data = checkpoint()
     ino = await write_file(fs, 1, "m.safetensors", data)
     start = 8 + int.from_bytes(data[:8], "little")
     fh = await fs.open(ino, RW)
+    go = trio.Event()
+    real = fs.models._tensor_dir
+
+    async def held(*args):
+        await go.wait()
+        return await real(*args)
+
+    monkeypatch.setattr(fs.models, "_tensor_dir", held)
     async with trio.open_nursery() as n:  # a lookup of its tensors converts while a writer writes a tensor byte
         n.start_soon(fs.lookup, 1, "m")
-        await trio.sleep(0)
-        await fs.write(fh, start, np.float32(42).tobytes())
+        await trio.testing.wait_all_tasks_blocked()  # the conversion holds the file's lock
+        n.start_soon(fs.write, fh, start, np.float32(42).tobytes())
+        await trio.testing.wait_all_tasks_blocked()  # the write waits for it
+        go.set()
+    monkeypatch.setattr(fs.models, "_tensor_dir", real)
     await fs.release(fh)
     want = bytearray(data)
     want[start : start + 4] = np.float32(42).tobytes()

@@ -1,9 +1,10 @@
 """Spare stripe memory (server/spares.py): what a node keeps for its next copies on write.
 
-Each test breaks one promise if the store breaks it: a dropped snapshot's memory is kept and
-becomes the next copy on write's (no fresh allocation), never served again under its old key,
-and every byte of it rewritten; spare memory is counted and never makes a write ENOSPC; idle
-spares are released.
+Each test breaks one promise if the store breaks it: a dropped snapshot's memory, or a freed
+live stripe's, is kept and becomes the next copy on write's or new stripe's (no fresh
+allocation), never served again under its old key, every byte of it rewritten or zeroed; memory
+a replication reads (a pin) or an operation in flight may still move is not used again until
+they end; spare memory is counted and never makes a write ENOSPC; idle spares are released.
 """
 
 import trio
@@ -13,6 +14,7 @@ from irdmafs.runtime.offload import Offload
 from irdmafs.server import spares as spares_mod
 from irdmafs.server.budget import NoSpace
 from irdmafs.server.spares import SPARE
+from irdmafs.server.store import pinned
 from irdmafs.server.updates import StripeKey
 from irdmafs.transport.base import Access
 from irdmafs.errors import AccessError
@@ -99,12 +101,72 @@ async def test_spares_last_while_in_use_on_the_real_clock(nursery):
     assert s.spares.held == 4 * UNIT and not s.spares.idle(), "kept just now: not idle"
 
 
-async def test_a_live_stripes_memory_is_never_kept(nursery):
-    """A change being replicated may still read a freed live stripe's memory: not reused."""
+async def test_a_freed_live_stripes_memory_becomes_a_new_stripe_that_reads_zeros_where_unwritten(nursery, monkeypatch):
+    """An unlinked file's stripes (a rotated checkpoint) hold the next file's: the old keys are
+    refused, and the new stripe reads its own bytes and zeros, header included (a hole)."""
     s = filled()
     await _reaping(s, nursery)
+    old_keys = [s.get(1, i).region.rkey for i in range(4)]
     s.drop(1)
-    assert s.spares.held == 0 and s.budget.held[SPARE] == 0 and len(s.behind.dying) == 4
+    assert s.spares.held == 4 * UNIT == s.budget.held[SPARE] and not s.behind.dying, "kept, not released"
+    for rkey in old_keys:
+        with pytest.raises(AccessError):
+            s.transport.regions.check(rkey, 0, 8, Access.READ)
+    allocs = Allocs(monkeypatch, s)
+    for i in range(4):  # a full stripe's capacity, its last 10 bytes written
+        s.install(StripeKey(2, i), UNIT - 10, memoryview(b"0123456789"), UNIT)
+    assert allocs.n == 0 and s.spares.taken == 4 and s.spares.held == 0, "the new stripes took the kept memory"
+    for i in range(4):
+        st = s.get(2, i)
+        assert bytes(st.data) == bytes(UNIT - 10) + b"0123456789", "nothing of the unlinked file's bytes"
+        assert st.clock == 0 and not st.pending and st.version == 1
+    assert s.used == 4 * UNIT and s.budget.held[SPARE] == 0
+
+
+async def test_a_stripe_grown_onto_kept_memory_keeps_its_bytes_and_reads_zeros_past_them(nursery, monkeypatch):
+    s = filled(n_stripes=1)
+    await _reaping(s, nursery)
+    s.drop(1)  # one kept region of UNIT bytes
+    s.install(StripeKey(2, 0), 0, memoryview(b"a" * 1000), 2 * UNIT)  # GROW bytes (a fresh region)
+    allocs = Allocs(monkeypatch, s)
+    s.install(StripeKey(2, 0), UNIT - 5, memoryview(b"b" * 5), 2 * UNIT)  # grows to UNIT: the kept one
+    assert allocs.n == 0 and s.spares.taken == 1
+    assert bytes(s.get(2, 0).data) == b"a" * 1000 + bytes(UNIT - 1005) + b"b" * 5
+
+
+async def test_memory_a_replication_reads_is_not_used_again_until_it_ends(nursery, monkeypatch):
+    """A primary's Update reads its stripe's bytes when it sends them: a truncate meanwhile
+    frees the stripe, but its memory keeps those bytes until the send is over."""
+    s = filled(n_stripes=1)
+    await _reaping(s, nursery)
+    stripe = s.get(1, 0)
+    allocs = Allocs(monkeypatch, s)
+    with pinned(stripe):
+        s.drop(1)
+        assert s.spares.held == UNIT, "kept (counted) while pinned"
+        s.install(StripeKey(2, 0), 0, memoryview(b"z" * UNIT), UNIT)
+        assert allocs.n == 1 and s.spares.taken == 0 and s.spares.waited == 1, "fresh memory: the kept one is pinned"
+        assert bytes(stripe.data) == b"A" * UNIT, "what the replication sends is the stripe's bytes"
+    s.install(StripeKey(3, 0), 0, memoryview(b"y" * UNIT), UNIT)
+    assert allocs.n == 1 and s.spares.taken == 1, "used again once the pin went"
+
+
+async def test_memory_under_an_operation_in_flight_waits_for_it_to_drain(nursery, monkeypatch):
+    """A key whose free leaves an operation in flight (a native engine's READ still sending)
+    drains before its memory holds other bytes (the engine's own case: test_engine.py)."""
+    s = filled(n_stripes=1)
+    await _reaping(s, nursery)
+    draining = {s.get(1, 0).region.rkey}
+    real_free = s.transport.free_region
+    monkeypatch.setattr(s.transport, "free_region", lambda region: real_free(region) and region.rkey not in draining)
+    monkeypatch.setattr(s.transport, "settled", lambda rkey: rkey not in draining)
+    s.drop(1)
+    allocs = Allocs(monkeypatch, s)
+    s.install(StripeKey(2, 0), 0, memoryview(b"z" * UNIT), UNIT)
+    assert allocs.n == 1 and s.spares.taken == 0, "not while an operation may still move its bytes"
+    draining.clear()  # the operation ended
+    s.install(StripeKey(3, 0), 0, memoryview(b"y" * UNIT), UNIT)
+    assert allocs.n == 1 and s.spares.taken == 1
 
 
 async def test_idle_spares_are_released(nursery, autojump_clock):
@@ -115,3 +177,30 @@ async def test_idle_spares_are_released(nursery, autojump_clock):
     with trio.fail_after(30):
         while s.behind.dying:  # handed to the reaper's thread
             await trio.sleep(0.01)
+
+
+async def test_a_batch_of_updates_pins_every_source_while_its_bytes_leave():
+    """A batch may carry an update whose own task was cancelled after the batch left (its
+    task's pin gone, runtime/batching.py): the batch's write pins every source itself."""
+    from types import SimpleNamespace
+
+    from irdmafs.runtime.slots import Slot
+    from irdmafs.server.replicator import Replicator
+    from irdmafs.server.updates import StripeRange, Update
+
+    s = filled()
+    updates = [Update(StripeRange(StripeKey(1, i), 0, 8, UNIT), s.get(1, i).version, s.get(1, i)) for i in range(3)]
+    seen: list[list[int]] = []
+
+    async def write(peer, rkey, offset, bufs, inc):
+        seen.append([u.source.memory.pins for u in updates])
+
+    async def call(peer, method, args):
+        return {"results": [{} for _ in args["updates"]]}
+
+    cluster = SimpleNamespace(peers=SimpleNamespace(write=write), call=call, roles=SimpleNamespace(view=SimpleNamespace(epoch=1)))
+    r = Replicator("n0", cluster, SimpleNamespace(forget=lambda *a: None), dict, None)
+    answers = await r._apply("n1", updates, Slot(rkey=7, offset=0, inc=1))
+    assert answers == [{}, {}, {}]
+    assert seen == [[1, 1, 1]], "each source pinned during the write"
+    assert all(u.source.memory.pins == 0 for u in updates), "and let go after"
