@@ -117,9 +117,7 @@ class Replicator:
             bufs.append(data)
             each.append(self._apply_args(u, [slot.rkey, at]))
             at += len(data)
-        # the batch may hold an update whose own task was cancelled meanwhile (its pin gone)
-        with pinned(*(u.source for u in updates)):
-            await self.cluster.peers.write(peer, slot.rkey, slot.offset, bufs, slot.inc)
+        await self.cluster.peers.write(peer, slot.rkey, slot.offset, bufs, slot.inc)
         who = {"sender": self.name, "epoch": self.epoch}
         if len(updates) == 1:
             return [await self.cluster.call(peer, "apply", each[0] | who)]
@@ -142,10 +140,13 @@ class Replicator:
         if q is None:
 
             async def send(batch: list[Update]) -> list:
-                try:
-                    return await self.slots.with_slot(peer, lambda slot: self._apply(peer, batch, slot))
-                except TransportError as exc:
-                    return [exc] * len(batch)
+                # pinned from here: an update's own task may be cancelled while its batch
+                # waits for a slot or its bytes leave (runtime/batching.py), its pin gone
+                with pinned(*(u.source for u in batch)):
+                    try:
+                        return await self.slots.with_slot(peer, lambda slot: self._apply(peer, batch, slot))
+                    except TransportError as exc:
+                        return [exc] * len(batch)
 
             q = self._queues[peer] = Batcher(self.slots.slots, self.slots.slot_size, send)
         while True:

@@ -180,7 +180,9 @@ class Store:
         (spares.py) has every other byte zeroed here, header included."""
         region = self.spares.take(capacity, kind)
         if region is not None:
-            _zero_except(region.buf, writes)
+            # persisted, its file is written whole before the caller writes (``ensure``): a
+            # crash between would leave another file's bytes on disk under a valid header
+            _zero_except(region.buf, writes if self.persist is None else ())
             return region, Memory(capacity, kind)
         self.budget.take(kind, capacity, why)
         return self.transport.alloc_region(HEADER + capacity, Access.READ), Memory(capacity, kind)
@@ -279,6 +281,15 @@ class Store:
         cap = min(unit, max(GROW, -(-needed // GROW) * GROW))
         copied = ((0, stripe.capacity),) if stripe is not None else ()  # (with its header)
         region, memory = self._alloc(cap, FROZEN if snap > 0 else LIVE, writes=copied + ((writes,) if writes else ()))
+        try:
+            return self._place(key, stripe, region, memory)
+        except BaseException:
+            if writes:  # the caller will not write its range: nothing of the memory's last use stays
+                np.frombuffer(region.buf, np.uint8)[HEADER + writes[0] : HEADER + writes[1]] = 0
+            raise
+
+    def _place(self, key: tuple[int, int, int], stripe: Stripe | None, region: Region, memory: Memory) -> Stripe:
+        """``ensure``'s new region for ``key`` in place of ``stripe`` (None: a new stripe)."""
         if stripe is not None:
             # Carry data and version over; the old region dies with its rkey (its memory stays
             # with the snapshots sharing it).

@@ -7,6 +7,7 @@ a replication reads (a pin) or an operation in flight may still move is not used
 they end; spare memory is counted and never makes a write ENOSPC; idle spares are released.
 """
 
+import numpy as np
 import trio
 import trio.testing
 
@@ -14,11 +15,13 @@ from irdmafs.runtime.offload import Offload
 from irdmafs.server import spares as spares_mod
 from irdmafs.server.budget import NoSpace
 from irdmafs.server.spares import SPARE
+from irdmafs.regions import PENDING
 from irdmafs.server.store import pinned
 from irdmafs.server.updates import StripeKey
 from irdmafs.transport.base import Access
 from irdmafs.errors import AccessError
 
+from .test_push_ids import bed  # noqa: F401  (the fixture)
 from .test_snapshot_cow import UNIT, filled, remote_read
 
 import pytest
@@ -106,6 +109,8 @@ async def test_a_freed_live_stripes_memory_becomes_a_new_stripe_that_reads_zeros
     refused, and the new stripe reads its own bytes and zeros, header included (a hole)."""
     s = filled()
     await _reaping(s, nursery)
+    for i in range(4):  # a clock published and a step pending in their headers
+        s.install(StripeKey(1, i), 0, memoryview(b"AAAA"), UNIT, clock=7 | PENDING)
     old_keys = [s.get(1, i).region.rkey for i in range(4)]
     s.drop(1)
     assert s.spares.held == 4 * UNIT == s.budget.held[SPARE] and not s.behind.dying, "kept, not released"
@@ -179,9 +184,10 @@ async def test_idle_spares_are_released(nursery, autojump_clock):
             await trio.sleep(0.01)
 
 
-async def test_a_batch_of_updates_pins_every_source_while_its_bytes_leave():
-    """A batch may carry an update whose own task was cancelled after the batch left (its
-    task's pin gone, runtime/batching.py): the batch's write pins every source itself."""
+async def test_a_batch_of_updates_pins_every_source_from_the_moment_it_is_sent():
+    """A batch may carry an update whose own task was cancelled while the batch waits for a
+    staging slot or its bytes leave (its task's pin gone, runtime/batching.py): the batch's
+    send pins every source itself, before its first wait."""
     from types import SimpleNamespace
 
     from irdmafs.runtime.slots import Slot
@@ -189,18 +195,66 @@ async def test_a_batch_of_updates_pins_every_source_while_its_bytes_leave():
     from irdmafs.server.updates import StripeRange, Update
 
     s = filled()
-    updates = [Update(StripeRange(StripeKey(1, i), 0, 8, UNIT), s.get(1, i).version, s.get(1, i)) for i in range(3)]
-    seen: list[list[int]] = []
+    u = Update(StripeRange(StripeKey(1, 0), 0, 8, UNIT), s.get(1, 0).version, s.get(1, 0))
+    seen: list[int] = []
+
+    async def with_slot(peer, fn):
+        await trio.sleep(0)  # waiting for a slot
+        seen.append(u.source.memory.pins)
+        return await fn(Slot(rkey=7, offset=0, inc=1))
 
     async def write(peer, rkey, offset, bufs, inc):
-        seen.append([u.source.memory.pins for u in updates])
+        seen.append(u.source.memory.pins)
 
     async def call(peer, method, args):
-        return {"results": [{} for _ in args["updates"]]}
+        return {}
 
     cluster = SimpleNamespace(peers=SimpleNamespace(write=write), call=call, roles=SimpleNamespace(view=SimpleNamespace(epoch=1)))
-    r = Replicator("n0", cluster, SimpleNamespace(forget=lambda *a: None), dict, None)
-    answers = await r._apply("n1", updates, Slot(rkey=7, offset=0, inc=1))
-    assert answers == [{}, {}, {}]
-    assert seen == [[1, 1, 1]], "each source pinned during the write"
-    assert all(u.source.memory.pins == 0 for u in updates), "and let go after"
+    slots = SimpleNamespace(slots=1, slot_size=1 << 20, with_slot=with_slot, forget=lambda *a: None)
+    r = Replicator("n0", cluster, slots, dict, None)
+    assert await r._fused("n1", u) == {}
+    assert seen == [1, 1], "pinned while it waited for a slot and while its bytes left"
+    assert u.source.memory.pins == 0, "and let go after"
+
+
+async def test_a_persisted_stripe_on_kept_memory_never_writes_its_last_bytes_to_disk(nursery, tmp_path, monkeypatch):
+    """With --persist the new stripe's file is written whole before its data lands (ensure):
+    kept memory is zeroed whole, so the file never holds the unlinked file's bytes."""
+    from irdmafs.server.persist import Persist
+
+    from .test_snapshot_cow import store
+
+    s = store(persist=Persist(tmp_path))
+    for i in range(2):
+        s.install(StripeKey(1, i), 0, memoryview(b"A" * UNIT), UNIT)
+    await _reaping(s, nursery)
+    s.drop(1)
+    written: list[bytes] = []
+    real = s.persist.write
+    monkeypatch.setattr(s.persist, "write", lambda key, buf, *a, **kw: (written.append(bytes(buf)), real(key, buf, *a, **kw))[1])
+    s.install(StripeKey(2, 0), UNIT - 4, memoryview(b"data"), UNIT)
+    assert s.spares.taken == 1
+    assert written and all(b"A" not in w for w in written), "no byte of the unlinked file reached the disk"
+    assert bytes(s.get(2, 0).data) == bytes(UNIT - 4) + b"data"
+
+
+async def test_commits_and_training_steps_pin_what_they_replicate(bed):  # noqa: F811
+    """The primary's replication of a commit and of a training step holds the stripe's memory
+    pinned for its whole send (datapath.py, training.py): a truncate meanwhile cannot hand that
+    memory to another stripe."""
+    c, nodes, _ = bed
+    pins: list[int] = []
+    for n in nodes:
+        real = n.replicator.to_every_target
+
+        async def recording(key, one, n=n, real=real):
+            stripe = n.store.get(key.fid, key.idx)
+            pins.append(stripe.memory.pins if stripe is not None else -1)
+            return await real(key, one)
+
+        n.replicator.to_every_target = recording
+    ino = (await c.paths.save("/m/w.npy", np.zeros(256, np.float32)))["ino"]
+    assert pins and all(p >= 1 for p in pins), f"a commit replicated unpinned: {pins}"
+    pins.clear()
+    await c.training.push(ino, 0, np.ones(256, np.float32))
+    assert pins and all(p >= 1 for p in pins), f"a training step replicated unpinned: {pins}"
