@@ -51,8 +51,8 @@ SPARE = "spare"  # the budget's kind for kept memory
 IDLE = 60.0  # seconds without a keep or take after which every spare is released
 
 
-class Memory(Protocol):
-    """What a spare knows of the memory it keeps (store.py's ``Memory``)."""
+class KeptMemory(Protocol):
+    """What a spare knows of the memory it keeps (store.py's ``Memory`` is one)."""
 
     capacity: int
     pins: int  # replications reading it now
@@ -65,13 +65,13 @@ class Spares:
         bytes kept (a fraction of the node's capacity)."""
         self.transport, self.budget, self.dispose, self.limit = transport, budget, dispose, limit
         # capacity -> (region under a key nobody knows, the memory's bookkeeping), oldest first
-        self.free: dict[int, list[tuple[Region, Memory]]] = {}
+        self.free: dict[int, list[tuple[Region, KeptMemory]]] = {}
         self.held = 0
         self.last_use = 0.0  # the last keep or take (loop time)
         self.taken = 0  # how many stripes took kept memory
         self.waited = 0  # takes that found a spare of the capacity, none of them ready
 
-    def keep(self, region: Region, memory: Memory) -> bool:
+    def keep(self, region: Region, memory: KeptMemory) -> bool:
         """``region``'s memory (``memory``) has no user left: keep it under a fresh key (the
         caller then frees ``region``'s own) if there is room; False if not (the caller releases
         it)."""
@@ -89,7 +89,7 @@ class Spares:
         self.last_use = trio.current_time()
         return True
 
-    def ready(self, memory: Memory) -> bool:
+    def ready(self, memory: KeptMemory) -> bool:
         """Nothing can move bytes of ``memory`` any more: no pin, no key draining."""
         if memory.pins:
             return False
