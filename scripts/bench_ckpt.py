@@ -33,7 +33,9 @@ fresh pages; issue 59's target is <= 0.10), and apart, ``rotate_nodes_...`` and
 
 Printed and written as a flat JSON object, keys prefixed ``<transport>_r<R>_``:
 ``<way>_save_vs_tmpfs``, ``<way>_load_warm_vs_tmpfs``, ``<way>_load_vs_tmpfs`` (cold), the
-mount's time over tmpfs's (1.0: as fast as tmpfs), and the seconds of each.
+mount's time over tmpfs's (1.0: as fast as tmpfs), and the seconds of each; and where the best
+save through the mount spent CPU, ``<way>_save_cpu_<nodes|mount|writer>_s`` (user and system
+seconds, /proc/PID/stat; the writer is this process, so not for DCP, whose ranks write).
 """
 
 from __future__ import annotations
@@ -196,13 +198,24 @@ def keep_freed_memory() -> None:
     libc.mallopt(-1, -1)  # M_TRIM_THRESHOLD: -1, never trim
 
 
-def minor_faults(pids: list[int]) -> int:
-    """Minor page faults taken so far by the processes ``pids`` (field 10 of /proc/PID/stat)."""
+def _stat(pids: list[int], *fields: int) -> int:
+    """The sum over processes ``pids`` of the /proc/PID/stat ``fields`` (numbered as proc(5) does)."""
     total = 0
     for pid in pids:
         with open(f"/proc/{pid}/stat") as f:
-            total += int(f.read().rsplit(")", 1)[1].split()[7])
+            after = f.read().rsplit(")", 1)[1].split()  # field 3 (state) is after[0]
+        total += sum(int(after[n - 3]) for n in fields)
     return total
+
+
+def minor_faults(pids: list[int]) -> int:
+    """Minor page faults taken so far by the processes ``pids`` (field 10)."""
+    return _stat(pids, 10)
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User and system CPU seconds taken so far by the processes ``pids`` (fields 14, 15)."""
+    return _stat(pids, 14, 15) / os.sysconf("SC_CLK_TCK")
 
 
 def rotated(state: dict, mnt: Path, groups: dict[str, list[int]], rotations: int, replicas: int) -> dict[str, float]:
@@ -233,19 +246,23 @@ def run(tmp: Path, state: dict, transport: str, replicas: int, reps: int, rotati
     times: dict[str, list[float]] = {}
     res: dict[str, float] = {}
     mount: list = []
+    cpu: dict[str, list[dict[str, float]]] = {}  # way -> per save through the mount, CPU seconds per group
     with local_cluster(tmp / tag, replicas, tmp, transport) as lc, mounted(lc, tmp / f"mnt-{tag}", mount) as mnt:
+        groups = {"nodes": [p.pid for p in lc.procs.values()], "mount": [p.pid for p in mount], "writer": [os.getpid()]}
         with tempfile.TemporaryDirectory(dir="/dev/shm", prefix="irdmafs-bench-ckpt-") as shm:
             for rep in range(reps):
                 for way in WAYS:
                     for where, base in (("tmpfs", Path(shm)), ("mount", mnt)):  # alternated: noise lands on both
                         d = base / f"{way}-{rep}"
+                        before = {g: cpu_seconds(pids) for g, pids in groups.items()}
                         times.setdefault(f"{way}_save_{where}", []).append(save(way, state, d))
+                        if where == "mount":
+                            cpu.setdefault(way, []).append({g: cpu_seconds(pids) - before[g] for g, pids in groups.items()})
                         times.setdefault(f"{way}_load_warm_{where}", []).append(load(way, state, d, cold=False))
                         times.setdefault(f"{way}_load_{where}", []).append(load(way, state, d, cold=True))
                         shutil.rmtree(d)
         if rotations > 2:
-            groups = {"nodes": [p.pid for p in lc.procs.values()], "mount": [p.pid for p in mount]}
-            got = rotated(state, mnt, groups, rotations, replicas)
+            got = rotated(state, mnt, {g: groups[g] for g in ("nodes", "mount")}, rotations, replicas)
             res[tag + "rotate_fresh_pages_per_byte"] = sum(got.values())
             res |= {f"{tag}rotate_{g}_fresh_pages_per_byte": v for g, v in got.items()}
     for way in WAYS:
@@ -254,6 +271,10 @@ def run(tmp: Path, state: dict, transport: str, replicas: int, reps: int, rotati
             mount, ref = pick(times[f"{way}_{op}_mount"]), pick(times[f"{way}_{op}_tmpfs"])
             if op == "save":
                 res[f"{tag}{way}_first_save_vs_tmpfs"] = times[f"{way}_save_mount"][0] / times[f"{way}_save_tmpfs"][0]
+                best = cpu[way][times[f"{way}_save_mount"].index(mount)]
+                for g, v in best.items():  # (DCP's writers are its ranks, not this process)
+                    if g != "writer" or way != "dcp":
+                        res[f"{tag}{way}_save_cpu_{g}_s"] = v
             res[f"{tag}{way}_{op}_mount_s"], res[f"{tag}{way}_{op}_tmpfs_s"] = mount, ref
             res[f"{tag}{way}_{op}_vs_tmpfs"] = mount / ref
     return res

@@ -13,9 +13,9 @@ the host, and touching it again is a host fault. So:
   own that no peer was told (the old keys are freed, so a reader holding one gets AccessError
   and its bytes are never served again), when there is room under ``limit``.
 - **Used again only once nothing can move its bytes** (``ready``): no replication in this
-  process reads it (``Memory.pins``: a primary's ``Update`` reads its stripe's bytes when it
+  process reads it (``KeptMemory.pins``: a primary's ``Update`` reads its stripe's bytes when it
   sends them, store.py ``pinned``), and no operation in flight on any key it was registered
-  under (``Memory.draining``: a native engine may still be sending a READ's bytes from it after
+  under (``KeptMemory.draining``: a native engine may still be sending a READ's bytes from it after
   the key was freed, ``Transport.settled``). Other readers need no pin: a Python responder
   checks each READ of a seqlock burst as its turn comes, a shared-memory peer checks the key
   table after its copy, a verbs MR is deregistered.
