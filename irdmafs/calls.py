@@ -502,7 +502,7 @@ class ReleaseTails(NamedTuple):
     idxs: Annotated[list, list_of(NAT, "a list of stripe indices")]
 
 
-# -- requests: training (server/training.py) -------------------------------------------------------
+# -- requests: training (server/training.py, server/records.py) ------------------------------------
 
 
 @call("train_busy", Busy)

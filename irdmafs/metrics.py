@@ -113,7 +113,7 @@ def node_samples(node) -> list[Sample]:
 def training_samples(node) -> list[Sample]:
     """Per tensor (file id) this node is primary for: each rank's pushes and the staleness."""
     pushes: dict[tuple[int, int], int] = {}
-    for (fid, _idx), st in list(node.training.records.items()):
+    for (fid, _idx), st in node.records.items():
         for rank, n in list(st.pushed.items()):
             pushes[(fid, rank)] = max(pushes.get((fid, rank), 0), n)
     s: list[Sample] = []

@@ -1,9 +1,10 @@
 """A model's policies as the mount, the client and the nodes all read them: the accepted forms of
 each ``user.irdma.*`` policy attribute and the one parser of each (``POLICIES``), and the stripe
-clock a pull waits for (``required_clock``). The training path parses with these, and a value is
+clock a pull waits for (``Policy.required_clock``). The training path parses with these, and a value is
 checked with the same parser when it is set (``check``: the mount's setxattr, the node's
-``setxattr`` op), so a bad value is refused then, not at the first push. What each sync policy
-does with pushes is server/rounds.py's, the optimizer's arithmetic server/optim.py's, the
+``setxattr`` op), so a bad value is refused then, not at the first push. Each sync policy is a
+class here saying what its pushes and pulls wait for (``Policy``); the bookkeeping of pushes on
+a stripe's primary is server/rounds.py's, the optimizer's arithmetic server/optim.py's, the
 compression's client/compress.py's. Pure.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ClassVar
 
 from .errors import CompressError, OptimError, PolicyError  # noqa: F401 (the same classes)
 
@@ -23,32 +24,107 @@ COMPRESS_FORMS = "none | fp16 | chunks=F (0 < F <= 1) | fp16,chunks=F [,chunk=N]
 # -- user.irdma.sync ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Policy:
-    kind: str
+    """A sync policy: one class per kind, each saying what its pushes and pulls wait for, so no
+    code outside this module and server/rounds.py asks a policy's name. The facts:
+
+    - ``rounds``: pushes of a step are summed into a round applied once every active rank has
+      pushed it (bsp); the stripe's clock counts the rounds applied, and a pusher keeps its push
+      until it sees its round closed (a round still open lives on the primary alone).
+    - ``holds``: a push may be held on the primary until its turn (r2sp), so whether it was
+      applied shows in no clock: the pusher asks (``train_wait``).
+    - ``paced``: pushes leave in evenly gapped slots the primary names (r2sp).
+    - ``required_clock(own_pushes)``: the stripe clock a pull by a rank that pushed that many
+      times waits for; ``clock(rounds_applied, slowest)``: a stripe's clock from its primary's
+      counts; ``admitted(pushed, active, rank, step)``: whether push ``step`` of ``rank`` may be
+      applied now (its turn), given each rank's pushes applied.
+    """
+
+    kind: ClassVar[str] = ""
+    rounds: ClassVar[bool] = False
+    holds: ClassVar[bool] = False
+    paced: ClassVar[bool] = False
+
+    def __str__(self) -> str:
+        return self.kind
+
+    def required_clock(self, own_pushes: int) -> int:
+        return 0
+
+    def clock(self, rounds_applied: int, slowest: int) -> int:
+        return slowest
+
+    def admitted(self, pushed: dict[int, int], active: list[int], rank: int, step: int) -> bool:
+        return True
+
+
+@dataclass(frozen=True)
+class Bsp(Policy):
+    """Bulk synchronous: every active rank's push of step k, averaged, applied once."""
+
+    kind: ClassVar[str] = "bsp"
+    rounds: ClassVar[bool] = True
+
+    def required_clock(self, own_pushes: int) -> int:
+        return own_pushes
+
+    def clock(self, rounds_applied: int, slowest: int) -> int:
+        return rounds_applied
+
+
+@dataclass(frozen=True)
+class Asp(Policy):
+    """Asynchronous: every push applied on arrival, scaled by 1/W; a pull waits for nothing."""
+
+    kind: ClassVar[str] = "asp"
+
+
+@dataclass(frozen=True)
+class Ssp(Policy):
+    """Stale synchronous: applied as asp; a pull waits until the slowest rank is within
+    ``staleness`` steps of its own pushes."""
+
+    kind: ClassVar[str] = "ssp"
     staleness: int = 0
 
     def __str__(self) -> str:
-        return f"ssp:{self.staleness}" if self.kind == "ssp" else self.kind
+        return f"ssp:{self.staleness}"
+
+    def required_clock(self, own_pushes: int) -> int:
+        return max(0, own_pushes - self.staleness)
+
+
+@dataclass(frozen=True)
+class R2sp(Policy):
+    """Round-robin synchronous: applied as asp, in turn order (rank r's push of step k once every
+    active rank before r pushed step k and every rank after r step k-1), sent in slots; a pull
+    waits for the previous round."""
+
+    kind: ClassVar[str] = "r2sp"
+    holds: ClassVar[bool] = True
+    paced: ClassVar[bool] = True
+
+    def required_clock(self, own_pushes: int) -> int:
+        return max(0, own_pushes - 1)
+
+    def admitted(self, pushed: dict[int, int], active: list[int], rank: int, step: int) -> bool:
+        for r in active:
+            need = step if r < rank else step - 1 if r > rank else None
+            if need is not None and need >= 0 and pushed.get(r, 0) < need + 1:
+                return False
+        return True
+
+
+SYNC_POLICIES: dict[str, type[Policy]] = {p.kind: p for p in (Bsp, Asp, R2sp)}  # (ssp takes its S)
 
 
 def parse_policy(text: str) -> Policy:
     text = text.strip()
-    if text in ("bsp", "asp", "r2sp"):
-        return Policy(text)
+    if text in SYNC_POLICIES:
+        return SYNC_POLICIES[text]()
     kind, sep, s = text.partition(":")
-    if kind == "ssp" and sep and s.isdigit():
-        return Policy("ssp", int(s))
+    if kind == Ssp.kind and sep and s.isdigit():
+        return Ssp(int(s))
     raise PolicyError(f"unknown sync policy {text!r}; accepted: {SYNC_FORMS}")
-
-
-def required_clock(policy: Policy, own_pushes: int) -> int:
-    """The stripe clock a pull by a rank that has pushed ``own_pushes`` times must wait for."""
-    if policy.kind == "bsp":
-        return own_pushes
-    if policy.kind == "r2sp":
-        return max(0, own_pushes - 1)
-    if policy.kind == "ssp":
-        return max(0, own_pushes - policy.staleness)
-    return 0
 
 
 # -- user.irdma.optimizer ----------------------------------------------------------------------

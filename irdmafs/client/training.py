@@ -23,6 +23,7 @@ Collaborators, handed in by the Client: the cluster view, its staging pool and S
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -36,7 +37,7 @@ from ..runtime.batching import Batcher
 from ..runtime.cluster import Cluster
 from ..config import ClusterConfig
 from ..packing import in_force
-from ..policy import parse_policy, required_clock
+from ..policy import Policy, parse_policy
 from ..runtime.offload import Offload
 from ..runtime.silence import Moves, SilenceBound
 from ..runtime.slots import StagingPool, staging_gone
@@ -45,6 +46,16 @@ from . import compress
 from .stripe import CLOCK_SLICE, Extent, StepWait, StripeIO, split
 
 log = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=256)
+def _parse(text: str) -> Policy:
+    return parse_policy(text)
+
+
+def policy_of(info: dict) -> Policy:
+    """The sync policy of a tensor's cached ``train_info`` (what its pushes and pulls wait for)."""
+    return _parse(info["sync"])
 
 TRAIN_INFO_TTL = 1.0
 # bytes of gradients fused into one WRITE with immediate: over a network a batch's rounds are
@@ -220,7 +231,7 @@ class PushPull:
         # compute time since this rank's last pull: what batch-size suggestions are based on
         pulled = self._pulled_at.pop((ino, rank), None)
         busy = round(trio.current_time() - pulled, 6) if pulled is not None else None
-        paced = await self._pace(rank, step, info["timeout"]) if info["sync"] == "r2sp" else 0.0
+        paced = await self._pace(rank, step, info["timeout"]) if policy_of(info).paced else 0.0
         flat = np.require(grad, requirements="C").reshape(-1)
         wire = np.dtype(np.float16) if mode.fp16 else flat.dtype
         chosen = None
@@ -234,9 +245,9 @@ class PushPull:
             base["early"] = True
         replies: list[dict] = []
         parts, sent = _parts(ino, t["offset"], grad.dtype.itemsize, flat, (chosen, mode.chunk), base)
-        bsp = info["sync"] == "bsp"
+        rounds = policy_of(info).rounds  # a part kept while its round is open
         # a payload made here (fp16, sparse) is ours to keep; a view of ``grad`` is the owner's
-        await self._send_parts([(desc, memoryview(pl).cast("B"), replies, pl if pl.base is None else owner, bsp, again, order) for desc, pl in parts])
+        await self._send_parts([(desc, memoryview(pl).cast("B"), replies, pl if pl.base is None else owner, rounds, again, order) for desc, pl in parts])
         self._pushed(ino, rank, step, info, replies)
         self.io.bytes_pushed += sent
         return step
@@ -280,7 +291,7 @@ class PushPull:
     def _pushed(self, ino: int, rank: int, step: int, info: dict, replies: list[dict]) -> None:
         """A push of ``step`` done: the rank's next step, and what its primaries answered."""
         self._steps[(ino, rank)] = (info["attr"]["version"], step + 1)
-        if info["sync"] == "bsp":
+        if policy_of(info).rounds:
             self._pushed_to[(ino, rank)] = step + 1  # pieces kept in _open are the rounds left open
         for r in replies:
             self.busy.update(r.get("busy", {}))
@@ -297,10 +308,10 @@ class PushPull:
             await trio.sleep(entry[1])
         return round(entry[1], 6)
 
-    async def _push_kept(self, desc: dict, payload: memoryview, replies: list, owner: object, bsp: bool, again: bool, order: float) -> None:
-        """``_push_piece``, then, under bsp, keep the piece while its round is open."""
+    async def _push_kept(self, desc: dict, payload: memoryview, replies: list, owner: object, rounds: bool, again: bool, order: float) -> None:
+        """``_push_piece``, then, under a policy of ``rounds`` (bsp), keep the piece while its round is open."""
         r = await self._push_piece(desc, payload, replies, resent=again, order=order)
-        if bsp and r.get("clock", 0) <= desc["step"]:
+        if rounds and r.get("clock", 0) <= desc["step"]:
             if owner is None:
                 payload = memoryview(bytes(payload))  # the caller may reuse its array at once
             self._open[(desc["fid"], desc["idx"], desc["rank"])] = [desc, payload, owner]
@@ -501,7 +512,7 @@ class PushPull:
         if rank not in info["active"]:
             raise RemoteError("EINVAL", f"rank {rank} is not one of the active workers {info['active']}")
         unit = info["attr"]["unit"]
-        need = required_clock(parse_policy(info["sync"]), self.next_step(ino, rank, info))
+        need = policy_of(info).required_clock(self.next_step(ino, rank, info))
         view = memoryview(out.reshape(-1)).cast("B")
         # a stripe whose round this rank's push closed (nothing kept open) is there already
         closed = lambda idx: (ino, idx, rank) not in self._open and self._pushed_to.get((ino, rank)) == need  # noqa: E731
@@ -530,7 +541,7 @@ class PushPull:
             if rank not in info["active"]:
                 raise RemoteError("EINVAL", f"rank {rank} is not one of the active workers {info['active']}")
             attr, t = info["attr"], info["tensor"]
-            need = required_clock(parse_policy(info["sync"]), self.next_step(ino, rank, info))
+            need = policy_of(info).required_clock(self.next_step(ino, rank, info))
             view = memoryview(out.reshape(-1)).cast("B")
             pieces = split(t["offset"], len(view), attr["unit"])
             homes = [self.io.at_hand(ino, p.idx) for p in pieces]
@@ -578,12 +589,13 @@ class PushPull:
             info = await self.train_info(ino, rank)
         t, attr = info["tensor"], info["attr"]
         pushed = self.next_step(ino, rank, info)
-        if info["sync"] == "bsp":  # the stripes' clocks say it: one-sided reads
+        policy = policy_of(info)
+        if policy.rounds:  # the stripes' clocks say it: one-sided reads
             out = np.empty(t["shape"], t["dtype"])
             view = memoryview(out.reshape(-1)).cast("B")
             await self.io.read(Extent(ino, t["offset"] + len(view), attr["unit"]), t["offset"], view, StepWait(pushed, info["timeout"]))
             self._closed(ino, rank, pushed, (p.idx for p in split(t["offset"], len(view), attr["unit"])))
-        elif info["sync"] == "r2sp" and pushed:  # a held push shows in no clock: ask
+        elif policy.holds and pushed:  # a held push shows in no clock: ask
             nbytes = int(np.prod(t["shape"], dtype=np.int64)) * np.dtype(t["dtype"]).itemsize
             async with trio.open_nursery() as n:
                 for p in split(t["offset"], nbytes, attr["unit"]):

@@ -24,15 +24,13 @@ from typing import NamedTuple
 from ..runtime.offload import Offload
 from ..regions import VERSION_SHIFT
 from ..errors import RemoteError
-from .barrier import CommitBarrier
 from .core import NodeCore
+from .leading import Leading
 from .missing import Missing
 from .tails import Tails
+from .records import PushRecords
 from .rounds import RecordError, StripeTraining
-from .replicator import Replicator
 from .staging import Staged, StagingRegions
-from .store import pinned
-from .training import Training
 from .updates import StripeKey, StripeRange, Update, check_range
 
 log = logging.getLogger(__name__)
@@ -74,21 +72,21 @@ class DataPath:
     def __init__(
         self,
         core: NodeCore,
-        barrier: CommitBarrier,
-        replicator: Replicator,
+        leading: Leading,
         staging: StagingRegions,
-        training: Training,
+        records: PushRecords,
         offload: Offload,
         missing: Missing,
         tails: Tails,
     ):
-        """``training``: the owner of the push bookkeeping an apply brings (``take_replicated``);
+        """``leading``: the one update path of a primary (a commit goes through it);
+        ``records``: the owner of the push bookkeeping an apply brings (``take_replicated``);
         ``offload``: how work leaves the loop (a snapshot's files, with ``--persist``);
         ``missing``: the stripes this node came back without (a read of one is told so);
         ``tails``: what it commits past a file's end, watched for a writer that is gone."""
         self.name, self.cfg, self.cluster, self.store, self.stripe_locks, self.serving = core
         self.offload, self.missing, self.tails = offload, missing, tails
-        self.barrier, self.replicator, self.staging, self.training = barrier, replicator, staging, training
+        self.leading, self.staging, self.records = leading, staging, records
         # optimizer state a primary sent ahead of the parameters it goes with: installed by the
         # parameters' apply, never alone (a primary that dies between leaves both as they were)
         self.state_ahead: dict[tuple[int, int, int], tuple[bytes, int, int, int, int]] = {}
@@ -124,7 +122,7 @@ class DataPath:
         if resync and snap == 0:  # the push bookkeeping of those bytes goes with them (resync.py)
             for i, d in held.items():
                 if d is not None:
-                    d["record"] = self.training.record_of(fid, int(i))
+                    d["record"] = self.records.record_of(fid, int(i))
         return held | {"lease": self.serving.lease.term()}  # client/stripe.py: a key reads in its lease
 
     async def rpc_stripe_versions(self, stripes: list) -> dict:
@@ -146,29 +144,25 @@ class DataPath:
         """Install the range ``staged`` ([rkey, offset] of a staging region here) as the
         stripe's primary, replicate it, answer with its version and the view epoch it was
         acknowledged in (``acked_in``: runtime/heartbeats.py, ``follow_acked``)."""
-        await self.serving.check_epoch(epoch)
-        self.serving.require_ready()
+        await self.leading.admit(epoch, takeover=False)  # what it refuses at once comes first
         check_range(offset, length, unit, self.cfg.stripe_unit)
         self.serving.check_primary(fid, idx)
         staged = Staged.parse(staged, length)
         self.staging.view(staged)  # EINVAL at once for a range that is not staged here
-        await self.serving.await_takeover()
-        async with self.barrier.changing():
-            async with self.stripe_locks((fid, idx)):
-                # again, under the lock: a rebalance or a hand-over may have moved it meanwhile,
-                # a new view may have come, and its sender may have given it up (runtime/slots.py)
-                self.serving.check_primary(fid, idx)
-                self.serving.check_same_epoch(epoch)
-                data = self.staging.view(staged)
-                base = self.store.get(fid, idx)
-                base_tag = base.tag if base is not None else 0
-                version = self.store.install(StripeKey(fid, idx), offset, data, unit)
-                self.tails.committed(fid, idx, staged, self.store.get(fid, idx).stamp)  # past the end: watched
-                self.serving.led_now((fid, idx, 0))
-                stripe = self.store.get(fid, idx)
-                update = Update(StripeRange(StripeKey(fid, idx), offset, length, unit), version, stripe, base_tag=base_tag)
-                with pinned(stripe):  # its bytes are read as each send goes (a truncate may free it meanwhile)
-                    await self.replicator.to_every_target(update.range.key, lambda peer: self.replicator.update(peer, update))
+        key = StripeKey(fid, idx)
+        # under the lock, primacy and the view again: a rebalance or a hand-over may have moved
+        # it meanwhile, a new view may have come, and its sender may have given it up (runtime/slots.py)
+        async with self.leading.holding(key, epoch):
+            data = self.staging.view(staged)
+            base = self.store.get(fid, idx)
+            base_tag = base.tag if base is not None else 0
+            version = self.store.install(key, offset, data, unit)
+            self.tails.committed(fid, idx, staged, self.store.get(fid, idx).stamp)  # past the end: watched
+            self.serving.led_now((fid, idx, 0))
+            stripe = self.store.get(fid, idx)
+            update = Update(StripeRange(key, offset, length, unit), version, stripe, base_tag=base_tag)
+            # its bytes are read as each send goes (a truncate may free it meanwhile: pinned)
+            await self.leading.replicate(key, lambda peer: self.leading.replicator.update(peer, update), stripe)
         return {"version": version, "acked_in": self.cluster.roles.view_epoch}
 
     async def rpc_apply(self, **message) -> dict:
@@ -221,5 +215,5 @@ class DataPath:
                 if mine is None or mine.stamp < (stag, sversion):
                     self.store.replace(StripeKey(fid, idx, -k), memoryview(raw), sunit, (stag, sversion), sclock)
             if incoming is not None:
-                self.training.take_replicated(fid, idx, incoming)
+                self.records.take_replicated(fid, idx, incoming)
         return {}

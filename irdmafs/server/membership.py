@@ -27,7 +27,7 @@ Views decide who serves (coord/views.py, runtime/roles.py); this service moves a
   and dropping what a node no longer holds after a grace period.
 
 Everything here runs on the node's trio thread; the cluster view, store, locks, resync and
-training are handed in.
+the push bookkeeping (records.py) are handed in.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from .cuts import Cuts
 from .core import NodeCore
 from .leases import ServingLease
 from .resync import FETCHES, Resync
-from .training import RECORDS_PAGE, Training
+from .records import RECORDS_PAGE, PushRecords
 
 log = logging.getLogger(__name__)
 
@@ -80,14 +80,14 @@ class Membership:
         core: NodeCore,
         meta_lock: trio.Lock,
         barrier: CommitBarrier,
-        training: Training,
+        records: PushRecords,
         resync: Resync,
         lease: ServingLease,
         drop_freed: Callable[[], None],
     ):
         """``drop_freed``: the namespace service's (namespace.py), run after a hand-over's catch-up."""
         self.name, self.cfg, self.cluster, self.store, self.stripe_locks, self.serving = core
-        self.meta_lock, self.barrier, self.training, self.resync, self.lease = meta_lock, barrier, training, resync, lease
+        self.meta_lock, self.barrier, self.records, self.resync, self.lease = meta_lock, barrier, records, resync, lease
         self.drop_freed = drop_freed
         self.cuts = Cuts()  # hand-overs' arrays kept for their joiners (cuts.py)
         self.precopied: set[tuple[int, int, int]] = set()  # a rebalance's pre-copy (rpc_rebalance_pull)
@@ -212,7 +212,7 @@ class Membership:
                             n.start_soon(fetch, fid, idx, snap, peer)
                         else:
                             work["done"] += 1
-                await self.training.take_records(answer.get("records", []), blobs=await self._arrays_of(peer, answer))
+                await self.records.take_records(answer.get("records", []), blobs=await self._arrays_of(peer, answer))
         finally:
             self.resync.work = {}
         newest = max(handed.items(), key=lambda item: tuple(item[1].get("meta_stamp", (-1, -1))), default=None)
@@ -258,7 +258,7 @@ class Membership:
         # after the answer broke mixed simulator seed 732: a count set back). Arrays beyond a
         # page stay here in a cut of this instant, fetched by the joiner (cuts.py)
         blobs: list = []
-        records = self.training.wire_records(keys, blobs=blobs)[0]
+        records = self.records.wire_records(keys, blobs=blobs)[0]
         answer = {
             "stripes": [[fid, idx, snap, s.version, s.tag] for (fid, idx, snap), s in list(self.store.stripes.items()) if (fid, idx) in keys],
             "records": records,

@@ -44,10 +44,10 @@ from .allocation import balanced_ino
 from .core import NodeCore
 from .effects import Effects
 from .freezer import Freezer
+from .leading import Leading
 from .meta import Meta
 from .namecache import NameLeases, changer_of, touched_by
 from .persist import Persist
-from .replicator import Replicator
 
 log = logging.getLogger(__name__)
 
@@ -60,13 +60,15 @@ class Namespace:
         self,
         core: NodeCore,
         persist: Persist | None,
-        replicator: Replicator,
+        leading: Leading,
         call_node: Callable[[str, str, dict], Awaitable[dict]],
         forget: Callable[..., None],
         recheck: Callable[[], Awaitable[None]],
     ):
         self.name, cfg, self.cluster, store, _, self.serving = core
-        self.persist, self.replicator = persist, replicator
+        # ``leading``: a namespace op as a primary's change (leading.py): admitted like a commit,
+        # under the namespace's lock, then replicated to every live node
+        self.persist, self.leading, self.replicator = persist, leading, leading.replicator
         self.meta = Meta()
         self.freezer = Freezer(self.name, self.cluster, self.serving, call_node, self._apply_and_forward)  # a snapshot's steps on every node
         self.effects = Effects(store, self.cluster, forget, recheck)  # what the ops mean for this node's stripes
@@ -93,9 +95,7 @@ class Namespace:
             # a retry of an op applied and acknowledged already (its answer was lost)
             await self._told(changer)
             return self.meta.done[rid]
-        await self.serving.check_epoch(epoch)
-        self.serving.require_ready()
-        await self.serving.await_takeover()
+        await self.leading.admit(epoch)
         async with self.lock:
             self._leads()  # under the lock: a hand-over waits for it
             if rid in self.meta.done:
@@ -297,8 +297,7 @@ class Namespace:
         otherwise: the client asks again). A node just named by a view, not yet handed its
         namespace, answered lookups from its old one: a file just created, a snapshot just
         taken, a rename's source were ENOENT (chaos --views, seed 1)."""
-        self.serving.require_ready()
-        await self.serving.await_takeover()
+        await self.leading.admit(None)
 
     async def rpc_lookup(self, parent: int, name: str, snap: int = 0, alias: bool = False) -> dict:
         await self._caught_up()

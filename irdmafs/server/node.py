@@ -4,13 +4,16 @@ Data moves one-sidedly: peers READ stripe regions and WRITE into staging regions
 code running. What runs here is the control path, in services each of its own module, built
 here with their collaborators handed in (``NodeCore``: name, config, cluster view, store, stripe
 locks, serving state; and what else each needs). Their imports run one way: membership ->
-resync -> training -> replicator -> cluster; the namespace gets training's two hooks as
-functions.
+resync -> records -> leading -> replicator -> cluster; training -> records; the namespace gets
+the two hooks of training and records as functions.
 
+- leading.py: the one update path of a primary (admitted, held, replicated, published), which
+  commits, pushes and namespace ops go through;
 - datapath.py: ``commit`` (a stripe's primary), ``apply`` (a backup), ``stripe_info``;
 - namespace.py: namespace ops, their replication, snapshots;
-- training.py: pushes, sync policies, optimizer steps, push bookkeeping; clocks.py: a pull told
-  when its round closed (``clock_wait``);
+- pushes.py: a client's fused pushes taken apart and checked; training.py: the round (a push
+  taken under its policy, optimizer steps, their replication); records.py: the push
+  bookkeeping and how it travels; clocks.py: a pull told when its round closed (``clock_wait``);
 - membership.py: joining, the hand-over, fencing, membership changes; resync.py: how a node
   that was away catches up; leases.py: the coordination lease and view;
 - replicator.py: the one path that sends a change to the other replicas, and the one place of
@@ -64,6 +67,7 @@ from .core import NodeCore
 from .datapath import VERSION_SHIFT, DataPath
 from .missing import Missing
 from .tails import Tails
+from .leading import Leading
 from .leases import ServingLease
 from .spares import SPARE
 from .locks import KeyedLocks
@@ -71,6 +75,8 @@ from .membership import Membership
 from .meta import Meta
 from .namespace import Namespace
 from .persist import Persist
+from .pushes import PushIntake
+from .records import PushRecords
 from .replicator import Replicator
 from .resync import Resync
 from .serving import Serving
@@ -129,18 +135,21 @@ class Node:
             transport, self.budget, self.persist, version_base=lambda: self.namespace.meta.seq << VERSION_SHIFT, epoch=lambda: self.cluster.roles.view_epoch
         )
         core = NodeCore(name, cfg, self.cluster, self.store, self.stripe_locks, self.serving)
-        self.training = Training(core, lambda: self.namespace.meta, self.barrier, self.replicator, self.staging, self.latency)
-        self.namespace = Namespace(core, self.persist, self.replicator, self._call_node, self.training.forget, self.training.recheck)
+        self.as_primary = Leading(core, self.barrier, self.replicator)  # the one update path of a primary
+        self.records = PushRecords(core, self.staging, self.as_primary)  # push bookkeeping, per stripe
+        self.training = Training(core, lambda: self.namespace.meta, self.as_primary, self.records)
+        self.pushes = PushIntake(name, self.cluster, self.latency, self.training.push, self.training.policy_info)
+        self.namespace = Namespace(core, self.persist, self.as_primary, self._call_node, self.records.forget, self.training.recheck)
         self.missing = Missing(name, self.store, lambda: self.namespace.meta)  # the stripes it came back without
-        self.resync = Resync(core, self.training, self.namespace.current, self.namespace.restore, self.missing)
-        self.membership = Membership(core, self.namespace.lock, self.barrier, self.training, self.resync, self.lease, self.namespace.drop_freed)
+        self.resync = Resync(core, self.records, self.namespace.current, self.namespace.restore, self.missing)
+        self.membership = Membership(core, self.namespace.lock, self.barrier, self.records, self.resync, self.lease, self.namespace.drop_freed)
         # stripes past a file's end whose writers are gone (tails.py)
         self.tails = Tails(self.store, self.staging, lambda: self.namespace.meta, self._trim, lambda f, i: self.cluster.roles.stripe_primary(f, i) == self.name)
-        self.data = DataPath(core, self.barrier, self.replicator, self.staging, self.training, self.offload, self.missing, self.tails)
+        self.data = DataPath(core, self.as_primary, self.staging, self.records, self.offload, self.missing, self.tails)
         self.cluster.heartbeats.on_adopt = self.membership.adopted  # a membership learnt from a peer's heartbeat
         self.clocks = ClockWaits(transport, self.store)
         self.calls: dict[str, Callable] = {}  # method -> its handler (``handle``)
-        for part in (self, self.data, self.namespace, self.training, self.membership, self.clocks, self.tails):
+        for part in (self, self.data, self.namespace, self.training, self.records, self.membership, self.clocks, self.tails):
             for attr in dir(part):
                 if attr.startswith("rpc_"):
                     assert attr[4:] not in self.calls, f"two handlers of {attr}"
@@ -192,7 +201,7 @@ class Node:
             await self._load_persisted()  # then resync as always: a peer's newer version wins
         async with trio.open_nursery() as nursery:
             self.cluster.nursery = nursery
-            address = await nursery.start(partial(self.transport.serve, self.spec.host, self.spec.port, self.handle, on_imm=self.training.on_imm))
+            address = await nursery.start(partial(self.transport.serve, self.spec.host, self.spec.port, self.handle, on_imm=self.pushes.on_imm))
             plane = self.data_plane  # one line: what serves its data plane, why for what is not native
             log.log(dataplane.level(plane), "node %s listening on %s:%s (%s)", self.name, *address, dataplane.line(plane))
             await self.cluster.heartbeats.refresh()

@@ -29,7 +29,7 @@ from .meta import Meta
 from .missing import Missing
 from .resyncplan import Fetch, PullPlan, StripePull, Tally
 from .rounds import RecordError, StripeTraining
-from .training import RECORDS_PAGE, Training
+from .records import RECORDS_PAGE, PushRecords
 from .updates import StripeKey
 
 FETCHES = 8  # stripes fetched at once (a resync, a hand-over's catch-up): a GB's 1 MiB stripes one by one took tens of seconds
@@ -41,11 +41,11 @@ log = logging.getLogger(__name__)
 
 
 class Resync:
-    def __init__(self, core: NodeCore, training: Training, meta: Callable[[], Meta], restore_meta: Callable[..., None], missing: Missing):
+    def __init__(self, core: NodeCore, records: PushRecords, meta: Callable[[], Meta], restore_meta: Callable[..., None], missing: Missing):
         """``missing``: where a resync records the written stripes of this node that it ended
         without (missing.py: their reads get EIO, never zeros)."""
         self.name, self.cfg, self.cluster, self.store, self.stripe_locks, self.serving = core
-        self.training, self.meta, self.restore_meta, self.missing = training, meta, restore_meta, missing
+        self.records, self.meta, self.restore_meta, self.missing = records, meta, restore_meta, missing
         self.work: dict = {}  # long work under way (resync, rebalance): shown by heartbeats
 
     async def resync(self) -> None:
@@ -103,7 +103,7 @@ class Resync:
                 log.warning("resync: the record index of %s is malformed (%s): none taken from it", peer, exc)
                 continue
             for fid, idx, stamp, progress, nbytes in index:
-                if mine(fid, idx) and self.training.would_take(fid, idx, stamp, progress):
+                if mine(fid, idx) and self.records.would_take(fid, idx, stamp, progress):
                     wanted.setdefault((fid, idx), []).append((progress, peer))
                     sizes[(fid, idx)] = max(sizes.get((fid, idx), 0), nbytes)
         for offers in wanted.values():
@@ -137,7 +137,7 @@ class Resync:
         after = None
         while True:
             page = await self.cluster.call(peer, "train_records", {"keys": [list(k) for k in keys], "after": after})
-            await self.training.take_records(page["records"], mine)
+            await self.records.take_records(page["records"], mine)
             after = page.get("next")
             if not after:
                 return
@@ -293,7 +293,7 @@ class Resync:
                 log.info("stripe %d:%d (snapshot %d) freed on its peers while it was fetched: dropped here too", fid, idx, snap)
                 self.store.drop_keys([(fid, idx, snap)])
                 if snap == 0:
-                    self.training.drop_record(fid, idx)
+                    self.records.drop_record(fid, idx)
 
     async def fetch_stripe(self, fid: int, idx: int, snap: int, peer: str, instead: tuple[int, int] | None = None) -> bool | None:
         """Copy one stripe from ``peer`` unless this node holds it as new: True once done, None
@@ -348,7 +348,7 @@ class Resync:
                 # fenced nodes each took the other's copy; both dropped their records, and a
                 # stand-in's old count won: fault simulator, mixed seed 92).
                 if snap == 0 and (mine is None or mine.stamp != theirs):
-                    self.training.take_fetched(fid, idx, record)
+                    self.records.take_fetched(fid, idx, record)
                 self.store.replace(StripeKey(fid, idx, snap), memoryview(buf), 2 * self.cfg.stripe_unit, theirs, head.clock_word)
         return True
 

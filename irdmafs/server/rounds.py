@@ -167,26 +167,19 @@ class StripeTraining:
         wait for (not r2sp, one rank, period or position 0 not measured yet)."""
         active = model.active
         period = self.period(model)
-        if model.policy.kind != "r2sp" or len(active) < 2 or rank not in active or period <= 0 or active[0] not in self.arrived:
+        if not model.policy.paced or len(active) < 2 or rank not in active or period <= 0 or active[0] not in self.arrived:
             return 0.0
         step0, t0 = self.arrived[active[0]]
         slot = t0 + (self.next_step(rank) - step0) * period + period * active.index(rank) / len(active)
         return min(max(0.0, slot - now), 2 * period)
 
     def clock(self, model: Model) -> int:
-        if model.policy.kind == "bsp":
-            return self.applied
-        return min((self.pushed.get(r, 0) for r in model.active), default=0)
+        """The stripe's clock as its policy counts (rounds applied, or the slowest rank's pushes)."""
+        return model.policy.clock(self.applied, min((self.pushed.get(r, 0) for r in model.active), default=0))
 
     def admitted(self, model: Model, rank: int, step: int) -> bool:
-        """Under r2sp, whether it is rank's turn to push ``step``; always True otherwise."""
-        if model.policy.kind != "r2sp":
-            return True
-        for r in model.active:
-            need = step if r < rank else step - 1 if r > rank else None
-            if need is not None and self.pushed.get(r, 0) < need + 1 and need >= 0:
-                return False
-        return True
+        """Whether push ``step`` of ``rank`` may be applied now (under r2sp, its turn)."""
+        return model.policy.admitted(self.pushed, model.active, rank, step)
 
     def take(self, model: Model, rank: int, step: int, grad: np.ndarray) -> list[np.ndarray]:
         """Take push ``step`` of ``rank`` (its next, see ``next_step``): under r2sp held until
@@ -217,7 +210,7 @@ class StripeTraining:
         order (none, one, or several when a removed rank completes waiting rounds)."""
         self.pushed[rank] = step + 1
         work = np.dtype(np.float32) if grad.dtype == np.float16 else grad.dtype  # an fp16 push sums in fp32
-        if model.policy.kind != "bsp":
+        if not model.policy.rounds:  # applied on arrival, scaled so W pushes move it as one round
             return [grad.astype(work, copy=False) / max(1, len(model.active))]
         entry = self.rounds.get(step)
         if entry is None:  # the round's first push: its copy is the sum so far (one pass)

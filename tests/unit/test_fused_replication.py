@@ -32,7 +32,7 @@ def _held_everywhere(nodes, c, inos: list[int]) -> None:
         for name in c.cluster.roles.targets(ino, 0):
             s = by_name[name].store.get(ino, 0)
             assert s is not None and s.clock == 1, (ino, name)
-            assert by_name[name].training.records[(ino, 0)].next_step(0) == 1, (ino, name)
+            assert by_name[name].records.of(ino, 0).next_step(0) == 1, (ino, name)
             data = bytes(s.data[128 : 128 + 1024])
             assert first is None or data == first, (ino, name)
             first = data

@@ -30,7 +30,7 @@ async def bed(nursery):
 
 
 def records(nodes, ino):
-    return [(n.name, idx, st) for n in nodes for (f, idx), st in n.training.records.items() if f == ino]
+    return [(n.name, idx, st) for n in nodes for (f, idx), st in n.records.by_stripe.items() if f == ino]
 
 
 async def bsp_of_two(c, nodes, path: str):
@@ -306,7 +306,7 @@ async def test_a_push_answered_eagain_is_on_every_replica_before_its_retry_is_an
     for b in backups:  # the step, its clock and its bookkeeping on every replica
         s = b.store.get(ino, 0)
         assert s.clock == 1 and bytes(s.data[: w.nbytes]) == bytes(p.data[: w.nbytes]), b.name
-        assert b.training.records[(ino, 0)].next_step(0) == 1
+        assert b.records.by_stripe[(ino, 0)].next_step(0) == 1
     assert np.array_equal(await c.paths.load("/m/e.npy"), w - 1)
 
 
@@ -409,18 +409,18 @@ async def test_a_record_of_other_bytes_is_not_taken_with_these(bed):
     for _ in range(2):
         await c.training.push(ino, 0, np.ones_like(w))
     b = next(n for n in nodes if n.name in c.cluster.roles.targets(ino, 0) and n.name != c.cluster.roles.stripe_primary(ino, 0))
-    fid, idx, rec, stamp = next(r for r in b.training.wire_records()[0] if r[:2] == [ino, 0])
-    assert tuple(stamp) == b.store.get(ino, 0).stamp and b.training.records[(ino, 0)].next_step(0) == 2
+    fid, idx, rec, stamp = next(r for r in b.records.wire_records()[0] if r[:2] == [ino, 0])
+    assert tuple(stamp) == b.store.get(ino, 0).stamp and b.records.by_stripe[(ino, 0)].next_step(0) == 2
     ahead = StripeTraining.from_record(rec)
     ahead.pushed[0] += 1  # a third push taken where the bytes moved on to another version
     other = [stamp[0], stamp[1] + 1]
-    await b.training.take_records([[ino, 0, ahead.record(), other]])
-    assert b.training.records[(ino, 0)].next_step(0) == 2  # not taken: not these bytes
-    await b.training.take_records([[ino, 0, ahead.record(), None]])  # a peer holding no bytes
-    assert b.training.records[(ino, 0)].next_step(0) == 2
-    await b.training.take_records([[ino, 0, ahead.record(), stamp]])  # these bytes, further along
-    assert b.training.records[(ino, 0)].next_step(0) == 3
-    b.training.records[(ino, 0)].pushed[0] = 2  # (as it was, for the push below)
+    await b.records.take_records([[ino, 0, ahead.record(), other]])
+    assert b.records.by_stripe[(ino, 0)].next_step(0) == 2  # not taken: not these bytes
+    await b.records.take_records([[ino, 0, ahead.record(), None]])  # a peer holding no bytes
+    assert b.records.by_stripe[(ino, 0)].next_step(0) == 2
+    await b.records.take_records([[ino, 0, ahead.record(), stamp]])  # these bytes, further along
+    assert b.records.by_stripe[(ino, 0)].next_step(0) == 3
+    b.records.by_stripe[(ino, 0)].pushed[0] = 2  # (as it was, for the push below)
     await c.training.push(ino, 0, np.ones_like(w))
     assert np.array_equal(await c.paths.load("/m/r.npy"), w - 3)
 
@@ -442,18 +442,18 @@ async def test_push_bookkeeping_travels_in_pages_that_fit_a_control_frame(bed, m
     hundreds of MB, which one ``train_records`` answer neither fits (16 MiB a control frame) nor
     encodes without holding the loop (chaos.py --model-gib 1). Pages of ``RECORDS_PAGE`` bytes
     of arrays, in key order, cover every record once; a malformed ``after`` is EINVAL."""
-    from irdmafs.server import training as T
+    from irdmafs.server import records as T
     from irdmafs.errors import RemoteError
 
     c, nodes, _ = bed
     ino, w = await open_rounds(c)
-    node = max(nodes, key=lambda n: sum(st.payload_bytes for st in n.training.records.values()))
-    held = {k for k, st in node.training.records.items() if st.payload_bytes}
+    node = max(nodes, key=lambda n: sum(st.payload_bytes for st in n.records.by_stripe.values()))
+    held = {k for k, st in node.records.by_stripe.items() if st.payload_bytes}
     assert len(held) > 4
     monkeypatch.setattr(T, "RECORDS_PAGE", 3 * (64 << 10))
     seen, pages, after = [], 0, None
     while True:
-        page = await node.training.rpc_train_records(after=after)
+        page = await node.records.rpc_train_records(after=after)
         pages += 1
         assert sum(T.StripeTraining.from_record(r[2]).payload_bytes for r in page["records"]) <= 3 * (64 << 10)
         seen += [tuple(r[:2]) for r in page["records"]]
@@ -462,7 +462,7 @@ async def test_push_bookkeeping_travels_in_pages_that_fit_a_control_frame(bed, m
             break
     assert pages > 1 and len(seen) == len(set(seen)) and held <= set(seen)
     with pytest.raises(RemoteError) as exc:
-        await node.training.rpc_train_records(after="3:4")
+        await node.records.rpc_train_records(after="3:4")
     assert exc.value.code == "EINVAL"
 
 
@@ -474,20 +474,20 @@ async def test_a_handover_of_large_records_is_its_instant_fetched_in_pages(bed, 
     works on a copy, and the joiner fetches exactly what the answer saw, page by page; a
     released cut is ESTALE (server/cuts.py)."""
     from irdmafs.server import membership as M
-    from irdmafs.server import training as T
+    from irdmafs.server import records as T
     from irdmafs.errors import RemoteError
 
     c, nodes, _ = bed
     ino, w = await open_rounds(c)
     page = 3 * (64 << 10)
     monkeypatch.setattr(M, "RECORDS_PAGE", page)
-    peer = max(nodes, key=lambda n: sum(st.payload_bytes for st in n.training.records.values()))
+    peer = max(nodes, key=lambda n: sum(st.payload_bytes for st in n.records.by_stripe.values()))
     joiner = next(n for n in nodes if n is not peer)
     answer = await peer.membership.rpc_handover(name=joiner.name, epoch=peer.cluster.roles.view_epoch)
     assert "cut" in answer and "arrays" not in answer
     assert sum(answer["cut"]["sizes"]) > page
     await c.training.push(ino, 1, np.full_like(w, 3))  # rank 1: the rounds complete and apply
-    assert not any(st.rounds for st in peer.training.records.values())
+    assert not any(st.rounds for st in peer.records.by_stripe.values())
     cut = answer["cut"]["id"]
     pages, at = 0, [0, 0]
     while at is not None:

@@ -62,9 +62,9 @@ async def test_open_rounds_come_from_their_primary_and_only_the_stripes_asked_fo
     ino = (await c.paths.save("/m/w.npy", w))["ino"]
     await c.training.push(ino, 0, np.ones_like(w))
     x = nodes[0]
-    stripes = {i for n in nodes for (f, i), st in n.training.records.items() if f == ino and st.rounds}
+    stripes = {i for n in nodes for (f, i), st in n.records.by_stripe.items() if f == ino and st.rounds}
     open_elsewhere = {i for i in stripes if c.cluster.roles.stripe_primary(ino, i) != x.name}
-    assert open_elsewhere and all(not x.training.records.get((ino, i)) or not x.training.records[(ino, i)].rounds for i in open_elsewhere)
+    assert open_elsewhere and all(not x.records.by_stripe.get((ino, i)) or not x.records.by_stripe[(ino, i)].rounds for i in open_elsewhere)
     spy = Spy(x, monkeypatch)
     mine = lambda fid, idx: fid == ino and idx % 2 == 0  # noqa: E731
     peers = [n.name for n in nodes if n is not x]
@@ -73,9 +73,9 @@ async def test_open_rounds_come_from_their_primary_and_only_the_stripes_asked_fo
     want = {i for i in open_elsewhere if i % 2 == 0}
     assert sorted(asked) == sorted((ino, i) for i in want)  # each once, none it would not take
     for i in want:
-        st = x.training.records[(ino, i)]
+        st = x.records.by_stripe[(ino, i)]
         primary = next(n for n in nodes if n.name == c.cluster.roles.stripe_primary(ino, i))
-        assert st.pushed.get(0) == 1 and np.array_equal(st.rounds[0][0], primary.training.records[(ino, i)].rounds[0][0])
+        assert st.pushed.get(0) == 1 and np.array_equal(st.rounds[0][0], primary.records.by_stripe[(ino, i)].rounds[0][0])
     assert spy.seen and all(s["what"] == "resync records" for s in spy.seen) and x.resync.work == {}
     spy.calls.clear()
     await x.resync.pull_records(peers, mine)
@@ -93,12 +93,12 @@ async def test_records_of_a_peer_lost_mid_fetch_come_from_the_next(bed, monkeypa
         await c.training.push(ino, 0, np.ones_like(w))
     x = nodes[0]
     for i in range(4):
-        assert x.training.records[(ino, i)].pushed[0] == 3
-        x.training.records[(ino, i)].pushed[0] = 1  # behind, on the same bytes
+        assert x.records.by_stripe[(ino, i)].pushed[0] == 3
+        x.records.by_stripe[(ino, i)].pushed[0] = 1  # behind, on the same bytes
     first, second = [n.name for n in nodes if n is not x]
     spy = Spy(x, monkeypatch, fail=first)
     await x.resync.pull_records([first, second], lambda fid, idx: fid == ino)
-    assert [x.training.records[(ino, i)].pushed[0] for i in range(4)] == [3, 3, 3, 3]
+    assert [x.records.by_stripe[(ino, i)].pushed[0] for i in range(4)] == [3, 3, 3, 3]
     assert {p for p, m, _ in spy.calls if m == "train_records"} == {first, second}
 
 
@@ -111,16 +111,16 @@ async def test_records_of_other_bytes_and_bad_requests_are_refused(bed):
     ino = (await c.paths.save("/m/b.npy", w))["ino"]
     await c.training.push(ino, 0, np.ones_like(w))
     x, peer = nodes[0], nodes[1]
-    x.training.records[(ino, 0)].pushed[0] = 0
-    entry = next(e for e in peer.training.record_index() if e[:2] == [ino, 0])
+    x.records.by_stripe[(ino, 0)].pushed[0] = 0
+    entry = next(e for e in peer.records.record_index() if e[:2] == [ino, 0])
     assert tuple(entry[2]) == x.store.get(ino, 0).stamp and entry[3] == 1
-    assert x.training.would_take(ino, 0, tuple(entry[2]), entry[3])
-    assert not x.training.would_take(ino, 0, (entry[2][0], entry[2][1] + 1), entry[3])
-    assert not x.training.would_take(ino, 0, None, entry[3])
-    assert not x.training.would_take(ino, 0, tuple(entry[2]), 0)  # no further along
+    assert x.records.would_take(ino, 0, tuple(entry[2]), entry[3])
+    assert not x.records.would_take(ino, 0, (entry[2][0], entry[2][1] + 1), entry[3])
+    assert not x.records.would_take(ino, 0, None, entry[3])
+    assert not x.records.would_take(ino, 0, tuple(entry[2]), 0)  # no further along
     for keys in ("1:0", [[ino]], [[ino, "0"]]):
         with pytest.raises(RemoteError) as exc:
-            await peer.training.rpc_train_records(keys=keys)
+            await peer.records.rpc_train_records(keys=keys)
         assert exc.value.code == "EINVAL"
 
 

@@ -39,8 +39,8 @@ def test_no_line_is_longer_than_the_limit():
 FUNCTION_LINES = 80
 CLASS_METHODS = 25
 # classes whose size is a table, not two jobs: the pyfuse3 op table (one method per kernel
-# request); and the node's training service, which the round issue rebuilds
-LARGE_BY_NATURE = {("irdmafs/fs/ops.py", "Operations"), ("irdmafs/server/training.py", "Training")}
+# request)
+LARGE_BY_NATURE = {("irdmafs/fs/ops.py", "Operations")}
 
 
 def sizes(path: Path, rel: str) -> tuple[list[str], list[str]]:
@@ -76,3 +76,35 @@ def test_the_size_check_counts_lines_and_methods(tmp_path):
     long, large = sizes(src, "irdmafs/m.py")
     assert long == [f"irdmafs/m.py:1 f: {FUNCTION_LINES + 1} lines"]
     assert large == [f"irdmafs/m.py:{FUNCTION_LINES + 4} K: {CLASS_METHODS + 1} methods"]
+
+
+SYNC_NAMES = {"bsp", "asp", "ssp", "r2sp"}
+
+
+def policy_branches(path: Path, rel: str) -> list[str]:
+    """Where a comparison in one file names a sync policy (``x == "bsp"``, ``kind in ("asp",)``)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), rel)):
+        if isinstance(node, ast.Compare):
+            consts = [c.value for side in [node.left, *node.comparators] for c in ast.walk(side) if isinstance(c, ast.Constant)]
+            if SYNC_NAMES & {c for c in consts if isinstance(c, str)}:
+                out.append(f"{rel}:{node.lineno}")
+    return out
+
+
+def test_no_code_outside_the_policies_branches_on_a_sync_policys_name():
+    """Each sync policy is a class of irdmafs/policy.py saying what its pushes and pulls wait
+    for (``rounds``, ``holds``, ``paced``, ``required_clock``, ``clock``, ``admitted``): the node
+    and the client ask those, never which policy it is (docs/design.md, U4)."""
+    found = []
+    for path in python_files():
+        rel = str(path.relative_to(ROOT))
+        if rel.startswith("irdmafs/") and rel != "irdmafs/policy.py":
+            found += policy_branches(path, rel)
+    assert not found, "branches on a sync policy's name:\n" + "\n".join(found)
+
+
+def test_the_policy_check_finds_a_branch_on_a_name(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text('if info["sync"] == "bsp":\n    pass\nok = kind in ("sgd", "adam")\nbad = kind in ("asp", "r2sp")\n')
+    assert policy_branches(src, "irdmafs/m.py") == ["irdmafs/m.py:1", "irdmafs/m.py:4"]

@@ -5,7 +5,7 @@ import pytest
 import trio
 
 from irdmafs.client.client import Client
-from irdmafs.policy import Policy, parse_policy
+from irdmafs.policy import Asp, Bsp, R2sp, Ssp, parse_policy
 from irdmafs.errors import PolicyError, RemoteError
 from irdmafs.server.rounds import Model, StripeTraining
 from irdmafs.transport.memory import MemoryTransport
@@ -14,14 +14,14 @@ from .test_cluster_inprocess import config, start_cluster
 
 
 def test_policy_forms():
-    assert parse_policy("ssp:3") == Policy("ssp", 3) and parse_policy("bsp").kind == "bsp"
+    assert parse_policy("ssp:3") == Ssp(3) and parse_policy("bsp").kind == "bsp"
     for bad in ("", "ssp", "ssp:-1", "bsp2", "sync"):
         with pytest.raises(PolicyError, match="accepted"):
             parse_policy(bad)
 
 
 def test_bsp_round_is_averaged_once_complete():
-    m = Model(Policy("bsp"), 2)
+    m = Model(Bsp(), 2)
     st = StripeTraining()
     assert st.accept(m, 0, 0, np.array([1.0, 2.0])) == []
     assert st.clock(m) == 0
@@ -30,7 +30,7 @@ def test_bsp_round_is_averaged_once_complete():
 
 
 def test_r2sp_turns_are_round_robin():
-    m = Model(Policy("r2sp"), 3)
+    m = Model(R2sp(), 3)
     st = StripeTraining()
     assert st.admitted(m, 0, 0) and not st.admitted(m, 1, 0)
     st.accept(m, 0, 0, np.zeros(1))
@@ -41,7 +41,7 @@ def test_r2sp_turns_are_round_robin():
 
 
 def test_r2sp_holds_an_early_push_until_its_turn():
-    m = Model(Policy("r2sp"), 3)
+    m = Model(R2sp(), 3)
     st = StripeTraining()
     assert st.take(m, 1, 0, np.array([3.0])) == []  # rank 0 has not pushed step 0: held
     assert st.next_step(1) == 1 and st.pushed.get(1, 0) == 0
@@ -51,18 +51,17 @@ def test_r2sp_holds_an_early_push_until_its_turn():
     assert st.pushed == {0: 1, 1: 1, 2: 1} and st.clock(m) == 1
     # a removed rank no longer holds the others up
     assert st.take(m, 1, 1, np.array([3.0])) == []
-    assert [u.tolist() for u in st.release(Model(Policy("r2sp"), 3, frozenset({0})))] == [[1.5]]
+    assert [u.tolist() for u in st.release(Model(R2sp(), 3, frozenset({0})))] == [[1.5]]
 
 
 def test_r2sp_pulls_wait_for_the_previous_round_only():
-    from irdmafs.policy import required_clock
 
-    assert required_clock(Policy("r2sp"), 0) == 0 and required_clock(Policy("r2sp"), 5) == 4
-    assert required_clock(Policy("bsp"), 5) == 5 and required_clock(Policy("ssp", 2), 5) == 3
+    assert R2sp().required_clock(0) == 0 and R2sp().required_clock(5) == 4
+    assert Bsp().required_clock(5) == 5 and Ssp(2).required_clock(5) == 3
 
 
 def test_r2sp_slots_are_evenly_gapped_over_the_measured_period():
-    m = Model(Policy("r2sp"), 4)
+    m = Model(R2sp(), 4)
     st = StripeTraining()
     assert st.slot_in(m, 1, 0.0) == 0.0  # nothing measured yet: no wait
     # every rank steps once a second; rank 3 waited 0.5 s for a slot, which is not its step time
@@ -78,7 +77,7 @@ def test_r2sp_slots_are_evenly_gapped_over_the_measured_period():
     assert st.slot_in(m, 0, 11.0) == pytest.approx(1.0)
     assert st.slot_in(m, 3, 11.5) == pytest.approx(0.25)
     assert st.slot_in(m, 1, 20.0) == 0.0  # a late rank pushes at once
-    assert st.slot_in(Model(Policy("asp"), 4), 2, 11.0) == 0.0  # other policies never wait
+    assert st.slot_in(Model(Asp(), 4), 2, 11.0) == 0.0  # other policies never wait
 
 
 @pytest.fixture

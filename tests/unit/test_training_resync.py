@@ -38,8 +38,8 @@ async def test_a_cluster_stalled_while_a_round_is_replicated_applies_it_once(bed
     assert not wrong, f"tensors whose round was applied other than once (SGD lr=1 of a mean of 2 is -2): {wrong}"
     for node in nodes:  # and every copy agrees on how many pushes its bytes hold
         for ino in inos:
-            if node.store.get(ino, 0) is not None and (ino, 0) in node.training.records:
-                assert node.training.records[(ino, 0)].pushed == {0: 1, 1: 1}, (node.name, ino)
+            if node.store.get(ino, 0) is not None and (ino, 0) in node.records.by_stripe:
+                assert node.records.by_stripe[(ino, 0)].pushed == {0: 1, 1: 1}, (node.name, ino)
 
 
 async def test_a_fetch_takes_untrained_bytes_that_moved_under_its_read(bed, monkeypatch):
