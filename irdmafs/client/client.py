@@ -100,6 +100,11 @@ class Client:
         args = {"parent": parent, "name": name, "snap": snap} | ({"alias": True} if alias else {})
         return await self.meta.call("lookup", args)
 
+    async def writing(self, ino: int) -> dict:
+        """This client's first change of a file it neither created nor truncated: the file is
+        unfinished until its last flush (server/nsops.py, W1)."""
+        return await self.meta.op(op="writing", ino=ino, writer=self.owner)
+
     async def getattr(self, ino: int, snap: int = 0) -> dict:
         return await self.meta.call("getattr", {"ino": ino, "snap": snap})
 
@@ -129,9 +134,12 @@ class Client:
     async def mkdir(self, parent: int, name: str, mode: int = 0o755, uid: int = 0, gid: int = 0) -> dict:
         return await self.meta.op(op="mkdir", parent=parent, name=name, mode=mode, uid=uid, gid=gid)
 
-    async def create(self, parent: int, name: str, mode: int = 0o644, uid: int = 0, gid: int = 0, *, unit: int = 0) -> dict:
-        """A regular file, striped in ``unit`` bytes (the cluster's stripe unit by default)."""
-        return await self.meta.op(op="create", parent=parent, name=name, mode=S.S_IFREG | S.S_IMODE(mode), uid=uid, gid=gid, unit=unit or self.cfg.stripe_unit)
+    async def create(self, parent: int, name: str, mode: int = 0o644, uid: int = 0, gid: int = 0, *, unit: int = 0, writing: bool = False) -> dict:
+        """A regular file, striped in ``unit`` bytes (the cluster's stripe unit by default);
+        ``writing``: created to be written by this client, unfinished until its last flush (W1)."""
+        mark = {"writer": self.owner} if writing else {}
+        mode = S.S_IFREG | S.S_IMODE(mode)
+        return await self.meta.op(op="create", parent=parent, name=name, mode=mode, uid=uid, gid=gid, unit=unit or self.cfg.stripe_unit, **mark)
 
     async def symlink(self, parent: int, name: str, target: str, uid: int = 0, gid: int = 0) -> dict:
         return await self.meta.op(op="create", parent=parent, name=name, mode=S.S_IFLNK | 0o777, target=target, uid=uid, gid=gid)
@@ -165,10 +173,10 @@ class Client:
             self.io.forget(r["freed"])
         return r
 
-    async def setattr(self, ino: int, *, written: int = 0, **attrs: Any) -> dict:
-        """Change attributes; with ``size``, a truncate (``written``: see truncate)."""
+    async def setattr(self, ino: int, *, written: int = 0, writer: str | None = None, **attrs: Any) -> dict:
+        """Change attributes; with ``size``, a truncate (``written``, ``writer``: see truncate)."""
         if "size" in attrs:
-            return await self.data.truncate(ino, attrs.pop("size"), written=written, **attrs)
+            return await self.data.truncate(ino, attrs.pop("size"), written=written, writer=writer, **attrs)
         return await self.meta.op(op="setattr", ino=ino, attrs=attrs)
 
     async def setxattr(self, ino: int, name: str, value: str | None) -> dict:

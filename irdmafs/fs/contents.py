@@ -35,17 +35,18 @@ class FileContents:
         self.models = models_  # model files: conversions, tensor directories, kept names
         self.layouts = layouts  # the step streams' model layouts (forgotten when tensors change)
 
-    async def resize(self, ino: int, changes: dict[str, Any]) -> dict:
+    async def resize(self, ino: int, changes: dict[str, Any], *, writing: bool = False) -> dict:
         """Change a cluster file's attributes; a new size waits for this mount's writes to it
         and zeroes what lies past it (under the file's model lock: no conversion meanwhile).
-        Returns the node's attributes."""
+        ``writing``: a size set by a writer (an O_TRUNC open, an ftruncate), which marks the
+        file unfinished until its last flush (W1). Returns the node's attributes."""
         if "size" not in changes:
             return await self._set(ino, changes)
         async with self.models.locked(ino):
             attr = await self._plain_if_resized(ino, changes)
             if changes["size"] > ((attr.get("tensor") or {}).get("offset") or 0):  # a packed tensor's data is kept
                 await self.alone(ino, attr)
-            return await self._set(ino, changes)
+            return await self._set(ino, changes, self.client.owner if writing else None)
 
     async def alone(self, ino: int, attr: dict) -> dict:
         """A tensor packed into a bucket (docs/buckets.md) about to be written in place, cut
@@ -58,7 +59,7 @@ class FileContents:
         self.layouts.forget()
         return await self.client.getattr(ino)
 
-    async def _set(self, ino: int, changes: dict[str, Any]) -> dict:
+    async def _set(self, ino: int, changes: dict[str, Any], writer: str | None = None) -> dict:
         written = 0
         f = self.files.get(ino)
         if "size" in changes and f:
@@ -70,7 +71,7 @@ class FileContents:
             f.pending = 0
             for h in f.handles:
                 h.size = min(h.size, changes["size"])
-        attr = await self.client.setattr(ino, written=written, **changes)
+        attr = await self.client.setattr(ino, written=written, writer=writer, **changes)
         if f:
             f.update(attr)  # open files answer getattr: keep them current
         m = models.model_of(attr)

@@ -99,6 +99,7 @@ class FileHandle(Handle):
     # when the file is open here already: kernels before 6.6 leave other opens' cached (or
     # mapped, dirty) pages of the range as they were after a write that goes around them.
     write_only: bool = False
+    writable: bool = False  # opened for writing (or created): a size set meanwhile is a writer's (live.py, W1)
     _read_attr: dict = field(default_factory=dict)
     _model_lock: trio.Lock = field(default_factory=trio.Lock)
 
@@ -168,6 +169,12 @@ class FileHandle(Handle):
         self.writes += 1
         f = self.file
         f.writes_seen += 1
+        while f.finishing is not None:  # a flush is clearing the mark: this write marks it again after
+            await f.finishing.wait()
+        if not self.snap and self.attr.get("writer") != self.client.owner:
+            # the first change of a file this mount neither created nor truncated for writing:
+            # unfinished until its last flush, before any byte of it lands (server/nsops.py, W1)
+            f.update(await self.client.writing(self.ino))
         if self.behind is None:
             self.behind = WriteBehind(self.client, self.ino, self.attr, self.slots)
             f.writers.add(self.behind)
@@ -190,6 +197,8 @@ class FileHandle(Handle):
         nobody reads, and the writer's own close must decide again (1 GiB chaos soak: the file
         was whole, but no tensor, so not in its model's layout)."""
         if not self.dirty:
+            if self._finishes():  # created or cut for writing, and nothing written (touch, an empty file)
+                await self._extend(done=True)
             return
         seen = self.writes
         try:
@@ -207,7 +216,8 @@ class FileHandle(Handle):
                     self.size = min(self.size, attr["size"])
                     f.pending = 0
             raise
-        self.file.update(await self.client.data.extend(self.ino, self.size))
+        # the last of this mount's writes to it: the file is finished (W2), unless more come meanwhile
+        await self._extend(done=self._finishes(seen))
         if self.writes != seen:
             return  # more came meanwhile: the next flush sends them, and decides what the file holds
         self.dirty = False
@@ -218,6 +228,29 @@ class FileHandle(Handle):
         except BaseException:
             self.dirty = True
             raise
+
+    async def _extend(self, done: bool) -> None:
+        """Grow the file to this handle's writes; ``done``: and mark it finished (W2), while
+        every write of it here waits (one that came meanwhile would be left unmarked)."""
+        f = self.file
+        if not done:
+            f.update(await self.client.data.extend(self.ino, self.size))
+            return
+        f.finishing = event = trio.Event()
+        try:
+            f.update(await self.client.data.extend(self.ino, self.size, done=True))
+        finally:
+            f.finishing = None
+            event.set()
+
+    def _finishes(self, seen: int | None = None) -> bool:
+        """Whether this flush finishes the file (W2): this mount marked it unfinished, and no
+        other handle here has writes unflushed or on their way (``seen``: this handle's writes
+        counted when its flush began; one more since leaves it unfinished)."""
+        f = self.file
+        if self.snap or self.attr.get("writer") != self.client.owner or (seen is not None and self.writes != seen):
+            return False
+        return not any(h is not self and h.dirty for h in f.handles) and not any(w is not self.behind and (w.run or w.inflight) for w in f.writers)
 
 
 @dataclass

@@ -21,6 +21,7 @@ mount keeps for itself (inodes.RESERVED). Also the xattrs and links of a snapsho
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import stat as S
 from typing import TYPE_CHECKING, Any
@@ -40,6 +41,8 @@ from .xattrs import LiveXattrs
 if TYPE_CHECKING:
     from ..client.client import Client
     from .streams import Layouts
+
+log = logging.getLogger(__name__)
 
 
 class LiveFiles(Family):
@@ -123,21 +126,38 @@ class LiveFiles(Family):
         attr = self.lookups.take(("attr", ino)) or listed or await self.client.getattr(ino)
         if S.S_ISDIR(attr["mode"]):
             raise FsError(errno.EISDIR)
-        if flags & os.O_TRUNC and writes(flags) and attr["size"]:
+        rewrite = bool(flags & os.O_TRUNC and writes(flags))
+        if attr.get("writer") and attr["writer"] != self.client.owner:
+            attr = await self.unfinished(ino, rewrite)
+        if rewrite and (attr["size"] or attr.get("writer")):
             # libfuse asks for atomic O_TRUNC: the kernel sends no setattr, the open truncates
-            attr = await self.contents.resize(ino, {"size": 0})
+            attr = await self.contents.resize(ino, {"size": 0}, writing=True)
         elif writes(flags):  # written in place: a packed tensor's bytes are its own first
             attr = await self.contents.alone(ino, attr)
         if writes(flags):
             self.pages.forget(ino)
             alone = self.files.get(ino) is None  # no other open of it here (handles.py, write_only)
-            return self.file_handle(ino, attr, 0, write_only=alone and write_only(flags, attr["mode"]))
+            h = self.file_handle(ino, attr, 0, write_only=alone and write_only(flags, attr["mode"]))
+            h.writable = True
+            return h
         return self.file_handle(ino, attr, 0, pages_current=await self.pages.keep(ino, attr))
+
+    async def unfinished(self, ino: int, rewrite: bool) -> dict:
+        """A file another writer marked unfinished (W1): its attributes as the node judges them
+        now; EIO if that writer is gone (W3: it died before its last flush, and the file may
+        hold zeros where its data should be), unless this open rewrites it (O_TRUNC)."""
+        attr = await self.client.getattr(ino)
+        if attr.get("writer_gone") and not rewrite:
+            log.warning("file %d: its writer %s is gone before it finished it: EIO (rewrite it with O_TRUNC, or remove it)", ino, attr["writer"])
+            raise FsError(errno.EIO)
+        return attr
 
     async def create(self, parent: int, name: str, mode: int, flags: int, uid: int, gid: int) -> tuple[FileHandle, dict]:
         self.changes.check_create(parent, name)
-        attr = await self.client.create(parent, name, mode, uid, gid)
-        return self.file_handle(attr["ino"], attr, 0, name, write_only=write_only(flags, attr["mode"])), self.stat(attr)
+        attr = await self.client.create(parent, name, mode, uid, gid, writing=True)  # unfinished until its last flush (W1)
+        h = self.file_handle(attr["ino"], attr, 0, name, write_only=write_only(flags, attr["mode"]))
+        h.writable = True
+        return h, self.stat(attr)
 
     def file_handle(self, ino: int, attr: dict, snap: int, name: str = "", pages_current: bool = False, write_only: bool = False) -> FileHandle:
         """A handle of a cluster file, referring to what the mount knows of it (openfiles.py);
@@ -155,5 +175,8 @@ class LiveFiles(Family):
         return h
 
     async def setattr(self, ino: int, changes: dict[str, Any]) -> dict:
-        return self.stat(await self.contents.resize(ino, changes))
+        # a size set while this mount has the file open for writing (an ftruncate: safetensors
+        # sizes its file so before it writes) is a writer's: unfinished until its last flush (W1)
+        writing = "size" in changes and any(h.writable for h in self.files.handles(ino))
+        return self.stat(await self.contents.resize(ino, changes, writing=writing))
 

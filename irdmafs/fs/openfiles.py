@@ -29,6 +29,7 @@ class OpenFile:
     writes_seen: int = 0  # writes taken (a read waits them out)
     writers: set = field(default_factory=set)  # its handles' write-behinds
     unlinked: tuple[int, str] | None = None  # (parent, hidden name) after an unlink while open
+    finishing: trio.Event | None = None  # a flush's extend that clears the file's unfinished mark is on its way (W2)
 
     async def drain(self) -> None:
         """Until the writes this mount has on their way to the file have landed."""

@@ -64,11 +64,14 @@ class Namespace:
         call_node: Callable[[str, str, dict], Awaitable[dict]],
         forget: Callable[..., None],
         recheck: Callable[[], Awaitable[None]],
+        writer_heard: Callable[[str], bool] = lambda owner: True,
     ):
+        """``writer_heard(owner)``: whether a file's writer (a mount) is heard from still (W3)."""
         self.name, cfg, self.cluster, store, _, self.serving = core
         # ``leading``: a namespace op as a primary's change (leading.py): admitted like a commit,
         # under the namespace's lock, then replicated to every live node
         self.persist, self.leading, self.replicator = persist, leading, leading.replicator
+        self.writer_heard = writer_heard
         self.meta = Meta()
         self.freezer = Freezer(self.name, self.cluster, self.serving, call_node, self._apply_and_forward)  # a snapshot's steps on every node
         self.effects = Effects(store, self.cluster, forget, recheck)  # what the ops mean for this node's stripes
@@ -305,8 +308,14 @@ class Namespace:
         return view.lookup_or_model(parent, name) if alias else view.lookup(parent, name)
 
     async def rpc_getattr(self, ino: int, snap: int = 0) -> dict:
+        """An inode's attributes; a file a writer has not finished (``writer``, W1) says too
+        whether that writer is gone (``writer_gone``, W3): not heard from here, or the file is a
+        snapshot's copy, which no writer can finish. A mount opens such a file only to rewrite it."""
         await self._caught_up()
-        return self.meta.view(snap).attr(ino)
+        attr = self.meta.view(snap).attr(ino)
+        if attr.get("writer"):
+            attr["writer_gone"] = bool(snap) or not self.writer_heard(attr["writer"])
+        return attr
 
     async def rpc_readdir(self, ino: int, snap: int = 0) -> dict:
         await self._caught_up()

@@ -139,7 +139,7 @@ class Node:
         self.records = PushRecords(core, self.staging, self.as_primary)  # push bookkeeping, per stripe
         self.training = Training(core, lambda: self.namespace.meta, self.as_primary, self.records)
         self.pushes = PushIntake(name, self.cluster, self.latency, self.training.push, self.training.policy_info)
-        self.namespace = Namespace(core, self.persist, self.as_primary, self._call_node, self.records.forget, self.training.recheck)
+        self.namespace = Namespace(core, self.persist, self.as_primary, self._call_node, self.records.forget, self.training.recheck, self._writer_heard)
         self.missing = Missing(name, self.store, lambda: self.namespace.meta)  # the stripes it came back without
         self.resync = Resync(core, self.records, self.namespace.current, self.namespace.restore, self.missing)
         self.membership = Membership(core, self.namespace.lock, self.barrier, self.records, self.resync, self.lease, self.namespace.drop_freed)
@@ -322,6 +322,17 @@ class Node:
             "lost": self.missing.summary(),  # written stripes it came back without (missing.py)
             **(self.leading() if args.get("from") == "status" else {}),
         }
+
+    def _writer_heard(self, owner: str) -> bool:
+        """Whether the writer ``owner`` (a mount, by the name its heartbeats carry) still writes:
+        heard from within ``down_after``, the rule nodes count each other down by (W3). One
+        never heard from is gone once this node has served for that long (before, its heartbeat
+        may not have come yet); one that released its staging (closed) is gone."""
+        seen = self.staging.owner_seen.get(owner)
+        now = trio.current_time()
+        if seen is None:
+            return self.serving.state == READY and now - self.serving.ready_since < self.cfg.down_after
+        return now - seen <= self.cfg.down_after
 
     @property
     def caught_up(self) -> bool:

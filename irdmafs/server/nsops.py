@@ -53,6 +53,8 @@ def op_create(meta, op: dict) -> dict:
         node["size"] = len(target.encode(errors="surrogateescape"))
     if S.S_ISCHR(mode) or S.S_ISBLK(mode):
         node["rdev"] = int(op.get("rdev", 0))
+    if S.S_ISREG(mode) and op.get("writer"):
+        node["writer"] = op["writer"]  # W1: created to be written, not complete until its writer's last flush
     entries[name] = op["ino"]
     if S.S_ISDIR(mode):
         tree.inodes[parent]["nlink"] += 1
@@ -193,6 +195,8 @@ def op_setattr(meta, op: dict) -> dict:
             node["mtime_ns"] = op["now"]
     node.update(fields)
     node["ctime_ns"] = op["now"]
+    if op.get("writer") and S.S_ISREG(node["mode"]):
+        node["writer"] = op["writer"]  # W1: cut or grown by a writer, not complete until its last flush
     return dict(tree.attr(op["ino"]), freed_buckets=[bucket]) if bucket else tree.attr(op["ino"])
 
 
@@ -219,7 +223,19 @@ def op_extend(meta, op: dict) -> dict:
         node["stripes"] = held.add(node["stripes"], runs)
     node["mtime_ns"] = node["ctime_ns"] = op["now"]
     node["version"] += 1
+    if op.get("done") and node.get("writer") == op["done"]:
+        del node["writer"]  # W2: that writer's last flush landed everything (another writer's mark stands)
     return tree.attr(op["ino"])
+
+
+def op_writing(meta, op: dict) -> dict:
+    """W1: a writer's first change of a file it neither created nor truncated: the file is not
+    complete until that writer's last flush (``extend`` with ``done``). Nothing else moves."""
+    node = meta.tree.inode(op["ino"])
+    if not S.S_ISREG(node["mode"]):
+        raise _err("EINVAL", "only a regular file is written")
+    node["writer"] = op["writer"]
+    return meta.tree.attr(op["ino"])
 
 
 def _freed_model(tree: Tree, node: dict, freed: int | None) -> int | None:
@@ -341,4 +357,5 @@ APPLY = {
     "unpack": op_unpack,
     "cacher": op_cacher,
     "trim": op_trim,
+    "writing": op_writing,
 }
