@@ -198,8 +198,8 @@ class ModelFiles:
     async def first_use(self, attr: dict, name: str) -> dict | None:
         """File ``attr``, named ``name`` in its directory, is wanted as a model (its tensor
         directory or its step stream was looked up): its attributes if it is a model file (made
-        one now if it maps), else None. Not while a handle of this mount writes it: its writer's
-        close comes first."""
+        one now if it maps), else None. Not while a handle of this mount writes it, nor while any
+        writer's mark says it is unfinished: its writer's close comes first."""
         ino = attr["ino"]
         if self._plain.get(ino) == attr["version"] or not S.S_ISREG(attr["mode"]) or self.writing(ino):
             return None
@@ -207,7 +207,7 @@ class ModelFiles:
             attr = await self.client.getattr(ino)
             if model_of(attr) is not None:
                 return attr
-            if self.writing(ino):
+            if self.writing(ino) or attr.get("writer"):  # a writer has not finished it (docs/design.md W1): its bytes are not all there
                 return None
             new = await self.convert(attr, name)
             if new is not None:

@@ -32,7 +32,12 @@ WRITER = textwrap.dedent(
     """
     import os, sys, time
     path, pattern, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    data = bytes((i * 7 + 3) % 251 for i in range(256)) * (size // 256 + 1)
+    if pattern == "rename":  # a real safetensors file: a tensor directory must not come of it either
+        import numpy as np, safetensors.numpy
+        data = safetensors.numpy.save({"w": np.arange(size // 4, dtype=np.float32), "b": np.ones(5, np.float32)})
+        size = len(data)
+    else:
+        data = bytes((i * 7 + 3) % 251 for i in range(256)) * (size // 256 + 1)
     if pattern == "rename":
         tmp = path + ".tmp"
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
@@ -95,30 +100,32 @@ async def test_a_file_whose_writers_mount_died_before_its_last_flush_opens_as_ei
     b = mount(lc, "b")
     a_mp = tmp_path / "a"
     a = start_mount(lc, a_mp)
+    name = "model.safetensors" if pattern == "rename" else "model.bin"
     old = os.urandom(SIZE)
     if pattern == "write":  # a complete file first, which the writer then rewrites
-        (a_mp / "model.bin").write_bytes(old)
-        assert (b / "model.bin").read_bytes() == old
-    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(a_mp / "model.bin"), pattern, str(SIZE)], stdout=subprocess.PIPE, text=True)
+        (a_mp / name).write_bytes(old)
+        assert (b / name).read_bytes() == old
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(a_mp / name), pattern, str(SIZE)], stdout=subprocess.PIPE, text=True)
     try:
         assert writer.stdout.readline().strip() == "stopped"
         kill_mount(a, a_mp)  # the writer's mount dies between its rename (or write) and its close
     finally:
         writer.kill()
         writer.wait(10)
-    assert os.path.exists(b / "model.bin")  # under its name, the size it was given ...
-    wait_for_eio(b / "model.bin")  # ... and an open of it is EIO, never its zeros
+    assert os.path.exists(b / name)  # under its name, the size it was given ...
+    wait_for_eio(b / name)  # ... and an open of it is EIO, never its zeros
     with pytest.raises(OSError) as exc:
-        os.open(b / "model.bin", os.O_RDWR)  # nor is it written in place
+        os.open(b / name, os.O_RDWR)  # nor is it written in place
     assert exc.value.errno == errno.EIO
+    assert not os.path.exists(b / "model")  # nor do its tensors show as a model (fs/models.py)
     assert "its writer" in (tmp_path / "b.log").read_text()  # the mount says why
     # a rewrite (O_TRUNC) makes it a file again, whole once closed
     new = os.urandom(SIZE // 3)
-    (b / "model.bin").write_bytes(new)
-    assert (b / "model.bin").read_bytes() == new
+    (b / name).write_bytes(new)
+    assert (b / name).read_bytes() == new
     a = start_mount(lc, a_mp)  # and on a new mount where it was written
     try:
-        assert (a_mp / "model.bin").read_bytes() == new
+        assert (a_mp / name).read_bytes() == new
     finally:
         kill_mount(a, a_mp)
 
