@@ -102,8 +102,12 @@ class Client:
 
     async def writing(self, ino: int) -> dict:
         """This client's first change of a file it neither created nor truncated: the file is
-        unfinished until its last flush (server/nsops.py, W1)."""
+        unfinished until this client says it is done (``written``; server/nsops.py, W1)."""
         return await self.meta.op(op="writing", ino=ino, writer=self.owner)
+
+    async def written(self, ino: int) -> dict:
+        """This client is done writing the file, every write of it flushed (W2)."""
+        return await self.meta.op(op="written", ino=ino, writer=self.owner)
 
     async def getattr(self, ino: int, snap: int = 0) -> dict:
         return await self.meta.call("getattr", {"ino": ino, "snap": snap})
@@ -136,7 +140,7 @@ class Client:
 
     async def create(self, parent: int, name: str, mode: int = 0o644, uid: int = 0, gid: int = 0, *, unit: int = 0, writing: bool = False) -> dict:
         """A regular file, striped in ``unit`` bytes (the cluster's stripe unit by default);
-        ``writing``: created to be written by this client, unfinished until its last flush (W1)."""
+        ``writing``: created to be written by this client, unfinished until it is done (W1)."""
         mark = {"writer": self.owner} if writing else {}
         mode = S.S_IFREG | S.S_IMODE(mode)
         return await self.meta.op(op="create", parent=parent, name=name, mode=mode, uid=uid, gid=gid, unit=unit or self.cfg.stripe_unit, **mark)

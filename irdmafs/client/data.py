@@ -39,17 +39,14 @@ class FileData:
         self.getattr = getattr  # the file's attributes at the metadata primary (Client.getattr)
         self.op = op  # a namespace op (MetaCalls.op)
 
-    async def extend(self, ino: int, size: int, *, done: bool = False) -> dict:
+    async def extend(self, ino: int, size: int) -> dict:
         """Content changed up to ``size``: grow the file if needed, move mtime and version,
         and record the stripes written since the last extend (``StripeIO.written``) as holding
         bytes: a stripe a node loses then reads as EIO, not zeros (held.py). A failed extend
-        keeps them for the next one. ``done``: this client's last flush of the file, which
-        clears its mark of an unfinished file (server/nsops.py, W2)."""
+        keeps them for the next one."""
         idxs = self.io.written.pop(ino, {})
         try:
             written = {"stripes": held.runs_of(idxs), "made": min(idxs.values())} if idxs else {}
-            if done:
-                written["done"] = self.owner
             return await self.op(op="extend", ino=ino, size=size, **written)
         except BaseException:
             if idxs:
@@ -147,7 +144,7 @@ class FileData:
     async def truncate(self, ino: int, size: int, *, written: int = 0, writer: str | None = None, **attrs: Any) -> dict:
         """Set the size; ``written``: how far this client wrote data the file's size does not
         show yet (write-behind), which must be zeroed as well; ``writer``: cut or grown by that
-        writer, which marks the file unfinished until its last flush (server/nsops.py, W1)."""
+        writer, which marks the file unfinished until it is done (server/nsops.py, W1)."""
         attr = await self.getattr(ino)
         old, unit = max(attr["size"], written), attr["unit"]
         mark = {"writer": writer} if writer else {}

@@ -74,6 +74,8 @@ class FileContents:
         attr = await self.client.setattr(ino, written=written, writer=writer, **changes)
         if f:
             f.update(attr)  # open files answer getattr: keep them current
+            if writer is not None:
+                f.marked, f.sized = True, max(f.sized, changes["size"])
         m = models.model_of(attr)
         if m is not None and {"mode", "uid", "gid"} & set(changes):  # its tensors follow
             mirrored = {k: v for k, v in changes.items() if k in ("uid", "gid")}

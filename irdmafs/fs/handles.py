@@ -169,16 +169,13 @@ class FileHandle(Handle):
         self.writes += 1
         f = self.file
         f.writes_seen += 1
-        while f.finishing is not None:  # a flush is clearing the mark: this write marks it again after
-            await f.finishing.wait()
-        if not self.snap and self.attr.get("writer") != self.client.owner:
-            # the first change of a file this mount neither created nor truncated for writing:
-            # unfinished until its last flush, before any byte of it lands (server/nsops.py, W1)
-            f.update(await self.client.writing(self.ino))
         if self.behind is None:
             self.behind = WriteBehind(self.client, self.ino, self.attr, self.slots)
             f.writers.add(self.behind)
+        if not f.marked and not self.snap:
+            await self._mark()
         await self.behind.write(off, data)
+        f.wrote = max(f.wrote, off + len(data))
         f.forget_fetched()
         self.size = max(self.size, off + len(data))
         self.dirty = True
@@ -197,8 +194,6 @@ class FileHandle(Handle):
         nobody reads, and the writer's own close must decide again (1 GiB chaos soak: the file
         was whole, but no tensor, so not in its model's layout)."""
         if not self.dirty:
-            if self._finishes():  # created or cut for writing, and nothing written (touch, an empty file)
-                await self._extend(done=True)
             return
         seen = self.writes
         try:
@@ -216,8 +211,7 @@ class FileHandle(Handle):
                     self.size = min(self.size, attr["size"])
                     f.pending = 0
             raise
-        # the last of this mount's writes to it: the file is finished (W2), unless more come meanwhile
-        await self._extend(done=self._finishes(seen))
+        self.file.update(await self.client.data.extend(self.ino, self.size))
         if self.writes != seen:
             return  # more came meanwhile: the next flush sends them, and decides what the file holds
         self.dirty = False
@@ -229,28 +223,42 @@ class FileHandle(Handle):
             self.dirty = True
             raise
 
-    async def _extend(self, done: bool) -> None:
-        """Grow the file to this handle's writes; ``done``: and mark it finished (W2), while
-        every write of it here waits (one that came meanwhile would be left unmarked)."""
+    async def _mark(self) -> None:
+        """The first change of a file this mount neither created nor truncated for writing: one
+        of its writers in the namespace before any byte of the change lands (W1). One op at a
+        time (``mark_lock``): a ``written`` on its way is answered first."""
         f = self.file
-        if not done:
-            f.update(await self.client.data.extend(self.ino, self.size))
-            return
-        f.finishing = event = trio.Event()
-        try:
-            f.update(await self.client.data.extend(self.ino, self.size, done=True))
-        finally:
-            f.finishing = None
-            event.set()
+        async with f.mark_lock:
+            if not f.marked:
+                f.update(await self.client.writing(self.ino))
+                f.marked = True
 
-    def _finishes(self, seen: int | None = None) -> bool:
-        """Whether this flush finishes the file (W2): this mount marked it unfinished, and no
-        other handle here has writes unflushed or on their way (``seen``: this handle's writes
-        counted when its flush began; one more since leaves it unfinished)."""
+    async def finish(self, final: bool) -> None:
+        """After a close's flush (``final`` False: FLUSH, before close() returns) or at the
+        handle's release (``final``): if no other handle here may write the file and nothing of
+        it is unflushed or on its way, this mount is done writing it (W2: ``written``), so a file
+        closed is never left marked (a mount killed right after a close would leave a complete
+        file that opens as EIO). At a FLUSH only if its writes reach the size a writer here set
+        it to: a forked child's exec or a dup'd descriptor flushes too while the writer goes on,
+        and safetensors sizes its file (ftruncate) before it writes it. A failure leaves the
+        mark: the file opens as EIO if this mount dies, never as finished when it is not."""
         f = self.file
-        if self.snap or self.attr.get("writer") != self.client.owner or (seen is not None and self.writes != seen):
-            return False
-        return not any(h is not self and h.dirty for h in f.handles) and not any(w is not self.behind and (w.run or w.inflight) for w in f.writers)
+        if not self.writable:
+            return
+        if final:
+            self.writable = False  # (before any await: of two released at once, the second finishes)
+        if self.snap or not f.marked or self.dirty or (not final and f.wrote < f.sized):
+            return
+        if any(h.writable or h.dirty for h in f.handles if h is not self) or any(w.run or w.inflight for w in f.writers):
+            return
+        async with f.mark_lock:
+            if not f.marked or any(h.writable for h in f.handles if h is not self):
+                return  # another handle opened for writing meanwhile: it finishes the file
+            try:
+                f.update(await self.client.written(self.ino))
+                f.marked, f.sized, f.wrote = False, 0, 0
+            except RemoteError as exc:
+                log.warning("file %d: not recorded as finished (%s): it opens as EIO elsewhere if this mount dies first", self.ino, exc)
 
 
 @dataclass

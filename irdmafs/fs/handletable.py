@@ -60,6 +60,8 @@ class HandleTable:
         h = self.handle(fh)
         try:
             await h.flush()
+            if isinstance(h, FileHandle):
+                await h.finish(final=False)  # a close: done writing it if nothing more is to come (W2)
         finally:
             self._wrote(h)
 
@@ -82,6 +84,8 @@ class HandleTable:
             return
         try:
             await h.flush()
+            if isinstance(h, FileHandle):
+                await h.finish(final=True)  # this mount's last writable handle of it: done writing it (W2)
         except FsError as exc:
             # close() already reported this through FLUSH; nobody sees RELEASE's answer
             log.info("inode %d released with its last flush refused: %s", h.ino, exc)

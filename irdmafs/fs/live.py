@@ -127,11 +127,13 @@ class LiveFiles(Family):
         if S.S_ISDIR(attr["mode"]):
             raise FsError(errno.EISDIR)
         rewrite = bool(flags & os.O_TRUNC and writes(flags))
-        if attr.get("writer") and attr["writer"] != self.client.owner:
+        if set(attr.get("writers", ())) - {self.client.owner}:  # another writer's unfinished file
             attr = await self.unfinished(ino, rewrite)
-        if rewrite and (attr["size"] or attr.get("writer")):
+        marked = False
+        if rewrite and (attr["size"] or attr.get("writers")):
             # libfuse asks for atomic O_TRUNC: the kernel sends no setattr, the open truncates
             attr = await self.contents.resize(ino, {"size": 0}, writing=True)
+            marked = True
         elif writes(flags):  # written in place: a packed tensor's bytes are its own first
             attr = await self.contents.alone(ino, attr)
         if writes(flags):
@@ -139,16 +141,18 @@ class LiveFiles(Family):
             alone = self.files.get(ino) is None  # no other open of it here (handles.py, write_only)
             h = self.file_handle(ino, attr, 0, write_only=alone and write_only(flags, attr["mode"]))
             h.writable = True
+            h.file.marked = h.file.marked or marked  # (a truncate's op marked it: no writing op at its first write)
             return h
         return self.file_handle(ino, attr, 0, pages_current=await self.pages.keep(ino, attr))
 
     async def unfinished(self, ino: int, rewrite: bool) -> dict:
         """A file another writer marked unfinished (W1): its attributes as the node judges them
-        now; EIO if that writer is gone (W3: it died before its last flush, and the file may
+        now; EIO if a writer of it is gone (W3: it died before it was done, and the file may
         hold zeros where its data should be), unless this open rewrites it (O_TRUNC)."""
         attr = await self.client.getattr(ino)
         if attr.get("writer_gone") and not rewrite:
-            log.warning("file %d: its writer %s is gone before it finished it: EIO (rewrite it with O_TRUNC, or remove it)", ino, attr["writer"])
+            who = ", ".join(attr.get("writers", ()))
+            log.warning("file %d: its writer %s is gone before it finished it: EIO (rewrite it with O_TRUNC, or remove it)", ino, who)
             raise FsError(errno.EIO)
         return attr
 
@@ -156,7 +160,7 @@ class LiveFiles(Family):
         self.changes.check_create(parent, name)
         attr = await self.client.create(parent, name, mode, uid, gid, writing=True)  # unfinished until its last flush (W1)
         h = self.file_handle(attr["ino"], attr, 0, name, write_only=write_only(flags, attr["mode"]))
-        h.writable = True
+        h.writable, h.file.marked = True, True
         return h, self.stat(attr)
 
     def file_handle(self, ino: int, attr: dict, snap: int, name: str = "", pages_current: bool = False, write_only: bool = False) -> FileHandle:

@@ -207,7 +207,7 @@ class ModelFiles:
             attr = await self.client.getattr(ino)
             if model_of(attr) is not None:
                 return attr
-            if self.writing(ino) or attr.get("writer"):  # a writer has not finished it (docs/design.md W1): its bytes are not all there
+            if self.writing(ino) or attr.get("writers"):  # a writer has not finished it (docs/design.md W1): its bytes are not all there
                 return None
             new = await self.convert(attr, name)
             if new is not None:

@@ -29,7 +29,10 @@ class OpenFile:
     writes_seen: int = 0  # writes taken (a read waits them out)
     writers: set = field(default_factory=set)  # its handles' write-behinds
     unlinked: tuple[int, str] | None = None  # (parent, hidden name) after an unlink while open
-    finishing: trio.Event | None = None  # a flush's extend that clears the file's unfinished mark is on its way (W2)
+    marked: bool = False  # this mount is one of the file's writers in the namespace (W1), until its last writable handle goes
+    mark_lock: trio.Lock = field(default_factory=trio.Lock)  # one op at a time marks or unmarks it
+    sized: int = 0  # the largest size a writer here set it to (ftruncate, O_TRUNC) since it was marked
+    wrote: int = 0  # the furthest end a write here reached since it was marked
 
     async def drain(self) -> None:
         """Until the writes this mount has on their way to the file have landed."""

@@ -87,8 +87,8 @@ class Snapshots(Family):
         attr = await self.client.getattr(i, sid)
         if S.S_ISDIR(attr["mode"]):
             raise FsError(errno.EISDIR)
-        if attr.get("writer"):  # caught mid-write: no writer can finish a snapshot's copy (W3)
-            log.warning("snapshot %d: file %d was being written by %s when it was taken: EIO", sid, i, attr["writer"])
+        if attr.get("writers"):  # caught mid-write: no writer can finish a snapshot's copy (W3)
+            log.warning("snapshot %d: file %d was being written by %s when it was taken: EIO", sid, i, ", ".join(attr["writers"]))
             raise FsError(errno.EIO)
         return self.file_handle(i, attr, sid)
 

@@ -9,7 +9,9 @@ these steps instead of repeating them (docs/design.md, U1-U4):
    ESTALE for an older one, a newer one read first) and the node is ready (not fenced by a stall
    or its lease). With ``takeover``, it also waits for its hand-over (``await_takeover``): a node
    just named by a view takes its work back from its stand-ins first.
-2. **held** (``holding``): the hand-over is awaited, then the commit barrier is entered (a
+2. **held** (``holding``; its halves ``changing`` and ``locked`` for a push, whose checks of
+   the model and layout go between them, inside the barrier as they always were): the
+   hand-over is awaited, then the commit barrier is entered (a
    snapshot or a rebalance freezes changes on every node: barrier.py), then the stripe's lock is
    taken; under it the node checks again that it leads the stripe and that the view is still
    the request's (``check_same_epoch``): a hand-over, a rebalance or a new view may have come
@@ -58,24 +60,34 @@ class Leading:
 
     @asynccontextmanager
     async def holding(self, key: StripeKey, epoch: int | None, *, frozen: bool = True) -> AsyncIterator[None]:
-        """Step 2 for stripe ``key``: the hand-over awaited, the commit barrier entered (unless
-        ``frozen`` is False: what was installed before a freeze and is only sent again), the
-        stripe's lock taken, and under it ENOTPRIMARY unless this node still leads the stripe,
-        ESTALE if a new view came meanwhile (``epoch``; None: not checked)."""
-        await self.serving.await_takeover()
-        async with self._barrier(frozen):
-            async with self.locks((key.fid, key.idx)):
-                self.serving.check_primary(key.fid, key.idx)
-                if epoch is not None:
-                    self.serving.check_same_epoch(epoch)
+        """Step 2 for stripe ``key``: ``changing`` (unless ``frozen`` is False: what was
+        installed before a freeze and is only sent again), then ``locked``."""
+        async with self.changing(frozen):
+            async with self.locked(key, epoch):
                 yield
 
     @asynccontextmanager
-    async def _barrier(self, frozen: bool) -> AsyncIterator[None]:
+    async def changing(self, frozen: bool = True) -> AsyncIterator[None]:
+        """The first half of step 2: the hand-over awaited (at once if ``admit`` awaited it),
+        then the commit barrier entered. A change whose checks read what a freeze may change
+        meanwhile (a push: the model's ranks, the layout) makes them inside it, before
+        ``locked``, as the barrier's wait would leave them stale."""
+        await self.serving.await_takeover()
         if frozen:
             async with self.barrier.changing():
                 yield
         else:
+            yield
+
+    @asynccontextmanager
+    async def locked(self, key: StripeKey, epoch: int | None) -> AsyncIterator[None]:
+        """The second half of step 2: the stripe's lock taken, and under it ENOTPRIMARY unless
+        this node still leads the stripe, ESTALE if a new view came meanwhile (``epoch``; None:
+        not checked)."""
+        async with self.locks((key.fid, key.idx)):
+            self.serving.check_primary(key.fid, key.idx)
+            if epoch is not None:
+                self.serving.check_same_epoch(epoch)
             yield
 
     async def replicate(self, key: StripeKey, send: Callable[[str], Awaitable[bool]], *sources: object) -> None:

@@ -60,14 +60,14 @@ OP_FIELDS: dict[str, dict[str, Any]] = {
     "cacher": {"owner": str, "on": bool},  # a mount that may cache names (server/namecache.py)
     "trim": {"ino": int, "stripes": list},  # [[idx, tag, version], ...] past the end, their writers failed or gone (server/tails.py)
     "writing": {"ino": int, "writer": str},  # a mount's first change of a file it did not create or truncate (nsops.py, W1)
+    "written": {"ino": int, "writer": str},  # that mount's last writable handle of the file released (W2)
 }
 OP_OPTIONAL: dict[str, dict[str, Any]] = {
     "create": {"target": str, "unit": int, "rdev": int, "writer": str, **_NAMING},  # writer: opened to be written (W1)
     "mkdir": dict(_NAMING),
     "setxattr": {"value": (str, type(None))},
     "setattr": {"writer": str},  # an O_TRUNC open's or an ftruncate's size, by that writer (W1)
-    # the runs of stripes the write wrote (held.py), the oldest's version; done: that writer's last flush (W2)
-    "extend": {"stripes": list, "made": int, "done": str},
+    "extend": {"stripes": list, "made": int},  # the runs of stripes the write wrote (held.py), the oldest's version
 }
 
 

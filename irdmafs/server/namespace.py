@@ -308,13 +308,13 @@ class Namespace:
         return view.lookup_or_model(parent, name) if alias else view.lookup(parent, name)
 
     async def rpc_getattr(self, ino: int, snap: int = 0) -> dict:
-        """An inode's attributes; a file a writer has not finished (``writer``, W1) says too
-        whether that writer is gone (``writer_gone``, W3): not heard from here, or the file is a
-        snapshot's copy, which no writer can finish. A mount opens such a file only to rewrite it."""
+        """An inode's attributes; a file its writers have not finished (``writers``, W1) says
+        too whether one of them is gone (``writer_gone``, W3): not heard from here, or the file is
+        a snapshot's copy, which no writer can finish. A mount opens such a file only to rewrite it."""
         await self._caught_up()
         attr = self.meta.view(snap).attr(ino)
-        if attr.get("writer"):
-            attr["writer_gone"] = bool(snap) or not self.writer_heard(attr["writer"])
+        if attr.get("writers"):
+            attr["writer_gone"] = bool(snap) or not all(self.writer_heard(w) for w in attr["writers"])
         return attr
 
     async def rpc_readdir(self, ino: int, snap: int = 0) -> dict:

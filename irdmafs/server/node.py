@@ -85,6 +85,7 @@ from .store import NoSpace, Store
 from .training import Training
 
 log = logging.getLogger(__name__)
+WRITER_GRACE = 3  # down_afters a file's writer may go unheard before its file opens as EIO (W3)
 
 __all__ = ["Node", "MAX_STAGING_PER_OWNER", "main"]
 
@@ -325,14 +326,16 @@ class Node:
 
     def _writer_heard(self, owner: str) -> bool:
         """Whether the writer ``owner`` (a mount, by the name its heartbeats carry) still writes:
-        heard from within ``down_after``, the rule nodes count each other down by (W3). One
-        never heard from is gone once this node has served for that long (before, its heartbeat
-        may not have come yet); one that released its staging (closed) is gone."""
+        heard from within ``WRITER_GRACE`` x ``down_after`` (W3; a mount's probe of each node
+        waits for its probes of all of them, each up to ``down_after``, so one slow node spaces
+        its heartbeats to the others that far apart). One never heard from is gone once this
+        node has served for that long (before, its heartbeat may not have come yet); one that
+        released its staging (closed) is gone."""
         seen = self.staging.owner_seen.get(owner)
-        now = trio.current_time()
+        now, grace = trio.current_time(), WRITER_GRACE * self.cfg.down_after
         if seen is None:
-            return self.serving.state == READY and now - self.serving.ready_since < self.cfg.down_after
-        return now - seen <= self.cfg.down_after
+            return self.serving.state == READY and now - self.serving.ready_since < grace
+        return now - seen <= grace
 
     @property
     def caught_up(self) -> bool:

@@ -54,7 +54,7 @@ def op_create(meta, op: dict) -> dict:
     if S.S_ISCHR(mode) or S.S_ISBLK(mode):
         node["rdev"] = int(op.get("rdev", 0))
     if S.S_ISREG(mode) and op.get("writer"):
-        node["writer"] = op["writer"]  # W1: created to be written, not complete until its writer's last flush
+        _add_writer(node, op["writer"])  # W1: created to be written, unfinished until its writer is done
     entries[name] = op["ino"]
     if S.S_ISDIR(mode):
         tree.inodes[parent]["nlink"] += 1
@@ -196,7 +196,9 @@ def op_setattr(meta, op: dict) -> dict:
     node.update(fields)
     node["ctime_ns"] = op["now"]
     if op.get("writer") and S.S_ISREG(node["mode"]):
-        node["writer"] = op["writer"]  # W1: cut or grown by a writer, not complete until its last flush
+        if fields.get("size") == 0:  # a rewrite (O_TRUNC) starts the file afresh: earlier writers' marks go
+            node.pop("writers", None)
+        _add_writer(node, op["writer"])  # W1: cut or grown by a writer, unfinished until it is done
     return dict(tree.attr(op["ino"]), freed_buckets=[bucket]) if bucket else tree.attr(op["ino"])
 
 
@@ -223,18 +225,33 @@ def op_extend(meta, op: dict) -> dict:
         node["stripes"] = held.add(node["stripes"], runs)
     node["mtime_ns"] = node["ctime_ns"] = op["now"]
     node["version"] += 1
-    if op.get("done") and node.get("writer") == op["done"]:
-        del node["writer"]  # W2: that writer's last flush landed everything (another writer's mark stands)
     return tree.attr(op["ino"])
 
 
+def _add_writer(node: dict, owner: str) -> None:
+    """``owner`` writes the file: one of its ``writers`` until it says it is done (W1, W2)."""
+    node["writers"] = sorted(set(node.get("writers", ())) | {owner})
+
+
 def op_writing(meta, op: dict) -> dict:
-    """W1: a writer's first change of a file it neither created nor truncated: the file is not
-    complete until that writer's last flush (``extend`` with ``done``). Nothing else moves."""
+    """W1: a writer's first change of a file it neither created nor truncated: the file is
+    unfinished until that writer is done (``written``). Nothing else moves."""
     node = meta.tree.inode(op["ino"])
     if not S.S_ISREG(node["mode"]):
         raise _err("EINVAL", "only a regular file is written")
-    node["writer"] = op["writer"]
+    _add_writer(node, op["writer"])
+    return meta.tree.attr(op["ino"])
+
+
+def op_written(meta, op: dict) -> dict:
+    """W2: a writer released its last writable handle of the file, every write of it flushed:
+    it is no longer one of the file's writers (the others' marks stand). Nothing else moves."""
+    node = meta.tree.inode(op["ino"])
+    left = [w for w in node.get("writers", ()) if w != op["writer"]]
+    if left:
+        node["writers"] = left
+    else:
+        node.pop("writers", None)
     return meta.tree.attr(op["ino"])
 
 
@@ -358,4 +375,5 @@ APPLY = {
     "cacher": op_cacher,
     "trim": op_trim,
     "writing": op_writing,
+    "written": op_written,
 }

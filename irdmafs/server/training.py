@@ -170,7 +170,8 @@ class Training:
         """Push ``p``, its gradient read from ``staged``, applied as the policy says;
         ``answer``: see ``_push_now``."""
         await self.leading.admit(p.epoch)
-        return await self._push_now(staged, p, answer)
+        async with self.leading.changing():  # its checks below read what a freeze's wait may change
+            return await self._push_now(staged, p, answer)
 
     async def _push_now(self, staged: memoryview, p: Push, answer: Callable[[dict], None]) -> dict:
         """Take push ``p`` and apply what it completes. A bsp push that closes its round is
@@ -201,7 +202,7 @@ class Training:
             raise RemoteError("EINVAL", f"gradients travel as float16/32/64, not {p.wire}")
         grad = gradient(staged, count, np.dtype(p.wire), p.spans, optim.work_dtype(dtype))
         st = self.records.of(fid, idx)
-        async with self.leading.holding(StripeKey(fid, idx), p.epoch):  # again, under the lock: still its primary, in its view
+        async with self.leading.locked(StripeKey(fid, idx), p.epoch):  # again, under the lock: still its primary, in its view
             done = st.next_step(rank)
             if step < done:  # a retry of a push already taken: exactly once
                 # ... and on every replica before it is answered: its first send may have been

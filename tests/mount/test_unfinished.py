@@ -18,7 +18,7 @@ import time
 import pytest
 
 from irdmafs.client.client import Client
-from irdmafs.launch.mount import is_mounted, wait_for_mount
+from irdmafs.launch.mount import clear_dead_mount, is_mounted, wait_for_mount
 
 pytestmark = pytest.mark.mount
 
@@ -30,8 +30,15 @@ SIZE = 3 * MiB + 12_345  # over several stripes of 1 MiB, and a part of one
 # close); "write" is torch.save's rewrite of an existing file (O_WRONLY|O_TRUNC, writes, close).
 WRITER = textwrap.dedent(
     """
-    import os, sys, time
+    import os, subprocess, sys, time
     path, pattern, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    if pattern == "sized":  # sized, a child forked and exec'd (a FLUSH), renamed, and not one byte written yet
+        fd = os.open(path + ".tmp", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        os.ftruncate(fd, size)
+        subprocess.run(["true"], check=True)
+        os.rename(path + ".tmp", path)
+        print("stopped", flush=True)
+        time.sleep(3600)
     if pattern == "rename":  # a real safetensors file: a tensor directory must not come of it either
         import numpy as np, safetensors.numpy
         data = safetensors.numpy.save({"w": np.arange(size // 4, dtype=np.float32), "b": np.ones(5, np.float32)})
@@ -42,6 +49,8 @@ WRITER = textwrap.dedent(
         tmp = path + ".tmp"
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         os.ftruncate(fd, size)
+        os.fsync(fd)  # a flush while it goes on writing ...
+        subprocess.run(["true"], check=True)  # ... and a forked child's exec closing its copy: neither finishes it
         os.write(fd, data[:17_000])
         os.pwrite(fd, data[17_000:size], 17_000)
         os.rename(tmp, path)
@@ -67,12 +76,18 @@ def start_mount(lc, mp):
     return proc
 
 
-def kill_mount(proc, mp) -> None:
+def kill_mount(proc, mp, *also) -> None:
+    """SIGKILL the mount's process (then ``also``: its writers), and wait until the dead mount is
+    detached (auto_unmount; or detached here, as ``irdmafs mount`` over it would)."""
     proc.send_signal(signal.SIGKILL)
     proc.wait(10)
+    for p in also:
+        p.kill()
+        p.wait(10)
     deadline = time.monotonic() + 10
-    while is_mounted(str(mp)) and time.monotonic() < deadline:
+    while is_mounted(str(mp)) and time.monotonic() < deadline and not clear_dead_mount(str(mp)):
         time.sleep(0.05)
+    assert not is_mounted(str(mp))
 
 
 def open_errno(path) -> int | None:
@@ -94,13 +109,13 @@ def wait_for_eio(path, seconds: float = 30.0) -> None:
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize("pattern", ["rename", "write"])
+@pytest.mark.parametrize("pattern", ["rename", "sized", "write"])
 async def test_a_file_whose_writers_mount_died_before_its_last_flush_opens_as_eio_not_zeros(local_cluster, mount, tmp_path, pattern):
     lc = await local_cluster(nodes=2, replicas=2, stripe_unit=MiB)
     b = mount(lc, "b")
     a_mp = tmp_path / "a"
     a = start_mount(lc, a_mp)
-    name = "model.safetensors" if pattern == "rename" else "model.bin"
+    name = "model.safetensors" if pattern != "write" else "model.bin"
     old = os.urandom(SIZE)
     if pattern == "write":  # a complete file first, which the writer then rewrites
         (a_mp / name).write_bytes(old)
@@ -108,10 +123,10 @@ async def test_a_file_whose_writers_mount_died_before_its_last_flush_opens_as_ei
     writer = subprocess.Popen([sys.executable, "-c", WRITER, str(a_mp / name), pattern, str(SIZE)], stdout=subprocess.PIPE, text=True)
     try:
         assert writer.stdout.readline().strip() == "stopped"
-        kill_mount(a, a_mp)  # the writer's mount dies between its rename (or write) and its close
-    finally:
+    except BaseException:
         writer.kill()
-        writer.wait(10)
+        raise
+    kill_mount(a, a_mp, writer)  # the writer's mount dies between its rename (or write) and its close
     assert os.path.exists(b / name)  # under its name, the size it was given ...
     wait_for_eio(b / name)  # ... and an open of it is EIO, never its zeros
     with pytest.raises(OSError) as exc:
@@ -141,17 +156,19 @@ async def test_a_closed_writer_or_a_file_created_and_closed_unwritten_is_never_r
     os.rename(a_mp / "st.tmp", a_mp / "st.bin")
     os.close(fd)
     (a_mp / "empty").touch()
+    (a_mp / "cut").write_bytes(b"x" * 100)
+    open(a_mp / "cut", "wb").close()  # cut by an O_TRUNC open, nothing written
     with open(a_mp / "appended", "wb") as f:
         f.write(b"first line\n")
     with open(a_mp / "appended", "ab") as f:  # written in place: marked at its first write, finished at close
         f.write(b"second line\n")
     kill_mount(a, a_mp)  # its writers were all closed: nothing is left unfinished ...
     async with Client.connect(lc.cfg) as c:  # ... as the namespace says: no file carries a mark (W2)
-        for name in ("st.bin", "empty", "appended"):
+        for name in ("st.bin", "empty", "appended", "cut"):
             attr = await c.paths.stat(f"/{name}")
-            assert "writer" not in attr, (name, attr)
+            assert "writers" not in attr, (name, attr)
     assert (b / "st.bin").read_bytes() == content(SIZE)
-    assert (b / "empty").read_bytes() == b""
+    assert (b / "empty").read_bytes() == b"" and (b / "cut").read_bytes() == b""
     assert (b / "appended").read_bytes() == b"first line\nsecond line\n"
 
 
