@@ -100,15 +100,6 @@ class Client:
         args = {"parent": parent, "name": name, "snap": snap} | ({"alias": True} if alias else {})
         return await self.meta.call("lookup", args)
 
-    async def writing(self, ino: int) -> dict:
-        """This client's first change of a file it neither created nor truncated: the file is
-        unfinished until this client says it is done (``written``; server/nsops.py, W1)."""
-        return await self.meta.op(op="writing", ino=ino, writer=self.owner)
-
-    async def written(self, ino: int) -> dict:
-        """This client is done writing the file, every write of it flushed (W2)."""
-        return await self.meta.op(op="written", ino=ino, writer=self.owner)
-
     async def getattr(self, ino: int, snap: int = 0) -> dict:
         return await self.meta.call("getattr", {"ino": ino, "snap": snap})
 

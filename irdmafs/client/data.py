@@ -39,6 +39,15 @@ class FileData:
         self.getattr = getattr  # the file's attributes at the metadata primary (Client.getattr)
         self.op = op  # a namespace op (MetaCalls.op)
 
+    async def writing(self, ino: int) -> dict:
+        """This client's first change of a file it neither created nor truncated: the file is
+        unfinished until this client says it is done (``written``; server/nsops.py, W1)."""
+        return await self.op(op="writing", ino=ino, writer=self.owner)
+
+    async def written(self, ino: int) -> dict:
+        """This client is done writing the file, every write of it flushed (W2)."""
+        return await self.op(op="written", ino=ino, writer=self.owner)
+
     async def extend(self, ino: int, size: int) -> dict:
         """Content changed up to ``size``: grow the file if needed, move mtime and version,
         and record the stripes written since the last extend (``StripeIO.written``) as holding

@@ -230,7 +230,7 @@ class FileHandle(Handle):
         f = self.file
         async with f.mark_lock:
             if not f.marked:
-                f.update(await self.client.writing(self.ino))
+                f.update(await self.client.data.writing(self.ino))
                 f.marked = True
 
     async def finish(self, final: bool) -> None:
@@ -255,7 +255,7 @@ class FileHandle(Handle):
             if not f.marked or any(h.writable for h in f.handles if h is not self):
                 return  # another handle opened for writing meanwhile: it finishes the file
             try:
-                f.update(await self.client.written(self.ino))
+                f.update(await self.client.data.written(self.ino))
                 f.marked, f.sized, f.wrote = False, 0, 0
             except RemoteError as exc:
                 log.warning("file %d: not recorded as finished (%s): it opens as EIO elsewhere if this mount dies first", self.ino, exc)
