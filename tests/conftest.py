@@ -1,5 +1,6 @@
 """Shared fixtures: a real etcd, real PS node processes on loopback, and real FUSE mounts of them."""
 
+import ast
 import gc
 import os
 import shutil
@@ -11,6 +12,14 @@ import pytest
 from irdmafs.launch.etcd_process import LocalEtcd
 from irdmafs.launch.local import LocalCluster, wait_settled, write_config
 from irdmafs.launch.mount import stop_background, wait_for_mount
+from irdmafs import formats
+
+# CPython 3.11 counts the AST constructor's recursion depth in state its threads share
+# (python/cpython#106905): test threads that np.load side by side (numpy parses each header with
+# ast.literal_eval) failed now and then with SystemError "AST constructor recursion depth
+# mismatch" (test_training_failover, 2026-12-03). In the tests' own process, one at a time, as
+# irdmafs.formats parses its own headers.
+ast.literal_eval = formats.literal_eval
 
 
 def pytest_collection_modifyitems(config, items):

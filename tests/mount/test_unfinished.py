@@ -109,7 +109,8 @@ def wait_for_eio(path, seconds: float = 30.0) -> None:
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize("pattern", ["rename", "sized", "write"])
+# rename in the quick suite; the other two (7-8 s each) with --long, as CI runs them
+@pytest.mark.parametrize("pattern", ["rename", pytest.param("sized", marks=pytest.mark.long), pytest.param("write", marks=pytest.mark.long)])
 async def test_a_file_whose_writers_mount_died_before_its_last_flush_opens_as_eio_not_zeros(local_cluster, mount, tmp_path, pattern):
     lc = await local_cluster(nodes=2, replicas=2, stripe_unit=MiB)
     b = mount(lc, "b")
