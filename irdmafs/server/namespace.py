@@ -64,7 +64,7 @@ class Namespace:
         call_node: Callable[[str, str, dict], Awaitable[dict]],
         forget: Callable[..., None],
         recheck: Callable[[], Awaitable[None]],
-        writer_heard: Callable[[str], bool] = lambda owner: True,
+        writer_heard: Callable[[str], bool],
     ):
         """``writer_heard(owner)``: whether a file's writer (a mount) is heard from still (W3)."""
         self.name, cfg, self.cluster, store, _, self.serving = core

@@ -331,7 +331,7 @@ class Node:
         its heartbeats to the others that far apart). One never heard from is gone once this
         node has served for that long (before, its heartbeat may not have come yet); one that
         released its staging (closed) is gone."""
-        seen = self.staging.owner_seen.get(owner)
+        seen = self.staging.last_heard(owner)
         now, grace = trio.current_time(), WRITER_GRACE * self.cfg.down_after
         if seen is None:
             return self.serving.state == READY and now - self.serving.ready_since < grace

@@ -39,7 +39,7 @@ class PushRecords:
     move it between nodes."""
 
     def __init__(self, core: NodeCore, staging: StagingRegions, leading: Leading):
-        self.cfg, self.cluster, self.store, self.stripe_locks, self.serving = core.cfg, core.cluster, core.store, core.locks, core.serving
+        self.cluster, self.store, self.stripe_locks, self.serving = core.cluster, core.store, core.locks, core.serving
         self.staging, self.leading = staging, leading
         self.by_stripe: dict[tuple[int, int], StripeTraining] = defaultdict(StripeTraining)
 

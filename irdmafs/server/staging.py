@@ -106,6 +106,10 @@ class StagingRegions:
                 return owner
         return None
 
+    def last_heard(self, owner: str) -> float | None:
+        """When ``owner``'s heartbeat last came (trio clock); None if never, or since its release."""
+        return self.owner_seen.get(owner)
+
     def seen(self, owner: str) -> None:
         """``owner`` was heard from: its regions stay leased."""
         self.owner_seen[owner] = trio.current_time()
