@@ -1231,12 +1231,14 @@ static PyObject *Engine_adopt(Engine *e, PyObject *args) {
     c->notify = notify;
     c->refuse_after = -1;
     pthread_mutex_lock(&e->conn_lock);
-    c->id = e->next_conn++;
+    uint64_t id = c->id = e->next_conn++;
     c->next = e->conns;
     e->conns = c;
     pthread_mutex_unlock(&e->conn_lock);
+    /* From here the I/O thread owns c: it may serve, close and free it before wake() returns
+     * (a peer whose bytes are waiting already), so nothing below reads it. */
     wake(e);
-    return PyLong_FromUnsignedLongLong(c->id);
+    return PyLong_FromUnsignedLongLong(id);
 }
 
 /* A connection by id with its lock held (and conn_lock: it cannot be freed meanwhile), or NULL

@@ -418,3 +418,35 @@ def test_a_forked_child_never_touches_its_parents_engine():
     p.join(30)
     assert p.exitcode == 0
     assert transport.native.stats()["regions"] == 1  # the parent's engine goes on
+
+
+def test_each_adopted_connection_gets_its_own_id_even_when_closed_at_once():
+    """A peer whose garbage is waiting before the handover is served, closed and freed by the
+    I/O thread at once: adopt's answer must not read the connection after handing it over (it
+    once returned a freed conn's first word as the id, so the node never saw that connection
+    end; test_tcp_bad_input failed in CI). Every id is the next one, and each one closes."""
+    import select
+    import socket
+    import time
+
+    engine = E.Engine()
+    n = 10000
+    ids, peers = [], []
+    try:
+        for _ in range(n):
+            mine, peer = socket.socketpair()
+            peer.sendall(b"GARBAGE!" * 5)
+            peer.close()
+            ids.append(engine.native.adopt(mine.detach(), True, False))
+        closed = {}
+        end = time.monotonic() + HANG
+        while len(closed) < n and time.monotonic() < end:
+            select.select([engine.native.fileno()], [], [], 1.0)
+            for ev in engine.native.poll():
+                if ev[0] == E.EV_CLOSED:
+                    closed[ev[1]] = ev[2]
+    finally:
+        engine.native.stop()
+    assert ids == list(range(ids[0], ids[0] + n))
+    assert sorted(closed) == ids
+    assert all(why.startswith("protocol error") for why in closed.values()), set(closed.values())
