@@ -68,7 +68,7 @@ class Heartbeats:
             deadline = sent + self.cfg.down_after
             try:
                 with trio.fail_at(deadline):
-                    info, _ = await self.peers.call_on(name, "heartbeat", args, timeout=self.cfg.down_after)
+                    info, _ = await self.peers.call_on(name, "heartbeat", args, timeout=self.cfg.down_after, probe=True)
                 break
             except (NodeDown, trio.TooSlowError, RemoteError) as exc:
                 late = trio.current_time() - deadline

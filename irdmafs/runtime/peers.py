@@ -147,9 +147,10 @@ class Peers:
             self.lost(name, str(exc) or "timed out", begun)
 
     # -- calls and one-sided operations ----------------------------------------------------------
-    async def call_on(self, name: str, method: str, args: dict | None = None, *, timeout: float | None = None) -> tuple[dict, int]:
+    async def call_on(self, name: str, method: str, args: dict | None = None, *, timeout: float | None = None, probe: bool = False) -> tuple[dict, int]:
         """A control call, and the incarnation that answered: the one any key in the reply
-        belongs to. A node that cannot be reached raises NodeDown."""
+        belongs to. A node that cannot be reached raises NodeDown. ``probe``: a heartbeat
+        answered ahead of queued work (transport/probes.py)."""
         begun = trio.current_time()
         conn = await self.conn(name)
         if method != "heartbeat":
@@ -157,7 +158,7 @@ class Peers:
             self.calls_by_method[method] += 1
         try:
             with _AbortOnDown(self, name):
-                reply = await conn.call(method, args or {}, timeout=timeout or self.cfg.op_timeout)
+                reply = await conn.call(method, args or {}, timeout=timeout or self.cfg.op_timeout, probe=probe)
         except (PeerLost, TimeoutError) as exc:
             if method != "heartbeat" or isinstance(exc, PeerLost):  # a heartbeat's silence: its prober decides
                 self._failed(name, exc, begun)

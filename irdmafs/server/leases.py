@@ -77,6 +77,15 @@ class ServingLease:
         comes back with a new one."""
         return self.keeper.lease.id if self.keeper is not None else 0
 
+    def left(self) -> float:
+        """Seconds this node may still serve by its lease's own clock (V3; inf without a
+        coordinator, 0 when it may not serve now)."""
+        if self.keeper is None:
+            return math.inf
+        if not self.keeper.serving():
+            return 0.0
+        return max(0.0, self.keeper.lease.until - trio.current_time())
+
     def may_rejoin(self) -> bool:
         return self.keeper is None or self.keeper.lease.held()
 

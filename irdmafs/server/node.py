@@ -81,6 +81,7 @@ from .replicator import Replicator
 from .resync import Resync
 from .serving import Serving
 from .staging import MAX_STAGING_PER_OWNER, StagingRegions
+from .status import Publisher
 from .store import NoSpace, Store
 from .training import Training
 
@@ -149,6 +150,7 @@ class Node:
         self.data = DataPath(core, self.as_primary, self.staging, self.records, self.offload, self.missing, self.tails)
         self.cluster.heartbeats.on_adopt = self.membership.adopted  # a membership learnt from a peer's heartbeat
         self.clocks = ClockWaits(transport, self.store)
+        self.publisher = Publisher(cfg, self.serving, self.lease, self.status, self._probed)
         self.calls: dict[str, Callable] = {}  # method -> its handler (``handle``)
         for part in (self, self.data, self.namespace, self.training, self.records, self.membership, self.clocks, self.tails):
             for attr in dir(part):
@@ -202,7 +204,8 @@ class Node:
             await self._load_persisted()  # then resync as always: a peer's newer version wins
         async with trio.open_nursery() as nursery:
             self.cluster.nursery = nursery
-            address = await nursery.start(partial(self.transport.serve, self.spec.host, self.spec.port, self.handle, on_imm=self.pushes.on_imm))
+            serve = partial(self.transport.serve, self.spec.host, self.spec.port, self.handle, on_imm=self.pushes.on_imm, board=self.publisher.board)
+            address = await nursery.start(serve)
             plane = self.data_plane  # one line: what serves its data plane, why for what is not native
             log.log(dataplane.level(plane), "node %s listening on %s:%s (%s)", self.name, *address, dataplane.line(plane))
             await self.cluster.heartbeats.refresh()
@@ -211,6 +214,7 @@ class Node:
             nursery.start_soon(self.staging.expire_loop)
             nursery.start_soon(self.tails.loop)
             if not self.offload.inline:  # not in the simulator: its seeds' schedules stay as they were
+                nursery.start_soon(self.publisher.loop)  # probes answered ahead of queued calls (status.py)
                 nursery.start_soon(self.loop_lag.run)
                 nursery.start_soon(self.store.behind.reap, self.offload)  # freed memory released off the loop
                 if self.persist is not None:
@@ -287,15 +291,24 @@ class Node:
 
     # -- status ------------------------------------------------------------------------------
     async def rpc_heartbeat(self, owner: str | None = None, **args: Any) -> dict:
-        """The node's status. ``caught_up``: it serves and has taken its stripes back; asked by
-        ``status`` (``irdmafs status``, ``wait_settled``) it also counts the stripes it leads
-        that are not whole (``degraded``: health.py), which costs a look at each of them."""
-        serving = self.serving
-        if serving.state == READY:
-            serving.check_stall()  # before saying "ready": this process may have been stopped
-            serving.check_lease()
+        """The node's status, checked now (the ordinary way: a probe is answered from the
+        status board while its copy is valid, status.py)."""
+        self.serving.check_now()  # before saying "ready": this process may have been stopped
         if owner is not None:
             self.staging.seen(owner)
+        return self.status(args.get("from"))
+
+    def _probed(self, fields: dict) -> None:
+        """A probe answered from the status board: what the heartbeat call does besides answering."""
+        self.counters["heartbeat"] += 1
+        if fields.get("owner") is not None:
+            self.staging.seen(fields["owner"])
+
+    def status(self, asker: str | None = None) -> dict:
+        """The heartbeat's answer. ``caught_up``: it serves and has taken its stripes back; asked
+        by ``status`` (``irdmafs status``, ``wait_settled``) it also counts the stripes it leads
+        that are not whole (``degraded``: health.py), which costs a look at each of them."""
+        serving = self.serving
         return {
             "name": self.name,
             "state": serving.state,
@@ -321,7 +334,7 @@ class Node:
             "replicas_behind": sum(self.cluster.roles.node_state(n) != READY for n in self.cluster.roles.members.names if n != self.name),
             "caught_up": self.caught_up,
             "lost": self.missing.summary(),  # written stripes it came back without (missing.py)
-            **(self.leading() if args.get("from") == "status" else {}),
+            **(self.leading() if asker == "status" else {}),
         }
 
     def _writer_heard(self, owner: str) -> bool:

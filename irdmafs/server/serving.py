@@ -52,7 +52,8 @@ class Serving:
     def __init__(self, cfg: ClusterConfig, name: str, cluster: Cluster, lease: ServingLease, incarnation: int):
         self.cfg, self.name, self.cluster, self.lease = cfg, name, cluster, lease
         self.incarnation = incarnation
-        self.state = SYNCING
+        self.on_state: Callable[[], None] | None = None  # told of every change of ``state`` (the node's status board)
+        self._state = SYNCING
         self.gen = 0  # serving generation: +1 each time this node becomes ready (after a resync)
         self.ready_since = 0.0
         self.last_tick = 0.0  # when this process last ran its fence ticker or a heartbeat (trio clock)
@@ -73,10 +74,14 @@ class Serving:
         self.suspect_since = math.inf
 
     # -- the checks --------------------------------------------------------------------------
-    def require_ready(self) -> None:
+    def check_now(self) -> None:
+        """The checks before this node says or acts as ready: a stall, its lease (each fences)."""
         if self.state == READY:
-            self.check_stall()  # calls queued while this process was stopped find it fenced
+            self.check_stall()
             self.check_lease()
+
+    def require_ready(self) -> None:
+        self.check_now()  # calls queued while this process was stopped find it fenced
         if self.state != READY:
             raise RemoteError("EAGAIN", f"node {self.name} is {self.state}")
 
@@ -153,6 +158,16 @@ class Serving:
         view = self.cluster.roles.view
         return self.complete and self.name in view.active and view.lease_of(self.name) == self.complete_term
 
+    @property
+    def state(self) -> str:
+        return self._state
+
+    @state.setter
+    def state(self, value: str) -> None:
+        changed, self._state = value != self._state, value
+        if changed and self.on_state is not None:
+            self.on_state()
+
     def led_now(self, key: tuple[int, int, int]) -> None:
         """This node gave stripe ``key`` a version as its primary, now."""
         self.led[key] = trio.current_time()
@@ -202,8 +217,8 @@ class Serving:
 
     def became_ready(self) -> None:
         """Resynced: serve, as a new generation, with nothing suspect."""
-        self.state = READY
         self.suspect_since = math.inf
         self.led.clear()  # what it led before is settled by this resync
         self.gen += 1  # a new serving generation (heartbeats and status show it)
         self.ready_since = self.last_tick = trio.current_time()
+        self.state = READY  # last: its status (``on_state``) shows the new generation

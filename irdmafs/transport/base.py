@@ -20,13 +20,16 @@ import hashlib
 import hmac
 import secrets
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Sequence, Union
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence, Union
 
 import trio
 
 from ..errors import (  # noqa: F401 (the same classes: transport.base.RemoteError is errors.RemoteError)
     AccessError, AuthError, ConnectError, PeerLost, ProtocolError, RemoteError, StaleKey, TimeoutError, TransportError,
 )
+
+if TYPE_CHECKING:
+    from .probes import StatusBoard
 
 Buffer = Union[bytes, bytearray, memoryview]
 # A scatter-gather list: one remote range <-> several local buffers, in order.
@@ -286,9 +289,12 @@ class Connection(abc.ABC):
             await self.read(rkey, offset, into)
 
     @abc.abstractmethod
-    async def call(self, method: str, args: dict[str, Any] | None = None, *, timeout: float | None = None) -> dict:
+    async def call(self, method: str, args: dict[str, Any] | None = None, *, timeout: float | None = None, probe: bool = False) -> dict:
         """Two-sided control call; raises RemoteError with the serving side's errno name.
-        ``timeout`` overrides the connection's default for calls that wait on purpose."""
+        ``timeout`` overrides the connection's default for calls that wait on purpose.
+        ``probe``: a liveness probe (a ``heartbeat``), which a serving side with a status board
+        answers from it ahead of queued work (probes.py); a transport without a queue to jump
+        sends it as the call it is."""
 
     @abc.abstractmethod
     async def aclose(self) -> None: ...
@@ -348,9 +354,12 @@ class Transport(abc.ABC):
         return self.regions.settled(rkey)
 
     @abc.abstractmethod
-    async def serve(self, host: str, port: int, handler: Handler, *, on_imm: ImmHandler | None = None, task_status: Any) -> None:
+    async def serve(
+        self, host: str, port: int, handler: Handler, *, on_imm: ImmHandler | None = None, board: "StatusBoard | None" = None, task_status: Any
+    ) -> None:
         """Serve regions, control calls and (with ``on_imm``) WRITE_IMM notifications until
-        cancelled; ``task_status.started((host, port))`` once listening (port 0 picks one)."""
+        cancelled; ``task_status.started((host, port))`` once listening (port 0 picks one).
+        ``board``: probes are answered from it while its copy is valid (probes.py)."""
 
     @abc.abstractmethod
     async def connect(self, host: str, port: int, *, nursery: Any) -> Connection:

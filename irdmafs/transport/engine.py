@@ -56,7 +56,7 @@ else:
 
 AVAILABLE = _engine is not None
 
-EV_CALL, EV_DONE, EV_CLOSED, EV_RELEASED, EV_LOG = 1, 2, 3, 4, 5
+EV_CALL, EV_DONE, EV_CLOSED, EV_RELEASED, EV_LOG, EV_PROBED = 1, 2, 3, 4, 5, 6
 LOST = -1  # a completion's status: the connection broke before its answer
 
 READ_WINDOW = 8 << 20  # as tcp.py's: READ answers on their way at once, per connection
@@ -81,10 +81,11 @@ class _Waiter:
 
 class Served:
     """What a serving connection's requests go to: ``on_request(opcode, header, document)`` is
-    started as a task in ``nursery``; ``closed`` is set with ``why`` when the engine closed it."""
+    started as a task in ``nursery``; ``on_probed(document)``, if given, hears a probe the
+    engine answered itself (probes.py); ``closed`` is set with ``why`` when the engine closed it."""
 
-    def __init__(self, on_request: Callable[..., Any], nursery: trio.Nursery, peer: str = "") -> None:
-        self.on_request, self.nursery, self.peer = on_request, nursery, peer
+    def __init__(self, on_request: Callable[..., Any], nursery: trio.Nursery, peer: str = "", on_probed: Callable[[bytes], None] | None = None) -> None:
+        self.on_request, self.nursery, self.peer, self.on_probed = on_request, nursery, peer, on_probed
         self.closed = trio.Event()
         self.why = ""
 
@@ -154,6 +155,11 @@ class Engine:
                 caller.closed(conn, why)
         elif kind == EV_RELEASED:
             self.draining.discard(ev[1])
+        elif kind == EV_PROBED:  # a probe the engine answered from the status board (probes.py)
+            _, conn, doc = ev
+            served = self.served.get(conn)
+            if served is not None and served.on_probed is not None:
+                served.on_probed(doc)
         elif kind == EV_LOG:  # as tcp.py's responder logs a refused request
             _, conn, line = ev
             served = self.served.get(conn)
@@ -175,6 +181,14 @@ class Engine:
             pass  # the peer left before its answer: that ends nothing but the answer
 
     # -- regions ---------------------------------------------------------------------------------
+    def publish(self, status: bytes, valid_for: float) -> None:
+        """What probes get for the next ``valid_for`` seconds (probes.py, ``StatusBoard.attach``);
+        nothing once the engine stopped (it answers nothing then)."""
+        try:
+            self.native.publish_status(status, valid_for)
+        except _engine.EngineError:
+            pass
+
     def add_region(self, rkey: int, gen: int, buf: memoryview, access: int) -> None:
         self.native.add_region(rkey, gen, buf, int(access))
 
@@ -322,9 +336,9 @@ class NativeConnection(Connection):
         [w] = await self._wait([self._post(lane, P.Op.WRITE_IMM, rkey, offset, imm, bufs)])
         return P.decode_result(w.payload or b"")
 
-    async def call(self, method: str, args: dict[str, Any] | None = None, *, timeout: float | None = None) -> dict:
+    async def call(self, method: str, args: dict[str, Any] | None = None, *, timeout: float | None = None, probe: bool = False) -> dict:
         doc = P.encode_call(method, args or {})
-        [w] = await self._wait([self._post(self.calls, P.Op.CALL, 0, 0, 0, [doc])], timeout)
+        [w] = await self._wait([self._post(self.calls, P.Op.CALL, 0, 0, P.CALL_PROBE if probe else 0, [doc])], timeout)
         return P.decode_result(w.payload or b"")
 
     def waits(self) -> str:

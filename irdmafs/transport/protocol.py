@@ -10,7 +10,8 @@ Every frame is a 40-byte header, optionally followed by a payload:
     8      8    req_id    chosen by the requester, echoed in the response
     16     4    rkey      region key (READ/WRITE)
     20     4    imm       WRITE_IMM: the immediate value delivered with the data; AUTH reply: the
-                          serving process's incarnation (new at every start); else 0
+                          serving process's incarnation (new at every start); CALL: CALL_PROBE
+                          for a liveness probe (probes.py); else 0
     24     8    offset    byte offset in the region (READ/WRITE)
     32     8    length    READ request: bytes wanted; every other frame: payload bytes that follow
 
@@ -40,6 +41,7 @@ assert HEADER.size == 40
 MAX_IO = 1 << 30  # one READ/WRITE moves at most 1 GiB
 MAX_CONTROL = 16 << 20  # a control document, error message or auth payload
 RESPONSE = 0x80
+CALL_PROBE = 1  # a CALL header's imm: a liveness probe, answered from the status board while valid (probes.py)
 
 
 class Op(enum.IntEnum):

@@ -10,7 +10,9 @@ number of senders; fewer system calls too.
 
 Rules:
 - One send at a time on the socket (a caller's own or the writer's group), never interleaved.
-- Frames leave whole and in the order they were queued (a caller's several frames together).
+- Frames leave whole and in the order they were queued (a caller's several frames together),
+  but for ``urgent`` ones (a probe's answer, probes.py): they go ahead of every frame queued and
+  not yet begun.
 - ``send`` returns once its frames are in the kernel: the caller's buffers may be reused then.
 - A caller cancelled before its frames' group began takes them back: nothing is sent. One
   cancelled while its group goes out waits for it (shielded) up to ``patience`` seconds, so its
@@ -65,7 +67,7 @@ class Sender:
         busy = "a send under way, " if self._busy else ""
         return f"{busy}{len(waiting)} frames ({sum(f.size for f in waiting)} bytes) queued to send"
 
-    async def send(self, wire: list) -> None:
+    async def send(self, wire: list, urgent: bool = False) -> None:
         """Send ``wire`` (one or more whole frames' buffers) and return once it is in the
         kernel; ``trio.BrokenResourceError`` if the socket broke first. With nothing queued or
         being sent, the caller sends it itself (no hand-over to the writer: a node answering
@@ -76,7 +78,10 @@ class Sender:
             await self._send_now(wire)
             return
         frames = _Frames(wire)
-        self._queue.append(frames)
+        if urgent:
+            self._queue.appendleft(frames)
+        else:
+            self._queue.append(frames)
         self._wake.set()
         try:
             await frames.done.wait()

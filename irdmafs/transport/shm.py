@@ -38,6 +38,7 @@ import os
 import secrets
 import socket as _stdsocket
 import struct
+from functools import partial
 from typing import Any
 
 import trio
@@ -49,6 +50,7 @@ from .base import (
 from ..errors import AccessError, AuthError, ConnectError, PeerLost, ProtocolError, RemoteError, TransportError
 from .base import NONCE as _NONCE
 from ..util import accept_forever, recv_with_fds, send_with_fd
+from .probes import StatusBoard
 from .tcp import HANDSHAKE_TIMEOUT, TcpConnection, TcpTransport
 
 log = logging.getLogger(__name__)
@@ -257,8 +259,8 @@ class ShmConnection(Connection):
         await self.write(rkey, offset, data)
         return await notify_by_call(self.tcp, rkey, offset, data, imm)
 
-    async def call(self, method: str, args: dict[str, Any] | None = None, *, timeout: float | None = None) -> dict:
-        return await self.tcp.call(method, args, timeout=timeout)
+    async def call(self, method: str, args: dict[str, Any] | None = None, *, timeout: float | None = None, probe: bool = False) -> dict:
+        return await self.tcp.call(method, args, timeout=timeout, probe=probe)
 
     def waits(self) -> str:
         return self.tcp.waits()  # its calls (a heartbeat) go over TCP
@@ -330,7 +332,10 @@ class ShmTransport(TcpTransport):
         return settled  # a peer here checks the slot after its copy: it fails from now on
 
     # -- serving side ------------------------------------------------------------------------
-    async def serve(self, host: str, port: int, handler: Handler, *, on_imm: ImmHandler | None = None, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    async def serve(
+        self, host: str, port: int, handler: Handler, *, on_imm: ImmHandler | None = None, board: StatusBoard | None = None,
+        task_status: Any = trio.TASK_STATUS_IGNORED,
+    ) -> None:
         async def shm_handler(method: str, args: dict) -> dict:
             if method == "__shm":
                 return {"socket": self.socket_name, "incarnation": self.incarnation}
@@ -346,7 +351,8 @@ class ShmTransport(TcpTransport):
             try:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(accept_forever, listener, self._serve_peer, "shm")
-                    address = await nursery.start(lambda task_status: TcpTransport.serve(self, host, port, shm_handler, on_imm=on_imm, task_status=task_status))
+                    tcp_serve = partial(TcpTransport.serve, self, host, port, shm_handler, on_imm=on_imm, board=board)
+                    address = await nursery.start(lambda task_status: tcp_serve(task_status=task_status))
                     task_status.started(address)
             finally:
                 self._table[0] = 0

@@ -55,6 +55,7 @@ from . import protocol as P
 from .base import SOCKET_ERRORS, Access, BufferList, Connection, Handler, ImmHandler, Transport, as_buffers, client_proof, new_nonce, server_proof
 from ..errors import AccessError, AuthError, ConnectError, PeerLost, ProtocolError, RemoteError, TimeoutError, TransportError
 from .base import NONCE as _NONCE
+from .probes import StatusBoard
 from .sender import Sender
 from .window import Window
 
@@ -317,9 +318,9 @@ class TcpConnection(Connection):
         [p] = await self._wait(await self._submit([(h, bufs, None)], self._lane_of(h)), None)
         return P.decode_result(p.payload)
 
-    async def call(self, method: str, args: dict[str, Any] | None = None, *, timeout: float | None = None) -> dict:
+    async def call(self, method: str, args: dict[str, Any] | None = None, *, timeout: float | None = None, probe: bool = False) -> dict:
         doc = P.encode_call(method, args or {})
-        h = P.Header(P.Op.CALL, length=len(doc))
+        h = P.Header(P.Op.CALL, length=len(doc), imm=P.CALL_PROBE if probe else 0)
         [p] = await self._wait(await self._submit([(h, [doc], None)], self.calls_sender), timeout)
         return P.decode_result(p.payload)
 
@@ -401,9 +402,11 @@ class _Responder:
     notifications run as tasks of the connection (their answers may come in any order, matched
     by the caller's request id). Any error ends this connection only, never the node."""
 
-    def __init__(self, transport: "TcpTransport", sock: trio.socket.SocketType, peer: str, handler: Handler, on_imm: ImmHandler | None) -> None:
+    def __init__(
+        self, transport: "TcpTransport", sock: trio.socket.SocketType, peer: str, handler: Handler, on_imm: ImmHandler | None, board: StatusBoard | None
+    ) -> None:
         self.transport, self.sock, self.peer = transport, sock, peer
-        self.handler, self.on_imm = handler, on_imm
+        self.handler, self.on_imm, self.board = handler, on_imm, board
         self.regions = transport.regions
         self.sender = Sender(sock, _send_all, sock.close, transport.op_timeout)  # answers, READ data and calls' alike (sender.py)
         self.calls: trio.Nursery | None = None
@@ -441,7 +444,7 @@ class _Responder:
         READ, WRITE and WRITE_IMM itself; its calls and notifications come back here as tasks,
         answered through it. Until the engine closes the connection (or this task ends)."""
         engine = self.transport.native
-        served = E.Served(self.on_native_request, self.calls, self.peer)
+        served = E.Served(self.on_native_request, self.calls, self.peer, None if self.board is None else self.board.heard)
         self.conn = engine.serve(self.sock.detach(), served, self.on_imm is not None)
         try:
             await served.closed.wait()
@@ -493,7 +496,15 @@ class _Responder:
         self.calls.start_soon(self.run_imm, h)
 
     async def on_call(self, h: P.Header) -> None:
-        self.calls.start_soon(self.run_call, h, await _recv_bytes(self.sock, h.length))
+        payload = await _recv_bytes(self.sock, h.length)
+        status = self.board.answer() if h.imm == P.CALL_PROBE and self.board is not None else None
+        if status is None:
+            self.calls.start_soon(self.run_call, h, payload)
+            return
+        # a probe, while the board's copy is valid: answered here, ahead of what is queued (probes.py)
+        resp = h._replace(opcode=h.opcode | P.RESPONSE, imm=0, length=len(status))
+        await self.sender.send([P.pack(resp), status], urgent=True)
+        self.board.heard(payload)
 
     async def on_unknown(self, h: P.Header) -> None:
         log.info("%s: unknown opcode %#x refused", self.peer, h.opcode)
@@ -604,7 +615,10 @@ class TcpTransport(Transport):
         self._served = value
 
     # -- serving side ------------------------------------------------------------------------
-    async def serve(self, host: str, port: int, handler: Handler, *, on_imm: ImmHandler | None = None, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    async def serve(
+        self, host: str, port: int, handler: Handler, *, on_imm: ImmHandler | None = None, board: StatusBoard | None = None,
+        task_status: Any = trio.TASK_STATUS_IGNORED,
+    ) -> None:
         listener = trio.socket.socket(_stdsocket.AF_INET, _stdsocket.SOCK_STREAM)
         listener.setsockopt(_stdsocket.SOL_SOCKET, _stdsocket.SO_REUSEADDR, 1)
         with listener:
@@ -614,6 +628,8 @@ class TcpTransport(Transport):
             async with trio.open_nursery() as nursery:
                 if self.native is not None:
                     self.native.ensure_pump(nursery)
+                    if board is not None:
+                        board.attach(self.native.publish)
                 while True:
                     try:
                         sock, addr = await listener.accept()
@@ -621,7 +637,7 @@ class TcpTransport(Transport):
                         log.warning("accept failed: %s", exc)
                         await trio.sleep(0.1)
                         continue
-                    nursery.start_soon(_Responder(self, sock, f"{addr[0]}:{addr[1]}", handler, on_imm).run)
+                    nursery.start_soon(_Responder(self, sock, f"{addr[0]}:{addr[1]}", handler, on_imm, board).run)
 
     async def _authenticate(self, sock: trio.socket.SocketType, peer: str) -> bool:
         nonce = new_nonce()

@@ -29,12 +29,14 @@ import ctypes
 import itertools
 import logging
 import random
+from functools import partial
 from typing import Any
 
 import trio
 
 from .base import Access, BufferList, Connection, Handler, ImmHandler, Region, as_buffers, notify_by_call, page_aligned, serve_imm_call
 from ..errors import AccessError, ConnectError, PeerLost, RemoteError, TimeoutError
+from .probes import StatusBoard
 from .tcp import TcpConnection, TcpTransport
 
 log = logging.getLogger(__name__)
@@ -280,8 +282,8 @@ class VerbsConnection(Connection):
         await self.write(rkey, offset, data)
         return await notify_by_call(self.control, rkey, offset, data, imm)
 
-    async def call(self, method: str, args: dict[str, Any] | None = None, *, timeout: float | None = None) -> dict:
-        return await self.control.call(method, args, timeout=timeout)
+    async def call(self, method: str, args: dict[str, Any] | None = None, *, timeout: float | None = None, probe: bool = False) -> dict:
+        return await self.control.call(method, args, timeout=timeout, probe=probe)
 
     def waits(self) -> str:
         return self.control.waits()  # its calls (a heartbeat) go over the TCP control connection
@@ -360,7 +362,10 @@ class VerbsTransport(TcpTransport):
         return True
 
     # -- serving side ------------------------------------------------------------------------
-    async def serve(self, host: str, port: int, handler: Handler, *, on_imm: ImmHandler | None = None, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    async def serve(
+        self, host: str, port: int, handler: Handler, *, on_imm: ImmHandler | None = None, board: StatusBoard | None = None,
+        task_status: Any = trio.TASK_STATUS_IGNORED,
+    ) -> None:
         async def verbs_handler(method: str, args: dict) -> dict:
             if method == "__imm":
                 return await serve_imm_call(self.regions, on_imm, args)
@@ -381,7 +386,7 @@ class VerbsTransport(TcpTransport):
         async with trio.open_nursery() as nursery:
             if not self.completions.running:
                 nursery.start_soon(self.completions.poll_forever)
-            address = await nursery.start(super().serve, host, port, verbs_handler)
+            address = await nursery.start(partial(super().serve, host, port, verbs_handler, board=board))
             task_status.started(address)
 
     # -- calling side ------------------------------------------------------------------------

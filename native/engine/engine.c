@@ -29,13 +29,16 @@
  * - every field of every frame is checked before use (frame.c; lengths against the regions and
  *   the caller's buffers, offsets with overflow checked); a frame that breaks the protocol
  *   closes its connection only, with the reason as an event Python logs;
- * - one connection's frames are served in arrival order and its answers leave in that order;
+ * - one connection's frames are served in arrival order and its answers leave in that order,
+ *   but for a probe's (a CALL with imm = IRDM_CALL_PROBE, transport/probes.py): while Python's
+ *   published status is valid it is the answer, queued ahead of every answer not yet begun,
+ *   and the probe's document goes to Python after it (EV_PROBED);
  *   a READ's bytes are copied by the kernel when its turn to send comes, so a READ of a header,
  *   the data and the header again reads them in that order (the seqlock, regions.py);
  * - a peer that stops reading costs only its own connection: sockets are non-blocking, and a
  *   connection whose queued answers pass OUT_LIMIT is not read from until they drain;
- * - buffered call documents count against BUFFER_BUDGET; past it no connection is read from
- *   until Python takes them.
+ * - buffered call documents count against BUFFER_BUDGET; past it no connection begins a new
+ *   frame until Python takes them (a document begun is read to its end).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -154,7 +157,8 @@ struct conn {
     int closing;           /* Python asked to close (lock) */
     int kick;              /* Python queued something for it (lock) */
     int dead;              /* the I/O thread closed it */
-    uint32_t events;       /* the epoll interest now */
+    uint32_t events;       /* the epoll interest now (0 is one too: paused with nothing to send) */
+    int registered;        /* added to epoll (the I/O thread only) */
     atomic_llong heard_ns; /* CLOCK_MONOTONIC when a frame last began to arrive (0: never) */
     int lowat;             /* its SO_RCVLOWAT now (0: the kernel's default, 1) */
     struct conn *next;     /* the engine's list */
@@ -164,7 +168,7 @@ struct conn {
 /* ---------------------------------------------------------------------------------------------
  * events for Python
  */
-enum { EV_CALL = 1, EV_DONE = 2, EV_CLOSED = 3, EV_RELEASED = 4, EV_LOG = 5 };
+enum { EV_CALL = 1, EV_DONE = 2, EV_CLOSED = 3, EV_RELEASED = 4, EV_LOG = 5, EV_PROBED = 6 };
 
 struct event {
     struct event *next;
@@ -201,6 +205,11 @@ typedef struct {
     atomic_uint_fast64_t landed[2];    /* calling side: READ answers landed: count, bytes */
     uint8_t *scratch;
     pid_t pid;      /* the process whose I/O thread this is: a forked child has none */
+    pthread_mutex_t st_lock; /* the published status (probes.py) */
+    uint8_t *status;
+    size_t status_len;
+    long long status_until_ns; /* CLOCK_MONOTONIC: past it the copy answers no probe */
+    atomic_uint_fast64_t probes; /* probes answered from it */
 } Engine;
 
 enum { S_READ, S_WRITE, S_WRITE_IMM, S_REFUSED };
@@ -350,6 +359,59 @@ static int answer(struct conn *c, const struct irdm_frame *req, int status, cons
     return 0;
 }
 
+static long long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+/* A probe answered with the published status if it is valid now: queued ahead of every answer
+ * not yet begun (one half sent stays first). 1 answered, 0 not (no valid copy), -1 no memory. */
+static int answer_probe(Engine *e, struct conn *c, const struct irdm_frame *req) {
+    struct irdm_frame f = *req;
+    f.opcode = (uint8_t)(req->opcode | IRDM_RESPONSE);
+    f.status = IRDM_OK;
+    f.imm = 0;
+    struct chunk *k = NULL;
+    pthread_mutex_lock(&e->st_lock);
+    if (e->status && now_ns() < e->status_until_ns) {
+        f.length = e->status_len;
+        k = new_chunk(&f);
+        if (k) {
+            k->owned = malloc(e->status_len ? e->status_len : 1);
+            if (k->owned) {
+                memcpy(k->owned, e->status, e->status_len);
+            } else {
+                free(k);
+                k = NULL;
+            }
+        }
+        if (!k) {
+            pthread_mutex_unlock(&e->st_lock);
+            return -1;
+        }
+    }
+    pthread_mutex_unlock(&e->st_lock);
+    if (!k) return 0;
+    k->kind = BODY_OWNED;
+    k->body = k->owned;
+    k->body_len = f.length;
+    pthread_mutex_lock(&c->lock);
+    struct chunk *head = c->out_head;
+    if (!head) {
+        queue_chunk(c, k);
+    } else {
+        struct chunk **at = head->sent ? &head->next : &c->out_head;
+        k->next = *at;
+        *at = k;
+        if (!k->next) c->out_tail = k;
+        c->out_bytes += k->hdr_len + k->body_len;
+    }
+    pthread_mutex_unlock(&c->lock);
+    atomic_fetch_add(&e->probes, 1);
+    return 1;
+}
+
 /* Send what is queued, as far as the socket takes it. 0, or -1 with c->why (the socket broke). */
 static int flush_out(Engine *e, struct conn *c) {
     for (;;) {
@@ -459,8 +521,12 @@ static void close_conn(Engine *e, struct conn *c, const char *why) {
     c->cur_region = NULL;
     if (c->doc) {
         free(c->doc);
-        atomic_fetch_sub(&e->buffered, c->doc_len);
+        uint64_t before = atomic_fetch_sub(&e->buffered, c->doc_len);
         c->doc = NULL;
+        if (before > BUFFER_BUDGET && before - c->doc_len <= BUFFER_BUDGET) { /* the paused may read again */
+            atomic_store(&e->kick_all, 1);
+            wake(e);
+        }
     }
     struct op *landing = c->cur_op;
     c->cur_op = NULL;
@@ -760,9 +826,14 @@ static int frame_done(Engine *e, struct conn *c) {
         return 0;
     }
     if (f->opcode == IRDM_CALL) {
+        int probed = 0;
+        if (f->imm == IRDM_CALL_PROBE) {
+            probed = answer_probe(e, c, f);
+            if (probed < 0) return -1;
+        }
         struct event *ev = calloc(1, sizeof *ev);
         if (!ev) return -1;
-        ev->kind = EV_CALL;
+        ev->kind = probed ? EV_PROBED : EV_CALL;
         ev->conn = c->id;
         ev->f = *f;
         ev->payload = c->doc;
@@ -773,10 +844,12 @@ static int frame_done(Engine *e, struct conn *c) {
     return 0;
 }
 
+static int paused(Engine *e, struct conn *c);
+
 /* Read what the socket has, frame by frame. 0, or -1 to close (c->why set). */
 static int pump_frames(Engine *e, struct conn *c) {
     for (int rounds = 0; rounds < 256; rounds++) {
-        if (c->role == SERVE && (c->out_bytes > OUT_LIMIT || atomic_load(&e->buffered) > BUFFER_BUDGET)) return 0;
+        if (paused(e, c)) return 0;
         ssize_t n;
         switch (c->in_state) {
         case IN_HDR: {
@@ -897,8 +970,13 @@ static void set_interest(Engine *e, struct conn *c) {
     }
 }
 
+/* A serving connection is not read while its answers pass OUT_LIMIT, nor, between frames, while
+ * the documents waiting for Python pass BUFFER_BUDGET. A document begun is always read to its
+ * end: its length is counted from its header on, so holding it half read would hold every other
+ * connection too (nothing reaches Python, nothing is taken, the budget never frees). */
 static int paused(Engine *e, struct conn *c) {
-    return c->role == SERVE && (c->out_bytes > OUT_LIMIT || atomic_load(&e->buffered) > BUFFER_BUDGET);
+    if (c->role != SERVE) return 0;
+    return c->out_bytes > OUT_LIMIT || (c->in_state == IN_HDR && atomic_load(&e->buffered) > BUFFER_BUDGET);
 }
 
 static void service(Engine *e, struct conn *c, uint32_t happened) {
@@ -986,7 +1064,7 @@ static void *io_thread(void *arg) {
             pthread_mutex_unlock(&e->conn_lock);
             for (struct conn *c = list; c; c = c->next) {
                 if (c->dead) continue;
-                if (c->events == 0) { /* new: register it */
+                if (!c->registered) { /* new: register it */
                     struct epoll_event ev = {.events = EPOLLIN, .data.ptr = c};
                     if (epoll_ctl(e->ep, EPOLL_CTL_ADD, c->fd, &ev) < 0) {
                         snprintf(c->why, sizeof c->why, "epoll: %s", strerror(errno));
@@ -994,6 +1072,7 @@ static void *io_thread(void *arg) {
                         continue;
                     }
                     c->events = EPOLLIN;
+                    c->registered = 1;
                     service(e, c, 0);
                     continue;
                 }
@@ -1025,6 +1104,7 @@ static int Engine_init(Engine *e, PyObject *args, PyObject *kw) {
     pthread_mutex_init(&e->tab_lock, NULL);
     pthread_mutex_init(&e->conn_lock, NULL);
     pthread_mutex_init(&e->ev_lock, NULL);
+    pthread_mutex_init(&e->st_lock, NULL);
     e->ev_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     e->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     e->ep = epoll_create1(EPOLL_CLOEXEC);
@@ -1078,12 +1158,12 @@ static PyObject *Engine_stop(Engine *e, PyObject *unused) {
         e->running = 0;
         Py_RETURN_NONE;
     }
+    e->running = 0; /* before the GIL is let go: a second stop or an adopt meanwhile is refused */
     atomic_store(&e->stop, 1);
     wake(e);
     Py_BEGIN_ALLOW_THREADS
     pthread_join(e->thread, NULL);
     Py_END_ALLOW_THREADS
-    e->running = 0;
     /* every connection closed, every operation and event let go */
     for (struct conn *c = e->conns; c; c = c->next) close_conn(e, c, "engine stopped");
     reap_dead(e);
@@ -1108,8 +1188,11 @@ static PyObject *Engine_stop(Engine *e, PyObject *unused) {
     close(e->ep);
     close(e->wake_fd);
     close(e->ev_fd);
+    e->ep = e->wake_fd = e->ev_fd = -1; /* poll and fileno after a stop touch no reused fd */
     free(e->scratch);
     e->scratch = NULL;
+    free(e->status);
+    e->status = NULL;
     Py_RETURN_NONE;
 }
 
@@ -1216,15 +1299,21 @@ static PyObject *Engine_adopt(Engine *e, PyObject *args) {
     int fd, serving, notify;
     if (!PyArg_ParseTuple(args, "ipp", &fd, &serving, &notify)) return NULL;
     if (check_running(e) < 0) return NULL;
+    /* the caller detached fd: from here it is this function's to close on any failure */
     int fl = fcntl(fd, F_GETFL);
-    if (fl < 0 || fcntl(fd, F_SETFL, fl | O_NONBLOCK) < 0) return PyErr_SetFromErrno(PyExc_OSError);
+    if (fl < 0 || fcntl(fd, F_SETFL, fl | O_NONBLOCK) < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        close(fd);
+        return NULL;
+    }
     struct conn *c = calloc(1, sizeof *c);
-    if (!c) return PyErr_NoMemory();
-    c->ibuf = malloc(IBUF);
-    if (!c->ibuf) {
+    uint8_t *ibuf = c ? malloc(IBUF) : NULL;
+    if (!ibuf) {
         free(c);
+        close(fd);
         return PyErr_NoMemory();
     }
+    c->ibuf = ibuf;
     pthread_mutex_init(&c->lock, NULL);
     c->fd = fd;
     c->role = serving ? SERVE : CALLER;
@@ -1491,9 +1580,11 @@ static PyObject *payload_bytes(const uint8_t *p, uint64_t n) {
  *   (2, conn, req_id, status, payload or None)   a calling-side completion (status -1: lost)
  *   (3, conn, reason)                             a connection closed
  *   (4, rkey)                                     a freed region's memory let go
- *   (5, conn, line)                               a line for the log (a refused request) */
+ *   (5, conn, line)                               a line for the log (a refused request)
+ *   (6, conn, document)                           a probe answered from the status: its call */
 static PyObject *Engine_poll(Engine *e, PyObject *unused) {
     if (forked(e)) return NULL;
+    if (e->ev_fd < 0) return PyList_New(0); /* stopped: nothing comes any more */
     uint64_t v;
     ssize_t r = read(e->ev_fd, &v, sizeof v);
     (void)r;
@@ -1503,43 +1594,61 @@ static PyObject *Engine_poll(Engine *e, PyObject *unused) {
     pthread_mutex_unlock(&e->ev_lock);
     PyObject *out = PyList_New(0);
     uint64_t docs = 0;
-    int failed = out == NULL;
-    while (ev) {
+    while (ev && out) {
         struct event *next = ev->next;
         PyObject *item = NULL;
-        if (!failed) {
-            switch (ev->kind) {
-            case EV_CALL: {
-                PyObject *doc = payload_bytes(ev->payload, ev->payload_len);
-                if (doc)
-                    item = Py_BuildValue("(iKiKkkKKN)", EV_CALL, (unsigned long long)ev->conn, ev->f.opcode,
-                                         (unsigned long long)ev->f.req_id, (unsigned long)ev->f.rkey, (unsigned long)ev->f.imm,
-                                         (unsigned long long)ev->f.offset, (unsigned long long)ev->f.length, doc);
-                break;
-            }
-            case EV_DONE: {
-                struct op *op = ev->op;
-                PyObject *pl = payload_bytes(op->payload, op->payload_len);
-                if (pl) item = Py_BuildValue("(iKKiN)", EV_DONE, (unsigned long long)ev->conn, (unsigned long long)op->req_id, op->status, pl);
-                break;
-            }
-            case EV_CLOSED:
-            case EV_LOG:
-                item = Py_BuildValue("(iKs#)", ev->kind, (unsigned long long)ev->conn, ev->payload ? (const char *)ev->payload : "",
-                                     (Py_ssize_t)ev->payload_len);
-                break;
-            case EV_RELEASED:
-                item = Py_BuildValue("(ik)", EV_RELEASED, (unsigned long)ev->rkey);
-                break;
-            }
-            if (!item || PyList_Append(out, item) < 0) failed = 1;
-            Py_XDECREF(item);
+        switch (ev->kind) {
+        case EV_CALL: {
+            PyObject *doc = payload_bytes(ev->payload, ev->payload_len);
+            if (doc)
+                item = Py_BuildValue("(iKiKkkKKN)", EV_CALL, (unsigned long long)ev->conn, ev->f.opcode,
+                                     (unsigned long long)ev->f.req_id, (unsigned long)ev->f.rkey, (unsigned long)ev->f.imm,
+                                     (unsigned long long)ev->f.offset, (unsigned long long)ev->f.length, doc);
+            break;
         }
-        if (ev->kind == EV_CALL && ev->f.opcode == IRDM_CALL) docs += ev->payload_len;
+        case EV_DONE: {
+            struct op *op = ev->op;
+            PyObject *pl = payload_bytes(op->payload, op->payload_len);
+            if (pl) item = Py_BuildValue("(iKKiN)", EV_DONE, (unsigned long long)ev->conn, (unsigned long long)op->req_id, op->status, pl);
+            break;
+        }
+        case EV_CLOSED:
+        case EV_LOG: { /* the engine's own words; "replace" so a bad byte can never fail them for good */
+            PyObject *line = PyUnicode_DecodeUTF8(ev->payload ? (const char *)ev->payload : "", (Py_ssize_t)ev->payload_len, "replace");
+            if (line) item = Py_BuildValue("(iKN)", ev->kind, (unsigned long long)ev->conn, line);
+            break;
+        }
+        case EV_PROBED: {
+            PyObject *doc = payload_bytes(ev->payload, ev->payload_len);
+            if (doc) item = Py_BuildValue("(iKN)", EV_PROBED, (unsigned long long)ev->conn, doc);
+            break;
+        }
+        case EV_RELEASED:
+            item = Py_BuildValue("(ik)", EV_RELEASED, (unsigned long)ev->rkey);
+            break;
+        }
+        if (!item || PyList_Append(out, item) < 0) {
+            Py_XDECREF(item);
+            break; /* ev and what follows it go back to the queue, for the next poll */
+        }
+        Py_DECREF(item);
+        if ((ev->kind == EV_CALL && ev->f.opcode == IRDM_CALL) || ev->kind == EV_PROBED) docs += ev->payload_len;
         if (ev->op) release_op(ev->op);
         free(ev->payload);
         free(ev);
         ev = next;
+    }
+    if (ev) { /* a Python allocation failed: nothing taken is lost, the rest waits its turn */
+        struct event *last = ev;
+        while (last->next) last = last->next;
+        pthread_mutex_lock(&e->ev_lock);
+        last->next = e->ev_head;
+        e->ev_head = ev;
+        if (!e->ev_tail) e->ev_tail = last;
+        pthread_mutex_unlock(&e->ev_lock);
+        uint64_t one = 1;
+        ssize_t n = write(e->ev_fd, &one, sizeof one); /* Python is woken again for them */
+        (void)n;
     }
     release_zombies(e);
     if (docs) {
@@ -1549,11 +1658,42 @@ static PyObject *Engine_poll(Engine *e, PyObject *unused) {
             wake(e);
         }
     }
-    if (failed) {
-        Py_XDECREF(out);
+    if (!out) return NULL; /* MemoryError; every event kept */
+    if (PyList_GET_SIZE(out) == 0 && ev) { /* not even one taken: say why */
+        Py_DECREF(out);
         return NULL;
     }
+    PyErr_Clear(); /* some were taken: they are the answer; the failure is retried next poll */
     return out;
+}
+
+/* publish_status(document, valid_for): probes are answered `document` for the next valid_for
+ * seconds (0: withdrawn), copied. */
+static PyObject *Engine_publish_status(Engine *e, PyObject *args) {
+    Py_buffer b;
+    double valid_for;
+    if (!PyArg_ParseTuple(args, "y*d", &b, &valid_for)) return NULL;
+    if (check_running(e) < 0 || !(valid_for >= 0.0 && valid_for < 3600.0) || (uint64_t)b.len > IRDM_MAX_CONTROL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "publish_status: a document of at most a control document's size, valid for 0 to 3600 s");
+        PyBuffer_Release(&b);
+        return NULL;
+    }
+    uint8_t *copy = malloc(b.len ? (size_t)b.len : 1);
+    if (!copy) {
+        PyBuffer_Release(&b);
+        return PyErr_NoMemory();
+    }
+    memcpy(copy, b.buf, (size_t)b.len);
+    long long until = now_ns() + (long long)(valid_for * 1e9);
+    pthread_mutex_lock(&e->st_lock);
+    uint8_t *old = e->status;
+    e->status = copy;
+    e->status_len = (size_t)b.len;
+    e->status_until_ns = valid_for > 0.0 ? until : 0;
+    pthread_mutex_unlock(&e->st_lock);
+    free(old);
+    PyBuffer_Release(&b);
+    Py_RETURN_NONE;
 }
 
 static PyObject *Engine_fileno(Engine *e, PyObject *unused) { return PyLong_FromLong(e->ev_fd); }
@@ -1567,13 +1707,14 @@ static PyObject *Engine_stats(Engine *e, PyObject *unused) {
     pthread_mutex_lock(&e->conn_lock);
     for (struct conn *c = e->conns; c; c = c->next) conns += !c->dead;
     pthread_mutex_unlock(&e->conn_lock);
-    return Py_BuildValue("{s:(KK),s:(KK),s:(KK),s:K,s:(KK),s:K,s:K,s:K,s:K}",
+    return Py_BuildValue("{s:(KK),s:(KK),s:(KK),s:K,s:(KK),s:K,s:K,s:K,s:K,s:K}",
         "read", (unsigned long long)atomic_load(&e->served[S_READ][0]), (unsigned long long)atomic_load(&e->served[S_READ][1]),
         "write", (unsigned long long)atomic_load(&e->served[S_WRITE][0]), (unsigned long long)atomic_load(&e->served[S_WRITE][1]),
         "write_imm", (unsigned long long)atomic_load(&e->served[S_WRITE_IMM][0]), (unsigned long long)atomic_load(&e->served[S_WRITE_IMM][1]),
         "refused", (unsigned long long)atomic_load(&e->served[S_REFUSED][0]),
         "landed", (unsigned long long)atomic_load(&e->landed[0]), (unsigned long long)atomic_load(&e->landed[1]),
-        "buffered", (unsigned long long)atomic_load(&e->buffered), "regions", regions, "pinned", pinned, "connections", conns);
+        "buffered", (unsigned long long)atomic_load(&e->buffered), "regions", regions, "pinned", pinned, "connections", conns,
+        "probes", (unsigned long long)atomic_load(&e->probes));
 }
 
 static PyMethodDef Engine_methods[] = {
@@ -1587,6 +1728,7 @@ static PyMethodDef Engine_methods[] = {
     {"poll", (PyCFunction)Engine_poll, METH_NOARGS, "poll() -> events"},
     {"conn_info", (PyCFunction)Engine_conn_info, METH_VARARGS, "conn_info(conn) -> (frames queued, bytes queued, unanswered, seconds since heard)"},
     {"fileno", (PyCFunction)Engine_fileno, METH_NOARGS, "the eventfd Python waits on"},
+    {"publish_status", (PyCFunction)Engine_publish_status, METH_VARARGS, "publish_status(document, valid_for): what probes get, copied"},
     {"stats", (PyCFunction)Engine_stats, METH_NOARGS, "counters"},
     {"stop", (PyCFunction)Engine_stop, METH_NOARGS, "stop the I/O thread, close everything"},
     {NULL, NULL, 0, NULL},

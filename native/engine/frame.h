@@ -21,6 +21,7 @@
 #define IRDM_VERSION 1
 #define IRDM_MAX_IO (UINT64_C(1) << 30)      /* one READ/WRITE moves at most 1 GiB */
 #define IRDM_MAX_CONTROL (UINT64_C(16) << 20) /* a control document, error message or auth payload */
+#define IRDM_CALL_PROBE 1 /* a CALL header's imm: a liveness probe (protocol.CALL_PROBE) */
 
 enum irdm_op {
     IRDM_CHALLENGE = 1,

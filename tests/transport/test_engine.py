@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import struct
 
 import numpy as np
@@ -426,12 +427,11 @@ def test_each_adopted_connection_gets_its_own_id_even_when_closed_at_once():
     once returned a freed conn's first word as the id, so the node never saw that connection
     end; test_tcp_bad_input failed in CI). Every id is the next one, and each one closes."""
     import select
-    import socket
     import time
 
     engine = E.Engine()
     n = 10000
-    ids, peers = [], []
+    ids = []
     try:
         for _ in range(n):
             mine, peer = socket.socketpair()
@@ -450,3 +450,172 @@ def test_each_adopted_connection_gets_its_own_id_even_when_closed_at_once():
     assert ids == list(range(ids[0], ids[0] + n))
     assert sorted(closed) == ids
     assert all(why.startswith("protocol error") for why in closed.values()), set(closed.values())
+
+
+# -- the budget of call documents, and probes, on the engine itself (no Python data plane) ------
+DOC = 14 << 20  # five of them pass the engine's budget of call documents (64 MiB)
+
+
+def _tcp_pair():
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    peer = socket.create_connection(listener.getsockname())
+    mine, _ = listener.accept()
+    listener.close()
+    return mine, peer
+
+
+def _call(req_id, doc, imm=0):
+    return P.pack(P.Header(P.Op.CALL, req_id=req_id, imm=imm, length=len(doc))) + doc
+
+
+def _wait(predicate, what):
+    import time
+
+    end = time.monotonic() + HANG
+    while not predicate():
+        assert time.monotonic() < end, f"never: {what}"
+        time.sleep(0.005)
+
+
+def _events(engine, kinds, want, got=None):
+    """Poll until ``want(got)`` holds, collecting the events of ``kinds``."""
+    import select
+    import time
+
+    got = [] if got is None else got
+    end = time.monotonic() + HANG
+    while not want(got):
+        assert time.monotonic() < end, f"events so far: {[e[:2] for e in got]}"
+        select.select([engine.fileno()], [], [], 0.5)
+        got.extend(ev for ev in engine.poll() if ev[0] in kinds)
+    return got
+
+
+def _sender(sock, data):
+    import threading
+
+    t = threading.Thread(target=sock.sendall, args=(data,), daemon=True)
+    t.start()
+    return t
+
+
+def test_documents_past_the_budget_together_are_each_read_to_their_end():
+    """Five documents begun at once claim 70 MiB; a document begun is read to its end, so
+    each reaches Python (the engine once stopped reading all of them halfway, for good)."""
+    engine = E.Engine().native
+    pairs = [_tcp_pair() for _ in range(5)]
+    try:
+        conns = [engine.adopt(mine.detach(), True, False) for mine, _ in pairs]
+        docs = [bytes([65 + i]) * DOC for i in range(5)]
+        for i, (_, peer) in enumerate(pairs):
+            peer.sendall(_call(i + 1, docs[i])[: 40 + 1000])
+        _wait(lambda: engine.stats()["buffered"] == 5 * DOC, "all five headers taken")
+        senders = [_sender(peer, _call(i + 1, docs[i])[40 + 1000 :]) for i, (_, peer) in enumerate(pairs)]
+        got = _events(engine, (E.EV_CALL, E.EV_CLOSED), lambda g: len(g) == 5)
+        assert sorted((ev[1], ev[3], ev[-1] == docs[ev[3] - 1]) for ev in got) == [(c, i + 1, True) for i, c in enumerate(conns)]
+        for t in senders:
+            t.join(HANG)
+    finally:
+        engine.stop()
+        for mine, peer in pairs:
+            peer.close()
+
+
+def test_an_idle_connection_stays_open_when_the_budget_was_passed():
+    """A connection serviced while the budget is passed wants no events (nothing to send, no
+    frame to begin); the engine once took that for "never registered", added it again, got
+    EEXIST and closed it."""
+    engine = E.Engine().native
+    (a, a_peer), (b, b_peer) = _tcp_pair(), _tcp_pair()
+    try:
+        ca, cb = engine.adopt(a.detach(), True, False), engine.adopt(b.detach(), True, False)
+        sender = _sender(b_peer, b"".join(_call(i + 1, b"x" * DOC) for i in range(5)))
+        _wait(lambda: engine.stats()["buffered"] == 5 * DOC, "B's documents past the budget")
+        answer = P.pack(P.Header(P.Op.CALL | P.RESPONSE, req_id=7, length=2)) + b"{}"
+        engine.send(ca, answer)  # A serviced now, paused, with nothing left to send
+        assert _recv_all(a_peer, len(answer)) == answer
+        got = _events(engine, (E.EV_CALL, E.EV_CLOSED), lambda g: sum(ev[0] == E.EV_CALL for ev in g) == 5)  # taken: A looked at again
+        a_peer.sendall(_call(8, b'{"m":"echo","a":{}}'))
+        _events(engine, (E.EV_CALL, E.EV_CLOSED), lambda g: any(ev[1] == ca for ev in g), got)
+        assert [ev[0] for ev in got if ev[1] == ca] == [E.EV_CALL] and all(ev[1] == cb for ev in got[:5])
+        sender.join(HANG)
+    finally:
+        engine.stop()
+        a_peer.close()
+        b_peer.close()
+
+
+def test_a_connection_closed_mid_document_lets_the_paused_ones_read_again():
+    """A connection that ends halfway through a document gives its share of the budget back;
+    the connections waiting on the budget must be looked at again then, not at Python's next
+    poll (which may never come: nothing is left for it)."""
+    engine = E.Engine().native
+    (a, a_peer), (c, c_peer), (d, d_peer) = _tcp_pair(), _tcp_pair(), _tcp_pair()
+    try:
+        ca, cc, cd = (engine.adopt(s.detach(), True, False) for s in (a, c, d))
+        sender = _sender(d_peer, b"".join(_call(i + 1, b"d" * DOC) for i in range(4)))
+        _wait(lambda: engine.stats()["buffered"] == 4 * DOC, "D's four documents begun")
+        c_peer.sendall(_call(1, b"c" * DOC)[: 40 + 1000])
+        _wait(lambda: engine.stats()["buffered"] == 5 * DOC, "C's document begun: the budget passed")
+        a_peer.sendall(_call(9, b'{"m":"echo","a":{}}'))  # a whole frame, not begun while paused
+        sender.join(HANG)
+        assert engine.conn_info(ca)[3] == -1.0  # not read: the budget is passed
+        c_peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        c_peer.close()  # a reset halfway through C's document
+        _wait(lambda: engine.conn_info(ca)[3] >= 0.0, "A's frame read once C's share came back")
+        got = _events(engine, (E.EV_CALL, E.EV_CLOSED), lambda g: any(ev[0] == E.EV_CALL and ev[1] == ca for ev in g))
+        assert any(ev[0] == E.EV_CLOSED and ev[1] == cc for ev in got) or engine.conn_info(cc) is None
+        assert engine.conn_info(cd) is not None  # D goes on
+    finally:
+        engine.stop()
+        a_peer.close()
+        d_peer.close()
+
+
+def test_a_probe_is_answered_from_the_published_status_ahead_of_queued_answers():
+    """A probe's answer goes ahead of every answer not yet begun (one half sent stays whole and
+    first); its document reaches Python after it; a withdrawn status sends probes to Python."""
+    engine = E.Engine().native
+    mine, peer = _tcp_pair()
+    mine.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16 << 10)
+    peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 10)
+    try:
+        conn = engine.adopt(mine.detach(), True, False)
+        engine.publish_status(b'{"state":"ready"}', 60.0)
+        frames = [P.pack(P.Header(P.Op.READ | P.RESPONSE, req_id=i, length=1 << 20)) + bytes([i]) * (1 << 20) for i in (1, 2, 3)]
+        for f in frames:
+            engine.send(conn, f)
+        probe_doc = b'{"m":"heartbeat","a":{"owner":"m1"}}'
+        peer.sendall(_call(77, probe_doc, imm=P.CALL_PROBE))
+        _wait(lambda: engine.stats()["probes"] == 1, "the probe answered")
+        order = []
+        for _ in range(4):
+            h = P.unpack(_recv_all(peer, 40))
+            body = _recv_all(peer, h.length)
+            order.append(h.req_id)
+            if h.req_id == 77:
+                assert body == b'{"state":"ready"}' and h.status == P.Status.OK and h.imm == 0
+            else:
+                assert body == bytes([h.req_id]) * (1 << 20)  # whole, never cut by the probe's answer
+        assert order in ([1, 77, 2, 3], [77, 1, 2, 3]), order
+        got = _events(engine, (E.EV_PROBED, E.EV_CALL), lambda g: len(g) == 1)
+        assert got == [(E.EV_PROBED, conn, probe_doc)]
+        engine.publish_status(b'{"state":"ready"}', 0.0)  # withdrawn: Python answers
+        peer.sendall(_call(78, probe_doc, imm=P.CALL_PROBE))
+        got = _events(engine, (E.EV_PROBED, E.EV_CALL), lambda g: len(g) == 1)
+        assert got[0][0] == E.EV_CALL and got[0][3] == 78 and got[0][-1] == probe_doc
+        assert engine.stats()["probes"] == 1
+    finally:
+        engine.stop()
+        peer.close()
+
+
+def _recv_all(sock, n):
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        assert chunk, f"closed after {len(buf)} of {n} bytes"
+        buf += chunk
+    return bytes(buf)
