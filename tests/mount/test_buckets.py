@@ -66,6 +66,8 @@ async def packing(lc) -> tuple[dict, dict[str, list]]:
     return {n: in_force(a) for n, a in attrs.items()}, {"fids": [a["ino"] for a in attrs.values()], **busy}
 
 
+# the other way behind --long: the quick suite took 10 min 45 s on 2026-12-03 (docs/testing.md)
+@pytest.mark.parametrize("model", ["door", pytest.param("files", marks=pytest.mark.long)], indirect=True)
 async def test_a_first_step_packs_the_small_tensors_and_they_train_as_one(model):
     lc, m, values = model
     both_ranks(m, [full(1.0), full(3.0)])
@@ -90,6 +92,8 @@ async def test_a_first_step_packs_the_small_tensors_and_they_train_as_one(model)
     assert all(np.allclose(again[n], out[n] - LR * 2.0) for n in SHAPES)
 
 
+# the other way behind --long: the quick suite took 10 min 45 s on 2026-12-03 (docs/testing.md)
+@pytest.mark.parametrize("model", ["door", pytest.param("files", marks=pytest.mark.long)], indirect=True)
 async def test_a_partial_step_unpacks_the_bucket_and_loses_nothing(model):
     lc, m, values = model
     both_ranks(m, [full(1.0), full(1.0)])  # packed, one step

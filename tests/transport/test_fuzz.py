@@ -6,6 +6,7 @@ that frames may write changed only inside the ranges that valid, complete WRITEs
 of the serving task would fail the test through the nursery.
 """
 
+import os
 import socket
 
 import trio
@@ -18,6 +19,9 @@ from irdmafs.transport.tcp import TcpTransport
 
 from .conftest import TOKEN, handler
 from .test_tcp_bad_input import raw_session
+
+# half the examples in the quick suite, all of them with --long (CI): 10 min 45 s on 2026-12-03
+LONG = os.environ.get("IRDMAFS_LONG") == "1"
 
 SIZE = 4096
 OPS = [P.Op.READ, P.Op.WRITE, P.Op.WRITE_IMM, P.Op.CALL, P.Op.AUTH, P.Op.CHALLENGE, 0x7F, P.Op.READ | P.RESPONSE]
@@ -62,7 +66,7 @@ async def test_random_and_mutated_frames_never_crash_the_node_or_touch_memory_th
     probe = await t.connect("127.0.0.1", port, nursery=nursery)
     sent = {"frames": 0}
 
-    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=300 if LONG else 150, deadline=None, suppress_health_check=list(HealthCheck))
     @given(st.lists(frames([rw.rkey, ro.rkey]), min_size=10, max_size=50))
     def batch(fs):
         rw.buf[:] = bytes([1]) * SIZE
@@ -93,5 +97,5 @@ async def test_random_and_mutated_frames_never_crash_the_node_or_touch_memory_th
             assert bytes(rw.buf) == bytes(expected)  # (a request's status field is not read)
 
     await trio.to_thread.run_sync(batch)
-    assert sent["frames"] >= 3000  # thousands of frames went in
+    assert sent["frames"] >= (3000 if LONG else 1500)  # thousands of frames went in
     assert (await probe.call("echo", {"still": "serving"}))["echo"] == {"still": "serving"}

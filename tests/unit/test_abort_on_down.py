@@ -33,7 +33,7 @@ class Silent(Connection):
     async def write_imm(self, rkey, offset, data, imm):
         await trio.sleep_forever()
 
-    async def call(self, method, args=None, *, timeout=None):
+    async def call(self, method, args=None, *, timeout=None, probe=False):
         await trio.sleep_forever()
 
     async def aclose(self):
