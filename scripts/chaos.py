@@ -48,6 +48,14 @@ otherwise). The one window (README, Reliability): from a mount's kill until it i
 calls on it fail with ENOTCONN or ECONNABORTED, and paths below the bare mountpoint with ENOENT;
 a file being changed then holds its old or its new content, so the checker forgets it (only
 closed writes are promised). No other error is allowed, at any time.
+
+Beside the workers, a *garbage peer* passes each node's handshake with the cluster's token and
+sends it a broken frame (bad magic, an oversized document, a header cut short, a WRITE to no
+region, random bytes), over and over: the node closes that connection only and goes on serving.
+The data plane under test: ``--engine native`` (default: the engine where it is built) or
+``python`` (every process with ``IRDMAFS_ENGINE=0``); ``--transport shm --stripe-unit 4`` is
+the default cluster a user gets on one host (shared memory, 4 MiB stripes; loopback only, so
+no partitions or cuts: abstract sockets are per network namespace).
 """
 
 from __future__ import annotations
@@ -62,6 +70,7 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -86,6 +95,9 @@ from irdmafs.server.tails import SWEEP
 from irdmafs.launch.mount import clear_dead_mount, is_mounted, mount_background, stop_background
 from irdmafs.names import PACK_MIN_TENSORS
 from irdmafs.worker.steps import pull_arrays, push_arrays
+from irdmafs.errors import ProtocolError
+from irdmafs.transport import protocol as P
+from irdmafs.transport.base import client_proof, new_nonce
 
 MiB = 1 << 20
 WINDOW_ERRNOS = {errno.ENOTCONN, errno.ECONNABORTED, errno.ENOENT}
@@ -386,6 +398,69 @@ class FileWorker:
             got: list[bytes] = []
             if self.t.attempt("final_check", lambda: got.append((self.root / name).read_bytes())):
                 self._check(name, got[0], bytes(want), " (final)")
+
+
+class GarbagePeer:
+    """A peer with the token that sends each node, in turn, one broken frame after a valid
+    handshake; counts the frames sent (``garbage``) and the nodes it found away (a fault)."""
+
+    KINDS = ("bad-magic", "oversized", "short-header", "write-nowhere", "random")
+
+    def __init__(self, tally: Tally, cfg, seed: int) -> None:
+        self.t, self.cfg, self.rng = tally, cfg, random.Random(seed)
+
+    def frame(self, kind: str) -> bytes:
+        r = self.rng
+        if kind == "bad-magic":
+            return b"GARBAGE!" * 5
+        if kind == "oversized":
+            return P.pack(P.Header(P.Op.CALL, req_id=1, length=P.MAX_CONTROL + 1))
+        if kind == "short-header":
+            return P.pack(P.Header(P.Op.WRITE, req_id=1, length=100))[: r.randrange(1, 40)]
+        if kind == "write-nowhere":
+            return P.pack(P.Header(P.Op.WRITE, req_id=1, rkey=0xFFFFFFFF, length=64)) + bytes(64)
+        return r.randbytes(r.randrange(1, 200))
+
+    def step(self) -> None:
+        if self.t.stop.wait(self.rng.uniform(0.5, 2.0)):
+            return
+        spec = self.cfg.node(self.rng.choice(self.cfg.names))
+        kind = self.rng.choice(self.KINDS)
+        try:
+            with socket.create_connection((spec.host, spec.port), timeout=2) as s:
+                h = P.unpack(recv_exactly(s, P.HEADER.size))
+                snonce = recv_exactly(s, h.length)
+                cnonce = new_nonce()
+                s.sendall(P.pack(P.Header(P.Op.AUTH, length=64)) + cnonce + client_proof(self.cfg.token, snonce, cnonce))
+                h = P.unpack(recv_exactly(s, P.HEADER.size))
+                recv_exactly(s, h.length)
+                if h.status != P.Status.OK:
+                    self.t.error("garbage peer", f"{spec.name} refused the cluster's token: {h}")
+                    return
+                s.sendall(self.frame(kind))
+                s.shutdown(socket.SHUT_WR)
+                s.settimeout(5)
+                while s.recv(65536):  # whatever it answers, until it closes
+                    pass
+        except (OSError, EOFError, ProtocolError):  # a node killed, stopped or cut off now: a fault's
+            with self.t.lock:
+                self.t.ops["garbage_away"] += 1
+            return
+        with self.t.lock:
+            self.t.ops["garbage"] += 1
+
+    def verify_all(self) -> None:
+        pass  # what it checks is that the nodes go on: every other worker's final check
+
+
+def recv_exactly(s: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = s.recv(n - len(buf))
+        if not chunk:
+            raise EOFError(f"closed after {len(buf)} of {n} bytes")
+        buf += chunk
+    return buf
 
 
 class TensorWorker:
@@ -731,7 +806,9 @@ class Bed:
     """Node processes (in network namespaces when root), a local etcd, one mount, and as root
     with ``minority`` a second mount in n1's namespace; started and faulted."""
 
-    def __init__(self, tmp: Path, nodes: int, replicas: int, netns: bool, minority: bool, coordinators: int, stack: ExitStack) -> None:
+    def __init__(
+        self, tmp: Path, nodes: int, replicas: int, netns: bool, minority: bool, coordinators: int, stack: ExitStack, transport: str = "tcp", unit: int = MiB
+    ) -> None:
         self.tmp, self.netns = tmp, netns
         (tmp / "token").write_text(os.urandom(16).hex())
         etcd_hosts = ["127.0.0.1"] * coordinators
@@ -761,8 +838,8 @@ class Bed:
             "nodes": specs,
             "token_file": "token",
             "replicas": replicas,
-            "stripe_unit": MiB,
-            "transport": ["tcp"],
+            "stripe_unit": unit,
+            "transport": [transport],
             "heartbeat": 0.2,
             "down_after": 1.0,
             "op_timeout": 3.0,
@@ -897,7 +974,10 @@ def run(args: argparse.Namespace) -> dict:
         tmp = Path(tempfile.mkdtemp(prefix="irdmafs-chaos-"))
         if not args.keep:
             stack.callback(shutil.rmtree, tmp, True)
-        bed = Bed(tmp, args.nodes, args.replicas, netns, "partition" in kinds, args.coordinators, stack)
+        if args.engine == "python":
+            os.environ["IRDMAFS_ENGINE"] = "0"  # every process this starts: nodes, mounts, this one's clients
+        unit = int(args.stripe_unit * MiB)
+        bed = Bed(tmp, args.nodes, args.replicas, netns, "partition" in kinds, args.coordinators, stack, args.transport, unit)
         stack.callback(bed.close)
         stack.callback(minority.stop.set)
         stack.callback(tally.stop.set)  # runs first when unwinding early: workers stop their loops
@@ -910,6 +990,7 @@ def run(args: argparse.Namespace) -> dict:
             TensorWorker(tally, root / "tensors", args.seed * 10 + 3),
             SnapshotWorker(tally, bed.mnt, root / "snap", args.seed * 10 + 4),
             TrainingJob(tally, bed.mnt, root / "train", args.seed * 10 + 5),
+            GarbagePeer(tally, bed.cfg, args.seed * 10 + 9),
         ]
         if args.model_gib:
             (root / "big").mkdir()
@@ -970,6 +1051,9 @@ def run(args: argparse.Namespace) -> dict:
             "nodes": args.nodes,
             "replicas": args.replicas,
             "fault_kinds": kinds,
+            "engine": args.engine,
+            "transport": args.transport,
+            "stripe_unit": unit,
             "coordinator": bed.etcd.endpoints,
             "minority_mount": str(bed.minority) if bed.minority else None,
             "operations": dict(sorted(tally.ops.items())) | {"total": sum(tally.ops.values())},
@@ -1033,6 +1117,9 @@ def main() -> int:
     ap.add_argument("--nodes", type=int, default=3)
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--no-netns", action="store_true", help="loopback only, even as root (no partitions)")
+    ap.add_argument("--engine", choices=("native", "python"), default="native", help="the data plane: the engine (where built) or Python's")
+    ap.add_argument("--transport", choices=("tcp", "shm"), default="tcp", help="shm: shared memory between the processes (needs --no-netns)")
+    ap.add_argument("--stripe-unit", type=float, default=1.0, metavar="MIB", help="the stripe unit in MiB (default 1; a user's default is 4)")
     ap.add_argument("--coordinators", type=int, default=3, metavar="N", help="etcd members (odd; default 3: member faults too)")
     ap.add_argument("--keep", action="store_true", help="keep the state directory (logs) afterwards")
     ap.add_argument("--faults", help="only these kinds, comma-separated (to chase one finding); none: no faults (a baseline)")
@@ -1045,6 +1132,8 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.coordinators < 1 or args.coordinators % 2 == 0:
         ap.error("--coordinators: an odd number of etcd members (1, 3, 5)")
+    if args.transport == "shm" and not args.no_netns and os.geteuid() == 0:
+        ap.error("--transport shm: add --no-netns (each node in its own network namespace would reach the others over TCP)")
     if args.replicas < 2:
         ap.error("faults need --replicas 2 or more (one node out at a time)")
     if args.schedule:
