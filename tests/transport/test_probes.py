@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 import threading
 from functools import partial
 
@@ -23,7 +22,7 @@ from irdmafs.transport.shm import ShmTransport
 from irdmafs.transport.tcp import TcpTransport
 
 from .conftest import ENGINE_REASON, TOKEN
-from .test_tcp_bad_input import raw_session
+from .test_tcp_bad_input import _recv_exactly as _recv, raw_session
 
 HANG = 60
 needs_engine = pytest.mark.skipif(bool(ENGINE_REASON), reason=f"the native engine is not built here: {ENGINE_REASON}")
@@ -209,12 +208,3 @@ async def test_a_malformed_probe_is_answered_and_its_document_dropped_with_a_log
             await trio.sleep(0.01)
     assert node.heard == [] and node.ordinary == 0
 
-
-def _recv(s: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = s.recv(n - len(buf))
-        if not chunk:
-            raise AssertionError(f"connection closed after {len(buf)} of {n} bytes")
-        buf += chunk
-    return buf
