@@ -150,7 +150,7 @@ class Node:
         self.data = DataPath(core, self.as_primary, self.staging, self.records, self.offload, self.missing, self.tails)
         self.cluster.heartbeats.on_adopt = self.membership.adopted  # a membership learnt from a peer's heartbeat
         self.clocks = ClockWaits(transport, self.store)
-        self.publisher = Publisher(cfg, self.serving, self.lease, self.status, self._probed)
+        self.publisher = Publisher(cfg, self.serving, self.lease, self.cluster.roles, self.status, self._probed)
         self.calls: dict[str, Callable] = {}  # method -> its handler (``handle``)
         for part in (self, self.data, self.namespace, self.training, self.records, self.membership, self.clocks, self.tails):
             for attr in dir(part):

@@ -185,7 +185,7 @@ class Engine:
         """What probes get for the next ``valid_for`` seconds (probes.py, ``StatusBoard.attach``);
         nothing once the engine stopped (it answers nothing then)."""
         try:
-            self.native.publish_status(status, valid_for)
+            self.native.publish_status(status, min(valid_for, 3599.0))  # the engine takes under an hour
         except _engine.EngineError:
             pass
 

@@ -86,4 +86,7 @@ class StatusBoard:
             return
         if method != PROBE_METHOD:
             log.warning("a call %r flagged as a probe was answered as a %s", method, PROBE_METHOD)
-        self.heard_cb(method, args)
+        try:
+            self.heard_cb(method, args)
+        except Exception:  # runs in the engine's pump or a connection's reader: never theirs to end
+            log.exception("a probe's document: its handler failed")

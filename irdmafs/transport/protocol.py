@@ -129,7 +129,7 @@ def decode_call(payload: bytes | memoryview) -> tuple[str, dict]:
     try:
         doc = json.loads(bytes(payload))
         method, args = doc["m"], doc["a"]
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:  # RecursionError: "[[[[..." nested past the parser's depth
         raise ProtocolError(f"malformed call document: {exc}") from None
     if not isinstance(method, str) or not isinstance(args, dict):
         raise ProtocolError("malformed call document: wrong types")
@@ -143,7 +143,7 @@ def encode_result(result: dict) -> bytes:
 def decode_result(payload: bytes | memoryview) -> dict:
     try:
         result = json.loads(bytes(payload))
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise ProtocolError(f"malformed call result: {exc}") from None
     if not isinstance(result, dict):
         raise ProtocolError("malformed call result: not an object")

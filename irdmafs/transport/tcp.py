@@ -502,7 +502,7 @@ class _Responder:
             self.calls.start_soon(self.run_call, h, payload)
             return
         # a probe, while the board's copy is valid: answered here, ahead of what is queued (probes.py)
-        resp = h._replace(opcode=h.opcode | P.RESPONSE, imm=0, length=len(status))
+        resp = h._replace(opcode=h.opcode | P.RESPONSE, status=P.Status.OK, imm=0, length=len(status))
         await self.sender.send([P.pack(resp), status], urgent=True)
         self.board.heard(payload)
 

@@ -185,16 +185,16 @@ async def test_a_probe_without_a_valid_copy_is_the_heartbeat_call(node_factory, 
     assert node.ordinary == 3
 
 
+@pytest.mark.parametrize("junk", [b"{not json", b"[" * 100_000, b'{"m":"heartbeat","a":[]}'], ids=["not-json", "nested-past-the-parser", "wrong-types"])
 @pytest.mark.parametrize("kind", ENGINES)
-async def test_a_malformed_probe_is_answered_and_its_document_dropped_with_a_log_line(node_factory, kind, caplog):
+async def test_a_malformed_probe_is_answered_and_its_document_dropped_with_a_log_line(node_factory, kind, junk, caplog, nursery):
     caplog.set_level(logging.WARNING, logger="irdmafs.transport.probes")
     node = node_factory(kind)
 
     def attempt():
         s, h, _ = raw_session(node.address[1])
         assert h.status == P.Status.OK
-        junk = b"{not json"
-        s.sendall(P.pack(P.Header(P.Op.CALL, req_id=9, imm=P.CALL_PROBE, length=len(junk))) + junk)
+        s.sendall(P.pack(P.Header(P.Op.CALL, req_id=9, status=7, imm=P.CALL_PROBE, length=len(junk))) + junk)
         head = P.unpack(_recv(s, 40))
         body = _recv(s, head.length)
         s.close()
@@ -207,4 +207,6 @@ async def test_a_malformed_probe_is_answered_and_its_document_dropped_with_a_log
         while not any("a probe's document dropped" in r.getMessage() for r in caplog.records):
             await trio.sleep(0.01)
     assert node.heard == [] and node.ordinary == 0
+    conn = await _client(kind).connect(*node.address, nursery=nursery)
+    assert await conn.call("echo", {"x": 1}) == {"echo": {"x": 1}}  # the node goes on serving
 

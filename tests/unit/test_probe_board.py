@@ -10,6 +10,7 @@ import logging
 import pytest
 import trio
 
+from irdmafs.coord.views import View
 from irdmafs.runtime.cluster import READY
 from irdmafs.transport import probes
 from irdmafs.transport import protocol as P
@@ -52,6 +53,14 @@ async def test_a_stall_fences_before_the_board_says_ready_again(node, caplog):
         while shown(node)["state"] == READY:
             await trio.sleep(0.001)
     assert any("did not run for" in r.getMessage() for r in caplog.records)  # fenced for the stall, by its checks
+
+
+async def test_a_view_that_drops_the_node_leaves_no_ready_copy(node):
+    roles = node.cluster.roles
+    view = roles.view
+    others = tuple((n, lease) for n, lease in view.serving if n != node.name)
+    roles.learn_view(View(view.epoch + 1, others, ()))
+    assert node.publisher.board.answer() is None  # at once: the next probe is the call, which fences
 
 
 async def test_a_copy_is_valid_for_less_than_a_fencing_stall_and_never_past_the_lease(node, monkeypatch):
