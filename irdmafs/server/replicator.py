@@ -24,7 +24,13 @@ reached (lost, timed out) is expelled by a new view (coord/views.py, V6), which 
   heartbeats, probed again first, reach a majority of the members (a node cut off from the others
   expels nobody: it waits, unacknowledged, until they expel it or the links return; found by the
   fault simulator, kind "cut": without the fresh probe the cut-off node's heartbeats still said
-  "majority" for a moment, and it expelled one of the others, mixed seed 39); a backup that
+  "majority" for a moment, and it expelled one of the others, mixed seed 39). A backup that
+those fresh probes hear again (the fault that failed the send healed while it waited) is sent
+the change once more before it is expelled, once per change: expelled a moment after it was
+back, its stripes had one copy until their stand-ins got them, and a crash of that copy's node
+then lost them with every node up a moment before (mixed seed 1758162611: a bucket's pushes
+taken for out of order). A backup that answers probes but not the data plane costs one more
+send before it goes. A backup that
 refused (ESTALE: it holds another view; EAGAIN) is not expelled: this node reads the view and
 decides again.
 
@@ -219,6 +225,7 @@ class Replicator:
         """``to_every_target`` for any set of replicas: ``targets()`` as they are now, ``leads()``
         raising unless this node still leads what is sent (a view may have moved it)."""
         have = {self.name}
+        spared: set[str] = set()  # backups heard again after a failed send: sent once more (``_out_of_view``)
         made_in = self.serving.gen
         for _ in range(2 * len(self.cluster.roles.members.names) + 2):
             try:
@@ -242,17 +249,21 @@ class Replicator:
             have |= {p for p, ok in done.items() if ok}
             failed = [p for p, ok in done.items() if not ok]
             if failed:
-                await self._out_of_view(failed)
+                await self._out_of_view(failed, spared)
         raise RemoteError("EAGAIN", f"{what}: its replicas kept changing; not acknowledged, send it again")
 
-    async def _out_of_view(self, failed: list[str]) -> None:
-        """Expel the backups that could not be reached; for those that
+    async def _out_of_view(self, failed: list[str], spared: set[str]) -> None:
+        """Expel the backups that could not be reached, unless fresh probes hear one again and
+        it is not in ``spared`` yet (it joins it, and is sent the change again); for those that
         refused, read the view (they may know a newer one)."""
         refused = False
         for peer in failed:
             if peer in self.unreached:
                 self.unreached.discard(peer)
                 await self.cluster.heartbeats.refresh()  # its heartbeats as they are now, not as they were
+                if peer not in spared and not self.cluster.liveness.is_down(peer):
+                    spared.add(peer)
+                    continue
                 if not self.cluster.heard_majority() or not await self.serving.lease.expel(peer):
                     await self.serving.lease.refresh()
                     await trio.sleep(self.cluster.cfg.heartbeat)

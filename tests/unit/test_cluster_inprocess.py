@@ -1670,3 +1670,48 @@ async def test_a_read_that_failed_over_holds_no_view_of_its_buffer_once_it_retur
         finally:
             gc.enable()
         assert failed
+
+
+async def _write_failing_to_backup(cluster, fails: int):
+    """A file's stripe written while the first ``fails`` stagings of its bytes on the stripe's
+    backup fail as a lost connection would, that backup's heartbeats answering all along: the
+    primary, its backup, and the view after the write was acknowledged."""
+    from irdmafs.errors import PeerLost
+
+    cfg, nodes = cluster
+    async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
+        f = await c.paths.write_file("/f", b"a" * 100)
+        primary_name, backup_name = c.cluster.roles.targets(f["ino"], 0)[:2]
+        primary = next(n for n in nodes if n.name == primary_name)
+        real, failed = primary.cluster.peers.write, []
+
+        async def write(name, rkey, offset, data, inc=None):
+            if name == backup_name and len(failed) < fails:
+                failed.append(name)
+                raise PeerLost(f"{name}: write lost (test)")
+            return await real(name, rkey, offset, data, inc)
+
+        primary.cluster.peers.write = write
+        try:
+            await c.paths.write_file("/f", b"b" * 100)
+        finally:
+            primary.cluster.peers.write = real
+        assert len(failed) == fails
+        return primary, next(n for n in nodes if n.name == backup_name), primary.cluster.roles.view, f["ino"]
+
+
+async def test_a_backup_heard_again_after_a_failed_send_is_sent_it_again_not_expelled(cluster):
+    """A send to a backup that fails while its heartbeats answer (the fault healed while the
+    send waited) is made once more before the backup is expelled: expelled a moment after it
+    was back, its stripes had one copy, and a crash of that node lost them with every node up
+    a moment before (fault simulator, mixed seed 1758162611)."""
+    primary, backup, view, fid = await _write_failing_to_backup(cluster, fails=1)
+    assert view.expelled == () and backup.name in view.active
+    assert bytes(backup.store.get(fid, 0).data[:100]) == b"b" * 100  # the second send took
+
+
+async def test_a_backup_that_fails_its_second_send_too_is_expelled(cluster):
+    """The second chance is one: a backup whose probes answer but whose sends fail goes, and
+    the change is acknowledged by its stand-in."""
+    primary, backup, view, fid = await _write_failing_to_backup(cluster, fails=2)
+    assert backup.name in view.expelled
