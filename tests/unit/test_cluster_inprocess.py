@@ -1715,3 +1715,5 @@ async def test_a_backup_that_fails_its_second_send_too_is_expelled(cluster):
     the change is acknowledged by its stand-in."""
     primary, backup, view, fid = await _write_failing_to_backup(cluster, fails=2)
     assert backup.name in view.expelled
+    stand_in = next(n for n in cluster[1] if n is not primary and n is not backup)
+    assert bytes(stand_in.store.get(fid, 0).data[:100]) == b"b" * 100
