@@ -24,14 +24,26 @@ else:
 
 NATIVE = _native is not None
 F32 = np.dtype(np.float32)
+QUIET = 0x00400000  # a float32 NaN's quiet bit
 
 
-def acc_f16(acc: np.ndarray, src: np.ndarray, native: bool = NATIVE) -> None:
-    """``acc += float32(src)`` for a float32 ``acc`` and a float16 ``src``."""
+F16C = NATIVE and _native.f16c()  # acc_f16 converts eight halves at a time (chosen at import)
+
+
+def acc_f16(acc: np.ndarray, src: np.ndarray, native: bool = NATIVE, vector: bool = True) -> None:
+    """``acc += float32(src)`` for a float32 ``acc`` and a float16 ``src`` (``vector``: with
+    F16C where the CPU has it; False: the C kernel's scalar conversion)."""
     if native and _native is not None and acc.dtype == F32 and acc.flags.c_contiguous:
-        _native.acc_f16(acc, np.ascontiguousarray(src, np.float16))
-    else:
-        acc += src.astype(acc.dtype)
+        _native.acc_f16(acc, np.ascontiguousarray(src, np.float16), vector)
+        return
+    # Which NaN a sum of two NaNs returns, IEEE leaves open and numpy's loop answers by
+    # position (its vector body keeps the first operand's, its tail the second's): both paths
+    # keep the sum's own NaN, quieted (kernels.c, add_keep_nan)
+    nan = np.isnan(acc)
+    kept = acc[nan].view(np.uint32) | np.uint32(QUIET) if nan.any() else None
+    acc += src.astype(acc.dtype)
+    if kept is not None:
+        acc[nan] = kept.view(acc.dtype)
 
 
 def bias_corrections(beta1: float, beta2: float, t: int) -> tuple[np.float32, np.float32]:
@@ -45,10 +57,12 @@ def can_run(param: np.ndarray, grad: np.ndarray, *state: np.ndarray) -> bool:
     return NATIVE and all(a.dtype == F32 and a.flags.c_contiguous for a in (param, grad, *state)) and param.flags.writeable
 
 
-def sgd(param, grad, buf, lr: float, momentum: float, weight_decay: float, nesterov: bool, first: bool) -> None:
-    _native.sgd(param, grad, buf, lr, momentum, weight_decay, nesterov, first)
+def sgd(param, grad, buf, lr: float, momentum: float, weight_decay: float, nesterov: bool, first: bool, div: int = 1) -> None:
+    """SGD of ``grad / div`` (a round's sum and its count of pushes) in one pass."""
+    _native.sgd(param, grad, buf, lr, momentum, weight_decay, nesterov, first, div)
 
 
-def adam(param, grad, m, v, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, t: int) -> None:
+def adam(param, grad, m, v, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, t: int, div: int = 1) -> None:
+    """Adam of ``grad / div`` in one pass."""
     c1, c2 = bias_corrections(beta1, beta2, t)
-    _native.adam(param, grad, m, v, lr, beta1, beta2, eps, weight_decay, float(c1), float(c2))
+    _native.adam(param, grad, m, v, lr, beta1, beta2, eps, weight_decay, float(c1), float(c2), div)

@@ -1,7 +1,8 @@
 """The native kernels' gain over their numpy fallbacks, for scripts/bench.py.
 
 Each kernel runs on 16 M float32 elements (64 MiB), C and numpy interleaved, median of --reps;
-the figure is numpy time / C time (above 1: the C kernel is faster).
+the figure is numpy time / C time (above 1: the C kernel is faster); ``acc_f16_f16c`` is the C
+kernel's scalar conversion against its F16C one, where the CPU has it.
 """
 
 from __future__ import annotations
@@ -34,10 +35,13 @@ def speedups(reps: int) -> dict[str, float]:
     cases = {
         "acc_f16": lambda nat: native.acc_f16(acc, h, native=nat),
     }
+    if native.F16C:  # the F16C conversion against the C kernel's own scalar one
+        cases["acc_f16_f16c"] = lambda vec: native.acc_f16(acc, h, native=True, vector=vec)
     for text, key in (("sgd lr=0.01 momentum=0.9 weight_decay=1e-4", "sgd_momentum"), ("adam lr=1e-3 weight_decay=1e-4", "adam")):
         opt = optim.parse(text)
         state = {k: np.zeros(N, np.float32) for k in opt.state_names}
-        cases[key] = lambda nat, opt=opt, state=state: optim.step(opt, p, g, state, 3, native=nat)
+        # a bsp round of 4 pushes: the sum divided in the kernel's pass (numpy: a pass of its own)
+        cases[key] = lambda nat, opt=opt, state=state: optim.step(opt, p, g, state, 3, div=4, native=nat)
     res = {}
     for key, fn in cases.items():
         fn(True), fn(False)  # warm-up: page in

@@ -25,19 +25,22 @@ def work_dtype(param_dtype: np.dtype) -> np.dtype:
     return np.dtype(np.float64) if param_dtype == np.float64 else np.dtype(np.float32)
 
 
-def step(opt: Optimizer, param: np.ndarray, grad: np.ndarray, state: dict[str, np.ndarray], t: int, *, native: bool = kernels.NATIVE) -> None:
-    """One update of ``param`` (in place) with gradient ``grad``; ``state`` arrays are updated in
+def step(opt: Optimizer, param: np.ndarray, grad: np.ndarray, state: dict[str, np.ndarray], t: int, *, div: int = 1, native: bool = kernels.NATIVE) -> None:
+    """One update of ``param`` (in place) with gradient ``grad / div`` (a round's sum and its
+    count of pushes: the average is taken in the same pass); ``state`` arrays are updated in
     place; ``t`` is the 1-based count of updates including this one. float32 arrays go to the C
-    kernels when built (same bits, one pass; see irdmafs/native.py) unless ``native`` is False."""
+    kernels when built (same bits, one pass; see irdmafs/native.py) unless ``native`` is False.
+    ``grad`` is only read."""
     if native and kernels.can_run(param, grad, *state.values()):
         if opt.kind == "sgd":
-            kernels.sgd(param, grad, state.get("buf"), opt.lr, opt.momentum, opt.weight_decay, opt.nesterov, t == 1)
+            kernels.sgd(param, grad, state.get("buf"), opt.lr, opt.momentum, opt.weight_decay, opt.nesterov, t == 1, div)
         else:
-            kernels.adam(param, grad, state["m"], state["v"], opt.lr, opt.beta1, opt.beta2, opt.eps, opt.weight_decay, t)
+            kernels.adam(param, grad, state["m"], state["v"], opt.lr, opt.beta1, opt.beta2, opt.eps, opt.weight_decay, t, div)
         return
     wd = work_dtype(param.dtype)
     p = param.astype(wd, copy=param.dtype != wd)
     g = grad.astype(wd, copy=True)
+    g /= wd.type(div)  # always, as the C kernels do (x / 1 quiets a signalling NaN)
     if opt.weight_decay:
         g += wd.type(opt.weight_decay) * p
     if opt.kind == "sgd":

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -49,10 +50,51 @@ class Model:
         return [r for r in range(self.workers) if r not in self.removed]
 
 
-def _own(a: np.ndarray) -> np.ndarray:
-    """``a``, or a copy of it to change when it is frozen: a hand-over's cut refers to it as it
-    was (server/cuts.py C1)."""
-    return a if a.flags.writeable else a.copy()
+class Averaged(NamedTuple):
+    """An update to apply: the gradient ``total / count`` (a bsp round's sum and the pushes in
+    it; an asp push and W), divided in the optimizer's own pass (optim.step ``div``), never in
+    one of its own. ``acc``: ``total`` is an accumulator of this stripe's (server/sums.py), its
+    spare once applied (``StripeTraining.recycle``)."""
+
+    total: np.ndarray
+    count: int
+    acc: bool = False
+
+    def value(self) -> np.ndarray:
+        """The averaged gradient itself (a new array; what the optimizer's pass reads)."""
+        return self.total / self.count
+
+
+class Sums(Protocol):
+    """Where round accumulators come from: server/sums.py's ``RoundSums`` on a node (counted in
+    its budget); ``PLAIN``, numpy's, where nothing counts (a test, the simulator)."""
+
+    def make(self, count: int, dtype: np.dtype) -> np.ndarray:
+        """An uninitialised flat accumulator."""
+
+    def owns(self, a: np.ndarray) -> bool:
+        """Whether ``make`` made ``a`` (only those become spares: sums.py S3)."""
+
+
+class _Plain:
+    def make(self, count: int, dtype: np.dtype) -> np.ndarray:
+        return np.empty(count, dtype)
+
+    def owns(self, a: np.ndarray) -> bool:
+        return a.flags.owndata
+
+
+PLAIN: Sums = _Plain()
+
+
+def _own(a: np.ndarray, sums: Sums = PLAIN) -> np.ndarray:
+    """``a``, or a copy of it (from ``sums``) to change when it is frozen: a hand-over's cut
+    refers to it as it was (server/cuts.py C1)."""
+    if a.flags.writeable:
+        return a
+    mine = sums.make(a.size, a.dtype).reshape(a.shape)
+    np.copyto(mine, a)
+    return mine
 
 
 EMA = 0.3  # weight of the newest sample in the moving averages of step and compute times
@@ -71,6 +113,9 @@ class StripeTraining:
     held: dict[int, dict[int, np.ndarray]] = field(default_factory=dict)  # r2sp: rank -> step -> gradient
     arrived: dict[int, tuple[int, float]] = field(default_factory=dict)  # rank -> (step, time) of its last push
     cycle: dict[int, float] = field(default_factory=dict)  # rank -> EMA of its step time, slot waits excluded
+    # the accumulator of the last round applied, for the next round's first push (sums.py S2);
+    # never in a record: a record taken from a peer drops it (``restore``)
+    spare: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     def record(self, blobs: list | None = None) -> dict:
         """What a backup needs to carry on as primary with nothing lost or applied twice: each
@@ -138,6 +183,7 @@ class StripeTraining:
         ``StripeTraining`` read from one; a malformed record changes nothing."""
         src = rec if isinstance(rec, StripeTraining) else StripeTraining.from_record(rec, blobs)
         self.pushed, self.applied, self.span, self.rounds, self.held = src.pushed, src.applied, src.span, src.rounds, src.held
+        self.spare = None
 
     def observe(self, rank: int, busy: float | None) -> None:
         """The compute time a rank reported with its push (for batch-size suggestions)."""
@@ -181,58 +227,79 @@ class StripeTraining:
         """Whether push ``step`` of ``rank`` may be applied now (under r2sp, its turn)."""
         return model.policy.admitted(self.pushed, model.active, rank, step)
 
-    def take(self, model: Model, rank: int, step: int, grad: np.ndarray) -> list[np.ndarray]:
+    def take(self, model: Model, rank: int, step: int, grad: np.ndarray, sums: Sums = PLAIN) -> list[Averaged]:
         """Take push ``step`` of ``rank`` (its next, see ``next_step``): under r2sp held until
-        its turn; returns the averaged gradients to apply now, in order."""
+        its turn; returns the updates to apply now, in order (``sums``: where a round's
+        accumulator comes from when its stripe has no spare)."""
         steps = self.held.setdefault(rank, {})
         steps[step] = grad
-        out = self.release(model)
+        out = self.release(model, sums)
         if steps.get(step) is grad:  # held past this push: ``grad`` may be a view of staging
             steps[step] = grad.copy()
         return out
 
-    def release(self, model: Model) -> list[np.ndarray]:
+    def release(self, model: Model, sums: Sums = PLAIN) -> list[Averaged]:
         """Accept every held push whose turn has come, in turn order (under other policies
         than r2sp, every one: a policy changed away from r2sp frees what it held)."""
-        out: list[np.ndarray] = []
+        out: list[Averaged] = []
         progress = True
         while progress:
             progress = False
             for rank, steps in self.held.items():
                 step = self.pushed.get(rank, 0)
                 if step in steps and self.admitted(model, rank, step):
-                    out += self.accept(model, rank, step, steps.pop(step))
+                    out += self.accept(model, rank, step, steps.pop(step), sums)
                     progress = True
         return out
 
-    def accept(self, model: Model, rank: int, step: int, grad: np.ndarray) -> list[np.ndarray]:
-        """Record push ``step`` of ``rank``; returns the averaged gradients to apply now, in
-        order (none, one, or several when a removed rank completes waiting rounds)."""
-        self.pushed[rank] = step + 1
+    def accept(self, model: Model, rank: int, step: int, grad: np.ndarray, sums: Sums = PLAIN) -> list[Averaged]:
+        """Record push ``step`` of ``rank``; returns the updates to apply now, in order (none,
+        one, or several when a removed rank completes waiting rounds)."""
         work = np.dtype(np.float32) if grad.dtype == np.float16 else grad.dtype  # an fp16 push sums in fp32
         if not model.policy.rounds:  # applied on arrival, scaled so W pushes move it as one round
-            return [grad.astype(work, copy=False) / max(1, len(model.active))]
+            self.pushed[rank] = step + 1
+            return [Averaged(grad.astype(work, copy=False), max(1, len(model.active)))]
+        # the memory first (NoSpace: the push is not taken, nothing counted), then the counts
         entry = self.rounds.get(step)
-        if entry is None:  # the round's first push: its copy is the sum so far (one pass)
-            entry = self.rounds[step] = [grad.astype(work, copy=True), set()]
+        if entry is None:  # the round's first push: copied into the sum (one pass)
+            entry = self.rounds[step] = [self._first_sum(grad, work, sums), set()]
         else:
-            entry[0] = _own(entry[0])
+            entry[0] = _own(entry[0], sums)
             if grad.dtype == np.float16:
                 native.acc_f16(entry[0], grad)  # one pass, no float32 temporary
             else:
                 entry[0] += grad
         entry[1].add(rank)
+        self.pushed[rank] = step + 1
         return self.complete_rounds(model)
 
-    def complete_rounds(self, model: Model) -> list[np.ndarray]:
-        """The bsp rounds that every active rank has now pushed, averaged, in order."""
+    def _first_sum(self, grad: np.ndarray, work: np.dtype, sums: Sums) -> np.ndarray:
+        """A round's sum holding ``grad``: the stripe's spare if it fits (sums.py S2), else a new
+        accumulator from ``sums``."""
+        acc, self.spare = self.spare, None
+        if acc is None or acc.shape != grad.shape or acc.dtype != work or not acc.flags.writeable:
+            acc = sums.make(grad.size, work)
+            if grad.ndim != 1:  # (pushed gradients are flat)
+                acc = acc.reshape(grad.shape)
+        np.copyto(acc, grad)  # the cast astype does (fp16 to fp32 exact)
+        return acc
+
+    def complete_rounds(self, model: Model) -> list[Averaged]:
+        """The bsp rounds that every active rank has now pushed, in order, each its sum and
+        count (a removed rank's push of the round still counts: divided by who pushed). The sum
+        is not changed here (the optimizer's pass divides as it reads), so a sum a cut froze is
+        applied as it is, without a copy."""
         out = []
         active = set(model.active)
         while self.applied in self.rounds and active and active <= self.rounds[self.applied][1]:
             total, ranks = self.rounds.pop(self.applied)
-            total = _own(total)
-            # a removed rank's push of this round still counts, so divide by who pushed
-            total /= len(ranks)  # in place: the round's sum is ours alone now
-            out.append(total)
+            out.append(Averaged(total, len(ranks), acc=True))
             self.applied += 1
         return out
+
+    def recycle(self, applied: list[Averaged], sums: Sums = PLAIN) -> None:
+        """``applied`` are applied: an accumulator ``sums`` made among them becomes the stripe's
+        spare (sums.py S2, S3: never a frozen one, never a pushed gradient or a peer's sum)."""
+        for u in applied:
+            if u.acc and u.total.flags.writeable and sums.owns(u.total):
+                self.spare = u.total

@@ -326,17 +326,31 @@ class Store:
         self._saved(key, HEADER + offset, HEADER + offset + len(data))
         return new
 
+    def reserve(self, key: StripeKey, needed: int, unit: int) -> None:
+        """The memory of stripe ``key`` that an ``update`` changes next, made (or grown) now, so
+        that NoSpace comes before anything else of a change does (a step's optimizer state). A
+        new stripe takes the version base its ``update`` would have given it (its first version
+        is that base + 1: a truncate's cuts tell stripes made since by it, effects.py)."""
+        fid, idx, snap = key
+        fresh = key not in self.stripes
+        stripe = self.ensure(fid, idx, needed, unit, snap)
+        if fresh:
+            WORD.pack_into(stripe.region.buf, VERSION_AT, 2 * self.version_base())
+
     def update(self, where: StripeRange, fn, clock: int | None = None, pending: bool = False) -> int:
-        """Change the bytes ``where`` names of a live stripe in place: ``fn(view)`` runs
-        under the seqlock (it must not await), then the clock is set if given; returns the new
-        version. An optimizer step this way writes the parameters once, where a copy out, the
-        step and ``install`` would pass over them three times. ``pending``: the bytes now hold
-        a step whose clock ``publish_clock`` sets later; readers see both in one header."""
+        """Change the bytes ``where`` names of a live stripe or its optimizer state (snap -1,
+        -2) in place: ``fn(view)`` runs under the seqlock (it must not await; it may change
+        other stripes under theirs, nested: a step's state), then the clock is set if given;
+        returns the new version. A new stripe's bytes are zeros. An optimizer step this way
+        writes the parameters and its state once, where a copy out, the step and ``install``
+        would pass over them three times. ``pending``: the bytes now hold a step whose clock
+        ``publish_clock`` sets later; readers see both in one header."""
         (fid, idx, snap), offset, length, unit = where
-        assert snap == 0, "a live stripe's bytes"
-        fresh = (fid, idx, 0) not in self.stripes
-        stripe = self.ensure(fid, idx, offset + length, unit)
-        self._writable(fid, idx)
+        assert snap <= 0 and not (pending and snap), "a live stripe's bytes or its state's"
+        key = (fid, idx, snap)
+        fresh = key not in self.stripes
+        stripe = self.ensure(fid, idx, offset + length, unit, snap)
+        self._writable(fid, idx, snap)
         buf = stripe.region.buf
         word = WORD.unpack_from(buf, VERSION_AT)[0]
         new = self.version_base() + 1 if fresh else word // 2 + 1
@@ -353,7 +367,7 @@ class Store:
         stripe.tag = self.epoch()
         if clock is not None or pending:
             self._changed()
-        self._saved((fid, idx, 0), HEADER + offset, HEADER + offset + length)
+        self._saved(key, HEADER + offset, HEADER + offset + length)
         return new
 
     def publish_clock(self, fid: int, idx: int, clock: int) -> None:

@@ -36,7 +36,8 @@ from .leading import Leading
 from .meta import Meta
 from .pushes import Push, gradient
 from .records import PushRecords
-from .rounds import Model, StripeTraining
+from .rounds import Averaged, Model, StripeTraining
+from .sums import RoundSums
 from .updates import StripeKey, StripeRange, Update, check_range
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class Training:
         self.name, self.cfg, self.cluster, self.store, self.stripe_locks, self.serving = core
         self._meta, self.leading, self.records = meta, leading, records
         self.apply_seconds = 0.0  # optimizer steps and installs of pushed gradients
+        self.sums = RoundSums(self.store.budget)  # the rounds' accumulators, counted (sums.py)
         self.pushes_applied = trio.Event()  # set (and replaced) whenever pushes may have been applied
         self._found: dict = {}  # ("model" | "policy", fid) -> what model_of / policy_info found (``_cache``)
         self._cached_for: tuple = (None, None)  # the namespace (object, stamp) they were found in
@@ -217,7 +219,7 @@ class Training:
             st.observe(rank, p.busy)
             now = trio.current_time()
             st.arrive(rank, step, now, p.paced)
-            ups = st.take(model, rank, step, grad)
+            ups = st.take(model, rank, step, grad, self.sums)
             early = None
             if ups and p.early and model.policy.rounds and len(model.active) > 1:
                 early = lambda: answer(self._reply(st, model, rank, step, now, clock=self.store.get(fid, idx).clock))  # noqa: E731
@@ -316,13 +318,15 @@ class Training:
         base_tag = stripe.tag
         t0 = time.perf_counter()
 
-        def step(view: memoryview) -> None:
-            self._apply_updates(fid, idx, np.frombuffer(view, dtype), updates, opt, unit)
+        prior = self._state_before(fid, idx, opt, count * optim.work_dtype(dtype).itemsize, unit) if updates else ([], 0)
 
+        def step(view: memoryview) -> None:
+            self._apply_updates(fid, idx, np.frombuffer(view, dtype), updates, opt, unit, prior)
         # the bytes hold the step before its clock is published: readers that want a tensor
         # all of one step see that in the header (regions.PENDING) and wait for the publish
         where = StripeRange(StripeKey(fid, idx), offset, count * dtype.itemsize, unit)
         self.store.update(where, step if updates else None, pending=bool(updates))
+        st.recycle(updates, self.sums)  # its sums are spares now (sums.py S2)
         self.serving.led_now((fid, idx, 0))
         self.apply_seconds += time.perf_counter() - t0
         nstate = len(opt.state_names) if updates else 0
@@ -345,30 +349,52 @@ class Training:
                 async with self.stripe_locks((fid, idx)):
                     if self.cluster.roles.stripe_primary(fid, idx) != self.name:
                         continue  # handed over meanwhile
-                    updates = st.release(t.model) + st.complete_rounds(t.model)
+                    updates = st.release(t.model, self.sums) + st.complete_rounds(t.model)
                     await self._settle(fid, idx, st, t, updates)
             except RemoteError as exc:  # not on every replica (EAGAIN): sent again by the next push
                 log.warning("stripe %d:%d: rounds completed by the new set of ranks not replicated: %s", fid, idx, exc)
         self._signal_applied()
 
-    def _apply_updates(self, fid: int, idx: int, param: np.ndarray, grads: list[np.ndarray], opt: optim.Optimizer, unit: int) -> None:
-        """Optimizer steps on ``param`` (in place); the state lives in stripes -1, -2 of the
-        stripe, whose clock word counts the steps taken (Adam's t)."""
-        n = len(param)
+    def _state_before(self, fid: int, idx: int, opt: optim.Optimizer, nbytes: int, unit: int) -> tuple[list[bool], int]:
+        """Before a step: which state stripes (-1, -2) hold ``nbytes`` of state (one missing or
+        too small, the stripe's first step, starts from zeros) and the steps taken (Adam's t,
+        their clock word); then their memory made ready, so NoSpace comes before any byte of the
+        step changed."""
+        held = [self.store.get(fid, idx, -k) for k in range(1, len(opt.state_names) + 1)]
+        ok = [s is not None and s.capacity >= nbytes for s in held]
+        t = next((s.clock for s, good in zip(reversed(held), reversed(ok)) if good), 0)
+        for k in range(1, len(held) + 1):
+            self.store.reserve(StripeKey(fid, idx, -k), nbytes, 2 * unit)
+        return ok, t
+
+    def _apply_updates(
+        self, fid: int, idx: int, param: np.ndarray, updates: list[Averaged], opt: optim.Optimizer, unit: int, prior: tuple[list[bool], int]
+    ) -> None:
+        """Optimizer steps on ``param`` (in place), each averaging its update as it reads it;
+        the state lives in stripes -1, -2 of the stripe, whose clock word counts the steps taken
+        (Adam's t), and is changed in place under their seqlocks, nested in the parameters'
+        (store.py ``update``): no copy out and back. ``prior``: ``_state_before``'s answer."""
         wd = optim.work_dtype(param.dtype)
-        state, t = {}, 0
-        for k, name in enumerate(opt.state_names, 1):
-            s = self.store.get(fid, idx, -k)
-            if s is not None and s.capacity >= n * wd.itemsize:
-                state[name] = np.frombuffer(s.data[: n * wd.itemsize], wd).copy()
-                t = s.clock
-            else:
-                state[name] = np.zeros(n, wd)
-        for grad in grads:
-            t += 1
-            optim.step(opt, param, grad, state, t)
-        for k, name in enumerate(opt.state_names, 1):
-            self.store.install(StripeKey(fid, idx, -k), 0, memoryview(state[name]).cast("B"), 2 * unit, clock=t)
+        nbytes = len(param) * wd.itemsize
+        names = opt.state_names
+        ok, t = prior
+        state: dict[str, np.ndarray] = {}
+
+        def with_state(k: int) -> None:
+            if k == len(names):
+                for i, u in enumerate(updates, 1):
+                    optim.step(opt, param, u.total, state, t + i, div=u.count)
+                return
+
+            def take(view: memoryview) -> None:
+                state[names[k]] = np.frombuffer(view, wd)
+                if not ok[k]:
+                    state[names[k]][:] = 0
+                with_state(k + 1)
+
+            self.store.update(StripeRange(StripeKey(fid, idx, -(k + 1)), 0, nbytes, 2 * unit), take, clock=t + len(updates))
+
+        with_state(0)
 
     async def _replicate_training(self, where: StripeRange, nstate: int, record: dict | None, base_tag: int, clock: int) -> None:
         """Optimizer state (held aside by each backup), then the parameters with version,

@@ -26,7 +26,7 @@ def test_bsp_round_is_averaged_once_complete():
     assert st.accept(m, 0, 0, np.array([1.0, 2.0])) == []
     assert st.clock(m) == 0
     [avg] = st.accept(m, 1, 0, np.array([3.0, 4.0]))
-    assert np.array_equal(avg, [2.0, 3.0]) and st.clock(m) == 1
+    assert np.array_equal(avg.value(), [2.0, 3.0]) and avg.count == 2 and st.clock(m) == 1
 
 
 def test_r2sp_turns_are_round_robin():
@@ -47,11 +47,11 @@ def test_r2sp_holds_an_early_push_until_its_turn():
     assert st.next_step(1) == 1 and st.pushed.get(1, 0) == 0
     assert st.take(m, 2, 0, np.array([6.0])) == []
     # rank 0's push lets 1's and then 2's through, in turn order, each scaled by 1/W
-    assert [u.tolist() for u in st.take(m, 0, 0, np.array([9.0]))] == [[3.0], [1.0], [2.0]]
+    assert [u.value().tolist() for u in st.take(m, 0, 0, np.array([9.0]))] == [[3.0], [1.0], [2.0]]
     assert st.pushed == {0: 1, 1: 1, 2: 1} and st.clock(m) == 1
     # a removed rank no longer holds the others up
     assert st.take(m, 1, 1, np.array([3.0])) == []
-    assert [u.tolist() for u in st.release(Model(R2sp(), 3, frozenset({0})))] == [[1.5]]
+    assert [u.value().tolist() for u in st.release(Model(R2sp(), 3, frozenset({0})))] == [[1.5]]
 
 
 def test_r2sp_pulls_wait_for_the_previous_round_only():
