@@ -33,8 +33,11 @@ F16C = NATIVE and _native.f16c()  # acc_f16 converts eight halves at a time (cho
 def acc_f16(acc: np.ndarray, src: np.ndarray, native: bool = NATIVE, vector: bool = True) -> None:
     """``acc += float32(src)`` for a float32 ``acc`` and a float16 ``src`` (``vector``: with
     F16C where the CPU has it; False: the C kernel's scalar conversion)."""
-    if native and _native is not None and acc.dtype == F32 and acc.flags.c_contiguous:
-        _native.acc_f16(acc, np.ascontiguousarray(src, np.float16), vector)
+    if native and _native is not None and acc.dtype == F32 and acc.flags.c_contiguous and acc.flags.aligned:
+        src = np.ascontiguousarray(src, np.float16)
+        if not src.flags.aligned:  # a push at an odd offset of its staging slot
+            src = src.copy()
+        _native.acc_f16(acc, src, vector)
         return
     # Which NaN a sum of two NaNs returns, IEEE leaves open and numpy's loop answers by
     # position (its vector body keeps the first operand's, its tail the second's): both paths
@@ -53,8 +56,9 @@ def bias_corrections(beta1: float, beta2: float, t: int) -> tuple[np.float32, np
 
 
 def can_run(param: np.ndarray, grad: np.ndarray, *state: np.ndarray) -> bool:
-    """Whether the C kernels take these arrays: float32, contiguous, writable."""
-    return NATIVE and all(a.dtype == F32 and a.flags.c_contiguous for a in (param, grad, *state)) and param.flags.writeable
+    """Whether the C kernels take these arrays: float32, contiguous, aligned (a gradient read
+    from a staging slot may not be: rounds.py copies it), the parameters writable."""
+    return NATIVE and all(a.dtype == F32 and a.flags.c_contiguous and a.flags.aligned for a in (param, grad, *state)) and param.flags.writeable
 
 
 def sgd(param, grad, buf, lr: float, momentum: float, weight_decay: float, nesterov: bool, first: bool, div: int = 1) -> None:

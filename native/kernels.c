@@ -58,12 +58,17 @@ static float half_to_float(uint16_t h) {
     return f;
 }
 
-/* A writable (or read-only) contiguous buffer of n items of size itemsize. */
+/* A writable (or read-only) contiguous buffer of items of size itemsize, aligned to them. */
 static int get(PyObject *obj, Py_buffer *view, int writable, Py_ssize_t itemsize, const char *what) {
     if (PyObject_GetBuffer(obj, view, (writable ? PyBUF_WRITABLE : 0) | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
         return -1;
     if (view->itemsize != itemsize) {
         PyErr_Format(PyExc_TypeError, "%s: items of %zd bytes, not %zd", what, view->itemsize, itemsize);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    if ((uintptr_t)view->buf % (uintptr_t)itemsize != 0) {  /* a load through it would be undefined */
+        PyErr_Format(PyExc_ValueError, "%s: not aligned to its %zd-byte items", what, itemsize);
         PyBuffer_Release(view);
         return -1;
     }

@@ -258,7 +258,10 @@ class StripeTraining:
         work = np.dtype(np.float32) if grad.dtype == np.float16 else grad.dtype  # an fp16 push sums in fp32
         if not model.policy.rounds:  # applied on arrival, scaled so W pushes move it as one round
             self.pushed[rank] = step + 1
-            return [Averaged(grad.astype(work, copy=False), max(1, len(model.active)))]
+            # read where it lies (its staging slot) unless misaligned there: the C pass takes
+            # only aligned arrays (native.can_run), and one copy is cheaper than numpy's passes
+            read = grad.astype(work, copy=not grad.flags.aligned)
+            return [Averaged(read, max(1, len(model.active)))]
         # the memory first (NoSpace: the push is not taken, nothing counted), then the counts
         entry = self.rounds.get(step)
         if entry is None:  # the round's first push: copied into the sum (one pass)

@@ -100,3 +100,23 @@ def test_bad_arguments_are_errors_not_crashes():
             native._native.adam(p, g, g.copy(), g.copy(), 0.1, 0.9, 0.99, 1e-8, 0.0, 0.1, 0.01, div)
     with pytest.raises(TypeError):
         native._native.sgd(p, g, None, 0.1, 0.0, 0.0, False, True)  # div missing
+
+
+def test_misaligned_arrays_are_refused_by_the_kernels_and_taken_by_the_wrappers():
+    """A gradient read from a staging slot at an odd offset is misaligned: a load through it is
+    undefined in C (UBSan found one), so the kernels refuse it and the wrappers align or fall
+    back, with the same bits."""
+    raw = np.zeros(4 * 1000 + 2, np.uint8)
+    g = np.frombuffer(raw.data[1 : 1 + 4 * 1000], np.float32)  # misaligned by one byte
+    h = np.frombuffer(raw.data[1 : 1 + 2 * 1000], np.float16)
+    assert not g.flags.aligned and not h.flags.aligned
+    p = np.ones(1000, np.float32)
+    with pytest.raises(ValueError, match="aligned"):
+        native._native.sgd(p, g, None, 0.1, 0.0, 0.0, False, True, 1.0)
+    with pytest.raises(ValueError, match="aligned"):
+        native._native.acc_f16(p, h)
+    assert not native.can_run(p, g)
+    a, b = np.ones(1000, np.float32), np.ones(1000, np.float32)
+    native.acc_f16(a, h, native=True)
+    native.acc_f16(b, h.copy(), native=False)
+    assert np.array_equal(a.view(np.uint32), b.view(np.uint32))

@@ -118,6 +118,10 @@ def test_asp_pushes_are_averaged_in_the_pass_and_never_kept_as_spares():
     assert u.total is g and u.count == 4 and not u.acc  # no copy, no division of its own
     st.recycle([u], sums)
     assert st.spare is None and sums.made == 0  # a pushed gradient (a view of staging) is not ours (S3)
+    raw = np.zeros(4 * N + 1, np.uint8)
+    odd = np.frombuffer(raw.data[1:], np.float32)  # a push at an odd offset of its slot
+    [v] = st.take(model, 0, 1, odd, sums)
+    assert v.total.flags.aligned and v.total is not odd  # copied once: the C pass reads it
 
 
 @pytest.fixture
