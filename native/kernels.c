@@ -28,6 +28,7 @@
 #include <stdint.h>
 #include <string.h>
 #if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
 #include <immintrin.h>
 #define HAVE_X86 1
 #endif
@@ -107,9 +108,15 @@ __attribute__((target("avx,f16c"))) static void acc_f16_vector(float *out, const
     acc_f16_scalar(out + i, in + i, n - i);
 }
 
+/* CPUID leaf 1: F16C and AVX, and OSXSAVE with XCR0 saying the OS keeps the YMM state (gcc's
+ * and clang's __builtin_cpu_supports do not both know "f16c"). */
 static int has_f16c(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    if (!(c & bit_OSXSAVE) || !(c & bit_AVX) || !(c & bit_F16C)) return 0;
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    return (lo & 6u) == 6u;  /* XMM and YMM state */
 }
 #else
 static void acc_f16_vector(float *out, const uint16_t *in, Py_ssize_t n) { acc_f16_scalar(out, in, n); }

@@ -4,7 +4,8 @@ IRDMAFS_LONG=1, as CI runs them):
 - scripts/fuzz 120: libFuzzer with ASan and UBSan over the frame parser
   (native/engine/fuzz_frame.c over frame.c) for two minutes, from the seed corpus;
 - scripts/sanitize: the engine built with ASan and UBSan, and ``tests/transport -k engine``
-  run against it (this file excluded).
+  run against it (this file excluded); the PS kernels (native/kernels.c) so built, and their
+  tests and the round's run against them.
 
 Both install clang-14 and libclang-rt-14-dev when missing and exit 77 when they cannot; the tests
 skip then, with the script's reason. Any crash, sanitizer report or failed test fails them, with
@@ -43,4 +44,14 @@ def test_the_engine_tests_pass_under_address_and_undefined_behaviour_sanitizers(
     proc = run(["scripts/sanitize", "tests/transport", "-k", "engine and not fuzz_long"], timeout=900)
     assert proc.returncode == 0, f"scripts/sanitize exited {proc.returncode}:\n{proc.stdout[-8000:]}"
     assert "build/asan/irdmafs/_engine" in proc.stdout  # the sanitized build was the one imported
+    assert "no sanitizer report" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_the_kernels_tests_pass_under_address_and_undefined_behaviour_sanitizers():
+    """The PS kernels (native/kernels.c: the round's sums, the optimizers) under ASan and UBSan,
+    through their own tests and the round's (UBSan found a misaligned gradient read there)."""
+    tests = ["tests/unit/test_native.py", "tests/unit/test_sums.py", "tests/unit/test_training.py", "tests/unit/test_push_ids.py"]
+    proc = run(["scripts/sanitize", *tests], timeout=900)
+    assert proc.returncode == 0, f"scripts/sanitize exited {proc.returncode}:\n{proc.stdout[-8000:]}"
+    assert "build/asan/irdmafs/_native" in proc.stdout  # the sanitized kernels were the ones imported
     assert "no sanitizer report" in proc.stdout, proc.stdout[-2000:]

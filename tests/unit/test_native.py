@@ -1,11 +1,16 @@
 """The C kernels (irdmafs._native) against their numpy fallbacks: the same bits."""
 
+import os
+
 import numpy as np
 import pytest
 
 from irdmafs import native
 from irdmafs.server import optim
 
+_SANITIZED = os.environ.get("IRDMAFS_SANITIZED_KERNELS")  # set by scripts/sanitize
+if _SANITIZED and (not native.NATIVE or native._native.__file__ != _SANITIZED):  # that run must test them, never skip
+    raise RuntimeError(f"scripts/sanitize asked for {_SANITIZED} but irdmafs._native is {native._native and native._native.__file__} ({native.WHY})")
 pytestmark = pytest.mark.skipif(not native.NATIVE, reason=f"irdmafs._native not built ({native.WHY})")
 
 
