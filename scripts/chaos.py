@@ -127,6 +127,7 @@ class Tally:
         self.allowed: Counter = Counter()
         self.lost = 0
         self.checked = 0  # bytes compared against what they must be
+        self.suspects: set[str] = set()  # "ino:idx" of stripes read back wrong (log_excerpt)
         self.windows: list[list[float]] = []  # [start, end] of each mount outage (end None: open)
         self.mount_up = threading.Event()
         self.mount_up.set()
@@ -201,6 +202,7 @@ class Tally:
             self.allowed.update({f"minority_{k}": v for k, v in other.allowed.items()})
             self.lost += other.lost
             self.checked += other.checked
+            self.suspects |= other.suspects
 
 
 # -- workers ---------------------------------------------------------------------------------------
@@ -266,6 +268,7 @@ class FileWorker:
     def __init__(self, tally: Tally, root: Path, seed: int, unit: int, config: Path | None = None) -> None:
         self.t, self.root, self.rng, self.unit = tally, root, np.random.default_rng(seed), unit
         self.config = config
+        self.stripe_unit = C.load(config).stripe_unit if config is not None else unit
         self.files: dict[str, bytearray] = {}
         self.history: dict[str, list[str]] = {}  # what was done to each file, said when it reads back wrong
         self.before: dict[str, bytes] = {}  # each file's content before its last write or truncate
@@ -293,6 +296,8 @@ class FileWorker:
         if not len(bad):
             return f"inode {ino}"
         first, last = int(bad[0]), int(bad[-1]) + 1
+        with self.t.lock:
+            self.t.suspects.update(f"{ino}:{idx}" for idx in range(first // self.stripe_unit, (last - 1) // self.stripe_unit + 1))
         before = self.before.get(name, b"")
         lost = got[first:last] == old_bytes(before, first, last)
         kind = "what it held before its last change" if lost else "neither the expected bytes nor those before its last change"
@@ -1045,6 +1050,10 @@ def run(args: argparse.Namespace) -> dict:
             print(f"chaos: {len(stray)} live stripes past their files' ends at the end (first: {stray[:5]})", flush=True)
         tally.merge(minority)
         faults = Counter(f["kind"] for f in applied)
+        excerpt = log_excerpt(tmp, tally.suspects) if tally.lost or tally.errors else []
+        if excerpt:
+            print(f"chaos: the logs on {', '.join(sorted(tally.suspects)) or 'the errors'} and who served (last {len(excerpt)} lines):", file=sys.stderr)
+            print("\n".join(excerpt), file=sys.stderr, flush=True)
         return {
             "seed": args.seed,
             "minutes": args.minutes,
@@ -1065,6 +1074,7 @@ def run(args: argparse.Namespace) -> dict:
             **unanswered_heartbeats(tmp, bed.cfg.down_after),
             "allowed": dict(tally.allowed),
             "error_list": tally.errors[:100],
+            "log_excerpt": excerpt,
             "fault_log": applied,
             "training_runs": next(w.runs for w in workers if isinstance(w, TrainingJob)),
             **next((w.figures() for w in workers if isinstance(w, BigModelJob)), {}),
@@ -1073,6 +1083,26 @@ def run(args: argparse.Namespace) -> dict:
 
 UNANSWERED = re.compile(r"heartbeat to (\S+) unanswered in ([\d.]+) s \(its connection: (.*)\)$")
 LAST_ANSWER = re.compile(r"last answer ([\d.]+) s ago")
+
+
+# what a node's and a mount's log say of who serves: the timeline a lost write is read against
+TIMELINE = re.compile(r"view \d+|fenced|expels|hand-over|resync|ready again|caught up|stalled|joining|took over|stand-in")
+
+
+def log_excerpt(logs: Path, suspects: set[str], limit: int = 200) -> list[str]:
+    """The lines of every process's log that name a stripe read back wrong (``ino:idx``) or
+    tell the membership's timeline, oldest first, the last ``limit`` of them: printed when a
+    run loses or errs, so that a red CI run, whose state directory is gone, says what happened
+    (an acknowledged write lost once in the shm soak, seed 3, with its logs removed unread)."""
+    named = re.compile("|".join(rf"(?<![\d:]){re.escape(k)}(?![\d])" for k in sorted(suspects))) if suspects else None
+    out = []
+    for path in sorted(logs.rglob("*.log")):
+        try:
+            lines = path.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        out += [f"{path.name}: {line}" for line in lines if (named is not None and named.search(line)) or TIMELINE.search(line)]
+    return out[-limit:]
 
 
 def unanswered_heartbeats(logs: Path, down_after: float) -> dict:

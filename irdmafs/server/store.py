@@ -268,16 +268,26 @@ class Store:
     def get(self, fid: int, idx: int, snap: int = 0) -> Stripe | None:
         return self.stripes.get((fid, idx, snap))
 
-    def ensure(self, fid: int, idx: int, needed: int, unit: int, snap: int = 0, writes: tuple[int, int] | None = None) -> Stripe:
+    def ensure(
+        self, fid: int, idx: int, needed: int, unit: int, snap: int = 0, writes: tuple[int, int] | None = None, based: bool = False
+    ) -> Stripe:
         """The stripe, created or grown so that ``needed`` data bytes fit (at most ``unit``);
         ``writes``: the data range [start, end) the caller overwrites next, before anything
-        reads it (its other bytes are the old stripe's, or zeros)."""
+        reads it (its other bytes are the old stripe's, or zeros). ``based``: memory an
+        ``update`` changes next, made now so that NoSpace comes before anything else of a change
+        does (a step's optimizer state); a new stripe then takes the version base its ``update``
+        would have given it (its first version is that base + 1: a truncate's cuts tell stripes
+        made since by it, effects.py)."""
         if needed > unit:
             raise ValueError(f"{needed} bytes do not fit a stripe unit of {unit}")
         key = (fid, idx, snap)
         stripe = self.stripes.get(key)
         if stripe is not None and stripe.capacity >= needed:
             return stripe
+        if based and stripe is None:
+            made = self.ensure(fid, idx, needed, unit, snap, writes)
+            WORD.pack_into(made.region.buf, VERSION_AT, 2 * self.version_base())
+            return made
         cap = min(unit, max(GROW, -(-needed // GROW) * GROW))
         copied = ((0, stripe.capacity),) if stripe is not None else ()  # (with its header)
         region, memory = self._alloc(cap, FROZEN if snap > 0 else LIVE, writes=copied + ((writes,) if writes else ()))
@@ -325,17 +335,6 @@ class Store:
             self._changed()
         self._saved(key, HEADER + offset, HEADER + offset + len(data))
         return new
-
-    def reserve(self, key: StripeKey, needed: int, unit: int) -> None:
-        """The memory of stripe ``key`` that an ``update`` changes next, made (or grown) now, so
-        that NoSpace comes before anything else of a change does (a step's optimizer state). A
-        new stripe takes the version base its ``update`` would have given it (its first version
-        is that base + 1: a truncate's cuts tell stripes made since by it, effects.py)."""
-        fid, idx, snap = key
-        fresh = key not in self.stripes
-        stripe = self.ensure(fid, idx, needed, unit, snap)
-        if fresh:
-            WORD.pack_into(stripe.region.buf, VERSION_AT, 2 * self.version_base())
 
     def update(self, where: StripeRange, fn, clock: int | None = None, pending: bool = False) -> int:
         """Change the bytes ``where`` names of a live stripe or its optimizer state (snap -1,

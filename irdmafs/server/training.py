@@ -364,7 +364,7 @@ class Training:
         ok = [s is not None and s.capacity >= nbytes for s in held]
         t = next((s.clock for s, good in zip(reversed(held), reversed(ok)) if good), 0)
         for k in range(1, len(held) + 1):
-            self.store.reserve(StripeKey(fid, idx, -k), nbytes, 2 * unit)
+            self.store.ensure(fid, idx, nbytes, 2 * unit, -k, based=True)
         return ok, t
 
     def _apply_updates(

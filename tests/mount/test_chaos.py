@@ -29,6 +29,36 @@ pytestmark = pytest.mark.mount
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "chaos.py"
 
 
+def _chaos_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("chaos_script", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a_lost_write_prints_the_logs_of_its_stripe_and_who_served(tmp_path):
+    """A red CI run's state directory is gone: what the logs said of the stripe read back wrong
+    and of the views comes with the run's output (``log_excerpt``)."""
+    (tmp_path / "n1.log").write_text(
+        "INFO view 9: serving n1, n2\n"
+        "INFO stripe 123:0 from n3 failed: EIO\n"
+        "INFO stripe 1123:0 from n3 failed: EIO\n"
+        "INFO stripe 123:01 is someone else's\n"
+        "INFO 4 pushes taken\n"
+    )
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "n3.log").write_text("WARNING node n3 fenced: its lease ended; it serves nothing until it has resynced\n")
+    lines = _chaos_module().log_excerpt(tmp_path, {"123:0"})
+    assert lines == [
+        "n1.log: INFO view 9: serving n1, n2",
+        "n1.log: INFO stripe 123:0 from n3 failed: EIO",
+        "n3.log: WARNING node n3 fenced: its lease ended; it serves nothing until it has resynced",
+    ]
+    assert len(_chaos_module().log_excerpt(tmp_path, {"123:0"}, limit=2)) == 2
+
+
 def test_the_same_seed_replays_the_same_faults():
     def schedule(seed):
         r = subprocess.run([sys.executable, str(SCRIPT), "--seed", str(seed), "--schedule", "40"], capture_output=True, text=True, timeout=60, check=True)
@@ -63,7 +93,8 @@ def test_a_100_second_soak_of_kills_and_remounts_sees_no_error_and_loses_nothing
         pytest.skip(f"the sanitizers are not available here: {r.stderr.strip()[-300:]}")
     assert out.exists(), r.stdout[-3000:] + r.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert r.returncode == 0 and result["errors"] == 0 and result["lost"] == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    said = r.stdout[-3000:] + r.stderr[-3000:] + "\n".join(result.get("log_excerpt", []))
+    assert r.returncode == 0 and result["errors"] == 0 and result["lost"] == 0, said
     assert result["faults"].get("kill", 0) >= 3 and result["faults"].get("mount", 0) >= 3
     assert result["operations"]["file_check"] > 100 and result["operations"]["train_pull"] > 50
     assert result["checked_bytes"] > 100 << 20
