@@ -9,7 +9,6 @@ import gc
 import numpy as np
 import pytest
 
-from irdmafs.client.client import Client
 from irdmafs.policy import Asp, Bsp
 from irdmafs.regions import VERSION_SHIFT
 from irdmafs.server import optim
@@ -17,9 +16,8 @@ from irdmafs.server.budget import Budget, NoSpace
 from irdmafs.server.cuts import Cuts
 from irdmafs.server.rounds import Model, StripeTraining
 from irdmafs.server.sums import KIND, RoundSums
-from irdmafs.transport.memory import MemoryTransport
 
-from .test_cluster_inprocess import config, start_cluster
+from .test_push_ids import bed  # noqa: F401 (the fixture: an in-process cluster and a client, /m made)
 
 N = 10_001
 
@@ -124,25 +122,15 @@ def test_asp_pushes_are_averaged_in_the_pass_and_never_kept_as_spares():
     assert v.total.flags.aligned and v.total is not odd  # copied once: the C pass reads it
 
 
-@pytest.fixture
-async def bed(nursery):
-    cfg = config(unit=64 << 10)
-    nodes = await start_cluster(nursery, cfg)
-    async with Client.connect(cfg, MemoryTransport(cfg.token)) as c:
-        await c.paths.makedirs("/m")
-        d = (await c.paths.resolve("/m"))["ino"]
-        await c.setxattr(d, "user.irdma.sync", "bsp")
-        await c.setxattr(d, "user.irdma.workers", "2")
-        yield c, nodes
-
-
 @pytest.mark.parametrize("opt_text", ["sgd lr=0.1 momentum=0.9 weight_decay=1e-4", "adam lr=1e-2"])
 async def test_a_nodes_rounds_match_the_numpy_reference_reuse_their_sums_and_keep_state_in_place(bed, opt_text):
     """Four bsp steps of two ranks over a tensor of three 64 KiB stripes: the parameters and the
     optimizer state every replica holds are numpy's bits; the primary made one accumulator per
     stripe (steps 2-4 reuse them), counted in its budget; the state stripes' versions moved."""
-    c, nodes = bed
-    await c.setxattr((await c.paths.resolve("/m"))["ino"], "user.irdma.optimizer", opt_text)
+    c, nodes, _ = bed
+    d = (await c.paths.resolve("/m"))["ino"]
+    for name, value in (("sync", "bsp"), ("workers", "2"), ("optimizer", opt_text)):
+        await c.setxattr(d, f"user.irdma.{name}", value)
     n = 3 * (64 << 10) // 4 - 100
     w = np.linspace(-1, 1, n, dtype=np.float32)
     ino = (await c.paths.save("/m/w.npy", w))["ino"]
