@@ -348,8 +348,9 @@ class Store:
         assert snap <= 0 and not (pending and snap), "a live stripe's bytes or its state's"
         key = (fid, idx, snap)
         fresh = key not in self.stripes
-        stripe = self.ensure(fid, idx, offset + length, unit, snap)
+        self.ensure(fid, idx, offset + length, unit, snap)
         self._writable(fid, idx, snap)
+        stripe = self.stripes[key]  # after _writable: an entry that shared its memory has a copy of its own now
         buf = stripe.region.buf
         word = WORD.unpack_from(buf, VERSION_AT)[0]
         new = self.version_base() + 1 if fresh else word // 2 + 1
