@@ -87,14 +87,22 @@ class _Plain:
 PLAIN: Sums = _Plain()
 
 
+def _made_from(src: np.ndarray, dtype: np.dtype, sums: Sums, into: np.ndarray | None = None) -> np.ndarray:
+    """``src`` cast to ``dtype`` (the cast astype does: fp16 to fp32 is exact) in ``into``, or
+    in a new accumulator from ``sums`` when ``into`` is None or does not fit (not writable: a
+    cut froze it)."""
+    if into is None or into.shape != src.shape or into.dtype != dtype or not into.flags.writeable:
+        into = sums.make(src.size, dtype)
+        if src.ndim != 1:  # (pushed gradients are flat: no view of a reshape in the way of ``owns``)
+            into = into.reshape(src.shape)
+    np.copyto(into, src)
+    return into
+
+
 def _own(a: np.ndarray, sums: Sums = PLAIN) -> np.ndarray:
     """``a``, or a copy of it (from ``sums``) to change when it is frozen: a hand-over's cut
     refers to it as it was (server/cuts.py C1)."""
-    if a.flags.writeable:
-        return a
-    mine = sums.make(a.size, a.dtype).reshape(a.shape)
-    np.copyto(mine, a)
-    return mine
+    return a if a.flags.writeable else _made_from(a, a.dtype, sums)
 
 
 EMA = 0.3  # weight of the newest sample in the moving averages of step and compute times
@@ -279,13 +287,8 @@ class StripeTraining:
     def _first_sum(self, grad: np.ndarray, work: np.dtype, sums: Sums) -> np.ndarray:
         """A round's sum holding ``grad``: the stripe's spare if it fits (sums.py S2), else a new
         accumulator from ``sums``."""
-        acc, self.spare = self.spare, None
-        if acc is None or acc.shape != grad.shape or acc.dtype != work or not acc.flags.writeable:
-            acc = sums.make(grad.size, work)
-            if grad.ndim != 1:  # (pushed gradients are flat)
-                acc = acc.reshape(grad.shape)
-        np.copyto(acc, grad)  # the cast astype does (fp16 to fp32 exact)
-        return acc
+        spare, self.spare = self.spare, None
+        return _made_from(grad, work, sums, spare)
 
     def complete_rounds(self, model: Model) -> list[Averaged]:
         """The bsp rounds that every active rank has now pushed, in order, each its sum and
